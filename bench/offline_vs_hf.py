@@ -1,0 +1,111 @@
+"""Offline engine vs Hugging Face transformers generate(), same checkpoint, same machine, one run.
+
+    .venv/bin/python bench/offline_vs_hf.py [--model PATH] [--num-prompts 32] [--min-len 16]
+                                            [--max-len 512] [--output-len 128]
+
+Prompts are seeded random token ids of uniformly drawn lengths; every request produces exactly
+--output-len tokens (EOS ignored) so both sides do the same work. transformers runs all prompts as
+one left-padded batch (its best throughput). Batch-1 decode step time is (t(1 + n tokens) - t(1 token)) / n
+for both. Prints one table and the ratios.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import time
+import warnings
+
+import torch
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None, help="GGUF file or HF directory (default: SmolLM2-135M-Instruct)")
+    ap.add_argument("--num-prompts", type=int, default=32)
+    ap.add_argument("--min-len", type=int, default=16)
+    ap.add_argument("--max-len", type=int, default=512)
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--decode-steps", type=int, default=64, help="tokens timed for the batch-1 step time")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+
+    from pdserve.config import EngineConfig, SchedulerConfig
+    from pdserve.engine import LLMEngine
+    from pdserve.loader import resolve_format
+    from pdserve.sampling import SamplingParams
+
+    path, fmt = resolve_format(args.model, "auto")
+    engine = LLMEngine(EngineConfig(model=path, scheduler=SchedulerConfig(max_num_seqs=max(64, args.num_prompts))))
+    hf, hf_name = load_hf(path, fmt)
+
+    rng = random.Random(args.seed)
+    vocab = engine.model_config.vocab_size
+    special = set(engine.eos_token_ids) | {0, 1, 2}
+    prompts = [[t for t in (rng.randrange(vocab) for _ in range(rng.randint(args.min_len, args.max_len)))]
+               for _ in range(args.num_prompts)]
+    prompts = [[t if t not in special else 100 for t in p] for p in prompts]
+    params = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
+
+    # Warm both up once (first-call allocations, thread pools).
+    engine.generate([prompts[0][:16]], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+    hf_generate(hf, [prompts[0][:16]], 2)
+
+    t0 = time.perf_counter()
+    outs = engine.generate(prompts, params)
+    ours_s = time.perf_counter() - t0
+    assert all(len(o.token_ids) == args.output_len for o in outs)
+    t0 = time.perf_counter()
+    hf_generate(hf, prompts, args.output_len)
+    hf_s = time.perf_counter() - t0
+
+    n = args.decode_steps
+    p1 = prompts[0][:128]
+    ours_step = (timed(lambda: engine.generate([p1], SamplingParams(max_tokens=1 + n, temperature=0.0, ignore_eos=True)))
+                 - timed(lambda: engine.generate([p1], SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)))) / n
+    hf_step = (timed(lambda: hf_generate(hf, [p1], 1 + n)) - timed(lambda: hf_generate(hf, [p1], 1))) / n
+
+    out_tokens = args.num_prompts * args.output_len
+    in_tokens = sum(map(len, prompts))
+    print(f"model: {hf_name}  fp32  threads={torch.get_num_threads()}  prompts={args.num_prompts} "
+          f"(lengths {args.min_len}-{args.max_len}, {in_tokens} prompt tokens)  output_len={args.output_len}")
+    print(f"{'':28}{'pdserve':>12}{'transformers':>14}{'ratio':>8}")
+    print(f"{'batch wall time (s)':28}{ours_s:12.2f}{hf_s:14.2f}{hf_s / ours_s:8.2f}")
+    print(f"{'output tokens/s':28}{out_tokens / ours_s:12.1f}{out_tokens / hf_s:14.1f}{hf_s / ours_s:8.2f}")
+    print(f"{'batch-1 decode step (ms)':28}{ours_step * 1e3:12.1f}{hf_step * 1e3:14.1f}{hf_step / ours_step:8.2f}")
+
+
+def timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def load_hf(path: str, fmt: str):
+    warnings.filterwarnings("ignore")
+    import transformers
+    from transformers.utils import logging
+
+    logging.set_verbosity_error()
+    if fmt == "gguf":
+        d, name = os.path.split(path)
+        model = transformers.AutoModelForCausalLM.from_pretrained(d, gguf_file=name, dtype=torch.float32)
+    else:
+        model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    return model.eval(), os.path.basename(path)
+
+
+@torch.inference_mode()
+def hf_generate(model, prompts: list[list[int]], new_tokens: int) -> torch.Tensor:
+    width = max(map(len, prompts))
+    ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    mask = torch.zeros(len(prompts), width, dtype=torch.long)
+    for i, p in enumerate(prompts):  # left padding, as batched generation requires
+        ids[i, width - len(p):] = torch.tensor(p)
+        mask[i, width - len(p):] = 1
+    return model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                          do_sample=False, pad_token_id=0)
+
+
+if __name__ == "__main__":
+    main()

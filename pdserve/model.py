@@ -1,0 +1,186 @@
+"""Llama-family decoder: Llama 2/3, Mistral, Qwen2 (q/k/v biases), Qwen3 (q/k norm).
+
+The model never sees requests: ``forward(input_ids, positions, attention metadata, kv_cache)`` returns
+hidden states of the step's tokens; ``compute_logits`` projects only the rows that will be sampled.
+q/k/v and gate/up projections are fused (one matmul each); ``load_weights`` maps Hugging Face names.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pdserve.attention import AttentionMetadata, paged_attention, write_kv
+from pdserve.config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in fp32 and cast back before the weight, as the reference implementation does.
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    dim = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    s = cfg.rope_scaling
+    if s is None:
+        return inv_freq
+    # Llama 3: long wavelengths are slowed by `factor`, short ones kept, the band between interpolated.
+    low_freq_wavelen = s.original_max_position_embeddings / s.low_freq_factor
+    high_freq_wavelen = s.original_max_position_embeddings / s.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / s.factor, inv_freq)
+    smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
+    medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE. x: [tokens, heads, head_dim]; cos, sin: [tokens, 1, head_dim // 2]."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_size, self.kv_size = cfg.q_size, cfg.kv_size
+        self.scale = cfg.head_dim ** -0.5
+        self.qkv_proj = nn.Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(cfg.q_size, cfg.hidden_size, bias=False)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
+                kv_layer: torch.Tensor) -> torch.Tensor:
+        t = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(t, self.num_heads, self.head_dim)  # [tokens, heads, head_dim]
+        k = k.view(t, self.num_kv_heads, self.head_dim)  # [tokens, kv_heads, head_dim]
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        write_kv(kv_layer, k, v, meta.slot_mapping)
+        o = paged_attention(q, k, v, kv_layer, meta, self.scale)
+        return self.o_proj(o.view(t, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
+                kv_layer: torch.Tensor) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, meta, kv_layer)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.tie_weights()
+        self.register_buffer("rope_cos", torch.empty(cfg.max_position_embeddings, cfg.head_dim // 2), persistent=False)
+        self.register_buffer("rope_sin", torch.empty(cfg.max_position_embeddings, cfg.head_dim // 2), persistent=False)
+        self.init_rope()
+
+    def init_rope(self) -> None:
+        """(Re)compute the fp32 RoPE tables [max_pos, head_dim // 2] on the model's device."""
+        if self.rope_cos.is_meta:
+            return
+        device = self.rope_cos.device
+        pos = torch.arange(self.cfg.max_position_embeddings, dtype=torch.float32, device=device)
+        freqs = torch.outer(pos, rope_inv_freq(self.cfg).to(device))
+        self.rope_cos = freqs.cos()
+        self.rope_sin = freqs.sin()
+
+    def tie_weights(self) -> None:
+        if self.cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                kv_cache: torch.Tensor) -> torch.Tensor:
+        """input_ids, positions: [tokens]; kv_cache: [layers, 2, kv_heads, blocks, block_size, head_dim]."""
+        h = self.embed_tokens(input_ids)  # [tokens, hidden]
+        dtype = h.dtype
+        cos = self.rope_cos[positions].unsqueeze(1).to(dtype)  # [tokens, 1, head_dim // 2]
+        sin = self.rope_sin[positions].unsqueeze(1).to(dtype)
+        for layer, kv_layer in zip(self.layers, kv_cache):
+            h = layer(h, cos, sin, meta, kv_layer)
+        return self.norm(h)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: [rows, hidden] -> fp32 logits [rows, vocab]."""
+        return self.lm_head(hidden).float()
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy Hugging Face-named tensors into the (fused) parameters; every parameter must be set."""
+        params = dict(self.named_parameters())  # tied lm_head appears once, as embed_tokens.weight
+        fused = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+                 "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+        sizes = {"qkv_proj": (self.cfg.q_size, self.cfg.kv_size, self.cfg.kv_size),
+                 "gate_up_proj": (self.cfg.intermediate_size, self.cfg.intermediate_size)}
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            name = name.removeprefix("model.")
+            if "rotary_emb" in name or (name == "lm_head.weight" and self.cfg.tie_word_embeddings):
+                continue
+            parts = name.split(".")
+            target, shard = name, None
+            if len(parts) >= 2 and parts[-2] in fused:
+                fused_name, shard = fused[parts[-2]]
+                target = ".".join(parts[:-2] + [fused_name, parts[-1]])
+            if target not in params:
+                raise ValueError(f"checkpoint tensor {name!r} has no place in the model")
+            param = params[target]
+            if shard is None:
+                dst = param
+            else:
+                sz = sizes[target.split(".")[-2]]
+                off = sum(sz[:shard])
+                dst = param.narrow(0, off, sz[shard])
+            if dst.shape != tensor.shape:
+                raise ValueError(f"shape mismatch for {name!r}: checkpoint {tuple(tensor.shape)}, model {tuple(dst.shape)}")
+            dst.copy_(tensor)
+            loaded.add(f"{target}#{shard}")
+        expected = set()
+        for target, p in params.items():
+            kind = target.split(".")[-2] if "." in target else ""
+            expected |= {f"{target}#{i}" for i in range(len(sizes[kind]))} if kind in sizes else {f"{target}#None"}
+        missing = sorted(expected - loaded)
+        if missing:
+            raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:3]}")

@@ -1,0 +1,71 @@
+"""A request's state as the schedulers see it, and the token-level stop rules."""
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from pdserve.sampling import SamplingParams
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # eos, a stop token id or a stop string
+    LENGTH = "length"  # max_tokens or the model's context
+    CANCELLED = "cancelled"
+    ERROR = "error"
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seed: int  # the client's seed, or one assigned on arrival: every request samples reproducibly
+    arrival_time: float = field(default_factory=time.monotonic)
+    # Prompt then output tokens, one list: prefill, recompute after preemption and block hashing all
+    # walk it without concatenating.
+    token_ids: list[int] = field(init=False)
+    num_prompt_tokens: int = field(init=False)
+    num_computed_tokens: int = 0  # tokens whose K/V are in this worker's cache
+    num_cached_tokens: int = 0  # of those, tokens served by the prefix cache at admission
+    block_ids: list[int] = field(default_factory=list)  # append-only while the request holds blocks
+    block_hashes: list[bytes] = field(default_factory=list)  # of full blocks of token_ids, in order
+    num_registered_blocks: int = 0  # leading blocks of block_ids offered to the prefix cache
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: FinishReason | None = None
+
+    def __post_init__(self) -> None:
+        self.token_ids = list(self.prompt_token_ids)
+        self.num_prompt_tokens = len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+
+def token_stop_reason(req: Request, eos_token_ids: tuple[int, ...], max_model_len: int) -> FinishReason | None:
+    """Whether the request must stop after its last appended token (stop strings are checked on text)."""
+    last = req.token_ids[-1]
+    if (not req.params.ignore_eos and last in eos_token_ids) or last in req.params.stop_token_ids:
+        return FinishReason.STOP
+    if req.num_output_tokens >= req.params.max_tokens or req.num_tokens >= max_model_len:
+        return FinishReason.LENGTH
+    return None

@@ -1,0 +1,110 @@
+"""One forward step over a batch of scheduled chunks: tensors in, sampled tokens out.
+
+The runner knows chunks, not requests: a chunk is some consecutive tokens of one sequence, where they
+start, the sequence's block table and, if its last token is the sequence's last known one, how to
+sample the next. Prefill workers, decode workers and the offline engine share it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+from pdserve.attention import AttentionMetadata
+from pdserve.config import ModelConfig
+from pdserve.kv_cache import allocate_kv_cache
+from pdserve.model import LlamaModel
+from pdserve.sampling import SamplingBatch, SamplingParams, sample
+
+
+class Chunk(NamedTuple):
+    token_ids: list[int]  # tokens computed this step
+    start: int  # position of token_ids[0] in the sequence
+    block_ids: list[int]  # the sequence's block table (covers start + len(token_ids) slots)
+    sample: SamplingParams | None  # None: a prefill chunk that does not reach the sequence's end
+    seed: int = 0
+    output_index: int = 0  # index of the token to sample in the request's output
+
+
+@dataclass
+class StepResult:
+    sampled: torch.Tensor  # [sampling chunks] int64, in the order of the chunks that sample
+    logits: torch.Tensor  # [sampling chunks, vocab] fp32
+    sampling_chunks: list[int]  # index into the step's chunks of each sampled row
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaModel, num_blocks: int, block_size: int):
+        self.model = model
+        self.cfg: ModelConfig = model.cfg
+        self.device = next(model.parameters()).device
+        self.dtype = next(model.parameters()).dtype
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.kv_cache = allocate_kv_cache(self.cfg, num_blocks, block_size, self.dtype, self.device)
+
+    @torch.inference_mode()
+    def execute(self, chunks: list[Chunk]) -> StepResult:
+        assert chunks, "empty step"
+        # Single-token chunks take the batched decode path; they must come first.
+        order = sorted(range(len(chunks)), key=lambda i: len(chunks[i].token_ids) != 1)
+        ordered = [chunks[i] for i in order]
+        input_ids, positions, meta = self._prepare(ordered)
+        hidden = self.model(input_ids, positions, meta, self.kv_cache)  # [tokens, hidden]
+        last_row = [0] * len(chunks)  # row of each chunk's last token in the reordered batch
+        row = 0
+        for i, c in zip(order, ordered):
+            row += len(c.token_ids)
+            last_row[i] = row - 1
+        sampling_chunks = [i for i, c in enumerate(chunks) if c.sample is not None]
+        if not sampling_chunks:
+            return StepResult(torch.empty(0, dtype=torch.int64), torch.empty(0, self.cfg.vocab_size), [])
+        rows = torch.tensor([last_row[i] for i in sampling_chunks], device=self.device)
+        logits = self.model.compute_logits(hidden[rows])  # [sampling chunks, vocab]
+        batch = SamplingBatch.build([chunks[i].sample for i in sampling_chunks],
+                                    [chunks[i].seed for i in sampling_chunks],
+                                    [chunks[i].output_index for i in sampling_chunks], device=self.device)
+        return StepResult(sample(logits, batch).cpu(), logits, sampling_chunks)
+
+    def _prepare(self, chunks: list[Chunk]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        bs = self.block_size
+        ids: list[int] = []
+        pos: list[torch.Tensor] = []
+        slots: list[torch.Tensor] = []
+        num_decodes = 0
+        decode_tables: list[list[int]] = []
+        decode_lens: list[int] = []
+        p_q, p_ctx, p_tables = [], [], []
+        for c in chunks:
+            n = len(c.token_ids)
+            end = c.start + n
+            assert len(c.block_ids) * bs >= end, "block table too short for the chunk"
+            ids.extend(c.token_ids)
+            p = torch.arange(c.start, end)
+            table = torch.tensor(c.block_ids, dtype=torch.int64)
+            pos.append(p)
+            slots.append(table[p // bs] * bs + p % bs)
+            if n == 1:
+                num_decodes += 1
+                decode_tables.append(c.block_ids[: -(-end // bs)])
+                decode_lens.append(end)
+            else:
+                p_q.append(n)
+                p_ctx.append(end)
+                p_tables.append(table.to(self.device))
+        width = max((len(t) for t in decode_tables), default=0)
+        dt = torch.zeros(num_decodes, width, dtype=torch.int64)
+        for i, t in enumerate(decode_tables):
+            dt[i, : len(t)] = torch.tensor(t, dtype=torch.int64)
+        meta = AttentionMetadata(
+            slot_mapping=torch.cat(slots).to(self.device),
+            num_decodes=num_decodes,
+            decode_block_tables=dt.to(self.device),
+            decode_context_lens=torch.tensor(decode_lens, dtype=torch.int64, device=self.device),
+            prefill_query_lens=p_q,
+            prefill_context_lens=p_ctx,
+            prefill_block_tables=p_tables,
+        )
+        input_ids = torch.tensor(ids, dtype=torch.int64, device=self.device)
+        return input_ids, torch.cat(pos).to(self.device), meta

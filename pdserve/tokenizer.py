@@ -1,0 +1,229 @@
+"""Tokenizer wrapper (Hugging Face directory or GGUF file) and a per-request streaming detokenizer.
+
+Everything here is offline: tokenizers load with local_files_only. A GGUF file's tokenizer is
+converted by transformers once (seconds) and cached as a plain tokenizer directory.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+# Tokens that end a turn in the common chat formats (ChatML, Llama 3, Gemma, Phi-3, Llama 2). Like
+# llama.cpp, generation stops on whichever of them the vocabulary holds as a special token: the
+# tokenizer's eos is often only one of them (e.g. Qwen's eos is <|endoftext|> but chats end at
+# <|im_end|>).
+_END_OF_TURN_MARKERS = (
+    "<|im_end|>",
+    "<|endoftext|>",
+    "<|eot_id|>",
+    "<|eom_id|>",
+    "<|end_of_text|>",
+    "<end_of_turn>",
+    "<|end|>",
+    "</s>",
+)
+
+# Written next to a converted GGUF tokenizer: the stop ids GGUF metadata names beyond eos.
+_GENERATION_CONFIG = "generation_config.json"
+
+
+class Tokenizer:
+    """Encode/decode and chat templating over a transformers tokenizer, with the stop-token set."""
+
+    def __init__(self, hf_tokenizer: Any, extra_eos_token_ids: Iterable[int] = ()) -> None:
+        self._tok = hf_tokenizer
+        candidates = [hf_tokenizer.eos_token_id, *extra_eos_token_ids]
+        special = {t.content: i for i, t in hf_tokenizer.added_tokens_decoder.items() if t.special}
+        candidates += [special[m] for m in _END_OF_TURN_MARKERS if m in special]
+        # eos first, then the rest in a stable order, no duplicates
+        self._eos = tuple(dict.fromkeys(int(i) for i in candidates if i is not None))
+
+    @classmethod
+    def from_pretrained(cls, path: str | os.PathLike) -> Tokenizer:
+        """Load from a Hugging Face model directory or a .gguf file (converted once, then cached)."""
+        from transformers import AutoTokenizer  # heavy import, only when a tokenizer is loaded
+
+        path = Path(path)
+        if path.suffix == ".gguf":
+            if not path.is_file():
+                raise FileNotFoundError(f"GGUF file not found: {path}")
+            path = _cached_gguf_tokenizer_dir(path)
+        elif path.is_file():
+            raise ValueError(f"a tokenizer loads from a model directory or a .gguf file, not {path}")
+        elif not path.is_dir():
+            raise FileNotFoundError(f"tokenizer directory not found: {path}")
+        hf_tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        return cls(hf_tokenizer, _generation_eos_ids(path))
+
+    @property
+    def hf_tokenizer(self) -> Any:
+        return self._tok
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of token ids the tokenizer can produce, added tokens included."""
+        return len(self._tok)
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        """Every id that ends generation: eos, then end-of-turn tokens of chat formats."""
+        return self._eos
+
+    @property
+    def bos_token_id(self) -> int | None:
+        return self._tok.bos_token_id
+
+    @property
+    def has_chat_template(self) -> bool:
+        return self._tok.chat_template is not None
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of `text`; special tokens (bos) are added only if the tokenizer's config says so."""
+        return list(self._tok(text)["input_ids"])
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
+        """Render `messages` with the model's chat template and tokenize the result."""
+        if not self.has_chat_template:
+            raise ValueError("this model's tokenizer has no chat template; send a plain prompt instead of messages")
+        rendered = self._tok.apply_chat_template(
+            messages, add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=True
+        )
+        # transformers 5 returns a BatchEncoding here, older versions a bare list
+        ids = rendered["input_ids"] if isinstance(rendered, Mapping) else rendered
+        return [int(i) for i in ids]
+
+
+class IncrementalDetokenizer:
+    """Turns one request's stream of token ids into text deltas, decoding only a small window.
+
+    Decoding a token alone is wrong in two ways: a multi-byte character may be split across tokens
+    (its partial decode ends in U+FFFD), and some tokenizers decode a suffix differently from the
+    whole (SentencePiece drops the leading space of the first token). So add() decodes a window:
+    the tokens of the previous emission as context, then the held and new ones, and emits what the
+    window's text has beyond the part already emitted. Text ending in U+FFFD is held back until the
+    character completes. Each add() thus costs O(window), independent of the output length.
+    Call flush() when the stream ends, to emit anything still held.
+    """
+
+    # Prompt tokens kept as context for the first output tokens.
+    _CONTEXT_TOKENS = 5
+    # A UTF-8 char is at most 4 bytes, so an unfinished one is at most 3 bytes, which decode to at
+    # most 3 U+FFFD (one in byte-level BPE, one per byte with SentencePiece byte fallback). Any
+    # U+FFFD before those is final: malformed output, not a char still being completed.
+    _MAX_PENDING_FFFD = 3
+    # Valid text rarely holds back more than a few tokens; past this many, emit the final part
+    # rather than stall the stream on malformed output.
+    _MAX_HELD_TOKENS = 8
+
+    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: Sequence[int], skip_special_tokens: bool = True):
+        self._tokenizer = tokenizer
+        self._skip_special = skip_special_tokens
+        # The window: _ids[:_read] is already emitted (context), _ids[_read:] is held back.
+        self._ids = list(prompt_token_ids[max(len(prompt_token_ids) - self._CONTEXT_TOKENS, 0) :])
+        self._read = len(self._ids)
+        self._emitted = len(self._decode(self._ids))  # chars of the window's text already emitted
+        self._parts: list[str] = []
+
+    @property
+    def text(self) -> str:
+        """All output text emitted so far."""
+        return "".join(self._parts)
+
+    def add(self, token_ids: Sequence[int]) -> str:
+        """Append output tokens; return the newly decodable text (possibly empty)."""
+        self._ids.extend(token_ids)
+        window_text = self._decode(self._ids)
+        if window_text.endswith("\ufffd"):
+            if len(self._ids) - self._read <= self._MAX_HELD_TOKENS:
+                return ""
+            trailing = len(window_text) - len(window_text.rstrip("\ufffd"))
+            final_end = max(len(window_text) - min(trailing, self._MAX_PENDING_FFFD), self._emitted)
+            delta = window_text[self._emitted : final_end]
+            self._emitted = final_end
+            return self._emit(delta)
+        if len(window_text) <= self._emitted:
+            return ""  # e.g. a skipped special token: nothing new to show yet
+        delta = window_text[self._emitted :]
+        # Slide the window: the tokens just emitted become the context of the next add().
+        self._ids = self._ids[self._read :]
+        self._read = len(self._ids)
+        self._emitted = len(self._decode(self._ids))
+        return self._emit(delta)
+
+    def flush(self) -> str:
+        """At the end of the stream, emit held-back text (an incomplete character decodes as U+FFFD)."""
+        window_text = self._decode(self._ids)
+        delta = window_text[self._emitted :]
+        self._emitted = max(len(window_text), self._emitted)
+        return self._emit(delta)
+
+    def _emit(self, delta: str) -> str:
+        if delta:
+            self._parts.append(delta)
+        return delta
+
+    def _decode(self, ids: list[int]) -> str:
+        return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special) if ids else ""
+
+
+def _cache_root() -> Path:
+    root = os.environ.get("PDSERVE_CACHE_DIR")
+    return Path(root) if root else Path.home() / ".cache" / "pdserve"
+
+
+def _cached_gguf_tokenizer_dir(gguf_path: Path) -> Path:
+    """A tokenizer directory converted from `gguf_path`, made on first use and reused afterwards."""
+    gguf_path = gguf_path.resolve()
+    stat = gguf_path.stat()
+    # A replaced or rewritten file gets a new key, so a stale conversion is never reused.
+    key = hashlib.sha256(f"{gguf_path}\0{stat.st_size}\0{stat.st_mtime_ns}".encode()).hexdigest()
+    target = _cache_root() / "tokenizers" / key
+    if (target / "tokenizer_config.json").is_file():
+        return target
+
+    from transformers import AutoTokenizer
+
+    hf_tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, local_files_only=True)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Build in a sibling temp dir and rename: readers never see a half-written tokenizer.
+    tmp = Path(tempfile.mkdtemp(prefix=f".{key}-", dir=target.parent))
+    try:
+        hf_tokenizer.save_pretrained(tmp)
+        (tmp / _GENERATION_CONFIG).write_text(json.dumps({"eos_token_id": _gguf_stop_ids(gguf_path)}))
+        os.rename(tmp, target)
+    except OSError:
+        if not (target / "tokenizer_config.json").is_file():
+            raise
+        # another process finished the same conversion first; its copy is equivalent
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def _gguf_stop_ids(gguf_path: Path) -> list[int]:
+    from gguf import GGUFReader
+
+    fields = GGUFReader(gguf_path).fields
+    keys = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
+    return [int(fields[k].contents()) for k in keys if k in fields]
+
+
+def _generation_eos_ids(model_dir: Path) -> list[int]:
+    """eos ids from generation_config.json (an int or a list), if the directory has one."""
+    config_path = model_dir / _GENERATION_CONFIG
+    if not config_path.is_file():
+        return []
+    eos = json.loads(config_path.read_text()).get("eos_token_id")
+    if eos is None:
+        return []
+    return [int(eos)] if isinstance(eos, int) else [int(i) for i in eos]

@@ -1,0 +1,52 @@
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+# Keep the suite's tokenizer cache out of the user's home and shared across the session.
+os.environ.setdefault("PDSERVE_CACHE_DIR", str(Path(__file__).resolve().parent.parent / ".pytest_cache" / "pdserve"))
+
+
+def build_tiny_checkpoint(directory: Path, arch: str, **overrides) -> Path:
+    """A seeded random Hugging Face checkpoint (config.json + safetensors) of a tiny model.
+
+    initializer_range 0.3 keeps logit gaps large, so greedy tokens are not decided by rounding.
+    """
+    import transformers
+
+    common = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                  initializer_range=0.3, rms_norm_eps=1e-6, tie_word_embeddings=False)
+    common.update(overrides)
+    cls = {
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+        "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+        "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+    }[arch]
+    if arch == "qwen3":
+        common.setdefault("head_dim", 16)
+    if arch == "mistral":
+        common.setdefault("sliding_window", None)
+    torch.manual_seed(0)
+    model = cls[1](cls[0](**common)).eval()
+    model.save_pretrained(directory, safe_serialization=True)
+    return directory
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoints(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("tiny")
+    return {
+        "llama": build_tiny_checkpoint(root / "llama", "llama"),
+        "llama3-rope": build_tiny_checkpoint(
+            root / "llama3-rope", "llama", tie_word_embeddings=True,
+            rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                             "high_freq_factor": 4.0, "original_max_position_embeddings": 64}),
+        "mistral": build_tiny_checkpoint(root / "mistral", "mistral"),
+        "qwen2": build_tiny_checkpoint(root / "qwen2", "qwen2"),
+        "qwen3": build_tiny_checkpoint(root / "qwen3", "qwen3"),
+    }
