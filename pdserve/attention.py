@@ -6,8 +6,11 @@ of block tables along dim 1 yields ``[kv_heads, batch, context, head_dim]`` with
 layout batched matmuls want. A request's used blocks are an index_select along dim 3 of the whole
 tensor, which is what the KV transfer ships.
 
-A step's tokens are ordered decodes first (one query token each, attended in one batched pass), then
-prefill chunks (several query tokens each, attended one sequence at a time with SDPA).
+A step's tokens are ordered decodes first (one query token each), then prefill chunks (several query
+tokens each, attended one sequence at a time with SDPA). Decodes are sorted by context length and
+attended in groups of similar length, each padded only to its own longest context: the gather and the
+matmuls are memory-bound, and one batch padded to its longest sequence would move about twice the
+bytes on a mixed-length batch.
 """
 from __future__ import annotations
 
@@ -18,13 +21,20 @@ import torch.nn.functional as F
 
 
 @dataclass
+class DecodeGroup:
+    """Consecutive decode rows attended together, padded to the group's longest context."""
+
+    block_tables: torch.Tensor  # [rows, max_blocks] int64, padded with block 0
+    context_lens: torch.Tensor  # [rows] int64, tokens attended (including the new one)
+
+
+@dataclass
 class AttentionMetadata:
     """Where each new token's K/V goes and what each sequence attends to, for one step."""
 
     slot_mapping: torch.Tensor  # [tokens] int64: block_id * block_size + offset of each new token
     num_decodes: int  # the first num_decodes sequences (and tokens) are single-token decodes
-    decode_block_tables: torch.Tensor  # [num_decodes, max_blocks] int64, padded with block 0
-    decode_context_lens: torch.Tensor  # [num_decodes] int64, tokens attended (including the new one)
+    decode_groups: list[DecodeGroup]  # covering the decode rows in order
     prefill_query_lens: list[int]  # per prefill sequence: new tokens this step
     prefill_context_lens: list[int]  # per prefill sequence: tokens attended (cached + new)
     prefill_block_tables: list[torch.Tensor]  # per prefill sequence: [blocks] int64
@@ -47,10 +57,12 @@ def paged_attention(
     scale: float,
 ) -> torch.Tensor:  # [tokens, heads, head_dim]
     out = torch.empty_like(q)
-    nd = meta.num_decodes
-    if nd:
-        out[:nd] = _decode_attention(q[:nd], kv_layer, meta.decode_block_tables, meta.decode_context_lens, scale)
-    start = nd
+    start = 0
+    for g in meta.decode_groups:
+        end = start + g.context_lens.shape[0]
+        out[start:end] = _decode_attention(q[start:end], kv_layer, g.block_tables, g.context_lens, scale)
+        start = end
+    assert start == meta.num_decodes
     for q_len, ctx_len, blocks in zip(meta.prefill_query_lens, meta.prefill_context_lens, meta.prefill_block_tables):
         end = start + q_len
         out[start:end] = _prefill_attention(q[start:end], k[start:end], v[start:end], kv_layer, blocks, ctx_len, scale)
@@ -68,9 +80,8 @@ def _decode_attention(
     batch, heads, head_dim = q.shape
     kv_heads, _, block_size, _ = kv_layer.shape[1:]
     ctx = block_tables.shape[1] * block_size
-    idx = block_tables.reshape(-1)
-    k = kv_layer[0].index_select(1, idx).view(kv_heads, batch, ctx, head_dim)
-    v = kv_layer[1].index_select(1, idx).view(kv_heads, batch, ctx, head_dim)
+    # K and V of every row in one gather: [2, kv_heads, batch, ctx, head_dim]
+    k, v = kv_layer.index_select(2, block_tables.reshape(-1)).view(2, kv_heads, batch, ctx, head_dim)
     qg = q.view(batch, kv_heads, heads // kv_heads, head_dim).transpose(0, 1)  # [kv_heads, batch, group, head_dim]
     scores = torch.matmul(qg, k.transpose(-1, -2)).mul_(scale)  # [kv_heads, batch, group, ctx]
     pad = torch.arange(ctx, device=q.device)[None, :] >= context_lens[:, None]  # [batch, ctx]

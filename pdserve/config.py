@@ -1,7 +1,7 @@
 """Configuration: one small frozen dataclass per component, validated on construction."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -206,3 +206,46 @@ class EngineConfig:
     @property
     def torch_dtype(self) -> torch.dtype:
         return torch_dtype(self.dtype)
+
+
+@dataclass(frozen=True)
+class PoolConfig:
+    """One pool of workers: how many, what each gets from Ray, how each batches."""
+
+    num_workers: int = 1
+    num_cpus: float = 0.5  # fractional on CPU machines: 2-core boxes run several workers
+    num_gpus: float = 0.0
+    # Ray custom resources each worker needs, e.g. {"prefill": 1} so prefill actors land only on
+    # nodes of the prefill group (whose Ray start declares that resource).
+    resources: dict[str, float] = field(default_factory=dict)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    torch_threads: int | None = None  # None: torch's default for the process
+
+    def __post_init__(self) -> None:
+        if self.num_workers < 1:
+            raise ValueError(f"a pool needs at least one worker, got {self.num_workers}")
+        if self.num_cpus < 0 or self.num_gpus < 0:
+            raise ValueError("num_cpus and num_gpus must be >= 0")
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    """The whole deployment: the model, the pools and how requests flow between them."""
+
+    engine: EngineConfig = field(default_factory=EngineConfig)  # model, dtype, device, seed
+    mode: str = "disaggregated"  # or "colocated": one pool whose workers do both phases
+    prefill: PoolConfig = field(default_factory=lambda: PoolConfig(scheduler=SchedulerConfig(max_num_batched_tokens=2048)))
+    decode: PoolConfig = field(default_factory=PoolConfig)
+    colocated: PoolConfig = field(default_factory=PoolConfig)
+    transfer_timeout_s: float = 30.0
+    bind_host: str = "127.0.0.1"  # where decode workers listen for KV-transfer rendezvous
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("disaggregated", "colocated"):
+            raise ValueError(f"mode must be disaggregated or colocated, got {self.mode!r}")
+        if self.transfer_timeout_s <= 0:
+            raise ValueError(f"transfer_timeout_s must be positive, got {self.transfer_timeout_s}")
+
+    def engine_for(self, pool: PoolConfig) -> EngineConfig:
+        return replace(self.engine, scheduler=pool.scheduler, cache=pool.cache)

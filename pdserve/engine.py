@@ -13,27 +13,11 @@ from pdserve.block_pool import BlockPool
 from pdserve.config import EngineConfig
 from pdserve.kv_cache import KVCacheManager
 from pdserve.loader import LoadedModel, load
-from pdserve.output import TextOutput
-from pdserve.request import FinishReason, Request, token_stop_reason
-from pdserve.runner import ModelRunner
+from pdserve.output import RequestOutput, TextOutput, token_output
+from pdserve.request import FinishReason, Request, validate_prompt
+from pdserve.runner import ModelRunner, StepResult
 from pdserve.sampling import SamplingParams
-from pdserve.scheduler import Scheduler
-
-
-@dataclass
-class RequestOutput:
-    """What one step produced for one request."""
-
-    request_id: str
-    new_token_ids: list[int]
-    new_text: str
-    finish_reason: FinishReason | None
-    num_prompt_tokens: int
-    num_output_tokens: int
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
+from pdserve.scheduler import SampledToken, ScheduledStep, Scheduler
 
 
 @dataclass
@@ -45,33 +29,74 @@ class Completion:
     finish_reason: FinishReason
 
 
-class LLMEngine:
+class EngineCore:
+    """Model, paged cache and continuous-batching scheduler: what every component that decodes shares.
+
+    It deals in token ids only; text (detokenization, stop strings) is the caller's business.
+    """
+
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None):
         self.config = config
         loaded = loaded or load(config)
-        self.model_config = loaded.config
-        self.tokenizer = loaded.tokenizer
-        self.max_model_len = min(config.max_model_len or loaded.config.max_position_embeddings,
-                                 loaded.config.max_position_embeddings)
-        eos = set(loaded.config.eos_token_ids)
-        if self.tokenizer is not None:
-            eos |= set(self.tokenizer.eos_token_ids)
-        self.eos_token_ids = tuple(sorted(eos))
-        num_blocks = config.cache.resolve_num_blocks(loaded.config, config.torch_dtype)
+        self.info = loaded.info
+        self.model_config = loaded.info.config
+        self.tokenizer = loaded.info.tokenizer
+        self.max_model_len = loaded.info.max_model_len
+        self.eos_token_ids = loaded.info.eos_token_ids
+        num_blocks = config.cache.resolve_num_blocks(self.model_config, config.torch_dtype)
         self.pool = BlockPool(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
         self.kv = KVCacheManager(self.pool)
         self.runner = ModelRunner(loaded.model, num_blocks, config.cache.block_size)
-        self.scheduler = Scheduler(config.scheduler, self.kv)
+        self.scheduler = Scheduler(config.scheduler, self.kv, self.eos_token_ids, self.max_model_len)
+        self.steps = 0
+        self.tokens_processed = 0
+
+    def validate_prompt(self, prompt: Sequence[int]) -> None:
+        validate_prompt(prompt, self.model_config.vocab_size, self.max_model_len)
+
+    def cancel(self, request_id: str) -> bool:
+        """End a queued or running request and free its blocks."""
+        for req in (*self.scheduler.running, *self.scheduler.waiting):
+            if req.request_id == request_id:
+                self.scheduler.finish(req, FinishReason.CANCELLED)
+                return True
+        return False
+
+    def step(self) -> list[SampledToken]:
+        step = self.scheduler.schedule()
+        if not step.chunks:
+            return []
+        return self.account(step, self.runner.execute(step.chunks))
+
+    def account(self, step: ScheduledStep, result: StepResult) -> list[SampledToken]:
+        self.steps += 1
+        self.tokens_processed += sum(len(c.token_ids) for c in step.chunks)
+        return self.scheduler.update(step, result)
+
+
+class LLMEngine:
+    """The offline engine: requests in, text and tokens out, all in this process."""
+
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None):
+        self.core = EngineCore(config, loaded)
         self._requests: dict[str, Request] = {}
         self._text: dict[str, TextOutput] = {}
         self._ids = itertools.count()
         self._seed_rng = random.Random(config.seed)
 
+    # The core's parts, for inspection.
+    model_config = property(lambda self: self.core.model_config)
+    tokenizer = property(lambda self: self.core.tokenizer)
+    eos_token_ids = property(lambda self: self.core.eos_token_ids)
+    pool = property(lambda self: self.core.pool)
+    runner = property(lambda self: self.core.runner)
+    scheduler = property(lambda self: self.core.scheduler)
+
     # -- requests ---------------------------------------------------------------------------------
     def add_request(self, prompt_token_ids: Sequence[int], params: SamplingParams,
                     request_id: str | None = None) -> str:
         prompt = list(prompt_token_ids)
-        self.validate_prompt(prompt, params)
+        self.core.validate_prompt(prompt)
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if rid in self._requests:
             raise ValueError(f"request id {rid!r} is already in use")
@@ -82,17 +107,6 @@ class LLMEngine:
         self._requests[rid] = req
         self._text[rid] = text
         return rid
-
-    def validate_prompt(self, prompt: list[int], params: SamplingParams) -> None:
-        if not prompt:
-            raise ValueError("prompt is empty")
-        vocab = self.model_config.vocab_size
-        bad = [t for t in prompt if not (0 <= t < vocab)]
-        if bad:
-            raise ValueError(f"prompt has token ids outside the vocabulary [0, {vocab}): {bad[:5]}")
-        if len(prompt) >= self.max_model_len:
-            raise ValueError(f"prompt has {len(prompt)} tokens; the model's context is {self.max_model_len}, "
-                             "which must also hold at least one generated token")
 
     def abort(self, request_id: str) -> RequestOutput | None:
         req = self._requests.pop(request_id, None)
@@ -111,28 +125,17 @@ class LLMEngine:
         step = self.scheduler.schedule()
         if not step.chunks:
             return []
-        result = self.runner.execute(step.chunks)
-        return self.process(step.requests, step.chunks, result.sampled.tolist(), result.sampling_chunks)
+        return self.process(step, self.runner.execute(step.chunks))
 
-    def process(self, requests: list[Request], chunks, sampled: list[int], sampling_chunks: list[int]) -> list[RequestOutput]:
-        for req, chunk in zip(requests, chunks):
-            req.num_computed_tokens += len(chunk.token_ids)
-            self.kv.cache_computed_blocks(req)
+    def process(self, step: ScheduledStep, result: StepResult) -> list[RequestOutput]:
         outputs = []
-        for i, token in zip(sampling_chunks, sampled):
-            req = requests[i]
-            req.token_ids.append(token)
-            reason = token_stop_reason(req, self.eos_token_ids, self.max_model_len)
-            # EOS and stop ids end the stream but are not text.
-            visible = [] if reason is FinishReason.STOP else [token]
-            delta = self._text[req.request_id].add(visible, reason)
-            if delta.stopped:
-                reason = FinishReason.STOP
-            if reason is not None:
-                self.scheduler.finish(req, reason)
-                del self._requests[req.request_id], self._text[req.request_id]
-            outputs.append(RequestOutput(req.request_id, [token], delta.text, reason, req.num_prompt_tokens,
-                                         req.num_output_tokens))
+        for s in self.core.account(step, result):
+            rid = s.request.request_id
+            out = token_output(s.request, self._text[rid], s.token, s.finish_reason)
+            if out.finish_reason is not None:
+                self.scheduler.finish(s.request, out.finish_reason)  # no-op if the token rules ended it
+                del self._requests[rid], self._text[rid]
+            outputs.append(out)
         return outputs
 
     # -- convenience ------------------------------------------------------------------------------

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from pdserve.cache import cached_conversion
 from pdserve.config import EngineConfig, ModelConfig
 from pdserve.model import LlamaModel
 from pdserve.tokenizer import Tokenizer
@@ -29,12 +30,21 @@ DUMMY_PRESETS: dict[str, dict] = {
 }
 
 
+@dataclass(frozen=True)
+class ModelInfo:
+    """What serving needs to know of a model without its weights (the router holds one)."""
+
+    config: ModelConfig
+    tokenizer: Tokenizer | None
+    eos_token_ids: tuple[int, ...]  # the config's and the tokenizer's end-of-sequence/turn tokens
+    max_model_len: int  # prompt + output tokens of one request
+    path: str
+
+
 @dataclass
 class LoadedModel:
     model: LlamaModel
-    config: ModelConfig
-    tokenizer: Tokenizer | None
-    path: str  # what was loaded (file, directory or preset name)
+    info: ModelInfo
 
 
 def default_model_path() -> Path:
@@ -64,25 +74,37 @@ def resolve_format(model: str | None, load_format: str) -> tuple[str, str]:
     return str(path), load_format
 
 
-def load(config: EngineConfig) -> LoadedModel:
+def load_info(config: EngineConfig) -> ModelInfo:
     path, fmt = resolve_format(config.model, config.load_format)
     if fmt == "dummy":
-        cfg = ModelConfig.from_hf(_dummy_hf_config(path))
-        model = _empty_model(cfg, config)
-        _init_dummy(model, config.seed)
-        return LoadedModel(model, cfg, None, path)
-    if fmt == "gguf":
-        from pdserve.gguf_loader import read_gguf
+        return _info(ModelConfig.from_hf(_dummy_hf_config(path)), None, config, path)
+    return _info(ModelConfig.from_hf(json.loads((_weights_dir(path, fmt) / "config.json").read_text())),
+                 _maybe_tokenizer(path), config, path)
 
-        ckpt = read_gguf(path)
-        cfg = ModelConfig.from_hf(ckpt.config)
-        weights = ckpt.weights()
-    else:
-        cfg = ModelConfig.from_hf(json.loads((Path(path) / "config.json").read_text()))
-        weights = _safetensors_weights(Path(path))
-    model = _empty_model(cfg, config)
-    model.load_weights(weights)
-    return LoadedModel(model, cfg, _maybe_tokenizer(path), path)
+
+def load(config: EngineConfig) -> LoadedModel:
+    """Model weights and ModelInfo."""
+    path, fmt = resolve_format(config.model, config.load_format)
+    if fmt == "dummy":
+        info = load_info(config)
+        model = _empty_model(info.config, config)
+        _init_dummy(model, config.seed)
+        return LoadedModel(model, info)
+    info = load_info(config)
+    model = _empty_model(info.config, config)
+    model.load_weights(_safetensors_weights(_weights_dir(path, fmt)))
+    return LoadedModel(model, info)
+
+
+def _info(cfg: ModelConfig, tokenizer: Tokenizer | None, config: EngineConfig, path: str) -> ModelInfo:
+    eos = set(cfg.eos_token_ids) | set(tokenizer.eos_token_ids if tokenizer is not None else ())
+    max_len = min(config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
+    return ModelInfo(cfg, tokenizer, tuple(sorted(eos)), max_len, path)
+
+
+def _weights_dir(path: str, fmt: str) -> Path:
+    # A GGUF is dequantized once into a cached safetensors directory: workers then start in seconds.
+    return _dequantized_gguf_dir(Path(path)) if fmt == "gguf" else Path(path)
 
 
 def _empty_model(cfg: ModelConfig, config: EngineConfig) -> LlamaModel:
@@ -105,6 +127,19 @@ def _safetensors_weights(directory: Path) -> Iterator[tuple[str, torch.Tensor]]:
         with safe_open(str(f), framework="pt") as sf:
             for name in sf.keys():
                 yield name, sf.get_tensor(name)
+
+
+def _dequantized_gguf_dir(gguf_path: Path) -> Path:
+    def build(tmp: Path) -> None:
+        from safetensors.torch import save_file
+
+        from pdserve.gguf_loader import read_gguf
+
+        ckpt = read_gguf(gguf_path)
+        save_file(dict(ckpt.weights()), str(tmp / "model.safetensors"))
+        (tmp / "config.json").write_text(json.dumps(ckpt.config))
+
+    return cached_conversion("weights", gguf_path, "config.json", build)
 
 
 def _maybe_tokenizer(path: str) -> Tokenizer | None:

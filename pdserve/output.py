@@ -8,8 +8,25 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pdserve.request import FinishReason
+from pdserve.request import FinishReason, Request
 from pdserve.tokenizer import IncrementalDetokenizer, Tokenizer
+
+
+@dataclass
+class RequestOutput:
+    """What one step produced for one request."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    finish_reason: FinishReason | None
+    num_prompt_tokens: int
+    num_output_tokens: int
+    error: str | None = None  # with finish_reason ERROR
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
 
 
 @dataclass
@@ -51,3 +68,15 @@ class TextOutput:
         delta = self._text[self._emitted:end]
         self._emitted = end
         return TextDelta(delta, stopped)
+
+
+def token_output(req: Request, text: TextOutput, token: int, reason: FinishReason | None) -> RequestOutput:
+    """The output for a token just appended to req; reason is what the token-level rules said.
+
+    EOS and stop ids end the stream but are not text. A completed stop string turns the reason into
+    STOP: the caller must then end the request if it is still running.
+    """
+    delta = text.add([] if reason is FinishReason.STOP else [token], reason)
+    if delta.stopped:
+        reason = FinishReason.STOP
+    return RequestOutput(req.request_id, [token], delta.text, reason, req.num_prompt_tokens, req.num_output_tokens)

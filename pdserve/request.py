@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import enum
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from pdserve.sampling import SamplingParams
@@ -69,3 +70,15 @@ def token_stop_reason(req: Request, eos_token_ids: tuple[int, ...], max_model_le
     if req.num_output_tokens >= req.params.max_tokens or req.num_tokens >= max_model_len:
         return FinishReason.LENGTH
     return None
+
+
+def validate_prompt(prompt: Sequence[int], vocab_size: int, max_model_len: int) -> None:
+    """Raise ValueError saying what is wrong with a prompt of token ids."""
+    if not prompt:
+        raise ValueError("prompt is empty")
+    bad = [t for t in prompt if not (0 <= t < vocab_size)]
+    if bad:
+        raise ValueError(f"prompt has token ids outside the vocabulary [0, {vocab_size}): {bad[:5]}")
+    if len(prompt) >= max_model_len:
+        raise ValueError(f"prompt has {len(prompt)} tokens; the model's context is {max_model_len}, "
+                         "which must also hold at least one generated token")

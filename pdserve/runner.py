@@ -11,7 +11,7 @@ from typing import NamedTuple
 
 import torch
 
-from pdserve.attention import AttentionMetadata
+from pdserve.attention import AttentionMetadata, DecodeGroup
 from pdserve.config import ModelConfig
 from pdserve.kv_cache import allocate_kv_cache
 from pdserve.model import LlamaModel
@@ -47,8 +47,8 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, chunks: list[Chunk]) -> StepResult:
         assert chunks, "empty step"
-        # Single-token chunks take the batched decode path; they must come first.
-        order = sorted(range(len(chunks)), key=lambda i: len(chunks[i].token_ids) != 1)
+        # Single-token chunks take the batched decode path; they come first, by context length.
+        order = sorted(range(len(chunks)), key=lambda i: (len(chunks[i].token_ids) != 1, chunks[i].start))
         ordered = [chunks[i] for i in order]
         input_ids, positions, meta = self._prepare(ordered)
         hidden = self.model(input_ids, positions, meta, self.kv_cache)  # [tokens, hidden]
@@ -93,18 +93,35 @@ class ModelRunner:
                 p_q.append(n)
                 p_ctx.append(end)
                 p_tables.append(table.to(self.device))
-        width = max((len(t) for t in decode_tables), default=0)
-        dt = torch.zeros(num_decodes, width, dtype=torch.int64)
-        for i, t in enumerate(decode_tables):
-            dt[i, : len(t)] = torch.tensor(t, dtype=torch.int64)
         meta = AttentionMetadata(
             slot_mapping=torch.cat(slots).to(self.device),
             num_decodes=num_decodes,
-            decode_block_tables=dt.to(self.device),
-            decode_context_lens=torch.tensor(decode_lens, dtype=torch.int64, device=self.device),
+            decode_groups=[self._decode_group(decode_tables[a:b], decode_lens[a:b])
+                           for a, b in group_by_length([len(t) for t in decode_tables])],
             prefill_query_lens=p_q,
             prefill_context_lens=p_ctx,
             prefill_block_tables=p_tables,
         )
         input_ids = torch.tensor(ids, dtype=torch.int64, device=self.device)
         return input_ids, torch.cat(pos).to(self.device), meta
+
+    def _decode_group(self, tables: list[list[int]], lens: list[int]) -> DecodeGroup:
+        bt = torch.zeros(len(tables), len(tables[-1]), dtype=torch.int64)  # rows ascend: the last is longest
+        for i, t in enumerate(tables):
+            bt[i, : len(t)] = torch.tensor(t, dtype=torch.int64)
+        return DecodeGroup(bt.to(self.device), torch.tensor(lens, dtype=torch.int64, device=self.device))
+
+
+def group_by_length(num_blocks: list[int], max_padding: float = 0.25) -> list[tuple[int, int]]:
+    """Split rows sorted by ascending length into [start, end) groups whose padding to the group's
+    longest row stays within max_padding of the real work."""
+    groups: list[tuple[int, int]] = []
+    start, total = 0, 0
+    for i, n in enumerate(num_blocks):
+        if i > start and n * (i - start + 1) > (1 + max_padding) * (total + n):
+            groups.append((start, i))
+            start, total = i, 0
+        total += n
+    if num_blocks:
+        groups.append((start, len(num_blocks)))
+    return groups

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 from pdserve.config import SchedulerConfig
 from pdserve.kv_cache import KVCacheManager
-from pdserve.request import FinishReason, Request, RequestStatus
-from pdserve.runner import Chunk
+from pdserve.request import FinishReason, Request, RequestStatus, token_stop_reason
+from pdserve.runner import Chunk, StepResult
 
 
 @dataclass
@@ -24,10 +24,20 @@ class ScheduledStep:
     num_preempted: int = 0
 
 
+@dataclass
+class SampledToken:
+    request: Request
+    token: int
+    finish_reason: FinishReason | None  # set when a token-level rule ended the request
+
+
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager):
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, eos_token_ids: tuple[int, ...],
+                 max_model_len: int):
         self.config = config
         self.kv = kv
+        self.eos_token_ids = eos_token_ids
+        self.max_model_len = max_model_len
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order: the last one is preempted first
         self.num_preemptions = 0
@@ -39,6 +49,12 @@ class Scheduler:
                 f"({req.num_tokens} tokens, {self.kv.pool.num_blocks} blocks of {self.kv.block_size})"
             )
         self.waiting.append(req)
+
+    def add_running(self, req: Request) -> None:
+        """Join a request whose KV is already in the cache (arrived from a prefill worker)."""
+        assert req.block_ids and req.num_computed_tokens == req.num_tokens - 1
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
 
     @property
     def has_work(self) -> bool:
@@ -80,7 +96,22 @@ class Scheduler:
             scheduled.append((req, n))
             budget -= n
         self.num_preemptions += preempted
-        return ScheduledStep([r for r, _ in scheduled], [self._chunk(r, n) for r, n in scheduled], preempted)
+        return ScheduledStep([r for r, _ in scheduled], [chunk_of(r, n) for r, n in scheduled], preempted)
+
+    def update(self, step: ScheduledStep, result: StepResult) -> list[SampledToken]:
+        """Account a finished step: computed tokens, newly full blocks, sampled tokens, token-level stops."""
+        for req, chunk in zip(step.requests, step.chunks):
+            req.num_computed_tokens += len(chunk.token_ids)
+            self.kv.cache_computed_blocks(req)
+        out = []
+        for i, token in zip(result.sampling_chunks, result.sampled.tolist()):
+            req = step.requests[i]
+            req.token_ids.append(token)
+            reason = token_stop_reason(req, self.eos_token_ids, self.max_model_len)
+            if reason is not None:
+                self.finish(req, reason)
+            out.append(SampledToken(req, token, reason))
+        return out
 
     def finish(self, req: Request, reason: FinishReason) -> None:
         """End a request wherever it is and release its blocks."""
@@ -99,15 +130,16 @@ class Scheduler:
         req.status = RequestStatus.WAITING
         self.waiting.appendleft(req)
 
-    @staticmethod
-    def _chunk(req: Request, n: int) -> Chunk:
-        start = req.num_computed_tokens
-        samples = start + n == req.num_tokens
-        return Chunk(
-            token_ids=req.token_ids[start:start + n],
-            start=start,
-            block_ids=req.block_ids,
-            sample=req.params if samples else None,
-            seed=req.seed,
-            output_index=req.num_output_tokens,
-        )
+
+
+def chunk_of(req: Request, n: int) -> Chunk:
+    """The next n uncomputed tokens of a request; it samples if they reach its last known token."""
+    start = req.num_computed_tokens
+    return Chunk(
+        token_ids=req.token_ids[start:start + n],
+        start=start,
+        block_ids=req.block_ids,
+        sample=req.params if start + n == req.num_tokens else None,
+        seed=req.seed,
+        output_index=req.num_output_tokens,
+    )

@@ -6,14 +6,13 @@ converted by transformers once (seconds) and cached as a plain tokenizer directo
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
-import shutil
-import tempfile
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
+
+from pdserve.cache import cached_conversion
 
 # Tokens that end a turn in the common chat formats (ChatML, Llama 3, Gemma, Phi-3, Llama 2). Like
 # llama.cpp, generation stops on whichever of them the vocabulary holds as a special token: the
@@ -176,38 +175,18 @@ class IncrementalDetokenizer:
         return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special) if ids else ""
 
 
-def _cache_root() -> Path:
-    root = os.environ.get("PDSERVE_CACHE_DIR")
-    return Path(root) if root else Path.home() / ".cache" / "pdserve"
-
-
 def _cached_gguf_tokenizer_dir(gguf_path: Path) -> Path:
     """A tokenizer directory converted from `gguf_path`, made on first use and reused afterwards."""
-    gguf_path = gguf_path.resolve()
-    stat = gguf_path.stat()
-    # A replaced or rewritten file gets a new key, so a stale conversion is never reused.
-    key = hashlib.sha256(f"{gguf_path}\0{stat.st_size}\0{stat.st_mtime_ns}".encode()).hexdigest()
-    target = _cache_root() / "tokenizers" / key
-    if (target / "tokenizer_config.json").is_file():
-        return target
 
-    from transformers import AutoTokenizer
+    def build(tmp: Path) -> None:
+        from transformers import AutoTokenizer
 
-    hf_tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, local_files_only=True)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    # Build in a sibling temp dir and rename: readers never see a half-written tokenizer.
-    tmp = Path(tempfile.mkdtemp(prefix=f".{key}-", dir=target.parent))
-    try:
+        path = gguf_path.resolve()
+        hf_tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name, local_files_only=True)
         hf_tokenizer.save_pretrained(tmp)
-        (tmp / _GENERATION_CONFIG).write_text(json.dumps({"eos_token_id": _gguf_stop_ids(gguf_path)}))
-        os.rename(tmp, target)
-    except OSError:
-        if not (target / "tokenizer_config.json").is_file():
-            raise
-        # another process finished the same conversion first; its copy is equivalent
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return target
+        (tmp / _GENERATION_CONFIG).write_text(json.dumps({"eos_token_id": _gguf_stop_ids(path)}))
+
+    return cached_conversion("tokenizers", gguf_path, "tokenizer_config.json", build)
 
 
 def _gguf_stop_ids(gguf_path: Path) -> list[int]:

@@ -50,3 +50,57 @@ def tiny_checkpoints(tmp_path_factory) -> dict[str, Path]:
         "qwen2": build_tiny_checkpoint(root / "qwen2", "qwen2"),
         "qwen3": build_tiny_checkpoint(root / "qwen3", "qwen3"),
     }
+
+
+class LoopThread:
+    """An asyncio loop on its own thread, so sync tests can drive async components that keep tasks alive."""
+
+    def __init__(self):
+        import asyncio
+        import threading
+
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self._thread.start()
+
+    def run(self, coro, timeout: float = 300.0):
+        import asyncio
+
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(10)
+
+
+@pytest.fixture(scope="session")
+def ray_local():
+    """One local Ray cluster on loopback for every test that needs Ray."""
+    import ray
+
+    from router.cluster import init_local_ray
+
+    init_local_ray(num_cpus=2)
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def aloop():
+    lt = LoopThread()
+    yield lt
+    lt.close()
+
+
+def wait_for(predicate, timeout: float = 30.0, interval: float = 0.05, what: str = "condition"):
+    """Poll until predicate() is truthy; fail with `what` after the deadline."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(interval)

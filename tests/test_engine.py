@@ -109,7 +109,7 @@ def test_eos_stops_unless_ignored(ckpt):
     eng = make_engine(ckpt)
     prompt = make_prompts(1)[0]
     free = eng.generate([prompt], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))[0]
-    eng.eos_token_ids = (free.token_ids[3],)
+    eng.scheduler.eos_token_ids = (free.token_ids[3],)  # pretend this token is the model's EOS
     first = free.token_ids.index(free.token_ids[3])
     out = eng.generate([prompt], SamplingParams(max_tokens=12, temperature=0.0))[0]
     assert out.finish_reason is FinishReason.STOP and out.token_ids == free.token_ids[:first + 1]

@@ -1,0 +1,132 @@
+"""KV transfer over a gloo PairChannel between two Ray actors vs an in-process copy of the same bytes.
+
+    .venv/bin/python bench/kv_transfer.py [--reps 20] [--warmup 2] [--tokens 16 256 2048] [--extra-mb 64]
+
+Payloads are the KV blocks of --tokens tokens of SmolLM2-135M (30 layers, 3 KV heads, head_dim 64,
+fp32, 16-token blocks, so whole blocks move), plus one flat payload of --extra-mb MiB. A local Ray
+cluster bound to 127.0.0.1 runs two actors: the decode side (StoreServer, rank 1, receives) and the
+prefill side (rank 0, sends). A transfer's time is what the receiver waits for one recv_into, header
+included; the baseline is `dst.copy_(src)` into a preallocated tensor inside the receiving actor.
+Each figure is the median of --reps repetitions, after a sweep of --warmup unrecorded ones per
+payload. Prints one table.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import ray
+import torch
+
+from pdserve.kv_transfer import PairChannel, StoreServer
+
+LAYERS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 30, 3, 64, 16  # SmolLM2-135M
+TIMEOUT_S = 120.0
+
+
+@ray.remote(num_cpus=0.5)  # fractional: two whole-CPU actors can stay pending on a 2-core machine
+class Endpoint:
+    def __init__(self) -> None:
+        self.server: StoreServer | None = None
+        self.channel: PairChannel | None = None
+        self.next_id = 0
+
+    def serve_store(self) -> int:
+        self.server = StoreServer()
+        return self.server.port
+
+    def open(self, port: int, rank: int) -> float:
+        start = time.perf_counter()
+        self.channel = PairChannel("127.0.0.1", port, "prefill0", "decode0", rank, TIMEOUT_S)
+        return time.perf_counter() - start
+
+    def send(self, shape: tuple[int, ...], count: int) -> None:
+        assert self.channel is not None
+        data = torch.randn(shape)
+        for _ in range(count):
+            self.channel.send(self._take_id(), data)
+
+    def recv(self, shape: tuple[int, ...], count: int) -> list[float]:
+        """Seconds of each of count transfers, as the receiver waits for them."""
+        assert self.channel is not None
+        out = torch.empty(shape)
+        seconds = []
+        for _ in range(count):
+            start = time.perf_counter()
+            self.channel.recv_into(self._take_id(), out)
+            seconds.append(time.perf_counter() - start)
+        return seconds
+
+    def copy(self, shape: tuple[int, ...], count: int) -> list[float]:
+        src, dst = torch.randn(shape), torch.empty(shape)
+        seconds = []
+        for _ in range(count):
+            start = time.perf_counter()
+            dst.copy_(src)
+            seconds.append(time.perf_counter() - start)
+        return seconds
+
+    def threads(self) -> int:
+        return torch.get_num_threads()
+
+    def close(self) -> None:
+        if self.channel is not None:
+            self.channel.close()
+        if self.server is not None:
+            self.server.close()
+
+    def _take_id(self) -> int:
+        # Both actors count the same way, so their ids agree transfer by transfer.
+        self.next_id += 1
+        return self.next_id
+
+
+def payloads(tokens: list[int], extra_mb: int) -> list[tuple[str, tuple[int, ...]]]:
+    out = []
+    for n in tokens:
+        blocks = -(-n // BLOCK_SIZE)
+        out.append((f"{n} tokens", (LAYERS, 2, KV_HEADS, blocks, BLOCK_SIZE, HEAD_DIM)))
+    if extra_mb:
+        out.append((f"{extra_mb} MiB flat", (extra_mb * 2**20 // 4,)))  # fp32 elements
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--tokens", type=int, nargs="+", default=[16, 256, 2048])
+    ap.add_argument("--extra-mb", type=int, default=64)
+    args = ap.parse_args()
+
+    ray.init(address="local", num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1",
+             object_store_memory=100 * 2**20, log_to_driver=False)
+    try:
+        decode, prefill = Endpoint.remote(), Endpoint.remote()
+        port = ray.get(decode.serve_store.remote())
+        # Both sides of the rendezvous must be in flight together.
+        setup = ray.get([decode.open.remote(port, 1), prefill.open.remote(port, 0)])
+        print(f"pair setup (rendezvous) {max(setup) * 1e3:.0f} ms; torch threads per actor: "
+              f"{ray.get(decode.threads.remote())}")
+        print(f"{'payload':>16} {'MB':>8} {'gloo ms':>9} {'gloo GB/s':>10} {'copy GB/s':>10} {'gloo/copy':>10}")
+        sizes = payloads(args.tokens, args.extra_mb)
+        # The warm-up is a whole unrecorded sweep: a fresh cluster keeps the 2 cores busy for a few
+        # seconds (workers starting), which would otherwise land on the first payload alone.
+        for shape in [shape for _, shape in sizes] if args.warmup else []:
+            ray.get([decode.recv.remote(shape, args.warmup), prefill.send.remote(shape, args.warmup),
+                     decode.copy.remote(shape, args.warmup)])
+        for name, shape in sizes:
+            nbytes = 4 * torch.Size(shape).numel()
+            recv_s, _ = ray.get([decode.recv.remote(shape, args.reps), prefill.send.remote(shape, args.reps)])
+            copy_s = ray.get(decode.copy.remote(shape, args.reps))
+            gloo_s = statistics.median(recv_s)
+            gloo, copy = nbytes / gloo_s / 1e9, nbytes / statistics.median(copy_s) / 1e9
+            print(f"{name:>16} {nbytes / 1e6:8.2f} {gloo_s * 1e3:9.2f} {gloo:10.2f} {copy:10.2f} {gloo / copy:10.3f}")
+        ray.get([decode.close.remote(), prefill.close.remote()])
+    finally:
+        ray.shutdown()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,41 @@
+"""A local cache of conversions derived from a model file (tokenizers, dequantized weights)."""
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+
+def cache_root() -> Path:
+    root = os.environ.get("PDSERVE_CACHE_DIR")
+    return Path(root) if root else Path.home() / ".cache" / "pdserve"
+
+
+def cached_conversion(kind: str, source: Path, marker: str, build: Callable[[Path], None]) -> Path:
+    """The directory `build` fills from `source`, made on first use and reused while source is unchanged.
+
+    `marker` names the file whose presence says the directory is complete. A replaced or rewritten
+    source gets a new key, so a stale conversion is never reused. The directory is built in a sibling
+    temp dir and renamed, so readers never see a half-written one, and concurrent builders (several
+    workers starting at once) are harmless: the first rename wins.
+    """
+    source = source.resolve()
+    stat = source.stat()
+    key = hashlib.sha256(f"{source}\0{stat.st_size}\0{stat.st_mtime_ns}".encode()).hexdigest()
+    target = cache_root() / kind / key
+    if (target / marker).is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{key}-", dir=target.parent))
+    try:
+        build(tmp)
+        os.rename(tmp, target)
+    except OSError:
+        if not (target / marker).is_file():
+            raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
