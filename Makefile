@@ -16,7 +16,7 @@ $(VENV)/.pdserve-installed: pyproject.toml
 	touch $@
 
 run: setup
-	$(VENV)/bin/pdserve generate --offline --chat --max-tokens 64 "What is the capital of France?"
+	$(VENV)/bin/pdserve serve
 
 test: setup
 	$(PY) -m pytest -q

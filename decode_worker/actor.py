@@ -44,6 +44,7 @@ class DecodeActor:
         self._peers: dict[str, _Peer] = {}
         self._transfer_ids = itertools.count()
         self.busy_seconds = 0.0
+        self.started = time.monotonic()
         self.loop = StepLoop(self._step, name=f"decode-{worker_id}")
 
     async def ready(self) -> str:
@@ -110,7 +111,7 @@ class DecodeActor:
                            waiting_tokens=sum(len(t.prompt_token_ids) for t in w.pending),
                            running=w.num_running, kv_blocks_used=w.pool.num_used_blocks,
                            kv_blocks_total=w.pool.num_blocks, steps=w.core.steps,
-                           tokens_processed=w.core.tokens_processed, busy_seconds=self.busy_seconds,
+                           tokens_processed=w.core.tokens_processed, busy_seconds=self.busy_seconds, uptime_seconds=time.monotonic() - self.started,
                            transfer=self.transfer_stats.snapshot())
 
 

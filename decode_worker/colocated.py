@@ -29,6 +29,7 @@ class ColocatedActor:
         self.core = EngineCore(config)
         self._outputs: queue.SimpleQueue[StepOutput] = queue.SimpleQueue()
         self.busy_seconds = 0.0
+        self.started = time.monotonic()
         self.loop = StepLoop(self._step, name=f"colocated-{worker_id}")
 
     async def ready(self) -> str:
@@ -78,4 +79,4 @@ class ColocatedActor:
                            waiting_tokens=sum(r.num_tokens - r.num_computed_tokens for r in waiting),
                            running=len(c.scheduler.running), kv_blocks_used=c.pool.num_used_blocks,
                            kv_blocks_total=c.pool.num_blocks, steps=c.steps, tokens_processed=c.tokens_processed,
-                           busy_seconds=self.busy_seconds)
+                           busy_seconds=self.busy_seconds, uptime_seconds=time.monotonic() - self.started)

@@ -55,8 +55,13 @@ class WorkerStats:
     kv_blocks_total: int
     steps: int = 0
     tokens_processed: int = 0
-    busy_seconds: float = 0.0
+    busy_seconds: float = 0.0  # wall time spent in model steps
+    uptime_seconds: float = 0.0
     transfer: dict = field(default_factory=dict)  # TransferStats snapshot
+
+    @property
+    def busy_fraction(self) -> float:
+        return self.busy_seconds / self.uptime_seconds if self.uptime_seconds > 0 else 0.0
 
 
 @dataclass(frozen=True)

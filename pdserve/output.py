@@ -23,6 +23,8 @@ class RequestOutput:
     num_prompt_tokens: int
     num_output_tokens: int
     error: str | None = None  # with finish_reason ERROR
+    num_cached_tokens: int = 0  # prompt tokens the prefix cache served
+    placement: tuple[str, ...] = ()  # workers that ran the request (prefill, decode), on the last output
 
     @property
     def finished(self) -> bool:

@@ -31,6 +31,7 @@ class PrefillActor:
         self._results: dict[str, Future[PrefillResult]] = {}
         self._channels: dict[str, PairChannel] = {}
         self.busy_seconds = 0.0
+        self.started = time.monotonic()
         self.loop = StepLoop(self._step, name=f"prefill-{worker_id}")
 
     async def ready(self) -> str:
@@ -128,4 +129,4 @@ class PrefillActor:
         return WorkerStats(worker_id=self.worker_id, pool="prefill", waiting=len(w.waiting) + len(w.running),
                            waiting_tokens=w.waiting_tokens, running=len(w.held), kv_blocks_used=w.pool.num_used_blocks,
                            kv_blocks_total=w.pool.num_blocks, steps=w.steps, tokens_processed=w.tokens_processed,
-                           busy_seconds=self.busy_seconds, transfer=self.transfer_stats.snapshot())
+                           busy_seconds=self.busy_seconds, uptime_seconds=time.monotonic() - self.started, transfer=self.transfer_stats.snapshot())

@@ -20,6 +20,7 @@ import ray
 
 from decode_worker.actor import DecodeActor
 from decode_worker.colocated import ColocatedActor
+from pdserve.block_pool import hash_prompt_blocks
 from pdserve.config import ClusterConfig, PoolConfig
 from pdserve.loader import ModelInfo, load_info
 from pdserve.messages import DecodeTask, PrefillTask, StepOutput, TokenEvent, WorkerStats
@@ -27,7 +28,7 @@ from pdserve.output import RequestOutput, TextOutput, token_output
 from pdserve.request import FinishReason, Request, token_stop_reason, validate_prompt
 from pdserve.sampling import SamplingParams
 from prefill_worker.actor import PrefillActor
-from router.placement import DecodeLoad, PrefillLoad, pick_decode, pick_prefill
+from router.placement import DecodeLoad, PrefillLoad, PrefixIndex, pick_decode, pick_prefill
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +46,7 @@ class _Worker:
     requests: set[str] = field(default_factory=set)  # routed here and not finished
     queued_tokens: int = 0  # prefill: prompt tokens sent and not yet ingested
     stats: WorkerStats | None = None
+    prefix: PrefixIndex = field(default_factory=lambda: PrefixIndex(0))  # prefill workers only
 
 
 @dataclass(frozen=True)
@@ -62,6 +64,7 @@ class Cluster:
         self._streams: dict[str, asyncio.Queue[TokenEvent | _Failed]] = {}
         self._consumers: list[asyncio.Task] = []
         self._seed_rng = random.Random(config.engine.seed)
+        self.block_size = config.prefill.cache.block_size
 
     # -- lifecycle --------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -74,6 +77,9 @@ class Cluster:
         else:
             self.prefill = [self._spawn(PrefillActor, c.prefill, f"prefill-{i}", c.transfer_timeout_s)
                             for i in range(c.prefill.num_workers)]
+            blocks = c.prefill.cache.resolve_num_blocks(self.info.config, c.engine.torch_dtype)
+            for w in self.prefill:
+                w.prefix = PrefixIndex(blocks)
             self.decode = [self._spawn(DecodeActor, c.decode, f"decode-{i}", c.transfer_timeout_s,
                                        bind_host=c.bind_host) for i in range(c.decode.num_workers)]
         await asyncio.gather(*(w.handle.ready.remote() for w in self.workers))
@@ -129,7 +135,10 @@ class Cluster:
                 await w.handle.generate.remote(task)
                 streamer = w
             else:
-                p = self.prefill[pick_prefill([PrefillLoad(x.queued_tokens) for x in self.prefill])]
+                hashes = hash_prompt_blocks(prompt, self.block_size)
+                p = self.prefill[pick_prefill([PrefillLoad(x.queued_tokens, x.prefix.match(hashes) * self.block_size)
+                                               for x in self.prefill])]
+                p.prefix.add(hashes)
                 d = self.decode[pick_decode([self._decode_load(x) for x in self.decode])]
                 placed += [p, d]
                 p.queued_tokens += len(prompt)
@@ -138,6 +147,7 @@ class Cluster:
                 finally:
                     p.queued_tokens -= len(prompt)
                 req.token_ids.append(result.first_token)
+                req.num_cached_tokens = result.num_cached_tokens
                 out = token_output(req, text, result.first_token,
                                    token_stop_reason(req, info.eos_token_ids, info.max_model_len))
                 finished = out.finished
@@ -147,7 +157,7 @@ class Cluster:
                     d.requests.add(rid)
                     await d.handle.decode.remote(
                         DecodeTask(rid, tuple(prompt), result.first_token, params, seed, p.worker_id), p.handle)
-                yield out
+                yield self._annotate(out, req, placed if finished else [])
                 streamer = d
             while not finished:
                 ev = await events.get()
@@ -161,13 +171,19 @@ class Cluster:
                 finished = out.finished
                 if finished and ev.finish_reason is None:
                     streamer.handle.cancel.remote(rid)  # a stop string ended it; the worker would go on
-                yield out
+                yield self._annotate(out, req, placed if finished else [])
         finally:
             del self._streams[rid]
             for w in placed:
                 w.requests.discard(rid)
                 if not finished:
                     w.handle.cancel.remote(rid)  # client went away or an error: free its KV everywhere
+
+    @staticmethod
+    def _annotate(out: RequestOutput, req: Request, placed: list[_Worker]) -> RequestOutput:
+        out.num_cached_tokens = req.num_cached_tokens
+        out.placement = tuple(w.worker_id for w in placed)
+        return out
 
     def _decode_load(self, w: _Worker) -> DecodeLoad:
         s = w.stats

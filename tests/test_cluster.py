@@ -218,3 +218,23 @@ def test_smol_stop_string_matches_offline_and_frees_blocks(aloop, smol_cluster, 
     assert (tokens, text, reason) == (ref.token_ids, ref.text, FinishReason.STOP)
     assert text == free.text[:free.text.index(stop)]
     assert_no_leaks(aloop, smol_cluster.cluster)
+
+
+def test_tiny_prefix_affinity_routes_repeats_to_the_cached_worker(aloop, tiny_cluster):
+    cluster = tiny_cluster.cluster
+    if cluster.config.mode != "disaggregated" or len(cluster.prefill) < 2:
+        pytest.skip("needs two prefill workers")
+    prompt = tiny_prompts()[3]  # 70 tokens: 17 full blocks of 4
+    params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+
+    async def last_output():
+        last = None
+        async for out in cluster.generate(prompt, params):
+            last = out
+        return last
+
+    first = aloop.run(last_output())
+    for _ in range(3):
+        again = aloop.run(last_output())
+        assert again.placement[0] == first.placement[0]
+        assert again.num_cached_tokens == 68

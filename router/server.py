@@ -1,0 +1,286 @@
+"""The router's gRPC front door: validation, admission, streaming, health, reflection and drain.
+
+Errors are mapped to status codes here and nowhere else: ValueError from parsing or from the cluster's
+own checks is INVALID_ARGUMENT; a full admission queue is RESOURCE_EXHAUSTED at once; a request the
+workers failed is UNAVAILABLE; a client deadline or cancel cancels the handler, whose cleanup cancels
+the request on every worker.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+import grpc
+from google.protobuf.message import DecodeError
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from pdserve.config import ClusterConfig
+from pdserve.output import RequestOutput
+from pdserve.request import FinishReason
+from pdserve.sampling import SamplingParams
+from pdserve.v1 import generation_pb2 as pb
+from pdserve.v1 import generation_pb2_grpc as pb_grpc
+from router.cluster import Cluster
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generation"].full_name
+DEFAULT_MAX_TOKENS = 16
+_FINISH = {FinishReason.STOP: pb.FINISH_REASON_STOP, FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,
+           FinishReason.CANCELLED: pb.FINISH_REASON_CANCELLED, FinishReason.ERROR: pb.FINISH_REASON_ERROR}
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    host: str = "127.0.0.1"
+    port: int = 50051  # 0: any free port
+    max_running: int = 256  # requests on the workers at once
+    max_queued: int = 1024  # more wait for admission, in order; past that: RESOURCE_EXHAUSTED
+    max_input_chars: int = 1 << 20  # text accepted before tokenizing (prompt or all messages)
+    drain_timeout_s: float = 30.0  # graceful shutdown: in-flight requests get this long to finish
+
+    def __post_init__(self) -> None:
+        if self.max_running < 1 or self.max_queued < 0:
+            raise ValueError("max_running must be >= 1 and max_queued >= 0")
+
+
+class Overloaded(Exception):
+    pass
+
+
+class Admission:
+    """Up to max_running requests run; up to max_queued more wait in arrival order; the rest are refused."""
+
+    def __init__(self, max_running: int, max_queued: int):
+        self.max_running, self.max_queued = max_running, max_queued
+        self._slots = asyncio.Semaphore(max_running)
+        self.running = 0
+        self.queued = 0
+
+    @asynccontextmanager
+    async def slot(self) -> AsyncIterator[None]:
+        if self._slots.locked() and self.queued >= self.max_queued:
+            raise Overloaded(f"admission queue is full ({self.max_queued} waiting, {self.max_running} running)")
+        self.queued += 1
+        try:
+            await self._slots.acquire()
+        finally:
+            self.queued -= 1
+        self.running += 1
+        try:
+            yield
+        finally:
+            self.running -= 1
+            self._slots.release()
+
+
+@dataclass(frozen=True)
+class _Malformed:
+    reason: str
+
+
+def _parse_generate_request(data: bytes) -> pb.GenerateRequest | _Malformed:
+    # grpc answers INTERNAL when a deserializer raises; a malformed request is the client's error.
+    try:
+        return pb.GenerateRequest.FromString(data)
+    except DecodeError as e:
+        return _Malformed(f"malformed request (text fields must be valid UTF-8): {e}")
+
+
+class GenerationService(pb_grpc.GenerationServicer):
+    def __init__(self, cluster: Cluster, config: RouterConfig):
+        self.cluster = cluster
+        self.config = config
+        self.admission = Admission(config.max_running, config.max_queued)
+        self.serving = True
+
+    # -- Generate ---------------------------------------------------------------------------------
+    async def Generate(self, request: pb.GenerateRequest | _Malformed, context: grpc.aio.ServicerContext):
+        arrived = time.monotonic()
+        if isinstance(request, _Malformed):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.reason)
+        if not self.serving:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the router is draining; retry on another replica")
+        try:
+            prompt, params = self.parse(request)
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        try:
+            async with self.admission.slot():
+                admitted = time.monotonic()
+                first: float | None = None
+                prompt_tokens = completion = 0
+                async for out in self.cluster.generate(prompt, params, request.request_id or None):
+                    if out.finish_reason is FinishReason.ERROR:
+                        await context.abort(grpc.StatusCode.UNAVAILABLE, out.error or "the request failed on a worker")
+                    first = first or time.monotonic()
+                    prompt_tokens, completion = out.num_prompt_tokens, out.num_output_tokens
+                    yield self._response(out, arrived, admitted, first, prompt_tokens, completion)
+        except Overloaded as e:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+        except ValueError as e:  # the cluster's own checks (context length, duplicate request id, ...)
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+
+    @staticmethod
+    def _response(out: RequestOutput, arrived: float, admitted: float, first: float, prompt_tokens: int,
+                  completion: int) -> pb.GenerateResponse:
+        resp = pb.GenerateResponse(request_id=out.request_id, text=out.new_text, token_ids=out.new_token_ids)
+        if out.finish_reason is not None:
+            now = time.monotonic()
+            resp.finish_reason = _FINISH[out.finish_reason]
+            resp.usage.CopyFrom(pb.Usage(prompt_tokens=prompt_tokens, completion_tokens=completion,
+                                         cached_prompt_tokens=out.num_cached_tokens))
+            resp.timings.CopyFrom(pb.Timings(queue_seconds=admitted - arrived,
+                                             time_to_first_token_seconds=first - arrived,
+                                             end_to_end_seconds=now - arrived,
+                                             prefill_worker=out.placement[0] if out.placement else "",
+                                             decode_worker=out.placement[-1] if out.placement else ""))
+        return resp
+
+    def parse(self, request: pb.GenerateRequest) -> tuple[list[int], SamplingParams]:
+        """The prompt's token ids and the sampling parameters; ValueError says what is wrong."""
+        info = self.cluster.info
+        tok = info.tokenizer
+        which = request.WhichOneof("input")
+        limit = self.config.max_input_chars
+        if which is None:
+            raise ValueError("the request has no input: set prompt, messages or token_ids")
+        if which == "token_ids":
+            prompt = list(request.token_ids.ids)
+        else:
+            if tok is None:
+                raise ValueError("this model has no tokenizer: send token_ids")
+            if which == "prompt":
+                if len(request.prompt) > limit:
+                    raise ValueError(f"prompt has {len(request.prompt)} characters; the limit is {limit}")
+                if not request.prompt:
+                    raise ValueError("prompt is empty")
+                prompt = tok.encode(request.prompt)
+            else:
+                msgs = [{"role": m.role, "content": m.content} for m in request.messages.messages]
+                if not msgs:
+                    raise ValueError("messages is empty")
+                if sum(len(m["content"]) + len(m["role"]) for m in msgs) > limit:
+                    raise ValueError(f"messages exceed {limit} characters in all")
+                if any(not m["role"] for m in msgs):
+                    raise ValueError("every message needs a role")
+                if not tok.has_chat_template:
+                    raise ValueError("this model has no chat template: send a prompt or token_ids")
+                prompt = tok.apply_chat_template(msgs)
+        if not prompt:
+            raise ValueError("prompt is empty")
+        max_tokens = request.max_tokens if request.HasField("max_tokens") else DEFAULT_MAX_TOKENS
+        if max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+        if len(prompt) + max_tokens > info.max_model_len:
+            raise ValueError(f"prompt ({len(prompt)} tokens) + max_tokens ({max_tokens}) exceeds the model's "
+                             f"context of {info.max_model_len} tokens")
+        s = request.sampling
+        params = SamplingParams(
+            max_tokens=max_tokens,
+            temperature=s.temperature if s.HasField("temperature") else 1.0,
+            top_p=s.top_p if s.HasField("top_p") else 1.0,
+            top_k=s.top_k if s.HasField("top_k") else 0,
+            seed=s.seed if s.HasField("seed") else None,
+            stop=tuple(request.stop),
+            stop_token_ids=tuple(request.stop_token_ids),
+            ignore_eos=request.ignore_eos,
+        )
+        vocab = info.config.vocab_size
+        bad = [t for t in (*prompt, *params.stop_token_ids) if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"unknown token ids (the vocabulary is [0, {vocab})): {bad[:5]}")
+        return prompt, params
+
+    # -- info and status --------------------------------------------------------------------------
+    async def GetModelInfo(self, request, context) -> pb.ModelInfo:
+        info = self.cluster.info
+        c = info.config
+        return pb.ModelInfo(name=info.path, architecture=c.architecture, vocab_size=c.vocab_size,
+                            max_model_len=info.max_model_len, num_layers=c.num_layers, hidden_size=c.hidden_size,
+                            num_heads=c.num_heads, num_kv_heads=c.num_kv_heads, num_params=c.num_params,
+                            dtype=self.cluster.config.engine.dtype,
+                            has_chat_template=bool(info.tokenizer and info.tokenizer.has_chat_template),
+                            eos_token_ids=list(info.eos_token_ids))
+
+    async def GetClusterStatus(self, request, context) -> pb.ClusterStatus:
+        stats = await self.cluster.stats()
+        pools: dict[str, list] = {}
+        for s in stats:
+            pools.setdefault(s.pool, []).append(s)
+        out = pb.ClusterStatus(mode=self.cluster.config.mode, requests_running=self.admission.running,
+                               requests_queued=self.admission.queued, queue_capacity=self.config.max_queued,
+                               serving=self.serving)
+        for name, ws in pools.items():
+            workers = [pb.WorkerStatus(worker_id=s.worker_id, pool=s.pool, waiting_requests=s.waiting,
+                                       waiting_tokens=s.waiting_tokens, running_requests=s.running,
+                                       kv_blocks_used=s.kv_blocks_used, kv_blocks_total=s.kv_blocks_total,
+                                       busy_fraction=s.busy_fraction, steps=s.steps,
+                                       tokens_processed=s.tokens_processed) for s in ws]
+            total = sum(s.kv_blocks_total for s in ws)
+            out.pools.append(pb.PoolStatus(name=name, workers=workers, waiting_requests=sum(s.waiting for s in ws),
+                                           kv_usage=sum(s.kv_blocks_used for s in ws) / total if total else 0.0,
+                                           busy_fraction=sum(s.busy_fraction for s in ws) / len(ws)))
+        return out
+
+
+class Router:
+    """The gRPC server over a started Cluster: start(), then stop() drains and shuts the pools down."""
+
+    def __init__(self, cluster: Cluster, config: RouterConfig):
+        self.cluster = cluster
+        self.config = config
+        self.service = GenerationService(cluster, config)
+        self.health = health.aio.HealthServicer()
+        self.server: grpc.aio.Server | None = None
+        self.port: int | None = None
+
+    async def start(self) -> int:
+        server = grpc.aio.server()
+        handlers = {
+            "Generate": grpc.unary_stream_rpc_method_handler(
+                self.service.Generate, request_deserializer=_parse_generate_request,
+                response_serializer=pb.GenerateResponse.SerializeToString),
+            "GetModelInfo": grpc.unary_unary_rpc_method_handler(
+                self.service.GetModelInfo, request_deserializer=pb.GetModelInfoRequest.FromString,
+                response_serializer=pb.ModelInfo.SerializeToString),
+            "GetClusterStatus": grpc.unary_unary_rpc_method_handler(
+                self.service.GetClusterStatus, request_deserializer=pb.GetClusterStatusRequest.FromString,
+                response_serializer=pb.ClusterStatus.SerializeToString),
+        }
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+        self.port = server.add_insecure_port(f"{self.config.host}:{self.config.port}")
+        if self.port == 0:
+            raise OSError(f"could not bind {self.config.host}:{self.config.port}")
+        await server.start()
+        self.server = server
+        for name in ("", SERVICE_NAME):
+            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        log.info("pdserve listening on %s:%d (%s mode)", self.config.host, self.port, self.cluster.config.mode)
+        return self.port
+
+    async def stop(self, grace: float | None = None) -> None:
+        """Refuse new requests and let in-flight ones finish within the grace period (the cluster stays up)."""
+        self.service.serving = False
+        await self.health.enter_graceful_shutdown()
+        if self.server is not None:
+            await self.server.stop(self.config.drain_timeout_s if grace is None else grace)
+
+
+async def serve(cluster_config: ClusterConfig, router_config: RouterConfig, stop: asyncio.Event) -> None:
+    """Start the pools and the router, serve until `stop` is set, then drain."""
+    cluster = Cluster(cluster_config)
+    await cluster.start()
+    router = Router(cluster, router_config)
+    await router.start()
+    await stop.wait()
+    log.info("draining (up to %.0fs)", router_config.drain_timeout_s)
+    await router.stop()
+    await cluster.shutdown()
