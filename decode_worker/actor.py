@@ -20,8 +20,9 @@ import torch
 
 from pdserve.config import EngineConfig
 from pdserve.kv_transfer import PairChannel, StoreServer, TransferStats
-from pdserve.messages import DecodeTask, StepOutput, TokenEvent, WorkerStats
+from pdserve.messages import DecodeTask, StepOutput, TokenEvent, WorkerStats, worker_stats
 from pdserve.step_loop import StepLoop
+from pdserve.utilization import device_peaks
 from decode_worker.worker import DecodeWorker
 
 log = logging.getLogger(__name__)
@@ -36,6 +37,7 @@ class DecodeActor:
             torch.set_num_threads(torch_threads)
         self.worker_id = worker_id
         self.worker = DecodeWorker(worker_id, config)
+        self.peaks = device_peaks(self.worker.core.runner.device, config.peak_flops, config.peak_bytes_per_second)
         self.transfer_timeout_s = transfer_timeout_s
         self.transfer_stats = TransferStats()
         self.store = StoreServer(bind_host)
@@ -107,12 +109,12 @@ class DecodeActor:
 
     def _stats(self) -> WorkerStats:
         w = self.worker
-        return WorkerStats(worker_id=self.worker_id, pool="decode", waiting=len(w.pending) + len(w.reserved),
-                           waiting_tokens=sum(len(t.prompt_token_ids) for t in w.pending),
-                           running=w.num_running, kv_blocks_used=w.pool.num_used_blocks,
-                           kv_blocks_total=w.pool.num_blocks, steps=w.core.steps,
-                           tokens_processed=w.core.tokens_processed, busy_seconds=self.busy_seconds, uptime_seconds=time.monotonic() - self.started,
-                           transfer=self.transfer_stats.snapshot())
+        return worker_stats(self.worker_id, "decode", waiting=len(w.pending) + len(w.reserved),
+                            waiting_tokens=sum(len(t.prompt_token_ids) for t in w.pending), running=w.num_running,
+                            pool=w.pool, runner=w.core.runner, steps=w.core.steps,
+                            tokens_processed=w.core.tokens_processed, busy_seconds=self.busy_seconds,
+                            uptime_seconds=time.monotonic() - self.started, peaks=self.peaks,
+                            transfer=self.transfer_stats.snapshot())
 
 
 class _Peer:

@@ -14,9 +14,10 @@ import torch
 
 from pdserve.config import EngineConfig
 from pdserve.engine import EngineCore
-from pdserve.messages import PrefillTask, StepOutput, TokenEvent, WorkerStats
+from pdserve.messages import PrefillTask, StepOutput, TokenEvent, WorkerStats, worker_stats
 from pdserve.request import Request
 from pdserve.step_loop import StepLoop
+from pdserve.utilization import device_peaks
 
 log = logging.getLogger(__name__)
 
@@ -27,6 +28,7 @@ class ColocatedActor:
             torch.set_num_threads(torch_threads)
         self.worker_id = worker_id
         self.core = EngineCore(config)
+        self.peaks = device_peaks(self.core.runner.device, config.peak_flops, config.peak_bytes_per_second)
         self._outputs: queue.SimpleQueue[StepOutput] = queue.SimpleQueue()
         self.busy_seconds = 0.0
         self.started = time.monotonic()
@@ -75,8 +77,8 @@ class ColocatedActor:
     def _stats(self) -> WorkerStats:
         c = self.core
         waiting = c.scheduler.waiting
-        return WorkerStats(worker_id=self.worker_id, pool="colocated", waiting=len(waiting),
-                           waiting_tokens=sum(r.num_tokens - r.num_computed_tokens for r in waiting),
-                           running=len(c.scheduler.running), kv_blocks_used=c.pool.num_used_blocks,
-                           kv_blocks_total=c.pool.num_blocks, steps=c.steps, tokens_processed=c.tokens_processed,
-                           busy_seconds=self.busy_seconds, uptime_seconds=time.monotonic() - self.started)
+        return worker_stats(self.worker_id, "colocated", waiting=len(waiting),
+                            waiting_tokens=sum(r.num_tokens - r.num_computed_tokens for r in waiting),
+                            running=len(c.scheduler.running), pool=c.pool, runner=c.runner, steps=c.steps,
+                            tokens_processed=c.tokens_processed, busy_seconds=self.busy_seconds,
+                            uptime_seconds=time.monotonic() - self.started, peaks=self.peaks)

@@ -17,6 +17,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_args(serve)
     serve.add_argument("--host", default="127.0.0.1", help="address the router binds (default 127.0.0.1)")
     serve.add_argument("--port", type=int, default=50051)
+    serve.add_argument("--metrics-host", default="127.0.0.1", help="address of the Prometheus /metrics endpoint")
+    serve.add_argument("--metrics-port", type=int, default=9400, help="port of /metrics (0 disables it)")
     serve.add_argument("--ray-address", default=None,
                        help="join this Ray cluster (e.g. 'auto' inside a Ray head pod); default: start a local one")
     serve.add_argument("--mode", choices=["disaggregated", "colocated"], default="disaggregated")
@@ -34,6 +36,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--prefill-token-budget", type=int, default=2048, help="prompt tokens per prefill step")
     serve.add_argument("--max-num-seqs", type=int, default=64, help="running requests per decode worker")
     serve.add_argument("--torch-threads", type=int, default=None, help="torch threads per worker")
+    serve.add_argument("--peak-flops", type=float, default=None,
+                       help="device peak FLOP/s for MFU (default: known GPUs' datasheet, else measured at start)")
+    serve.add_argument("--peak-memory-bandwidth", type=float, default=None,
+                       help="device peak bytes/s for MBU (default: known GPUs' datasheet, else measured at start)")
     serve.add_argument("--transfer-timeout", type=float, default=30.0, help="seconds before a KV transfer fails")
     serve.add_argument("--max-running", type=int, default=256, help="requests on the workers at once")
     serve.add_argument("--max-queued", type=int, default=1024, help="requests waiting; more get RESOURCE_EXHAUSTED")
@@ -182,7 +188,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     cluster_config = cluster_config_from_args(args)
     router_config = RouterConfig(host=args.host, port=args.port, max_running=args.max_running,
-                                 max_queued=args.max_queued, drain_timeout_s=args.drain_timeout)
+                                 max_queued=args.max_queued, drain_timeout_s=args.drain_timeout,
+                                 metrics_host=args.metrics_host, metrics_port=args.metrics_port or None)
     if args.ray_address:
         ray.init(address=args.ray_address, log_to_driver=False)
     else:
@@ -218,7 +225,7 @@ def cluster_config_from_args(args: argparse.Namespace):
                           cache=cache, torch_threads=args.torch_threads)
 
     engine = EngineConfig(model=args.model, load_format=args.load_format, dtype=args.dtype, device=args.device,
-                          cache=cache)
+                          cache=cache, peak_flops=args.peak_flops, peak_bytes_per_second=args.peak_memory_bandwidth)
     return ClusterConfig(engine=engine, mode=args.mode,
                          prefill=pool(args.prefill_workers, args.prefill_token_budget, args.prefill_resource),
                          decode=pool(args.decode_workers, args.prefill_token_budget, args.decode_resource),

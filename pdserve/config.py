@@ -193,6 +193,9 @@ class EngineConfig:
     device: str = "cpu"
     seed: int = 0  # for dummy weights and requests that carry no seed
     max_model_len: int | None = None  # None: the model's max_position_embeddings
+    # The device's peaks for utilization metrics; None: a known GPU's datasheet figures, else measured.
+    peak_flops: float | None = None
+    peak_bytes_per_second: float | None = None
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
@@ -240,6 +243,7 @@ class ClusterConfig:
     colocated: PoolConfig = field(default_factory=PoolConfig)
     transfer_timeout_s: float = 30.0
     bind_host: str = "127.0.0.1"  # where decode workers listen for KV-transfer rendezvous
+    stats_interval_s: float = 1.0  # heartbeat: how often the router asks every worker for its stats
 
     def __post_init__(self) -> None:
         if self.mode not in ("disaggregated", "colocated"):

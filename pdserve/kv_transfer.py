@@ -22,9 +22,9 @@ store still holds the old group's rendezvous keys) when the pair is next needed.
 """
 from __future__ import annotations
 
+import bisect
 import threading
 import time
-from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -84,15 +84,20 @@ def _block_index(kv_cache: torch.Tensor, block_ids: Sequence[int]) -> torch.Tens
 
 # --- statistics ----------------------------------------------------------------------------------
 
+# Upper bounds (seconds) of the transfer-duration histogram buckets; the last bucket is +Inf.
+TRANSFER_SECONDS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+
 @dataclass
 class TransferStats:
-    """Cumulative counts of one side's transfers, plus the durations of the most recent ones."""
+    """Cumulative counts of one side's transfers, with a histogram of their durations."""
 
     transfers: int = 0
     bytes: int = 0
     seconds: float = 0.0
     failures: int = 0
-    recent_seconds: deque[float] = field(default_factory=lambda: deque(maxlen=256))
+    # Per bucket of TRANSFER_SECONDS_BUCKETS (and +Inf): transfers that took at most that long, not cumulative.
+    bucket_counts: list[int] = field(default_factory=lambda: [0] * (len(TRANSFER_SECONDS_BUCKETS) + 1))
     # Several channels may share one stats object and run in different threads.
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
@@ -101,16 +106,16 @@ class TransferStats:
             self.transfers += 1
             self.bytes += nbytes
             self.seconds += seconds
-            self.recent_seconds.append(seconds)
+            self.bucket_counts[bisect.bisect_left(TRANSFER_SECONDS_BUCKETS, seconds)] += 1
 
     def record_failure(self) -> None:
         with self._lock:
             self.failures += 1
 
-    def snapshot(self) -> dict[str, int | float | list[float]]:
+    def snapshot(self) -> dict[str, int | float | list[int]]:
         with self._lock:
             return {"transfers": self.transfers, "bytes": self.bytes, "seconds": self.seconds,
-                    "failures": self.failures, "recent_seconds": list(self.recent_seconds)}
+                    "failures": self.failures, "bucket_counts": list(self.bucket_counts)}
 
 
 # --- rendezvous store and pair channel ------------------------------------------------------------

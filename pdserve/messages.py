@@ -6,9 +6,15 @@ or tensors (KV moves over the transfer channels, not through Ray).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from pdserve.request import FinishReason
 from pdserve.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from pdserve.block_pool import BlockPool
+    from pdserve.runner import ModelRunner
+    from pdserve.utilization import DevicePeaks
 
 
 @dataclass(frozen=True)
@@ -57,11 +63,30 @@ class WorkerStats:
     tokens_processed: int = 0
     busy_seconds: float = 0.0  # wall time spent in model steps
     uptime_seconds: float = 0.0
+    flops: int = 0  # model FLOPs executed (pdserve.utilization)
+    bytes_read: int = 0  # weight and KV bytes read by steps
+    peak_flops: float = 0.0  # the device's, and where the figure comes from
+    peak_bytes_per_second: float = 0.0
+    peak_source: str = ""
+    prefix_hit_blocks: int = 0
+    prefix_query_blocks: int = 0
     transfer: dict = field(default_factory=dict)  # TransferStats snapshot
 
     @property
     def busy_fraction(self) -> float:
         return self.busy_seconds / self.uptime_seconds if self.uptime_seconds > 0 else 0.0
+
+
+def worker_stats(worker_id: str, pool_name: str, *, waiting: int, waiting_tokens: int, running: int,
+                 pool: BlockPool, runner: ModelRunner, steps: int, tokens_processed: int, busy_seconds: float,
+                 uptime_seconds: float, peaks: DevicePeaks, transfer: dict | None = None) -> WorkerStats:
+    return WorkerStats(worker_id=worker_id, pool=pool_name, waiting=waiting, waiting_tokens=waiting_tokens,
+                       running=running, kv_blocks_used=pool.num_used_blocks, kv_blocks_total=pool.num_blocks,
+                       steps=steps, tokens_processed=tokens_processed, busy_seconds=busy_seconds,
+                       uptime_seconds=uptime_seconds, flops=runner.flops_total, bytes_read=runner.bytes_total,
+                       peak_flops=peaks.flops_per_second, peak_bytes_per_second=peaks.bytes_per_second,
+                       peak_source=peaks.source, prefix_hit_blocks=pool.prefix_hits,
+                       prefix_query_blocks=pool.prefix_queries, transfer=transfer or {})
 
 
 @dataclass(frozen=True)

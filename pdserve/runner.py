@@ -16,6 +16,7 @@ from pdserve.config import ModelConfig
 from pdserve.kv_cache import allocate_kv_cache
 from pdserve.model import LlamaModel
 from pdserve.sampling import SamplingBatch, SamplingParams, sample
+from pdserve.utilization import step_bytes, step_flops
 
 
 class Chunk(NamedTuple):
@@ -43,6 +44,10 @@ class ModelRunner:
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.kv_cache = allocate_kv_cache(self.cfg, num_blocks, block_size, self.dtype, self.device)
+        self._dtype_bytes = self.kv_cache.element_size()
+        # Analytic work done so far (pdserve.utilization): the numerators of MFU and MBU.
+        self.flops_total = 0
+        self.bytes_total = 0
 
     @torch.inference_mode()
     def execute(self, chunks: list[Chunk]) -> StepResult:
@@ -51,6 +56,9 @@ class ModelRunner:
         order = sorted(range(len(chunks)), key=lambda i: (len(chunks[i].token_ids) != 1, chunks[i].start))
         ordered = [chunks[i] for i in order]
         input_ids, positions, meta = self._prepare(ordered)
+        spans = [(c.start, len(c.token_ids)) for c in chunks]
+        self.flops_total += step_flops(self.cfg, spans, sum(c.sample is not None for c in chunks))
+        self.bytes_total += step_bytes(self.cfg, spans, self._dtype_bytes)
         hidden = self.model(input_ids, positions, meta, self.kv_cache)  # [tokens, hidden]
         last_row = [0] * len(chunks)  # row of each chunk's last token in the reordered batch
         row = 0

@@ -11,8 +11,9 @@ import torch
 from pdserve.config import EngineConfig
 from pdserve.kv_transfer import PairChannel, TransferStats, extract_blocks
 from pdserve.loader import load
-from pdserve.messages import PrefillResult, PrefillTask, WorkerStats
+from pdserve.messages import PrefillResult, PrefillTask, WorkerStats, worker_stats
 from pdserve.step_loop import StepLoop
+from pdserve.utilization import device_peaks
 from prefill_worker.worker import PrefillWorker
 
 log = logging.getLogger(__name__)
@@ -26,6 +27,7 @@ class PrefillActor:
             torch.set_num_threads(torch_threads)
         self.worker_id = worker_id
         self.worker = PrefillWorker(worker_id, config, load(config))
+        self.peaks = device_peaks(self.worker.runner.device, config.peak_flops, config.peak_bytes_per_second)
         self.transfer_timeout_s = transfer_timeout_s
         self.transfer_stats = TransferStats()
         self._results: dict[str, Future[PrefillResult]] = {}
@@ -126,7 +128,8 @@ class PrefillActor:
 
     def _stats(self) -> WorkerStats:
         w = self.worker
-        return WorkerStats(worker_id=self.worker_id, pool="prefill", waiting=len(w.waiting) + len(w.running),
-                           waiting_tokens=w.waiting_tokens, running=len(w.held), kv_blocks_used=w.pool.num_used_blocks,
-                           kv_blocks_total=w.pool.num_blocks, steps=w.steps, tokens_processed=w.tokens_processed,
-                           busy_seconds=self.busy_seconds, uptime_seconds=time.monotonic() - self.started, transfer=self.transfer_stats.snapshot())
+        return worker_stats(self.worker_id, "prefill", waiting=len(w.waiting) + len(w.running),
+                            waiting_tokens=w.waiting_tokens, running=len(w.held), pool=w.pool, runner=w.runner,
+                            steps=w.steps, tokens_processed=w.tokens_processed, busy_seconds=self.busy_seconds,
+                            uptime_seconds=time.monotonic() - self.started, peaks=self.peaks,
+                            transfer=self.transfer_stats.snapshot())

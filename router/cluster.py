@@ -83,7 +83,9 @@ class Cluster:
             self.decode = [self._spawn(DecodeActor, c.decode, f"decode-{i}", c.transfer_timeout_s,
                                        bind_host=c.bind_host) for i in range(c.decode.num_workers)]
         await asyncio.gather(*(w.handle.ready.remote() for w in self.workers))
+        await self._poll_stats()
         self._consumers = [asyncio.create_task(self._consume(w)) for w in (*self.decode, *self.colocated)]
+        self._consumers.append(asyncio.create_task(self._heartbeat()))
 
     def _spawn(self, cls: type, pool: PoolConfig, worker_id: str, *args: Any, **kwargs: Any) -> _Worker:
         actor = ray.remote(cls).options(num_cpus=pool.num_cpus, num_gpus=pool.num_gpus, resources=pool.resources,
@@ -106,7 +108,23 @@ class Cluster:
         self.prefill, self.decode, self.colocated = [], [], []
 
     async def stats(self) -> list[WorkerStats]:
+        """Fresh stats from every worker (one call each)."""
         return list(await asyncio.gather(*(w.handle.stats.remote() for w in self.workers)))
+
+    def worker_stats(self) -> list[WorkerStats]:
+        """The latest stats each worker reported (step outputs and the heartbeat); no call is made."""
+        return [w.stats for w in self.workers if w.stats is not None]
+
+    async def _poll_stats(self) -> None:
+        results = await asyncio.gather(*(w.handle.stats.remote() for w in self.workers), return_exceptions=True)
+        for w, r in zip(self.workers, results):
+            if isinstance(r, WorkerStats):
+                w.stats = r
+
+    async def _heartbeat(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.stats_interval_s)
+            await self._poll_stats()
 
     # -- requests ---------------------------------------------------------------------------------
     async def generate(self, prompt_token_ids: Sequence[int], params: SamplingParams,

@@ -12,14 +12,16 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+from prometheus_client import start_http_server
 
 from pdserve.config import ClusterConfig
+from pdserve.metrics import RouterMetrics
 from pdserve.output import RequestOutput
 from pdserve.request import FinishReason
 from pdserve.sampling import SamplingParams
@@ -43,6 +45,8 @@ class RouterConfig:
     max_queued: int = 1024  # more wait for admission, in order; past that: RESOURCE_EXHAUSTED
     max_input_chars: int = 1 << 20  # text accepted before tokenizing (prompt or all messages)
     drain_timeout_s: float = 30.0  # graceful shutdown: in-flight requests get this long to finish
+    metrics_host: str = "127.0.0.1"
+    metrics_port: int | None = None  # Prometheus /metrics; None: no endpoint and no recording
 
     def __post_init__(self) -> None:
         if self.max_running < 1 or self.max_queued < 0:
@@ -92,52 +96,90 @@ def _parse_generate_request(data: bytes) -> pb.GenerateRequest | _Malformed:
         return _Malformed(f"malformed request (text fields must be valid UTF-8): {e}")
 
 
+@dataclass
+class _Timeline:
+    """What the router saw of one request, for its response timings and its metrics."""
+
+    arrived: float
+    admitted: float = 0.0
+    token_times: list[float] = field(default_factory=list)  # when each output token was streamed
+    prompt_tokens: int = 0
+    finish_reason: str = "none"  # until the request ends with one
+    code: str = "OK"
+
+
 class GenerationService(pb_grpc.GenerationServicer):
-    def __init__(self, cluster: Cluster, config: RouterConfig):
+    def __init__(self, cluster: Cluster, config: RouterConfig, metrics: RouterMetrics | None = None):
         self.cluster = cluster
         self.config = config
+        self.metrics = metrics
         self.admission = Admission(config.max_running, config.max_queued)
         self.serving = True
+        if metrics is not None:
+            metrics.running.set_function(lambda: self.admission.running)
+            metrics.queued.set_function(lambda: self.admission.queued)
 
     # -- Generate ---------------------------------------------------------------------------------
     async def Generate(self, request: pb.GenerateRequest | _Malformed, context: grpc.aio.ServicerContext):
-        arrived = time.monotonic()
+        t = _Timeline(time.monotonic())
+        try:
+            async for resp in self._generate(request, context, t):
+                yield resp
+        except asyncio.CancelledError:
+            remaining = context.time_remaining()
+            t.code = "DEADLINE_EXCEEDED" if remaining is not None and remaining <= 0 else "CANCELLED"
+            t.finish_reason = "cancelled"
+            raise
+        finally:
+            if self.metrics is not None:
+                self.metrics.observe_request(
+                    finish_reason=t.finish_reason, code=t.code,
+                    queue_s=t.admitted - t.arrived if t.admitted else None,
+                    ttft_s=t.token_times[0] - t.arrived if t.token_times else None,
+                    e2e_s=t.token_times[-1] - t.arrived if t.token_times and t.finish_reason != "cancelled" else None,
+                    token_times=t.token_times, prompt_tokens=t.prompt_tokens, output_tokens=len(t.token_times))
+
+    async def _generate(self, request, context, t: _Timeline):
+        async def abort(code: grpc.StatusCode, message: str) -> None:
+            t.code = code.name
+            await context.abort(code, message)
+
         if isinstance(request, _Malformed):
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.reason)
+            await abort(grpc.StatusCode.INVALID_ARGUMENT, request.reason)
         if not self.serving:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "the router is draining; retry on another replica")
+            await abort(grpc.StatusCode.UNAVAILABLE, "the router is draining; retry on another replica")
         try:
             prompt, params = self.parse(request)
         except ValueError as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            await abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        t.prompt_tokens = len(prompt)
         try:
             async with self.admission.slot():
-                admitted = time.monotonic()
-                first: float | None = None
-                prompt_tokens = completion = 0
+                t.admitted = time.monotonic()
                 async for out in self.cluster.generate(prompt, params, request.request_id or None):
                     if out.finish_reason is FinishReason.ERROR:
-                        await context.abort(grpc.StatusCode.UNAVAILABLE, out.error or "the request failed on a worker")
-                    first = first or time.monotonic()
-                    prompt_tokens, completion = out.num_prompt_tokens, out.num_output_tokens
-                    yield self._response(out, arrived, admitted, first, prompt_tokens, completion)
+                        t.finish_reason = "error"
+                        await abort(grpc.StatusCode.UNAVAILABLE, out.error or "the request failed on a worker")
+                    now = time.monotonic()
+                    t.token_times.extend([now] * len(out.new_token_ids))
+                    if out.finish_reason is not None:
+                        t.finish_reason = out.finish_reason.value
+                    yield self._response(out, t)
         except Overloaded as e:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+            await abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
         except ValueError as e:  # the cluster's own checks (context length, duplicate request id, ...)
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            await abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
 
     @staticmethod
-    def _response(out: RequestOutput, arrived: float, admitted: float, first: float, prompt_tokens: int,
-                  completion: int) -> pb.GenerateResponse:
+    def _response(out: RequestOutput, t: _Timeline) -> pb.GenerateResponse:
         resp = pb.GenerateResponse(request_id=out.request_id, text=out.new_text, token_ids=out.new_token_ids)
         if out.finish_reason is not None:
-            now = time.monotonic()
             resp.finish_reason = _FINISH[out.finish_reason]
-            resp.usage.CopyFrom(pb.Usage(prompt_tokens=prompt_tokens, completion_tokens=completion,
+            resp.usage.CopyFrom(pb.Usage(prompt_tokens=out.num_prompt_tokens, completion_tokens=out.num_output_tokens,
                                          cached_prompt_tokens=out.num_cached_tokens))
-            resp.timings.CopyFrom(pb.Timings(queue_seconds=admitted - arrived,
-                                             time_to_first_token_seconds=first - arrived,
-                                             end_to_end_seconds=now - arrived,
+            resp.timings.CopyFrom(pb.Timings(queue_seconds=t.admitted - t.arrived,
+                                             time_to_first_token_seconds=t.token_times[0] - t.arrived,
+                                             end_to_end_seconds=t.token_times[-1] - t.arrived,
                                              prefill_worker=out.placement[0] if out.placement else "",
                                              decode_worker=out.placement[-1] if out.placement else ""))
         return resp
@@ -235,10 +277,13 @@ class Router:
     def __init__(self, cluster: Cluster, config: RouterConfig):
         self.cluster = cluster
         self.config = config
-        self.service = GenerationService(cluster, config)
+        self.metrics = RouterMetrics(cluster.worker_stats) if config.metrics_port is not None else None
+        self.service = GenerationService(cluster, config, self.metrics)
         self.health = health.aio.HealthServicer()
         self.server: grpc.aio.Server | None = None
         self.port: int | None = None
+        self.metrics_port: int | None = None
+        self._metrics_server = None
 
     async def start(self) -> int:
         server = grpc.aio.server()
@@ -261,6 +306,11 @@ class Router:
             raise OSError(f"could not bind {self.config.host}:{self.config.port}")
         await server.start()
         self.server = server
+        if self.metrics is not None:
+            self._metrics_server, _ = start_http_server(self.config.metrics_port, self.config.metrics_host,
+                                                        registry=self.metrics.registry)
+            self.metrics_port = self._metrics_server.server_port
+            log.info("metrics on http://%s:%d/metrics", self.config.metrics_host, self.metrics_port)
         for name in ("", SERVICE_NAME):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         log.info("pdserve listening on %s:%d (%s mode)", self.config.host, self.port, self.cluster.config.mode)
@@ -272,6 +322,9 @@ class Router:
         await self.health.enter_graceful_shutdown()
         if self.server is not None:
             await self.server.stop(self.config.drain_timeout_s if grace is None else grace)
+        if self._metrics_server is not None:
+            self._metrics_server.shutdown()
+            self._metrics_server.server_close()
 
 
 async def serve(cluster_config: ClusterConfig, router_config: RouterConfig, stop: asyncio.Event) -> None:

@@ -15,7 +15,8 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from pdserve.kv_transfer import (CudaIpcHandle, PairChannel, StoreServer, TransferError, TransferStats,
+from pdserve.kv_transfer import (TRANSFER_SECONDS_BUCKETS, CudaIpcHandle, PairChannel, StoreServer, TransferError,
+                                 TransferStats,
                                  TransferTimeout, export_cuda_ipc, extract_blocks, import_cuda_ipc,
                                  insert_blocks)
 
@@ -164,9 +165,16 @@ def test_stats_count_and_snapshot():
     stats = TransferStats()
     stats.record(100, 0.5)
     stats.record(28, 0.25)
+    stats.record(1, 0.0025)  # on a bucket's upper bound: counted in that bucket
+    stats.record(1, 99.0)  # past the last bound: the +Inf bucket
     stats.record_failure()
-    assert stats.snapshot() == {"transfers": 2, "bytes": 128, "seconds": 0.75, "failures": 1,
-                                "recent_seconds": [0.5, 0.25]}
+    buckets = [0] * (len(TRANSFER_SECONDS_BUCKETS) + 1)
+    buckets[TRANSFER_SECONDS_BUCKETS.index(0.5)] = 1
+    buckets[TRANSFER_SECONDS_BUCKETS.index(0.25)] = 1
+    buckets[TRANSFER_SECONDS_BUCKETS.index(0.0025)] = 1
+    buckets[-1] = 1
+    assert stats.snapshot() == {"transfers": 4, "bytes": 130, "seconds": 99.7525, "failures": 1,
+                                "bucket_counts": buckets}
 
 
 def test_channel_arguments_are_checked_before_any_rendezvous():
@@ -207,7 +215,7 @@ def test_blocks_arrive_bit_identical_across_processes(ctx):
     total = sum(len(t.src) for t in plan) * BLOCK_BYTES
     for stats in (sent, channel.stats.snapshot()):
         assert (stats["transfers"], stats["bytes"], stats["failures"]) == (len(plan), total, 0)
-        assert len(stats["recent_seconds"]) == len(plan)
+        assert sum(stats["bucket_counts"]) == len(plan)
 
 
 @pytest.mark.timeout(60)

@@ -1,0 +1,132 @@
+"""Every metric pdserve exports, defined once. The router serves them all at one /metrics endpoint.
+
+Request metrics are observed by the router as requests stream. Worker metrics are the workers' own
+cumulative counters, reported to the router with decode step outputs and a heartbeat, and exposed at
+scrape time by WorkerCollector: counters stay counters (rate() in PromQL gives busy fraction, FLOP/s,
+bytes/s), so utilization is computed over whatever window a dashboard asks for. Names follow the
+Prometheus conventions: `pdserve_` prefix, base units, `_total` for counters.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from pdserve.kv_transfer import TRANSFER_SECONDS_BUCKETS
+from pdserve.messages import WorkerStats
+
+REQUEST_SECONDS_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 7.5, 10.0, 15.0, 20.0,
+                           30.0, 60.0, 120.0, 300.0)
+TOKEN_SECONDS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0,
+                         2.0, 5.0, 10.0)
+
+
+class RouterMetrics:
+    """The registry the router serves: request histograms and counters, admission gauges, worker metrics."""
+
+    def __init__(self, worker_stats: Callable[[], Iterable[WorkerStats]]):
+        r = self.registry = CollectorRegistry()
+        self.ttft = Histogram("pdserve_request_time_to_first_token_seconds",
+                              "From arrival at the router to the first token streamed", registry=r,
+                              buckets=REQUEST_SECONDS_BUCKETS)
+        self.tpot = Histogram("pdserve_request_time_per_output_token_seconds",
+                              "Per request: (end-to-end - time to first token) / (output tokens - 1)", registry=r,
+                              buckets=TOKEN_SECONDS_BUCKETS)
+        self.itl = Histogram("pdserve_request_inter_token_latency_seconds",
+                             "Every gap between two consecutive streamed tokens", registry=r, buckets=TOKEN_SECONDS_BUCKETS)
+        self.e2e = Histogram("pdserve_request_e2e_seconds", "From arrival at the router to the last token",
+                             registry=r, buckets=REQUEST_SECONDS_BUCKETS)
+        self.queue = Histogram("pdserve_request_queue_seconds", "Time waiting for admission", registry=r,
+                               buckets=REQUEST_SECONDS_BUCKETS)
+        self.requests = Counter("pdserve_requests", "Finished requests by finish reason and gRPC status code",
+                                ["finish_reason", "code"], registry=r)
+        self.prompt_tokens = Counter("pdserve_request_prompt_tokens", "Prompt tokens of finished requests", registry=r)
+        self.generation_tokens = Counter("pdserve_request_generation_tokens", "Tokens streamed to clients", registry=r)
+        self.running = Gauge("pdserve_router_requests_running", "Requests admitted to the workers", registry=r)
+        self.queued = Gauge("pdserve_router_requests_queued", "Requests waiting for admission", registry=r)
+        r.register(WorkerCollector(worker_stats))
+
+    def observe_request(self, *, finish_reason: str, code: str, queue_s: float | None, ttft_s: float | None,
+                        e2e_s: float | None, token_times: list[float], prompt_tokens: int, output_tokens: int) -> None:
+        """Record one finished request. token_times: when each output token was streamed (one per token)."""
+        self.requests.labels(finish_reason, code).inc()
+        if queue_s is not None:
+            self.queue.observe(queue_s)
+        if ttft_s is not None:
+            self.ttft.observe(ttft_s)
+        if e2e_s is not None:
+            self.e2e.observe(e2e_s)
+        if ttft_s is not None and e2e_s is not None and output_tokens > 1:
+            self.tpot.observe((e2e_s - ttft_s) / (output_tokens - 1))
+        for a, b in zip(token_times, token_times[1:]):
+            self.itl.observe(b - a)
+        self.prompt_tokens.inc(prompt_tokens)
+        self.generation_tokens.inc(output_tokens)
+
+
+class WorkerCollector(Collector):
+    """Worker metrics from the latest stats each worker reported, labelled by pool and worker."""
+
+    def __init__(self, worker_stats: Callable[[], Iterable[WorkerStats]]):
+        self.worker_stats = worker_stats
+
+    def collect(self) -> Iterator[Metric]:
+        stats = list(self.worker_stats())
+        labels = ["pool", "worker"]
+
+        def family(kind, name: str, doc: str, value: Callable[[WorkerStats], float], extra: list[str] = (),
+                   extra_values: Callable[[WorkerStats], list[str]] = lambda s: []):
+            f = kind(name, doc, labels=labels + list(extra))
+            for s in stats:
+                f.add_metric([s.pool, s.worker_id, *extra_values(s)], value(s))
+            return f
+
+        yield family(CounterMetricFamily, "pdserve_worker_busy_seconds", "Wall time spent in model steps",
+                     lambda s: s.busy_seconds)
+        yield family(GaugeMetricFamily, "pdserve_worker_uptime_seconds", "Seconds since the worker started",
+                     lambda s: s.uptime_seconds)
+        yield family(CounterMetricFamily, "pdserve_worker_steps", "Model steps run", lambda s: s.steps)
+        yield family(CounterMetricFamily, "pdserve_worker_tokens", "Tokens computed (prompt chunks and decodes)",
+                     lambda s: s.tokens_processed)
+        yield family(CounterMetricFamily, "pdserve_worker_flops", "Model FLOPs executed (matmuls, attention)",
+                     lambda s: s.flops)
+        yield family(CounterMetricFamily, "pdserve_worker_read_bytes", "Weight and KV bytes read by model steps",
+                     lambda s: s.bytes_read)
+        yield family(GaugeMetricFamily, "pdserve_worker_peak_flops",
+                     "The device's peak FLOP/s; source says table, configured or measured",
+                     lambda s: s.peak_flops, ["source"], lambda s: [s.peak_source])
+        yield family(GaugeMetricFamily, "pdserve_worker_peak_read_bytes_per_second",
+                     "The device's peak memory bandwidth; source says table, configured or measured",
+                     lambda s: s.peak_bytes_per_second, ["source"], lambda s: [s.peak_source])
+        yield family(GaugeMetricFamily, "pdserve_worker_waiting_requests",
+                     "Requests queued (prefill: prompts not yet ingested; decode: KV not yet received)",
+                     lambda s: s.waiting)
+        yield family(GaugeMetricFamily, "pdserve_worker_waiting_tokens", "Prompt tokens queued", lambda s: s.waiting_tokens)
+        yield family(GaugeMetricFamily, "pdserve_worker_running_requests",
+                     "Running batch (prefill: prompts whose KV is held for transfer)", lambda s: s.running)
+        yield family(GaugeMetricFamily, "pdserve_worker_kv_blocks_used", "KV cache blocks in use",
+                     lambda s: s.kv_blocks_used)
+        yield family(GaugeMetricFamily, "pdserve_worker_kv_blocks", "KV cache blocks in all", lambda s: s.kv_blocks_total)
+        yield family(CounterMetricFamily, "pdserve_worker_prefix_cache_hit_blocks", "Prompt blocks served by the prefix cache",
+                     lambda s: s.prefix_hit_blocks)
+        yield family(CounterMetricFamily, "pdserve_worker_prefix_cache_query_blocks", "Prompt blocks looked up in the prefix cache",
+                     lambda s: s.prefix_query_blocks)
+        moving = [s for s in stats if s.transfer]
+        for kind, name, doc, key in (
+                (CounterMetricFamily, "pdserve_kv_transfers", "KV transfers completed", "transfers"),
+                (CounterMetricFamily, "pdserve_kv_transfer_bytes", "KV bytes transferred", "bytes"),
+                (CounterMetricFamily, "pdserve_kv_transfer_failures", "KV transfers that failed or timed out", "failures")):
+            f = kind(name, doc, labels=labels)
+            for s in moving:
+                f.add_metric([s.pool, s.worker_id], s.transfer[key])
+            yield f
+        h = HistogramMetricFamily("pdserve_kv_transfer_seconds", "Duration of KV transfers", labels=labels)
+        for s in moving:
+            cumulative, buckets = 0, []
+            for bound, n in zip((*map(str, TRANSFER_SECONDS_BUCKETS), "+Inf"), s.transfer["bucket_counts"]):
+                cumulative += n
+                buckets.append((bound, cumulative))
+            h.add_metric([s.pool, s.worker_id], buckets, sum_value=s.transfer["seconds"])
+        yield h

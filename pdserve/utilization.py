@@ -1,0 +1,118 @@
+"""How well a worker uses its hardware: model FLOPs and bytes moved per step, and the device's peaks.
+
+Prefill is compute-bound: its figure of merit is MFU, achieved FLOP/s over the device's peak.
+Decode is memory-bound: its figure of merit is MBU, bytes of weights and KV read per second over the
+device's peak bandwidth. Both counts are analytic (from the model's shape and the step's chunks), the
+convention of the PaLM MFU definition: matmul FLOPs of the forward pass, 2 per multiply-add, attention
+included, embedding lookup and element-wise ops excluded.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from pdserve.config import ModelConfig
+
+# Dense (no sparsity) 16-bit tensor-core peak FLOP/s and memory bandwidth in bytes/s, from the vendors'
+# datasheets; matched by substring of torch.cuda.get_device_name().
+DEVICE_PEAKS: dict[str, tuple[float, float]] = {
+    "H200": (989e12, 4.8e12),
+    "H100 NVL": (835e12, 3.9e12),
+    "H100 PCIe": (756e12, 2.0e12),
+    "H100": (989e12, 3.35e12),  # SXM
+    "A100-SXM4-80GB": (312e12, 2.039e12),
+    "A100-SXM4-40GB": (312e12, 1.555e12),
+    "A100-PCIE-80GB": (312e12, 1.935e12),
+    "A100": (312e12, 1.555e12),
+    "L40S": (362e12, 864e9),
+    "L4": (121e12, 300e9),
+    "A10G": (125e12, 600e9),
+}
+
+
+@dataclass(frozen=True)
+class DevicePeaks:
+    flops_per_second: float
+    bytes_per_second: float
+    source: str  # "table", "configured" or "measured"
+
+
+def linear_flops_per_token(cfg: ModelConfig) -> int:
+    """Matmul FLOPs of one token through the decoder layers (q/k/v/o and the MLP), without the lm_head."""
+    h = cfg.hidden_size
+    per_layer = 2 * h * (cfg.q_size + 2 * cfg.kv_size) + 2 * cfg.q_size * h + 2 * 3 * h * cfg.intermediate_size
+    return cfg.num_layers * per_layer
+
+
+def attention_flops(cfg: ModelConfig, context_len: int) -> int:
+    """QK^T and PV of one query token attending to context_len tokens, over all layers and heads."""
+    return cfg.num_layers * 2 * 2 * cfg.q_size * context_len
+
+
+def lm_head_flops(cfg: ModelConfig) -> int:
+    return 2 * cfg.hidden_size * cfg.vocab_size
+
+
+def step_flops(cfg: ModelConfig, chunks: Sequence[tuple[int, int]], sampled_rows: int) -> int:
+    """FLOPs of one step. chunks: (start, num_tokens) of each sequence's new tokens; the lm_head runs
+    only on the sampled rows."""
+    total = 0
+    for start, n in chunks:
+        total += n * linear_flops_per_token(cfg)
+        # Token i of the chunk attends to start + i + 1 tokens: sum over the chunk in closed form.
+        total += attention_flops(cfg, 1) * (n * start + n * (n + 1) // 2)
+    return total + sampled_rows * lm_head_flops(cfg)
+
+
+def weight_bytes(cfg: ModelConfig, dtype_bytes: int) -> int:
+    """Bytes of the matmul weights a step reads once, whatever its batch: layers and lm_head."""
+    return (linear_flops_per_token(cfg) // 2 + cfg.hidden_size * cfg.vocab_size) * dtype_bytes
+
+
+def step_bytes(cfg: ModelConfig, chunks: Sequence[tuple[int, int]], dtype_bytes: int) -> int:
+    """Bytes a step reads from memory: every weight once, and for each sequence the K and V of its
+    whole context (what attention reads; new tokens' K/V included)."""
+    kv_per_token = 2 * cfg.num_layers * cfg.kv_size * dtype_bytes
+    context = sum(start + n for start, n in chunks)
+    return weight_bytes(cfg, dtype_bytes) + context * kv_per_token
+
+
+def device_peaks(device: torch.device, flops: float | None = None, bandwidth: float | None = None) -> DevicePeaks:
+    """Configured values win; then the table for known GPUs; otherwise a short measurement here."""
+    if flops and bandwidth:
+        return DevicePeaks(flops, bandwidth, "configured")
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        for key, (f, b) in DEVICE_PEAKS.items():
+            if key in name:
+                return DevicePeaks(flops or f, bandwidth or b, "table")
+    mf, mb = measure_peaks(device)
+    return DevicePeaks(flops or mf, bandwidth or mb, "measured")
+
+
+def measure_peaks(device: torch.device, seconds: float = 0.3) -> tuple[float, float]:
+    """Best observed fp32 matmul FLOP/s and copy bandwidth (read + write) on this device, in ~2*seconds."""
+    a = torch.randn(1024, 1024, device=device)
+    b = torch.randn(1024, 1024, device=device)
+    src = torch.empty(16 << 20, device=device)  # 64 MiB
+    dst = torch.empty_like(src)
+    best_f = best_b = 0.0
+    for fn, work, kind in ((lambda: torch.mm(a, b), 2 * 1024**3, "f"), (lambda: dst.copy_(src), 2 * src.nbytes, "b")):
+        fn()
+        end = time.perf_counter() + seconds
+        while time.perf_counter() < end:
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            t = time.perf_counter()
+            fn()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            rate = work / (time.perf_counter() - t)
+            if kind == "f":
+                best_f = max(best_f, rate)
+            else:
+                best_b = max(best_b, rate)
+    return best_f, best_b
