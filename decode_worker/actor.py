@@ -19,7 +19,7 @@ import ray
 import torch
 
 from pdserve.config import EngineConfig
-from pdserve.kv_transfer import PairChannel, StoreServer, TransferStats
+from pdserve.kv_transfer import PairChannel, StoreServer, TransferError, TransferStats
 from pdserve.messages import DecodeTask, StepOutput, TokenEvent, WorkerStats, worker_stats
 from pdserve.step_loop import StepLoop
 from pdserve.utilization import device_peaks
@@ -143,7 +143,8 @@ class _Peer:
                 data = self._transfer(task.request_id, num_blocks, transfer_id)
             except Exception as e:  # noqa: BLE001 - reported to the step thread, which frees the blocks
                 log.warning("KV transfer %s of %s from %s failed: %s", transfer_id, task.request_id, self.prefill_id, e)
-                self.actor.transfer_stats.record_failure()
+                if not isinstance(e, TransferError):  # the channel counts its own failures
+                    self.actor.transfer_stats.record_failure()
                 self.actor.loop.call(lambda rid=task.request_id, err=e: self.actor._transfer_failed(rid, err))
             else:
                 self.actor.loop.call(lambda rid=task.request_id, d=data: self.actor._transfer_done(rid, d))

@@ -15,7 +15,6 @@ import torch
 from pdserve.config import EngineConfig
 from pdserve.engine import EngineCore
 from pdserve.messages import PrefillTask, StepOutput, TokenEvent, WorkerStats, worker_stats
-from pdserve.request import Request
 from pdserve.step_loop import StepLoop
 from pdserve.utilization import device_peaks
 
@@ -39,7 +38,7 @@ class ColocatedActor:
 
     async def generate(self, task: PrefillTask) -> None:
         """Queue a whole request; its tokens (the first one included) arrive on stream()."""
-        req = Request(task.request_id, list(task.prompt_token_ids), task.params, task.seed)
+        req = task.new_request()
         await asyncio.wrap_future(self.loop.call(lambda: self.core.scheduler.add(req)))
 
     async def cancel(self, request_id: str) -> bool:

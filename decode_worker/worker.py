@@ -29,7 +29,7 @@ class DecodeWorker:
         self.reserved: dict[str, Request] = {}  # room reserved, KV in flight
 
     def add(self, task: DecodeTask) -> None:
-        if self.kv.blocks_needed(len(task.prompt_token_ids) + 1) > self.pool.num_blocks:
+        if self.kv.blocks_needed(len(task.prompt_token_ids) + len(task.output_token_ids)) > self.pool.num_blocks:
             raise ValueError(f"request {task.request_id} needs more KV blocks than this decode worker has")
         self.pending.append(task)
 
@@ -50,8 +50,7 @@ class DecodeWorker:
         if not self.pending or self.num_running + len(self.reserved) >= self.scheduler.config.max_num_seqs:
             return None
         task = self.pending[0]
-        req = Request(task.request_id, list(task.prompt_token_ids), task.params, task.seed)
-        req.token_ids.append(task.first_token)
+        req = task.new_request()
         need = self.kv.blocks_needed(req.num_tokens)
         if self.pool.num_free_blocks - need < self.num_running:
             return None
@@ -59,7 +58,7 @@ class DecodeWorker:
             return None
         self.pending.popleft()
         self.reserved[task.request_id] = req
-        return task, req.block_ids[: self.kv.blocks_needed(req.num_prompt_tokens)]
+        return task, req.block_ids[: self.kv.blocks_needed(req.num_tokens - 1)]
 
     def complete_transfer(self, request_id: str, kv: torch.Tensor) -> bool:
         """Write the received prompt KV into the reserved blocks and join the running batch."""
@@ -67,7 +66,7 @@ class DecodeWorker:
         if req is None:
             return False  # cancelled while in flight: its blocks were already freed
         insert_blocks(self.core.runner.kv_cache, req.block_ids[: kv.shape[3]], kv)
-        req.num_computed_tokens = req.num_prompt_tokens
+        req.num_computed_tokens = req.num_tokens - 1  # all but the last sampled token, computed next step
         self.kv.cache_computed_blocks(req)
         self.scheduler.add_running(req)
         return True

@@ -41,6 +41,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--peak-memory-bandwidth", type=float, default=None,
                        help="device peak bytes/s for MBU (default: known GPUs' datasheet, else measured at start)")
     serve.add_argument("--transfer-timeout", type=float, default=30.0, help="seconds before a KV transfer fails")
+    serve.add_argument("--worker-timeout", type=float, default=30.0,
+                       help="seconds without a heartbeat answer before a worker counts as stuck and is replaced")
+    serve.add_argument("--max-retries", type=int, default=2, help="re-placements of a request whose worker was lost")
+    serve.add_argument("--on-decode-failure", choices=["resume", "fail"], default="resume",
+                       help="a lost decode worker's requests resume elsewhere, or end with UNAVAILABLE")
     serve.add_argument("--max-running", type=int, default=256, help="requests on the workers at once")
     serve.add_argument("--max-queued", type=int, default=1024, help="requests waiting; more get RESOURCE_EXHAUSTED")
     serve.add_argument("--drain-timeout", type=float, default=30.0, help="seconds in-flight requests get on shutdown")
@@ -230,7 +235,8 @@ def cluster_config_from_args(args: argparse.Namespace):
                          prefill=pool(args.prefill_workers, args.prefill_token_budget, args.prefill_resource),
                          decode=pool(args.decode_workers, args.prefill_token_budget, args.decode_resource),
                          colocated=pool(args.colocated_workers, args.prefill_token_budget, []),
-                         transfer_timeout_s=args.transfer_timeout)
+                         transfer_timeout_s=args.transfer_timeout, worker_timeout_s=args.worker_timeout,
+                         max_retries=args.max_retries, on_decode_failure=args.on_decode_failure)
 
 
 def parse_resources(items: list[str]) -> dict[str, float]:

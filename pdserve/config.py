@@ -244,12 +244,20 @@ class ClusterConfig:
     transfer_timeout_s: float = 30.0
     bind_host: str = "127.0.0.1"  # where decode workers listen for KV-transfer rendezvous
     stats_interval_s: float = 1.0  # heartbeat: how often the router asks every worker for its stats
+    worker_timeout_s: float = 30.0  # a worker that does not answer the heartbeat this long is stuck: replaced
+    worker_start_timeout_s: float = 300.0  # a replacement must be ready within this (model load included)
+    max_retries: int = 2  # attempts after the first for a request whose worker was lost
+    on_decode_failure: str = "resume"  # or "fail": end the request with UNAVAILABLE
 
     def __post_init__(self) -> None:
         if self.mode not in ("disaggregated", "colocated"):
             raise ValueError(f"mode must be disaggregated or colocated, got {self.mode!r}")
         if self.transfer_timeout_s <= 0:
             raise ValueError(f"transfer_timeout_s must be positive, got {self.transfer_timeout_s}")
+        if self.on_decode_failure not in ("resume", "fail"):
+            raise ValueError(f"on_decode_failure must be resume or fail, got {self.on_decode_failure!r}")
+        if self.max_retries < 0 or self.worker_timeout_s <= 0 or self.stats_interval_s <= 0:
+            raise ValueError("max_retries must be >= 0, worker_timeout_s and stats_interval_s positive")
 
     def engine_for(self, pool: PoolConfig) -> EngineConfig:
         return replace(self.engine, scheduler=pool.scheduler, cache=pool.cache)

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from pdserve.request import FinishReason
+from pdserve.request import FinishReason, Request
 from pdserve.sampling import SamplingParams
 
 if TYPE_CHECKING:
@@ -23,6 +23,14 @@ class PrefillTask:
     prompt_token_ids: tuple[int, ...]
     params: SamplingParams
     seed: int
+    # Tokens already streamed to the client by an earlier attempt (a resumed request): they are
+    # ingested with the prompt, and sampling continues at their count, so nothing repeats or skips.
+    output_token_ids: tuple[int, ...] = ()
+
+    def new_request(self) -> Request:
+        req = Request(self.request_id, list(self.prompt_token_ids), self.params, self.seed)
+        req.token_ids.extend(self.output_token_ids)
+        return req
 
 
 @dataclass(frozen=True)
@@ -37,10 +45,15 @@ class PrefillResult:
 class DecodeTask:
     request_id: str
     prompt_token_ids: tuple[int, ...]
-    first_token: int
+    output_token_ids: tuple[int, ...]  # every output token so far; the KV of all but the last is on the prefill worker
     params: SamplingParams
     seed: int
-    prefill_worker: str  # id of the prefill worker that holds the prompt's KV
+    prefill_worker: str  # id of the prefill worker that holds the KV
+
+    def new_request(self) -> Request:
+        req = Request(self.request_id, list(self.prompt_token_ids), self.params, self.seed)
+        req.token_ids.extend(self.output_token_ids)
+        return req
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,9 @@ TOKEN_SECONDS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.
 class RouterMetrics:
     """The registry the router serves: request histograms and counters, admission gauges, worker metrics."""
 
-    def __init__(self, worker_stats: Callable[[], Iterable[WorkerStats]]):
+    def __init__(self, worker_stats: Callable[[], Iterable[WorkerStats]],
+                 faults: Callable[[], tuple[dict[str, int], dict[str, int]]] = lambda: ({}, {})):
+        """worker_stats: the workers' latest stats; faults: (restarts by pool, retries by reason), cumulative."""
         r = self.registry = CollectorRegistry()
         self.ttft = Histogram("pdserve_request_time_to_first_token_seconds",
                               "From arrival at the router to the first token streamed", registry=r,
@@ -47,6 +49,7 @@ class RouterMetrics:
         self.running = Gauge("pdserve_router_requests_running", "Requests admitted to the workers", registry=r)
         self.queued = Gauge("pdserve_router_requests_queued", "Requests waiting for admission", registry=r)
         r.register(WorkerCollector(worker_stats))
+        r.register(FaultCollector(faults))
 
     def observe_request(self, *, finish_reason: str, code: str, queue_s: float | None, ttft_s: float | None,
                         e2e_s: float | None, token_times: list[float], prompt_tokens: int, output_tokens: int) -> None:
@@ -130,3 +133,22 @@ class WorkerCollector(Collector):
                 buckets.append((bound, cumulative))
             h.add_metric([s.pool, s.worker_id], buckets, sum_value=s.transfer["seconds"])
         yield h
+
+
+class FaultCollector(Collector):
+    """Worker replacements and request retries, as counted by the router."""
+
+    def __init__(self, faults: Callable[[], tuple[dict[str, int], dict[str, int]]]):
+        self.faults = faults
+
+    def collect(self) -> Iterator[Metric]:
+        restarts, retries = self.faults()
+        f = CounterMetricFamily("pdserve_worker_restarts", "Workers lost (dead or stuck) and replaced", labels=["pool"])
+        for pool in ("prefill", "decode", "colocated"):
+            f.add_metric([pool], restarts.get(pool, 0))
+        yield f
+        f = CounterMetricFamily("pdserve_request_retries", "Requests placed again after a lost worker or failed transfer",
+                                labels=["reason"])
+        for reason, n in sorted(retries.items()):
+            f.add_metric([reason], n)
+        yield f

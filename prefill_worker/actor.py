@@ -32,6 +32,7 @@ class PrefillActor:
         self.transfer_stats = TransferStats()
         self._results: dict[str, Future[PrefillResult]] = {}
         self._channels: dict[str, PairChannel] = {}
+        self._send_delays: list[float] = []
         self.busy_seconds = 0.0
         self.started = time.monotonic()
         self.loop = StepLoop(self._step, name=f"prefill-{worker_id}")
@@ -63,7 +64,8 @@ class PrefillActor:
             old.close()
         self._channels[decode_id] = await asyncio.to_thread(
             PairChannel, host, port, self.worker_id, decode_id, 0, self.transfer_timeout_s,
-            self.worker.runner.kv_cache.device, generation=generation, stats=self.transfer_stats)
+            self.worker.runner.kv_cache.device, generation=generation, stats=self.transfer_stats,
+            before_send=self._before_send)
 
     async def send_kv(self, request_id: str, decode_id: str, transfer_id: int) -> int:
         """Send a held prompt's KV to the decode worker that asked for it, then release it here.
@@ -84,6 +86,14 @@ class PrefillActor:
         finally:
             self.loop.call(lambda: self.worker.release(request_id))
         return data.nbytes
+
+    async def inject_send_delay(self, seconds: float, count: int = 1) -> None:
+        """Fault injection for tests: the next `count` KV sends stall `seconds` first."""
+        self._send_delays = [seconds] * count
+
+    def _before_send(self, transfer_id: int) -> None:
+        if self._send_delays:
+            time.sleep(self._send_delays.pop())
 
     async def stats(self) -> WorkerStats:
         return await asyncio.wrap_future(self.loop.call(self._stats))

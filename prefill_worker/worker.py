@@ -36,10 +36,11 @@ class PrefillWorker:
         self.tokens_processed = 0
 
     def add(self, task: PrefillTask) -> None:
-        if self.kv.blocks_needed(len(task.prompt_token_ids)) > self.pool.num_blocks:
-            raise ValueError(f"prompt of {len(task.prompt_token_ids)} tokens does not fit this worker's KV cache "
+        req = task.new_request()
+        if self.kv.blocks_needed(req.num_tokens) > self.pool.num_blocks:
+            raise ValueError(f"prompt of {req.num_tokens} tokens does not fit this worker's KV cache "
                              f"({self.pool.num_blocks} blocks of {self.pool.block_size})")
-        self.waiting.append(Request(task.request_id, list(task.prompt_token_ids), task.params, task.seed))
+        self.waiting.append(req)
 
     @property
     def has_work(self) -> bool:
@@ -51,9 +52,9 @@ class PrefillWorker:
             sum(r.num_tokens - r.num_computed_tokens for r in self.running)
 
     def held_blocks(self, request_id: str) -> list[int]:
-        """The blocks that hold a finished prompt's KV (only those that hold prompt tokens)."""
+        """The blocks that hold an ingested prompt's KV (of a resumed request: prompt and earlier output)."""
         req = self.held[request_id]
-        return req.block_ids[: self.kv.blocks_needed(req.num_prompt_tokens)]
+        return req.block_ids[: self.kv.blocks_needed(req.num_computed_tokens)]
 
     def release(self, request_id: str) -> bool:
         """Free a held prompt's KV (after its transfer, or when its request ended)."""

@@ -277,7 +277,8 @@ class Router:
     def __init__(self, cluster: Cluster, config: RouterConfig):
         self.cluster = cluster
         self.config = config
-        self.metrics = RouterMetrics(cluster.worker_stats) if config.metrics_port is not None else None
+        self.metrics = RouterMetrics(cluster.worker_stats, lambda: (dict(cluster.restarts), dict(cluster.retries))) \
+            if config.metrics_port is not None else None
         self.service = GenerationService(cluster, config, self.metrics)
         self.health = health.aio.HealthServicer()
         self.server: grpc.aio.Server | None = None

@@ -37,7 +37,7 @@ def run_disaggregated(prefill: PrefillWorker, decode: DecodeWorker, batch, param
         for r in prefill.step():
             i = int(r.request_id[1:])
             out[r.request_id] = [r.first_token]
-            decode.add(DecodeTask(r.request_id, tuple(batch[i]), r.first_token, params[i], 100 + i, "p"))
+            decode.add(DecodeTask(r.request_id, tuple(batch[i]), (r.first_token,), params[i], 100 + i, "p"))
     while decode.pending or decode.reserved or decode.has_work:
         while (res := decode.reserve_next()) is not None:
             task, blocks = res
@@ -134,7 +134,7 @@ def test_cancel_everywhere_frees_blocks(tiny):
     results += [r for _ in range(5) for r in prefill.step()]
     assert [r.request_id for r in results] == ["r0", "r1"]
     for r in results:
-        decode.add(DecodeTask(r.request_id, tuple(ps[int(r.request_id[1:])]), r.first_token, params, 0, "p"))
+        decode.add(DecodeTask(r.request_id, tuple(ps[int(r.request_id[1:])]), (r.first_token,), params, 0, "p"))
     task, blocks = decode.reserve_next()
     decode.complete_transfer(task.request_id, extract_blocks(prefill.runner.kv_cache, prefill.held_blocks(task.request_id)))
     prefill.release(task.request_id)
@@ -157,3 +157,28 @@ def test_first_token_stop_rules():
     r = Request("a", [1, 2], SamplingParams(max_tokens=5), 0)
     r.token_ids.append(9)
     assert token_stop_reason(r, (9,), 100) is FinishReason.STOP
+
+
+@pytest.mark.parametrize("params", [SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True),
+                                    SamplingParams(max_tokens=12, temperature=1.0, seed=9, ignore_eos=True)],
+                         ids=["greedy", "seeded"])
+def test_resumed_request_continues_exactly(tiny, params):
+    """A request re-prefilled with the tokens it already streamed samples exactly the tokens it would have."""
+    path, loaded = tiny
+    p = prompts()[1]
+    ref = LLMEngine(config(path), loaded).generate([p], params)[0].token_ids
+    prefill = PrefillWorker("p", config(path), loaded)
+    decode = DecodeWorker("d", config(path), loaded)
+    streamed = ref[:5]  # what the client got before the decode worker was lost
+    prefill.add(PrefillTask("r", tuple(p), params, 9, tuple(streamed)))
+    (r,) = [x for _ in range(5) for x in prefill.step()]
+    assert r.first_token == ref[5]
+    decode.add(DecodeTask("r", tuple(p), (*streamed, r.first_token), params, 9, "p"))
+    _, blocks = decode.reserve_next()
+    decode.complete_transfer("r", extract_blocks(prefill.runner.kv_cache, prefill.held_blocks("r")))
+    prefill.release("r")
+    rest = []
+    while decode.has_work:
+        rest += [ev.token for ev in decode.step()]
+    assert [*streamed, r.first_token, *rest] == ref
+    assert decode.pool.num_used_blocks == 0 and prefill.pool.num_used_blocks == 0
