@@ -17,8 +17,23 @@ if TYPE_CHECKING:
     from pdserve.utilization import DevicePeaks
 
 
+class _Task:
+    """What a task needs to become a worker's Request: prompt, the output so far, sampling, seed."""
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    output_token_ids: tuple[int, ...]
+    params: SamplingParams
+    seed: int
+
+    def new_request(self) -> Request:
+        req = Request(self.request_id, list(self.prompt_token_ids), self.params, self.seed)
+        req.token_ids.extend(self.output_token_ids)
+        return req
+
+
 @dataclass(frozen=True)
-class PrefillTask:
+class PrefillTask(_Task):
     request_id: str
     prompt_token_ids: tuple[int, ...]
     params: SamplingParams
@@ -26,11 +41,6 @@ class PrefillTask:
     # Tokens already streamed to the client by an earlier attempt (a resumed request): they are
     # ingested with the prompt, and sampling continues at their count, so nothing repeats or skips.
     output_token_ids: tuple[int, ...] = ()
-
-    def new_request(self) -> Request:
-        req = Request(self.request_id, list(self.prompt_token_ids), self.params, self.seed)
-        req.token_ids.extend(self.output_token_ids)
-        return req
 
 
 @dataclass(frozen=True)
@@ -42,18 +52,13 @@ class PrefillResult:
 
 
 @dataclass(frozen=True)
-class DecodeTask:
+class DecodeTask(_Task):
     request_id: str
     prompt_token_ids: tuple[int, ...]
     output_token_ids: tuple[int, ...]  # every output token so far; the KV of all but the last is on the prefill worker
     params: SamplingParams
     seed: int
     prefill_worker: str  # id of the prefill worker that holds the KV
-
-    def new_request(self) -> Request:
-        req = Request(self.request_id, list(self.prompt_token_ids), self.params, self.seed)
-        req.token_ids.extend(self.output_token_ids)
-        return req
 
 
 @dataclass(frozen=True)
