@@ -32,7 +32,7 @@ class DecodeActor:
     """Wrapped with ray.remote by the router's pool (which sets its resources)."""
 
     def __init__(self, worker_id: str, config: EngineConfig, transfer_timeout_s: float,
-                 torch_threads: int | None = None, bind_host: str = "127.0.0.1"):
+                 torch_threads: int | None = None, bind_host: str | None = None):
         if torch_threads:
             torch.set_num_threads(torch_threads)
         self.worker_id = worker_id
@@ -40,7 +40,8 @@ class DecodeActor:
         self.peaks = device_peaks(self.worker.core.runner.device, config.peak_flops, config.peak_bytes_per_second)
         self.transfer_timeout_s = transfer_timeout_s
         self.transfer_stats = TransferStats()
-        self.store = StoreServer(bind_host)
+        # Prefill workers on other nodes connect here: the node's address, unless told otherwise.
+        self.store = StoreServer(bind_host or ray.util.get_node_ip_address())
         self._outputs: queue.SimpleQueue[StepOutput] = queue.SimpleQueue()
         self._failed: list[tuple[str, str]] = []
         self._peers: dict[str, _Peer] = {}

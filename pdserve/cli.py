@@ -41,6 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--peak-memory-bandwidth", type=float, default=None,
                        help="device peak bytes/s for MBU (default: known GPUs' datasheet, else measured at start)")
     serve.add_argument("--transfer-timeout", type=float, default=30.0, help="seconds before a KV transfer fails")
+    serve.add_argument("--kv-bind-host", default=None,
+                       help="address decode workers listen on for KV transfers (default: their node's IP)")
     serve.add_argument("--worker-timeout", type=float, default=30.0,
                        help="seconds without a heartbeat answer before a worker counts as stuck and is replaced")
     serve.add_argument("--max-retries", type=int, default=2, help="re-placements of a request whose worker was lost")
@@ -235,7 +237,8 @@ def cluster_config_from_args(args: argparse.Namespace):
                          prefill=pool(args.prefill_workers, args.prefill_token_budget, args.prefill_resource),
                          decode=pool(args.decode_workers, args.prefill_token_budget, args.decode_resource),
                          colocated=pool(args.colocated_workers, args.prefill_token_budget, []),
-                         transfer_timeout_s=args.transfer_timeout, worker_timeout_s=args.worker_timeout,
+                         transfer_timeout_s=args.transfer_timeout, bind_host=args.kv_bind_host,
+                         worker_timeout_s=args.worker_timeout,
                          max_retries=args.max_retries, on_decode_failure=args.on_decode_failure)
 
 

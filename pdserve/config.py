@@ -242,7 +242,9 @@ class ClusterConfig:
     decode: PoolConfig = field(default_factory=PoolConfig)
     colocated: PoolConfig = field(default_factory=PoolConfig)
     transfer_timeout_s: float = 30.0
-    bind_host: str = "127.0.0.1"  # where decode workers listen for KV-transfer rendezvous
+    # Where decode workers listen for KV-transfer rendezvous. None: the worker's node IP as Ray knows it
+    # (127.0.0.1 on a local cluster started on loopback, the pod IP on Kubernetes).
+    bind_host: str | None = None
     stats_interval_s: float = 1.0  # heartbeat: how often the router asks every worker for its stats
     worker_timeout_s: float = 30.0  # a worker that does not answer the heartbeat this long is stuck: replaced
     worker_start_timeout_s: float = 300.0  # a replacement must be ready within this (model load included)
