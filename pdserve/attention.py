@@ -11,6 +11,10 @@ tokens each, attended one sequence at a time with SDPA). Decodes are sorted by c
 attended in groups of similar length, each padded only to its own longest context: the gather and the
 matmuls are memory-bound, and one batch padded to its longest sequence would move about twice the
 bytes on a mixed-length batch.
+
+On CPU with an fp32 contiguous cache, decode attention runs a C++ kernel instead (pdserve.cpu_attention)
+that reads each row's K/V blocks in place, once, with no padding; PDSERVE_CPU_ATTENTION=torch forces
+the torch path below, which stays the reference and serves every other device and dtype.
 """
 from __future__ import annotations
 
@@ -18,6 +22,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from pdserve import cpu_attention
 
 
 @dataclass
@@ -60,7 +66,7 @@ def paged_attention(
     start = 0
     for g in meta.decode_groups:
         end = start + g.context_lens.shape[0]
-        out[start:end] = _decode_attention(q[start:end], kv_layer, g.block_tables, g.context_lens, scale)
+        _decode_attention(q[start:end], kv_layer, g.block_tables, g.context_lens, scale, out=out[start:end])
         start = end
     assert start == meta.num_decodes
     for q_len, ctx_len, blocks in zip(meta.prefill_query_lens, meta.prefill_context_lens, meta.prefill_block_tables):
@@ -71,6 +77,20 @@ def paged_attention(
 
 
 def _decode_attention(
+    q: torch.Tensor,  # [batch, heads, head_dim]
+    kv_layer: torch.Tensor,
+    block_tables: torch.Tensor,  # [batch, max_blocks]
+    context_lens: torch.Tensor,  # [batch]
+    scale: float,
+    out: torch.Tensor | None = None,  # [batch, heads, head_dim], contiguous: written in place
+) -> torch.Tensor:
+    if cpu_attention.supports(q, kv_layer, block_tables, context_lens):
+        return cpu_attention.paged_decode_attention(q, kv_layer, block_tables, context_lens, scale, out=out)
+    result = _decode_attention_torch(q, kv_layer, block_tables, context_lens, scale)
+    return result if out is None else out.copy_(result)
+
+
+def _decode_attention_torch(
     q: torch.Tensor,  # [batch, heads, head_dim]
     kv_layer: torch.Tensor,
     block_tables: torch.Tensor,  # [batch, max_blocks]

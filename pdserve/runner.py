@@ -11,6 +11,7 @@ from typing import NamedTuple
 
 import torch
 
+from pdserve import cpu_attention
 from pdserve.attention import AttentionMetadata, DecodeGroup
 from pdserve.config import ModelConfig
 from pdserve.kv_cache import allocate_kv_cache
@@ -45,6 +46,10 @@ class ModelRunner:
         self.num_blocks = num_blocks
         self.kv_cache = allocate_kv_cache(self.cfg, num_blocks, block_size, self.dtype, self.device)
         self._dtype_bytes = self.kv_cache.element_size()
+        if self.device.type == "cpu" and self.dtype == torch.float32:
+            # Build (first time on a machine, ~15 s) or load the CPU decode-attention kernel now, at
+            # start-up, rather than inside the first request's step.
+            cpu_attention.available()
         # Analytic work done so far (pdserve.utilization): the numerators of MFU and MBU.
         self.flops_total = 0
         self.bytes_total = 0
