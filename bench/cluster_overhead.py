@@ -7,8 +7,9 @@ The offline engine (one process, all cores) runs the batch first; then a local R
 given pools and the gRPC router on loopback serve the same token-id prompts, all sent at once by an
 asyncio client. Both outputs must be identical (greedy); prints output tokens/s of each and the ratio.
 Each worker gets cores // (prefill + decode) torch threads so the cluster uses the same cores.
-The cluster path runs --repeats times with the router's metrics off and on, alternating, to give the
-cost of metrics (recording every request and serving /metrics, scraped once a second here).
+After one untimed batch through the cluster (the workers' first steps), the cluster path runs
+--repeats times with the router's metrics off and on, alternating, to give the cost of metrics
+(recording every request and serving /metrics, scraped once a second here).
 """
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ def main() -> None:
     ap.add_argument("--prefill-workers", type=int, default=1)
     ap.add_argument("--decode-workers", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--repeats", type=int, default=2, help="cluster runs per metrics setting")
+    ap.add_argument("--repeats", type=int, default=3, help="cluster runs per metrics setting")
     args = ap.parse_args()
 
     from pdserve.client import AsyncClient
@@ -81,6 +82,9 @@ def main() -> None:
         await cluster.start()
         times: dict[bool, list[float]] = {False: [], True: []}
         try:
+            warm = Router(cluster, RouterConfig(port=0))  # one untimed batch: the workers' first steps
+            await run_batch(await warm.start())
+            await warm.stop(grace=5)
             for _ in range(args.repeats):
                 for metrics in (False, True):
                     router = Router(cluster, RouterConfig(port=0, metrics_port=0 if metrics else None))

@@ -110,13 +110,20 @@ class ModelRunner:
             slot_mapping=torch.cat(slots).to(self.device),
             num_decodes=num_decodes,
             decode_groups=[self._decode_group(decode_tables[a:b], decode_lens[a:b])
-                           for a, b in group_by_length([len(t) for t in decode_tables])],
+                           for a, b in group_by_length([len(t) for t in decode_tables], self._max_padding())],
             prefill_query_lens=p_q,
             prefill_context_lens=p_ctx,
             prefill_block_tables=p_tables,
         )
         input_ids = torch.tensor(ids, dtype=torch.int64, device=self.device)
         return input_ids, torch.cat(pos).to(self.device), meta
+
+    def _max_padding(self) -> float:
+        """Padding the decode groups may carry: the CPU kernel never reads it (one group is fastest);
+        the torch path reads all of it (groups of similar length)."""
+        kernel = self.device.type == "cpu" and self.dtype == torch.float32 and cpu_attention.enabled() \
+            and cpu_attention.available()
+        return float("inf") if kernel else 0.25
 
     def _decode_group(self, tables: list[list[int]], lens: list[int]) -> DecodeGroup:
         bt = torch.zeros(len(tables), len(tables[-1]), dtype=torch.int64)  # rows ascend: the last is longest
