@@ -6,6 +6,7 @@ import json
 import sys
 from collections.abc import Sequence
 
+from pdserve.bench.cli import add_bench_parser
 from pdserve.sampling import SamplingParams
 
 
@@ -68,6 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
     status = sub.add_parser("status", help="print the cluster's pools and workers")
     status.add_argument("--target", default="127.0.0.1:50051")
     status.set_defaults(func=cmd_status)
+    add_bench_parser(sub)
     return parser
 
 

@@ -1,0 +1,171 @@
+"""Disaggregated (xPyD) versus colocated on the same machine: one seeded workload, one table.
+
+    .venv/bin/python bench/compare_modes.py [--prefill-workers 1] [--decode-workers 1] [--output both.json]
+                                            [--plot both.png] [any `pdserve bench` flag ...]
+
+In one run: start a local Ray cluster (loopback); start the pools in disaggregated mode (P prefill + D
+decode workers) and the gRPC router, run `pdserve bench` against it in a separate process, shut it down;
+then the same with P + D colocated workers (each does both phases), the same torch threads per worker
+(cores // workers), the same KV cache, batching limits and Ray CPU share per worker, and the same
+seeded workload. Prints one table: goodput, SLO attainment, throughput, TTFT/TPOT/ITL/E2EL percentiles
+of each mode and their ratio (disaggregated / colocated: below 1 is better for a latency, above 1 for
+goodput and throughput).
+
+Flags this script does not know go to `pdserve bench` after its defaults (DEFAULT_BENCH_ARGS), so
+`--request-rate 2` or `--num-prompts 32` overrides them.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:  # run as a script from a checkout
+    sys.path.insert(0, str(ROOT))
+
+# 32 requests at 0.3/s: about 2 minutes a mode on 2 cores with SmolLM2, both modes below saturation.
+# Prompts of 384-640 tokens make each prefill (~2 s on one thread) long enough to stall the decodes
+# it shares a colocated worker with; 48-80 output tokens.
+DEFAULT_BENCH_ARGS = ["--num-prompts", "32", "--request-rate", "0.3", "--lengths", "uniform", "--input-len", "512",
+                      "--output-len", "64", "--range-ratio", "0.25", "--seed", "0",
+                      "--slo-ttft-ms", "4000", "--slo-tpot-ms", "150", "--timeout", "300"]
+
+ROWS = [  # (label, report key, format, better when higher)
+    ("completed / failed", None, "", None),
+    ("request goodput (req/s)", "request_goodput", ".3f", True),
+    ("SLO attainment (%)", "slo_attainment", "pct", True),
+    ("request throughput (req/s)", "request_throughput", ".3f", True),
+    ("output throughput (tok/s)", "output_throughput", ".1f", True),
+    *((f"{s} TTFT (ms)", f"{k}_ttft_ms", ".0f", False) for s, k in
+      (("mean", "mean"), ("median", "median"), ("p90", "p90"), ("p99", "p99"))),
+    *((f"{s} TPOT (ms)", f"{k}_tpot_ms", ".1f", False) for s, k in
+      (("mean", "mean"), ("median", "median"), ("p90", "p90"), ("p99", "p99"))),
+    ("median ITL (ms)", "median_itl_ms", ".1f", False),
+    ("p99 ITL (ms)", "p99_itl_ms", ".1f", False),
+    ("median E2EL (ms)", "median_e2el_ms", ".0f", False),
+    ("p99 E2EL (ms)", "p99_e2el_ms", ".0f", False),
+    # Split of the ITL: the first gap holds the KV hand-off in disaggregated mode; the later ones show
+    # whether prefills interrupt decoding (colocated steps mix them in).
+    ("median 1st->2nd token gap (ms)", "median_first_gap_ms", ".0f", False),
+    ("p99 ITL after the 2nd token (ms)", "p99_later_itl_ms", ".1f", False),
+    ("max ITL after the 2nd token (ms)", "max_later_itl_ms", ".1f", False),
+]
+
+
+def add_itl_split(rep: dict) -> dict:
+    """Derived keys from the per-request rows (not part of the standard report)."""
+    from pdserve.bench.stats import percentile
+
+    ok = [r for r in rep["requests"] if r["error_code"] is None and r["itl_ms"]]
+    first = [r["itl_ms"][0] for r in ok]
+    later = [g for r in ok for g in r["itl_ms"][1:]]
+    rep["median_first_gap_ms"] = percentile(first, 50) if first else None
+    rep["p99_later_itl_ms"] = percentile(later, 99) if later else None
+    rep["max_later_itl_ms"] = max(later) if later else None
+    return rep
+
+
+def fmt(v, spec: str) -> str:
+    if v is None:
+        return "n/a"
+    return f"{100 * v:.1f}" if spec == "pct" else format(v, spec)
+
+
+def table(names: tuple[str, str], a: dict, b: dict) -> str:
+    w = max(len(n) for n in names) + 2
+    lines = [f"{'':30}{names[0]:>{w}}{names[1]:>{w}}{'ratio':>9}", "-" * (30 + 2 * w + 9)]
+    for label, key, spec, _ in ROWS:
+        if key is None:
+            va, vb, ratio = f"{a['completed']} / {a['failed']}", f"{b['completed']} / {b['failed']}", ""
+        else:
+            va, vb = fmt(a[key], spec), fmt(b[key], spec)
+            ratio = f"{a[key] / b[key]:.2f}" if a[key] is not None and b[key] else "n/a"
+        lines.append(f"{label:30}{va:>{w}}{vb:>{w}}{ratio:>9}")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None, help="default: SmolLM2-135M-Instruct")
+    ap.add_argument("--prefill-workers", type=int, default=1)
+    ap.add_argument("--decode-workers", type=int, default=1)
+    ap.add_argument("--torch-threads", type=int, default=None, help="per worker (default: cores // workers)")
+    ap.add_argument("--kv-cache-mib", type=int, default=256, help="KV cache per worker")
+    ap.add_argument("--prefill-token-budget", type=int, default=512, help="tokens per step (both modes)")
+    ap.add_argument("--max-num-seqs", type=int, default=64)
+    ap.add_argument("--output", default=None, metavar="FILE.json", help="both reports and the settings")
+    ap.add_argument("--plot", default=None, metavar="FILE.png", help="both runs on one figure")
+    args, bench_args = ap.parse_known_args()
+
+    from pdserve.config import CacheConfig, ClusterConfig, EngineConfig, PoolConfig, SchedulerConfig
+    from router.cluster import Cluster, init_local_ray
+    from router.server import Router, RouterConfig
+
+    workers = args.prefill_workers + args.decode_workers
+    cores = os.cpu_count() or 1
+    threads = args.torch_threads or max(1, cores // workers)
+    cache = CacheConfig(memory_bytes=args.kv_cache_mib << 20)
+    sched = SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.prefill_token_budget)
+    cpus = min(0.5, cores / (workers + 1))  # fractional: all workers must fit beside the driver
+
+    def pool(n: int) -> PoolConfig:
+        return PoolConfig(n, num_cpus=cpus, cache=cache, scheduler=sched, torch_threads=threads)
+
+    engine = EngineConfig(model=args.model, cache=cache, scheduler=sched)
+    xpyd = f"{args.prefill_workers}P{args.decode_workers}D"
+    modes = {
+        f"disaggregated {xpyd}": ClusterConfig(engine=engine, prefill=pool(args.prefill_workers),
+                                              decode=pool(args.decode_workers)),
+        f"colocated x{workers}": ClusterConfig(engine=engine, mode="colocated", colocated=pool(workers)),
+    }
+    cmd_args = [*DEFAULT_BENCH_ARGS, *bench_args]
+    print(f"{cores} cores; {workers} workers per mode, {threads} torch thread(s) each; "
+          f"pdserve bench {' '.join(cmd_args)}", flush=True)
+    init_local_ray()
+    tmp = Path(tempfile.mkdtemp(prefix="pdserve-compare-"))
+
+    async def run_mode(name: str, config: ClusterConfig) -> dict:
+        t = time.perf_counter()
+        cluster = Cluster(config)
+        await cluster.start()
+        router = Router(cluster, RouterConfig(port=0))
+        port = await router.start()
+        print(f"\n## {name}: started in {time.perf_counter() - t:.0f}s on 127.0.0.1:{port}", flush=True)
+        out = tmp / f"{name.split()[0]}.json"
+        try:
+            # A separate process: the client's work must not run on the router's event loop.
+            proc = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "pdserve.cli", "bench", "--target", f"127.0.0.1:{port}", *cmd_args,
+                "--label", name, "--output", str(out), cwd=str(ROOT))
+            rc = await proc.wait()
+        finally:
+            await router.stop(grace=5)
+            await cluster.shutdown()
+        if rc != 0 or not out.exists():
+            raise SystemExit(f"pdserve bench failed in {name} mode (exit {rc})")
+        return add_itl_split(json.loads(out.read_text()))
+
+    reports = {name: asyncio.run(run_mode(name, cfg)) for name, cfg in modes.items()}
+    (na, a), (nb, b) = reports.items()
+    print(f"\n{'':30}workload: {a['config']['workload']}; SLOs: "
+          + ", ".join(f"{k[:-3].upper()} <= {v:g} ms" for k, v in a["slo"].items() if v is not None))
+    print(table((na, nb), a, b))
+    if args.output:
+        Path(args.output).write_text(json.dumps(
+            {"bench_args": cmd_args, "torch_threads": threads, "cores": cores, "reports": reports}, indent=1) + "\n")
+        print(f"reports: {args.output}")
+    if args.plot:
+        from pdserve.bench.plot import plot_reports
+
+        plot_reports(list(reports.items()), args.plot, title=f"disaggregated vs colocated: {a['config']['workload']}")
+        print(f"plot: {args.plot}")
+
+
+if __name__ == "__main__":
+    main()

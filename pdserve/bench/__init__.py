@@ -1,0 +1,8 @@
+"""`pdserve bench`: a load generator for a running router, with the serving statistics of the field.
+
+workload.py  length distributions, arrival schedules, JSONL traces (pure, seeded)
+stats.py     per-request records and the aggregate report (pure functions)
+runner.py    the asyncio driver over pdserve.client.AsyncClient
+plot.py      latency CDFs and the throughput timeline (matplotlib, optional `bench` extra)
+cli.py       `pdserve bench` flags and the printed summary
+"""

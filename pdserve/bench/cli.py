@@ -1,0 +1,249 @@
+"""`pdserve bench`: drive a running router and report the serving statistics (see stats.py).
+
+    pdserve bench --target 127.0.0.1:50051 --request-rate 4 --num-prompts 200 \
+        --lengths uniform --input-len 256 --output-len 64 --slo-ttft-ms 500 --slo-tpot-ms 50 \
+        --output run.json --plot run.png
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime as dt
+import json
+import math
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from pdserve.bench.workload import (ARRIVALS, LENGTH_DISTS, BenchRequest, LengthSpec, TokenSampler,
+                                    bursty_arrivals, closed_arrivals, load_trace, poisson_arrivals,
+                                    synthetic_requests, trace_arrivals)
+
+DEFAULT_NUM_PROMPTS = 100
+
+
+def add_bench_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    p = sub.add_parser("bench", help="load-test a running router: throughput, TTFT/TPOT/ITL, SLO goodput",
+                       description="Drive a running pdserve router over gRPC with a synthetic or replayed "
+                                   "workload and report throughput, latency percentiles and SLO goodput.")
+    p.add_argument("--target", default="127.0.0.1:50051", help="router address HOST:PORT")
+    add_workload_args(p)
+    g = p.add_argument_group("SLOs (goodput counts successful requests that meet every one given)")
+    g.add_argument("--slo-ttft-ms", type=float, default=None, help="time to first token, ms")
+    g.add_argument("--slo-tpot-ms", type=float, default=None, help="time per output token after the first, ms")
+    g.add_argument("--slo-e2el-ms", type=float, default=None, help="end-to-end latency, ms")
+    g = p.add_argument_group("output")
+    g.add_argument("--output", default=None, metavar="FILE.json", help="write the full report as JSON")
+    g.add_argument("--plot", default=None, metavar="FILE.png", help="latency CDFs and throughput timeline (matplotlib)")
+    g.add_argument("--label", default="", help="name of this run in the report and plot")
+    g.add_argument("--no-progress", action="store_true", help="no progress line on stderr")
+    p.set_defaults(func=cmd_bench)
+    return p
+
+
+def add_workload_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("arrivals")
+    g.add_argument("--arrival", choices=ARRIVALS, default=None,
+                   help="poisson: open loop at --request-rate; closed: --concurrency requests always in flight; "
+                        "bursty: --burst-size requests at once every --burst-interval s; trace: the timestamps "
+                        "of --trace (default: trace if --trace has timestamps, else poisson)")
+    g.add_argument("--request-rate", type=float, default=math.inf,
+                   help="Poisson arrivals per second (default inf: all at once)")
+    g.add_argument("--concurrency", "--max-concurrency", dest="concurrency", type=int, default=None,
+                   help="requests in flight at most (required by --arrival closed; a cap otherwise)")
+    g.add_argument("--burst-size", type=int, default=32, help="requests per burst (bursty)")
+    g.add_argument("--burst-interval", type=float, default=10.0, help="seconds from one burst to the next (bursty)")
+    g = p.add_argument_group("requests")
+    g.add_argument("--lengths", choices=LENGTH_DISTS, default="fixed",
+                   help="prompt and output length distribution: fixed, uniform (+-range-ratio), "
+                        "longtail (ShareGPT-like log-normal with median --input-len/--output-len)")
+    g.add_argument("--input-len", type=int, default=128, help="prompt tokens (fixed; uniform centre; longtail median)")
+    g.add_argument("--output-len", type=int, default=32, help="output tokens (same meaning)")
+    g.add_argument("--range-ratio", type=float, default=0.5, help="uniform: lengths in [len*(1-r), len*(1+r)]")
+    g.add_argument("--max-input-len", type=int, default=None, help="longtail cap (default 10 x --input-len)")
+    g.add_argument("--max-output-len", type=int, default=None, help="longtail cap (default 10 x --output-len)")
+    g.add_argument("--trace", default=None, metavar="FILE.jsonl",
+                   help="replay these requests instead (one JSON object a line; see docs/benchmarks.md)")
+    g.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=None,
+                   help="generate exactly the output length (default: on for synthetic prompts, off for traces)")
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--seed", type=int, default=0, help="seeds lengths, prompts and arrivals")
+    g = p.add_argument_group("run bounds")
+    g.add_argument("--num-prompts", type=int, default=None,
+                   help=f"requests to send (default {DEFAULT_NUM_PROMPTS}, or the trace's length, unless --duration)")
+    g.add_argument("--duration", type=float, default=None,
+                   help="stop sending new requests after this many seconds (sent ones finish and count)")
+    g.add_argument("--timeout", type=float, default=None, help="per-request deadline, seconds")
+    g.add_argument("--warmup", type=int, default=2, help="short requests sent and awaited first, not recorded")
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    import grpc
+
+    from pdserve.bench.stats import Slo
+
+    slo = Slo(args.slo_ttft_ms, args.slo_tpot_ms, args.slo_e2el_ms)  # ValueErrors before any network call
+    check_args(args)
+    if args.plot:  # fail now, not after the run
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise ValueError("--plot needs matplotlib: pip install 'pdserve[bench]'") from None
+    try:
+        report = asyncio.run(run_bench(args, slo))
+    except grpc.RpcError as e:
+        print(f"pdserve bench: {args.target}: {e.code().name}: {e.details()}", file=sys.stderr)
+        return 1
+    print(format_report(report))
+    if args.output:
+        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.output).write_text(json.dumps(report, indent=1) + "\n")
+        print(f"report: {args.output}")
+    if args.plot:
+        from pdserve.bench.plot import plot_reports
+
+        plot_reports([(args.label or report["mode"] or "run", report)], args.plot, title=plot_title(report))
+        print(f"plot: {args.plot}")
+    return 0 if report["completed"] else 1
+
+
+def check_args(args: argparse.Namespace) -> None:
+    for name, ok in (("num_prompts", lambda v: v >= 1), ("duration", lambda v: v > 0),
+                     ("concurrency", lambda v: v >= 1), ("timeout", lambda v: v > 0),
+                     ("request_rate", lambda v: v > 0), ("burst_size", lambda v: v >= 1),
+                     ("burst_interval", lambda v: v > 0), ("warmup", lambda v: v >= 0)):
+        v = getattr(args, name)
+        if v is not None and not ok(v):
+            raise ValueError(f"--{name.replace('_', '-')} out of range: {v}")
+    unbounded = args.num_prompts is None and args.concurrency is None and args.duration is not None
+    if unbounded and math.isinf(args.request_rate) and args.arrival in (None, "poisson") and not args.trace:
+        raise ValueError("--duration with --request-rate inf (all at once) needs --num-prompts or --concurrency")
+    if not args.trace:
+        LengthSpec(args.lengths, args.input_len, args.range_ratio, args.max_input_len)
+        LengthSpec(args.lengths, args.output_len, args.range_ratio, args.max_output_len)
+    elif not Path(args.trace).is_file():
+        raise FileNotFoundError(f"trace {args.trace} not found")
+
+
+def plot_title(report: dict[str, Any]) -> str:
+    c = report["config"]
+    return (f"pdserve bench{' ' + report['label'] if report['label'] else ''}: {report['mode']} {c['workload']}, "
+            f"{report['completed']} ok / {report['failed']} failed in {report['duration']:.1f}s")
+
+
+def build_workload(args: argparse.Namespace, vocab_size: int, eos_ids: list[int], max_model_len: int
+                   ) -> tuple[Iterator[BenchRequest], Iterator[float], str, int | None, dict[str, Any]]:
+    """(requests, arrivals, arrival kind, request count bound, description) from the flags and the model."""
+    sampler = TokenSampler(vocab_size, eos_ids)
+    num = args.num_prompts
+    if args.trace:
+        trace = load_trace(args.trace, sampler, seed=args.seed, default_output_len=args.output_len,
+                           ignore_eos=bool(args.ignore_eos), max_model_len=max_model_len)
+        arrival = args.arrival or ("trace" if trace[0].timestamp is not None else "poisson")
+        requests: Iterator[BenchRequest] = iter(trace)
+        num = min(num, len(trace)) if num is not None else (len(trace) if args.duration is None else None)
+        desc: dict[str, Any] = {"trace": str(args.trace), "trace_requests": len(trace)}
+    else:
+        arrival = args.arrival or "poisson"
+        if arrival == "trace":
+            raise ValueError("--arrival trace needs --trace FILE.jsonl")
+        in_spec = LengthSpec(args.lengths, args.input_len, args.range_ratio, args.max_input_len)
+        out_spec = LengthSpec(args.lengths, args.output_len, args.range_ratio, args.max_output_len)
+        ignore_eos = True if args.ignore_eos is None else args.ignore_eos
+        requests = synthetic_requests(in_spec, out_spec, sampler, max_model_len, args.seed, ignore_eos)
+        if num is None and args.duration is None:
+            num = DEFAULT_NUM_PROMPTS
+        desc = {"lengths": args.lengths, "input_len": args.input_len, "output_len": args.output_len,
+                "range_ratio": args.range_ratio if args.lengths == "uniform" else None,
+                "input_len_bounds": in_spec.bounds, "output_len_bounds": out_spec.bounds, "ignore_eos": ignore_eos}
+    if arrival == "poisson":
+        arrivals: Iterator[float] = poisson_arrivals(args.request_rate, args.seed)
+        what = f"poisson {args.request_rate:g} req/s"
+    elif arrival == "closed":
+        if args.concurrency is None:
+            raise ValueError("--arrival closed needs --concurrency N")
+        arrivals, what = closed_arrivals(), f"closed loop at concurrency {args.concurrency}"
+    elif arrival == "bursty":
+        arrivals = bursty_arrivals(args.burst_size, args.burst_interval)
+        what = f"bursts of {args.burst_size} every {args.burst_interval:g}s"
+    else:
+        if not args.trace:
+            raise ValueError("--arrival trace needs --trace FILE.jsonl")
+        arrivals, what = trace_arrivals(trace), "trace timestamps"
+    if args.concurrency is not None and arrival != "closed":
+        what += f", at most {args.concurrency} in flight"
+    desc = {"workload": what, "arrival": arrival, "request_rate": args.request_rate if arrival == "poisson" else None,
+            "concurrency": args.concurrency,
+            "burst_size": args.burst_size if arrival == "bursty" else None,
+            "burst_interval": args.burst_interval if arrival == "bursty" else None,
+            **desc, "num_prompts": num, "duration_limit": args.duration, "timeout": args.timeout,
+            "temperature": args.temperature, "seed": args.seed, "warmup": args.warmup}
+    return requests, arrivals, arrival, num, desc
+
+
+async def run_bench(args: argparse.Namespace, slo) -> dict[str, Any]:
+    from pdserve.bench.runner import Progress, RunConfig, run_workload, warm_up
+    from pdserve.bench.stats import build_report
+    from pdserve.client import AsyncClient
+
+    async with AsyncClient(args.target) as client:
+        info = await client.model_info(timeout=30)
+        try:
+            mode = (await client.cluster_status(timeout=30)).mode
+        except Exception:  # status is informative only
+            mode = ""
+    requests, arrivals, _, num, desc = build_workload(args, info.vocab_size, list(info.eos_token_ids),
+                                                      info.max_model_len)
+    cfg = RunConfig(num_prompts=num, duration=args.duration, concurrency=args.concurrency, timeout=args.timeout,
+                    temperature=args.temperature)
+    if args.warmup:
+        sampler = TokenSampler(info.vocab_size, info.eos_token_ids)
+        import numpy as np
+
+        rng = np.random.default_rng([args.seed, 9])
+        await warm_up(args.target, [BenchRequest(max_tokens=4, token_ids=sampler(rng, 16), ignore_eos=True)
+                                    for _ in range(args.warmup)], args.temperature)
+    progress = None if args.no_progress else Progress(num, args.duration)
+    records, wall = await run_workload(args.target, requests, arrivals, cfg, progress)
+    report = build_report(records, slo, wall)
+    model = {"name": info.name, "architecture": info.architecture, "num_params": info.num_params,
+             "dtype": info.dtype, "vocab_size": info.vocab_size, "max_model_len": info.max_model_len}
+    return {"date": dt.datetime.now().astimezone().isoformat(timespec="seconds"), "label": args.label,
+            "target": args.target, "mode": mode, "model": model, "config": desc, **report}
+
+
+def _f(v: float | None, spec: str = ".2f") -> str:
+    return "n/a" if v is None else format(v, spec)
+
+
+def format_report(rep: dict[str, Any]) -> str:
+    """The summary in the layout of `vllm bench serve`."""
+    lines = ["{s:{c}^50}".format(s=" Serving Benchmark Result ", c="="),
+             f"{'Mode / workload:':<40}{rep['mode']}, {rep['config']['workload']}"]
+    row = lambda name, v: lines.append(f"{name:<40}{v:<10}")  # noqa: E731
+    row("Successful requests:", rep["completed"])
+    row("Failed requests:", rep["failed"])
+    for code, n in rep["failed_by_code"].items():
+        row(f"  {code}:", n)
+    row("Benchmark duration (s):", _f(rep["duration"]))
+    row("Total input tokens:", rep["total_input_tokens"])
+    row("Total generated tokens:", rep["total_output_tokens"])
+    row("Request throughput (req/s):", _f(rep["request_throughput"]))
+    if rep["good_requests"] is not None:
+        slo = ", ".join(f"{k[:-3].upper()}<={v:g}ms" for k, v in rep["slo"].items() if v is not None)
+        row("SLOs:", slo)
+        row("Request goodput (req/s):", _f(rep["request_goodput"]))
+        row("SLO attainment (%):", _f(100 * rep["slo_attainment"], ".1f"))
+    row("Input token throughput (tok/s):", _f(rep["input_throughput"]))
+    row("Output token throughput (tok/s):", _f(rep["output_throughput"]))
+    row("Total token throughput (tok/s):", _f(rep["total_token_throughput"]))
+    row("Peak concurrent requests:", rep["peak_concurrency"])
+    for metric, title in (("ttft", "Time to First Token"), ("tpot", "Time per Output Token (excl. 1st token)"),
+                          ("itl", "Inter-token Latency"), ("e2el", "End-to-end Latency")):
+        lines.append("{s:{c}^50}".format(s=title, c="-"))
+        for stat in ("mean", "median", "p90", "p99"):
+            row(f"{stat.capitalize() if stat in ('mean', 'median') else stat.upper()} {metric.upper()} (ms):",
+                _f(rep[f"{stat}_{metric}_ms"]))
+    lines.append("=" * 50)
+    return "\n".join(lines)
