@@ -43,7 +43,6 @@ class DecodeActor:
         # Prefill workers on other nodes connect here: the node's address, unless told otherwise.
         self.store = StoreServer(bind_host or ray.util.get_node_ip_address())
         self._outputs: queue.SimpleQueue[StepOutput] = queue.SimpleQueue()
-        self._failed: list[tuple[str, str]] = []
         self._peers: dict[str, _Peer] = {}
         self._transfer_ids = itertools.count()
         self.busy_seconds = 0.0
@@ -83,6 +82,7 @@ class DecodeActor:
             task, blocks = reserved
             self._peers[task.prefill_worker].pull(task, len(blocks), next(self._transfer_ids))
         events: list[TokenEvent] = []
+        failed: tuple[tuple[str, str], ...] = ()
         did_work = self.worker.has_work
         if did_work:
             t0 = time.perf_counter()
@@ -90,13 +90,10 @@ class DecodeActor:
                 events = self.worker.step()
             except Exception as e:  # fail the running batch, free its blocks, keep serving
                 log.exception("decode step failed on %s", self.worker_id)
-                for req in [*self.worker.scheduler.running, *self.worker.scheduler.waiting]:
-                    self.worker.cancel(req.request_id)
-                    self._failed.append((req.request_id, f"decode step failed: {e}"))
+                failed = tuple((rid, f"decode step failed: {e}") for rid in self.worker.core.cancel_all())
             self.busy_seconds += time.perf_counter() - t0
-        if events or self._failed:
-            self._outputs.put(StepOutput(self.worker_id, tuple(events), tuple(self._failed), self._stats()))
-            self._failed = []
+        if events or failed:
+            self._outputs.put(StepOutput(self.worker_id, tuple(events), failed, self._stats()))
         return did_work
 
     def _transfer_done(self, request_id: str, data: torch.Tensor) -> None:
@@ -104,9 +101,8 @@ class DecodeActor:
 
     def _transfer_failed(self, request_id: str, error: BaseException) -> None:
         if self.worker.abort_transfer(request_id):
-            self._failed.append((request_id, f"KV transfer failed: {error}"))
-            self._outputs.put(StepOutput(self.worker_id, (), tuple(self._failed), self._stats()))
-            self._failed = []
+            self._outputs.put(StepOutput(self.worker_id, (), ((request_id, f"KV transfer failed: {error}"),),
+                                         self._stats()))
 
     def _stats(self) -> WorkerStats:
         w = self.worker

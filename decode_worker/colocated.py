@@ -63,10 +63,7 @@ class ColocatedActor:
             events = tuple(TokenEvent(t.request.request_id, t.token, t.finish_reason) for t in self.core.step())
         except Exception as e:  # fail the batch, free its blocks, keep serving
             log.exception("step failed on %s", self.worker_id)
-            failed = tuple((r.request_id, f"step failed: {e}")
-                           for r in (*self.core.scheduler.running, *self.core.scheduler.waiting))
-            for rid, _ in failed:
-                self.core.cancel(rid)
+            failed = tuple((rid, f"step failed: {e}") for rid in self.core.cancel_all())
             events = ()
         self.busy_seconds += time.perf_counter() - t0
         if events or failed:

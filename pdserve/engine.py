@@ -62,6 +62,13 @@ class EngineCore:
                 return True
         return False
 
+    def cancel_all(self) -> list[str]:
+        """End every queued and running request (a step failed: their state is suspect); their ids."""
+        ids = [r.request_id for r in (*self.scheduler.running, *self.scheduler.waiting)]
+        for rid in ids:
+            self.cancel(rid)
+        return ids
+
     def step(self) -> list[SampledToken]:
         step = self.scheduler.schedule()
         if not step.chunks:
@@ -122,14 +129,12 @@ class LLMEngine:
 
     # -- stepping ---------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        step = self.scheduler.schedule()
-        if not step.chunks:
-            return []
-        return self.process(step, self.runner.execute(step.chunks))
+        return self.process(self.core.step())
 
-    def process(self, step: ScheduledStep, result: StepResult) -> list[RequestOutput]:
+    def process(self, sampled: list[SampledToken]) -> list[RequestOutput]:
+        """Text, stop strings and outputs for the tokens a core step sampled."""
         outputs = []
-        for s in self.core.account(step, result):
+        for s in sampled:
             rid = s.request.request_id
             out = token_output(s.request, self._text[rid], s.token, s.finish_reason)
             if out.finish_reason is not None:

@@ -167,3 +167,17 @@ def test_dummy_load_format_builds_configured_shape(ckpt):
     out = eng.generate([[1, 2, 3]], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))[0]
     assert len(out.token_ids) == 4
     assert eng.model_config.hidden_size == 64
+
+
+def test_core_cancel_all_frees_everything_and_keeps_serving(ckpt):
+    eng = make_engine(ckpt, budget=16)
+    prompts = make_prompts(4)
+    rids = [eng.add_request(p, SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)) for p in prompts]
+    eng.step()
+    assert eng.pool.num_used_blocks > 0 and eng.scheduler.waiting  # some running, some still queued
+    assert sorted(eng.core.cancel_all()) == sorted(rids)
+    assert eng.pool.num_used_blocks == 0 and not eng.scheduler.has_work
+    eng.pool.check_integrity()
+    ref = make_engine(ckpt).generate([prompts[0]], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
+    out = eng.generate([prompts[0]], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
+    assert out[0].token_ids == ref[0].token_ids and eng.pool.num_used_blocks == 0

@@ -40,7 +40,7 @@ def run_with_logits(engine: LLMEngine, batch: list[list[int]], params: SamplingP
         res = engine.runner.execute(step.chunks)
         for i, row in zip(res.sampling_chunks, res.logits):
             logits[step.requests[i].request_id].append(row)
-        for out in engine.process(step, res):
+        for out in engine.process(engine.core.account(step, res)):
             tokens[out.request_id].extend(out.new_token_ids)
     return [tokens[r] for r in rids], [torch.stack(logits[r]) for r in rids]
 
