@@ -1,17 +1,23 @@
-"""The decode worker as a Ray actor: pulls prompt KV from prefill workers and streams one output per step.
+"""The decode worker as a Ray actor: reserves room for KV pushed by prefill workers, streams one output per step.
 
-Threads: the step thread owns the worker (pdserve.step_loop); one transfer thread per prefill peer
-pulls KV in the order this worker chose (it reserves blocks, then asks the peer to send, then
-receives), so transfers never block the decode steps and NCCL's order-matching holds by construction.
-The router consumes `stream()`, a Ray streaming generator with one StepOutput per step.
+It runs the shared EngineCore in the DECODE role (pdserve.scheduler). The router calls `reserve` when
+it places a request, while the prefill worker computes the prompt: the scheduler reserves blocks as
+soon as there is room (backpressure: the request waits, it is never dropped), and this worker tells
+the prefill worker that the destination is ready, one call per step for all the requests reserved for
+it. Prefill workers announce their transfers (`kv_incoming`) and push the KV; one intake thread per
+prefill worker writes it into the reserved blocks (pdserve.handoff), and the request joins the running
+batch at the next step. Each step decodes one token for every running request; the router consumes
+`stream()`, a Ray streaming generator with one StepOutput per step.
+
+Threads: the step thread owns the engine (pdserve.step_loop); Ray's event loop answers calls; intake
+threads receive KV. The blocks an intake writes into are published in an InboundTable, so a request
+cancelled during its transfer keeps them until the write is over.
 """
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import queue
-import threading
 import time
 from typing import Any
 
@@ -19,11 +25,14 @@ import ray
 import torch
 
 from pdserve.config import EngineConfig
-from pdserve.kv_transfer import PairChannel, StoreServer, TransferError, TransferStats
+from pdserve.engine import EngineCore
+from pdserve.handoff import InboundTable, KVAnnounce, KVIntake, SecondsHistogram
+from pdserve.kv_transfer import RECEIVER_RANK, PairChannel, StoreServer, TransferStats
 from pdserve.messages import DecodeTask, StepOutput, TokenEvent, WorkerStats, worker_stats
-from pdserve.step_loop import StepLoop
+from pdserve.request import RequestStatus
+from pdserve.scheduler import Role
+from pdserve.step_loop import StepLoop, StepLoopStopped
 from pdserve.utilization import device_peaks
-from decode_worker.worker import DecodeWorker
 
 log = logging.getLogger(__name__)
 
@@ -36,15 +45,20 @@ class DecodeActor:
         if torch_threads:
             torch.set_num_threads(torch_threads)
         self.worker_id = worker_id
-        self.worker = DecodeWorker(worker_id, config)
-        self.peaks = device_peaks(self.worker.core.runner.device, config.peak_flops, config.peak_bytes_per_second)
+        self.core = EngineCore(config, role=Role.DECODE)
+        self.peaks = device_peaks(self.core.runner.device, config.peak_flops, config.peak_bytes_per_second)
         self.transfer_timeout_s = transfer_timeout_s
         self.transfer_stats = TransferStats()
+        self.handoff_seconds = SecondsHistogram()  # first token sampled -> KV usable here
+        self.reservation_wait_seconds = SecondsHistogram()  # placed -> blocks reserved
         # Prefill workers on other nodes connect here: the node's address, unless told otherwise.
         self.store = StoreServer(bind_host or ray.util.get_node_ip_address())
+        self.inbound = InboundTable()
+        self._intakes: dict[str, KVIntake] = {}
+        self._prefill: dict[str, Any] = {}  # prefill worker id -> handle
+        self._source: dict[str, tuple[str, float]] = {}  # step thread: request -> (prefill worker, placed at)
+        self._self_handle: Any = None
         self._outputs: queue.SimpleQueue[StepOutput] = queue.SimpleQueue()
-        self._peers: dict[str, _Peer] = {}
-        self._transfer_ids = itertools.count()
         self.busy_seconds = 0.0
         self.started = time.monotonic()
         self.loop = StepLoop(self._step, name=f"decode-{worker_id}")
@@ -52,113 +66,139 @@ class DecodeActor:
     async def ready(self) -> str:
         return self.worker_id
 
-    async def decode(self, task: DecodeTask, prefill: Any) -> None:
-        """Queue a request whose prompt KV sits on `prefill` (an actor handle); returns once queued."""
-        if task.prefill_worker not in self._peers:
-            self._peers[task.prefill_worker] = _Peer(self, task.prefill_worker, prefill)
-        await asyncio.wrap_future(self.loop.call(lambda: self.worker.add(task)))
+    async def reserve(self, task: DecodeTask, prefill: Any) -> None:
+        """Take a request whose KV `prefill` (an actor handle) computes; returns once it is queued."""
+        req = task.new_request()
+        if self.core.kv.blocks_needed(req.num_tokens + 1) > self.core.pool.num_blocks:
+            raise ValueError(f"request {task.request_id} needs more KV blocks than this decode worker has")
+        self._prefill[task.prefill_worker] = prefill
+        placed = time.monotonic()
+
+        def add() -> None:
+            self.core.scheduler.add(req)
+            self._source[task.request_id] = (task.prefill_worker, placed)
+
+        def failed(f) -> None:  # e.g. a duplicate id: the router hears of it like any failed request
+            if f.exception() is not None:
+                self._outputs.put(StepOutput(self.worker_id, (), ((task.request_id, f"decode: {f.exception()}"),)))
+
+        # Not awaited: the step thread takes it between two steps, and the caller need not wait for that.
+        self.loop.call(add).add_done_callback(failed)
+
+    async def kv_incoming(self, announce: KVAnnounce) -> None:
+        """A prefill worker's notice of its next transfer to this worker (the order to receive in)."""
+        self._intake(announce.prefill_id).announce(announce)
+
+    async def open_channel(self, prefill_id: str, generation: int) -> None:
+        """This side of a new pair channel; the prefill worker builds its side concurrently."""
+        channel = await asyncio.to_thread(
+            PairChannel, self.store.host, self.store.port, prefill_id, self.worker_id, RECEIVER_RANK,
+            self.transfer_timeout_s, self.core.runner.kv_cache.device, generation=generation,
+            stats=self.transfer_stats)
+        self._intake(prefill_id).install(channel, generation)
+
+    async def kv_failed(self, prefill_id: str, request_ids: tuple[str, ...], error: str) -> None:
+        """A prefill worker could not push these requests' KV: drop their reservations, report them failed."""
+        self.loop.call(lambda: [self._transfer_failed(rid, error) for rid in request_ids
+                                if self.inbound.expire(rid)])
 
     async def cancel(self, request_id: str) -> bool:
-        return await asyncio.wrap_future(self.loop.call(lambda: self.worker.cancel(request_id)))
+        try:
+            return await asyncio.wrap_future(self.loop.call(lambda: self._cancel(request_id)))
+        except StepLoopStopped:
+            return False
 
     async def stream(self):
         """One StepOutput per decode step, forever (the router holds one such stream per worker)."""
         while True:
-            out = await asyncio.to_thread(self._outputs.get)
-            yield out
+            yield await asyncio.to_thread(self._outputs.get)
 
     async def stats(self) -> WorkerStats:
         return await asyncio.wrap_future(self.loop.call(self._stats))
 
     async def shutdown(self) -> None:
         self.loop.stop()
-        for p in self._peers.values():
-            p.stop()
+        for intake in self._intakes.values():
+            intake.stop()
         self.store.close()
 
-    # -- step thread ------------------------------------------------------------------------------
-    def _step(self) -> bool:
-        while (reserved := self.worker.reserve_next()) is not None:
-            task, blocks = reserved
-            self._peers[task.prefill_worker].pull(task, len(blocks), next(self._transfer_ids))
-        events: list[TokenEvent] = []
-        failed: tuple[tuple[str, str], ...] = ()
-        did_work = self.worker.has_work
-        if did_work:
-            t0 = time.perf_counter()
-            try:
-                events = self.worker.step()
-            except Exception as e:  # fail the running batch, free its blocks, keep serving
-                log.exception("decode step failed on %s", self.worker_id)
-                failed = tuple((rid, f"decode step failed: {e}") for rid in self.worker.core.cancel_all())
-            self.busy_seconds += time.perf_counter() - t0
-        if events or failed:
-            self._outputs.put(StepOutput(self.worker_id, tuple(events), failed, self._stats()))
-        return did_work
+    # -- hand-off ---------------------------------------------------------------------------------
+    def _intake(self, prefill_id: str) -> KVIntake:
+        intake = self._intakes.get(prefill_id)
+        if intake is None:
+            intake = self._intakes[prefill_id] = KVIntake(
+                prefill_id, self.worker_id, self.core.runner.kv_cache, self.inbound, self.transfer_timeout_s,
+                landed=lambda rid, tok, at: self.loop.call(lambda: self._landed(rid, tok, at)),
+                failed=lambda rid, err: self.loop.call(lambda: self._transfer_failed(rid, err)),
+                cancelled=lambda rid: self.loop.call(lambda: self.core.cancel(rid)))
+        return intake
 
-    def _transfer_done(self, request_id: str, data: torch.Tensor) -> None:
-        self.worker.complete_transfer(request_id, data)
+    def _landed(self, request_id: str, token: int, sampled_at: float) -> None:
+        if self.core.scheduler.kv_arrived(request_id, token) is not None:
+            self.handoff_seconds.observe(max(time.time() - sampled_at, 0.0))
+            self._source.pop(request_id, None)
 
-    def _transfer_failed(self, request_id: str, error: BaseException) -> None:
-        if self.worker.abort_transfer(request_id):
+    def _transfer_failed(self, request_id: str, error: str) -> None:
+        req = self.core.scheduler.requests.get(request_id)
+        if req is not None and req.status is RequestStatus.WAITING_FOR_KV and self.core.cancel(request_id):
+            self._source.pop(request_id, None)
             self._outputs.put(StepOutput(self.worker_id, (), ((request_id, f"KV transfer failed: {error}"),),
                                          self._stats()))
 
-    def _stats(self) -> WorkerStats:
-        w = self.worker
-        return worker_stats(self.worker_id, "decode", waiting=len(w.pending) + len(w.reserved),
-                            waiting_tokens=sum(len(t.prompt_token_ids) for t in w.pending), running=w.num_running,
-                            pool=w.pool, runner=w.core.runner, steps=w.core.steps,
-                            tokens_processed=w.core.tokens_processed, busy_seconds=self.busy_seconds,
-                            uptime_seconds=time.monotonic() - self.started, peaks=self.peaks,
-                            transfer=self.transfer_stats.snapshot())
+    def _cancel(self, request_id: str) -> bool:
+        req = self.core.scheduler.requests.get(request_id)
+        if req is None:
+            return False
+        self._source.pop(request_id, None)
+        if req.status is RequestStatus.WAITING_FOR_KV and not self.inbound.withdraw(request_id):
+            return True  # its KV is being written: its intake frees it when the write is over
+        return self.core.cancel(request_id)
 
-
-class _Peer:
-    """The transfer thread for one prefill worker: one pull at a time, in the order they were queued."""
-
-    def __init__(self, actor: DecodeActor, prefill_id: str, handle: Any):
-        self.actor, self.prefill_id, self.handle = actor, prefill_id, handle
-        self._jobs: queue.SimpleQueue[tuple[DecodeTask, int, int] | None] = queue.SimpleQueue()
-        self._channel: PairChannel | None = None
-        self._generation = 0
-        self._thread = threading.Thread(target=self._run, name=f"kv-{prefill_id}->{actor.worker_id}", daemon=True)
-        self._thread.start()
-
-    def pull(self, task: DecodeTask, num_blocks: int, transfer_id: int) -> None:
-        self._jobs.put((task, num_blocks, transfer_id))
-
-    def stop(self) -> None:
-        self._jobs.put(None)
-        if self._channel is not None:
-            self._channel.close()
-
-    def _run(self) -> None:
-        while (job := self._jobs.get()) is not None:
-            task, num_blocks, transfer_id = job
+    # -- step thread ------------------------------------------------------------------------------
+    def _step(self) -> bool:
+        core = self.core
+        step = core.scheduler.schedule()
+        if step.reserved:
+            self._announce_reserved(step.reserved)
+        events: list[TokenEvent] = []
+        failed: tuple[tuple[str, str], ...] = ()
+        if step.chunks:
+            t0 = time.perf_counter()
             try:
-                data = self._transfer(task.request_id, num_blocks, transfer_id)
-            except Exception as e:  # noqa: BLE001 - reported to the step thread, which frees the blocks
-                log.warning("KV transfer %s of %s from %s failed: %s", transfer_id, task.request_id, self.prefill_id, e)
-                if not isinstance(e, TransferError):  # the channel counts its own failures
-                    self.actor.transfer_stats.record_failure()
-                self.actor.loop.call(lambda rid=task.request_id, err=e: self.actor._transfer_failed(rid, err))
-            else:
-                self.actor.loop.call(lambda rid=task.request_id, d=data: self.actor._transfer_done(rid, d))
+                sampled = core.account(step, core.execute(step))
+                events = [TokenEvent(s.request.request_id, s.token, s.finish_reason) for s in sampled]
+            except Exception as e:  # fail the running batch, free its blocks, keep serving
+                log.exception("decode step failed on %s", self.worker_id)
+                failed = tuple((rid, f"decode step failed: {e}") for rid in core.cancel_all())
+            self.busy_seconds += time.perf_counter() - t0
+        if events or failed:
+            self._outputs.put(StepOutput(self.worker_id, tuple(events), failed, self._stats()))
+        return bool(step.chunks or step.reserved)
 
-    def _transfer(self, request_id: str, num_blocks: int, transfer_id: int) -> torch.Tensor:
-        a = self.actor
-        timeout = a.transfer_timeout_s
-        if self._channel is None or self._channel.broken:
-            self._generation += 1
-            ref = self.handle.open_channel.remote(a.worker_id, a.store.host, a.store.port, self._generation)
-            self._channel = PairChannel(a.store.host, a.store.port, self.prefill_id, a.worker_id, 1, timeout,
-                                        a.worker.core.runner.kv_cache.device, generation=self._generation,
-                                        stats=a.transfer_stats)
-            ray.get(ref, timeout=timeout)
-        cache = a.worker.core.runner.kv_cache
-        shape = (*cache.shape[:3], num_blocks, *cache.shape[4:])  # [layers, 2, kv_heads, n, block_size, head_dim]
-        sent = self.handle.send_kv.remote(request_id, a.worker_id, transfer_id)
-        data = self._channel.recv(transfer_id, shape, cache.dtype)
-        ray.get(sent, timeout=timeout)
-        return data
+    def _announce_reserved(self, reserved) -> None:
+        """Publish the reserved blocks, then tell each prefill worker, in one call, which destinations are ready."""
+        now = time.monotonic()
+        by_prefill: dict[str, list[str]] = {}
+        for req in reserved:
+            rid = req.request_id
+            prefill_id, placed = self._source[rid]
+            self.reservation_wait_seconds.observe(now - placed)
+            self.inbound.publish(rid, self.core.scheduler.kv_blocks(req))
+            by_prefill.setdefault(prefill_id, []).append(rid)
+        if self._self_handle is None:
+            self._self_handle = ray.get_runtime_context().current_actor
+        for prefill_id, rids in by_prefill.items():
+            self._prefill[prefill_id].kv_ready.remote(self.worker_id, self._self_handle, self.store.host,
+                                                      self.store.port, tuple(rids))
+
+    def _stats(self) -> WorkerStats:
+        c = self.core
+        s = c.scheduler
+        return worker_stats(self.worker_id, "decode", waiting=len(s.waiting) + len(s.waiting_for_kv),
+                            waiting_tokens=sum(r.num_tokens for r in s.waiting), running=len(s.running),
+                            pool=c.pool, runner=c.runner, steps=c.steps, tokens_processed=c.tokens_processed,
+                            busy_seconds=self.busy_seconds, uptime_seconds=time.monotonic() - self.started,
+                            peaks=self.peaks, transfer=self.transfer_stats.snapshot(),
+                            handoff=self.handoff_seconds.snapshot(),
+                            reservation_wait=self.reservation_wait_seconds.snapshot())
+

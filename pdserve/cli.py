@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
 
@@ -36,7 +37,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--block-size", type=int, default=16)
     serve.add_argument("--prefill-token-budget", type=int, default=2048, help="prompt tokens per prefill step")
     serve.add_argument("--max-num-seqs", type=int, default=64, help="running requests per decode worker")
-    serve.add_argument("--torch-threads", type=int, default=None, help="torch threads per worker")
+    serve.add_argument("--torch-threads", type=int, default=None,
+                       help="torch threads per worker (default on a local CPU cluster: the cores split between the workers)")
     serve.add_argument("--peak-flops", type=float, default=None,
                        help="device peak FLOP/s for MFU (default: known GPUs' datasheet, else measured at start)")
     serve.add_argument("--peak-memory-bandwidth", type=float, default=None,
@@ -227,11 +229,16 @@ def cluster_config_from_args(args: argparse.Namespace):
     cpus = args.worker_cpus if args.worker_cpus is not None else (1.0 if gpu else 0.5)
     gpus = args.worker_gpus if args.worker_gpus is not None else (1.0 if gpu else 0.0)
     cache = CacheConfig(block_size=args.block_size, memory_bytes=args.kv_cache_mib << 20)
+    threads = args.torch_threads
+    if threads is None and not gpu and not args.ray_address:
+        # A local CPU cluster: split the cores between the workers instead of oversubscribing them.
+        workers = args.colocated_workers if args.mode == "colocated" else args.prefill_workers + args.decode_workers
+        threads = max(1, (os.cpu_count() or 1) // workers)
 
     def pool(n: int, budget: int, resources: list[str]) -> PoolConfig:
         return PoolConfig(num_workers=n, num_cpus=cpus, num_gpus=gpus, resources=parse_resources(resources),
                           scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=budget),
-                          cache=cache, torch_threads=args.torch_threads)
+                          cache=cache, torch_threads=threads)
 
     engine = EngineConfig(model=args.model, load_format=args.load_format, dtype=args.dtype, device=args.device,
                           cache=cache, peak_flops=args.peak_flops, peak_bytes_per_second=args.peak_memory_bandwidth)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import itertools
 import random
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 from pdserve.block_pool import BlockPool
@@ -17,7 +17,7 @@ from pdserve.output import RequestOutput, TextOutput, token_output
 from pdserve.request import FinishReason, Request, validate_prompt
 from pdserve.runner import ModelRunner, StepResult
 from pdserve.sampling import SamplingParams
-from pdserve.scheduler import SampledToken, ScheduledStep, Scheduler
+from pdserve.scheduler import Role, SampledToken, ScheduledStep, Scheduler
 
 
 @dataclass
@@ -30,12 +30,13 @@ class Completion:
 
 
 class EngineCore:
-    """Model, paged cache and continuous-batching scheduler: what every component that decodes shares.
+    """Model, paged cache and continuous-batching scheduler: what every worker and the offline engine run.
 
+    The role (pdserve.scheduler.Role) is the scheduler's policy; the rest is the same on every worker.
     It deals in token ids only; text (detokenization, stop strings) is the caller's business.
     """
 
-    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None):
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None, role: Role = Role.COLOCATED):
         self.config = config
         loaded = loaded or load(config)
         self.info = loaded.info
@@ -47,7 +48,7 @@ class EngineCore:
         self.pool = BlockPool(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
         self.kv = KVCacheManager(self.pool)
         self.runner = ModelRunner(loaded.model, num_blocks, config.cache.block_size)
-        self.scheduler = Scheduler(config.scheduler, self.kv, self.eos_token_ids, self.max_model_len)
+        self.scheduler = Scheduler(config.scheduler, self.kv, self.eos_token_ids, self.max_model_len, role)
         self.steps = 0
         self.tokens_processed = 0
 
@@ -55,15 +56,18 @@ class EngineCore:
         validate_prompt(prompt, self.model_config.vocab_size, self.max_model_len)
 
     def cancel(self, request_id: str) -> bool:
-        """End a queued or running request and free its blocks."""
-        for req in (*self.scheduler.running, *self.scheduler.waiting):
-            if req.request_id == request_id:
-                self.scheduler.finish(req, FinishReason.CANCELLED)
-                return True
-        return False
+        """End an unfinished request, wherever it stands, and free its blocks."""
+        req = self.scheduler.requests.get(request_id)
+        if req is None:
+            return False
+        self.scheduler.finish(req, FinishReason.CANCELLED)
+        return True
 
     def cancel_all(self) -> list[str]:
-        """End every queued and running request (a step failed: their state is suspect); their ids."""
+        """End every queued and running request (a step failed: their state is suspect); their ids.
+
+        Requests with no part in a step (HELD, WAITING_FOR_KV) are their owner's to end.
+        """
         ids = [r.request_id for r in (*self.scheduler.running, *self.scheduler.waiting)]
         for rid in ids:
             self.cancel(rid)
@@ -73,7 +77,11 @@ class EngineCore:
         step = self.scheduler.schedule()
         if not step.chunks:
             return []
-        return self.account(step, self.runner.execute(step.chunks))
+        return self.account(step, self.execute(step))
+
+    def execute(self, step: ScheduledStep, layer_done: Callable[[int], None] | None = None) -> StepResult:
+        """Run a scheduled step's forward and sampling; layer_done(i) is called once layer i's KV is written."""
+        return self.runner.execute(step.chunks, layer_done)
 
     def account(self, step: ScheduledStep, result: StepResult) -> list[SampledToken]:
         self.steps += 1

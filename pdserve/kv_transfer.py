@@ -11,9 +11,12 @@ live side by side in one process. Gloo carries CPU tensors, NCCL carries CUDA te
 two workers on one GPU use the CUDA IPC functions at the end of this module instead (NCCL rejects
 two ranks on one GPU).
 
-Ordering: NCCL matches sends and receives between two ranks by order, not by tag, so the receiver
-decides the order of transfers and the sender follows it. Every transfer starts with a small header
-``[transfer_id, numel]`` that the receiver checks, so a disagreement is an error, not corrupted KV.
+Ordering: NCCL matches sends and receives between two ranks by order, not by tag, so one side must
+decide the order of transfers and the other follow it: the sender (the prefill worker, which knows when
+KV is ready) orders them and announces the order in a small control message (pdserve.handoff). Every
+transfer starts with a small header ``[transfer_id, numel]`` that the receiver checks, so a disagreement
+is an error, not corrupted KV. A transfer may be made of several tensors (one per layer, sent while the
+next layers compute).
 
 Failure: every wait is bounded by the channel's timeout. A transfer that fails leaves an operation
 pending inside the process group, which cannot be reused after that: the channel closes itself and
@@ -25,7 +28,7 @@ from __future__ import annotations
 import bisect
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -185,40 +188,78 @@ class PairChannel:
 
     def send(self, transfer_id: int, data: torch.Tensor) -> None:
         """Send data as transfer transfer_id; the receiver must be expecting exactly this transfer next."""
-        self._require(SENDER_RANK, data)
+        self.send_parts(transfer_id, [data], data.numel())
+
+    def send_parts(self, transfer_id: int, parts: Iterable[torch.Tensor], numel: int) -> None:
+        """Send one transfer made of several tensors (numel elements in all), in order, as they come.
+
+        parts may be a generator that produces each tensor when it is ready (a layer's KV while the next
+        layers compute); the whole transfer is bounded by the channel's timeout.
+        """
+        self._live_pg()
+        if self.rank != SENDER_RANK:
+            raise RuntimeError(f"rank {self.rank} of pair {self.prefix} cannot send")
         if self._before_send is not None:
             self._before_send(transfer_id)
-        header = torch.tensor([transfer_id, data.numel()], dtype=torch.int64, device=self.device)
+        header = torch.tensor([transfer_id, numel], dtype=torch.int64, device=self.device)
         start = time.monotonic()
         deadline = start + self.timeout_s
+        nbytes = sent = 0
         with self._failing_closed(transfer_id, deadline):
             self._wait(self._live_pg().send([header], RECEIVER_RANK, _TAG), transfer_id, deadline)
-            self._wait(self._live_pg().send([data], RECEIVER_RANK, _TAG), transfer_id, deadline)
-        self.stats.record(data.nbytes, time.monotonic() - start)
+            for part in parts:
+                self._require(SENDER_RANK, part)
+                self._wait(self._live_pg().send([part], RECEIVER_RANK, _TAG), transfer_id, deadline)
+                nbytes += part.nbytes
+                sent += part.numel()
+            if sent != numel:
+                raise TransferError(f"transfer {transfer_id} on pair {self.prefix} announced {numel} elements "
+                                    f"and sent {sent}")
+        self.stats.record(nbytes, time.monotonic() - start)
 
     def recv_into(self, transfer_id: int, out: torch.Tensor) -> None:
         """Receive transfer transfer_id into out, whose shape and dtype the receiver knows beforehand."""
-        self._require(RECEIVER_RANK, out)
+        for _ in self.recv_parts(transfer_id, [out], out.numel()):
+            pass
+
+    def recv_parts(self, transfer_id: int, buffers: Iterable[torch.Tensor], numel: int) -> Iterator[torch.Tensor]:
+        """Receive one transfer of several tensors into buffers, in order, yielding each once it has arrived.
+
+        The caller consumes each buffer before asking for the next, so one buffer object may be reused.
+        """
+        self._live_pg()
+        if self.rank != RECEIVER_RANK:
+            raise RuntimeError(f"rank {self.rank} of pair {self.prefix} cannot receive")
         header = torch.empty(2, dtype=torch.int64, device=self.device)
         start = time.monotonic()
         deadline = start + self.timeout_s
+        nbytes = 0
         with self._failing_closed(transfer_id, deadline):
             self._wait(self._live_pg().recv([header], SENDER_RANK, _TAG), transfer_id, deadline)
             sent_id, sent_numel = header.tolist()
             if sent_id != transfer_id:
                 raise TransferError(f"transfer order disagrees on pair {self.prefix}: the receiver expected "
-                                    f"transfer {transfer_id}, the sender sent transfer {sent_id} (the sender "
-                                    f"must follow the receiver's order)")
-            if sent_numel != out.numel():
+                                    f"transfer {transfer_id}, the sender sent transfer {sent_id} (the receiver "
+                                    f"must follow the order the sender announced)")
+            if sent_numel != numel:
                 raise TransferError(f"transfer {transfer_id} on pair {self.prefix}: the sender sent {sent_numel} "
-                                    f"elements, the receiver expected {out.numel()}")
-            self._wait(self._live_pg().recv([out], SENDER_RANK, _TAG), transfer_id, deadline)
-        self.stats.record(out.nbytes, time.monotonic() - start)
+                                    f"elements, the receiver expected {numel}")
+            for out in buffers:
+                self._require(RECEIVER_RANK, out)
+                self._wait(self._live_pg().recv([out], SENDER_RANK, _TAG), transfer_id, deadline)
+                nbytes += out.nbytes
+                yield out
+        self.stats.record(nbytes, time.monotonic() - start)
 
     def recv(self, transfer_id: int, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
         out = torch.empty(tuple(shape), dtype=dtype, device=self.device)
         self.recv_into(transfer_id, out)
         return out
+
+    def break_(self) -> None:
+        """Give the pair up from this side (a transfer cannot finish): the peer's waits fail at once."""
+        self._broken = True
+        self.close()
 
     def close(self) -> None:
         """Release the process group; idempotent. The peer's pending operations then fail at once."""

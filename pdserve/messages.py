@@ -41,6 +41,9 @@ class PrefillTask(_Task):
     # Tokens already streamed to the client by an earlier attempt (a resumed request): they are
     # ingested with the prompt, and sampling continues at their count, so nothing repeats or skips.
     output_token_ids: tuple[int, ...] = ()
+    # The decode worker that reserves room for this prompt's KV, or None if nothing follows the first
+    # token (max_tokens reached with it): then the KV is freed as soon as the token is sampled.
+    kv_destination: str | None = None
 
 
 @dataclass(frozen=True)
@@ -48,17 +51,24 @@ class PrefillResult:
     request_id: str
     first_token: int
     num_cached_tokens: int  # prompt tokens served by the prefix cache
-    num_kv_blocks: int  # blocks held on the prefill worker until the decode worker pulls them
+    num_kv_blocks: int  # blocks of KV handed to the decode worker
 
 
 @dataclass(frozen=True)
 class DecodeTask(_Task):
+    """A request whose KV a prefill worker computes: the decode worker reserves room for it at once."""
+
     request_id: str
     prompt_token_ids: tuple[int, ...]
-    output_token_ids: tuple[int, ...]  # every output token so far; the KV of all but the last is on the prefill worker
+    output_token_ids: tuple[int, ...]  # tokens streamed before this attempt; the prefill worker samples the next
     params: SamplingParams
     seed: int
-    prefill_worker: str  # id of the prefill worker that holds the KV
+    prefill_worker: str  # id of the prefill worker that computes and pushes the KV
+
+    def new_request(self) -> Request:
+        req = super().new_request()
+        req.remote_kv = True
+        return req
 
 
 @dataclass(frozen=True)
@@ -89,6 +99,10 @@ class WorkerStats:
     prefix_hit_blocks: int = 0
     prefix_query_blocks: int = 0
     transfer: dict = field(default_factory=dict)  # TransferStats snapshot
+    # SecondsHistogram snapshots (decode workers): first token sampled -> KV usable here, and time a
+    # request waited for room to reserve.
+    handoff: dict = field(default_factory=dict)
+    reservation_wait: dict = field(default_factory=dict)
 
     @property
     def busy_fraction(self) -> float:
@@ -97,14 +111,16 @@ class WorkerStats:
 
 def worker_stats(worker_id: str, pool_name: str, *, waiting: int, waiting_tokens: int, running: int,
                  pool: BlockPool, runner: ModelRunner, steps: int, tokens_processed: int, busy_seconds: float,
-                 uptime_seconds: float, peaks: DevicePeaks, transfer: dict | None = None) -> WorkerStats:
+                 uptime_seconds: float, peaks: DevicePeaks, transfer: dict | None = None,
+                 handoff: dict | None = None, reservation_wait: dict | None = None) -> WorkerStats:
     return WorkerStats(worker_id=worker_id, pool=pool_name, waiting=waiting, waiting_tokens=waiting_tokens,
                        running=running, kv_blocks_used=pool.num_used_blocks, kv_blocks_total=pool.num_blocks,
                        steps=steps, tokens_processed=tokens_processed, busy_seconds=busy_seconds,
                        uptime_seconds=uptime_seconds, flops=runner.flops_total, bytes_read=runner.bytes_total,
                        peak_flops=peaks.flops_per_second, peak_bytes_per_second=peaks.bytes_per_second,
                        peak_source=peaks.source, prefix_hit_blocks=pool.prefix_hits,
-                       prefix_query_blocks=pool.prefix_queries, transfer=transfer or {})
+                       prefix_query_blocks=pool.prefix_queries, transfer=transfer or {}, handoff=handoff or {},
+                       reservation_wait=reservation_wait or {})
 
 
 @dataclass(frozen=True)

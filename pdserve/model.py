@@ -7,7 +7,7 @@ q/k/v and gate/up projections are fused (one matmul each); ``load_weights`` maps
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.nn.functional as F
@@ -134,14 +134,20 @@ class LlamaModel(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                kv_cache: torch.Tensor) -> torch.Tensor:
-        """input_ids, positions: [tokens]; kv_cache: [layers, 2, kv_heads, blocks, block_size, head_dim]."""
+                kv_cache: torch.Tensor, layer_done: Callable[[int], None] | None = None) -> torch.Tensor:
+        """input_ids, positions: [tokens]; kv_cache: [layers, 2, kv_heads, blocks, block_size, head_dim].
+
+        layer_done(i) is called after layer i (its KV is written): a prefill worker starts sending that
+        layer's KV while the next layers compute.
+        """
         h = self.embed_tokens(input_ids)  # [tokens, hidden]
         dtype = h.dtype
         cos = self.rope_cos[positions].unsqueeze(1).to(dtype)  # [tokens, 1, head_dim // 2]
         sin = self.rope_sin[positions].unsqueeze(1).to(dtype)
-        for layer, kv_layer in zip(self.layers, kv_cache):
+        for i, (layer, kv_layer) in enumerate(zip(self.layers, kv_cache)):
             h = layer(h, cos, sin, meta, kv_layer)
+            if layer_done is not None:
+                layer_done(i)
         return self.norm(h)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -17,8 +17,18 @@ class FinishReason(str, enum.Enum):
 
 
 class RequestStatus(enum.Enum):
-    WAITING = "waiting"
+    """Where a request stands in one worker's scheduler.
+
+    WAITING -> RUNNING -> FINISHED on every worker. The role adds one state on each side of the hand-off:
+    a prefill worker moves a request whose prompt is computed to HELD (its KV kept until it has been sent
+    to the decode worker); a decode worker reserves blocks for a request whose KV is computed elsewhere
+    and keeps it WAITING_FOR_KV until the KV has landed, when it joins the running batch.
+    """
+
+    WAITING = "waiting"  # queued: for compute, or (remote KV) for room to reserve
     RUNNING = "running"
+    HELD = "held"  # prefill: prompt computed, first token sampled, KV kept for its decode worker
+    WAITING_FOR_KV = "waiting_for_kv"  # decode: blocks reserved, KV arriving from a prefill worker
     FINISHED = "finished"
 
 
@@ -40,6 +50,8 @@ class Request:
     num_registered_blocks: int = 0  # leading blocks of block_ids offered to the prefix cache
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
+    # Decode side of a hand-off: the KV of token_ids comes from a prefill worker, with the next token.
+    remote_kv: bool = False
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

@@ -6,6 +6,7 @@ sample the next. Prefill workers, decode workers and the offline engine share it
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -55,7 +56,9 @@ class ModelRunner:
         self.bytes_total = 0
 
     @torch.inference_mode()
-    def execute(self, chunks: list[Chunk]) -> StepResult:
+    def execute(self, chunks: list[Chunk], layer_done: Callable[[int], None] | None = None) -> StepResult:
+        """layer_done(i), if given, is called as soon as layer i has written this step's KV (on a GPU:
+        once its kernels are queued; the callee orders its own reads after them)."""
         assert chunks, "empty step"
         # Single-token chunks take the batched decode path; they come first, by context length.
         order = sorted(range(len(chunks)), key=lambda i: (len(chunks[i].token_ids) != 1, chunks[i].start))
@@ -64,7 +67,7 @@ class ModelRunner:
         spans = [(c.start, len(c.token_ids)) for c in chunks]
         self.flops_total += step_flops(self.cfg, spans, sum(c.sample is not None for c in chunks))
         self.bytes_total += step_bytes(self.cfg, spans, self._dtype_bytes)
-        hidden = self.model(input_ids, positions, meta, self.kv_cache)  # [tokens, hidden]
+        hidden = self.model(input_ids, positions, meta, self.kv_cache, layer_done)  # [tokens, hidden]
         last_row = [0] * len(chunks)  # row of each chunk's last token in the reordered batch
         row = 0
         for i, c in zip(order, ordered):

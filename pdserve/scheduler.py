@@ -1,15 +1,28 @@
-"""Continuous-batching scheduler of the colocated (offline) engine.
+"""The continuous-batching scheduler every engine runs; the worker's role is a policy over request states.
 
 Each step spends a token budget: first one token for every running request that is decoding (and the
 next chunk of any running prefill), then prompt chunks of waiting requests in arrival order. When the
 pool cannot hold a running request's next token, the most recently admitted request is preempted: its
 blocks are freed and it goes back to the front of the queue to be recomputed (prompt + output so far),
 so nothing is dropped and the tokens already produced are kept.
+
+Roles (see pdserve.request.RequestStatus for the states):
+- COLOCATED (offline engine, colocated workers): both phases here.
+- PREFILL: a prompt is admitted only when blocks for all of it can be allocated, so a partly ingested
+  prompt never waits for room (and is never preempted). Once its last chunk has run and the first
+  token is sampled, it leaves the batch as HELD: its KV stays in its blocks until the owner releases
+  it (sent to the decode worker, or the request ended). Held KV fills the pool, which stops admission:
+  backpressure, not failure.
+- DECODE: a request whose KV is computed elsewhere (remote_kv) waits for room; the scheduler then
+  reserves blocks for its KV and next token and reports it in `ScheduledStep.reserved` (WAITING_FOR_KV).
+  When the KV has landed (`kv_arrived`, with the token the prefill worker sampled), it joins the
+  running batch at the next step. Requests preempted here are recomputed here.
 """
 from __future__ import annotations
 
+import enum
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pdserve.config import SchedulerConfig
 from pdserve.kv_cache import KVCacheManager
@@ -17,11 +30,20 @@ from pdserve.request import FinishReason, Request, RequestStatus, token_stop_rea
 from pdserve.runner import Chunk, StepResult
 
 
+class Role(str, enum.Enum):
+    COLOCATED = "colocated"
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+
 @dataclass
 class ScheduledStep:
     requests: list[Request]
     chunks: list[Chunk]
     num_preempted: int = 0
+    # Decode role: requests that got their KV blocks this step (now WAITING_FOR_KV); their prefill
+    # workers are to be told that the destination is ready.
+    reserved: list[Request] = field(default_factory=list)
 
 
 @dataclass
@@ -33,42 +55,55 @@ class SampledToken:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager, eos_token_ids: tuple[int, ...],
-                 max_model_len: int):
+                 max_model_len: int, role: Role = Role.COLOCATED):
         self.config = config
         self.kv = kv
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
+        self.role = role
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order: the last one is preempted first
+        self.held: dict[str, Request] = {}  # prefill: KV kept for the decode worker
+        self.waiting_for_kv: dict[str, Request] = {}  # decode: blocks reserved, KV in flight
+        self.requests: dict[str, Request] = {}  # every unfinished request, by id
         self.num_preemptions = 0
 
     def add(self, req: Request) -> None:
+        if req.request_id in self.requests:
+            raise ValueError(f"request id {req.request_id!r} is already in use")
+        if req.remote_kv and self.role is not Role.DECODE:
+            raise ValueError("only a decode worker takes requests whose KV is computed elsewhere")
+        # Room for every token and one more (the next one's KV), or it could never run.
         if self.kv.blocks_needed(req.num_tokens + 1) > self.kv.pool.num_blocks:
             raise ValueError(
                 f"request {req.request_id} needs more KV blocks than the cache has "
                 f"({req.num_tokens} tokens, {self.kv.pool.num_blocks} blocks of {self.kv.block_size})"
             )
+        req.status = RequestStatus.WAITING
         self.waiting.append(req)
-
-    def add_running(self, req: Request) -> None:
-        """Join a request whose KV is already in the cache (arrived from a prefill worker)."""
-        assert req.block_ids and req.num_computed_tokens == req.num_tokens - 1
-        req.status = RequestStatus.RUNNING
-        self.running.append(req)
+        self.requests[req.request_id] = req
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        """Whether a step would compute something (HELD and WAITING_FOR_KV requests need no step)."""
+        return bool(self.running) or any(not r.remote_kv for r in self.waiting) or self._can_reserve()
+
+    @property
+    def num_active(self) -> int:
+        """Requests that hold or will soon hold a batch slot (running, or their KV on the way)."""
+        return len(self.running) + len(self.waiting_for_kv)
 
     def schedule(self) -> ScheduledStep:
         budget = self.config.max_num_batched_tokens
         scheduled: list[tuple[Request, int]] = []
+        reserved: list[Request] = []
         preempted = 0
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             while not self.kv.allocate_slots(req, n):
+                assert self.role is not Role.PREFILL, "a prefill worker allocates whole prompts at admission"
                 victim = self.running.pop()
                 self._preempt(victim)
                 preempted += 1
@@ -79,15 +114,27 @@ class Scheduler:
                 budget -= n
                 i += 1
         # Admitting while preempting would only thrash: the freed room belongs to the running batch.
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs and not preempted:
+        while self.waiting and not preempted and self.num_active < self.config.max_num_seqs:
             req = self.waiting[0]
+            if req.remote_kv:
+                if not self._reserve(req):
+                    break  # backpressure: it waits, in order, for room
+                self.waiting.popleft()
+                req.status = RequestStatus.WAITING_FOR_KV
+                self.waiting_for_kv[req.request_id] = req
+                reserved.append(req)
+                continue
+            if budget <= 0:
+                break
             if not req.block_ids:
                 self.kv.admit_cached_prefix(req)
             n = req.num_tokens - req.num_computed_tokens
             if n > budget and not self.config.enable_chunked_prefill:
                 break
+            # A prefill worker allocates the whole prompt now, so a chunked prompt never waits for room.
+            need = n if self.role is Role.PREFILL else min(n, budget)
             n = min(n, budget)
-            if not self.kv.allocate_slots(req, n):
+            if not self.kv.allocate_slots(req, need):
                 self.kv.free(req)  # drop the prefix references taken above; retry next step
                 break
             self.waiting.popleft()
@@ -96,10 +143,14 @@ class Scheduler:
             scheduled.append((req, n))
             budget -= n
         self.num_preemptions += preempted
-        return ScheduledStep([r for r, _ in scheduled], [chunk_of(r, n) for r, n in scheduled], preempted)
+        return ScheduledStep([r for r, _ in scheduled], [chunk_of(r, n) for r, n in scheduled], preempted, reserved)
 
     def update(self, step: ScheduledStep, result: StepResult) -> list[SampledToken]:
-        """Account a finished step: computed tokens, newly full blocks, sampled tokens, token-level stops."""
+        """Account a finished step: computed tokens, newly full blocks, sampled tokens, token-level stops.
+
+        Prefill role: a request that sampled its first token is HELD, whatever the token; the
+        SampledToken still says whether that token ended it, and the owner releases it.
+        """
         for req, chunk in zip(step.requests, step.chunks):
             req.num_computed_tokens += len(chunk.token_ids)
             self.kv.cache_computed_blocks(req)
@@ -108,10 +159,38 @@ class Scheduler:
             req = step.requests[i]
             req.token_ids.append(token)
             reason = token_stop_reason(req, self.eos_token_ids, self.max_model_len)
-            if reason is not None:
+            if self.role is Role.PREFILL:
+                self.running.remove(req)
+                req.status = RequestStatus.HELD
+                self.held[req.request_id] = req
+            elif reason is not None:
                 self.finish(req, reason)
             out.append(SampledToken(req, token, reason))
         return out
+
+    def kv_arrived(self, request_id: str, token: int) -> SampledToken | None:
+        """The KV of a WAITING_FOR_KV request has landed in its blocks, with the token sampled after it.
+
+        It runs from the next step on. Returns the token as sampled (finish_reason set if that token
+        ended the request: it is then finished here), or None if the request is not waiting for KV.
+        """
+        req = self.waiting_for_kv.pop(request_id, None)
+        if req is None:
+            return None
+        req.token_ids.append(token)
+        req.num_computed_tokens = req.num_tokens - 1  # all but the new token, whose KV the next step computes
+        self.kv.cache_computed_blocks(req)
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
+        reason = token_stop_reason(req, self.eos_token_ids, self.max_model_len)
+        if reason is not None:
+            self.finish(req, reason)
+        return SampledToken(req, token, reason)
+
+    def kv_blocks(self, req: Request) -> list[int]:
+        """The blocks that hold (prefill: HELD) or will hold (decode: WAITING_FOR_KV) the hand-off's KV."""
+        num_tokens = req.num_computed_tokens if req.status is RequestStatus.HELD else req.num_tokens
+        return req.block_ids[: self.kv.blocks_needed(num_tokens)]
 
     def finish(self, req: Request, reason: FinishReason) -> None:
         """End a request wherever it is and release its blocks."""
@@ -119,17 +198,37 @@ class Scheduler:
             return
         if req.status is RequestStatus.RUNNING:
             self.running.remove(req)
-        else:
+        elif req.status is RequestStatus.WAITING:
             self.waiting.remove(req)
+        elif req.status is RequestStatus.HELD:
+            del self.held[req.request_id]
+        else:
+            assert req.status is RequestStatus.WAITING_FOR_KV, req.status
+            del self.waiting_for_kv[req.request_id]
+        del self.requests[req.request_id]
         self.kv.free(req)
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
 
+    def _reserve(self, req: Request) -> bool:
+        """Blocks for a remote request's KV and its next token, if that leaves one free block per running
+        request (so that taking it in does not force a preemption at the very next step)."""
+        need = self.kv.blocks_needed(req.num_tokens + 1)
+        if self.kv.pool.num_free_blocks - need < len(self.running):
+            return False
+        return self.kv.allocate_slots(req, req.num_tokens + 1)
+
+    def _can_reserve(self) -> bool:
+        if not self.waiting or not self.waiting[0].remote_kv or self.num_active >= self.config.max_num_seqs:
+            return False
+        need = self.kv.blocks_needed(self.waiting[0].num_tokens + 1)
+        return self.kv.pool.num_free_blocks - need >= len(self.running)
+
     def _preempt(self, req: Request) -> None:
         self.kv.free(req)
         req.status = RequestStatus.WAITING
+        req.remote_kv = False  # its KV is recomputed here
         self.waiting.appendleft(req)
-
 
 
 def chunk_of(req: Request, n: int) -> Chunk:

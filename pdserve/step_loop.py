@@ -17,6 +17,10 @@ T = TypeVar("T")
 log = logging.getLogger(__name__)
 
 
+class StepLoopStopped(RuntimeError):
+    """A call reached a worker whose step loop has stopped (it is shutting down)."""
+
+
 class StepLoop:
     def __init__(self, step: Callable[[], bool], name: str):
         """step() runs one unit of work and says whether it did any; when it did none, the loop
@@ -31,7 +35,7 @@ class StepLoop:
         """Run fn on the step thread before the next step; its result or exception lands in the future."""
         fut: Future[T] = Future()
         if self._stopped.is_set():
-            fut.set_exception(RuntimeError("step loop is stopped"))
+            fut.set_exception(StepLoopStopped("step loop is stopped"))
         else:
             self._calls.put((fn, fut))
         return fut

@@ -1,22 +1,57 @@
-"""The prefill worker as a Ray actor: prompts in, first tokens out, KV sent when a decode worker pulls it."""
+"""The prefill worker as a Ray actor: prompts in, first tokens out, each prompt's KV pushed to its decode worker.
+
+It runs the shared EngineCore in the PREFILL role (pdserve.scheduler): prompts are batched up to a
+token budget and chunked; a prompt whose last chunk has run is HELD until its KV has been sent. The
+KV is pushed (pdserve.handoff): during the forward that completes a prompt, layer by layer, if its
+decode worker has already reserved room; otherwise from the held blocks as soon as the reservation is
+announced (`kv_ready`), from the thread that hears of it, without waiting for a step.
+
+Threads: the step thread owns the engine (pdserve.step_loop); Ray's event loop answers calls; one
+pusher thread per decode worker sends. The hand-off's shared state (which destinations are ready,
+held KV not yet sent, pushes in flight) is guarded by one lock; blocks are freed on the step thread.
+"""
 from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 from concurrent.futures import Future, InvalidStateError
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from pdserve.config import EngineConfig
-from pdserve.kv_transfer import PairChannel, TransferStats, extract_blocks
+from pdserve.engine import EngineCore
+from pdserve.handoff import KVAnnounce, KVPusher, PushJob
+from pdserve.kv_transfer import SENDER_RANK, PairChannel, TransferStats
 from pdserve.loader import load
 from pdserve.messages import PrefillResult, PrefillTask, WorkerStats, worker_stats
-from pdserve.step_loop import StepLoop
+from pdserve.request import Request
+from pdserve.scheduler import Role, ScheduledStep
+from pdserve.step_loop import StepLoop, StepLoopStopped
 from pdserve.utilization import device_peaks
-from prefill_worker.worker import PrefillWorker
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Destination:
+    handle: Any  # the decode worker's actor handle
+    host: str  # its rendezvous store
+    port: int
+    pusher: KVPusher
+
+
+@dataclass(frozen=True)
+class _HeldKV:
+    """A computed prompt whose decode worker has not reserved room yet."""
+
+    destination: str
+    block_ids: list[int]
+    token: int
+    sampled_at: float
 
 
 class PrefillActor:
@@ -26,12 +61,18 @@ class PrefillActor:
         if torch_threads:
             torch.set_num_threads(torch_threads)
         self.worker_id = worker_id
-        self.worker = PrefillWorker(worker_id, config, load(config))
-        self.peaks = device_peaks(self.worker.runner.device, config.peak_flops, config.peak_bytes_per_second)
+        self.core = EngineCore(config, load(config), Role.PREFILL)
+        self.peaks = device_peaks(self.core.runner.device, config.peak_flops, config.peak_bytes_per_second)
         self.transfer_timeout_s = transfer_timeout_s
         self.transfer_stats = TransferStats()
         self._results: dict[str, Future[PrefillResult]] = {}
-        self._channels: dict[str, PairChannel] = {}
+        self._destination_of: dict[str, str] = {}  # step thread: request -> its decode worker
+        # The hand-off's shared state, under _lock.
+        self._lock = threading.Lock()
+        self._destinations: dict[str, _Destination] = {}
+        self._ready: set[str] = set()  # requests whose decode worker has reserved room
+        self._held: dict[str, _HeldKV] = {}  # computed, waiting for their reservation
+        self._pushing: set[str] = set()  # in a push job not yet done
         self._send_delays: list[float] = []
         self.busy_seconds = 0.0
         self.started = time.monotonic()
@@ -40,93 +81,170 @@ class PrefillActor:
     async def ready(self) -> str:
         return self.worker_id
 
-    async def prefill(self, task: PrefillTask) -> PrefillResult:
-        """Ingest the prompt; returns as soon as the first token is sampled (the KV stays held)."""
+    async def prefill(self, task: PrefillTask, decode: Any = None) -> PrefillResult:
+        """Ingest the prompt; returns as soon as the first token is sampled (the KV goes on to `decode`)."""
+        req = task.new_request()
+        if self.core.kv.blocks_needed(req.num_tokens) > self.core.pool.num_blocks:
+            raise ValueError(f"prompt of {req.num_tokens} tokens does not fit this worker's KV cache "
+                             f"({self.core.pool.num_blocks} blocks of {self.core.pool.block_size})")
         fut: Future[PrefillResult] = Future()
         self._results[task.request_id] = fut
+
+        def add() -> None:
+            self.core.scheduler.add(req)
+            if task.kv_destination is not None:
+                self._destination_of[task.request_id] = task.kv_destination
+
+        self.loop.call(add).add_done_callback(lambda f: f.exception() and self._fail(task.request_id, f.exception()))
         try:
-            await asyncio.wrap_future(self.loop.call(lambda: self.worker.add(task)))
             return await asyncio.wrap_future(fut)
         finally:
             self._results.pop(task.request_id, None)
 
+    async def kv_ready(self, decode_id: str, handle: Any, host: str, port: int, request_ids: tuple[str, ...]) -> None:
+        """A decode worker has reserved room for these requests' KV: push what is already held, at once."""
+        jobs: list[PushJob] = []
+        with self._lock:
+            dest = self._destination(decode_id, handle, host, port)
+            held = [(rid, self._held.pop(rid)) for rid in request_ids if rid in self._held]
+            self._ready.update(rid for rid in request_ids if rid not in dict(held))
+            if held:
+                self._pushing.update(rid for rid, _ in held)
+                jobs.append(PushJob(decode_id, [rid for rid, _ in held], [h.block_ids for _, h in held],
+                                    self.core.model_config.num_layers, self.core.model_config.num_layers,
+                                    [h.token for _, h in held], min(h.sampled_at for _, h in held)))
+        for job in jobs:
+            dest.pusher.push(job)
+
     async def cancel(self, request_id: str) -> bool:
         self._fail(request_id, asyncio.CancelledError(f"request {request_id} cancelled"))
-        return await asyncio.wrap_future(self.loop.call(lambda: self.worker.cancel(request_id)))
-
-    async def release(self, request_id: str) -> bool:
-        return await asyncio.wrap_future(self.loop.call(lambda: self.worker.release(request_id)))
-
-    async def open_channel(self, decode_id: str, host: str, port: int, generation: int) -> None:
-        """The prefill side of a pair rendezvous; the decode worker constructs its side concurrently."""
-        old = self._channels.pop(decode_id, None)
-        if old is not None:
-            old.close()
-        self._channels[decode_id] = await asyncio.to_thread(
-            PairChannel, host, port, self.worker_id, decode_id, 0, self.transfer_timeout_s,
-            self.worker.runner.kv_cache.device, generation=generation, stats=self.transfer_stats,
-            before_send=self._before_send)
-
-    async def send_kv(self, request_id: str, decode_id: str, transfer_id: int) -> int:
-        """Send a held prompt's KV to the decode worker that asked for it, then release it here.
-
-        If the prompt is no longer held (cancelled), an empty transfer tells the receiver at once
-        instead of leaving it to time out. Returns the bytes sent.
-        """
-        channel = self._channels[decode_id]
-
-        def take() -> torch.Tensor:
-            if request_id not in self.worker.held:
-                return torch.empty(0, dtype=self.worker.runner.kv_cache.dtype, device=self.worker.runner.kv_cache.device)
-            return extract_blocks(self.worker.runner.kv_cache, self.worker.held_blocks(request_id))
-
-        data = await asyncio.wrap_future(self.loop.call(take))
         try:
-            await asyncio.to_thread(channel.send, transfer_id, data)
-        finally:
-            self.loop.call(lambda: self.worker.release(request_id))
-        return data.nbytes
+            return await asyncio.wrap_future(self.loop.call(lambda: self._cancel(request_id)))
+        except StepLoopStopped:
+            return False
 
     async def inject_send_delay(self, seconds: float, count: int = 1) -> None:
         """Fault injection for tests: the next `count` KV sends stall `seconds` first."""
         self._send_delays = [seconds] * count
-
-    def _before_send(self, transfer_id: int) -> None:
-        if self._send_delays:
-            time.sleep(self._send_delays.pop())
 
     async def stats(self) -> WorkerStats:
         return await asyncio.wrap_future(self.loop.call(self._stats))
 
     async def shutdown(self) -> None:
         self.loop.stop()
-        for ch in self._channels.values():
-            ch.close()
+        with self._lock:
+            for d in self._destinations.values():
+                d.pusher.stop()
+
+    # -- hand-off ---------------------------------------------------------------------------------
+    def _destination(self, decode_id: str, handle: Any, host: str, port: int) -> _Destination:
+        """The pusher to a decode worker (under _lock); a worker at a new address gets a new one."""
+        d = self._destinations.get(decode_id)
+        if d is None or (d.host, d.port) != (host, port):
+            if d is not None:
+                d.pusher.stop()
+            pusher = KVPusher(self.worker_id, decode_id, self.core.runner.kv_cache,
+                              open_pair=lambda gen, did=decode_id: self._open_pair(did, gen),
+                              announce=lambda a, h=handle: self._announce(h, a),
+                              done=self._pushed)
+            d = self._destinations[decode_id] = _Destination(handle, host, port, pusher)
+        return d
+
+    def _open_pair(self, decode_id: str, generation: int) -> PairChannel:
+        """Rendezvous with a decode worker for a new channel (on the pusher's thread)."""
+        with self._lock:
+            d = self._destinations[decode_id]
+        ref = d.handle.open_channel.remote(self.worker_id, generation)
+        channel = PairChannel(d.host, d.port, self.worker_id, decode_id, SENDER_RANK, self.transfer_timeout_s,
+                              self.core.runner.kv_cache.device, generation=generation, stats=self.transfer_stats,
+                              before_send=self._before_send)
+        ref.future().result(timeout=self.transfer_timeout_s)  # a thread of its own: no ray.get in an async actor
+        return channel
+
+    @staticmethod
+    def _announce(handle: Any, a: KVAnnounce) -> None:
+        handle.kv_incoming.remote(a)
+
+    def _pushed(self, job: PushJob, error: str | None) -> None:
+        """A push ended (on the pusher's thread): the KV is the decode worker's now, or the transfer
+        failed (the decode worker is told, and reports it to the router). Either way it is freed here."""
+        with self._lock:
+            self._pushing.difference_update(job.request_ids)
+            self._ready.difference_update(job.request_ids)
+            dest = self._destinations.get(job.destination)
+        if error is not None and dest is not None:
+            dest.handle.kv_failed.remote(self.worker_id, job.request_ids, error)
+        self.loop.call(lambda: [self.core.cancel(rid) for rid in job.request_ids])
+
+    def _before_send(self, transfer_id: int) -> None:
+        if self._send_delays:
+            time.sleep(self._send_delays.pop())
 
     # -- step thread ------------------------------------------------------------------------------
     def _step(self) -> bool:
-        if not self.worker.has_work:
+        scheduler = self.core.scheduler
+        step = scheduler.schedule()
+        if not step.chunks:
             return False
+        pushes = _StepPushes(self, step)
         t0 = time.perf_counter()
         try:
-            results = self.worker.step()
+            pushes.layer_done(-1)  # destinations already ready: their KV goes out layer by layer
+            sampled = self.core.account(step, self.core.execute(step, pushes.layer_done))
         except Exception as e:  # fail what was in flight, free its blocks, keep serving
             log.exception("prefill step failed on %s", self.worker_id)
-            for req in [*self.worker.running, *self.worker.waiting]:
-                self.worker.cancel(req.request_id)
-                self._fail(req.request_id, e)
+            pushes.abort(str(e))
+            for rid in self.core.cancel_all():
+                self._destination_of.pop(rid, None)
+                self._fail(rid, e)
             return True
         finally:
             self.busy_seconds += time.perf_counter() - t0
-        for r in results:
-            fut = self._results.get(r.request_id)
-            try:
-                if fut is None:
-                    raise InvalidStateError
-                fut.set_result(r)
-            except InvalidStateError:  # cancelled meanwhile: nobody will pull this KV
-                self.worker.release(r.request_id)
+        sampled_at = time.time()
+        pushes.sampled({s.request.request_id: s.token for s in sampled})
+        late: dict[str, list[tuple[str, _HeldKV]]] = {}
+        for s in sampled:
+            req, rid = s.request, s.request.request_id
+            dest = self._destination_of.pop(rid, None)
+            self._resolve(req, s.token)
+            if rid in pushes.started:
+                continue  # freed when its push ends
+            if dest is None or s.finish_reason is not None:
+                self.core.cancel(rid)  # nothing follows the first token
+                continue
+            held = _HeldKV(dest, scheduler.kv_blocks(req), s.token, sampled_at)
+            with self._lock:
+                if rid in self._ready:
+                    self._ready.discard(rid)
+                    self._pushing.add(rid)
+                    late.setdefault(dest, []).append((rid, held))
+                else:
+                    self._held[rid] = held
+        for dest, items in late.items():  # the reservation came during this step
+            with self._lock:
+                pusher = self._destinations[dest].pusher
+            pusher.push(PushJob(dest, [rid for rid, _ in items], [h.block_ids for _, h in items],
+                                self.core.model_config.num_layers, self.core.model_config.num_layers,
+                                [h.token for _, h in items], sampled_at))
         return True
+
+    def _cancel(self, request_id: str) -> bool:
+        self._destination_of.pop(request_id, None)
+        with self._lock:
+            self._ready.discard(request_id)
+            self._held.pop(request_id, None)
+            if request_id in self._pushing:
+                return True  # freed when its push ends
+        return self.core.cancel(request_id)
+
+    def _resolve(self, req: Request, token: int) -> None:
+        fut = self._results.get(req.request_id)
+        try:
+            if fut is not None:
+                fut.set_result(PrefillResult(req.request_id, token, req.num_cached_tokens,
+                                             len(self.core.scheduler.kv_blocks(req))))
+        except InvalidStateError:  # cancelled meanwhile
+            pass
 
     def _fail(self, request_id: str, error: BaseException) -> None:
         fut = self._results.get(request_id)
@@ -137,9 +255,54 @@ class PrefillActor:
                 pass
 
     def _stats(self) -> WorkerStats:
-        w = self.worker
-        return worker_stats(self.worker_id, "prefill", waiting=len(w.waiting) + len(w.running),
-                            waiting_tokens=w.waiting_tokens, running=len(w.held), pool=w.pool, runner=w.runner,
-                            steps=w.steps, tokens_processed=w.tokens_processed, busy_seconds=self.busy_seconds,
+        c = self.core
+        s = c.scheduler
+        return worker_stats(self.worker_id, "prefill", waiting=len(s.waiting) + len(s.running),
+                            waiting_tokens=sum(r.num_tokens - r.num_computed_tokens for r in (*s.waiting, *s.running)),
+                            running=len(s.held), pool=c.pool, runner=c.runner, steps=c.steps,
+                            tokens_processed=c.tokens_processed, busy_seconds=self.busy_seconds,
                             uptime_seconds=time.monotonic() - self.started, peaks=self.peaks,
                             transfer=self.transfer_stats.snapshot())
+
+
+class _StepPushes:
+    """The pushes of one prefill step: prompts completing in it whose decode worker is ready go out
+    layer by layer, one job per decode worker; a reservation that arrives mid-forward joins at the next
+    layer (the layers already computed go first)."""
+
+    def __init__(self, actor: PrefillActor, step: ScheduledStep):
+        self.actor = actor
+        self.num_layers = actor.core.model_config.num_layers
+        self.candidates: dict[str, tuple[str, list[int]]] = {}  # request -> (decode worker, its KV blocks)
+        for req, chunk in zip(step.requests, step.chunks):
+            dest = actor._destination_of.get(req.request_id)
+            if chunk.sample is not None and dest is not None:
+                self.candidates[req.request_id] = (dest, req.block_ids[: actor.core.kv.blocks_needed(req.num_tokens)])
+        self.started: dict[str, PushJob] = {}
+        self.jobs: list[PushJob] = []
+
+    def layer_done(self, layer: int) -> None:
+        if len(self.started) == len(self.candidates):
+            return
+        a = self.actor
+        groups: dict[str, list[str]] = {}
+        with a._lock:
+            for rid, (dest, _) in self.candidates.items():
+                if rid not in self.started and rid in a._ready:
+                    a._ready.discard(rid)
+                    a._pushing.add(rid)
+                    groups.setdefault(dest, []).append(rid)
+            pushers = {dest: a._destinations[dest].pusher for dest in groups}
+        for dest, rids in groups.items():
+            job = PushJob(dest, rids, [self.candidates[r][1] for r in rids], self.num_layers, layer + 1)
+            self.jobs.append(job)
+            self.started.update((r, job) for r in rids)
+            pushers[dest].push(job)
+
+    def sampled(self, tokens: dict[str, int]) -> None:
+        for job in self.jobs:
+            job.sampled([tokens[r] for r in job.request_ids])
+
+    def abort(self, reason: str) -> None:
+        for job in self.jobs:
+            job.abort(reason)

@@ -1,10 +1,12 @@
 """The cluster: starts the worker pools on Ray and carries each request through them.
 
-Disaggregated path: the request's prompt goes to a prefill worker, whose first token comes straight
-back (TTFT does not wait for the KV); if the request goes on, a decode worker is told to pull the KV
-from that prefill worker and its per-step outputs arrive on the decode worker's stream, which one
-task here fans out to the requests. Colocated path: one worker does both phases and streams all tokens.
-Text (detokenization, stop strings) is produced here, once, for both paths.
+Disaggregated path: the request is placed on a prefill worker and, if a token will follow the first,
+a decode worker, both at once: the decode worker reserves room for the prompt's KV while the prefill
+worker computes it, and the prefill worker pushes the KV there as it is computed (pdserve.handoff).
+The first token comes straight back from the prefill worker (TTFT does not wait for the KV); the
+decode worker's per-step outputs arrive on its stream, which one task here fans out to the requests.
+Colocated path: one worker does both phases and streams all tokens. Text (detokenization, stop
+strings) is produced here, once, for both paths.
 
 Faults: a worker that dies is noticed at once (its calls and its stream raise); one that hangs is
 noticed when the heartbeat's stats call times out, and is killed. Either way it leaves its pool, its
@@ -23,7 +25,7 @@ import logging
 import random
 import uuid
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import ray
@@ -284,14 +286,29 @@ class Cluster:
                 hashes = hash_prompt_blocks(req.token_ids, self.block_size)
                 p = prefill[pick_prefill([PrefillLoad(x.queued_tokens, x.prefix.match(hashes) * self.block_size)
                                           for x in prefill])]
-                decode = _prefer(await self._alive("decode"), avoid)
-                streamer = decode[pick_decode([self._decode_load(x) for x in decode])]
-                placed += [p, streamer]
+                # A decode worker only if a token follows the one the prefill worker samples.
+                follows = req.params.max_tokens - req.num_output_tokens > 1 and req.num_tokens + 1 < info.max_model_len
+                streamer = None
+                if follows:
+                    decode = _prefer(await self._alive("decode"), avoid)
+                    streamer = decode[pick_decode([self._decode_load(x) for x in decode])]
+                placed += [p] + ([streamer] if streamer else [])
                 p.prefix.add(hashes)
                 p.queued_tokens += req.num_tokens
-                p.requests.add(wrid)
+                p.requests.add(wrid)  # until its KV has reached the decode worker (the first decode token)
+                # Both at once: the decode worker reserves room while the prefill worker computes.
+                reserved = None
+                if streamer is not None:
+                    streamer.requests.add(wrid)
+                    reserved = streamer.handle.reserve.remote(
+                        DecodeTask(wrid, tuple(req.prompt_token_ids), tuple(req.output_token_ids), req.params,
+                                   req.seed, p.worker_id), p.handle)
+                task = replace(task, kv_destination=streamer.worker_id if streamer else None)
                 try:
-                    result = await self._call(p, p.handle.prefill.remote(task))
+                    prefilled = p.handle.prefill.remote(task, streamer.handle if streamer else None)
+                    if reserved is not None:
+                        await self._call(streamer, reserved)
+                    result = await self._call(p, prefilled)
                 finally:
                     p.queued_tokens -= req.num_tokens
                 req.token_ids.append(result.first_token)
@@ -301,14 +318,15 @@ class Cluster:
                                    token_stop_reason(req, info.eos_token_ids, info.max_model_len))
                 finished = out.finished
                 if finished:
-                    p.handle.release.remote(wrid)
+                    p.requests.discard(wrid)
+                    if streamer is not None:  # e.g. a stop string in the first token: release both sides
+                        streamer.requests.discard(wrid)
+                        streamer.handle.cancel.remote(wrid)
+                        p.handle.cancel.remote(wrid)
                 else:
-                    streamer.requests.add(wrid)
-                    await self._call(streamer, streamer.handle.decode.remote(
-                        DecodeTask(wrid, tuple(req.prompt_token_ids), tuple(req.output_token_ids), req.params, req.seed,
-                                   p.worker_id), p.handle))
-                p.requests.discard(wrid)  # its part is done; the KV transfer is the decode worker's to report
+                    assert streamer is not None, "a request with no decode worker ends with its first token"
                 yield self._annotate(out, req, placed if finished else [])
+            first_decode = True
             while not finished:
                 ev = await q.get()
                 if isinstance(ev, _Failed):
@@ -317,6 +335,9 @@ class Cluster:
                     continue
                 if ev.request_id != wrid:
                     continue
+                if first_decode and self.config.mode != "colocated":
+                    placed[0].requests.discard(wrid)  # the KV has landed: the prefill worker's part is over
+                first_decode = False
                 req.token_ids.append(ev.token)
                 out = token_output(req, text, ev.token, ev.finish_reason)
                 finished = out.finished

@@ -245,5 +245,10 @@ def format_report(rep: dict[str, Any]) -> str:
         for stat in ("mean", "median", "p90", "p99"):
             row(f"{stat.capitalize() if stat in ('mean', 'median') else stat.upper()} {metric.upper()} (ms):",
                 _f(rep[f"{stat}_{metric}_ms"]))
+    lines.append("{s:{c}^50}".format(s="ITL split: 1st->2nd token, later", c="-"))
+    row("Median 1st->2nd token gap (ms):", _f(rep["median_first_gap_ms"]))
+    row("P99 1st->2nd token gap (ms):", _f(rep["p99_first_gap_ms"]))
+    row("Median ITL after the 2nd token (ms):", _f(rep["median_later_itl_ms"]))
+    row("P99 ITL after the 2nd token (ms):", _f(rep["p99_later_itl_ms"]))
     lines.append("=" * 50)
     return "\n".join(lines)

@@ -213,6 +213,15 @@ def build_report(records: Sequence[RequestRecord], slo: Slo = Slo(), duration: f
     for metric in METRICS:
         for stat, v in summarize(values[metric]).items():
             rep[f"{stat}_{metric}_ms"] = None if v is None else v * 1e3
+    # The ITL split in two: the 1st->2nd token gap holds a disaggregated server's KV hand-off; the
+    # later gaps show whether decoding is interrupted (by prefills sharing its steps, for one).
+    first_gaps = [r.itl[0] for r in ok if r.itl]
+    later = [g for r in ok for g in r.itl[1:]]
+    for name, vals in (("first_gap", first_gaps), ("later_itl", later)):
+        summary = summarize(vals)
+        for stat in ("median", "p99"):
+            rep[f"{stat}_{name}_ms"] = None if summary[stat] is None else summary[stat] * 1e3
+    rep["max_later_itl_ms"] = max(later) * 1e3 if later else None
     good = sum(slo.met(r) for r in ok) if slo.given else None
     rep["slo"] = slo.as_dict()
     rep["good_requests"] = good

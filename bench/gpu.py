@@ -1,0 +1,946 @@
+"""pdserve on one GPU: decode vs the bandwidth floor, GPU busy fraction, prefill MFU, offline vs HF.
+
+    python bench/gpu.py                       # on a CUDA machine: bf16, Llama-3-8B shape (dummy weights)
+    .venv/bin/python bench/gpu.py --device cpu --small   # smoke test of every section, tiny shapes
+
+Sections (each runs even if an earlier one failed; failures are printed with their traceback):
+
+peaks    Two ceilings measured in this run: copy bandwidth of a large device-to-device copy
+         (bytes read + bytes written) / time, and bf16 matmul FLOP/s of 8192^3 on random data. Both
+         timed with CUDA events, median of several repetitions after warm-up.
+decode   EngineCore (scheduler + ModelRunner + sampler, i.e. pdserve's own step) on the dummy-weight
+         Llama-3-8B shape, bf16. For batch B in 1, 8, 64: B random prompts of --context tokens are
+         prefilled (not timed), then --warmup decode steps, then --steps timed decode steps
+         (synchronize before and after; every step ends with the sampled tokens copied to the host).
+         floor = (matmul weight bytes + K/V bytes of every sequence's context) / copy bandwidth, with
+         the context at the middle of the timed steps. Also the analytic bytes pdserve counts.
+busy     At batch 64: the same decode loop under torch.profiler. GPU busy = union of the GPU
+         kernel/memcpy intervals / wall time of the profiled steps (the profiler adds host overhead,
+         so a second figure divides the per-step kernel time by the unprofiled step time).
+prefill  One 4096-token prompt, SchedulerConfig(max_num_batched_tokens=4096), prefix caching off,
+         one step per prompt (fresh random prompts), median of --prefill-reps steps.
+         MFU = step_flops (pdserve.utilization) / step time / measured bf16 matmul FLOP/s.
+offline  pdserve LLMEngine vs transformers generate() on the same GPU, bf16, same random HF
+         checkpoint of SmolLM2-135M's shape made here by transformers (random weights, seeded).
+         64 prompts of 128-512 tokens, 128 output tokens each, greedy, EOS ignored (the checkpoint has
+         no EOS). Then greedy token equality on a few prompts (pdserve batched vs HF batch 1, no
+         padding), in bf16 and in fp32.
+
+Prints one table at the end; writes $OUT/gpu_bench.json (or --json) when OUT is set.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import random
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+GiB = 1 << 30
+RESULTS: dict = {"sections": {}, "errors": {}}
+
+
+# --- timing helpers ---------------------------------------------------------------------------------
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def event_time(fn, device: torch.device, reps: int, warmup: int = 2) -> list[float]:
+    """Seconds per call, one value per repetition (CUDA events on GPU, perf_counter on CPU)."""
+    for _ in range(warmup):
+        fn()
+    sync(device)
+    out = []
+    for _ in range(reps):
+        if device.type == "cuda":
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            b.synchronize()
+            out.append(a.elapsed_time(b) / 1e3)
+        else:
+            t = time.perf_counter()
+            fn()
+            out.append(time.perf_counter() - t)
+    return out
+
+
+def section(name: str):
+    def wrap(fn):
+        def run(*a, **kw):
+            print(f"\n=== {name} ===", flush=True)
+            t = time.perf_counter()
+            try:
+                res = fn(*a, **kw)
+                RESULTS["sections"][name] = res
+                return res
+            except Exception as e:  # noqa: BLE001 - report and go on with the next section
+                tb = traceback.format_exc()
+                print(tb, flush=True)
+                RESULTS["errors"][name] = f"{type(e).__name__}: {e}"
+                RESULTS.setdefault("tracebacks", {})[name] = tb
+                return None
+            finally:
+                print(f"[{name}: {time.perf_counter() - t:.1f} s]", flush=True)
+        return run
+    return wrap
+
+
+def free_memory() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+# --- sections ---------------------------------------------------------------------------------------
+
+@section("peaks")
+def measure_peaks(device: torch.device, small: bool) -> dict:
+    n = (64 << 20) if small else (2 * GiB)  # bytes of the copy's source
+    src = torch.randn(n // 2, dtype=torch.bfloat16, device=device)
+    dst = torch.empty_like(src)
+    t = event_time(lambda: dst.copy_(src), device, reps=5 if small else 20, warmup=3)
+    copy_s = statistics.median(t)
+    bw = 2 * src.nbytes / copy_s  # read + write
+    del src, dst
+    m = 1024 if small else 8192
+    dt = torch.float32 if (small and device.type == "cpu") else torch.bfloat16
+    g = torch.Generator(device=device).manual_seed(0)
+    mats = [torch.randn(m, m, dtype=dt, device=device, generator=g) for _ in range(4)]
+    c = torch.empty(m, m, dtype=dt, device=device)
+    i = [0]
+
+    def mm():  # rotate inputs so repeated products do not reuse one pair
+        torch.mm(mats[i[0] % 4], mats[(i[0] + 1) % 4], out=c)
+        i[0] += 1
+    t = event_time(mm, device, reps=3 if small else 20, warmup=1 if small else 5)
+    mm_s = statistics.median(t)
+    flops = 2 * m ** 3 / mm_s
+    del mats, c
+    free_memory()
+    res = dict(copy_bytes=2 * (n // 2) * 2, copy_s=copy_s, copy_bw_read_plus_write=bw,
+               matmul_n=m, matmul_dtype=str(dt), matmul_s=mm_s, matmul_flops=flops)
+    print(f"copy {n / GiB:.2f} GiB src: {copy_s * 1e3:.3f} ms -> {bw / 1e12:.3f} TB/s (read+write);  "
+          f"{m}^3 {dt} matmul {mm_s * 1e3:.3f} ms -> {flops / 1e12:.1f} TFLOP/s", flush=True)
+    return res
+
+
+def make_core(args, device: torch.device, max_batched: int, prefix_caching: bool):
+    from pdserve.config import CacheConfig, EngineConfig, SchedulerConfig
+    from pdserve.engine import EngineCore
+
+    cfg = EngineConfig(model=args.model, load_format="dummy", dtype=args.dtype, device=str(device),
+                       cache=CacheConfig(memory_bytes=int(args.kv_gib * GiB), enable_prefix_caching=prefix_caching),
+                       scheduler=SchedulerConfig(max_num_seqs=max(64, max(args.batches)),
+                                                 max_num_batched_tokens=max_batched))
+    t = time.perf_counter()
+    core = EngineCore(cfg)
+    sync(device)
+    print(f"EngineCore({args.model}, {args.dtype}, {device}): {time.perf_counter() - t:.1f} s, "
+          f"{core.pool.num_blocks} KV blocks", flush=True)
+    return core
+
+
+def add_requests(core, n: int, length: int, max_tokens: int, rng: random.Random) -> list:
+    from pdserve.request import Request
+    from pdserve.sampling import SamplingParams
+
+    vocab = core.model_config.vocab_size
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    reqs = []
+    for _ in range(n):
+        req = Request(f"r{rng.getrandbits(48)}", [rng.randrange(3, vocab) for _ in range(length)], params, 0)
+        core.scheduler.add(req)
+        reqs.append(req)
+    return reqs
+
+
+def run_prefill_until_decoding(core, reqs) -> None:
+    while core.scheduler.waiting or any(r.num_output_tokens == 0 for r in reqs):
+        core.step()
+
+
+def kernel_stats(prof, top: int = 8) -> dict:
+    """GPU kernel/memcpy events of a profile: summed time, union of intervals, top kernels by time."""
+    from torch.autograd import DeviceType
+
+    ivs, by_name = [], {}
+    for e in prof.events():
+        if getattr(e, "device_type", None) != DeviceType.CUDA:
+            continue
+        s, t = e.time_range.start, e.time_range.end
+        ivs.append((s, t))
+        by_name[e.name] = by_name.get(e.name, 0.0) + (t - s)
+    ivs.sort()
+    union, cur_s, cur_e = 0.0, None, None
+    for s, t in ivs:
+        if cur_e is None or s > cur_e:
+            if cur_e is not None:
+                union += cur_e - cur_s
+            cur_s, cur_e = s, t
+        else:
+            cur_e = max(cur_e, t)
+    if cur_e is not None:
+        union += cur_e - cur_s
+    tops = sorted(by_name.items(), key=lambda kv: -kv[1])[:top]
+    return dict(num_events=len(ivs), sum_s=sum(t - s for s, t in ivs) / 1e6, union_s=union / 1e6,
+                top=[(n[:90], us / 1e6) for n, us in tops])
+
+
+@section("decode")
+def bench_decode(args, device: torch.device, peaks: dict | None) -> dict:
+    from pdserve.config import kv_bytes_per_token
+    from pdserve.utilization import weight_bytes
+
+    core = make_core(args, device, max_batched=args.prefill_tokens, prefix_caching=False)
+    args._core = core  # reused by the prefill section
+    cfg = core.model_config
+    dbytes = torch.empty((), dtype=core.config.torch_dtype).element_size()
+    wbytes = weight_bytes(cfg, dbytes)
+    kv_tok = kv_bytes_per_token(cfg, core.config.torch_dtype)
+    bw = peaks["copy_bw_read_plus_write"] if peaks else float("nan")
+    rng = random.Random(0)
+    rows = []
+    for b in args.batches:
+        try:
+            rows.append(decode_row(core, device, args, b, rng, wbytes, kv_tok, bw))
+        finally:
+            core.cancel_all()
+    return dict(model=args.model, dtype=args.dtype, weight_bytes=wbytes, kv_bytes_per_token=kv_tok,
+                copy_bw=bw, rows=rows)
+
+
+def decode_row(core, device, args, b: int, rng: random.Random, wbytes: int, kv_tok: int, bw: float) -> dict:
+    # max_tokens far beyond the steps run: requests prefilled early keep decoding while later ones
+    # prefill, and none may finish inside the timed or profiled steps. They are cancelled afterwards.
+    reqs = add_requests(core, b, args.context, 4000, rng)
+    run_prefill_until_decoding(core, reqs)
+    for _ in range(args.warmup):
+        core.step()
+    assert all(r.num_computed_tokens == r.num_tokens - 1 for r in reqs), "not all decoding"
+    ctx_tokens_mid = sum(r.num_tokens for r in reqs) + b * (args.steps // 2)  # K/V read per step, mid-run
+    bytes0 = core.runner.bytes_total
+    sync(device)
+    t0 = time.perf_counter()
+    for _ in range(args.steps):
+        out = core.step()
+        assert len(out) == b, (len(out), b)
+    sync(device)
+    step_s = (time.perf_counter() - t0) / args.steps
+    counted = (core.runner.bytes_total - bytes0) / args.steps
+    kv_read = ctx_tokens_mid * kv_tok
+    floor_s = (wbytes + kv_read) / bw
+    row = dict(batch=b, context_mid=ctx_tokens_mid // b, step_s=step_s, weight_bytes=wbytes, kv_bytes=kv_read,
+               pdserve_counted_bytes=counted, floor_s=floor_s, floor_over_step=floor_s / step_s,
+               tokens_per_s=b / step_s)
+    # Host-side preparation alone: schedule() (idempotent while no step runs) + the runner's _prepare.
+    sync(device)
+    t0 = time.perf_counter()
+    for _ in range(args.steps):
+        st = core.scheduler.schedule()
+        core.runner._prepare(sorted(st.chunks, key=lambda c: c.start))
+    sync(device)
+    row["host_prep_s"] = (time.perf_counter() - t0) / args.steps
+    if b == args.busy_batch or not args.small:
+        row["busy"] = profile_decode(core, device, args.profile_steps, step_s, b)
+    print(f"batch {b:3d} ctx~{row['context_mid']}: step {step_s * 1e3:8.2f} ms  floor {floor_s * 1e3:7.2f} ms  "
+          f"({floor_s / step_s:5.1%} of floor)  {b / step_s:9.1f} tok/s  host prep "
+          f"{row['host_prep_s'] * 1e3:.2f} ms", flush=True)
+    return row
+
+
+def profile_decode(core, device: torch.device, steps: int, unprofiled_step_s: float, batch: int) -> dict:
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    for _ in range(2):
+        core.step()
+    sync(device)
+    with profile(activities=acts) as prof:
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            assert len(core.step()) == batch, "a request finished inside the profiled steps"
+        sync(device)
+        wall = time.perf_counter() - t0
+    ks = kernel_stats(prof)
+    cpu_top = sorted(((e.key, e.self_cpu_time_total, e.count) for e in prof.key_averages()),
+                     key=lambda t: -t[1])[:8]
+    res = dict(steps=steps, profiled_wall_s=wall, kernel_sum_s=ks["sum_s"], kernel_union_s=ks["union_s"],
+               num_gpu_events=ks["num_events"], busy_profiled=ks["union_s"] / wall,
+               gpu_s_per_step=ks["union_s"] / steps,
+               busy_vs_unprofiled=ks["union_s"] / steps / unprofiled_step_s, top_kernels=ks["top"],
+               top_cpu_ops=[(k, us / 1e6 / steps, n / steps) for k, us, n in cpu_top])
+    print(f"busy: profiled wall {wall / steps * 1e3:.2f} ms/step, GPU kernels (union) "
+          f"{ks['union_s'] / steps * 1e3:.2f} ms/step ({ks['num_events'] / steps:.0f} GPU ops/step) -> "
+          f"{res['busy_profiled']:.1%} busy under the profiler, {res['busy_vs_unprofiled']:.1%} of the unprofiled step",
+          flush=True)
+    for n, s in ks["top"]:
+        print(f"   {s / steps * 1e3:8.3f} ms/step  {n}")
+    print("   host (profiled, self CPU time per step, calls per step):")
+    for k, s, n in res["top_cpu_ops"]:
+        print(f"   {s * 1e3:8.3f} ms/step {n:7.0f} calls  {k}")
+    return res
+
+
+@section("prefill")
+def bench_prefill(args, device: torch.device, peaks: dict | None) -> dict:
+    from pdserve.utilization import step_flops
+
+    core = getattr(args, "_core", None) or make_core(args, device, args.prefill_tokens, prefix_caching=False)
+    cfg = core.model_config
+    n = args.prefill_tokens
+    rng = random.Random(1)
+    core.cancel_all()
+    times = []
+    for i in range(args.prefill_reps + 1):  # the first is a warm-up
+        reqs = add_requests(core, 1, n, 1, rng)
+        sync(device)
+        t0 = time.perf_counter()
+        out = core.step()
+        sync(device)
+        dt = time.perf_counter() - t0
+        assert len(out) == 1 and reqs[0].finished, "the prompt did not prefill in one step"
+        if i:
+            times.append(dt)
+    step_s = statistics.median(times)
+    flops = step_flops(cfg, [(0, n)], 1)
+    achieved = flops / step_s
+    mm = peaks["matmul_flops"] if peaks else float("nan")
+    res = dict(tokens=n, step_s=step_s, all_step_s=times, model_flops=flops, achieved_flops=achieved,
+               matmul_flops=mm, mfu_vs_matmul=achieved / mm)
+    print(f"prefill {n} tokens: {step_s * 1e3:.2f} ms, {flops / 1e12:.2f} TFLOP -> {achieved / 1e12:.1f} TFLOP/s "
+          f"= {achieved / mm:.1%} of the measured matmul", flush=True)
+    # A second chunk (attends to the cached first chunk: the masked SDPA path), 2n - 192 tokens in all.
+    total = 2 * n - 192 if not args.small else 2 * n - 16
+    second = []
+    for i in range(3):
+        reqs = add_requests(core, 1, total, 1, rng)
+        core.step()  # first chunk: n tokens
+        sync(device)
+        t0 = time.perf_counter()
+        out = core.step()
+        sync(device)
+        assert len(out) == 1 and reqs[0].finished
+        if i:
+            second.append(time.perf_counter() - t0)
+    f2 = step_flops(cfg, [(n, total - n)], 1)
+    res["second_chunk"] = dict(start=n, tokens=total - n, step_s=statistics.median(second), model_flops=f2,
+                               achieved_flops=f2 / statistics.median(second),
+                               mfu_vs_matmul=f2 / statistics.median(second) / mm)
+    print(f"second chunk {total - n} tokens after {n} cached: {statistics.median(second) * 1e3:.2f} ms -> "
+          f"{res['second_chunk']['achieved_flops'] / 1e12:.1f} TFLOP/s = {res['second_chunk']['mfu_vs_matmul']:.1%}",
+          flush=True)
+    if device.type == "cuda":
+        from torch.profiler import ProfilerActivity, profile
+
+        reqs = add_requests(core, 1, total, 1, rng)
+        core.step()
+        sync(device)
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            core.step()
+            sync(device)
+        ks = kernel_stats(prof)
+        res["second_chunk"]["profile"] = dict(kernel_union_s=ks["union_s"], top_kernels=ks["top"])
+        print("   second chunk kernels:")
+        for name, s in ks["top"]:
+            print(f"   {s * 1e3:8.3f} ms  {name}")
+        add_requests(core, 1, n, 1, rng)
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            core.step()
+            sync(device)
+        ks = kernel_stats(prof)
+        res["profile"] = dict(kernel_union_s=ks["union_s"], top_kernels=ks["top"])
+        print(f"   {n}-token prefill kernels (GPU busy {ks['union_s'] * 1e3:.2f} ms):")
+        for name, s in ks["top"]:
+            print(f"   {s * 1e3:8.3f} ms  {name}")
+    return res
+
+
+def build_hf_checkpoint(directory: Path, small: bool, initializer_range: float) -> dict:
+    import transformers
+
+    shape = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                 num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192)
+    if small:
+        shape = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024)
+    cfg = transformers.LlamaConfig(**shape, rms_norm_eps=1e-5, tie_word_embeddings=True,
+                                   initializer_range=initializer_range,
+                                   rope_parameters={"rope_type": "default", "rope_theta": 100000.0},
+                                   bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    model.save_pretrained(directory, safe_serialization=True)
+    return shape
+
+
+def load_hf(directory: Path, dtype: torch.dtype, device: torch.device):
+    import warnings
+
+    import transformers
+    from transformers.utils import logging
+
+    warnings.filterwarnings("ignore")
+    logging.set_verbosity_error()
+    return transformers.AutoModelForCausalLM.from_pretrained(str(directory), dtype=dtype).to(device).eval()
+
+
+@torch.inference_mode()
+def hf_generate(model, prompts: list[list[int]], new_tokens: int, device: torch.device) -> list[list[int]]:
+    width = max(map(len, prompts))
+    ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    mask = torch.zeros(len(prompts), width, dtype=torch.long)
+    for i, p in enumerate(prompts):  # left padding, as batched generation requires
+        ids[i, width - len(p):] = torch.tensor(p)
+        mask[i, width - len(p):] = 1
+    out = model.generate(ids.to(device), attention_mask=mask.to(device), max_new_tokens=new_tokens,
+                         do_sample=False, pad_token_id=0)
+    return out[:, width:].tolist()
+
+
+@torch.inference_mode()
+def pdserve_last_logits(eng, prompt: list[int]) -> torch.Tensor:
+    """fp32 logits of a prompt's last position, through pdserve's own scheduler and runner."""
+    from pdserve.sampling import SamplingParams
+
+    eng.add_request(prompt, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
+    while True:
+        step = eng.scheduler.schedule()
+        res = eng.runner.execute(step.chunks)
+        eng.process(eng.core.account(step, res))
+        if res.sampling_chunks:
+            return res.logits[0].float().cpu()
+
+
+def first_divergence(a: list[int], b: list[int]) -> int | None:
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+@section("offline")
+def bench_offline(args, device: torch.device) -> dict:
+    from pdserve.config import CacheConfig, EngineConfig, SchedulerConfig
+    from pdserve.engine import LLMEngine
+    from pdserve.sampling import SamplingParams
+
+    tmp = Path(tempfile.mkdtemp(prefix="pdserve-hf-"))
+    t = time.perf_counter()
+    shape = build_hf_checkpoint(tmp, args.small, args.init_range)
+    print(f"random HF checkpoint {shape} init_range={args.init_range}: {time.perf_counter() - t:.1f} s", flush=True)
+    rng = random.Random(0)
+    vocab = shape["vocab_size"]
+    prompts = [[rng.randrange(3, vocab) for _ in range(rng.randint(args.min_len, args.max_len))]
+               for _ in range(args.num_prompts)]
+    out_len = args.output_len
+    params = SamplingParams(max_tokens=out_len, temperature=0.0, ignore_eos=True)
+    res: dict = dict(checkpoint="random transformers LlamaForCausalLM, SmolLM2-135M shape" if not args.small
+                     else "random tiny llama", shape=shape, num_prompts=len(prompts),
+                     prompt_tokens=sum(map(len, prompts)), output_len=out_len)
+
+    def engine_for(dtype: str):
+        return LLMEngine(EngineConfig(model=str(tmp), load_format="hf", dtype=dtype, device=str(device),
+                                      cache=CacheConfig(memory_bytes=int(args.offline_kv_gib * GiB)),
+                                      scheduler=SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=4096)))
+
+    eng = engine_for("bfloat16")
+    hf = load_hf(tmp, torch.bfloat16, device)
+    eng.generate([prompts[0][:32]], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    hf_generate(hf, [prompts[0][:32]], 4, device)
+    sync(device)
+    t0 = time.perf_counter()
+    outs = eng.generate(prompts, params)
+    sync(device)
+    ours_s = time.perf_counter() - t0
+    assert all(len(o.token_ids) == out_len for o in outs)
+    t0 = time.perf_counter()
+    hf_out = hf_generate(hf, prompts, out_len, device)
+    sync(device)
+    hf_s = time.perf_counter() - t0
+    assert all(len(o) == out_len for o in hf_out)
+    n_out = len(prompts) * out_len
+    res.update(pdserve_s=ours_s, hf_s=hf_s, pdserve_tok_s=n_out / ours_s, hf_tok_s=n_out / hf_s,
+               speedup=hf_s / ours_s)
+    print(f"{len(prompts)}x{out_len} tokens: pdserve {ours_s:.2f} s ({n_out / ours_s:.0f} tok/s), transformers "
+          f"{hf_s:.2f} s ({n_out / hf_s:.0f} tok/s)", flush=True)
+
+    # Greedy equality: pdserve batched vs HF one prompt at a time (no padding). And, since random
+    # weights leave small top-1 margins, the prompt's last-position logits of each side against HF fp32:
+    # is pdserve's bf16 error of the same size as transformers' own bf16 error?
+    eq, logits = {}, {}
+    eq_prompts = prompts[: args.eq_prompts]
+    eq_params = SamplingParams(max_tokens=args.eq_tokens, temperature=0.0, ignore_eos=True)
+    for dtype_name, tdtype in (("bfloat16", torch.bfloat16), ("float32", torch.float32)):
+        if dtype_name == "float32":
+            del eng, hf
+            free_memory()
+            eng = engine_for("float32")
+            hf = load_hf(tmp, torch.float32, device)
+        ours = [o.token_ids for o in eng.generate(eq_prompts, eq_params)]
+        ref = [hf_generate(hf, [p], args.eq_tokens, device)[0] for p in eq_prompts]
+        same = sum(a == b for x, y in zip(ours, ref) for a, b in zip(x, y))
+        total = sum(len(y) for y in ref)
+        divs = [first_divergence(x, y) for x, y in zip(ours, ref)]
+        eq[dtype_name] = dict(prompts=len(eq_prompts), tokens_each=args.eq_tokens,
+                              positional_match=same / total, identical_sequences=sum(d is None for d in divs),
+                              first_divergence=divs)
+        print(f"greedy equality {dtype_name}: {sum(d is None for d in divs)}/{len(divs)} identical, "
+              f"positional match {same / total:.1%}, first divergence per prompt {divs}", flush=True)
+        logits[f"pdserve_{dtype_name}"] = [pdserve_last_logits(eng, p) for p in eq_prompts]
+        with torch.inference_mode():
+            logits[f"hf_{dtype_name}"] = [hf(torch.tensor([p], device=device)).logits[0, -1].float().cpu()
+                                          for p in eq_prompts]
+    ref_l = logits["hf_float32"]
+    acc = {}
+    for k in ("pdserve_bfloat16", "hf_bfloat16", "pdserve_float32"):
+        errs = [((a - r).norm() / r.norm()).item() for a, r in zip(logits[k], ref_l)]
+        agree = sum(int(a.argmax() == r.argmax()) for a, r in zip(logits[k], ref_l))
+        acc[k] = dict(median_rel_err=statistics.median(errs), max_rel_err=max(errs), argmax_agree=agree)
+    margins = [(lambda t: (t[0] - t[1]).item())(r.topk(2).values) for r in ref_l]
+    acc["hf_fp32_top1_margin_median"] = statistics.median(margins)
+    acc["hf_fp32_logit_std_median"] = statistics.median(r.std().item() for r in ref_l)
+    eq["prefill_logits_vs_hf_fp32"] = acc
+    print(f"last-position prefill logits vs HF fp32: {json.dumps(acc)}", flush=True)
+    res["equality"] = eq
+    del eng, hf
+    free_memory()
+    return res
+
+
+@section("cluster")
+def bench_cluster(args, device: torch.device) -> dict:
+    """The Ray cluster with --device semantics of the CLI on ONE GPU: colocated, then disaggregated 1P1D
+    (both workers on the same GPU, num_gpus 0.4 each). Tokens compared with the offline engine."""
+    import asyncio
+
+    import ray
+
+    from pdserve.config import CacheConfig, ClusterConfig, EngineConfig, PoolConfig, SchedulerConfig
+    from pdserve.engine import LLMEngine
+    from pdserve.sampling import SamplingParams
+    from router.cluster import Cluster
+
+    tmp = Path(tempfile.mkdtemp(prefix="pdserve-tiny-"))
+    shape = build_hf_checkpoint(tmp, True, 0.3)
+    cache = CacheConfig(block_size=16, num_blocks=256)
+    sched = SchedulerConfig(max_num_batched_tokens=64)
+    engine = EngineConfig(model=str(tmp), dtype="float32", device=str(device), cache=cache, scheduler=sched)
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, shape["vocab_size"], (n,), generator=g).tolist() for n in (5, 40, 100, 17)]
+    params = [SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True),
+              SamplingParams(max_tokens=12, temperature=0.9, top_p=0.9, seed=5, ignore_eos=True)] * 2
+    ref = [c.token_ids for c in LLMEngine(engine).generate(prompts, params)]
+    gpus = 0.4 if device.type == "cuda" else 0.0
+    ray.init(address="local", num_cpus=4, num_gpus=1 if device.type == "cuda" else 0, include_dashboard=False,
+             _node_ip_address="127.0.0.1", object_store_memory=128 << 20, log_to_driver=True)
+    res = {}
+
+    async def run(mode: str) -> dict:
+        pool = PoolConfig(1, num_cpus=0.5, num_gpus=gpus, cache=cache, scheduler=sched)
+        cfg = ClusterConfig(engine=engine, mode=mode, prefill=pool, decode=pool, colocated=pool,
+                            transfer_timeout_s=args.transfer_timeout, max_retries=0)
+        cluster = Cluster(cfg)
+        t = time.perf_counter()
+        await asyncio.wait_for(cluster.start(), 180)
+        started = time.perf_counter() - t
+
+        async def one(p, sp):
+            toks, err = [], None
+            async for out in cluster.generate(p, sp):
+                toks += out.new_token_ids
+                err = out.error or err
+            return toks, err
+        try:
+            got = await asyncio.wait_for(asyncio.gather(*(one(p, sp) for p, sp in zip(prompts, params))),
+                                         4 * args.transfer_timeout + 60)
+        finally:
+            await asyncio.wait_for(cluster.shutdown(), 60)
+        out = dict(start_s=started, equal=[g[0] == r for g, r in zip(got, ref)],
+                   errors=[g[1] for g in got if g[1]])
+        print(f"cluster {mode}: start {started:.1f} s, tokens equal to offline {out['equal']}, "
+              f"errors {out['errors'][:2]}", flush=True)
+        return out
+
+    try:
+        for mode in ("colocated", "disaggregated"):
+            try:
+                res[mode] = asyncio.run(run(mode))
+            except Exception as e:  # noqa: BLE001
+                print(traceback.format_exc(), flush=True)
+                res[mode] = dict(exception=f"{type(e).__name__}: {e}")
+    finally:
+        ray.shutdown()
+    return res
+
+
+# --- experiments: what a fix would give, by monkeypatching in this process only ------------------
+
+def _lower_right_prefill_attention(orig):
+    """_prefill_attention with the chunked-prefill mask expressed as torch's causal_lower_right bias
+    (flash/cuDNN-eligible) instead of a dense boolean mask."""
+    import torch.nn.functional as F
+    from torch.nn.attention.bias import causal_lower_right
+
+    def attn(q, k_new, v_new, kv_layer, blocks, ctx_len, scale):
+        q_len = q.shape[0]
+        if ctx_len == q_len:
+            return orig(q, k_new, v_new, kv_layer, blocks, ctx_len, scale)
+        kv_heads, _, block_size, head_dim = kv_layer.shape[1:]
+        n = -(-ctx_len // block_size)
+        k = kv_layer[0].index_select(1, blocks[:n]).view(kv_heads, n * block_size, head_dim)[:, :ctx_len]
+        v = kv_layer[1].index_select(1, blocks[:n]).view(kv_heads, n * block_size, head_dim)[:, :ctx_len]
+        rep = q.shape[1] // kv_heads
+        k, v = k.repeat_interleave(rep, 0), v.repeat_interleave(rep, 0)  # [heads, ctx_len, head_dim]
+        o = F.scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0),
+                                           attn_mask=causal_lower_right(q_len, ctx_len), scale=scale)
+        return o.squeeze(0).transpose(0, 1)
+    return attn
+
+
+def _same_gpu_staging_patch() -> None:
+    """Ray worker setup hook: PairChannels of a CUDA cache go through host memory over gloo (what the
+    proposed same-GPU fallback does), since NCCL refuses two ranks on one GPU."""
+    import torch
+
+    from pdserve import kv_transfer as kt
+
+    if getattr(kt.PairChannel, "_staged_patch", False):
+        return
+    init, send_parts, recv_parts = kt.PairChannel.__init__, kt.PairChannel.send_parts, kt.PairChannel.recv_parts
+
+    def __init__(self, *a, **kw):
+        a = list(a)
+        if "device" in kw:
+            self.real_device = torch.device(kw["device"])
+            kw["device"] = "cpu"
+        elif len(a) > 6:
+            self.real_device = torch.device(a[6])
+            a[6] = "cpu"
+        else:
+            self.real_device = torch.device("cpu")
+        init(self, *a, **kw)
+
+    def send(self, transfer_id, parts, numel):
+        if self.real_device.type == "cuda":
+            parts = (p.cpu() for p in parts)
+        return send_parts(self, transfer_id, parts, numel)
+
+    def recv(self, transfer_id, buffers, numel):
+        if self.real_device.type != "cuda":
+            yield from recv_parts(self, transfer_id, buffers, numel)
+            return
+        outs = []
+
+        def staged():
+            for out in buffers:
+                outs.append(out)
+                yield torch.empty(out.shape, dtype=out.dtype)
+        for buf in recv_parts(self, transfer_id, staged(), numel):
+            outs[-1].copy_(buf)
+            yield outs[-1]
+
+    kt.PairChannel.__init__, kt.PairChannel.send_parts, kt.PairChannel.recv_parts = __init__, send, recv
+    kt.PairChannel._staged_patch = True
+
+
+@section("experiments")
+def experiments(args, device: torch.device, peaks: dict | None) -> dict:
+    import pdserve.attention as A
+
+    res: dict = {}
+    core = getattr(args, "_core", None) or make_core(args, device, args.prefill_tokens, prefix_caching=False)
+    model, kv = core.runner.model, core.runner.kv_cache
+    rng = random.Random(7)
+    # x1: the decode forward (model only, no scheduling/sampling) eager vs replayed from a CUDA graph.
+    rows = []
+    for b in args.batches:
+        try:
+            reqs = add_requests(core, b, args.context, 4000, rng)
+            run_prefill_until_decoding(core, reqs)
+            core.step()
+            st = core.scheduler.schedule()
+            input_ids, positions, meta = core.runner._prepare(sorted(st.chunks, key=lambda c: c.start))
+            with torch.inference_mode():
+                fwd = lambda: model(input_ids, positions, meta, kv)  # noqa: E731 - rewrites the same slots
+                eager = statistics.median(event_time(fwd, device, reps=10, warmup=3))
+                row = dict(batch=b, eager_forward_s=eager)
+                if device.type == "cuda":
+                    side = torch.cuda.Stream()
+                    side.wait_stream(torch.cuda.current_stream())
+                    with torch.cuda.stream(side):
+                        for _ in range(3):
+                            fwd()
+                    torch.cuda.current_stream().wait_stream(side)
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph):
+                        fwd()
+                    row["graph_forward_s"] = statistics.median(event_time(graph.replay, device, reps=20, warmup=3))
+                    del graph
+            rows.append(row)
+            print(f"x1 batch {b}: decode forward eager {eager * 1e3:.2f} ms, CUDA graph replay "
+                  f"{row.get('graph_forward_s', float('nan')) * 1e3:.2f} ms", flush=True)
+        except Exception as e:  # noqa: BLE001
+            print(traceback.format_exc(), flush=True)
+            rows.append(dict(batch=b, error=f"{type(e).__name__}: {e}"))
+        finally:
+            core.cancel_all()
+    res["cuda_graph_decode_forward"] = rows
+    # x2: chunked prefill attention with causal_lower_right instead of a boolean mask.
+    try:
+        orig = A._prefill_attention
+        new = _lower_right_prefill_attention(orig)
+        cfg = core.model_config
+        g = torch.Generator(device=device).manual_seed(0)
+        q_len, ctx = (args.prefill_tokens - 192, 2 * args.prefill_tokens - 192)
+        bs = core.config.cache.block_size
+        nb = -(-ctx // bs)
+        layer = torch.randn(2, cfg.num_kv_heads, nb + 3, bs, cfg.head_dim, device=device, generator=g,
+                            dtype=core.config.torch_dtype)
+        blocks = torch.randperm(nb + 3, device=device, generator=g)[:nb]
+        q = torch.randn(q_len, cfg.num_heads, cfg.head_dim, device=device, generator=g, dtype=layer.dtype)
+        scale = cfg.head_dim ** -0.5
+        a = orig(q, None, None, layer, blocks, ctx, scale).float()
+        b_ = new(q, None, None, layer, blocks, ctx, scale).float()
+        rel = ((a - b_).norm() / a.norm()).item()
+        t_orig = statistics.median(event_time(lambda: orig(q, None, None, layer, blocks, ctx, scale), device, 5))
+        t_new = statistics.median(event_time(lambda: new(q, None, None, layer, blocks, ctx, scale), device, 5))
+        res["lower_right_prefill_attention"] = dict(q_len=q_len, ctx_len=ctx, rel_err_vs_current=rel,
+                                                    current_s_per_layer=t_orig, lower_right_s_per_layer=t_new)
+        print(f"x2 chunked prefill attention {q_len} q x {ctx} ctx, one layer: current {t_orig * 1e3:.3f} ms, "
+              f"causal_lower_right {t_new * 1e3:.3f} ms, rel diff {rel:.2e}", flush=True)
+    except Exception as e:  # noqa: BLE001
+        print(traceback.format_exc(), flush=True)
+        res["lower_right_prefill_attention"] = dict(error=f"{type(e).__name__}: {e}")
+    return res
+
+
+@section("cluster_staged")
+def bench_cluster_staged(args, device: torch.device) -> dict:
+    """Disaggregated 1P1D on one GPU with the same-GPU host-staging patch in every Ray worker."""
+    import asyncio
+
+    import ray
+
+    from pdserve.config import CacheConfig, ClusterConfig, EngineConfig, PoolConfig, SchedulerConfig
+    from pdserve.engine import LLMEngine
+    from pdserve.sampling import SamplingParams
+    from router.cluster import Cluster
+
+    tmp = Path(tempfile.mkdtemp(prefix="pdserve-tiny-"))
+    shape = build_hf_checkpoint(tmp, True, 0.3)
+    cache = CacheConfig(block_size=16, num_blocks=256)
+    sched = SchedulerConfig(max_num_batched_tokens=64)
+    engine = EngineConfig(model=str(tmp), dtype="float32", device=str(device), cache=cache, scheduler=sched)
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, shape["vocab_size"], (n,), generator=g).tolist() for n in (5, 40, 100, 17)]
+    params = [SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True),
+              SamplingParams(max_tokens=12, temperature=0.9, top_p=0.9, seed=5, ignore_eos=True)] * 2
+    ref = [c.token_ids for c in LLMEngine(engine).generate(prompts, params)]
+    gpus = 0.4 if device.type == "cuda" else 0.0
+    ray.init(address="local", num_cpus=4, num_gpus=1 if device.type == "cuda" else 0, include_dashboard=False,
+             _node_ip_address="127.0.0.1", object_store_memory=128 << 20, log_to_driver=True,
+             runtime_env={"worker_process_setup_hook": _same_gpu_staging_patch})
+
+    async def run() -> dict:
+        pool = PoolConfig(1, num_cpus=0.5, num_gpus=gpus, cache=cache, scheduler=sched)
+        cfg = ClusterConfig(engine=engine, mode="disaggregated", prefill=pool, decode=pool,
+                            transfer_timeout_s=args.transfer_timeout, max_retries=0)
+        cluster = Cluster(cfg)
+        await asyncio.wait_for(cluster.start(), 180)
+
+        async def one(p, sp):
+            toks, err = [], None
+            async for out in cluster.generate(p, sp):
+                toks += out.new_token_ids
+                err = out.error or err
+            return toks, err
+        try:
+            got = await asyncio.wait_for(asyncio.gather(*(one(p, sp) for p, sp in zip(prompts, params))),
+                                         4 * args.transfer_timeout + 60)
+        finally:
+            await asyncio.wait_for(cluster.shutdown(), 60)
+        return dict(equal=[x[0] == r for x, r in zip(got, ref)], errors=[x[1] for x in got if x[1]])
+
+    try:
+        out = asyncio.run(run())
+    finally:
+        ray.shutdown()
+    print(f"disaggregated 1P1D on one GPU with host staging: tokens equal to offline {out['equal']}, "
+          f"errors {out['errors'][:2]}", flush=True)
+    return out
+
+
+def table() -> str:
+    s, lines = RESULTS["sections"], []
+    env = RESULTS.get("env", {})
+    lines.append(f"device: {env.get('device_name')}  torch {env.get('torch')}  cuda {env.get('cuda')}  "
+                 f"transformers {env.get('transformers')}")
+    p = s.get("peaks")
+    if p:
+        lines.append(f"copy bandwidth (read+write, {p['copy_bytes'] / GiB:.1f} GiB moved): "
+                     f"{p['copy_bw_read_plus_write'] / 1e12:.3f} TB/s;  {p['matmul_n']}^3 {p['matmul_dtype']} matmul: "
+                     f"{p['matmul_flops'] / 1e12:.1f} TFLOP/s")
+    d = s.get("decode")
+    if d:
+        lines.append(f"(a) decode, {d['model']} {d['dtype']} dummy weights, EngineCore.step(); weights read/step "
+                     f"{d['weight_bytes'] / 1e9:.2f} GB, KV {d['kv_bytes_per_token'] / 1024:.0f} KiB/token")
+        lines.append(f"    {'batch':>5} {'ctx':>5} {'step ms':>9} {'floor ms':>9} {'floor/step':>10} "
+                     f"{'tok/s':>9} {'KV GB/step':>10} {'prep ms':>8} {'GPU ms':>7} {'busy':>6}")
+        for r in d["rows"]:
+            lines.append(f"    {r['batch']:5d} {r['context_mid']:5d} {r['step_s'] * 1e3:9.2f} {r['floor_s'] * 1e3:9.2f} "
+                         f"{r['floor_over_step']:10.1%} {r['tokens_per_s']:9.1f} {r['kv_bytes'] / 1e9:10.3f} "
+                         f"{r['host_prep_s'] * 1e3:8.2f} "
+                         + (f"{r['busy']['gpu_s_per_step'] * 1e3:7.2f} {r['busy']['busy_vs_unprofiled']:6.1%}"
+                            if r.get("busy") else f"{'-':>7} {'-':>6}"))
+        lines.append("    prep ms: scheduler.schedule() + ModelRunner._prepare() alone (host). GPU ms: union of GPU "
+                     "kernel/memcpy intervals per step (torch.profiler); busy = GPU ms / step ms.")
+        for r in d["rows"]:
+            b = r.get("busy")
+            if b:
+                lines.append(f"(b) GPU busy at batch {r['batch']}: kernels {b['gpu_s_per_step'] * 1e3:.2f} ms/step "
+                             f"(union of GPU op intervals, torch.profiler) / profiled wall "
+                             f"{b['profiled_wall_s'] / b['steps'] * 1e3:.2f} ms/step = {b['busy_profiled']:.1%}; "
+                             f"/ unprofiled step {r['step_s'] * 1e3:.2f} ms = {b['busy_vs_unprofiled']:.1%}")
+    pf = s.get("prefill")
+    if pf:
+        lines.append(f"(c) prefill {pf['tokens']} tokens: {pf['step_s'] * 1e3:.2f} ms, {pf['model_flops'] / 1e12:.2f} "
+                     f"TFLOP (step_flops) -> {pf['achieved_flops'] / 1e12:.1f} TFLOP/s = MFU {pf['mfu_vs_matmul']:.1%} "
+                     f"of the measured matmul ({pf['matmul_flops'] / 1e12:.1f} TFLOP/s)")
+        sc = pf.get("second_chunk")
+        if sc:
+            lines.append(f"    second chunk of a {sc['start'] + sc['tokens']}-token prompt ({sc['tokens']} tokens after "
+                         f"{sc['start']} cached, masked SDPA): {sc['step_s'] * 1e3:.2f} ms -> "
+                         f"{sc['achieved_flops'] / 1e12:.1f} TFLOP/s = {sc['mfu_vs_matmul']:.1%}")
+    o = s.get("offline")
+    if o:
+        lines.append(f"(d) offline, {o['checkpoint']}, bf16, {o['num_prompts']} prompts "
+                     f"({o['prompt_tokens']} prompt tokens) x {o['output_len']} output tokens, greedy:")
+        lines.append(f"    pdserve LLMEngine {o['pdserve_s']:.2f} s = {o['pdserve_tok_s']:.0f} output tok/s;  "
+                     f"transformers generate {o['hf_s']:.2f} s = {o['hf_tok_s']:.0f} tok/s;  "
+                     f"pdserve/HF {o['speedup']:.2f}x")
+        for k, e in o["equality"].items():
+            if k == "prefill_logits_vs_hf_fp32":
+                lines.append("    last-position prefill logits vs HF fp32 (rel. L2 error median/max, argmax agree): " + "; ".join(
+                    f"{n} {v['median_rel_err']:.2e}/{v['max_rel_err']:.2e} {v['argmax_agree']}/{o['equality']['bfloat16']['prompts']}"
+                    for n, v in e.items() if isinstance(v, dict))
+                    + f"; HF fp32 top-1 margin median {e['hf_fp32_top1_margin_median']:.3f}, logit std "
+                      f"{e['hf_fp32_logit_std_median']:.3f}")
+                continue
+            lines.append(f"    greedy equality {k}: {e['identical_sequences']}/{e['prompts']} sequences identical "
+                         f"over {e['tokens_each']} tokens; positional match {e['positional_match']:.1%}; "
+                         f"first divergence {e['first_divergence']}")
+    x = s.get("experiments")
+    if x:
+        for r in x.get("cuda_graph_decode_forward", []):
+            if "error" in r:
+                lines.append(f"(x1) batch {r['batch']}: CUDA graph experiment FAILED {r['error']}")
+            else:
+                lines.append(f"(x1) decode forward only (model, no scheduler/sampler), batch {r['batch']}: eager "
+                             f"{r['eager_forward_s'] * 1e3:.2f} ms, CUDA-graph replay "
+                             f"{r.get('graph_forward_s', float('nan')) * 1e3:.2f} ms")
+        r = x.get("lower_right_prefill_attention", {})
+        if "error" in r:
+            lines.append(f"(x2) causal_lower_right prefill attention FAILED {r['error']}")
+        elif r:
+            lines.append(f"(x2) chunked-prefill attention, one layer, {r['q_len']} q x {r['ctx_len']} ctx: boolean mask "
+                         f"{r['current_s_per_layer'] * 1e3:.3f} ms vs causal_lower_right "
+                         f"{r['lower_right_s_per_layer'] * 1e3:.3f} ms (rel diff {r['rel_err_vs_current']:.1e})")
+    cs = s.get("cluster_staged")
+    if cs:
+        lines.append(f"(e2) disaggregated 1P1D on one GPU with host staging (monkeypatch): tokens equal "
+                     f"{sum(cs['equal'])}/{len(cs['equal'])}; errors {cs['errors'][:2]}")
+    c = s.get("cluster")
+    if c:
+        for mode, r in c.items():
+            if "exception" in r:
+                lines.append(f"(e) cluster {mode} on one GPU: FAILED {r['exception']}")
+            else:
+                lines.append(f"(e) cluster {mode} on one GPU: start {r['start_s']:.1f} s; tokens equal to offline "
+                             f"{sum(r['equal'])}/{len(r['equal'])}; errors: {r['errors'][:2]}")
+    for k, v in RESULTS["errors"].items():
+        lines.append(f"FAILED {k}: {v}")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--small", action="store_true", help="tiny shapes: a smoke test of every section")
+    ap.add_argument("--sections", default="peaks,decode,prefill,offline")
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--transfer-timeout", type=float, default=10.0, help="cluster section: KV transfer timeout")
+    args = ap.parse_args()
+    small = args.small
+    args.model = "smollm2-135m" if small else "llama3-8b"
+    args.dtype = "bfloat16"
+    args.kv_gib = 0.25 if small else 18.0
+    args.batches = [1, 8] if small else [1, 8, 64]
+    args.busy_batch = 8 if small else 64
+    args.context = 64 if small else 512
+    args.warmup, args.steps, args.profile_steps = (1, 3, 2) if small else (5, 20, 10)
+    args.prefill_tokens = 256 if small else 4096
+    args.prefill_reps = 1 if small else 5
+    args.init_range = 0.1
+    args.num_prompts = 4 if small else 64
+    args.min_len, args.max_len = (16, 48) if small else (128, 512)
+    args.output_len = 8 if small else 128
+    args.eq_prompts, args.eq_tokens = (2, 8) if small else (8, 64)
+    args.offline_kv_gib = 0.05 if small else 4.0
+
+    device = torch.device(args.device)
+    RESULTS["env"] = env = dict(torch=torch.__version__, cuda=torch.version.cuda, python=platform.python_version(),
+                                device_name=torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor(),
+                                small=small)
+    try:
+        import transformers
+        env["transformers"] = transformers.__version__
+    except ImportError:
+        env["transformers"] = None
+    print(json.dumps(env), flush=True)
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = False  # the default; stated so fp32 equality means fp32
+    wanted = args.sections.split(",")
+    peaks = measure_peaks(device, small) if "peaks" in wanted else None
+    if "decode" in wanted:
+        bench_decode(args, device, peaks)
+    if "prefill" in wanted:
+        bench_prefill(args, device, peaks)
+    if "experiments" in wanted:
+        experiments(args, device, peaks)
+    if hasattr(args, "_core"):
+        del args._core
+        free_memory()
+    if "offline" in wanted:
+        bench_offline(args, device)
+    if "cluster" in wanted:
+        bench_cluster(args, device)
+    if "cluster_staged" in wanted:
+        bench_cluster_staged(args, device)
+    # cpu_attention must not have been built or loaded by a CUDA run.
+    from pdserve import cpu_attention
+    env["cpu_attention_loaded"] = cpu_attention._op is not None or cpu_attention._failed
+    if device.type == "cuda":
+        env["max_memory_allocated_gib"] = torch.cuda.max_memory_allocated(device) / GiB
+    text = table()
+    print("\n" + "=" * 100 + "\n" + text + f"\ncpu_attention kernel touched: {env['cpu_attention_loaded']}")
+    path = args.json or (os.path.join(os.environ["OUT"], "gpu_bench.json") if os.environ.get("OUT") else None)
+    if path:
+        Path(path).write_text(json.dumps(RESULTS, indent=1, default=str))
+    sys.exit(1 if RESULTS["errors"] else 0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,473 @@
+"""The prefill -> decode hand-off: KV pushed by the prefill worker as it is computed, in an order it announces.
+
+Request path (pdserve.request has the states):
+1. The router places a request on a prefill worker P and a decode worker D at once. D reserves blocks
+   for the prompt's KV (WAITING_FOR_KV) while P computes, and tells P that the destination is ready
+   (one `kv_ready` call per D step, for all the requests it reserved for P).
+2. P pushes. A request whose prompt completes in a step and whose destination is ready is sent layer
+   by layer during that step's forward (layer i travels while layer i+1 computes); one whose
+   destination became ready later is sent at once from its HELD blocks. The requests of one step bound
+   for the same D travel as one transfer. Nothing waits for another step or a per-request call.
+3. Ordering: per (P, D) pair, P's `KVPusher` numbers its transfers (generation, seq) and announces each
+   (`KVAnnounce`, a small Ray call to D) before sending it; D's `KVIntake` receives them strictly in that
+   order, whatever order the announcements arrive in. NCCL matches operations by order alone, so the
+   sender orders and the receiver follows.
+4. Each transfer is: a header, the KV (one part per layer, or one part for all), and a trailer with
+   the first token of each request and when it was sampled. D writes each part straight into the
+   reserved blocks and, after the trailer, hands each request to its scheduler (`kv_arrived`).
+5. Failure: every wait is bounded. A transfer that fails breaks its pair channel; every transfer of
+   that generation fails on both sides (P releases the KV, D frees the reservations and reports the
+   requests failed, and the router retries them once elsewhere); the next transfer rebuilds the
+   channel under the next generation. A request cancelled while its KV is being written into its
+   blocks keeps those blocks until the write has finished (`InboundTable`), so a late write can never
+   land in blocks that another request owns.
+"""
+from __future__ import annotations
+
+import bisect
+import contextlib
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from pdserve.kv_transfer import PairChannel, TransferError
+
+log = logging.getLogger(__name__)
+
+
+# --- control message and layout --------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class KVAnnounce:
+    """What transfer (generation, seq) of a pair carries: the requests' KV, in this order."""
+
+    prefill_id: str
+    generation: int
+    seq: int
+    request_ids: tuple[str, ...]
+    num_blocks: tuple[int, ...]  # per request: blocks of KV sent
+    num_parts: int  # KV parts: one per layer (pushed during the forward), or 1 (all layers at once)
+
+    @property
+    def order(self) -> tuple[int, int]:
+        return self.generation, self.seq
+
+
+def layer_spans(num_layers: int, num_parts: int) -> list[tuple[int, int]]:
+    """[start, end) layers of each part of a transfer."""
+    assert num_parts in (1, num_layers), num_parts
+    return [(0, num_layers)] if num_parts == 1 else [(i, i + 1) for i in range(num_layers)]
+
+
+def _cuda_active() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_initialized()
+
+
+def _block_index(block_ids: Sequence[Sequence[int]], device: torch.device) -> torch.Tensor:
+    return torch.tensor([b for ids in block_ids for b in ids], dtype=torch.int64, device=device)
+
+
+# --- statistics ------------------------------------------------------------------------------------
+
+HANDOFF_SECONDS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+
+@dataclass
+class SecondsHistogram:
+    """A thread-safe histogram of durations, shipped to the router as a snapshot (pdserve.metrics)."""
+
+    buckets: tuple[float, ...] = HANDOFF_SECONDS_BUCKETS
+    counts: list[int] = field(default_factory=list)  # per bucket and +Inf, not cumulative
+    total: float = 0.0
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        self.counts = self.counts or [0] * (len(self.buckets) + 1)
+
+    def observe(self, seconds: float) -> None:
+        with self._lock:
+            self.counts[bisect.bisect_left(self.buckets, seconds)] += 1
+            self.total += seconds
+
+    def snapshot(self) -> dict:
+        with self._lock:
+            return {"buckets": list(self.buckets), "counts": list(self.counts), "sum": self.total}
+
+
+# --- sender side (prefill worker) ------------------------------------------------------------------
+
+class PushJob:
+    """One transfer's worth of KV: requests bound for one decode worker, and how far their KV is computed.
+
+    The step thread reports layers as they are written (`layer_done`) and then the sampled tokens
+    (`sampled`); the pusher's thread sends each part as soon as it is computed. A job made from HELD
+    requests is complete from the start.
+    """
+
+    def __init__(self, destination: str, request_ids: Sequence[str], block_ids: Sequence[Sequence[int]],
+                 num_layers: int, layers_done: int = 0, tokens: Sequence[int] | None = None,
+                 sampled_at: float | None = None):
+        self.destination = destination
+        self.request_ids = tuple(request_ids)
+        self.block_ids = [list(b) for b in block_ids]
+        self.num_layers = num_layers
+        self.num_parts = 1 if layers_done == num_layers else num_layers
+        self._layers_done = layers_done
+        self._events: dict[int, torch.cuda.Event] = {}
+        if layers_done and _cuda_active():
+            event = torch.cuda.Event()  # covers every layer queued so far
+            event.record()
+            self._events = dict.fromkeys(range(layers_done), event)
+        self._tokens = list(tokens) if tokens is not None else None
+        self._sampled_at = sampled_at if sampled_at is not None else time.time()
+        self._error: str | None = None
+        self._cond = threading.Condition()
+
+    def layer_done(self, layer: int) -> None:
+        event = None
+        if _cuda_active():
+            # The layer's kernels are queued, not finished: the pusher's stream waits on this event.
+            event = torch.cuda.Event()
+            event.record()
+        with self._cond:
+            if event is not None:
+                self._events[layer] = event
+            self._layers_done = max(self._layers_done, layer + 1)
+            self._cond.notify_all()
+
+    def sampled(self, tokens: Sequence[int]) -> None:
+        with self._cond:
+            self._tokens = list(tokens)
+            self._sampled_at = time.time()
+            self._layers_done = self.num_layers
+            self._cond.notify_all()
+
+    def abort(self, reason: str) -> None:
+        """The step that computes this KV failed: the transfer cannot complete."""
+        with self._cond:
+            self._error = reason
+            self._cond.notify_all()
+
+    def wait_layers(self, end: int) -> torch.cuda.Event | None:
+        with self._cond:
+            self._cond.wait_for(lambda: self._layers_done >= end or self._error is not None)
+            if self._error is not None:
+                raise TransferError(f"the prefill step failed: {self._error}")
+            return self._events.get(end - 1)
+
+    def wait_tokens(self) -> tuple[list[int], float]:
+        with self._cond:
+            self._cond.wait_for(lambda: self._tokens is not None or self._error is not None)
+            if self._error is not None:
+                raise TransferError(f"the prefill step failed: {self._error}")
+            return list(self._tokens), self._sampled_at
+
+
+class KVPusher:
+    """The sending end of one (prefill, decode) pair: numbers, announces and sends transfers, in order.
+
+    open_pair(generation) must start the decode worker's side of a new channel and return this side
+    (a rendezvous); announce(KVAnnounce) tells the decode worker what comes (asynchronously);
+    done(job, error) is called once per job, from this pusher's thread, when the job has been sent
+    (error None) or has failed (the owner then tells the decode worker, which drops the reservations).
+    A job announced on a channel that broke before its turn is announced again on the next channel.
+    """
+
+    def __init__(self, prefill_id: str, decode_id: str, kv_cache: torch.Tensor,
+                 open_pair: Callable[[int], PairChannel], announce: Callable[[KVAnnounce], None],
+                 done: Callable[[PushJob, str | None], None]):
+        self.prefill_id, self.decode_id = prefill_id, decode_id
+        self.kv_cache = kv_cache
+        self._open_pair, self._announce, self._done = open_pair, announce, done
+        self._lock = threading.Lock()
+        self._generation = 1
+        self._next_seq = 0
+        self._channel: PairChannel | None = None
+        self._jobs: queue.SimpleQueue[tuple[KVAnnounce, PushJob] | None] = queue.SimpleQueue()
+        self._stream = torch.cuda.Stream(kv_cache.device) if kv_cache.is_cuda else None
+        self._thread = threading.Thread(target=self._run, name=f"kv-push-{prefill_id}->{decode_id}", daemon=True)
+        self._thread.start()
+
+    def push(self, job: PushJob) -> None:
+        """Queue a job behind the pair's earlier ones and announce it to the decode worker."""
+        with self._lock:
+            a = KVAnnounce(self.prefill_id, self._generation, self._next_seq, job.request_ids,
+                           tuple(len(b) for b in job.block_ids), job.num_parts)
+            self._next_seq += 1
+            self._jobs.put((a, job))
+        self._announce(a)
+
+    def stop(self) -> None:
+        self._jobs.put(None)
+        with self._lock:
+            if self._channel is not None:
+                self._channel.close()
+
+    def _run(self) -> None:
+        while (item := self._jobs.get()) is not None:
+            a, job = item
+            with self._lock:
+                stale = a.generation != self._generation
+            if stale:  # the channel broke after this job was announced: announce it again on the next one
+                self.push(job)
+                continue
+            try:
+                self._send(a, job)
+            except Exception as e:  # noqa: BLE001 - the job fails; the pair moves to the next generation
+                log.warning("KV push %s/%s of %s to %s failed: %s", a.generation, a.seq, a.request_ids,
+                            self.decode_id, e)
+                self._break(a.generation)
+                self._done(job, str(e) or type(e).__name__)
+            else:
+                self._done(job, None)
+
+    def _send(self, a: KVAnnounce, job: PushJob) -> None:
+        with self._lock:
+            channel = self._channel
+        if channel is None:
+            channel = self._open_pair(a.generation)
+            with self._lock:
+                self._channel = channel
+        cache = self.kv_cache
+        index = _block_index(job.block_ids, cache.device)
+        per_layer = cache[0].numel() // cache.shape[3] * index.numel()  # [2, kv_heads, n, block_size, head_dim]
+
+        def parts() -> Iterator[torch.Tensor]:
+            for start, end in layer_spans(job.num_layers, a.num_parts):
+                event = job.wait_layers(end)
+                if self._stream is None:
+                    yield cache[start:end].index_select(3, index)
+                    continue
+                with torch.cuda.stream(self._stream):
+                    if event is not None:
+                        self._stream.wait_event(event)
+                    yield cache[start:end].index_select(3, index)
+            tokens, sampled_at = job.wait_tokens()
+            # Trailer: the first token of each request, then when they were sampled (microseconds).
+            yield torch.tensor([*tokens, int(sampled_at * 1e6)], dtype=torch.int64, device=cache.device)
+
+        channel.send_parts(a.seq, parts(), per_layer * job.num_layers + len(job.request_ids) + 1)
+
+    def _break(self, generation: int) -> None:
+        with self._lock:
+            if generation == self._generation:
+                if self._channel is not None:
+                    self._channel.break_()
+                self._channel = None
+                self._generation += 1
+                self._next_seq = 0
+
+
+# --- receiver side (decode worker) -----------------------------------------------------------------
+
+class InboundTable:
+    """Reserved blocks awaiting KV, shared by a decode worker's step thread and its intake threads.
+
+    A request is RESERVED when published, RECEIVING once an intake has claimed its blocks. Cancelling a
+    RECEIVING request does not free its blocks at once: the write into them has to finish first.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._blocks: dict[str, list[int]] = {}
+        self._receiving: set[str] = set()
+        self._cancelled: set[str] = set()
+
+    def publish(self, request_id: str, block_ids: Sequence[int]) -> None:
+        with self._lock:
+            self._blocks[request_id] = list(block_ids)
+
+    def claim(self, request_id: str) -> list[int] | None:
+        """The blocks to write a request's KV into, or None if it is no longer expected (cancelled)."""
+        with self._lock:
+            blocks = self._blocks.get(request_id)
+            if blocks is not None:
+                self._receiving.add(request_id)
+            return blocks
+
+    def settle(self, request_id: str) -> bool:
+        """The write into a claimed request's blocks is over; whether it was cancelled meanwhile."""
+        with self._lock:
+            self._blocks.pop(request_id, None)
+            self._receiving.discard(request_id)
+            if request_id in self._cancelled:
+                self._cancelled.discard(request_id)
+                return True
+            return False
+
+    def withdraw(self, request_id: str) -> bool:
+        """Stop expecting a request's KV. True: its blocks may be freed now; False: a write is under way,
+        and its intake will report it (settle() then says it was cancelled)."""
+        with self._lock:
+            if request_id in self._receiving:
+                self._cancelled.add(request_id)
+                return False
+            self._blocks.pop(request_id, None)
+            return True
+
+    def receiving(self, request_id: str) -> bool:
+        with self._lock:
+            return request_id in self._receiving
+
+    def expire(self, request_id: str) -> bool:
+        """Its KV will not come (the sender says so). True: it may be failed and freed now; False: an
+        intake is writing it, and reports the outcome itself."""
+        with self._lock:
+            if request_id in self._receiving:
+                return False
+            self._blocks.pop(request_id, None)
+            return True
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._blocks)
+
+
+class KVIntake:
+    """The receiving end of one (prefill, decode) pair: takes transfers in the order the sender announced.
+
+    For every request of every announced transfer that was still expected when its turn came, exactly
+    one of these is called, from this intake's thread: landed(request_id, token, sampled_at) (its KV is
+    in its blocks), failed(request_id, error), or cancelled(request_id) (withdrawn while its KV was
+    being written: its blocks may be freed now).
+    """
+
+    def __init__(self, prefill_id: str, decode_id: str, kv_cache: torch.Tensor, table: InboundTable,
+                 timeout_s: float, landed: Callable[[str, int, float], None], failed: Callable[[str, str], None],
+                 cancelled: Callable[[str], None]):
+        self.prefill_id, self.decode_id = prefill_id, decode_id
+        self.kv_cache, self.table, self.timeout_s = kv_cache, table, timeout_s
+        self._landed, self._failed, self._cancelled = landed, failed, cancelled
+        self._cond = threading.Condition()
+        self._announced: dict[tuple[int, int], KVAnnounce] = {}
+        self._channel: PairChannel | None = None
+        self._generation = 0  # of the channel installed last
+        self._next_seq = 0  # within that generation
+        self._dead_generation = 0  # transfers of this generation and older are void
+        self._stopped = False
+        self._stream = torch.cuda.Stream(kv_cache.device) if kv_cache.is_cuda else None
+        self._thread = threading.Thread(target=self._run, name=f"kv-intake-{prefill_id}->{decode_id}", daemon=True)
+        self._thread.start()
+
+    def announce(self, a: KVAnnounce) -> None:
+        with self._cond:
+            self._announced[a.order] = a
+            self._cond.notify_all()
+
+    def install(self, channel: PairChannel, generation: int) -> None:
+        """A new channel with the sender (after a rendezvous it started); older transfers are void."""
+        with self._cond:
+            if self._channel is not None:
+                self._channel.close()
+            self._channel, self._generation, self._next_seq = channel, generation, 0
+            self._dead_generation = max(self._dead_generation, generation - 1)
+            self._cond.notify_all()
+
+    def stop(self) -> None:
+        with self._cond:
+            self._stopped = True
+            if self._channel is not None:
+                self._channel.close()
+            self._cond.notify_all()
+
+    def _next(self) -> tuple[KVAnnounce, PairChannel | None, str | None] | None:
+        """The next transfer to take, with its channel; or one that is void, with why (None: drop it
+        silently, its sender announces it again or reports it failed)."""
+        with self._cond:
+            deadline = None
+            while not self._stopped:
+                stale = [o for o in self._announced if o[0] <= self._dead_generation]
+                if stale:
+                    return self._announced.pop(min(stale)), None, None
+                nxt = self._announced.pop((self._generation, self._next_seq), None)
+                if nxt is not None and self._channel is not None:
+                    self._next_seq += 1
+                    return nxt, self._channel, None
+                if nxt is not None:
+                    self._announced[nxt.order] = nxt
+                # Something announced cannot be taken yet (its channel or an earlier transfer is
+                # missing): wait, bounded, then fail it.
+                if self._announced:
+                    deadline = deadline or time.monotonic() + self.timeout_s
+                    if time.monotonic() >= deadline:
+                        first = min(self._announced)
+                        self._dead_generation = max(self._dead_generation, first[0] - 1)
+                        return self._announced.pop(first), None, (
+                            f"transfer {first[1]} of generation {first[0]} could not start within "
+                            f"{self.timeout_s:g} s (no channel, or an earlier transfer never announced)")
+                    self._cond.wait(max(deadline - time.monotonic(), 0.01))
+                else:
+                    deadline = None
+                    self._cond.wait()
+            return None
+
+    def _run(self) -> None:
+        while (item := self._next()) is not None:
+            a, channel, error = item
+            if channel is None and error is None:
+                continue
+            blocks = [self.table.claim(rid) for rid in a.request_ids]
+            tokens: list[int] = []
+            sampled_at = 0.0
+            if channel is not None:
+                try:
+                    tokens, sampled_at = self._receive(a, channel, blocks)
+                except Exception as e:  # noqa: BLE001 - every request of the transfer fails
+                    log.warning("KV transfer %s/%s from %s failed: %s", a.generation, a.seq, self.prefill_id, e)
+                    error = str(e) or type(e).__name__
+                    with self._cond:
+                        self._dead_generation = max(self._dead_generation, a.generation)
+            for i, rid in enumerate(a.request_ids):
+                if blocks[i] is None:
+                    continue  # withdrawn before its turn: its owner already freed it
+                if self.table.settle(rid):
+                    self._cancelled(rid)
+                elif error is not None:
+                    self._failed(rid, error)
+                else:
+                    self._landed(rid, tokens[i], sampled_at)
+
+    def _receive(self, a: KVAnnounce, channel: PairChannel,
+                 blocks: list[list[int] | None]) -> tuple[list[int], float]:
+        cache = self.kv_cache
+        num_layers = cache.shape[0]
+        total = sum(a.num_blocks)
+        # Requests no longer expected still arrive (the order must hold); their KV goes nowhere.
+        keep = [(off, blk) for off, blk in zip(_offsets(a.num_blocks), blocks) if blk is not None]
+        for n, blk in zip(a.num_blocks, blocks):
+            if blk is not None and len(blk) != n:
+                raise TransferError(f"{n} blocks announced for a request that reserved {len(blk)}")
+        src = torch.tensor([o + j for o, blk in keep for j in range(len(blk))], dtype=torch.int64, device=cache.device)
+        dst = torch.tensor([b for _, blk in keep for b in blk], dtype=torch.int64, device=cache.device)
+        spans = layer_spans(num_layers, a.num_parts)
+        per_layer = cache[0].numel() // cache.shape[3] * total  # [2, kv_heads, total, block_size, head_dim]
+        trailer = torch.empty(len(a.request_ids) + 1, dtype=torch.int64, device=cache.device)
+        # One staging buffer, reused by every part: each is scattered into the blocks before the next arrives.
+        part = torch.empty((spans[0][1] - spans[0][0], *cache.shape[1:3], total, *cache.shape[4:]),
+                           dtype=cache.dtype, device=cache.device)
+        parts = channel.recv_parts(a.seq, [*(part for _ in spans), trailer], per_layer * num_layers + trailer.numel())
+        with torch.cuda.stream(self._stream) if self._stream is not None else _nullcontext():
+            for (start, end), data in zip(spans, parts):
+                if dst.numel():
+                    cache[start:end].index_copy_(3, dst, data.index_select(3, src))
+            for _ in parts:  # the trailer, and the end of the transfer
+                pass
+            values = trailer.tolist()  # on a GPU this waits for the writes above as well
+        return values[:-1], values[-1] / 1e6
+
+
+_nullcontext = contextlib.nullcontext
+
+
+def _offsets(sizes: Sequence[int]) -> list[int]:
+    out, total = [], 0
+    for n in sizes:
+        out.append(total)
+        total += n
+    return out
+

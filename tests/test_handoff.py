@@ -1,0 +1,181 @@
+"""The hand-off protocol (pdserve.handoff) over a real gloo pair: a pusher and an intake in one process.
+
+The sender's and the receiver's channels are two ranks of one two-rank gloo group, built by two threads
+of this process at once (as two workers would); announcements go through a hook that may reorder or
+hold them, where a cluster sends them as Ray calls.
+"""
+from __future__ import annotations
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+from conftest import wait_for
+
+from pdserve.handoff import InboundTable, KVAnnounce, KVIntake, KVPusher, PushJob, layer_spans
+from pdserve.kv_transfer import RECEIVER_RANK, SENDER_RANK, PairChannel, StoreServer
+
+LAYERS, KV_HEADS, BLOCKS, BLOCK_SIZE, HEAD_DIM = 3, 2, 24, 4, 8
+TIMEOUT_S = 10.0
+
+
+class Pair:
+    """A pusher (prefill side) and an intake (decode side) joined like two workers would be."""
+
+    def __init__(self, hold_announcements: bool = False):
+        g = torch.Generator().manual_seed(1)
+        self.src = torch.randn(LAYERS, 2, KV_HEADS, BLOCKS, BLOCK_SIZE, HEAD_DIM, generator=g)
+        self.dst = torch.zeros_like(self.src)
+        self.store = StoreServer("127.0.0.1")
+        self.table = InboundTable()
+        self.events: list[tuple] = []
+        self.lock = threading.Lock()
+        self.held: list[KVAnnounce] = []
+        self.hold = hold_announcements
+        self.generations: list[int] = []
+        self.intake = KVIntake("p0", "d0", self.dst, self.table, TIMEOUT_S,
+                               landed=lambda rid, tok, at: self._record("landed", rid, tok),
+                               failed=lambda rid, err: self._record("failed", rid, err),
+                               cancelled=lambda rid: self._record("cancelled", rid))
+        self.pusher = KVPusher("p0", "d0", self.src, self._open_pair, self._announce,
+                               done=lambda job, err: self._record("done", job.request_ids, err))
+
+    def _record(self, *event) -> None:
+        with self.lock:
+            self.events.append(event)
+
+    def _announce(self, a: KVAnnounce) -> None:
+        if self.hold:
+            self.held.append(a)
+        else:
+            self.intake.announce(a)
+
+    def release_announcements(self, order) -> None:
+        for a in order(self.held):
+            self.intake.announce(a)
+        self.held.clear()
+
+    def _open_pair(self, generation: int) -> PairChannel:
+        self.generations.append(generation)
+
+        def receiver() -> None:
+            self.intake.install(PairChannel(self.store.host, self.store.port, "p0", "d0", RECEIVER_RANK, TIMEOUT_S,
+                                            generation=generation), generation)
+
+        with ThreadPoolExecutor(1) as ex:
+            fut = ex.submit(receiver)
+            channel = PairChannel(self.store.host, self.store.port, "p0", "d0", SENDER_RANK, TIMEOUT_S,
+                                  generation=generation)
+            fut.result(TIMEOUT_S)
+        return channel
+
+    def of(self, kind: str) -> list[tuple]:
+        with self.lock:
+            return [e for e in self.events if e[0] == kind]
+
+    def close(self) -> None:
+        self.pusher.stop()
+        self.intake.stop()
+        self.store.close()
+
+
+@pytest.fixture
+def pair():
+    p = Pair()
+    yield p
+    p.close()
+
+
+def reserve(pair: Pair, rid: str, blocks: list[int]) -> None:
+    pair.table.publish(rid, blocks)
+
+
+def assert_moved(pair: Pair, src: list[int], dst: list[int]) -> None:
+    assert torch.equal(pair.dst[:, :, :, dst], pair.src[:, :, :, src])
+
+
+def test_layer_spans():
+    assert layer_spans(4, 1) == [(0, 4)]
+    assert layer_spans(4, 4) == [(0, 1), (1, 2), (2, 3), (3, 4)]
+
+
+def test_layer_by_layer_push_lands_exact_kv_and_tokens(pair):
+    reserve(pair, "a", [10, 11])
+    reserve(pair, "b", [3])
+    job = PushJob("d0", ["a", "b"], [[0, 1], [5]], LAYERS)  # nothing computed yet
+    assert job.num_parts == LAYERS
+    pair.pusher.push(job)
+    for layer in range(LAYERS):
+        job.layer_done(layer)
+    job.sampled([42, 7])
+    wait_for(lambda: len(pair.of("landed")) == 2, TIMEOUT_S, what="both requests to land")
+    assert [e[1:] for e in pair.of("landed")] == [("a", 42), ("b", 7)]
+    assert pair.of("done") == [("done", ("a", "b"), None)]
+    assert_moved(pair, [0, 1, 5], [10, 11, 3])
+    assert len(pair.table) == 0
+
+
+def test_announcements_out_of_order_are_received_in_the_senders_order():
+    pair = Pair(hold_announcements=True)
+    try:
+        jobs = []
+        for i in range(4):
+            reserve(pair, f"r{i}", [i])
+            jobs.append(PushJob("d0", [f"r{i}"], [[10 + i]], LAYERS, LAYERS, [i], None))
+            pair.pusher.push(jobs[-1])
+        pair.release_announcements(lambda held: reversed(held))
+        wait_for(lambda: len(pair.of("landed")) == 4, TIMEOUT_S, what="four transfers")
+        assert [e[1] for e in pair.of("landed")] == ["r0", "r1", "r2", "r3"]
+        assert_moved(pair, [10, 11, 12, 13], [0, 1, 2, 3])
+    finally:
+        pair.close()
+
+
+def test_cancel_during_the_write_keeps_blocks_until_it_is_over(pair):
+    reserve(pair, "a", [2, 3])
+    reserve(pair, "b", [4])
+    job = PushJob("d0", ["a", "b"], [[0, 1], [6]], LAYERS)
+    pair.pusher.push(job)
+    job.layer_done(0)
+    wait_for(lambda: pair.table.receiving("a"), TIMEOUT_S, what="the intake to claim the transfer")
+    assert pair.table.withdraw("a") is False  # being written: not free yet
+    for layer in range(1, LAYERS):
+        job.layer_done(layer)
+    job.sampled([1, 2])
+    wait_for(lambda: len(pair.events) >= 3, TIMEOUT_S, what="the transfer to end")
+    assert pair.of("cancelled") == [("cancelled", "a")]
+    assert [e[1] for e in pair.of("landed")] == ["b"]
+    # Withdrawn before its turn: no callback at all, its bytes go nowhere.
+    reserve(pair, "c", [7])
+    assert pair.table.withdraw("c") is True
+    pair.pusher.push(PushJob("d0", ["c"], [[8]], LAYERS, LAYERS, [3], None))
+    wait_for(lambda: len(pair.of("done")) == 2, TIMEOUT_S, what="the second push")
+    assert not pair.dst[:, :, :, 7].any() and pair.of("landed") == [("landed", "b", 2)]
+
+
+def test_failed_push_fails_both_sides_and_the_next_generation_works(pair):
+    reserve(pair, "a", [1])
+    reserve(pair, "b", [2])
+    failing = PushJob("d0", ["a"], [[0]], LAYERS)
+    pair.pusher.push(failing)
+    pair.pusher.push(PushJob("d0", ["b"], [[4]], LAYERS, LAYERS, [9], None))  # announced on the same channel
+    failing.layer_done(0)
+    wait_for(lambda: pair.table.receiving("a"), TIMEOUT_S, what="the first transfer to start")
+    failing.abort("the prefill step failed")
+    wait_for(lambda: pair.of("landed"), TIMEOUT_S * 2, what="the second request to land on a new channel")
+    assert pair.of("failed")[0][1] == "a" and [e[1:] for e in pair.of("landed")] == [("b", 9)]
+    assert pair.of("done")[0][1:2] == (("a",),) and pair.of("done")[0][2] is not None
+    assert pair.generations == [1, 2]  # "b" was announced again on generation 2
+    assert_moved(pair, [4], [2])
+
+
+def test_inbound_table_states():
+    t = InboundTable()
+    t.publish("a", [1, 2])
+    assert t.claim("a") == [1, 2] and t.claim("x") is None
+    assert t.withdraw("a") is False and t.expire("a") is False  # being written
+    assert t.settle("a") is True  # it was cancelled meanwhile
+    t.publish("b", [3])
+    assert t.expire("b") is True and t.claim("b") is None
+    assert len(t) == 0
