@@ -2,6 +2,12 @@
 
     python bench/gpu.py                       # on a CUDA machine: bf16, Llama-3-8B shape (dummy weights)
     .venv/bin/python bench/gpu.py --device cpu --small   # smoke test of every section, tiny shapes
+    python bench/gpu.py --sections peaks,decode  # a subset
+
+On the GPU machine (no Ray/gguf there; see ../shared/tools/device-wheels), one call runs everything:
+    python3 -m pip install -q --no-index --no-deps --no-compile --target .site .whl/*.whl \
+      && export PYTHONPATH=$PWD/.site:$PWD; python3 bench/gpu.py 2>&1 | tee $OUT/log.txt
+The cluster sections need Ray; every other section needs only torch and transformers.
 
 Sections (each runs even if an earlier one failed; failures are printed with their traceback):
 
@@ -26,7 +32,17 @@ offline  pdserve LLMEngine vs transformers generate() on the same GPU, bf16, sam
          no EOS). Then greedy token equality on a few prompts (pdserve batched vs HF batch 1, no
          padding), in bf16 and in fp32.
 
-Prints one table at the end; writes $OUT/gpu_bench.json (or --json) when OUT is set.
+experiments  What fixes would give, by monkeypatching in this process only (pdserve's files untouched):
+         x1 the decode forward (model only) eager vs replayed from a CUDA graph, at each decode batch;
+         x2 the chunked-prefill attention (second chunk: 3904 queries over 8000 keys, one layer) with
+         torch's causal_lower_right bias instead of the dense boolean mask, timed and compared.
+cluster  Ray cluster on one GPU, tiny random checkpoint, fp32: colocated, then disaggregated 1P1D with
+         both workers on the GPU (num_gpus 0.4 each); tokens compared with the offline engine.
+cluster_staged  The disaggregated case again with a Ray worker setup hook that makes every CUDA
+         PairChannel go through host memory over gloo (the proposed same-GPU fallback).
+
+Prints one table at the end; writes $OUT/gpu_bench.json (or --json) when OUT is set. Exit status 1 if
+any section failed (its traceback is printed where it happened).
 """
 from __future__ import annotations
 
@@ -114,7 +130,7 @@ def measure_peaks(device: torch.device, small: bool) -> dict:
     t = event_time(lambda: dst.copy_(src), device, reps=5 if small else 20, warmup=3)
     copy_s = statistics.median(t)
     bw = 2 * src.nbytes / copy_s  # read + write
-    del src, dst
+    src = dst = None  # free before the matmul
     m = 1024 if small else 8192
     dt = torch.float32 if (small and device.type == "cpu") else torch.bfloat16
     g = torch.Generator(device=device).manual_seed(0)
@@ -128,7 +144,7 @@ def measure_peaks(device: torch.device, small: bool) -> dict:
     t = event_time(mm, device, reps=3 if small else 20, warmup=1 if small else 5)
     mm_s = statistics.median(t)
     flops = 2 * m ** 3 / mm_s
-    del mats, c
+    mats = c = None
     free_memory()
     res = dict(copy_bytes=2 * (n // 2) * 2, copy_s=copy_s, copy_bw_read_plus_write=bw,
                matmul_n=m, matmul_dtype=str(dt), matmul_s=mm_s, matmul_flops=flops)
@@ -654,6 +670,7 @@ def _same_gpu_staging_patch() -> None:
 
     kt.PairChannel.__init__, kt.PairChannel.send_parts, kt.PairChannel.recv_parts = __init__, send, recv
     kt.PairChannel._staged_patch = True
+    print(f"same-GPU staging patch installed in pid {__import__('os').getpid()}", flush=True)
 
 
 @section("experiments")
@@ -879,7 +896,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--small", action="store_true", help="tiny shapes: a smoke test of every section")
-    ap.add_argument("--sections", default="peaks,decode,prefill,offline")
+    ap.add_argument("--sections", default="peaks,decode,prefill,experiments,offline,cluster,cluster_staged")
     ap.add_argument("--json", default=None)
     ap.add_argument("--transfer-timeout", type=float, default=10.0, help="cluster section: KV transfer timeout")
     args = ap.parse_args()

@@ -1,6 +1,8 @@
-"""KV transfer over a gloo PairChannel between two Ray actors vs an in-process copy of the same bytes.
+"""KV transfer over a gloo PairChannel between two Ray actors vs an in-process copy of the same bytes,
+then the whole prefill -> decode hand-off of real workers.
 
     .venv/bin/python bench/kv_transfer.py [--reps 20] [--warmup 2] [--tokens 16 256 2048] [--extra-mb 64]
+                                          [--handoff-tokens 128 512 2048] [--handoff-reps 5] [--no-handoff]
 
 Payloads are the KV blocks of --tokens tokens of SmolLM2-135M (30 layers, 3 KV heads, head_dim 64,
 fp32, 16-token blocks, so whole blocks move), plus one flat payload of --extra-mb MiB. A local Ray
@@ -9,6 +11,14 @@ prefill side (rank 0, sends). A transfer's time is what the receiver waits for o
 included; the baseline is `dst.copy_(src)` into a preallocated tensor inside the receiving actor.
 Each figure is the median of --reps repetitions, after a sweep of --warmup unrecorded ones per
 payload. Prints one table.
+
+Hand-off table: a real prefill worker and decode worker (the cluster's actors, SmolLM2, one torch
+thread each) serve one request at a time of --handoff-tokens prompt tokens and 2 output tokens. The
+decode worker reserves room before the prefill starts (as the router does), so the KV is pushed
+during the prefill step; each length is also run with the push held to the end of the forward (the
+whole KV at once). Hand-off = first token sampled on the prefill worker -> KV usable on the decode
+worker (the decode worker's pdserve_kv_handoff_seconds); prefill step = the prefill worker's busy time
+for the request. Medians of --handoff-reps requests after one warm-up each.
 """
 from __future__ import annotations
 
@@ -92,12 +102,60 @@ def payloads(tokens: list[int], extra_mb: int) -> list[tuple[str, tuple[int, ...
     return out
 
 
+def handoff_table(lengths: list[int], reps: int) -> None:
+    from decode_worker.actor import DecodeActor
+    from pdserve.config import CacheConfig, EngineConfig, SchedulerConfig
+    from pdserve.messages import DecodeTask, PrefillTask
+    from pdserve.sampling import SamplingParams
+    from prefill_worker.actor import PrefillActor
+
+    config = EngineConfig(cache=CacheConfig(memory_bytes=512 << 20),
+                          scheduler=SchedulerConfig(max_num_batched_tokens=max(lengths)))
+    decode = ray.remote(DecodeActor).options(num_cpus=0.5).remote("decode-0", config, TIMEOUT_S, 1)
+    ray.get(decode.ready.remote())
+    params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    print("\nhand-off, prefill worker -> decode worker (SmolLM2, fp32, 1 torch thread each)")
+    print(f"{'prompt':>8} {'push':>12} {'prefill step ms':>16} {'hand-off ms':>12} {'hand-off/step':>14}")
+    ids = iter(range(10**6))
+    for layerwise in (True, False):
+        pid = f"prefill-{int(not layerwise)}"
+        prefill = ray.remote(PrefillActor).options(num_cpus=0.5).remote(pid, config, TIMEOUT_S, 1, layerwise)
+        ray.get(prefill.ready.remote())
+        for n in lengths:
+            steps, handoffs = [], []
+            for rep in range(reps + 1):
+                k = next(ids)
+                rid = f"r{k}"
+                prompt = tuple(100 + (k * 7919 + i) % 20000 for i in range(n))  # no prefix-cache hits
+                before_p, before_d = ray.get([prefill.stats.remote(), decode.stats.remote()])
+                ray.get(decode.reserve.remote(DecodeTask(rid, prompt, (), params, 0, pid), prefill))
+                ray.get(prefill.prefill.remote(PrefillTask(rid, prompt, params, 0, kv_destination="decode-0"), decode))
+                deadline = time.monotonic() + TIMEOUT_S
+                # Stats are read on the decode worker's step thread: the request has run by then.
+                while (after_d := ray.get(decode.stats.remote())).handoff["counts"] == before_d.handoff["counts"]:
+                    assert time.monotonic() < deadline, "the KV never landed"
+                    time.sleep(0.005)
+                after_p = ray.get(prefill.stats.remote())
+                if rep:  # the first is a warm-up
+                    steps.append(after_p.busy_seconds - before_p.busy_seconds)
+                    handoffs.append(after_d.handoff["sum"] - before_d.handoff["sum"])
+            step, handoff = statistics.median(steps), statistics.median(handoffs)
+            name = "layer-wise" if layerwise else "end of step"
+            print(f"{n:>8} {name:>12} {step * 1e3:16.1f} {handoff * 1e3:12.1f} {handoff / step:14.3f}")
+        ray.get(prefill.shutdown.remote())
+        ray.kill(prefill)
+    ray.get(decode.shutdown.remote())
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--tokens", type=int, nargs="+", default=[16, 256, 2048])
     ap.add_argument("--extra-mb", type=int, default=64)
+    ap.add_argument("--handoff-tokens", type=int, nargs="+", default=[128, 512, 2048])
+    ap.add_argument("--handoff-reps", type=int, default=5)
+    ap.add_argument("--no-handoff", action="store_true", help="only the channel table")
     args = ap.parse_args()
 
     ray.init(address="local", num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1",
@@ -124,6 +182,8 @@ def main() -> None:
             gloo, copy = nbytes / gloo_s / 1e9, nbytes / statistics.median(copy_s) / 1e9
             print(f"{name:>16} {nbytes / 1e6:8.2f} {gloo_s * 1e3:9.2f} {gloo:10.2f} {copy:10.2f} {gloo / copy:10.3f}")
         ray.get([decode.close.remote(), prefill.close.remote()])
+        if not args.no_handoff:
+            handoff_table(args.handoff_tokens, args.handoff_reps)
     finally:
         ray.shutdown()
 

@@ -51,17 +51,29 @@ class KVAnnounce:
     seq: int
     request_ids: tuple[str, ...]
     num_blocks: tuple[int, ...]  # per request: blocks of KV sent
-    num_parts: int  # KV parts: one per layer (pushed during the forward), or 1 (all layers at once)
+    num_parts: int  # KV parts, each a run of whole layers (layer_spans): 1 sends all layers at once
 
     @property
     def order(self) -> tuple[int, int]:
         return self.generation, self.seq
 
 
+# A part of a layer-wise push carries at least this much KV (whole layers): small parts cost more in
+# per-message latency than sending them early saves.
+MIN_PART_BYTES = 1 << 20
+
+
 def layer_spans(num_layers: int, num_parts: int) -> list[tuple[int, int]]:
-    """[start, end) layers of each part of a transfer."""
-    assert num_parts in (1, num_layers), num_parts
-    return [(0, num_layers)] if num_parts == 1 else [(i, i + 1) for i in range(num_layers)]
+    """[start, end) layers of each part of a transfer: num_parts contiguous runs of near-equal length."""
+    assert 1 <= num_parts <= num_layers, (num_parts, num_layers)
+    bounds = [num_layers * i // num_parts for i in range(num_parts + 1)]
+    return list(zip(bounds, bounds[1:]))
+
+
+def num_parts_for(num_layers: int, layer_bytes: int, min_part_bytes: int = MIN_PART_BYTES) -> int:
+    """How many parts a layer-wise push of layers of layer_bytes each is cut into."""
+    per_part = max(1, -(-min_part_bytes // max(layer_bytes, 1)))  # layers
+    return max(1, num_layers // per_part)
 
 
 def _cuda_active() -> bool:
@@ -180,8 +192,9 @@ class KVPusher:
 
     def __init__(self, prefill_id: str, decode_id: str, kv_cache: torch.Tensor,
                  open_pair: Callable[[int], PairChannel], announce: Callable[[KVAnnounce], None],
-                 done: Callable[[PushJob, str | None], None]):
+                 done: Callable[[PushJob, str | None], None], min_part_bytes: int = MIN_PART_BYTES):
         self.prefill_id, self.decode_id = prefill_id, decode_id
+        self.min_part_bytes = min_part_bytes
         self.kv_cache = kv_cache
         self._open_pair, self._announce, self._done = open_pair, announce, done
         self._lock = threading.Lock()
@@ -195,6 +208,10 @@ class KVPusher:
 
     def push(self, job: PushJob) -> None:
         """Queue a job behind the pair's earlier ones and announce it to the decode worker."""
+        if job.num_parts > 1:
+            cache = self.kv_cache
+            layer_bytes = cache[0].nbytes // cache.shape[3] * sum(len(b) for b in job.block_ids)
+            job.num_parts = num_parts_for(job.num_layers, layer_bytes, self.min_part_bytes)
         with self._lock:
             a = KVAnnounce(self.prefill_id, self._generation, self._next_seq, job.request_ids,
                            tuple(len(b) for b in job.block_ids), job.num_parts)
@@ -448,9 +465,10 @@ class KVIntake:
         per_layer = cache[0].numel() // cache.shape[3] * total  # [2, kv_heads, total, block_size, head_dim]
         trailer = torch.empty(len(a.request_ids) + 1, dtype=torch.int64, device=cache.device)
         # One staging buffer, reused by every part: each is scattered into the blocks before the next arrives.
-        part = torch.empty((spans[0][1] - spans[0][0], *cache.shape[1:3], total, *cache.shape[4:]),
-                           dtype=cache.dtype, device=cache.device)
-        parts = channel.recv_parts(a.seq, [*(part for _ in spans), trailer], per_layer * num_layers + trailer.numel())
+        staging = torch.empty((max(end - start for start, end in spans), *cache.shape[1:3], total, *cache.shape[4:]),
+                              dtype=cache.dtype, device=cache.device)
+        buffers = [staging[: end - start] for start, end in spans]  # leading slices: contiguous
+        parts = channel.recv_parts(a.seq, [*buffers, trailer], per_layer * num_layers + trailer.numel())
         with torch.cuda.stream(self._stream) if self._stream is not None else _nullcontext():
             for (start, end), data in zip(spans, parts):
                 if dst.numel():

@@ -168,6 +168,7 @@ class PairChannel:
         self.rank = rank
         self.device = torch.device(device)
         self.backend = _backend_for(self.device)
+        self.staged = False  # a CUDA pair on one GPU: through host memory over gloo (see _same_gpu)
         self.timeout_s = timeout_s
         self.stats = stats if stats is not None else TransferStats()
         self.prefix = f"pair/{prefill_id}/{decode_id}/{generation}"
@@ -177,8 +178,10 @@ class PairChannel:
         deadline = time.monotonic() + timeout_s
         try:
             store = dist.TCPStore(store_host, store_port, is_master=False, timeout=timeout)
-            self._pg: dist.ProcessGroup | None = _new_group(dist.PrefixStore(self.prefix, store), rank, timeout,
-                                                            self.backend)
+            pair_store = dist.PrefixStore(self.prefix, store)
+            if self.device.type == "cuda" and _same_gpu(pair_store, rank, self.device):
+                self.staged, self.backend = True, "gloo"
+            self._pg: dist.ProcessGroup | None = _new_group(pair_store, rank, timeout, self.backend)
         except RuntimeError as e:
             raise self._as_transfer_error(e, deadline, "the rendezvous") from e
 
@@ -201,7 +204,7 @@ class PairChannel:
             raise RuntimeError(f"rank {self.rank} of pair {self.prefix} cannot send")
         if self._before_send is not None:
             self._before_send(transfer_id)
-        header = torch.tensor([transfer_id, numel], dtype=torch.int64, device=self.device)
+        header = torch.tensor([transfer_id, numel], dtype=torch.int64, device="cpu" if self.staged else self.device)
         start = time.monotonic()
         deadline = start + self.timeout_s
         nbytes = sent = 0
@@ -209,7 +212,8 @@ class PairChannel:
             self._wait(self._live_pg().send([header], RECEIVER_RANK, _TAG), transfer_id, deadline)
             for part in parts:
                 self._require(SENDER_RANK, part)
-                self._wait(self._live_pg().send([part], RECEIVER_RANK, _TAG), transfer_id, deadline)
+                wire = part.cpu() if self.staged else part
+                self._wait(self._live_pg().send([wire], RECEIVER_RANK, _TAG), transfer_id, deadline)
                 nbytes += part.nbytes
                 sent += part.numel()
             if sent != numel:
@@ -230,7 +234,7 @@ class PairChannel:
         self._live_pg()
         if self.rank != RECEIVER_RANK:
             raise RuntimeError(f"rank {self.rank} of pair {self.prefix} cannot receive")
-        header = torch.empty(2, dtype=torch.int64, device=self.device)
+        header = torch.empty(2, dtype=torch.int64, device="cpu" if self.staged else self.device)
         start = time.monotonic()
         deadline = start + self.timeout_s
         nbytes = 0
@@ -246,7 +250,10 @@ class PairChannel:
                                     f"elements, the receiver expected {numel}")
             for out in buffers:
                 self._require(RECEIVER_RANK, out)
-                self._wait(self._live_pg().recv([out], SENDER_RANK, _TAG), transfer_id, deadline)
+                wire = torch.empty(out.shape, dtype=out.dtype) if self.staged else out
+                self._wait(self._live_pg().recv([wire], SENDER_RANK, _TAG), transfer_id, deadline)
+                if self.staged:
+                    out.copy_(wire)
                 nbytes += out.nbytes
                 yield out
         self.stats.record(nbytes, time.monotonic() - start)
@@ -314,6 +321,14 @@ class PairChannel:
         if not work.wait(timeout=timedelta(seconds=remaining)):
             raise TransferTimeout(f"transfer {transfer_id} on pair {self.prefix} did not complete within "
                                   f"{self.timeout_s:g} s")
+
+
+def _same_gpu(store: dist.Store, rank: int, device: torch.device) -> bool:
+    """Whether both ranks of a pair hold the same physical GPU. NCCL refuses such a pair ("Duplicate GPU
+    detected"), e.g. a prefill and a decode worker sharing one GPU with fractional num_gpus."""
+    mine = str(torch.cuda.get_device_properties(device).uuid)
+    store.set(f"gpu/{rank}", mine)
+    return store.get(f"gpu/{1 - rank}").decode() == mine  # waits for the peer, up to the store's timeout
 
 
 def _backend_for(device: torch.device) -> str:

@@ -125,14 +125,30 @@ class WorkerCollector(Collector):
             for s in moving:
                 f.add_metric([s.pool, s.worker_id], s.transfer[key])
             yield f
-        h = HistogramMetricFamily("pdserve_kv_transfer_seconds", "Duration of KV transfers", labels=labels)
-        for s in moving:
-            cumulative, buckets = 0, []
-            for bound, n in zip((*map(str, TRANSFER_SECONDS_BUCKETS), "+Inf"), s.transfer["bucket_counts"]):
-                cumulative += n
-                buckets.append((bound, cumulative))
-            h.add_metric([s.pool, s.worker_id], buckets, sum_value=s.transfer["seconds"])
-        yield h
+        yield _histogram("pdserve_kv_transfer_seconds", "Duration of KV transfers", labels, moving,
+                         lambda s: {"buckets": TRANSFER_SECONDS_BUCKETS, "counts": s.transfer["bucket_counts"],
+                                    "sum": s.transfer["seconds"]})
+        for key, name, doc in (
+                ("handoff", "pdserve_kv_handoff_seconds",
+                 "Per request: first token sampled on the prefill worker -> its KV usable on this decode worker"),
+                ("reservation_wait", "pdserve_kv_reservation_wait_seconds",
+                 "Per request: placed on this decode worker -> KV blocks reserved (waits while the cache is full)")):
+            yield _histogram(name, doc, labels, [s for s in stats if getattr(s, key)], lambda s, k=key: getattr(s, k))
+
+
+def _histogram(name: str, doc: str, labels: list[str], stats: list[WorkerStats],
+               snapshot: Callable[[WorkerStats], dict]) -> HistogramMetricFamily:
+    """A histogram family from per-worker snapshots: {"buckets": upper bounds, "counts": per bucket and
+    +Inf, not cumulative, "sum": seconds} (pdserve.handoff.SecondsHistogram's shape)."""
+    h = HistogramMetricFamily(name, doc, labels=labels)
+    for s in stats:
+        snap = snapshot(s)
+        cumulative, buckets = 0, []
+        for bound, n in zip((*map(str, snap["buckets"]), "+Inf"), snap["counts"]):
+            cumulative += n
+            buckets.append((bound, cumulative))
+        h.add_metric([s.pool, s.worker_id], buckets, sum_value=snap["sum"])
+    return h
 
 
 class FaultCollector(Collector):

@@ -57,7 +57,10 @@ class _HeldKV:
 class PrefillActor:
     """Wrapped with ray.remote by the router's pool (which sets its resources)."""
 
-    def __init__(self, worker_id: str, config: EngineConfig, transfer_timeout_s: float, torch_threads: int | None = None):
+    def __init__(self, worker_id: str, config: EngineConfig, transfer_timeout_s: float, torch_threads: int | None = None,
+                 push_layerwise: bool = True):
+        """push_layerwise=False sends a prompt's KV once its whole forward has run (to measure what the
+        layer-by-layer push hides: bench/kv_transfer.py)."""
         if torch_threads:
             torch.set_num_threads(torch_threads)
         self.worker_id = worker_id
@@ -65,6 +68,7 @@ class PrefillActor:
         self.peaks = device_peaks(self.core.runner.device, config.peak_flops, config.peak_bytes_per_second)
         self.transfer_timeout_s = transfer_timeout_s
         self.transfer_stats = TransferStats()
+        self.push_layerwise = push_layerwise
         self._results: dict[str, Future[PrefillResult]] = {}
         self._destination_of: dict[str, str] = {}  # step thread: request -> its decode worker
         # The hand-off's shared state, under _lock.
@@ -282,7 +286,7 @@ class _StepPushes:
         self.jobs: list[PushJob] = []
 
     def layer_done(self, layer: int) -> None:
-        if len(self.started) == len(self.candidates):
+        if len(self.started) == len(self.candidates) or (not self.actor.push_layerwise and layer < self.num_layers - 1):
             return
         a = self.actor
         groups: dict[str, list[str]] = {}

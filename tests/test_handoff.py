@@ -13,17 +13,17 @@ import pytest
 import torch
 from conftest import wait_for
 
-from pdserve.handoff import InboundTable, KVAnnounce, KVIntake, KVPusher, PushJob, layer_spans
+from pdserve.handoff import InboundTable, KVAnnounce, KVIntake, KVPusher, PushJob, layer_spans, num_parts_for
 from pdserve.kv_transfer import RECEIVER_RANK, SENDER_RANK, PairChannel, StoreServer
 
-LAYERS, KV_HEADS, BLOCKS, BLOCK_SIZE, HEAD_DIM = 3, 2, 24, 4, 8
+LAYERS, KV_HEADS, BLOCKS, BLOCK_SIZE, HEAD_DIM = 5, 2, 24, 4, 8
 TIMEOUT_S = 10.0
 
 
 class Pair:
     """A pusher (prefill side) and an intake (decode side) joined like two workers would be."""
 
-    def __init__(self, hold_announcements: bool = False):
+    def __init__(self, hold_announcements: bool = False, min_part_bytes: int = 1):
         g = torch.Generator().manual_seed(1)
         self.src = torch.randn(LAYERS, 2, KV_HEADS, BLOCKS, BLOCK_SIZE, HEAD_DIM, generator=g)
         self.dst = torch.zeros_like(self.src)
@@ -39,7 +39,8 @@ class Pair:
                                failed=lambda rid, err: self._record("failed", rid, err),
                                cancelled=lambda rid: self._record("cancelled", rid))
         self.pusher = KVPusher("p0", "d0", self.src, self._open_pair, self._announce,
-                               done=lambda job, err: self._record("done", job.request_ids, err))
+                               done=lambda job, err: self._record("done", job.request_ids, err),
+                               min_part_bytes=min_part_bytes)
 
     def _record(self, *event) -> None:
         with self.lock:
@@ -95,17 +96,21 @@ def assert_moved(pair: Pair, src: list[int], dst: list[int]) -> None:
     assert torch.equal(pair.dst[:, :, :, dst], pair.src[:, :, :, src])
 
 
-def test_layer_spans():
+def test_layer_spans_and_part_sizes():
     assert layer_spans(4, 1) == [(0, 4)]
     assert layer_spans(4, 4) == [(0, 1), (1, 2), (2, 3), (3, 4)]
+    assert layer_spans(30, 4) == [(0, 7), (7, 15), (15, 22), (22, 30)]
+    assert num_parts_for(30, 4 << 20) == 30  # big layers: one part each
+    assert num_parts_for(30, 200 << 10) == 5  # 6 layers make a MiB
+    assert num_parts_for(30, 1) == 1
 
 
 def test_layer_by_layer_push_lands_exact_kv_and_tokens(pair):
     reserve(pair, "a", [10, 11])
     reserve(pair, "b", [3])
     job = PushJob("d0", ["a", "b"], [[0, 1], [5]], LAYERS)  # nothing computed yet
-    assert job.num_parts == LAYERS
     pair.pusher.push(job)
+    assert job.num_parts == LAYERS  # min_part_bytes=1: a part per layer
     for layer in range(LAYERS):
         job.layer_done(layer)
     job.sampled([42, 7])
@@ -114,6 +119,23 @@ def test_layer_by_layer_push_lands_exact_kv_and_tokens(pair):
     assert pair.of("done") == [("done", ("a", "b"), None)]
     assert_moved(pair, [0, 1, 5], [10, 11, 3])
     assert len(pair.table) == 0
+
+
+def test_parts_of_several_layers():
+    layer_bytes = 2 * KV_HEADS * 2 * BLOCK_SIZE * HEAD_DIM * 4  # K and V of 2 blocks, fp32
+    pair = Pair(min_part_bytes=2 * layer_bytes)  # two layers a part at least
+    try:
+        reserve(pair, "a", [4, 5])
+        job = PushJob("d0", ["a"], [[8, 9]], LAYERS)
+        pair.pusher.push(job)
+        assert job.num_parts == 2  # layers [0, 2) and [2, 5): parts of unequal length
+        for layer in range(LAYERS):
+            job.layer_done(layer)
+        job.sampled([3])
+        wait_for(lambda: pair.of("landed"), TIMEOUT_S, what="the request to land")
+        assert_moved(pair, [8, 9], [4, 5])
+    finally:
+        pair.close()
 
 
 def test_announcements_out_of_order_are_received_in_the_senders_order():

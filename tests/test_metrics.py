@@ -115,6 +115,26 @@ def test_worker_series_and_transfer_histogram():
     assert g("pdserve_kv_transfer_seconds_sum", lab) == 12.5
 
 
+def test_handoff_and_reservation_wait_histograms():
+    from pdserve.handoff import SecondsHistogram
+
+    handoff, wait = SecondsHistogram(), SecondsHistogram(buckets=(0.1, 1.0))
+    for v in (0.004, 0.02, 0.02, 3.0):
+        handoff.observe(v)
+    wait.observe(0.5)
+    workers = [stats("prefill", "prefill-0"),
+               stats("decode", "decode-0", handoff=handoff.snapshot(), reservation_wait=wait.snapshot())]
+    g = RouterMetrics(lambda: workers).registry.get_sample_value
+    lab = {"pool": "decode", "worker": "decode-0"}
+    assert g("pdserve_kv_handoff_seconds_bucket", {**lab, "le": "0.005"}) == 1
+    assert g("pdserve_kv_handoff_seconds_bucket", {**lab, "le": "0.025"}) == 3
+    assert g("pdserve_kv_handoff_seconds_bucket", {**lab, "le": "+Inf"}) == 4
+    assert g("pdserve_kv_handoff_seconds_sum", lab) == pytest.approx(3.044)
+    assert g("pdserve_kv_reservation_wait_seconds_bucket", {**lab, "le": "0.1"}) == 0
+    assert g("pdserve_kv_reservation_wait_seconds_bucket", {**lab, "le": "1.0"}) == 1
+    assert g("pdserve_kv_handoff_seconds_count", {"pool": "prefill", "worker": "prefill-0"}) is None
+
+
 # -- PromQL expressions ------------------------------------------------------------------------------
 def dashboard_queries() -> list[str]:
     d = json.loads(DASHBOARD.read_text())
