@@ -113,6 +113,10 @@ class SecondsHistogram:
 
 # --- sender side (prefill worker) ------------------------------------------------------------------
 
+class _NoPeer(TransferError):
+    """The rendezvous with the decode worker failed: it is dead or unreachable."""
+
+
 class PushJob:
     """One transfer's worth of KV: requests bound for one decode worker, and how far their KV is computed.
 
@@ -235,6 +239,11 @@ class KVPusher:
                 continue
             try:
                 self._send(a, job)
+            except _NoPeer as e:  # the decode worker cannot be reached: fail what waits for it as well
+                log.warning("KV push to %s failed: %s", self.decode_id, e)
+                self._break(a.generation)
+                self._done(job, str(e))
+                self._fail_queued(str(e))
             except Exception as e:  # noqa: BLE001 - the job fails; the pair moves to the next generation
                 log.warning("KV push %s/%s of %s to %s failed: %s", a.generation, a.seq, a.request_ids,
                             self.decode_id, e)
@@ -243,11 +252,25 @@ class KVPusher:
             else:
                 self._done(job, None)
 
+    def _fail_queued(self, error: str) -> None:
+        while True:
+            try:
+                item = self._jobs.get_nowait()
+            except queue.Empty:
+                return
+            if item is None:  # stopping: leave the sentinel for the loop
+                self._jobs.put(None)
+                return
+            self._done(item[1], error)
+
     def _send(self, a: KVAnnounce, job: PushJob) -> None:
         with self._lock:
             channel = self._channel
         if channel is None:
-            channel = self._open_pair(a.generation)
+            try:
+                channel = self._open_pair(a.generation)
+            except Exception as e:  # noqa: BLE001 - no channel: the peer is gone or unreachable
+                raise _NoPeer(f"no channel to {self.decode_id}: {e}") from e
             with self._lock:
                 self._channel = channel
         cache = self.kv_cache

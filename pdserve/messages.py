@@ -5,6 +5,7 @@ or tensors (KV moves over the transfer channels, not through Ray).
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -103,6 +104,7 @@ class WorkerStats:
     # request waited for room to reserve.
     handoff: dict = field(default_factory=dict)
     reservation_wait: dict = field(default_factory=dict)
+    pid: int = 0  # the worker's process (operators and fault tests signal it)
 
     @property
     def busy_fraction(self) -> float:
@@ -120,7 +122,7 @@ def worker_stats(worker_id: str, pool_name: str, *, waiting: int, waiting_tokens
                        peak_flops=peaks.flops_per_second, peak_bytes_per_second=peaks.bytes_per_second,
                        peak_source=peaks.source, prefix_hit_blocks=pool.prefix_hits,
                        prefix_query_blocks=pool.prefix_queries, transfer=transfer or {}, handoff=handoff or {},
-                       reservation_wait=reservation_wait or {})
+                       reservation_wait=reservation_wait or {}, pid=os.getpid())
 
 
 @dataclass(frozen=True)

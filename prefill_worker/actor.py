@@ -16,7 +16,7 @@ import asyncio
 import logging
 import threading
 import time
-from concurrent.futures import Future, InvalidStateError
+from concurrent.futures import FIRST_EXCEPTION, Future, InvalidStateError, wait
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,7 +25,7 @@ import torch
 from pdserve.config import EngineConfig
 from pdserve.engine import EngineCore
 from pdserve.handoff import KVAnnounce, KVPusher, PushJob
-from pdserve.kv_transfer import SENDER_RANK, PairChannel, TransferStats
+from pdserve.kv_transfer import SENDER_RANK, PairChannel, TransferError, TransferStats
 from pdserve.loader import load
 from pdserve.messages import PrefillResult, PrefillTask, WorkerStats, worker_stats
 from pdserve.request import Request
@@ -158,12 +158,26 @@ class PrefillActor:
         """Rendezvous with a decode worker for a new channel (on the pusher's thread)."""
         with self._lock:
             d = self._destinations[decode_id]
-        ref = d.handle.open_channel.remote(self.worker_id, generation)
-        channel = PairChannel(d.host, d.port, self.worker_id, decode_id, SENDER_RANK, self.transfer_timeout_s,
-                              self.core.runner.kv_cache.device, generation=generation, stats=self.transfer_stats,
-                              before_send=self._before_send)
-        ref.future().result(timeout=self.transfer_timeout_s)  # a thread of its own: no ray.get in an async actor
-        return channel
+        peer = d.handle.open_channel.remote(self.worker_id, generation).future()
+        mine: Future[PairChannel] = Future()
+
+        def build() -> None:
+            try:
+                mine.set_result(PairChannel(d.host, d.port, self.worker_id, decode_id, SENDER_RANK,
+                                            self.transfer_timeout_s, self.core.runner.kv_cache.device,
+                                            generation=generation, stats=self.transfer_stats,
+                                            before_send=self._before_send))
+            except BaseException as e:  # noqa: BLE001 - handed to the waiter below
+                mine.set_exception(e)
+
+        threading.Thread(target=build, name=f"kv-rendezvous-{decode_id}", daemon=True).start()
+        # A dead decode worker fails its call at once: do not wait out the rendezvous timeout for it.
+        wait([peer, mine], self.transfer_timeout_s, return_when=FIRST_EXCEPTION)
+        if peer.done() and peer.exception() is not None:
+            mine.add_done_callback(lambda f: f.exception() is None and f.result().close())
+            raise TransferError(f"decode worker {decode_id} cannot open a channel: {peer.exception()}")
+        peer.result(timeout=self.transfer_timeout_s)
+        return mine.result(timeout=self.transfer_timeout_s)
 
     @staticmethod
     def _announce(handle: Any, a: KVAnnounce) -> None:

@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import random
+import signal
 
 import grpc
 import pytest
@@ -228,5 +230,67 @@ def test_soak_with_cancellations_and_a_killed_worker(ray_local, aloop, tiny_chec
         assert counts["failed"] == 0  # the resume policy recovers every request of the killed worker
         settle(aloop, cluster, {"prefill": 1, "decode": 1})
         assert cluster.restarts["decode"] == 1
+    finally:
+        aloop.run(cluster.shutdown())
+
+
+# -- the hand-off's failures: a stalled push keeps the KV "in flight" while the test acts ------------
+
+def worker_pid(aloop, cluster: Cluster, pool: str) -> int:
+    return next(s.pid for s in aloop.run(cluster.stats()) if s.pool == pool)
+
+
+def decode_waiting_for_kv(aloop, cluster: Cluster) -> int:
+    return next(s.waiting for s in aloop.run(cluster.stats()) if s.pool == "decode")
+
+
+def test_cancel_during_a_transfer_frees_both_sides(ray_local, aloop, tiny_checkpoints, reference):
+    _, config = configs(tiny_checkpoints["llama"], transfer_timeout_s=10.0)
+    cluster = start(aloop, config)
+    try:
+        ray.get(cluster.prefill[0].handle.inject_send_delay.remote(1.5, 1))
+
+        async def run():
+            gen = cluster.generate(prompts()[0], GREEDY)
+            first = await gen.__anext__()  # the prompt is computed; its push is stalled on the way
+            assert first.new_token_ids == reference[0][:1]
+            return gen
+
+        gen = aloop.run(run())
+        wait_for(lambda: decode_waiting_for_kv(aloop, cluster) == 1, 10, what="the decode worker to wait for the KV")
+        aloop.run(gen.aclose())  # the client goes away while the KV is in flight
+        settle(aloop, cluster, {"prefill": 1, "decode": 1})
+        (tokens, reason, _), = aloop.run(stream_all(cluster, prompts()[1:2], GREEDY), timeout=60)
+        assert tokens == reference[1] and reason is FinishReason.LENGTH  # the pair still works
+        settle(aloop, cluster, {"prefill": 1, "decode": 1})
+    finally:
+        aloop.run(cluster.shutdown())
+
+
+@pytest.mark.parametrize("victim", ["prefill", "decode"])
+def test_worker_killed_by_sigkill_mid_transfer_all_complete(ray_local, aloop, tiny_checkpoints, reference, victim):
+    """SIGKILL from outside while pushes are stalled: the prefill worker holds computed KV, the decode
+    worker holds reservations. Every request completes, token for token, and nothing leaks."""
+    _, config = configs(tiny_checkpoints["llama"], transfer_timeout_s=10.0)
+    cluster = start(aloop, config)
+    batch = prompts()[:6]
+    try:
+        ray.get(cluster.prefill[0].handle.inject_send_delay.remote(3.0, 1))
+        pid = worker_pid(aloop, cluster, victim)
+
+        async def run():
+            started = asyncio.Event()
+            task = asyncio.create_task(stream_all(cluster, batch, GREEDY, started, min_tokens=1))
+            await asyncio.wait_for(started.wait(), 60)  # every prompt computed; the pushes wait behind the stall
+            waiting = next(s.waiting for s in await cluster.stats() if s.pool == "decode")
+            os.kill(pid, signal.SIGKILL)
+            return await asyncio.wait_for(task, 180), waiting
+
+        results, waiting = aloop.run(run(), timeout=300)
+        assert waiting == len(batch)  # the decode worker held a reservation for each when the kill came
+        assert [r[0] for r in results] == reference[:6]
+        assert all(r[1] is FinishReason.LENGTH and r[2] is None for r in results)
+        assert cluster.restarts[victim] == 1
+        settle(aloop, cluster, {"prefill": 1, "decode": 1})
     finally:
         aloop.run(cluster.shutdown())

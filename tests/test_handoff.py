@@ -201,3 +201,28 @@ def test_inbound_table_states():
     t.publish("b", [3])
     assert t.expire("b") is True and t.claim("b") is None
     assert len(t) == 0
+
+
+def test_unreachable_decode_worker_fails_every_queued_job_at_once():
+    done: list[tuple] = []
+    calls = []
+    all_queued = threading.Event()
+
+    def open_pair(generation: int) -> PairChannel:
+        calls.append(generation)
+        all_queued.wait(TIMEOUT_S)
+        raise TimeoutError("rendezvous timed out")
+
+    src = torch.zeros(LAYERS, 2, KV_HEADS, BLOCKS, BLOCK_SIZE, HEAD_DIM)
+    pusher = KVPusher("p0", "d0", src, open_pair, announce=lambda a: None,
+                      done=lambda job, err: done.append((job.request_ids, err)))
+    try:
+        for i in range(3):
+            pusher.push(PushJob("d0", [f"r{i}"], [[i]], LAYERS, LAYERS, [i], None))
+        all_queued.set()
+        wait_for(lambda: len(done) == 3, TIMEOUT_S, what="every job to fail")
+        assert [d[0] for d in done] == [("r0",), ("r1",), ("r2",)]
+        assert all("no channel to d0" in d[1] for d in done)
+        assert calls == [1]  # one rendezvous tried, not one per job
+    finally:
+        pusher.stop()
