@@ -84,6 +84,8 @@ def main() -> None:
     ap.add_argument("--prefill-workers", type=int, default=1)
     ap.add_argument("--decode-workers", type=int, default=1)
     ap.add_argument("--torch-threads", type=int, default=None, help="per worker (default: cores // workers)")
+    ap.add_argument("--prefill-threads", type=int, default=None, help="per prefill worker (default: --torch-threads)")
+    ap.add_argument("--only", choices=["disaggregated", "colocated"], default=None, help="run one mode")
     ap.add_argument("--kv-cache-mib", type=int, default=256, help="KV cache per worker")
     ap.add_argument("--prefill-token-budget", type=int, default=512, help="tokens per step (both modes)")
     ap.add_argument("--max-num-seqs", type=int, default=64)
@@ -102,13 +104,14 @@ def main() -> None:
     sched = SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.prefill_token_budget)
     cpus = min(0.5, cores / (workers + 1))  # fractional: all workers must fit beside the driver
 
-    def pool(n: int) -> PoolConfig:
-        return PoolConfig(n, num_cpus=cpus, cache=cache, scheduler=sched, torch_threads=threads)
+    def pool(n: int, torch_threads: int = threads) -> PoolConfig:
+        return PoolConfig(n, num_cpus=cpus, cache=cache, scheduler=sched, torch_threads=torch_threads)
 
     engine = EngineConfig(model=args.model, cache=cache, scheduler=sched)
     xpyd = f"{args.prefill_workers}P{args.decode_workers}D"
     modes = {
-        f"disaggregated {xpyd}": ClusterConfig(engine=engine, prefill=pool(args.prefill_workers),
+        f"disaggregated {xpyd}": ClusterConfig(engine=engine,
+                                              prefill=pool(args.prefill_workers, args.prefill_threads or threads),
                                               decode=pool(args.decode_workers)),
         f"colocated x{workers}": ClusterConfig(engine=engine, mode="colocated", colocated=pool(workers)),
     }
@@ -139,7 +142,10 @@ def main() -> None:
             raise SystemExit(f"pdserve bench failed in {name} mode (exit {rc})")
         return json.loads(out.read_text())
 
-    reports = {name: asyncio.run(run_mode(name, cfg)) for name, cfg in modes.items()}
+    reports = {name: asyncio.run(run_mode(name, cfg)) for name, cfg in modes.items()
+               if args.only is None or name.startswith(args.only)}
+    if len(reports) == 1:
+        return
     (na, a), (nb, b) = reports.items()
     print(f"\n{'':30}workload: {a['config']['workload']}; SLOs: "
           + ", ".join(f"{k[:-3].upper()} <= {v:g} ms" for k, v in a["slo"].items() if v is not None))

@@ -36,10 +36,16 @@ experiments  What fixes would give, by monkeypatching in this process only (pdse
          x1 the decode forward (model only) eager vs replayed from a CUDA graph, at each decode batch;
          x2 the chunked-prefill attention (second chunk: 3904 queries over 8000 keys, one layer) with
          torch's causal_lower_right bias instead of the dense boolean mask, timed and compared.
-cluster  Ray cluster on one GPU, tiny random checkpoint, fp32: colocated, then disaggregated 1P1D with
-         both workers on the GPU (num_gpus 0.4 each); tokens compared with the offline engine.
-cluster_staged  The disaggregated case again with a Ray worker setup hook that makes every CUDA
-         PairChannel go through host memory over gloo (the proposed same-GPU fallback).
+cluster  The one-GPU 1P1D check (needs Ray). Both workers share the GPU (num_gpus 0.4 each), so their
+         KV pair channel stages through host memory over gloo (pdserve.kv_transfer, NCCL refuses two
+         ranks on one GPU). (1) Tiny random checkpoint, fp32, 4 prompts (5-100 tokens, greedy and
+         seeded sampling, 12 tokens): colocated, then disaggregated; tokens compared with the offline
+         engine; for disaggregated also the decode worker's hand-off histogram (WorkerStats.handoff:
+         first token sampled on the prefill worker -> KV usable on the decode worker), mean = sum/count.
+         (2) Disaggregated, random HF checkpoint of SmolLM2-135M's shape, bf16 (fp32 on CPU): for
+         each of --handoff-lengths, one warm-up request and then --handoff-reps requests of fresh
+         random prompts, one at a time, max_tokens 8; per request the hand-off (delta of the decode
+         worker's histogram sum) and the prefill step (delta of the prefill worker's busy_seconds).
 
 Prints one table at the end; writes $OUT/gpu_bench.json (or --json) when OUT is set. Exit status 1 if
 any section failed (its traceback is printed where it happened).
@@ -536,13 +542,61 @@ def bench_offline(args, device: torch.device) -> dict:
     return res
 
 
+def _start_ray(device: torch.device) -> None:
+    import ray
+
+    ray.init(address="local", num_cpus=4, num_gpus=1 if device.type == "cuda" else 0, include_dashboard=False,
+             _node_ip_address="127.0.0.1", object_store_memory=128 << 20, log_to_driver=True)
+
+
+async def _generate(cluster, prompt: list[int], params) -> tuple[list[int], str | None]:
+    toks, err = [], None
+    async for out in cluster.generate(prompt, params):
+        toks += out.new_token_ids
+        err = out.error or err
+    return toks, err
+
+
+def _by_pool(stats: list, pool: str):
+    (s,) = [x for x in stats if x.pool == pool]
+    return s
+
+
+def _hist_count(h: dict) -> int:
+    return sum(h.get("counts", ()))
+
+
 @section("cluster")
 def bench_cluster(args, device: torch.device) -> dict:
-    """The Ray cluster with --device semantics of the CLI on ONE GPU: colocated, then disaggregated 1P1D
-    (both workers on the same GPU, num_gpus 0.4 each). Tokens compared with the offline engine."""
-    import asyncio
-
+    """The Ray cluster on ONE GPU: colocated, then disaggregated 1P1D (both workers on the same GPU,
+    num_gpus 0.4 each, KV staged through host memory); then hand-off vs prefill on longer prompts."""
     import ray
+
+    res: dict = {}
+    _start_ray(device)
+    try:
+        try:
+            res.update(_cluster_tokens(args, device))
+        except Exception as e:  # noqa: BLE001 - the hand-off workload still runs
+            print(traceback.format_exc(), flush=True)
+            res["tokens"] = dict(exception=f"{type(e).__name__}: {e}")
+        try:
+            res["handoff"] = _cluster_handoff(args, device)
+        except Exception as e:  # noqa: BLE001
+            print(traceback.format_exc(), flush=True)
+            res["handoff"] = dict(exception=f"{type(e).__name__}: {e}")
+    finally:
+        ray.shutdown()
+    bad = [k for k, r in res.items() if isinstance(r, dict) and ("exception" in r or r.get("errors")
+                                                                  or not all(r.get("equal", [True])))]
+    bad += [f"handoff {r['prompt_tokens']}" for r in res.get("handoff", {}).get("rows", []) if r["errors"]]
+    if bad:  # the section ran to its end; its table lines say what failed
+        RESULTS["errors"]["cluster"] = f"failed parts: {bad}"
+    return res
+
+
+def _cluster_tokens(args, device: torch.device) -> dict:
+    import asyncio
 
     from pdserve.config import CacheConfig, ClusterConfig, EngineConfig, PoolConfig, SchedulerConfig
     from pdserve.engine import LLMEngine
@@ -560,8 +614,6 @@ def bench_cluster(args, device: torch.device) -> dict:
               SamplingParams(max_tokens=12, temperature=0.9, top_p=0.9, seed=5, ignore_eos=True)] * 2
     ref = [c.token_ids for c in LLMEngine(engine).generate(prompts, params)]
     gpus = 0.4 if device.type == "cuda" else 0.0
-    ray.init(address="local", num_cpus=4, num_gpus=1 if device.type == "cuda" else 0, include_dashboard=False,
-             _node_ip_address="127.0.0.1", object_store_memory=128 << 20, log_to_driver=True)
     res = {}
 
     async def run(mode: str) -> dict:
@@ -572,33 +624,101 @@ def bench_cluster(args, device: torch.device) -> dict:
         t = time.perf_counter()
         await asyncio.wait_for(cluster.start(), 180)
         started = time.perf_counter() - t
-
-        async def one(p, sp):
-            toks, err = [], None
-            async for out in cluster.generate(p, sp):
-                toks += out.new_token_ids
-                err = out.error or err
-            return toks, err
         try:
-            got = await asyncio.wait_for(asyncio.gather(*(one(p, sp) for p, sp in zip(prompts, params))),
+            got = await asyncio.wait_for(asyncio.gather(*(_generate(cluster, p, sp) for p, sp in zip(prompts, params))),
                                          4 * args.transfer_timeout + 60)
+            stats = await asyncio.wait_for(cluster.stats(), 30)
         finally:
             await asyncio.wait_for(cluster.shutdown(), 60)
         out = dict(start_s=started, equal=[g[0] == r for g, r in zip(got, ref)],
                    errors=[g[1] for g in got if g[1]])
-        print(f"cluster {mode}: start {started:.1f} s, tokens equal to offline {out['equal']}, "
-              f"errors {out['errors'][:2]}", flush=True)
+        line = (f"cluster {mode}: start {started:.1f} s, tokens equal to offline {out['equal']}, "
+                f"errors {out['errors'][:2]}")
+        if mode == "disaggregated":
+            d = _by_pool(stats, "decode")
+            h, n = d.handoff, _hist_count(d.handoff)
+            out.update(handoff_count=n, handoff_sum_s=h.get("sum", 0.0),
+                       handoff_mean_s=h["sum"] / n if n else float("nan"), handoff_hist=h,
+                       transfer=d.transfer)
+            line += (f"; hand-off (decode worker's histogram) count {n}, mean "
+                     f"{out['handoff_mean_s'] * 1e3:.2f} ms (sum/count)")
+        print(line, flush=True)
         return out
 
-    try:
-        for mode in ("colocated", "disaggregated"):
-            try:
-                res[mode] = asyncio.run(run(mode))
-            except Exception as e:  # noqa: BLE001
-                print(traceback.format_exc(), flush=True)
-                res[mode] = dict(exception=f"{type(e).__name__}: {e}")
-    finally:
-        ray.shutdown()
+    for mode in ("colocated", "disaggregated"):
+        try:
+            res[mode] = asyncio.run(run(mode))
+        except Exception as e:  # noqa: BLE001
+            print(traceback.format_exc(), flush=True)
+            res[mode] = dict(exception=f"{type(e).__name__}: {e}")
+    return res
+
+
+def _cluster_handoff(args, device: torch.device) -> dict:
+    """Disaggregated 1P1D on one GPU, longer prompts one at a time: hand-off vs prefill step per request."""
+    import asyncio
+
+    from pdserve.config import CacheConfig, ClusterConfig, EngineConfig, PoolConfig, SchedulerConfig
+    from pdserve.sampling import SamplingParams
+    from router.cluster import Cluster
+
+    tmp = Path(tempfile.mkdtemp(prefix="pdserve-hf-"))
+    shape = build_hf_checkpoint(tmp, args.small, args.init_range)
+    dtype = "bfloat16" if device.type == "cuda" else "float32"
+    lengths = args.handoff_lengths
+    cache = CacheConfig(memory_bytes=int(args.handoff_kv_gib * GiB))
+    engine = EngineConfig(model=str(tmp), dtype=dtype, device=str(device), cache=cache)
+    gpus = 0.4 if device.type == "cuda" else 0.0
+    prefill = PoolConfig(1, num_cpus=0.5, num_gpus=gpus, cache=cache,
+                         scheduler=SchedulerConfig(max_num_batched_tokens=max(lengths)))  # a prompt: one step
+    decode = PoolConfig(1, num_cpus=0.5, num_gpus=gpus, cache=cache)
+    cfg = ClusterConfig(engine=engine, mode="disaggregated", prefill=prefill, decode=decode,
+                        transfer_timeout_s=args.transfer_timeout, max_retries=0)
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    rng = random.Random(11)
+    res: dict = dict(checkpoint="random SmolLM2-135M shape" if not args.small else "random tiny llama",
+                     dtype=dtype, shape=shape, max_tokens=8, rows=[])
+
+    async def run() -> None:
+        cluster = Cluster(cfg)
+        await asyncio.wait_for(cluster.start(), 180)
+        try:
+            for n in lengths:
+                handoffs, steps, kv_bytes, errors = [], [], [], []
+                for rep in range(args.handoff_reps + 1):  # the first is a warm-up
+                    prompt = [rng.randrange(3, shape["vocab_size"]) for _ in range(n)]  # no prefix-cache hits
+                    before = await asyncio.wait_for(cluster.stats(), 30)
+                    toks, err = await asyncio.wait_for(_generate(cluster, prompt, params), 2 * args.transfer_timeout + 60)
+                    after = await asyncio.wait_for(cluster.stats(), 30)
+                    if err or len(toks) != params.max_tokens:
+                        errors.append(err or f"{len(toks)} tokens")
+                        continue
+                    d0, d1 = _by_pool(before, "decode"), _by_pool(after, "decode")
+                    p0, p1 = _by_pool(before, "prefill"), _by_pool(after, "prefill")
+                    landed = _hist_count(d1.handoff) - _hist_count(d0.handoff)
+                    assert landed == 1, f"{landed} hand-offs observed for one request"
+                    if rep:
+                        handoffs.append(d1.handoff["sum"] - d0.handoff["sum"])
+                        steps.append(p1.busy_seconds - p0.busy_seconds)
+                        kv_bytes.append(d1.transfer.get("bytes", 0) - d0.transfer.get("bytes", 0))
+                row = dict(prompt_tokens=n, requests=len(handoffs), handoff_s=handoffs, prefill_step_s=steps,
+                           kv_bytes=kv_bytes, errors=errors)
+                if handoffs:
+                    row.update(handoff_mean_s=statistics.mean(handoffs), prefill_step_mean_s=statistics.mean(steps),
+                               handoff_over_step=statistics.mean(handoffs) / statistics.mean(steps),
+                               kv_bytes_per_request=statistics.mean(kv_bytes))
+                    print(f"hand-off {n} tokens: {len(handoffs)} requests, hand-off mean "
+                          f"{row['handoff_mean_s'] * 1e3:.2f} ms {[round(x * 1e3, 2) for x in handoffs]}, prefill step "
+                          f"mean {row['prefill_step_mean_s'] * 1e3:.2f} ms {[round(x * 1e3, 2) for x in steps]}, "
+                          f"hand-off/step {row['handoff_over_step']:.2f}, KV {row['kv_bytes_per_request'] / 2**20:.1f} "
+                          f"MiB/request, errors {errors[:2]}", flush=True)
+                else:
+                    print(f"hand-off {n} tokens: no request completed; errors {errors[:2]}", flush=True)
+                res["rows"].append(row)
+        finally:
+            await asyncio.wait_for(cluster.shutdown(), 60)
+
+    asyncio.run(run())
     return res
 
 
@@ -624,53 +744,6 @@ def _lower_right_prefill_attention(orig):
                                            attn_mask=causal_lower_right(q_len, ctx_len), scale=scale)
         return o.squeeze(0).transpose(0, 1)
     return attn
-
-
-def _same_gpu_staging_patch() -> None:
-    """Ray worker setup hook: PairChannels of a CUDA cache go through host memory over gloo (what the
-    proposed same-GPU fallback does), since NCCL refuses two ranks on one GPU."""
-    import torch
-
-    from pdserve import kv_transfer as kt
-
-    if getattr(kt.PairChannel, "_staged_patch", False):
-        return
-    init, send_parts, recv_parts = kt.PairChannel.__init__, kt.PairChannel.send_parts, kt.PairChannel.recv_parts
-
-    def __init__(self, *a, **kw):
-        a = list(a)
-        if "device" in kw:
-            self.real_device = torch.device(kw["device"])
-            kw["device"] = "cpu"
-        elif len(a) > 6:
-            self.real_device = torch.device(a[6])
-            a[6] = "cpu"
-        else:
-            self.real_device = torch.device("cpu")
-        init(self, *a, **kw)
-
-    def send(self, transfer_id, parts, numel):
-        if self.real_device.type == "cuda":
-            parts = (p.cpu() for p in parts)
-        return send_parts(self, transfer_id, parts, numel)
-
-    def recv(self, transfer_id, buffers, numel):
-        if self.real_device.type != "cuda":
-            yield from recv_parts(self, transfer_id, buffers, numel)
-            return
-        outs = []
-
-        def staged():
-            for out in buffers:
-                outs.append(out)
-                yield torch.empty(out.shape, dtype=out.dtype)
-        for buf in recv_parts(self, transfer_id, staged(), numel):
-            outs[-1].copy_(buf)
-            yield outs[-1]
-
-    kt.PairChannel.__init__, kt.PairChannel.send_parts, kt.PairChannel.recv_parts = __init__, send, recv
-    kt.PairChannel._staged_patch = True
-    print(f"same-GPU staging patch installed in pid {__import__('os').getpid()}", flush=True)
 
 
 @section("experiments")
@@ -742,62 +815,6 @@ def experiments(args, device: torch.device, peaks: dict | None) -> dict:
         print(traceback.format_exc(), flush=True)
         res["lower_right_prefill_attention"] = dict(error=f"{type(e).__name__}: {e}")
     return res
-
-
-@section("cluster_staged")
-def bench_cluster_staged(args, device: torch.device) -> dict:
-    """Disaggregated 1P1D on one GPU with the same-GPU host-staging patch in every Ray worker."""
-    import asyncio
-
-    import ray
-
-    from pdserve.config import CacheConfig, ClusterConfig, EngineConfig, PoolConfig, SchedulerConfig
-    from pdserve.engine import LLMEngine
-    from pdserve.sampling import SamplingParams
-    from router.cluster import Cluster
-
-    tmp = Path(tempfile.mkdtemp(prefix="pdserve-tiny-"))
-    shape = build_hf_checkpoint(tmp, True, 0.3)
-    cache = CacheConfig(block_size=16, num_blocks=256)
-    sched = SchedulerConfig(max_num_batched_tokens=64)
-    engine = EngineConfig(model=str(tmp), dtype="float32", device=str(device), cache=cache, scheduler=sched)
-    g = torch.Generator().manual_seed(3)
-    prompts = [torch.randint(3, shape["vocab_size"], (n,), generator=g).tolist() for n in (5, 40, 100, 17)]
-    params = [SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True),
-              SamplingParams(max_tokens=12, temperature=0.9, top_p=0.9, seed=5, ignore_eos=True)] * 2
-    ref = [c.token_ids for c in LLMEngine(engine).generate(prompts, params)]
-    gpus = 0.4 if device.type == "cuda" else 0.0
-    ray.init(address="local", num_cpus=4, num_gpus=1 if device.type == "cuda" else 0, include_dashboard=False,
-             _node_ip_address="127.0.0.1", object_store_memory=128 << 20, log_to_driver=True,
-             runtime_env={"worker_process_setup_hook": _same_gpu_staging_patch})
-
-    async def run() -> dict:
-        pool = PoolConfig(1, num_cpus=0.5, num_gpus=gpus, cache=cache, scheduler=sched)
-        cfg = ClusterConfig(engine=engine, mode="disaggregated", prefill=pool, decode=pool,
-                            transfer_timeout_s=args.transfer_timeout, max_retries=0)
-        cluster = Cluster(cfg)
-        await asyncio.wait_for(cluster.start(), 180)
-
-        async def one(p, sp):
-            toks, err = [], None
-            async for out in cluster.generate(p, sp):
-                toks += out.new_token_ids
-                err = out.error or err
-            return toks, err
-        try:
-            got = await asyncio.wait_for(asyncio.gather(*(one(p, sp) for p, sp in zip(prompts, params))),
-                                         4 * args.transfer_timeout + 60)
-        finally:
-            await asyncio.wait_for(cluster.shutdown(), 60)
-        return dict(equal=[x[0] == r for x, r in zip(got, ref)], errors=[x[1] for x in got if x[1]])
-
-    try:
-        out = asyncio.run(run())
-    finally:
-        ray.shutdown()
-    print(f"disaggregated 1P1D on one GPU with host staging: tokens equal to offline {out['equal']}, "
-          f"errors {out['errors'][:2]}", flush=True)
-    return out
 
 
 def table() -> str:
@@ -875,18 +892,37 @@ def table() -> str:
             lines.append(f"(x2) chunked-prefill attention, one layer, {r['q_len']} q x {r['ctx_len']} ctx: boolean mask "
                          f"{r['current_s_per_layer'] * 1e3:.3f} ms vs causal_lower_right "
                          f"{r['lower_right_s_per_layer'] * 1e3:.3f} ms (rel diff {r['rel_err_vs_current']:.1e})")
-    cs = s.get("cluster_staged")
-    if cs:
-        lines.append(f"(e2) disaggregated 1P1D on one GPU with host staging (monkeypatch): tokens equal "
-                     f"{sum(cs['equal'])}/{len(cs['equal'])}; errors {cs['errors'][:2]}")
     c = s.get("cluster")
     if c:
-        for mode, r in c.items():
+        for mode in ("colocated", "disaggregated", "tokens"):
+            r = c.get(mode)
+            if not r:
+                continue
             if "exception" in r:
                 lines.append(f"(e) cluster {mode} on one GPU: FAILED {r['exception']}")
-            else:
-                lines.append(f"(e) cluster {mode} on one GPU: start {r['start_s']:.1f} s; tokens equal to offline "
-                             f"{sum(r['equal'])}/{len(r['equal'])}; errors: {r['errors'][:2]}")
+                continue
+            lines.append(f"(e) cluster {mode} on one GPU (tiny fp32, 4 prompts x 12 tokens): start {r['start_s']:.1f} s; "
+                         f"tokens equal to offline {sum(r['equal'])}/{len(r['equal'])}; errors: {r['errors'][:2]}")
+            if "handoff_count" in r:
+                lines.append(f"    hand-off (first token sampled on P -> KV usable on D): count {r['handoff_count']}, "
+                             f"mean {r['handoff_mean_s'] * 1e3:.2f} ms (sum/count)")
+        h = c.get("handoff")
+        if h and "exception" in h:
+            lines.append(f"(f) hand-off vs prefill, disaggregated 1P1D on one GPU: FAILED {h['exception']}")
+        elif h:
+            lines.append(f"(f) hand-off vs prefill, disaggregated 1P1D on one GPU, {h['checkpoint']}, {h['dtype']}, one "
+                         f"request at a time, max_tokens {h['max_tokens']}:")
+            lines.append(f"    {'prompt':>6} {'reqs':>4} {'hand-off ms':>11} {'prefill step ms':>15} {'hand-off/step':>13} "
+                         f"{'KV MiB/req':>10}  errors")
+            for r in h["rows"]:
+                if "handoff_mean_s" in r:
+                    lines.append(f"    {r['prompt_tokens']:6d} {r['requests']:4d} {r['handoff_mean_s'] * 1e3:11.2f} "
+                                 f"{r['prefill_step_mean_s'] * 1e3:15.2f} {r['handoff_over_step']:13.2f} "
+                                 f"{r['kv_bytes_per_request'] / 2**20:10.1f}  {r['errors'][:2]}")
+                else:
+                    lines.append(f"    {r['prompt_tokens']:6d} {0:4d} {'-':>11} {'-':>15} {'-':>13} {'-':>10}  {r['errors'][:2]}")
+            lines.append("    hand-off: delta of the decode worker's WorkerStats.handoff sum per request (mean over "
+                         "requests); prefill step: delta of the prefill worker's busy_seconds per request.")
     for k, v in RESULTS["errors"].items():
         lines.append(f"FAILED {k}: {v}")
     return "\n".join(lines)
@@ -896,9 +932,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--small", action="store_true", help="tiny shapes: a smoke test of every section")
-    ap.add_argument("--sections", default="peaks,decode,prefill,experiments,offline,cluster,cluster_staged")
+    ap.add_argument("--sections", default="peaks,decode,prefill,experiments,offline,cluster")
     ap.add_argument("--json", default=None)
     ap.add_argument("--transfer-timeout", type=float, default=10.0, help="cluster section: KV transfer timeout")
+    ap.add_argument("--handoff-lengths", type=int, nargs="+", default=None,
+                    help="cluster section: prompt lengths of the hand-off workload (default 512 2048; --small 64 256)")
+    ap.add_argument("--handoff-reps", type=int, default=None, help="requests per length after a warm-up (4; --small 2)")
     args = ap.parse_args()
     small = args.small
     args.model = "smollm2-135m" if small else "llama3-8b"
@@ -916,6 +955,9 @@ def main() -> None:
     args.output_len = 8 if small else 128
     args.eq_prompts, args.eq_tokens = (2, 8) if small else (8, 64)
     args.offline_kv_gib = 0.05 if small else 4.0
+    args.handoff_lengths = args.handoff_lengths or ([64, 256] if small else [512, 2048])
+    args.handoff_reps = args.handoff_reps or (2 if small else 4)
+    args.handoff_kv_gib = 0.05 if small else 1.0
 
     device = torch.device(args.device)
     RESULTS["env"] = env = dict(torch=torch.__version__, cuda=torch.version.cuda, python=platform.python_version(),
@@ -944,8 +986,6 @@ def main() -> None:
         bench_offline(args, device)
     if "cluster" in wanted:
         bench_cluster(args, device)
-    if "cluster_staged" in wanted:
-        bench_cluster_staged(args, device)
     # cpu_attention must not have been built or loaded by a CUDA run.
     from pdserve import cpu_attention
     env["cpu_attention_loaded"] = cpu_attention._op is not None or cpu_attention._failed

@@ -167,6 +167,8 @@ class PairChannel:
             raise ValueError(f"timeout_s must be positive, got {timeout_s}")
         self.rank = rank
         self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:  # "cuda" != "cuda:0" when comparing devices
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.backend = _backend_for(self.device)
         self.staged = False  # a CUDA pair on one GPU: through host memory over gloo (see _same_gpu)
         self.timeout_s = timeout_s

@@ -3,6 +3,8 @@
 Every test needs a CUDA device and is skipped without one (CI has none). CPU fp32 is the reference:
 CUDA fp32 must give the same greedy tokens (TF32 stays off, torch's default for matmuls); CUDA bf16 is
 reported (match rate printed, run with -s) and only its first token per prompt is required to match.
+Two workers on one GPU: a PairChannel between two processes, and the hand-off (KVPusher -> KVIntake) in
+one process, both staged through host memory over gloo (NCCL refuses two ranks on one GPU).
 """
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import torch
 
 from pdserve.config import CacheConfig, EngineConfig, SchedulerConfig
 from pdserve.engine import LLMEngine
+from pdserve.kv_transfer import extract_blocks
 from pdserve.sampling import SamplingParams
 
 pytestmark = [pytest.mark.gpu,
@@ -170,3 +173,155 @@ def test_cuda_ipc_export_import_in_one_process():
     insert_blocks(dst, [0, 2, 3], view)
     torch.cuda.synchronize()
     assert torch.equal(dst[:, :, :, [0, 2, 3]], src[:, :, :, [1, 4, 9]])
+
+
+# --- same GPU: a PairChannel of two ranks on one GPU stages through host memory over gloo ----------
+
+STAGED_TIMEOUT_S = 30.0  # a spawned process imports torch and initialises CUDA before its rendezvous
+
+
+def _staged_plan() -> list[tuple[int, list[int], torch.dtype]]:
+    """(transfer id, source blocks, dtype) of each transfer; the receiver knows the plan beforehand."""
+    return [(1, [5, 0, 11], torch.float32), (2, [3], torch.bfloat16), (3, [7, 2, 9, 1], torch.bfloat16)]
+
+
+def _staged_send(port: int, results, device: str) -> None:
+    """Rank 0 (the prefill side), run in its own process. Transfer 3 goes in parts (one per layer)."""
+    from pdserve.kv_transfer import PairChannel
+
+    try:
+        results.put(("ready",))
+        with PairChannel("127.0.0.1", port, "p0", "d0", 0, STAGED_TIMEOUT_S, device) as ch:
+            for transfer_id, src, dtype in _staged_plan():
+                data = extract_blocks(_cache(device, dtype), src)
+                if transfer_id == 3:
+                    ch.send_parts(transfer_id, (data[layer].contiguous() for layer in range(data.shape[0])),
+                                  data.numel())
+                else:
+                    ch.send(transfer_id, data)
+            results.put(("done", ch.staged, ch.backend, ch.stats.snapshot()))
+    except Exception as e:  # noqa: BLE001 - reported to the test process
+        results.put(("error", f"{type(e).__name__}: {e}"))
+
+
+def staged_round_trip(device: str) -> None:
+    """The test process is rank 1 (the decode side, StoreServer); a spawned process is rank 0. device names
+    its index ("cuda:0"), as a worker's does (its cache's device): a channel takes tensors of its device only."""
+    import multiprocessing as mp
+
+    from pdserve.kv_transfer import PairChannel, StoreServer
+
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    with StoreServer() as server:
+        proc = ctx.Process(target=_staged_send, args=(server.port, results, device), daemon=True)
+        proc.start()
+        try:
+            assert results.get(timeout=STAGED_TIMEOUT_S) == ("ready",)
+            with PairChannel(server.host, server.port, "p0", "d0", 1, STAGED_TIMEOUT_S, device) as ch:
+                on_gpu = torch.device(device).type == "cuda"
+                assert ch.staged is on_gpu and ch.backend == "gloo"
+                for transfer_id, src, dtype in _staged_plan():
+                    want = extract_blocks(_cache(device, dtype), src)
+                    if transfer_id == 3:
+                        buf = torch.empty(want.shape[1:], dtype=dtype, device=device)  # reused for every layer
+                        got = [p.clone() for p in ch.recv_parts(transfer_id, [buf] * want.shape[0], want.numel())]
+                        assert all(p.device == torch.device(device) for p in got)
+                        got = torch.stack(got)
+                    else:
+                        got = ch.recv(transfer_id, want.shape, dtype)
+                    assert got.device == torch.device(device) and got.dtype == dtype
+                    assert torch.equal(got.cpu(), want.cpu()), f"transfer {transfer_id} differs"
+                msg = results.get(timeout=STAGED_TIMEOUT_S)
+                assert msg[0] == "done", msg
+                _, sender_staged, sender_backend, sent = msg
+                assert (sender_staged, sender_backend) == (on_gpu, "gloo")
+                assert sent["transfers"] == ch.stats.transfers == 3 and sent["failures"] == 0
+                assert sent["bytes"] == ch.stats.bytes
+            proc.join(STAGED_TIMEOUT_S)
+            assert proc.exitcode == 0
+        finally:
+            if proc.is_alive():
+                proc.kill()
+            proc.join(STAGED_TIMEOUT_S)
+
+
+@pytest.mark.timeout(90)
+def test_cuda_same_gpu_pair_channel_stages_through_host_between_processes():
+    staged_round_trip("cuda:0")
+
+
+# --- the hand-off (pdserve.handoff) with CUDA caches, both ranks in this process on one GPU --------
+
+def handoff_round_trip(device: str) -> None:
+    """A KVPusher and a KVIntake joined as two workers would be (tests/test_handoff.py's Pair, on a GPU):
+    two channels of one pair, built by two threads at once, both on this process's GPU, so staged."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    from conftest import wait_for
+
+    from pdserve.handoff import InboundTable, KVIntake, KVPusher, PushJob
+    from pdserve.kv_transfer import RECEIVER_RANK, SENDER_RANK, PairChannel, StoreServer
+
+    layers, timeout_s = 5, 20.0
+    g = torch.Generator().manual_seed(1)
+    src = torch.randn(layers, 2, 2, 24, 4, 8, generator=g).to(device=device, dtype=torch.bfloat16)
+    dst = torch.zeros_like(src)
+    table, events, lock, channels = InboundTable(), [], threading.Lock(), []
+
+    def record(*event) -> None:
+        with lock:
+            events.append(event)
+
+    def of(kind: str) -> list[tuple]:
+        with lock:
+            return [e for e in events if e[0] == kind]
+
+    store = StoreServer("127.0.0.1")
+    intake = KVIntake("p0", "d0", dst, table, timeout_s, landed=lambda rid, tok, at: record("landed", rid, tok),
+                      failed=lambda rid, err: record("failed", rid, err), cancelled=lambda rid: record("cancelled", rid))
+
+    def open_pair(generation: int) -> PairChannel:
+        def receiver() -> None:
+            ch = PairChannel(store.host, store.port, "p0", "d0", RECEIVER_RANK, timeout_s, device, generation=generation)
+            channels.append(ch)
+            intake.install(ch, generation)
+
+        with ThreadPoolExecutor(1) as ex:
+            fut = ex.submit(receiver)
+            ch = PairChannel(store.host, store.port, "p0", "d0", SENDER_RANK, timeout_s, device, generation=generation)
+            fut.result(timeout_s)
+        channels.append(ch)
+        return ch
+
+    pusher = KVPusher("p0", "d0", src, open_pair, intake.announce, done=lambda job, err: record("done", err),
+                      min_part_bytes=1)
+    try:
+        table.publish("a", [10, 11])
+        table.publish("b", [3])
+        job = PushJob("d0", ["a", "b"], [[0, 1], [5]], layers)  # layer by layer, as a prefill step computes
+        pusher.push(job)
+        for layer in range(layers):
+            src[layer] += 1  # "computed" on the current stream before the layer is reported done
+            job.layer_done(layer)
+        job.sampled([42, 7])
+        table.publish("c", [20])
+        pusher.push(PushJob("d0", ["c"], [[23]], layers, layers, [9], None))  # HELD KV: one part
+        wait_for(lambda: len(of("landed")) == 3, timeout_s, what="three requests to land")
+        assert [e[1:] for e in of("landed")] == [("a", 42), ("b", 7), ("c", 9)]
+        assert of("done") == [("done", None)] * 2 and not of("failed")
+        on_gpu = torch.device(device).type == "cuda"
+        if on_gpu:
+            torch.cuda.synchronize()
+        assert torch.equal(dst[:, :, :, [10, 11, 3, 20]].cpu(), src[:, :, :, [0, 1, 5, 23]].cpu())
+        assert len(channels) == 2 and all(ch.staged is on_gpu for ch in channels)
+    finally:
+        pusher.stop()
+        intake.stop()
+        store.close()
+
+
+@pytest.mark.timeout(60)
+def test_cuda_handoff_pushes_layer_by_layer_on_one_gpu():
+    handoff_round_trip("cuda:0")
