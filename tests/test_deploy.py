@@ -276,7 +276,7 @@ def serve_argv(objs: list[dict]) -> list[str]:
 
 
 def serve_args(objs: list[dict]):
-    from pdserve.cli import build_parser
+    from router.cli import build_parser
 
     argv = serve_argv(objs)
     try:
@@ -286,7 +286,7 @@ def serve_args(objs: list[dict]):
 
 
 def pool_resources(items: list[str]) -> dict[str, float]:
-    from pdserve.cli import parse_resources
+    from router.cli import parse_resources
 
     return parse_resources(items)
 
@@ -386,7 +386,7 @@ def test_validators_reject_unknown_fields():
 
 @names
 def test_head_runs_a_pdserve_serve_the_cli_accepts(name):
-    from pdserve.cli import cluster_config_from_args
+    from router.cli import cluster_config_from_args
 
     objs = rendered(name)
     args = serve_args(objs)
