@@ -28,7 +28,7 @@ from pdserve.config import EngineConfig
 from pdserve.engine import EngineCore
 from pdserve.handoff import InboundTable, KVAnnounce, KVIntake, SecondsHistogram
 from pdserve.kv_transfer import RECEIVER_RANK, PairChannel, StoreServer, TransferStats
-from pdserve.messages import DecodeTask, StepOutput, TokenEvent, WorkerStats, worker_stats
+from pdserve.messages import DecodeTask, Failure, FailureReason, StepOutput, TokenEvent, WorkerStats, worker_stats
 from pdserve.request import RequestStatus
 from pdserve.scheduler import Role
 from pdserve.step_loop import StepLoop, StepLoopStopped
@@ -80,7 +80,8 @@ class DecodeActor:
 
         def failed(f) -> None:  # e.g. a duplicate id: the router hears of it like any failed request
             if f.exception() is not None:
-                self._outputs.put(StepOutput(self.worker_id, (), ((task.request_id, f"decode: {f.exception()}"),)))
+                self._outputs.put(StepOutput(self.worker_id, (), (
+                    Failure(task.request_id, FailureReason.REJECTED, f"decode worker: {f.exception()}"),)))
 
         # Not awaited: the step thread takes it between two steps, and the caller need not wait for that.
         self.loop.call(add).add_done_callback(failed)
@@ -142,8 +143,8 @@ class DecodeActor:
         req = self.core.scheduler.requests.get(request_id)
         if req is not None and req.status is RequestStatus.WAITING_FOR_KV and self.core.cancel(request_id):
             self._source.pop(request_id, None)
-            self._outputs.put(StepOutput(self.worker_id, (), ((request_id, f"KV transfer failed: {error}"),),
-                                         self._stats()))
+            self._outputs.put(StepOutput(self.worker_id, (), (
+                Failure(request_id, FailureReason.TRANSFER_FAILED, f"KV transfer failed: {error}"),), self._stats()))
 
     def _cancel(self, request_id: str) -> bool:
         req = self.core.scheduler.requests.get(request_id)
@@ -161,7 +162,7 @@ class DecodeActor:
         if step.reserved:
             self._announce_reserved(step.reserved)
         events: list[TokenEvent] = []
-        failed: tuple[tuple[str, str], ...] = ()
+        failed: tuple[Failure, ...] = ()
         if step.chunks:
             t0 = time.perf_counter()
             try:
@@ -169,7 +170,8 @@ class DecodeActor:
                 events = [TokenEvent(s.request.request_id, s.token, s.finish_reason) for s in sampled]
             except Exception as e:  # fail the running batch, free its blocks, keep serving
                 log.exception("decode step failed on %s", self.worker_id)
-                failed = tuple((rid, f"decode step failed: {e}") for rid in core.cancel_all())
+                failed = tuple(Failure(rid, FailureReason.STEP_FAILED, f"decode step failed: {e}")
+                               for rid in core.cancel_all())
             self.busy_seconds += time.perf_counter() - t0
         if events or failed:
             self._outputs.put(StepOutput(self.worker_id, tuple(events), failed, self._stats()))
@@ -200,5 +202,5 @@ class DecodeActor:
                             busy_seconds=self.busy_seconds, uptime_seconds=time.monotonic() - self.started,
                             peaks=self.peaks, transfer=self.transfer_stats.snapshot(),
                             handoff=self.handoff_seconds.snapshot(),
-                            reservation_wait=self.reservation_wait_seconds.snapshot())
+                            reservation_wait=self.reservation_wait_seconds.snapshot(), preemptions=s.num_preemptions)
 

@@ -14,7 +14,7 @@ import torch
 
 from pdserve.config import EngineConfig
 from pdserve.engine import EngineCore
-from pdserve.messages import PrefillTask, StepOutput, TokenEvent, WorkerStats, worker_stats
+from pdserve.messages import Failure, FailureReason, PrefillTask, StepOutput, TokenEvent, WorkerStats, worker_stats
 from pdserve.step_loop import StepLoop
 from pdserve.utilization import device_peaks
 
@@ -58,12 +58,12 @@ class ColocatedActor:
         if not self.core.scheduler.has_work:
             return False
         t0 = time.perf_counter()
-        failed: tuple[tuple[str, str], ...] = ()
+        failed: tuple[Failure, ...] = ()
         try:
             events = tuple(TokenEvent(t.request.request_id, t.token, t.finish_reason) for t in self.core.step())
         except Exception as e:  # fail the batch, free its blocks, keep serving
             log.exception("step failed on %s", self.worker_id)
-            failed = tuple((rid, f"step failed: {e}") for rid in self.core.cancel_all())
+            failed = tuple(Failure(rid, FailureReason.STEP_FAILED, f"step failed: {e}") for rid in self.core.cancel_all())
             events = ()
         self.busy_seconds += time.perf_counter() - t0
         if events or failed:
@@ -77,4 +77,5 @@ class ColocatedActor:
                             waiting_tokens=sum(r.num_tokens - r.num_computed_tokens for r in waiting),
                             running=len(c.scheduler.running), pool=c.pool, runner=c.runner, steps=c.steps,
                             tokens_processed=c.tokens_processed, busy_seconds=self.busy_seconds,
-                            uptime_seconds=time.monotonic() - self.started, peaks=self.peaks)
+                            uptime_seconds=time.monotonic() - self.started, peaks=self.peaks,
+                            preemptions=c.scheduler.num_preemptions)

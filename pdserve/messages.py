@@ -5,6 +5,7 @@ or tensors (KV moves over the transfer channels, not through Ray).
 """
 from __future__ import annotations
 
+import enum
 import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -72,6 +73,30 @@ class DecodeTask(_Task):
         return req
 
 
+class FailureReason(str, enum.Enum):
+    """Why an attempt of a request failed; the router's retry policy is keyed on it."""
+
+    TRANSFER_FAILED = "transfer_failed"  # its KV did not reach the decode worker
+    STEP_FAILED = "step_failed"  # a worker's step raised: the batch it was in was failed
+    REJECTED = "rejected"  # a worker refused it (e.g. an id already in use there)
+    PREFILL_LOST = "prefill_lost"  # its prefill worker died or hung
+    DECODE_LOST = "decode_lost"  # its decode worker died or hung: the streamed tokens survive at the router
+    COLOCATED_LOST = "colocated_lost"
+    NO_WORKER = "no_worker"  # a pool stayed empty past worker_start_timeout_s
+
+    @property
+    def loses_the_stream(self) -> bool:
+        """The worker that was generating the request's tokens is gone (a resume, or UNAVAILABLE)."""
+        return self in (FailureReason.DECODE_LOST, FailureReason.COLOCATED_LOST)
+
+
+@dataclass(frozen=True)
+class Failure:
+    request_id: str  # the worker-side id of the attempt
+    reason: FailureReason
+    detail: str
+
+
 @dataclass(frozen=True)
 class TokenEvent:
     request_id: str
@@ -105,6 +130,7 @@ class WorkerStats:
     handoff: dict = field(default_factory=dict)
     reservation_wait: dict = field(default_factory=dict)
     pid: int = 0  # the worker's process (operators and fault tests signal it)
+    preemptions: int = 0  # running requests sent back to the queue for lack of KV blocks (recomputed)
 
     @property
     def busy_fraction(self) -> float:
@@ -114,7 +140,8 @@ class WorkerStats:
 def worker_stats(worker_id: str, pool_name: str, *, waiting: int, waiting_tokens: int, running: int,
                  pool: BlockPool, runner: ModelRunner, steps: int, tokens_processed: int, busy_seconds: float,
                  uptime_seconds: float, peaks: DevicePeaks, transfer: dict | None = None,
-                 handoff: dict | None = None, reservation_wait: dict | None = None) -> WorkerStats:
+                 handoff: dict | None = None, reservation_wait: dict | None = None,
+                 preemptions: int = 0) -> WorkerStats:
     return WorkerStats(worker_id=worker_id, pool=pool_name, waiting=waiting, waiting_tokens=waiting_tokens,
                        running=running, kv_blocks_used=pool.num_used_blocks, kv_blocks_total=pool.num_blocks,
                        steps=steps, tokens_processed=tokens_processed, busy_seconds=busy_seconds,
@@ -122,7 +149,7 @@ def worker_stats(worker_id: str, pool_name: str, *, waiting: int, waiting_tokens
                        peak_flops=peaks.flops_per_second, peak_bytes_per_second=peaks.bytes_per_second,
                        peak_source=peaks.source, prefix_hit_blocks=pool.prefix_hits,
                        prefix_query_blocks=pool.prefix_queries, transfer=transfer or {}, handoff=handoff or {},
-                       reservation_wait=reservation_wait or {}, pid=os.getpid())
+                       reservation_wait=reservation_wait or {}, pid=os.getpid(), preemptions=preemptions)
 
 
 @dataclass(frozen=True)
@@ -131,5 +158,5 @@ class StepOutput:
 
     worker_id: str
     events: tuple[TokenEvent, ...]
-    failed: tuple[tuple[str, str], ...] = ()  # (request_id, reason) of requests the worker had to drop
+    failed: tuple[Failure, ...] = ()  # requests the worker had to drop
     stats: WorkerStats | None = None

@@ -112,6 +112,9 @@ class WorkerCollector(Collector):
         yield family(GaugeMetricFamily, "pdserve_worker_kv_blocks_used", "KV cache blocks in use",
                      lambda s: s.kv_blocks_used)
         yield family(GaugeMetricFamily, "pdserve_worker_kv_blocks", "KV cache blocks in all", lambda s: s.kv_blocks_total)
+        yield family(CounterMetricFamily, "pdserve_worker_preemptions",
+                     "Running requests sent back to the queue for lack of KV blocks (their KV is recomputed)",
+                     lambda s: s.preemptions)
         yield family(CounterMetricFamily, "pdserve_worker_prefix_cache_hit_blocks", "Prompt blocks served by the prefix cache",
                      lambda s: s.prefix_hit_blocks)
         yield family(CounterMetricFamily, "pdserve_worker_prefix_cache_query_blocks", "Prompt blocks looked up in the prefix cache",

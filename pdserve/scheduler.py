@@ -40,7 +40,6 @@ class Role(str, enum.Enum):
 class ScheduledStep:
     requests: list[Request]
     chunks: list[Chunk]
-    num_preempted: int = 0
     # Decode role: requests that got their KV blocks this step (now WAITING_FOR_KV); their prefill
     # workers are to be told that the destination is ready.
     reserved: list[Request] = field(default_factory=list)
@@ -143,7 +142,7 @@ class Scheduler:
             scheduled.append((req, n))
             budget -= n
         self.num_preemptions += preempted
-        return ScheduledStep([r for r, _ in scheduled], [chunk_of(r, n) for r, n in scheduled], preempted, reserved)
+        return ScheduledStep([r for r, _ in scheduled], [chunk_of(r, n) for r, n in scheduled], reserved)
 
     def update(self, step: ScheduledStep, result: StepResult) -> list[SampledToken]:
         """Account a finished step: computed tokens, newly full blocks, sampled tokens, token-level stops.

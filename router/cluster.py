@@ -35,7 +35,7 @@ from decode_worker.colocated import ColocatedActor
 from pdserve.block_pool import hash_prompt_blocks
 from pdserve.config import ClusterConfig, PoolConfig
 from pdserve.loader import ModelInfo, load_info
-from pdserve.messages import DecodeTask, PrefillTask, StepOutput, TokenEvent, WorkerStats
+from pdserve.messages import DecodeTask, Failure, FailureReason, PrefillTask, StepOutput, TokenEvent, WorkerStats
 from pdserve.output import RequestOutput, TextOutput, token_output
 from pdserve.request import FinishReason, Request, token_stop_reason, validate_prompt
 from pdserve.sampling import SamplingParams
@@ -64,15 +64,8 @@ class _Worker:
     alive: bool = True
 
 
-@dataclass(frozen=True)
-class _Failed:
-    wrid: str  # the attempt it concerns
-    reason: str  # "decode_lost", "transfer_failed", ...
-    detail: str
-
-
 class _Retry(Exception):
-    def __init__(self, reason: str, detail: str, workers: Sequence[str] = ()):
+    def __init__(self, reason: FailureReason, detail: str, workers: Sequence[str] = ()):
         super().__init__(detail)
         self.reason = reason
         self.workers = tuple(workers)  # the attempt's workers: the next attempt avoids them if it can
@@ -83,7 +76,8 @@ class Cluster:
         self.config = config
         self.info: ModelInfo | None = None
         self.pools: dict[str, list[_Worker]] = {"prefill": [], "decode": [], "colocated": []}
-        self._streams: dict[str, asyncio.Queue[TokenEvent | _Failed]] = {}
+        self._streams: dict[str, asyncio.Queue[TokenEvent | Failure]] = {}
+        self._owner: dict[str, str] = {}  # worker-side id of a live attempt -> its request
         self._tasks: list[asyncio.Task] = []
         self._seed_rng = random.Random(config.engine.seed)
         self.block_size = config.prefill.cache.block_size
@@ -91,7 +85,7 @@ class Cluster:
         self._pool_changed = asyncio.Event()
         # Fault counters, exported as metrics.
         self.restarts: collections.Counter[str] = collections.Counter()  # by pool
-        self.retries: collections.Counter[str] = collections.Counter()  # by reason
+        self.retries: collections.Counter[str] = collections.Counter()  # by FailureReason value
         self._closing = False
 
     @property
@@ -188,9 +182,9 @@ class Cluster:
         self.pools[w.pool].remove(w)
         ray.kill(w.handle, no_restart=True)  # a stuck actor must not come back and act on stale requests
         for rid in list(w.requests):
-            q = self._streams.get(_request_of(rid))
+            q = self._streams.get(self._owner.get(rid, ""))
             if q is not None:
-                q.put_nowait(_Failed(rid, f"{w.pool}_lost", f"worker {w.worker_id} {why}"))
+                q.put_nowait(Failure(rid, _LOST[w.pool], f"worker {w.worker_id} {why}"))
         self.restarts[w.pool] += 1
         self._tasks.append(asyncio.create_task(self._replace(w)))
 
@@ -217,7 +211,7 @@ class Cluster:
         while not self.pools[pool]:
             remaining = deadline - asyncio.get_running_loop().time()
             if remaining <= 0:
-                raise _Retry("no_worker", f"no {pool} worker is available")
+                raise _Retry(FailureReason.NO_WORKER, f"no {pool} worker is available")
             try:
                 await asyncio.wait_for(self._pool_changed.wait(), remaining)
             except asyncio.TimeoutError:
@@ -239,11 +233,13 @@ class Cluster:
         req = Request(rid, prompt, params, seed)  # the router's view: tokens streamed so far
         text = TextOutput(info.tokenizer, prompt, params.stop)
         self._streams[rid] = asyncio.Queue()
-        failures: collections.Counter[str] = collections.Counter()
+        failures: collections.Counter[FailureReason] = collections.Counter()
         avoid: tuple[str, ...] = ()
         try:
             for attempt in itertools.count():
                 try:
+                    # Each attempt has a worker-side id of its own: nothing of an abandoned attempt
+                    # can touch the next.
                     async for out in self._attempt(req, text, f"{rid}#{attempt}", avoid):
                         yield out
                     return
@@ -251,16 +247,16 @@ class Cluster:
                     failures[e.reason] += 1
                     avoid = e.workers
                     # A failed KV transfer is tried once more; other losses up to max_retries times.
-                    limit = 1 if e.reason == "transfer_failed" else self.config.max_retries
-                    give_up = failures[e.reason] > limit or (e.reason == "decode_lost"
+                    limit = 1 if e.reason is FailureReason.TRANSFER_FAILED else self.config.max_retries
+                    give_up = failures[e.reason] > limit or (e.reason.loses_the_stream
                                                              and self.config.on_decode_failure == "fail")
-                    log.warning("request %s attempt %d failed (%s): %s%s", rid, attempt, e.reason, e,
+                    log.warning("request %s attempt %d failed (%s): %s%s", rid, attempt, e.reason.value, e,
                                 "; giving up" if give_up else "; trying again")
                     if give_up:
                         yield RequestOutput(rid, [], "", FinishReason.ERROR, req.num_prompt_tokens,
                                             req.num_output_tokens, error=f"{e} (attempt {attempt + 1})")
                         return
-                    self.retries[e.reason] += 1
+                    self.retries[e.reason.value] += 1
         finally:
             del self._streams[rid]
 
@@ -271,6 +267,7 @@ class Cluster:
         q = self._streams[req.request_id]
         while not q.empty():  # failures meant for an earlier attempt
             q.get_nowait()
+        self._owner[wrid] = req.request_id  # until the attempt ends: later events of it go nowhere
         task = PrefillTask(wrid, tuple(req.prompt_token_ids), req.params, req.seed, tuple(req.output_token_ids))
         placed: list[_Worker] = []
         finished = False
@@ -329,8 +326,8 @@ class Cluster:
             first_decode = True
             while not finished:
                 ev = await q.get()
-                if isinstance(ev, _Failed):
-                    if ev.wrid == wrid:
+                if isinstance(ev, Failure):
+                    if ev.request_id == wrid:
                         raise _Retry(ev.reason, ev.detail, [w.worker_id for w in placed])
                     continue
                 if ev.request_id != wrid:
@@ -345,6 +342,7 @@ class Cluster:
                     streamer.handle.cancel.remote(wrid)  # a stop string ended it; the worker would go on
                 yield self._annotate(out, req, placed if finished else [])
         finally:
+            self._owner.pop(wrid, None)
             for w in placed:
                 w.requests.discard(wrid)
                 if not finished and w.alive:
@@ -356,7 +354,7 @@ class Cluster:
             return await ref
         except ray.exceptions.RayActorError as e:
             self._lose(w, f"dead: {type(e).__name__}")
-            raise _Retry(f"{w.pool}_lost", f"worker {w.worker_id} died", [w.worker_id]) from e
+            raise _Retry(_LOST[w.pool], f"worker {w.worker_id} died", [w.worker_id]) from e
 
     @staticmethod
     def _annotate(out: RequestOutput, req: Request, placed: list[_Worker]) -> RequestOutput:
@@ -376,17 +374,21 @@ class Cluster:
                 out: StepOutput = await ref
                 w.stats = out.stats
                 for ev in out.events:
-                    q = self._streams.get(_request_of(ev.request_id))
+                    q = self._streams.get(self._owner.get(ev.request_id, ""))
                     if q is not None:
                         q.put_nowait(ev)
-                for wrid, detail in out.failed:
-                    q = self._streams.get(_request_of(wrid))
+                for f in out.failed:
+                    q = self._streams.get(self._owner.get(f.request_id, ""))
                     if q is not None:
-                        q.put_nowait(_Failed(wrid, "transfer_failed" if "transfer" in detail else "step_failed", detail))
+                        q.put_nowait(f)
         except asyncio.CancelledError:
             raise
         except Exception as e:  # the worker is gone: no request of its may hang
             self._lose(w, f"stream ended: {type(e).__name__}")
+
+
+_LOST = {"prefill": FailureReason.PREFILL_LOST, "decode": FailureReason.DECODE_LOST,
+         "colocated": FailureReason.COLOCATED_LOST}
 
 
 def _prefer(pool: list[_Worker], avoid: Sequence[str]) -> list[_Worker]:
@@ -394,5 +396,3 @@ def _prefer(pool: list[_Worker], avoid: Sequence[str]) -> list[_Worker]:
     return [w for w in pool if w.worker_id not in avoid] or pool
 
 
-def _request_of(worker_request_id: str) -> str:
-    return worker_request_id.rpartition("#")[0]
