@@ -17,36 +17,31 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import queue
 import time
 from typing import Any
 
 import ray
-import torch
 
 from pdserve.config import EngineConfig
-from pdserve.engine import EngineCore
 from pdserve.handoff import InboundTable, KVAnnounce, KVIntake, SecondsHistogram
 from pdserve.kv_transfer import RECEIVER_RANK, PairChannel, StoreServer, TransferStats
-from pdserve.messages import DecodeTask, Failure, FailureReason, StepOutput, TokenEvent, WorkerStats, worker_stats
+from pdserve.messages import DecodeTask, Failure, FailureReason, StepOutput
 from pdserve.request import RequestStatus
 from pdserve.scheduler import Role
-from pdserve.step_loop import StepLoop, StepLoopStopped
-from pdserve.utilization import device_peaks
+from pdserve.worker import StepRun, WorkerActor
 
 log = logging.getLogger(__name__)
 
 
-class DecodeActor:
+class DecodeActor(WorkerActor):
     """Wrapped with ray.remote by the router's pool (which sets its resources)."""
+
+    pool = "decode"
+    role = Role.DECODE
 
     def __init__(self, worker_id: str, config: EngineConfig, transfer_timeout_s: float,
                  torch_threads: int | None = None, bind_host: str | None = None):
-        if torch_threads:
-            torch.set_num_threads(torch_threads)
-        self.worker_id = worker_id
-        self.core = EngineCore(config, role=Role.DECODE)
-        self.peaks = device_peaks(self.core.runner.device, config.peak_flops, config.peak_bytes_per_second)
+        super().__init__(worker_id, config, torch_threads)
         self.transfer_timeout_s = transfer_timeout_s
         self.transfer_stats = TransferStats()
         self.handoff_seconds = SecondsHistogram()  # first token sampled -> KV usable here
@@ -58,13 +53,7 @@ class DecodeActor:
         self._prefill: dict[str, Any] = {}  # prefill worker id -> handle
         self._source: dict[str, tuple[str, float]] = {}  # step thread: request -> (prefill worker, placed at)
         self._self_handle: Any = None
-        self._outputs: queue.SimpleQueue[StepOutput] = queue.SimpleQueue()
-        self.busy_seconds = 0.0
-        self.started = time.monotonic()
-        self.loop = StepLoop(self._step, name=f"decode-{worker_id}")
-
-    async def ready(self) -> str:
-        return self.worker_id
+        self._start()
 
     async def reserve(self, task: DecodeTask, prefill: Any) -> None:
         """Take a request whose KV `prefill` (an actor handle) computes; returns once it is queued."""
@@ -103,22 +92,7 @@ class DecodeActor:
         self.loop.call(lambda: [self._transfer_failed(rid, error) for rid in request_ids
                                 if self.inbound.expire(rid)])
 
-    async def cancel(self, request_id: str) -> bool:
-        try:
-            return await asyncio.wrap_future(self.loop.call(lambda: self._cancel(request_id)))
-        except StepLoopStopped:
-            return False
-
-    async def stream(self):
-        """One StepOutput per decode step, forever (the router holds one such stream per worker)."""
-        while True:
-            yield await asyncio.to_thread(self._outputs.get)
-
-    async def stats(self) -> WorkerStats:
-        return await asyncio.wrap_future(self.loop.call(self._stats))
-
-    async def shutdown(self) -> None:
-        self.loop.stop()
+    def _close(self) -> None:
         for intake in self._intakes.values():
             intake.stop()
         self.store.close()
@@ -143,8 +117,8 @@ class DecodeActor:
         req = self.core.scheduler.requests.get(request_id)
         if req is not None and req.status is RequestStatus.WAITING_FOR_KV and self.core.cancel(request_id):
             self._source.pop(request_id, None)
-            self._outputs.put(StepOutput(self.worker_id, (), (
-                Failure(request_id, FailureReason.TRANSFER_FAILED, f"KV transfer failed: {error}"),), self._stats()))
+            self._publish(StepRun([], []), (Failure(request_id, FailureReason.TRANSFER_FAILED,
+                                                    f"KV transfer failed: {error}"),))
 
     def _cancel(self, request_id: str) -> bool:
         req = self.core.scheduler.requests.get(request_id)
@@ -157,24 +131,11 @@ class DecodeActor:
 
     # -- step thread ------------------------------------------------------------------------------
     def _step(self) -> bool:
-        core = self.core
-        step = core.scheduler.schedule()
+        step = self.core.scheduler.schedule()
         if step.reserved:
             self._announce_reserved(step.reserved)
-        events: list[TokenEvent] = []
-        failed: tuple[Failure, ...] = ()
         if step.chunks:
-            t0 = time.perf_counter()
-            try:
-                sampled = core.account(step, core.execute(step))
-                events = [TokenEvent(s.request.request_id, s.token, s.finish_reason) for s in sampled]
-            except Exception as e:  # fail the running batch, free its blocks, keep serving
-                log.exception("decode step failed on %s", self.worker_id)
-                failed = tuple(Failure(rid, FailureReason.STEP_FAILED, f"decode step failed: {e}")
-                               for rid in core.cancel_all())
-            self.busy_seconds += time.perf_counter() - t0
-        if events or failed:
-            self._outputs.put(StepOutput(self.worker_id, tuple(events), failed, self._stats()))
+            self._publish(self._run(step))
         return bool(step.chunks or step.reserved)
 
     def _announce_reserved(self, reserved) -> None:
@@ -193,14 +154,10 @@ class DecodeActor:
             self._prefill[prefill_id].kv_ready.remote(self.worker_id, self._self_handle, self.store.host,
                                                       self.store.port, tuple(rids))
 
-    def _stats(self) -> WorkerStats:
-        c = self.core
-        s = c.scheduler
-        return worker_stats(self.worker_id, "decode", waiting=len(s.waiting) + len(s.waiting_for_kv),
-                            waiting_tokens=sum(r.num_tokens for r in s.waiting), running=len(s.running),
-                            pool=c.pool, runner=c.runner, steps=c.steps, tokens_processed=c.tokens_processed,
-                            busy_seconds=self.busy_seconds, uptime_seconds=time.monotonic() - self.started,
-                            peaks=self.peaks, transfer=self.transfer_stats.snapshot(),
-                            handoff=self.handoff_seconds.snapshot(),
-                            reservation_wait=self.reservation_wait_seconds.snapshot(), preemptions=s.num_preemptions)
+    def _load(self) -> tuple[int, int, int]:
+        s = self.core.scheduler
+        return len(s.waiting) + len(s.waiting_for_kv), sum(r.num_tokens for r in s.waiting), len(s.running)
 
+    def _extra_stats(self) -> dict:
+        return dict(transfer=self.transfer_stats.snapshot(), handoff=self.handoff_seconds.snapshot(),
+                    reservation_wait=self.reservation_wait_seconds.snapshot())

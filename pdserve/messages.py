@@ -6,17 +6,10 @@ or tensors (KV moves over the transfer channels, not through Ray).
 from __future__ import annotations
 
 import enum
-import os
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
-
 from pdserve.request import FinishReason, Request
 from pdserve.sampling import SamplingParams
 
-if TYPE_CHECKING:
-    from pdserve.block_pool import BlockPool
-    from pdserve.runner import ModelRunner
-    from pdserve.utilization import DevicePeaks
 
 
 class _Task:
@@ -135,21 +128,6 @@ class WorkerStats:
     @property
     def busy_fraction(self) -> float:
         return self.busy_seconds / self.uptime_seconds if self.uptime_seconds > 0 else 0.0
-
-
-def worker_stats(worker_id: str, pool_name: str, *, waiting: int, waiting_tokens: int, running: int,
-                 pool: BlockPool, runner: ModelRunner, steps: int, tokens_processed: int, busy_seconds: float,
-                 uptime_seconds: float, peaks: DevicePeaks, transfer: dict | None = None,
-                 handoff: dict | None = None, reservation_wait: dict | None = None,
-                 preemptions: int = 0) -> WorkerStats:
-    return WorkerStats(worker_id=worker_id, pool=pool_name, waiting=waiting, waiting_tokens=waiting_tokens,
-                       running=running, kv_blocks_used=pool.num_used_blocks, kv_blocks_total=pool.num_blocks,
-                       steps=steps, tokens_processed=tokens_processed, busy_seconds=busy_seconds,
-                       uptime_seconds=uptime_seconds, flops=runner.flops_total, bytes_read=runner.bytes_total,
-                       peak_flops=peaks.flops_per_second, peak_bytes_per_second=peaks.bytes_per_second,
-                       peak_source=peaks.source, prefix_hit_blocks=pool.prefix_hits,
-                       prefix_query_blocks=pool.prefix_queries, transfer=transfer or {}, handoff=handoff or {},
-                       reservation_wait=reservation_wait or {}, pid=os.getpid(), preemptions=preemptions)
 
 
 @dataclass(frozen=True)

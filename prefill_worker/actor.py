@@ -20,18 +20,13 @@ from concurrent.futures import FIRST_EXCEPTION, Future, InvalidStateError, wait
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
 from pdserve.config import EngineConfig
-from pdserve.engine import EngineCore
 from pdserve.handoff import KVAnnounce, KVPusher, PushJob
 from pdserve.kv_transfer import SENDER_RANK, PairChannel, TransferError, TransferStats
-from pdserve.loader import load
-from pdserve.messages import PrefillResult, PrefillTask, WorkerStats, worker_stats
+from pdserve.messages import PrefillResult, PrefillTask
 from pdserve.request import Request
 from pdserve.scheduler import Role, ScheduledStep
-from pdserve.step_loop import StepLoop, StepLoopStopped
-from pdserve.utilization import device_peaks
+from pdserve.worker import WorkerActor
 
 log = logging.getLogger(__name__)
 
@@ -54,18 +49,17 @@ class _HeldKV:
     sampled_at: float
 
 
-class PrefillActor:
+class PrefillActor(WorkerActor):
     """Wrapped with ray.remote by the router's pool (which sets its resources)."""
+
+    pool = "prefill"
+    role = Role.PREFILL
 
     def __init__(self, worker_id: str, config: EngineConfig, transfer_timeout_s: float, torch_threads: int | None = None,
                  push_layerwise: bool = True):
         """push_layerwise=False sends a prompt's KV once its whole forward has run (to measure what the
         layer-by-layer push hides: bench/kv_transfer.py)."""
-        if torch_threads:
-            torch.set_num_threads(torch_threads)
-        self.worker_id = worker_id
-        self.core = EngineCore(config, load(config), Role.PREFILL)
-        self.peaks = device_peaks(self.core.runner.device, config.peak_flops, config.peak_bytes_per_second)
+        super().__init__(worker_id, config, torch_threads)
         self.transfer_timeout_s = transfer_timeout_s
         self.transfer_stats = TransferStats()
         self.push_layerwise = push_layerwise
@@ -78,12 +72,7 @@ class PrefillActor:
         self._held: dict[str, _HeldKV] = {}  # computed, waiting for their reservation
         self._pushing: set[str] = set()  # in a push job not yet done
         self._send_delays: list[float] = []
-        self.busy_seconds = 0.0
-        self.started = time.monotonic()
-        self.loop = StepLoop(self._step, name=f"prefill-{worker_id}")
-
-    async def ready(self) -> str:
-        return self.worker_id
+        self._start()
 
     async def prefill(self, task: PrefillTask, decode: Any = None) -> PrefillResult:
         """Ingest the prompt; returns as soon as the first token is sampled (the KV goes on to `decode`)."""
@@ -122,20 +111,13 @@ class PrefillActor:
 
     async def cancel(self, request_id: str) -> bool:
         self._fail(request_id, asyncio.CancelledError(f"request {request_id} cancelled"))
-        try:
-            return await asyncio.wrap_future(self.loop.call(lambda: self._cancel(request_id)))
-        except StepLoopStopped:
-            return False
+        return await super().cancel(request_id)
 
     async def inject_send_delay(self, seconds: float, count: int = 1) -> None:
         """Fault injection for tests: the next `count` KV sends stall `seconds` first."""
         self._send_delays = [seconds] * count
 
-    async def stats(self) -> WorkerStats:
-        return await asyncio.wrap_future(self.loop.call(self._stats))
-
-    async def shutdown(self) -> None:
-        self.loop.stop()
+    def _close(self) -> None:
         with self._lock:
             for d in self._destinations.values():
                 d.pusher.stop()
@@ -205,19 +187,14 @@ class PrefillActor:
         if not step.chunks:
             return False
         pushes = _StepPushes(self, step)
-        t0 = time.perf_counter()
-        try:
-            pushes.layer_done(-1)  # destinations already ready: their KV goes out layer by layer
-            sampled = self.core.account(step, self.core.execute(step, pushes.layer_done))
-        except Exception as e:  # fail what was in flight, free its blocks, keep serving
-            log.exception("prefill step failed on %s", self.worker_id)
-            pushes.abort(str(e))
-            for rid in self.core.cancel_all():
-                self._destination_of.pop(rid, None)
-                self._fail(rid, e)
+        pushes.layer_done(-1)  # destinations already ready: their KV goes out layer by layer
+        sampled, failed = self._run(step, pushes.layer_done)
+        if failed:  # the step raised: its pushes cannot complete, its requests fail
+            pushes.abort(failed[0].detail)
+            for f in failed:
+                self._destination_of.pop(f.request_id, None)
+                self._fail(f.request_id, RuntimeError(f.detail))
             return True
-        finally:
-            self.busy_seconds += time.perf_counter() - t0
         sampled_at = time.time()
         pushes.sampled({s.request.request_id: s.token for s in sampled})
         late: dict[str, list[tuple[str, _HeldKV]]] = {}
@@ -272,15 +249,13 @@ class PrefillActor:
             except InvalidStateError:
                 pass
 
-    def _stats(self) -> WorkerStats:
-        c = self.core
-        s = c.scheduler
-        return worker_stats(self.worker_id, "prefill", waiting=len(s.waiting) + len(s.running),
-                            waiting_tokens=sum(r.num_tokens - r.num_computed_tokens for r in (*s.waiting, *s.running)),
-                            running=len(s.held), pool=c.pool, runner=c.runner, steps=c.steps,
-                            tokens_processed=c.tokens_processed, busy_seconds=self.busy_seconds,
-                            uptime_seconds=time.monotonic() - self.started, peaks=self.peaks,
-                            transfer=self.transfer_stats.snapshot())
+    def _load(self) -> tuple[int, int, int]:
+        s = self.core.scheduler
+        queued = (*s.waiting, *s.running)  # prompts not yet ingested; HELD ones count as running
+        return len(queued), sum(r.num_tokens - r.num_computed_tokens for r in queued), len(s.held)
+
+    def _extra_stats(self) -> dict:
+        return dict(transfer=self.transfer_stats.snapshot())
 
 
 class _StepPushes:

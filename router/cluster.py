@@ -31,8 +31,8 @@ from typing import Any
 import ray
 
 from decode_worker.actor import DecodeActor
-from decode_worker.colocated import ColocatedActor
 from pdserve.block_pool import hash_prompt_blocks
+from pdserve.colocated import ColocatedActor
 from pdserve.config import ClusterConfig, PoolConfig
 from pdserve.loader import ModelInfo, load_info
 from pdserve.messages import DecodeTask, Failure, FailureReason, PrefillTask, StepOutput, TokenEvent, WorkerStats

@@ -1,0 +1,36 @@
+"""A colocated worker: one engine does both phases (prefill chunks share steps with decodes).
+
+It is neither role of the disaggregated pair: it runs the same requests as a prefill/decode pair and
+streams the same StepOutputs, so the router can compare the two architectures on the same hardware.
+"""
+from __future__ import annotations
+
+import asyncio
+
+from pdserve.config import EngineConfig
+from pdserve.messages import PrefillTask
+from pdserve.scheduler import Role
+from pdserve.worker import WorkerActor
+
+
+class ColocatedActor(WorkerActor):
+    """Wrapped with ray.remote by the router's pool (which sets its resources)."""
+
+    pool = "colocated"
+    role = Role.COLOCATED
+
+    def __init__(self, worker_id: str, config: EngineConfig, torch_threads: int | None = None):
+        super().__init__(worker_id, config, torch_threads)
+        self._start()
+
+    async def generate(self, task: PrefillTask) -> None:
+        """Queue a whole request; its tokens (the first one included) arrive on stream()."""
+        req = task.new_request()
+        await asyncio.wrap_future(self.loop.call(lambda: self.core.scheduler.add(req)))
+
+    def _step(self) -> bool:
+        step = self.core.scheduler.schedule()
+        if not step.chunks:
+            return False
+        self._publish(self._run(step))
+        return True

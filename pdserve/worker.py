@@ -1,0 +1,134 @@
+"""What every worker actor shares: the engine in its role, the step thread, timing, stats, and failure.
+
+A worker actor (prefill, decode, colocated) is a Ray actor around one EngineCore. The step thread
+(pdserve.step_loop) owns the engine; actor methods hand it functions. This base holds the skeleton:
+ready / stats / cancel / shutdown, the timed step with its fail-the-batch path, the outputs stream of
+workers that stream, and the stats report. A subclass says what differs: its role and pool name, its
+step, and how it counts waiting and running requests.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import queue
+import time
+from collections.abc import Callable
+from typing import NamedTuple
+
+import torch
+
+from pdserve.config import EngineConfig
+from pdserve.engine import EngineCore
+from pdserve.loader import LoadedModel, load
+from pdserve.messages import Failure, FailureReason, StepOutput, TokenEvent, WorkerStats
+from pdserve.scheduler import Role, SampledToken, ScheduledStep
+from pdserve.step_loop import StepLoop, StepLoopStopped
+from pdserve.utilization import device_peaks
+
+log = logging.getLogger(__name__)
+
+
+class StepRun(NamedTuple):
+    sampled: list[SampledToken]
+    failed: list[Failure]  # the whole queue and batch, if the step raised
+
+
+class WorkerActor:
+    """Subclasses set `pool` and `role`, implement `_step`, and call `_start()` last in __init__."""
+
+    pool: str
+    role: Role
+
+    def __init__(self, worker_id: str, config: EngineConfig, torch_threads: int | None = None,
+                 loaded: LoadedModel | None = None):
+        if torch_threads:
+            torch.set_num_threads(torch_threads)
+        self.worker_id = worker_id
+        self.core = EngineCore(config, loaded or load(config), self.role)
+        self.peaks = device_peaks(self.core.runner.device, config.peak_flops, config.peak_bytes_per_second)
+        self.busy_seconds = 0.0
+        self.started = time.monotonic()
+        self._outputs: queue.SimpleQueue[StepOutput] = queue.SimpleQueue()
+        self.loop: StepLoop | None = None
+
+    def _start(self) -> None:
+        """Start the step thread: once the subclass's own state exists."""
+        self.loop = StepLoop(self._step, name=f"{self.pool}-{self.worker_id}")
+
+    # -- actor methods ----------------------------------------------------------------------------
+    async def ready(self) -> str:
+        return self.worker_id
+
+    async def stats(self) -> WorkerStats:
+        return await asyncio.wrap_future(self.loop.call(self._stats))
+
+    async def cancel(self, request_id: str) -> bool:
+        """End a request here wherever it stands and free its KV (False: this worker does not have it)."""
+        try:
+            return await asyncio.wrap_future(self.loop.call(lambda: self._cancel(request_id)))
+        except StepLoopStopped:  # shutting down: nothing left to free
+            return False
+
+    async def stream(self):
+        """One StepOutput per step that produced anything, forever (the router holds one per worker)."""
+        while True:
+            yield await asyncio.to_thread(self._outputs.get)
+
+    async def shutdown(self) -> None:
+        self.loop.stop()
+        self._close()
+
+    # -- step thread ------------------------------------------------------------------------------
+    def _step(self) -> bool:
+        """One unit of work; whether there was any (pdserve.step_loop)."""
+        raise NotImplementedError
+
+    def _cancel(self, request_id: str) -> bool:
+        return self.core.cancel(request_id)
+
+    def _close(self) -> None:
+        """Release what the subclass holds besides the step thread (channels, stores)."""
+
+    def _run(self, step: ScheduledStep, layer_done: Callable[[int], None] | None = None) -> StepRun:
+        """Run a scheduled step, timed. If it raises, every queued and running request is failed (their
+        state is suspect) and reported; the worker keeps serving."""
+        t0 = time.perf_counter()
+        try:
+            return StepRun(self.core.account(step, self.core.execute(step, layer_done)), [])
+        except Exception as e:  # noqa: BLE001 - the batch fails, not the worker
+            log.exception("%s step failed on %s", self.pool, self.worker_id)
+            return StepRun([], [Failure(rid, FailureReason.STEP_FAILED, f"{self.pool} step failed: {e}")
+                                for rid in self.core.cancel_all()])
+        finally:
+            self.busy_seconds += time.perf_counter() - t0
+
+    def _publish(self, run: StepRun, extra_failed: tuple[Failure, ...] = ()) -> None:
+        """Put one StepOutput with every request's new token (and the failures), if there is any."""
+        events = tuple(TokenEvent(s.request.request_id, s.token, s.finish_reason) for s in run.sampled)
+        failed = (*run.failed, *extra_failed)
+        if events or failed:
+            self._outputs.put(StepOutput(self.worker_id, events, failed, self._stats()))
+
+    # -- stats ------------------------------------------------------------------------------------
+    def _load(self) -> tuple[int, int, int]:
+        """(requests waiting, their tokens, requests running), as this role counts them."""
+        s = self.core.scheduler
+        return len(s.waiting), sum(r.num_tokens - r.num_computed_tokens for r in s.waiting), len(s.running)
+
+    def _extra_stats(self) -> dict:
+        """WorkerStats fields only this kind of worker reports (transfer, hand-off histograms)."""
+        return {}
+
+    def _stats(self) -> WorkerStats:
+        c = self.core
+        pool, runner = c.pool, c.runner
+        waiting, waiting_tokens, running = self._load()
+        return WorkerStats(
+            worker_id=self.worker_id, pool=self.pool, waiting=waiting, waiting_tokens=waiting_tokens,
+            running=running, kv_blocks_used=pool.num_used_blocks, kv_blocks_total=pool.num_blocks, steps=c.steps,
+            tokens_processed=c.tokens_processed, busy_seconds=self.busy_seconds,
+            uptime_seconds=time.monotonic() - self.started, flops=runner.flops_total, bytes_read=runner.bytes_total,
+            peak_flops=self.peaks.flops_per_second, peak_bytes_per_second=self.peaks.bytes_per_second,
+            peak_source=self.peaks.source, prefix_hit_blocks=pool.prefix_hits, prefix_query_blocks=pool.prefix_queries,
+            pid=os.getpid(), preemptions=c.scheduler.num_preemptions, **self._extra_stats())
