@@ -39,7 +39,8 @@ def main() -> None:
     from pdserve.config import CacheConfig, ClusterConfig, EngineConfig, PoolConfig, SchedulerConfig
     from pdserve.engine import LLMEngine
     from pdserve.sampling import SamplingParams
-    from router.cluster import Cluster, init_local_ray
+    from router.cluster import Cluster
+    from router.pools import init_local_ray
     from router.server import Router, RouterConfig
 
     sched = SchedulerConfig(max_num_seqs=max(64, args.num_prompts), max_num_batched_tokens=2048)

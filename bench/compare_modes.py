@@ -94,7 +94,8 @@ def main() -> None:
     args, bench_args = ap.parse_known_args()
 
     from pdserve.config import CacheConfig, ClusterConfig, EngineConfig, PoolConfig, SchedulerConfig
-    from router.cluster import Cluster, init_local_ray
+    from router.cluster import Cluster
+    from router.pools import init_local_ray
     from router.server import Router, RouterConfig
 
     workers = args.prefill_workers + args.decode_workers

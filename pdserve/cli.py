@@ -150,8 +150,8 @@ def cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: Sequence[str] | None = None, commands: Sequence[Callable[[Any], None]] = ()) -> int:
-    args = build_parser(commands).parse_args(argv)
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     try:
         return args.func(args)
     except (ValueError, FileNotFoundError) as e:

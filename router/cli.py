@@ -12,11 +12,13 @@ from collections.abc import Sequence
 from typing import Any
 
 from pdserve.cli import add_model_args
-from pdserve.cli import main as pdserve_main
 
 
-def add_serve_parser(sub: Any) -> None:
+def add_serve_parser(sub: Any) -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="start the worker pools and the gRPC router")
+    serve.add_argument("--config", default=None, metavar="FILE.yaml",
+                       help="a YAML mapping of any of these flags (without the dashes, - or _), e.g. "
+                            "'prefill-workers: 2'; flags given on the command line override it")
     add_model_args(serve)
     serve.add_argument("--host", default="127.0.0.1", help="address the router binds (default 127.0.0.1)")
     serve.add_argument("--port", type=int, default=50051)
@@ -36,8 +38,13 @@ def add_serve_parser(sub: Any) -> None:
     serve.add_argument("--decode-resource", action="append", default=[], metavar="NAME=AMOUNT")
     serve.add_argument("--kv-cache-mib", type=int, default=1024, help="KV cache per worker, MiB")
     serve.add_argument("--block-size", type=int, default=16)
-    serve.add_argument("--prefill-token-budget", type=int, default=2048, help="prompt tokens per prefill step")
-    serve.add_argument("--max-num-seqs", type=int, default=64, help="running requests per decode worker")
+    serve.add_argument("--prefill-token-budget", type=int, default=2048,
+                       help="prompt tokens per prefill step (and per colocated step)")
+    serve.add_argument("--max-num-seqs", type=int, default=64,
+                       help="running requests per decode worker (and per colocated worker)")
+    serve.add_argument("--decode-token-budget", type=int, default=2048,
+                       help="tokens per decode step: one per running request, and the chunks of a preempted "
+                            "request's recompute")
     serve.add_argument("--torch-threads", type=int, default=None,
                        help="torch threads per worker (default on a local CPU cluster: the cores split between the workers)")
     serve.add_argument("--peak-flops", type=float, default=None,
@@ -56,7 +63,7 @@ def add_serve_parser(sub: Any) -> None:
     serve.add_argument("--max-queued", type=int, default=1024, help="requests waiting; more get RESOURCE_EXHAUSTED")
     serve.add_argument("--drain-timeout", type=float, default=30.0, help="seconds in-flight requests get on shutdown")
     serve.set_defaults(func=cmd_serve)
-
+    return serve
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -76,7 +83,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.ray_address:
         ray.init(address=args.ray_address, log_to_driver=False)
     else:
-        from router.cluster import init_local_ray
+        from router.pools import init_local_ray
 
         init_local_ray()
 
@@ -107,17 +114,21 @@ def cluster_config_from_args(args: argparse.Namespace):
         workers = args.colocated_workers if args.mode == "colocated" else args.prefill_workers + args.decode_workers
         threads = max(1, (os.cpu_count() or 1) // workers)
 
-    def pool(n: int, budget: int, resources: list[str]) -> PoolConfig:
+    def pool(n: int, scheduler: SchedulerConfig, resources: list[str]) -> PoolConfig:
         return PoolConfig(num_workers=n, num_cpus=cpus, num_gpus=gpus, resources=parse_resources(resources),
-                          scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=budget),
-                          cache=cache, torch_threads=threads)
+                          scheduler=scheduler, cache=cache, torch_threads=threads)
+
+    # Each role batches for its own bottleneck: prefill by prompt tokens, decode by running requests.
+    prefill = SchedulerConfig(max_num_batched_tokens=args.prefill_token_budget)
+    decode = SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.decode_token_budget)
+    colocated = SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.prefill_token_budget)
 
     engine = EngineConfig(model=args.model, load_format=args.load_format, dtype=args.dtype, device=args.device,
                           cache=cache, peak_flops=args.peak_flops, peak_bytes_per_second=args.peak_memory_bandwidth)
     return ClusterConfig(engine=engine, mode=args.mode,
-                         prefill=pool(args.prefill_workers, args.prefill_token_budget, args.prefill_resource),
-                         decode=pool(args.decode_workers, args.prefill_token_budget, args.decode_resource),
-                         colocated=pool(args.colocated_workers, args.prefill_token_budget, []),
+                         prefill=pool(args.prefill_workers, prefill, args.prefill_resource),
+                         decode=pool(args.decode_workers, decode, args.decode_resource),
+                         colocated=pool(args.colocated_workers, colocated, []),
                          transfer_timeout_s=args.transfer_timeout, bind_host=args.kv_bind_host,
                          worker_timeout_s=args.worker_timeout,
                          max_retries=args.max_retries, on_decode_failure=args.on_decode_failure)
@@ -134,13 +145,69 @@ def parse_resources(items: list[str]) -> dict[str, float]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from pdserve.cli import build_parser as client_parser
+    return _parsers()[0]
 
-    return client_parser([add_serve_parser])
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """The command line; for `serve --config FILE`, the file's values are the defaults under the flags."""
+    parser, serve = _parsers()
+    args = parser.parse_args(argv)
+    if getattr(args, "config", None):
+        serve.set_defaults(**load_config(args.config, serve))
+        args = parser.parse_args(argv)
+    return args
+
+
+def load_config(path: str, serve: argparse.ArgumentParser) -> dict[str, Any]:
+    """A YAML mapping of `pdserve serve` flags to values, checked and converted as the flags would be."""
+    import yaml
+
+    with open(path) as f:
+        data = yaml.safe_load(f) or {}
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: a config file is a mapping of flag names to values")
+    actions = {a.dest: a for a in serve._actions if a.dest not in ("help", "config")}
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        action = actions.get(str(key).replace("-", "_"))
+        if action is None:
+            raise ValueError(f"{path}: unknown key {key!r}; the keys are the flags of `pdserve serve`: "
+                             + ", ".join(sorted(a.option_strings[0][2:] for a in actions.values() if a.option_strings)))
+        many = isinstance(action, argparse._AppendAction)
+        values = value if many and isinstance(value, list) else [value]
+        converted = []
+        for v in values:
+            if action.nargs == 0:  # a switch
+                if not isinstance(v, bool):
+                    raise ValueError(f"{path}: {key} is a switch: true or false, got {v!r}")
+            elif action.type is not None and v is not None:
+                try:
+                    v = action.type(v)
+                except (TypeError, ValueError) as e:
+                    raise ValueError(f"{path}: {key}: {e}") from None
+            if action.choices is not None and v not in action.choices:
+                raise ValueError(f"{path}: {key} must be one of {list(action.choices)}, got {v!r}")
+            converted.append(v)
+        out[action.dest] = converted if many else converted[0]
+    return out
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    return pdserve_main(argv, [add_serve_parser])
+    try:
+        args = parse_args(argv)
+        return args.func(args)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"pdserve: error: {e}", file=sys.stderr)
+        return 2
+
+
+def _parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
+    """The whole command line and its `serve` subparser."""
+    from pdserve.cli import build_parser as client_parser
+
+    serve: list[argparse.ArgumentParser] = []
+    parser = client_parser([lambda sub: serve.append(add_serve_parser(sub))])
+    return parser, serve[0]
 
 
 if __name__ == "__main__":

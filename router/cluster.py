@@ -1,4 +1,4 @@
-"""The cluster: starts the worker pools on Ray and carries each request through them.
+"""The request flow: each request carried through the pools (router.pools), attempt by attempt.
 
 Disaggregated path: the request is placed on a prefill worker and, if a token will follow the first,
 a decode worker, both at once: the decode worker reserves room for the prompt's KV while the prefill
@@ -8,10 +8,8 @@ decode worker's per-step outputs arrive on its stream, which one task here fans 
 Colocated path: one worker does both phases and streams all tokens. Text (detokenization, stop
 strings) is produced here, once, for both paths.
 
-Faults: a worker that dies is noticed at once (its calls and its stream raise); one that hangs is
-noticed when the heartbeat's stats call times out, and is killed. Either way it leaves its pool, its
-requests are tried again elsewhere, and a replacement (a new incarnation, under a new id) joins the
-pool once it is ready. A request that lost its prefill worker or its KV transfer simply runs again;
+Faults: when router.pools takes a dead or stuck worker out of its pool, its requests are tried again
+elsewhere. A request that lost its prefill worker or its KV transfer simply runs again;
 one that lost its decode worker resumes (prompt + tokens already streamed are prefilled again, and
 the stream continues without repeating or skipping a token) or fails with UNAVAILABLE, by policy.
 Each attempt runs under its own worker-side id, so nothing from an abandoned attempt can touch the next.
@@ -25,43 +23,22 @@ import logging
 import random
 import uuid
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any
 
 import ray
 
-from decode_worker.actor import DecodeActor
 from pdserve.block_pool import hash_prompt_blocks
-from pdserve.colocated import ColocatedActor
-from pdserve.config import ClusterConfig, PoolConfig
+from pdserve.config import ClusterConfig
 from pdserve.loader import ModelInfo, load_info
 from pdserve.messages import DecodeTask, Failure, FailureReason, PrefillTask, StepOutput, TokenEvent, WorkerStats
 from pdserve.output import RequestOutput, TextOutput, token_output
 from pdserve.request import FinishReason, Request, token_stop_reason, validate_prompt
 from pdserve.sampling import SamplingParams
-from prefill_worker.actor import PrefillActor
-from router.placement import DecodeLoad, PrefillLoad, PrefixIndex, pick_decode, pick_prefill
+from router.placement import DecodeLoad, PrefillLoad, pick_decode, pick_prefill
+from router.pools import Pools, Worker
 
 log = logging.getLogger(__name__)
-
-
-def init_local_ray(num_cpus: int | None = None, object_store_bytes: int = 128 << 20) -> None:
-    """A single-machine Ray cluster on loopback, with a small object store (KV never goes through it)."""
-    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, _node_ip_address="127.0.0.1",
-             object_store_memory=object_store_bytes, log_to_driver=False)
-
-
-@dataclass
-class _Worker:
-    worker_id: str
-    handle: Any
-    pool: str
-    slot: int  # position in its pool; replacements take the same slot under a new id
-    requests: set[str] = field(default_factory=set)  # worker-side ids routed here and not finished
-    queued_tokens: int = 0  # prefill: prompt tokens sent and not yet ingested
-    stats: WorkerStats | None = None
-    prefix: PrefixIndex = field(default_factory=lambda: PrefixIndex(0))  # prefill workers only
-    alive: bool = True
 
 
 class _Retry(Exception):
@@ -72,151 +49,41 @@ class _Retry(Exception):
 
 
 class Cluster:
+    """The request flow over the pools: placement, the prefill -> decode hand-off, streams, retries."""
+
     def __init__(self, config: ClusterConfig):
         self.config = config
         self.info: ModelInfo | None = None
-        self.pools: dict[str, list[_Worker]] = {"prefill": [], "decode": [], "colocated": []}
+        self._pools = Pools(config, self._deliver, self._fail_requests)
         self._streams: dict[str, asyncio.Queue[TokenEvent | Failure]] = {}
         self._owner: dict[str, str] = {}  # worker-side id of a live attempt -> its request
-        self._tasks: list[asyncio.Task] = []
         self._seed_rng = random.Random(config.engine.seed)
         self.block_size = config.prefill.cache.block_size
-        self._incarnations = itertools.count(1)
-        self._pool_changed = asyncio.Event()
-        # Fault counters, exported as metrics.
-        self.restarts: collections.Counter[str] = collections.Counter()  # by pool
-        self.retries: collections.Counter[str] = collections.Counter()  # by FailureReason value
-        self._closing = False
+        self.retries: collections.Counter[str] = collections.Counter()  # by FailureReason value, a metric
 
     @property
-    def prefill(self) -> list[_Worker]:
-        return self.pools["prefill"]
+    def pools(self) -> dict[str, list[Worker]]:
+        return self._pools.by_name
 
     @property
-    def decode(self) -> list[_Worker]:
-        return self.pools["decode"]
+    def restarts(self) -> collections.Counter[str]:
+        return self._pools.restarts
 
-    @property
-    def colocated(self) -> list[_Worker]:
-        return self.pools["colocated"]
-
-    @property
-    def workers(self) -> list[_Worker]:
-        return [*self.prefill, *self.decode, *self.colocated]
-
-    # -- lifecycle --------------------------------------------------------------------------------
     async def start(self) -> None:
-        c = self.config
         # Also builds the model's local caches (dequantized weights, tokenizer) once, before the workers.
-        self.info = await asyncio.to_thread(load_info, c.engine)
-        sizes = {"colocated": c.colocated.num_workers} if c.mode == "colocated" else \
-            {"prefill": c.prefill.num_workers, "decode": c.decode.num_workers}
-        starting = [self._spawn(pool, slot, f"{pool}-{slot}") for pool, n in sizes.items() for slot in range(n)]
-        await asyncio.gather(*(w.handle.ready.remote() for w in starting))
-        for w in starting:
-            self.pools[w.pool].append(w)
-        await self._poll_stats()
-        for w in starting:
-            self._watch(w)
-        self._tasks.append(asyncio.create_task(self._heartbeat()))
-
-    def _spawn(self, pool: str, slot: int, worker_id: str) -> _Worker:
-        c = self.config
-        pc: PoolConfig = getattr(c, pool)
-        cls, extra = {"prefill": (PrefillActor, dict(transfer_timeout_s=c.transfer_timeout_s)),
-                      "decode": (DecodeActor, dict(transfer_timeout_s=c.transfer_timeout_s, bind_host=c.bind_host)),
-                      "colocated": (ColocatedActor, {})}[pool]
-        actor = ray.remote(cls).options(num_cpus=pc.num_cpus, num_gpus=pc.num_gpus, resources=pc.resources,
-                                        max_restarts=0)
-        handle = actor.remote(worker_id, c.engine_for(pc), torch_threads=pc.torch_threads, **extra)
-        w = _Worker(worker_id, handle, pool, slot)
-        if pool == "prefill":
-            w.prefix = PrefixIndex(pc.cache.resolve_num_blocks(self.info.config, c.engine.torch_dtype))
-        return w
-
-    def _watch(self, w: _Worker) -> None:
-        if w.pool in ("decode", "colocated"):
-            self._tasks.append(asyncio.create_task(self._consume(w)))
+        self.info = await asyncio.to_thread(load_info, self.config.engine)
+        await self._pools.start(self.info)
 
     async def shutdown(self) -> None:
-        self._closing = True
-        for t in self._tasks:
-            t.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
-        await asyncio.gather(*(w.handle.shutdown.remote() for w in self.workers), return_exceptions=True)
-        for w in self.workers:
-            ray.kill(w.handle)
-        self.pools = {p: [] for p in self.pools}
+        await self._pools.shutdown()
 
     async def stats(self) -> list[WorkerStats]:
         """Fresh stats from every worker (one call each)."""
-        return list(await asyncio.gather(*(w.handle.stats.remote() for w in self.workers)))
+        return await self._pools.stats()
 
     def worker_stats(self) -> list[WorkerStats]:
         """The latest stats each worker reported (step outputs and the heartbeat); no call is made."""
-        return [w.stats for w in self.workers if w.stats is not None]
-
-    async def _poll_stats(self) -> None:
-        """The heartbeat: every worker must answer within worker_timeout_s, or it is declared stuck."""
-        workers = self.workers
-        results = await asyncio.gather(
-            *(asyncio.wait_for(w.handle.stats.remote(), self.config.worker_timeout_s) for w in workers),
-            return_exceptions=True)
-        for w, r in zip(workers, results):
-            if isinstance(r, WorkerStats):
-                w.stats = r
-            elif isinstance(r, (asyncio.TimeoutError, ray.exceptions.RayError)):
-                self._lose(w, "stuck: no heartbeat" if isinstance(r, asyncio.TimeoutError) else f"dead: {r}")
-
-    async def _heartbeat(self) -> None:
-        while True:
-            await asyncio.sleep(self.config.stats_interval_s)
-            await self._poll_stats()
-
-    def _lose(self, w: _Worker, why: str) -> None:
-        """Take a dead or stuck worker out of its pool, fail its requests over, start its replacement."""
-        if not w.alive or self._closing:
-            return
-        w.alive = False
-        log.warning("worker %s lost (%s); replacing it", w.worker_id, why)
-        self.pools[w.pool].remove(w)
-        ray.kill(w.handle, no_restart=True)  # a stuck actor must not come back and act on stale requests
-        for rid in list(w.requests):
-            q = self._streams.get(self._owner.get(rid, ""))
-            if q is not None:
-                q.put_nowait(Failure(rid, _LOST[w.pool], f"worker {w.worker_id} {why}"))
-        self.restarts[w.pool] += 1
-        self._tasks.append(asyncio.create_task(self._replace(w)))
-
-    async def _replace(self, lost: _Worker) -> None:
-        while not self._closing:
-            w = self._spawn(lost.pool, lost.slot, f"{lost.pool}-{lost.slot}.{next(self._incarnations)}")
-            try:
-                await asyncio.wait_for(w.handle.ready.remote(), self.config.worker_start_timeout_s)
-            except Exception as e:  # noqa: BLE001 - try again with a fresh actor
-                log.error("replacement %s failed to start: %s", w.worker_id, e)
-                ray.kill(w.handle)
-                await asyncio.sleep(1.0)
-                continue
-            self.pools[w.pool].append(w)  # routable only now that it is ready
-            self._watch(w)
-            self._pool_changed.set()
-            self._pool_changed = asyncio.Event()
-            log.info("worker %s replaces %s", w.worker_id, lost.worker_id)
-            return
-
-    async def _alive(self, pool: str) -> list[_Worker]:
-        """The pool's live workers, waiting (bounded) for a replacement if none is left."""
-        deadline = asyncio.get_running_loop().time() + self.config.worker_start_timeout_s
-        while not self.pools[pool]:
-            remaining = deadline - asyncio.get_running_loop().time()
-            if remaining <= 0:
-                raise _Retry(FailureReason.NO_WORKER, f"no {pool} worker is available")
-            try:
-                await asyncio.wait_for(self._pool_changed.wait(), remaining)
-            except asyncio.TimeoutError:
-                pass
-        return self.pools[pool]
+        return self._pools.latest_stats()
 
     # -- requests ---------------------------------------------------------------------------------
     async def generate(self, prompt_token_ids: Sequence[int], params: SamplingParams,
@@ -269,7 +136,7 @@ class Cluster:
             q.get_nowait()
         self._owner[wrid] = req.request_id  # until the attempt ends: later events of it go nowhere
         task = PrefillTask(wrid, tuple(req.prompt_token_ids), req.params, req.seed, tuple(req.output_token_ids))
-        placed: list[_Worker] = []
+        placed: list[Worker] = []
         finished = False
         try:
             if self.config.mode == "colocated":
@@ -348,50 +215,53 @@ class Cluster:
                 if not finished and w.alive:
                     w.handle.cancel.remote(wrid)  # a retry, the client went away, or an error: free its KV
 
-    async def _call(self, w: _Worker, ref: Any) -> Any:
+    async def _call(self, w: Worker, ref: Any) -> Any:
         """Await a worker call; a dead worker makes the attempt retry (and the worker be replaced)."""
         try:
             return await ref
         except ray.exceptions.RayActorError as e:
-            self._lose(w, f"dead: {type(e).__name__}")
+            self._pools.lose(w, f"dead: {type(e).__name__}")
             raise _Retry(_LOST[w.pool], f"worker {w.worker_id} died", [w.worker_id]) from e
 
     @staticmethod
-    def _annotate(out: RequestOutput, req: Request, placed: list[_Worker]) -> RequestOutput:
+    def _annotate(out: RequestOutput, req: Request, placed: list[Worker]) -> RequestOutput:
         out.num_cached_tokens = req.num_cached_tokens
         out.placement = tuple(w.worker_id for w in placed)
         return out
 
-    def _decode_load(self, w: _Worker) -> DecodeLoad:
+    def _decode_load(self, w: Worker) -> DecodeLoad:
         s = w.stats
         free = s.kv_blocks_total - s.kv_blocks_used if s else 0
         return DecodeLoad(len(w.requests), free, s.kv_blocks_total if s else 0)
 
-    async def _consume(self, w: _Worker) -> None:
-        """Fan one worker's step outputs out to its requests' queues."""
-        try:
-            async for ref in w.handle.stream.remote():
-                out: StepOutput = await ref
-                w.stats = out.stats
-                for ev in out.events:
-                    q = self._streams.get(self._owner.get(ev.request_id, ""))
-                    if q is not None:
-                        q.put_nowait(ev)
-                for f in out.failed:
-                    q = self._streams.get(self._owner.get(f.request_id, ""))
-                    if q is not None:
-                        q.put_nowait(f)
-        except asyncio.CancelledError:
-            raise
-        except Exception as e:  # the worker is gone: no request of its may hang
-            self._lose(w, f"stream ended: {type(e).__name__}")
+    def _deliver(self, w: Worker, out: StepOutput) -> None:
+        """A worker's step output, fanned out to its requests' queues."""
+        for item in (*out.events, *out.failed):
+            q = self._streams.get(self._owner.get(item.request_id, ""))
+            if q is not None:
+                q.put_nowait(item)
+
+    def _fail_requests(self, w: Worker, why: str) -> None:
+        """A worker left its pool: every attempt routed to it fails over."""
+        for wrid in list(w.requests):
+            q = self._streams.get(self._owner.get(wrid, ""))
+            if q is not None:
+                q.put_nowait(Failure(wrid, _LOST[w.pool], f"worker {w.worker_id} {why}"))
+
+    async def _alive(self, pool: str) -> list[Worker]:
+        workers = await self._pools.alive(pool)
+        if not workers:
+            raise _Retry(FailureReason.NO_WORKER, f"no {pool} worker is available")
+        return workers
 
 
 _LOST = {"prefill": FailureReason.PREFILL_LOST, "decode": FailureReason.DECODE_LOST,
          "colocated": FailureReason.COLOCATED_LOST}
 
 
-def _prefer(pool: list[_Worker], avoid: Sequence[str]) -> list[_Worker]:
+
+
+def _prefer(pool: list[Worker], avoid: Sequence[str]) -> list[Worker]:
     """The pool without the workers to avoid, unless that leaves nobody."""
     return [w for w in pool if w.worker_id not in avoid] or pool
 

@@ -78,7 +78,7 @@ def ray_local():
     """One local Ray cluster on loopback for every test that needs Ray."""
     import ray
 
-    from router.cluster import init_local_ray
+    from router.pools import init_local_ray
 
     init_local_ray(num_cpus=2)
     yield

@@ -222,7 +222,7 @@ def test_smol_stop_string_matches_offline_and_frees_blocks(aloop, smol_cluster, 
 
 def test_tiny_prefix_affinity_routes_repeats_to_the_cached_worker(aloop, tiny_cluster):
     cluster = tiny_cluster.cluster
-    if cluster.config.mode != "disaggregated" or len(cluster.prefill) < 2:
+    if cluster.config.mode != "disaggregated" or len(cluster.pools["prefill"]) < 2:
         pytest.skip("needs two prefill workers")
     prompt = tiny_prompts()[3]  # 70 tokens: 17 full blocks of 4
     params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)

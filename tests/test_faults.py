@@ -99,7 +99,7 @@ def test_decode_killed_streams_resume_and_match(ray_local, aloop, tiny_checkpoin
         assert all(r[1] is FinishReason.LENGTH and r[2] is None for r in results)
         assert cluster.restarts["decode"] == 1 and cluster.retries["decode_lost"] == N_STREAMS
         settle(aloop, cluster, {"prefill": 1, "decode": 1})
-        assert cluster.decode[0].worker_id != victim
+        assert cluster.pools["decode"][0].worker_id != victim
     finally:
         aloop.run(cluster.shutdown())
 
@@ -130,7 +130,7 @@ def test_decode_killed_fail_policy_ends_with_unavailable(ray_local, aloop, tiny_
                 wait = asyncio.get_running_loop().time() + 120
                 while min(counts) < 3 and asyncio.get_running_loop().time() < wait:
                     await asyncio.sleep(0.05)
-                victim = cluster.decode[0]
+                victim = cluster.pools["decode"][0]
                 t0 = asyncio.get_running_loop().time()
                 aloop.loop.call_soon_threadsafe(ray.kill, victim.handle)
                 out = await asyncio.gather(*tasks)
@@ -155,10 +155,10 @@ def test_prefill_killed_with_queued_requests_all_complete(ray_local, aloop, tiny
             # Kill once the prefill worker has prompts queued (budget 64 tokens per step: they queue).
             await asyncio.sleep(0)
             deadline = asyncio.get_running_loop().time() + 60
-            while cluster.prefill[0].queued_tokens == 0 and asyncio.get_running_loop().time() < deadline:
+            while cluster.pools["prefill"][0].queued_tokens == 0 and asyncio.get_running_loop().time() < deadline:
                 await asyncio.sleep(0.005)
-            queued = cluster.prefill[0].queued_tokens
-            ray.kill(cluster.prefill[0].handle)
+            queued = cluster.pools["prefill"][0].queued_tokens
+            ray.kill(cluster.pools["prefill"][0].handle)
             return await asyncio.wait_for(task, 180), queued
 
         results, queued = aloop.run(run(), timeout=300)
@@ -174,7 +174,7 @@ def test_stalled_transfer_times_out_is_retried_and_frees_blocks(ray_local, aloop
     _, config = configs(tiny_checkpoints["llama"], transfer_timeout_s=2.0)
     cluster = start(aloop, config)
     try:
-        ray.get(cluster.prefill[0].handle.inject_send_delay.remote(4.0, 1))
+        ray.get(cluster.pools["prefill"][0].handle.inject_send_delay.remote(4.0, 1))
         (tokens, reason, error), = aloop.run(stream_all(cluster, prompts()[:1], GREEDY), timeout=120)
         assert (tokens, reason, error) == (reference[0], FinishReason.LENGTH, None)
         assert cluster.retries["transfer_failed"] == 1
@@ -182,7 +182,7 @@ def test_stalled_transfer_times_out_is_retried_and_frees_blocks(ray_local, aloop
         assert stats["decode"].transfer["failures"] == 1
         settle(aloop, cluster, {"prefill": 1, "decode": 1})
         # Twice in a row: retried once, then UNAVAILABLE (the router maps ERROR to it).
-        ray.get(cluster.prefill[0].handle.inject_send_delay.remote(4.0, 2))
+        ray.get(cluster.pools["prefill"][0].handle.inject_send_delay.remote(4.0, 2))
         (tokens, reason, error), = aloop.run(stream_all(cluster, prompts()[1:2], GREEDY), timeout=120)
         assert reason is FinishReason.ERROR and "transfer" in error
         settle(aloop, cluster, {"prefill": 1, "decode": 1})
@@ -220,7 +220,7 @@ def test_soak_with_cancellations_and_a_killed_worker(ray_local, aloop, tiny_chec
             tasks = [asyncio.create_task(one(i, p, gate)) for i, p in enumerate(batch)]
             while len(outcome) < n // 2:
                 await asyncio.sleep(0.05)
-            ray.kill(cluster.decode[0].handle)  # midway
+            ray.kill(cluster.pools["decode"][0].handle)  # midway
             await asyncio.wait_for(asyncio.gather(*tasks), 240)
 
         aloop.run(run(), timeout=300)
@@ -248,7 +248,7 @@ def test_cancel_during_a_transfer_frees_both_sides(ray_local, aloop, tiny_checkp
     _, config = configs(tiny_checkpoints["llama"], transfer_timeout_s=10.0)
     cluster = start(aloop, config)
     try:
-        ray.get(cluster.prefill[0].handle.inject_send_delay.remote(1.5, 1))
+        ray.get(cluster.pools["prefill"][0].handle.inject_send_delay.remote(1.5, 1))
 
         async def run():
             gen = cluster.generate(prompts()[0], GREEDY)
@@ -275,7 +275,7 @@ def test_worker_killed_by_sigkill_mid_transfer_all_complete(ray_local, aloop, ti
     cluster = start(aloop, config)
     batch = prompts()[:6]
     try:
-        ray.get(cluster.prefill[0].handle.inject_send_delay.remote(3.0, 1))
+        ray.get(cluster.pools["prefill"][0].handle.inject_send_delay.remote(3.0, 1))
         pid = worker_pid(aloop, cluster, victim)
 
         async def run():

@@ -1,0 +1,48 @@
+"""`pdserve serve --config FILE.yaml`: every flag as a key, the command line over the file."""
+from __future__ import annotations
+
+import pytest
+
+from router.cli import cluster_config_from_args, main, parse_args
+
+
+def write(tmp_path, text: str):
+    path = tmp_path / "serve.yaml"
+    path.write_text(text)
+    return str(path)
+
+
+def test_file_values_become_the_flags_defaults_and_flags_win(tmp_path):
+    cfg = write(tmp_path, "prefill-workers: 2\ndecode_workers: 3\nkv-cache-mib: 256\nmode: colocated\n"
+                          "prefill-resource: [prefill=1]\ntransfer-timeout: 12\n")
+    args = parse_args(["serve", "--config", cfg, "--decode-workers", "5"])
+    assert (args.prefill_workers, args.decode_workers, args.kv_cache_mib) == (2, 5, 256)
+    assert args.mode == "colocated" and args.prefill_resource == ["prefill=1"]
+    assert args.transfer_timeout == 12.0 and isinstance(args.transfer_timeout, float)
+    cluster = cluster_config_from_args(args)
+    assert cluster.mode == "colocated" and cluster.prefill.resources == {"prefill": 1.0}
+    assert parse_args(["serve"]).prefill_workers == 1  # no file: the built-in defaults
+
+
+@pytest.mark.parametrize("text, message", [
+    ("prefil-workers: 2\n", "unknown key 'prefil-workers'"),
+    ("mode: both\n", "mode must be one of"),
+    ("prefill-workers: many\n", "prefill-workers"),
+    ("- a\n- b\n", "mapping"),
+])
+def test_bad_files_are_refused_with_the_reason(tmp_path, capsys, text, message):
+    assert main(["serve", "--config", write(tmp_path, text)]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_missing_file_is_an_error(tmp_path, capsys):
+    assert main(["serve", "--config", str(tmp_path / "nope.yaml")]) == 2
+    assert "nope.yaml" in capsys.readouterr().err
+
+
+def test_each_role_gets_its_own_batching_knobs():
+    c = cluster_config_from_args(parse_args(["serve", "--prefill-token-budget", "512", "--max-num-seqs", "8",
+                                             "--decode-token-budget", "1024"]))
+    assert c.prefill.scheduler.max_num_batched_tokens == 512
+    assert (c.decode.scheduler.max_num_batched_tokens, c.decode.scheduler.max_num_seqs) == (1024, 8)
+    assert (c.colocated.scheduler.max_num_batched_tokens, c.colocated.scheduler.max_num_seqs) == (512, 8)
