@@ -419,17 +419,11 @@ def load_hf(directory: Path, dtype: torch.dtype, device: torch.device):
     return transformers.AutoModelForCausalLM.from_pretrained(str(directory), dtype=dtype).to(device).eval()
 
 
-@torch.inference_mode()
 def hf_generate(model, prompts: list[list[int]], new_tokens: int, device: torch.device) -> list[list[int]]:
-    width = max(map(len, prompts))
-    ids = torch.zeros(len(prompts), width, dtype=torch.long)
-    mask = torch.zeros(len(prompts), width, dtype=torch.long)
-    for i, p in enumerate(prompts):  # left padding, as batched generation requires
-        ids[i, width - len(p):] = torch.tensor(p)
-        mask[i, width - len(p):] = 1
-    out = model.generate(ids.to(device), attention_mask=mask.to(device), max_new_tokens=new_tokens,
-                         do_sample=False, pad_token_id=0)
-    return out[:, width:].tolist()
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from offline_vs_hf import hf_generate as batched_generate
+
+    return batched_generate(model, prompts, new_tokens, device, exact=False)[:, max(map(len, prompts)):].tolist()
 
 
 @torch.inference_mode()

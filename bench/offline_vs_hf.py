@@ -96,15 +96,18 @@ def load_hf(path: str, fmt: str):
 
 
 @torch.inference_mode()
-def hf_generate(model, prompts: list[list[int]], new_tokens: int) -> torch.Tensor:
+def hf_generate(model, prompts: list[list[int]], new_tokens: int, device: torch.device | str = "cpu",
+                exact: bool = True) -> torch.Tensor:
+    """Greedy generate() of all prompts as one left-padded batch: [prompts, width + generated]. exact: new_tokens
+    each, EOS suppressed until then; else up to new_tokens (bench/gpu.py compares tokens that way)."""
     width = max(map(len, prompts))
     ids = torch.zeros(len(prompts), width, dtype=torch.long)
     mask = torch.zeros(len(prompts), width, dtype=torch.long)
     for i, p in enumerate(prompts):  # left padding, as batched generation requires
         ids[i, width - len(p):] = torch.tensor(p)
         mask[i, width - len(p):] = 1
-    return model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                          do_sample=False, pad_token_id=0)
+    return model.generate(ids.to(device), attention_mask=mask.to(device), max_new_tokens=new_tokens,
+                          min_new_tokens=new_tokens if exact else None, do_sample=False, pad_token_id=0)
 
 
 if __name__ == "__main__":

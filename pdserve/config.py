@@ -221,8 +221,10 @@ class PoolConfig:
     # Ray custom resources each worker needs, e.g. {"prefill": 1} so prefill actors land only on
     # nodes of the prefill group (whose Ray start declares that resource).
     resources: dict[str, float] = field(default_factory=dict)
-    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
-    cache: CacheConfig = field(default_factory=CacheConfig)
+    # How this pool's workers batch and size their KV cache; None: the cluster engine's (one source per
+    # knob: a pool either sets its own or takes the engine's, see ClusterConfig.engine_for).
+    scheduler: SchedulerConfig | None = None
+    cache: CacheConfig | None = None
     torch_threads: int | None = None  # None: torch's default for the process
 
     def __post_init__(self) -> None:
@@ -262,4 +264,7 @@ class ClusterConfig:
             raise ValueError("max_retries must be >= 0, worker_timeout_s and stats_interval_s positive")
 
     def engine_for(self, pool: PoolConfig) -> EngineConfig:
-        return replace(self.engine, scheduler=pool.scheduler, cache=pool.cache)
+        """What a worker of the pool runs: the engine's model and device, with the pool's batching and
+        KV cache where the pool sets them, the engine's where it does not."""
+        return replace(self.engine, scheduler=pool.scheduler or self.engine.scheduler,
+                       cache=pool.cache or self.engine.cache)

@@ -90,10 +90,11 @@ class Pools:
                       "colocated": (ColocatedActor, {})}[pool]
         actor = ray.remote(cls).options(num_cpus=pc.num_cpus, num_gpus=pc.num_gpus, resources=pc.resources,
                                         max_restarts=0)
-        handle = actor.remote(worker_id, c.engine_for(pc), torch_threads=pc.torch_threads, **extra)
+        engine = c.engine_for(pc)
+        handle = actor.remote(worker_id, engine, torch_threads=pc.torch_threads, **extra)
         w = Worker(worker_id, handle, pool, slot)
         if pool == "prefill":
-            w.prefix = PrefixIndex(pc.cache.resolve_num_blocks(self.info.config, c.engine.torch_dtype))
+            w.prefix = PrefixIndex(engine.cache.resolve_num_blocks(self.info.config, engine.torch_dtype))
         return w
 
     def _watch(self, w: Worker) -> None:

@@ -46,3 +46,13 @@ def test_each_role_gets_its_own_batching_knobs():
     assert c.prefill.scheduler.max_num_batched_tokens == 512
     assert (c.decode.scheduler.max_num_batched_tokens, c.decode.scheduler.max_num_seqs) == (1024, 8)
     assert (c.colocated.scheduler.max_num_batched_tokens, c.colocated.scheduler.max_num_seqs) == (512, 8)
+
+
+def test_a_pool_takes_the_engines_cache_and_batching_unless_it_sets_its_own():
+    from pdserve.config import CacheConfig, ClusterConfig, EngineConfig, PoolConfig, SchedulerConfig
+
+    engine = EngineConfig(cache=CacheConfig(block_size=8), scheduler=SchedulerConfig(max_num_seqs=4))
+    own = SchedulerConfig(max_num_batched_tokens=256)
+    c = ClusterConfig(engine=engine, prefill=PoolConfig(scheduler=own), decode=PoolConfig(cache=CacheConfig(block_size=32)))
+    assert c.engine_for(c.prefill).scheduler is own and c.engine_for(c.prefill).cache.block_size == 8
+    assert c.engine_for(c.decode).scheduler.max_num_seqs == 4 and c.engine_for(c.decode).cache.block_size == 32
