@@ -10,12 +10,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
 import grpc
-from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
@@ -24,15 +21,14 @@ from pdserve.config import ClusterConfig
 from pdserve.metrics import RouterMetrics
 from pdserve.output import RequestOutput
 from pdserve.request import FinishReason
-from pdserve.sampling import SamplingParams
 from pdserve.v1 import generation_pb2 as pb
 from pdserve.v1 import generation_pb2_grpc as pb_grpc
+from router.admission import Admission, Malformed, Overloaded, parse_request, parse_wire
 from router.cluster import Cluster
 
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generation"].full_name
-DEFAULT_MAX_TOKENS = 16
 _FINISH = {FinishReason.STOP: pb.FINISH_REASON_STOP, FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,
            FinishReason.CANCELLED: pb.FINISH_REASON_CANCELLED, FinishReason.ERROR: pb.FINISH_REASON_ERROR}
 
@@ -51,49 +47,6 @@ class RouterConfig:
     def __post_init__(self) -> None:
         if self.max_running < 1 or self.max_queued < 0:
             raise ValueError("max_running must be >= 1 and max_queued >= 0")
-
-
-class Overloaded(Exception):
-    pass
-
-
-class Admission:
-    """Up to max_running requests run; up to max_queued more wait in arrival order; the rest are refused."""
-
-    def __init__(self, max_running: int, max_queued: int):
-        self.max_running, self.max_queued = max_running, max_queued
-        self._slots = asyncio.Semaphore(max_running)
-        self.running = 0
-        self.queued = 0
-
-    @asynccontextmanager
-    async def slot(self) -> AsyncIterator[None]:
-        if self._slots.locked() and self.queued >= self.max_queued:
-            raise Overloaded(f"admission queue is full ({self.max_queued} waiting, {self.max_running} running)")
-        self.queued += 1
-        try:
-            await self._slots.acquire()
-        finally:
-            self.queued -= 1
-        self.running += 1
-        try:
-            yield
-        finally:
-            self.running -= 1
-            self._slots.release()
-
-
-@dataclass(frozen=True)
-class _Malformed:
-    reason: str
-
-
-def _parse_generate_request(data: bytes) -> pb.GenerateRequest | _Malformed:
-    # grpc answers INTERNAL when a deserializer raises; a malformed request is the client's error.
-    try:
-        return pb.GenerateRequest.FromString(data)
-    except DecodeError as e:
-        return _Malformed(f"malformed request (text fields must be valid UTF-8): {e}")
 
 
 @dataclass
@@ -120,7 +73,7 @@ class GenerationService(pb_grpc.GenerationServicer):
             metrics.queued.set_function(lambda: self.admission.queued)
 
     # -- Generate ---------------------------------------------------------------------------------
-    async def Generate(self, request: pb.GenerateRequest | _Malformed, context: grpc.aio.ServicerContext):
+    async def Generate(self, request: pb.GenerateRequest | Malformed, context: grpc.aio.ServicerContext):
         t = _Timeline(time.monotonic())
         try:
             async for resp in self._generate(request, context, t):
@@ -144,12 +97,12 @@ class GenerationService(pb_grpc.GenerationServicer):
             t.code = code.name
             await context.abort(code, message)
 
-        if isinstance(request, _Malformed):
+        if isinstance(request, Malformed):
             await abort(grpc.StatusCode.INVALID_ARGUMENT, request.reason)
         if not self.serving:
             await abort(grpc.StatusCode.UNAVAILABLE, "the router is draining; retry on another replica")
         try:
-            prompt, params = self.parse(request)
+            prompt, params = parse_request(request, self.cluster.info, self.config.max_input_chars)
         except ValueError as e:
             await abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         t.prompt_tokens = len(prompt)
@@ -183,61 +136,6 @@ class GenerationService(pb_grpc.GenerationServicer):
                                              prefill_worker=out.placement[0] if out.placement else "",
                                              decode_worker=out.placement[-1] if out.placement else ""))
         return resp
-
-    def parse(self, request: pb.GenerateRequest) -> tuple[list[int], SamplingParams]:
-        """The prompt's token ids and the sampling parameters; ValueError says what is wrong."""
-        info = self.cluster.info
-        tok = info.tokenizer
-        which = request.WhichOneof("input")
-        limit = self.config.max_input_chars
-        if which is None:
-            raise ValueError("the request has no input: set prompt, messages or token_ids")
-        if which == "token_ids":
-            prompt = list(request.token_ids.ids)
-        else:
-            if tok is None:
-                raise ValueError("this model has no tokenizer: send token_ids")
-            if which == "prompt":
-                if len(request.prompt) > limit:
-                    raise ValueError(f"prompt has {len(request.prompt)} characters; the limit is {limit}")
-                if not request.prompt:
-                    raise ValueError("prompt is empty")
-                prompt = tok.encode(request.prompt)
-            else:
-                msgs = [{"role": m.role, "content": m.content} for m in request.messages.messages]
-                if not msgs:
-                    raise ValueError("messages is empty")
-                if sum(len(m["content"]) + len(m["role"]) for m in msgs) > limit:
-                    raise ValueError(f"messages exceed {limit} characters in all")
-                if any(not m["role"] for m in msgs):
-                    raise ValueError("every message needs a role")
-                if not tok.has_chat_template:
-                    raise ValueError("this model has no chat template: send a prompt or token_ids")
-                prompt = tok.apply_chat_template(msgs)
-        if not prompt:
-            raise ValueError("prompt is empty")
-        max_tokens = request.max_tokens if request.HasField("max_tokens") else DEFAULT_MAX_TOKENS
-        if max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
-        if len(prompt) + max_tokens > info.max_model_len:
-            raise ValueError(f"prompt ({len(prompt)} tokens) + max_tokens ({max_tokens}) exceeds the model's "
-                             f"context of {info.max_model_len} tokens")
-        s = request.sampling
-        params = SamplingParams(
-            max_tokens=max_tokens,
-            temperature=s.temperature if s.HasField("temperature") else 1.0,
-            top_p=s.top_p if s.HasField("top_p") else 1.0,
-            top_k=s.top_k if s.HasField("top_k") else 0,
-            seed=s.seed if s.HasField("seed") else None,
-            stop=tuple(request.stop),
-            stop_token_ids=tuple(request.stop_token_ids),
-            ignore_eos=request.ignore_eos,
-        )
-        vocab = info.config.vocab_size
-        bad = [t for t in (*prompt, *params.stop_token_ids) if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"unknown token ids (the vocabulary is [0, {vocab})): {bad[:5]}")
-        return prompt, params
 
     # -- info and status --------------------------------------------------------------------------
     async def GetModelInfo(self, request, context) -> pb.ModelInfo:
@@ -290,7 +188,7 @@ class Router:
         server = grpc.aio.server()
         handlers = {
             "Generate": grpc.unary_stream_rpc_method_handler(
-                self.service.Generate, request_deserializer=_parse_generate_request,
+                self.service.Generate, request_deserializer=parse_wire,
                 response_serializer=pb.GenerateResponse.SerializeToString),
             "GetModelInfo": grpc.unary_unary_rpc_method_handler(
                 self.service.GetModelInfo, request_deserializer=pb.GetModelInfoRequest.FromString,

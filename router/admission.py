@@ -1,0 +1,114 @@
+"""What the router checks before a request reaches the cluster: the wire format, the request's
+fields (prompt, messages or token ids; sampling), and admission (how many run, how many may wait)."""
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+from google.protobuf.message import DecodeError
+
+from pdserve.loader import ModelInfo
+from pdserve.sampling import SamplingParams
+from pdserve.v1 import generation_pb2 as pb
+
+DEFAULT_MAX_TOKENS = 16
+
+
+class Overloaded(Exception):
+    pass
+
+
+class Admission:
+    """Up to max_running requests run; up to max_queued more wait in arrival order; the rest are refused."""
+
+    def __init__(self, max_running: int, max_queued: int):
+        self.max_running, self.max_queued = max_running, max_queued
+        self._slots = asyncio.Semaphore(max_running)
+        self.running = 0
+        self.queued = 0
+
+    @asynccontextmanager
+    async def slot(self) -> AsyncIterator[None]:
+        if self._slots.locked() and self.queued >= self.max_queued:
+            raise Overloaded(f"admission queue is full ({self.max_queued} waiting, {self.max_running} running)")
+        self.queued += 1
+        try:
+            await self._slots.acquire()
+        finally:
+            self.queued -= 1
+        self.running += 1
+        try:
+            yield
+        finally:
+            self.running -= 1
+            self._slots.release()
+
+
+@dataclass(frozen=True)
+class Malformed:
+    reason: str
+
+
+def parse_wire(data: bytes) -> pb.GenerateRequest | Malformed:
+    # grpc answers INTERNAL when a deserializer raises; a malformed request is the client's error.
+    try:
+        return pb.GenerateRequest.FromString(data)
+    except DecodeError as e:
+        return Malformed(f"malformed request (text fields must be valid UTF-8): {e}")
+
+
+def parse_request(request: pb.GenerateRequest, info: ModelInfo, limit: int) -> tuple[list[int], SamplingParams]:
+    """The prompt's token ids and the sampling parameters; ValueError says what is wrong.
+    limit: characters of text accepted before tokenizing (prompt, or all messages)."""
+    tok = info.tokenizer
+    which = request.WhichOneof("input")
+    if which is None:
+        raise ValueError("the request has no input: set prompt, messages or token_ids")
+    if which == "token_ids":
+        prompt = list(request.token_ids.ids)
+    else:
+        if tok is None:
+            raise ValueError("this model has no tokenizer: send token_ids")
+        if which == "prompt":
+            if len(request.prompt) > limit:
+                raise ValueError(f"prompt has {len(request.prompt)} characters; the limit is {limit}")
+            if not request.prompt:
+                raise ValueError("prompt is empty")
+            prompt = tok.encode(request.prompt)
+        else:
+            msgs = [{"role": m.role, "content": m.content} for m in request.messages.messages]
+            if not msgs:
+                raise ValueError("messages is empty")
+            if sum(len(m["content"]) + len(m["role"]) for m in msgs) > limit:
+                raise ValueError(f"messages exceed {limit} characters in all")
+            if any(not m["role"] for m in msgs):
+                raise ValueError("every message needs a role")
+            if not tok.has_chat_template:
+                raise ValueError("this model has no chat template: send a prompt or token_ids")
+            prompt = tok.apply_chat_template(msgs)
+    if not prompt:
+        raise ValueError("prompt is empty")
+    max_tokens = request.max_tokens if request.HasField("max_tokens") else DEFAULT_MAX_TOKENS
+    if max_tokens < 1:
+        raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+    if len(prompt) + max_tokens > info.max_model_len:
+        raise ValueError(f"prompt ({len(prompt)} tokens) + max_tokens ({max_tokens}) exceeds the model's "
+                         f"context of {info.max_model_len} tokens")
+    s = request.sampling
+    params = SamplingParams(
+        max_tokens=max_tokens,
+        temperature=s.temperature if s.HasField("temperature") else 1.0,
+        top_p=s.top_p if s.HasField("top_p") else 1.0,
+        top_k=s.top_k if s.HasField("top_k") else 0,
+        seed=s.seed if s.HasField("seed") else None,
+        stop=tuple(request.stop),
+        stop_token_ids=tuple(request.stop_token_ids),
+        ignore_eos=request.ignore_eos,
+    )
+    vocab = info.config.vocab_size
+    bad = [t for t in (*prompt, *params.stop_token_ids) if not 0 <= t < vocab]
+    if bad:
+        raise ValueError(f"unknown token ids (the vocabulary is [0, {vocab})): {bad[:5]}")
+    return prompt, params
