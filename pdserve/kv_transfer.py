@@ -8,8 +8,9 @@ A ``PairChannel`` is a two-rank torch.distributed process group of its own (rank
 sender; rank 1 = decode, the receiver), built on a ``PrefixStore`` of the decode worker's
 ``StoreServer``. There is no global world: pairs come and go as pools grow and shrink, and many pairs
 live side by side in one process. Gloo carries CPU tensors, NCCL carries CUDA tensors on two GPUs;
-two workers on one GPU use the CUDA IPC functions at the end of this module instead (NCCL rejects
-two ranks on one GPU).
+two workers on one GPU (NCCL rejects two ranks on one GPU) stage through host memory over gloo: the
+channel finds out at its rendezvous (``staged``). The CUDA IPC functions at the end of this module
+would make that a device-to-device copy; they are tested, not yet wired into a channel.
 
 Ordering: NCCL matches sends and receives between two ranks by order, not by tag, so one side must
 decide the order of transfers and the other follow it: the sender (the prefill worker, which knows when
