@@ -170,17 +170,27 @@ def kv_bytes_per_token(model: ModelConfig, dtype: torch.dtype) -> int:
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    """Batching limits of one engine step."""
+    """Batching limits of one engine step, and the knobs of each role (pdserve.scheduler.Role).
+
+    Prefill role: max_num_batched_tokens (prompt tokens a step), enable_chunked_prefill.
+    Decode role: max_num_seqs (running requests, and those whose KV is on its way), reservation_headroom_blocks.
+    Colocated: all but the last.
+    """
 
     max_num_seqs: int = 64  # requests in the running batch
     max_num_batched_tokens: int = 2048  # tokens computed in one step (prefill chunks + decodes)
     enable_chunked_prefill: bool = True
+    # Decode role: free blocks a reservation for incoming KV must leave per running request, so that
+    # taking the request in does not force a preemption at the very next step.
+    reservation_headroom_blocks: int = 1
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.reservation_headroom_blocks < 0:
+            raise ValueError(f"reservation_headroom_blocks must be >= 0, got {self.reservation_headroom_blocks}")
 
 
 @dataclass(frozen=True)

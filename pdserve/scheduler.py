@@ -210,18 +210,17 @@ class Scheduler:
         req.finish_reason = reason
 
     def _reserve(self, req: Request) -> bool:
-        """Blocks for a remote request's KV and its next token, if that leaves one free block per running
-        request (so that taking it in does not force a preemption at the very next step)."""
-        need = self.kv.blocks_needed(req.num_tokens + 1)
-        if self.kv.pool.num_free_blocks - need < len(self.running):
-            return False
-        return self.kv.allocate_slots(req, req.num_tokens + 1)
+        """Blocks for a remote request's KV and its next token, if that leaves the configured headroom
+        per running request (so that taking it in does not force a preemption at the very next step)."""
+        return self._room_for(req) and self.kv.allocate_slots(req, req.num_tokens + 1)
 
     def _can_reserve(self) -> bool:
-        if not self.waiting or not self.waiting[0].remote_kv or self.num_active >= self.config.max_num_seqs:
-            return False
-        need = self.kv.blocks_needed(self.waiting[0].num_tokens + 1)
-        return self.kv.pool.num_free_blocks - need >= len(self.running)
+        return bool(self.waiting) and self.waiting[0].remote_kv and self.num_active < self.config.max_num_seqs \
+            and self._room_for(self.waiting[0])
+
+    def _room_for(self, req: Request) -> bool:
+        need = self.kv.blocks_needed(req.num_tokens + 1)
+        return self.kv.pool.num_free_blocks - need >= len(self.running) * self.config.reservation_headroom_blocks
 
     def _preempt(self, req: Request) -> None:
         self.kv.free(req)

@@ -42,6 +42,9 @@ def add_serve_parser(sub: Any) -> argparse.ArgumentParser:
                        help="prompt tokens per prefill step (and per colocated step)")
     serve.add_argument("--max-num-seqs", type=int, default=64,
                        help="running requests per decode worker (and per colocated worker)")
+    serve.add_argument("--reservation-headroom-blocks", type=int, default=1,
+                       help="free KV blocks a decode worker keeps per running request when it reserves room for "
+                            "an incoming request's KV")
     serve.add_argument("--decode-token-budget", type=int, default=2048,
                        help="tokens per decode step: one per running request, and the chunks of a preempted "
                             "request's recompute")
@@ -120,7 +123,8 @@ def cluster_config_from_args(args: argparse.Namespace):
 
     # Each role batches for its own bottleneck: prefill by prompt tokens, decode by running requests.
     prefill = SchedulerConfig(max_num_batched_tokens=args.prefill_token_budget)
-    decode = SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.decode_token_budget)
+    decode = SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.decode_token_budget,
+                             reservation_headroom_blocks=args.reservation_headroom_blocks)
     colocated = SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.prefill_token_budget)
 
     engine = EngineConfig(model=args.model, load_format=args.load_format, dtype=args.dtype, device=args.device,

@@ -7,6 +7,8 @@ RUNNING on the decode side.
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -255,3 +257,20 @@ def test_resumed_request_continues_exactly(tiny, params):
         rest += [x.token for x in decode.step()]
     assert [*streamed, s.token, *rest] == ref
     assert decode.pool.num_used_blocks == 0 and prefill.pool.num_used_blocks == 0
+
+
+def test_reservation_headroom_is_a_decode_knob(tiny):
+    path, loaded = tiny
+    cfg = config(path, blocks=12)
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    for headroom, reserved in ((0, ["b"]), (1, [])):
+        decode = EngineCore(replace(cfg, scheduler=replace(cfg.scheduler, reservation_headroom_blocks=headroom)),
+                            loaded, Role.DECODE)
+        decode.scheduler.add(DecodeTask("a", tuple(range(10)), (), params, 0, "p").new_request())
+        decode.scheduler.schedule()
+        decode.scheduler.kv_arrived("a", 7)  # running, 3 blocks; 9 free
+        decode.scheduler.add(DecodeTask("b", tuple(range(32)), (), params, 0, "p").new_request())  # needs 9
+        assert [r.request_id for r in decode.scheduler.schedule().reserved] == reserved
+        for rid in list(decode.scheduler.requests):
+            decode.cancel(rid)
+        assert decode.pool.num_used_blocks == 0
