@@ -612,7 +612,8 @@ def _cluster_tokens(args, device: torch.device) -> dict:
 
     async def run(mode: str) -> dict:
         pool = PoolConfig(1, num_cpus=0.5, num_gpus=gpus, cache=cache, scheduler=sched)
-        cfg = ClusterConfig(engine=engine, mode=mode, prefill=pool, decode=pool, colocated=pool,
+        pools = dict(colocated=pool) if mode == "colocated" else dict(prefill=pool, decode=pool)
+        cfg = ClusterConfig(engine=engine, mode=mode, **pools,
                             transfer_timeout_s=args.transfer_timeout, max_retries=0)
         cluster = Cluster(cfg)
         t = time.perf_counter()

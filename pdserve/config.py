@@ -250,9 +250,11 @@ class ClusterConfig:
 
     engine: EngineConfig = field(default_factory=EngineConfig)  # model, dtype, device, seed
     mode: str = "disaggregated"  # or "colocated": one pool whose workers do both phases
-    prefill: PoolConfig = field(default_factory=lambda: PoolConfig(scheduler=SchedulerConfig(max_num_batched_tokens=2048)))
-    decode: PoolConfig = field(default_factory=PoolConfig)
-    colocated: PoolConfig = field(default_factory=PoolConfig)
+    # The pools of the mode (prefill and decode, or colocated); None: a default pool. A pool of the
+    # other mode is an error, not a setting silently ignored.
+    prefill: PoolConfig | None = None
+    decode: PoolConfig | None = None
+    colocated: PoolConfig | None = None
     transfer_timeout_s: float = 30.0
     # Where decode workers listen for KV-transfer rendezvous. None: the worker's node IP as Ray knows it
     # (127.0.0.1 on a local cluster started on loopback, the pod IP on Kubernetes).
@@ -266,12 +268,24 @@ class ClusterConfig:
     def __post_init__(self) -> None:
         if self.mode not in ("disaggregated", "colocated"):
             raise ValueError(f"mode must be disaggregated or colocated, got {self.mode!r}")
+        mine = ("colocated",) if self.mode == "colocated" else ("prefill", "decode")
+        for name in ("prefill", "decode", "colocated"):
+            if name in mine and getattr(self, name) is None:
+                object.__setattr__(self, name, PoolConfig())
+            elif name not in mine and getattr(self, name) is not None:
+                raise ValueError(f"a {name} pool is not part of a {self.mode} cluster")
         if self.transfer_timeout_s <= 0:
             raise ValueError(f"transfer_timeout_s must be positive, got {self.transfer_timeout_s}")
         if self.on_decode_failure not in ("resume", "fail"):
             raise ValueError(f"on_decode_failure must be resume or fail, got {self.on_decode_failure!r}")
         if self.max_retries < 0 or self.worker_timeout_s <= 0 or self.stats_interval_s <= 0:
             raise ValueError("max_retries must be >= 0, worker_timeout_s and stats_interval_s positive")
+
+    @property
+    def pools(self) -> dict[str, PoolConfig]:
+        """The mode's pools by name."""
+        names = ("colocated",) if self.mode == "colocated" else ("prefill", "decode")
+        return {name: getattr(self, name) for name in names}
 
     def engine_for(self, pool: PoolConfig) -> EngineConfig:
         """What a worker of the pool runs: the engine's model and device, with the pool's batching and

@@ -129,10 +129,10 @@ def cluster_config_from_args(args: argparse.Namespace):
 
     engine = EngineConfig(model=args.model, load_format=args.load_format, dtype=args.dtype, device=args.device,
                           cache=cache, peak_flops=args.peak_flops, peak_bytes_per_second=args.peak_memory_bandwidth)
-    return ClusterConfig(engine=engine, mode=args.mode,
-                         prefill=pool(args.prefill_workers, prefill, args.prefill_resource),
-                         decode=pool(args.decode_workers, decode, args.decode_resource),
-                         colocated=pool(args.colocated_workers, colocated, []),
+    pools = dict(colocated=pool(args.colocated_workers, colocated, [])) if args.mode == "colocated" else \
+        dict(prefill=pool(args.prefill_workers, prefill, args.prefill_resource),
+             decode=pool(args.decode_workers, decode, args.decode_resource))
+    return ClusterConfig(engine=engine, mode=args.mode, **pools,
                          transfer_timeout_s=args.transfer_timeout, bind_host=args.kv_bind_host,
                          worker_timeout_s=args.worker_timeout,
                          max_retries=args.max_retries, on_decode_failure=args.on_decode_failure)

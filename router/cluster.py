@@ -58,7 +58,8 @@ class Cluster:
         self._streams: dict[str, asyncio.Queue[TokenEvent | Failure]] = {}
         self._owner: dict[str, str] = {}  # worker-side id of a live attempt -> its request
         self._seed_rng = random.Random(config.engine.seed)
-        self.block_size = config.engine_for(config.prefill).cache.block_size
+        # Where requests start (prefill or colocated): their prompts' block hashes steer placement.
+        self.block_size = config.engine_for(next(iter(config.pools.values()))).cache.block_size
         self.retries: collections.Counter[str] = collections.Counter()  # by FailureReason value, a metric
 
     @property

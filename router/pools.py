@@ -71,8 +71,7 @@ class Pools:
     async def start(self, info: ModelInfo) -> None:
         c = self.config
         self.info = info
-        sizes = {"colocated": c.colocated.num_workers} if c.mode == "colocated" else \
-            {"prefill": c.prefill.num_workers, "decode": c.decode.num_workers}
+        sizes = {name: pool.num_workers for name, pool in c.pools.items()}
         starting = [self._spawn(pool, slot, f"{pool}-{slot}") for pool, n in sizes.items() for slot in range(n)]
         await asyncio.gather(*(w.handle.ready.remote() for w in starting))
         for w in starting:

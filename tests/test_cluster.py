@@ -53,14 +53,11 @@ def cluster_config(engine: EngineConfig, layout: tuple[int, int], budget: int, d
                    mode: str = "disaggregated") -> ClusterConfig:
     cache = engine.cache if decode_blocks is None else CacheConfig(block_size=engine.cache.block_size,
                                                                    num_blocks=decode_blocks)
-    return ClusterConfig(
-        engine=engine, mode=mode,
-        prefill=PoolConfig(layout[0], num_cpus=0.25, cache=engine.cache,
-                           scheduler=SchedulerConfig(max_num_batched_tokens=budget)),
-        decode=PoolConfig(layout[1], num_cpus=0.25, cache=cache),
-        colocated=PoolConfig(1, num_cpus=0.25, cache=engine.cache, scheduler=SchedulerConfig(max_num_batched_tokens=budget)),
-        transfer_timeout_s=20.0,
-    )
+    sched = SchedulerConfig(max_num_batched_tokens=budget)
+    pools = dict(colocated=PoolConfig(1, num_cpus=0.25, cache=engine.cache, scheduler=sched)) if mode == "colocated" \
+        else dict(prefill=PoolConfig(layout[0], num_cpus=0.25, cache=engine.cache, scheduler=sched),
+                  decode=PoolConfig(layout[1], num_cpus=0.25, cache=cache))
+    return ClusterConfig(engine=engine, mode=mode, transfer_timeout_s=20.0, **pools)
 
 
 async def collect(cluster: Cluster, prompt, params, request_id=None):

@@ -15,12 +15,13 @@ def write(tmp_path, text: str):
 def test_file_values_become_the_flags_defaults_and_flags_win(tmp_path):
     cfg = write(tmp_path, "prefill-workers: 2\ndecode_workers: 3\nkv-cache-mib: 256\nmode: colocated\n"
                           "prefill-resource: [prefill=1]\ntransfer-timeout: 12\n")
-    args = parse_args(["serve", "--config", cfg, "--decode-workers", "5"])
+    assert parse_args(["serve", "--config", cfg]).mode == "colocated"
+    args = parse_args(["serve", "--config", cfg, "--decode-workers", "5", "--mode", "disaggregated"])
     assert (args.prefill_workers, args.decode_workers, args.kv_cache_mib) == (2, 5, 256)
-    assert args.mode == "colocated" and args.prefill_resource == ["prefill=1"]
+    assert args.mode == "disaggregated" and args.prefill_resource == ["prefill=1"]
     assert args.transfer_timeout == 12.0 and isinstance(args.transfer_timeout, float)
     cluster = cluster_config_from_args(args)
-    assert cluster.mode == "colocated" and cluster.prefill.resources == {"prefill": 1.0}
+    assert cluster.prefill.resources == {"prefill": 1.0} and cluster.decode.num_workers == 5
     assert parse_args(["serve"]).prefill_workers == 1  # no file: the built-in defaults
 
 
@@ -45,7 +46,10 @@ def test_each_role_gets_its_own_batching_knobs():
                                              "--decode-token-budget", "1024"]))
     assert c.prefill.scheduler.max_num_batched_tokens == 512
     assert (c.decode.scheduler.max_num_batched_tokens, c.decode.scheduler.max_num_seqs) == (1024, 8)
+    c = cluster_config_from_args(parse_args(["serve", "--mode", "colocated", "--prefill-token-budget", "512",
+                                             "--max-num-seqs", "8"]))
     assert (c.colocated.scheduler.max_num_batched_tokens, c.colocated.scheduler.max_num_seqs) == (512, 8)
+    assert c.prefill is None and c.decode is None and list(c.pools) == ["colocated"]
 
 
 def test_a_pool_takes_the_engines_cache_and_batching_unless_it_sets_its_own():
@@ -56,3 +60,13 @@ def test_a_pool_takes_the_engines_cache_and_batching_unless_it_sets_its_own():
     c = ClusterConfig(engine=engine, prefill=PoolConfig(scheduler=own), decode=PoolConfig(cache=CacheConfig(block_size=32)))
     assert c.engine_for(c.prefill).scheduler is own and c.engine_for(c.prefill).cache.block_size == 8
     assert c.engine_for(c.decode).scheduler.max_num_seqs == 4 and c.engine_for(c.decode).cache.block_size == 32
+
+
+def test_a_pool_of_the_other_mode_is_an_error():
+    from pdserve.config import ClusterConfig, PoolConfig
+
+    with pytest.raises(ValueError, match="colocated pool is not part of a disaggregated cluster"):
+        ClusterConfig(colocated=PoolConfig())
+    with pytest.raises(ValueError, match="prefill pool is not part of a colocated cluster"):
+        ClusterConfig(mode="colocated", prefill=PoolConfig())
+    assert list(ClusterConfig().pools) == ["prefill", "decode"]
