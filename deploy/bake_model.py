@@ -8,7 +8,7 @@ usage: python bake_model.py MODEL DEST
                (a token for gated models: $HF_TOKEN or the build secret /run/secrets/hf_token)
   (empty)      nothing: the model is mounted at run time
 
-Prints the path to give pdserve as --model (PDSERVE_MODEL in deploy/kubernetes/configmap.yaml).
+Prints the path to give pdserve as --model (`model:` in the serve.yaml of deploy/kubernetes/configmap.yaml).
 """
 from __future__ import annotations
 
@@ -48,7 +48,7 @@ def main(argv: list[str]) -> int:
         print(__doc__, file=sys.stderr)
         return 2
     path = bake(argv[0].strip(), Path(argv[1]))
-    print(path if path is not None else "no model baked in: mount one and set PDSERVE_MODEL to its path")
+    print(path if path is not None else "no model baked in: mount one and set model: in serve.yaml to its path")
     return 0
 
 

@@ -275,12 +275,27 @@ def serve_argv(objs: list[dict]) -> list[str]:
     return argv
 
 
-def serve_args(objs: list[dict]):
-    from router.cli import build_parser
+CONFIG_DIR = "/etc/pdserve"  # where the head mounts the ConfigMap pdserve-config
+
+
+def serve_settings(objs: list[dict]) -> dict[str, Any]:
+    """The router's settings: the ConfigMap's serve.yaml, as `pdserve serve --config` reads it."""
+    return yaml.safe_load(one(objs, "ConfigMap", "pdserve-config")["data"]["serve.yaml"])
+
+
+def serve_args(objs: list[dict], tmp_path: Path):
+    """The head's `pdserve serve` as pdserve's CLI parses it, the mounted serve.yaml included."""
+    from router.cli import parse_args
 
     argv = serve_argv(objs)
+    assert argv.count("--config") == 1, argv
+    at = argv.index("--config") + 1
+    assert argv[at] == f"{CONFIG_DIR}/serve.yaml", argv
+    config = tmp_path / "serve.yaml"
+    config.write_text(one(objs, "ConfigMap", "pdserve-config")["data"]["serve.yaml"])
+    argv[at] = str(config)
     try:
-        return build_parser().parse_args(argv[1:])
+        return parse_args(argv[1:])
     except SystemExit:
         pytest.fail(f"pdserve's CLI rejects the head's command: {shlex.join(argv)}")
 
@@ -385,20 +400,25 @@ def test_validators_reject_unknown_fields():
 
 
 @names
-def test_head_runs_a_pdserve_serve_the_cli_accepts(name):
+def test_head_runs_a_pdserve_serve_the_cli_accepts(name, tmp_path):
     from router.cli import cluster_config_from_args
 
     objs = rendered(name)
-    args = serve_args(objs)
-    config = one(objs, "ConfigMap", "pdserve-config")["data"]
+    args = serve_args(objs, tmp_path)
+    settings = serve_settings(objs)
     assert args.command == "serve" and args.mode == "disaggregated"
     assert args.ray_address == "auto"  # joins the Ray head the same script started
     assert args.host == "0.0.0.0" and args.metrics_host == "0.0.0.0"  # reachable from the Service
     assert args.device.startswith("cuda")
-    assert args.model == config["PDSERVE_MODEL"]
-    assert args.prefill_workers == int(config["PDSERVE_PREFILL_WORKERS"])
-    assert args.decode_workers == int(config["PDSERVE_DECODE_WORKERS"])
-    assert args.worker_gpus == float(config["PDSERVE_WORKER_GPUS"]) > 0
+    assert args.model == settings["model"]
+    assert args.prefill_workers == settings["prefill-workers"]
+    assert args.decode_workers == settings["decode-workers"]
+    assert args.worker_gpus == settings["worker-gpus"] > 0
+    # serve.yaml reaches the router: the head mounts the ConfigMap where --config looks.
+    head = templates(one(objs, "RayCluster"))["head"]
+    (volume,) = [v for v in head["spec"]["volumes"] if v.get("configMap", {}).get("name") == "pdserve-config"]
+    (mount,) = [m for m in ray_container(head)["volumeMounts"] if m["name"] == volume["name"]]
+    assert mount["mountPath"] == CONFIG_DIR
     cluster = cluster_config_from_args(args)  # the config dataclasses validate the values too
     assert cluster.prefill.num_gpus == cluster.decode.num_gpus == args.worker_gpus
     assert cluster.prefill.resources == {"prefill": 1} and cluster.decode.resources == {"decode": 1}
@@ -483,9 +503,9 @@ def test_worker_script_hands_ray_its_pool_resource_intact(name, tmp_path):
 
 
 @names
-def test_probes_ask_grpc_health_on_the_router_port(name):
+def test_probes_ask_grpc_health_on_the_router_port(name, tmp_path):
     objs = rendered(name)
-    args = serve_args(objs)
+    args = serve_args(objs, tmp_path)
     head = templates(one(objs, "RayCluster"))["head"]
     container = ray_container(head)
     for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
@@ -499,9 +519,9 @@ def test_probes_ask_grpc_health_on_the_router_port(name):
 
 
 @names
-def test_service_exposes_grpc_and_metrics_of_the_head(name):
+def test_service_exposes_grpc_and_metrics_of_the_head(name, tmp_path):
     objs = rendered(name)
-    args = serve_args(objs)
+    args = serve_args(objs, tmp_path)
     service = one(objs, "Service", "pdserve")
     pods = templates(one(objs, "RayCluster"))
     selector = service["spec"]["selector"]
@@ -518,9 +538,9 @@ def test_service_exposes_grpc_and_metrics_of_the_head(name):
 
 
 @names
-def test_monitors_select_existing_pods_and_ports(name):
+def test_monitors_select_existing_pods_and_ports(name, tmp_path):
     objs = rendered(name)
-    args = serve_args(objs)
+    args = serve_args(objs, tmp_path)
     pods = templates(one(objs, "RayCluster"))
     monitors = of_kind(objs, "PodMonitor") + of_kind(objs, "ServiceMonitor")
     assert monitors, "no PodMonitor or ServiceMonitor"
@@ -553,9 +573,9 @@ def test_monitors_select_existing_pods_and_ports(name):
 
 
 @names
-def test_pools_are_pinned_to_their_groups_by_ray_resources(name):
+def test_pools_are_pinned_to_their_groups_by_ray_resources(name, tmp_path):
     objs = rendered(name)
-    args = serve_args(objs)
+    args = serve_args(objs, tmp_path)
     rc = one(objs, "RayCluster")
     worker_groups = groups(rc)
     assert sorted(worker_groups) == ["decode", "prefill"]
@@ -600,10 +620,10 @@ def test_dashboard_configmap_holds_deploy_grafana_json(name):
         "the dashboard is too big for `kubectl apply` (client-side) to record: use --server-side in the guide")
 
 
-def test_dev_overlay_fits_one_gpu_node():
+def test_dev_overlay_fits_one_gpu_node(tmp_path):
     objs = rendered("dev")
     rc = one(objs, "RayCluster")
-    args = serve_args(objs)
+    args = serve_args(objs, tmp_path)
     assert not rc["spec"].get("enableInTreeAutoscaling", False)
     assert args.prefill_workers == args.decode_workers == 1
     total_gpus = 0
@@ -681,7 +701,7 @@ def test_bake_model_puts_the_default_model_where_the_configmap_looks(tmp_path):
     args, instructions = _dockerfile()
     runs = " ".join(rest for op, rest in instructions if op == "RUN")
     assert 'bake_model.py "${MODEL}" /models' in runs
-    model = Path(one(rendered("base"), "ConfigMap", "pdserve-config")["data"]["PDSERVE_MODEL"])
+    model = Path(serve_settings(rendered("base"))["model"])
     assert model.parent == Path("/models")
     baked = bake_model.bake(args["MODEL"], tmp_path / "models")
     assert baked == tmp_path / "models" / model.name and baked.is_file()
@@ -710,8 +730,8 @@ def test_deploy_guide_covers_apply_access_scaling_and_every_setting():
                    "port-forward", "minReplicas", "maxReplicas", "KubeRay", "NVIDIA device plugin",
                    "Prometheus Operator", "grafana_dashboard"):
         assert needle in guide, needle
-    for key in one(rendered("base"), "ConfigMap", "pdserve-config")["data"]:
-        assert key in guide, f"docs/deploy.md does not explain {key}"
+    for key in serve_settings(rendered("base")):
+        assert f"`{key}`" in guide, f"docs/deploy.md does not explain {key}"
 
 
 @pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl is not installed: nothing to compare with")
