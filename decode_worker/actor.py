@@ -64,6 +64,8 @@ class DecodeActor(WorkerActor):
         placed = time.monotonic()
 
         def add() -> None:
+            if self._cancelled_already(task.request_id):
+                return  # its attempt is over: nothing to reserve
             self.core.scheduler.add(req)
             self._source[task.request_id] = (task.prefill_worker, placed)
 
@@ -135,7 +137,10 @@ class DecodeActor(WorkerActor):
         if step.reserved:
             self._announce_reserved(step.reserved)
         if step.chunks:
-            self._publish(self._run(step))
+            run = self._run(step)
+            for f in run.failed:  # the step raised: the whole queue and batch were failed
+                self._source.pop(f.request_id, None)
+            self._publish(run)
         return bool(step.chunks or step.reserved)
 
     def _announce_reserved(self, reserved) -> None:

@@ -26,7 +26,12 @@ class ColocatedActor(WorkerActor):
     async def generate(self, task: PrefillTask) -> None:
         """Queue a whole request; its tokens (the first one included) arrive on stream()."""
         req = task.new_request()
-        await asyncio.wrap_future(self.loop.call(lambda: self.core.scheduler.add(req)))
+
+        def add() -> None:
+            if not self._cancelled_already(task.request_id):  # else its attempt is over
+                self.core.scheduler.add(req)
+
+        await asyncio.wrap_future(self.loop.call(add))
 
     def _step(self) -> bool:
         step = self.core.scheduler.schedule()

@@ -274,6 +274,10 @@ class ClusterConfig:
                 object.__setattr__(self, name, PoolConfig())
             elif name not in mine and getattr(self, name) is not None:
                 raise ValueError(f"a {name} pool is not part of a {self.mode} cluster")
+        if self.mode == "disaggregated":
+            sizes = {name: self.engine_for(pool).cache.block_size for name, pool in self.pools.items()}
+            if len(set(sizes.values())) > 1:  # KV moves between the pools block for block
+                raise ValueError(f"prefill and decode pools need one KV block size, got {sizes}")
         if self.transfer_timeout_s <= 0:
             raise ValueError(f"transfer_timeout_s must be positive, got {self.transfer_timeout_s}")
         if self.on_decode_failure not in ("resume", "fail"):

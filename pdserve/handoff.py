@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pdserve.kv_transfer import PairChannel, TransferError
+from pdserve.kv_transfer import PairChannel, TransferError, TransferTimeout
 
 log = logging.getLogger(__name__)
 
@@ -169,19 +169,21 @@ class PushJob:
             self._error = reason
             self._cond.notify_all()
 
-    def wait_layers(self, end: int) -> torch.cuda.Event | None:
+    def wait_layers(self, end: int, timeout_s: float) -> torch.cuda.Event | None:
         with self._cond:
-            self._cond.wait_for(lambda: self._layers_done >= end or self._error is not None)
-            if self._error is not None:
-                raise TransferError(f"the prefill step failed: {self._error}")
+            self._wait(lambda: self._layers_done >= end, timeout_s, f"layer {end - 1}")
             return self._events.get(end - 1)
 
-    def wait_tokens(self) -> tuple[list[int], float]:
+    def wait_tokens(self, timeout_s: float) -> tuple[list[int], float]:
         with self._cond:
-            self._cond.wait_for(lambda: self._tokens is not None or self._error is not None)
-            if self._error is not None:
-                raise TransferError(f"the prefill step failed: {self._error}")
+            self._wait(lambda: self._tokens is not None, timeout_s, "the sampled tokens")
             return list(self._tokens), self._sampled_at
+
+    def _wait(self, ready: Callable[[], bool], timeout_s: float, what: str) -> None:
+        if not self._cond.wait_for(lambda: ready() or self._error is not None, timeout_s):
+            raise TransferTimeout(f"the prefill step did not produce {what} within {timeout_s:g} s")
+        if self._error is not None:
+            raise TransferError(f"the prefill step failed: {self._error}")
 
 
 class KVPusher:
@@ -241,9 +243,11 @@ class KVPusher:
                 self._send(a, job)
             except _NoPeer as e:  # the decode worker cannot be reached: fail what waits for it as well
                 log.warning("KV push to %s failed: %s", self.decode_id, e)
-                self._break(a.generation)
-                self._done(job, str(e))
-                self._fail_queued(str(e))
+                with self._lock:  # one step: a job pushed meanwhile is numbered after the break, and kept
+                    self._break_locked(a.generation)
+                    queued = self._drain_locked()
+                for other in (job, *queued):
+                    self._done(other, str(e))
             except Exception as e:  # noqa: BLE001 - the job fails; the pair moves to the next generation
                 log.warning("KV push %s/%s of %s to %s failed: %s", a.generation, a.seq, a.request_ids,
                             self.decode_id, e)
@@ -252,16 +256,18 @@ class KVPusher:
             else:
                 self._done(job, None)
 
-    def _fail_queued(self, error: str) -> None:
+    def _drain_locked(self) -> list[PushJob]:
+        """The queued jobs, taken out of the queue (under _lock)."""
+        jobs = []
         while True:
             try:
                 item = self._jobs.get_nowait()
             except queue.Empty:
-                return
+                return jobs
             if item is None:  # stopping: leave the sentinel for the loop
                 self._jobs.put(None)
-                return
-            self._done(item[1], error)
+                return jobs
+            jobs.append(item[1])
 
     def _send(self, a: KVAnnounce, job: PushJob) -> None:
         with self._lock:
@@ -274,12 +280,18 @@ class KVPusher:
             with self._lock:
                 self._channel = channel
         cache = self.kv_cache
+        timeout = channel.timeout_s
         index = _block_index(job.block_ids, cache.device)
         per_layer = cache[0].numel() // cache.shape[3] * index.numel()  # [2, kv_heads, n, block_size, head_dim]
+        if self._stream is not None:
+            self._stream.wait_stream(torch.cuda.current_stream())  # the index above was copied on it
+        spans = layer_spans(job.num_layers, a.num_parts)
+        # The receiver's clock starts with the header: send it once the first part can follow.
+        job.wait_layers(spans[0][1], timeout)
 
         def parts() -> Iterator[torch.Tensor]:
-            for start, end in layer_spans(job.num_layers, a.num_parts):
-                event = job.wait_layers(end)
+            for start, end in spans:
+                event = job.wait_layers(end, timeout)
                 if self._stream is None:
                     yield cache[start:end].index_select(3, index)
                     continue
@@ -287,7 +299,7 @@ class KVPusher:
                     if event is not None:
                         self._stream.wait_event(event)
                     yield cache[start:end].index_select(3, index)
-            tokens, sampled_at = job.wait_tokens()
+            tokens, sampled_at = job.wait_tokens(timeout)
             # Trailer: the first token of each request, then when they were sampled (microseconds).
             yield torch.tensor([*tokens, int(sampled_at * 1e6)], dtype=torch.int64, device=cache.device)
 
@@ -295,12 +307,15 @@ class KVPusher:
 
     def _break(self, generation: int) -> None:
         with self._lock:
-            if generation == self._generation:
-                if self._channel is not None:
-                    self._channel.break_()
-                self._channel = None
-                self._generation += 1
-                self._next_seq = 0
+            self._break_locked(generation)
+
+    def _break_locked(self, generation: int) -> None:
+        if generation == self._generation:
+            if self._channel is not None:
+                self._channel.break_()
+            self._channel = None
+            self._generation += 1
+            self._next_seq = 0
 
 
 # --- receiver side (decode worker) -----------------------------------------------------------------
@@ -402,6 +417,9 @@ class KVIntake:
     def install(self, channel: PairChannel, generation: int) -> None:
         """A new channel with the sender (after a rendezvous it started); older transfers are void."""
         with self._cond:
+            if generation < self._generation or generation <= self._dead_generation:
+                channel.close()  # a rendezvous that finished too late: the sender has moved on
+                return
             if self._channel is not None:
                 self._channel.close()
             self._channel, self._generation, self._next_seq = channel, generation, 0
@@ -435,8 +453,12 @@ class KVIntake:
                 if self._announced:
                     deadline = deadline or time.monotonic() + self.timeout_s
                     if time.monotonic() >= deadline:
+                        # The whole generation is given up on both sides (breaking the channel fails the
+                        # sender's pending send), so the sender's order and this one cannot drift apart.
                         first = min(self._announced)
-                        self._dead_generation = max(self._dead_generation, first[0] - 1)
+                        self._dead_generation = max(self._dead_generation, first[0])
+                        if self._channel is not None and self._generation <= first[0]:
+                            self._channel.break_()
                         return self._announced.pop(first), None, (
                             f"transfer {first[1]} of generation {first[0]} could not start within "
                             f"{self.timeout_s:g} s (no channel, or an earlier transfer never announced)")
@@ -460,6 +482,7 @@ class KVIntake:
                 except Exception as e:  # noqa: BLE001 - every request of the transfer fails
                     log.warning("KV transfer %s/%s from %s failed: %s", a.generation, a.seq, self.prefill_id, e)
                     error = str(e) or type(e).__name__
+                    channel.break_()  # the sender must not wait out its timeout on a receive never posted
                     with self._cond:
                         self._dead_generation = max(self._dead_generation, a.generation)
             for i, rid in enumerate(a.request_ids):

@@ -9,6 +9,7 @@ step, and how it counts waiting and running requests.
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import os
 import queue
@@ -27,6 +28,8 @@ from pdserve.step_loop import StepLoop, StepLoopStopped
 from pdserve.utilization import device_peaks
 
 log = logging.getLogger(__name__)
+
+TOMBSTONE_TTL_S = 60.0  # the race it covers lasts milliseconds
 
 
 class StepRun(NamedTuple):
@@ -50,6 +53,9 @@ class WorkerActor:
         self.busy_seconds = 0.0
         self.started = time.monotonic()
         self._outputs: queue.SimpleQueue[StepOutput] = queue.SimpleQueue()
+        # Ids cancelled before their request arrived here (Ray may run a cancel ahead of the call that
+        # adds the request): the add then refuses them. Step thread; expire after TOMBSTONE_TTL_S.
+        self._tombstones: collections.OrderedDict[str, float] = collections.OrderedDict()
         self.loop: StepLoop | None = None
 
     def _start(self) -> None:
@@ -66,7 +72,7 @@ class WorkerActor:
     async def cancel(self, request_id: str) -> bool:
         """End a request here wherever it stands and free its KV (False: this worker does not have it)."""
         try:
-            return await asyncio.wrap_future(self.loop.call(lambda: self._cancel(request_id)))
+            return await asyncio.wrap_future(self.loop.call(lambda: self._cancel_or_remember(request_id)))
         except StepLoopStopped:  # shutting down: nothing left to free
             return False
 
@@ -86,6 +92,19 @@ class WorkerActor:
 
     def _cancel(self, request_id: str) -> bool:
         return self.core.cancel(request_id)
+
+    def _cancel_or_remember(self, request_id: str) -> bool:
+        if self._cancel(request_id):
+            return True
+        now = time.monotonic()
+        while self._tombstones and now - next(iter(self._tombstones.values())) > TOMBSTONE_TTL_S:
+            self._tombstones.popitem(last=False)
+        self._tombstones[request_id] = now
+        return False
+
+    def _cancelled_already(self, request_id: str) -> bool:
+        """On the step thread, as a request is added: whether its cancel came first (it must not run)."""
+        return self._tombstones.pop(request_id, None) is not None
 
     def _close(self) -> None:
         """Release what the subclass holds besides the step thread (channels, stores)."""

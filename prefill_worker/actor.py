@@ -30,6 +30,8 @@ from pdserve.worker import WorkerActor
 
 log = logging.getLogger(__name__)
 
+READY_TTL_S = 600.0  # a destination-ready notice nobody claims (its request ended) is dropped after this
+
 
 @dataclass
 class _Destination:
@@ -68,7 +70,9 @@ class PrefillActor(WorkerActor):
         # The hand-off's shared state, under _lock.
         self._lock = threading.Lock()
         self._destinations: dict[str, _Destination] = {}
-        self._ready: set[str] = set()  # requests whose decode worker has reserved room
+        # Requests whose decode worker has reserved room, and when it said so. A notice can come for a
+        # request that already ended here (or before it arrived): unclaimed ones expire after READY_TTL_S.
+        self._ready: dict[str, float] = {}
         self._held: dict[str, _HeldKV] = {}  # computed, waiting for their reservation
         self._pushing: set[str] = set()  # in a push job not yet done
         self._send_delays: list[float] = []
@@ -84,6 +88,8 @@ class PrefillActor(WorkerActor):
         self._results[task.request_id] = fut
 
         def add() -> None:
+            if self._cancelled_already(task.request_id):
+                raise asyncio.CancelledError(f"request {task.request_id} was cancelled before it arrived")
             self.core.scheduler.add(req)
             if task.kv_destination is not None:
                 self._destination_of[task.request_id] = task.kv_destination
@@ -100,7 +106,13 @@ class PrefillActor(WorkerActor):
         with self._lock:
             dest = self._destination(decode_id, handle, host, port)
             held = [(rid, self._held.pop(rid)) for rid in request_ids if rid in self._held]
-            self._ready.update(rid for rid in request_ids if rid not in dict(held))
+            pushed_now = {rid for rid, _ in held}
+            now = time.monotonic()
+            for rid in request_ids:
+                if rid not in pushed_now:
+                    self._ready[rid] = now
+            for rid in [r for r, t in self._ready.items() if now - t > READY_TTL_S]:
+                del self._ready[rid]
             if held:
                 self._pushing.update(rid for rid, _ in held)
                 jobs.append(PushJob(decode_id, [rid for rid, _ in held], [h.block_ids for _, h in held],
@@ -170,7 +182,8 @@ class PrefillActor(WorkerActor):
         failed (the decode worker is told, and reports it to the router). Either way it is freed here."""
         with self._lock:
             self._pushing.difference_update(job.request_ids)
-            self._ready.difference_update(job.request_ids)
+            for rid in job.request_ids:
+                self._ready.pop(rid, None)
             dest = self._destinations.get(job.destination)
         if error is not None and dest is not None:
             dest.handle.kv_failed.remote(self.worker_id, job.request_ids, error)
@@ -187,16 +200,21 @@ class PrefillActor(WorkerActor):
         if not step.chunks:
             return False
         pushes = _StepPushes(self, step)
-        pushes.layer_done(-1)  # destinations already ready: their KV goes out layer by layer
-        sampled, failed = self._run(step, pushes.layer_done)
+        try:
+            pushes.layer_done(-1)  # destinations already ready: their KV goes out layer by layer
+            sampled, failed = self._run(step, pushes.layer_done)
+            if not failed:
+                pushes.sampled({s.request.request_id: s.token for s in sampled})
+        except BaseException as e:  # a push that never hears of its layers or tokens would wait forever
+            pushes.abort(f"{type(e).__name__}: {e}")
+            raise
         if failed:  # the step raised: its pushes cannot complete, its requests fail
             pushes.abort(failed[0].detail)
             for f in failed:
-                self._destination_of.pop(f.request_id, None)
+                self._forget(f.request_id)
                 self._fail(f.request_id, RuntimeError(f.detail))
             return True
         sampled_at = time.time()
-        pushes.sampled({s.request.request_id: s.token for s in sampled})
         late: dict[str, list[tuple[str, _HeldKV]]] = {}
         for s in sampled:
             req, rid = s.request, s.request.request_id
@@ -205,12 +223,13 @@ class PrefillActor(WorkerActor):
             if rid in pushes.started:
                 continue  # freed when its push ends
             if dest is None or s.finish_reason is not None:
+                self._forget(rid)
                 self.core.cancel(rid)  # nothing follows the first token
                 continue
             held = _HeldKV(dest, scheduler.kv_blocks(req), s.token, sampled_at)
             with self._lock:
                 if rid in self._ready:
-                    self._ready.discard(rid)
+                    del self._ready[rid]
                     self._pushing.add(rid)
                     late.setdefault(dest, []).append((rid, held))
                 else:
@@ -224,13 +243,17 @@ class PrefillActor(WorkerActor):
         return True
 
     def _cancel(self, request_id: str) -> bool:
+        if self._forget(request_id):
+            return True  # freed when its push ends
+        return self.core.cancel(request_id)
+
+    def _forget(self, request_id: str) -> bool:
+        """Drop a request's hand-off state (it ended here); whether a push of its KV is still under way."""
         self._destination_of.pop(request_id, None)
         with self._lock:
-            self._ready.discard(request_id)
+            self._ready.pop(request_id, None)
             self._held.pop(request_id, None)
-            if request_id in self._pushing:
-                return True  # freed when its push ends
-        return self.core.cancel(request_id)
+            return request_id in self._pushing
 
     def _resolve(self, req: Request, token: int) -> None:
         fut = self._results.get(req.request_id)
@@ -275,6 +298,9 @@ class _StepPushes:
         self.jobs: list[PushJob] = []
 
     def layer_done(self, layer: int) -> None:
+        for job in self.jobs:  # the pushes under way may send this layer now
+            if layer >= 0:
+                job.layer_done(layer)
         if len(self.started) == len(self.candidates) or (not self.actor.push_layerwise and layer < self.num_layers - 1):
             return
         a = self.actor
@@ -282,7 +308,7 @@ class _StepPushes:
         with a._lock:
             for rid, (dest, _) in self.candidates.items():
                 if rid not in self.started and rid in a._ready:
-                    a._ready.discard(rid)
+                    del a._ready[rid]
                     a._pushing.add(rid)
                     groups.setdefault(dest, []).append(rid)
             pushers = {dest: a._destinations[dest].pusher for dest in groups}

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import itertools
 import logging
 import random
@@ -108,8 +109,11 @@ class Cluster:
                 try:
                     # Each attempt has a worker-side id of its own: nothing of an abandoned attempt
                     # can touch the next.
-                    async for out in self._attempt(req, text, f"{rid}#{attempt}", avoid):
-                        yield out
+                    # Closed explicitly (not left to the garbage collector): its cleanup cancels the
+                    # attempt on its workers the moment the client goes away.
+                    async with contextlib.aclosing(self._attempt(req, text, f"{rid}#{attempt}", avoid)) as outs:
+                        async for out in outs:
+                            yield out
                     return
                 except _Retry as e:
                     failures[e.reason] += 1
@@ -223,6 +227,11 @@ class Cluster:
         except ray.exceptions.RayActorError as e:
             self._pools.lose(w, f"dead: {type(e).__name__}")
             raise _Retry(_LOST[w.pool], f"worker {w.worker_id} died", [w.worker_id]) from e
+        except ray.exceptions.RayTaskError as e:
+            if isinstance(e, ValueError):  # the worker refused the request itself: the caller's error
+                raise
+            # Its step failed (the worker failed the whole batch and goes on serving): place it again.
+            raise _Retry(FailureReason.STEP_FAILED, f"worker {w.worker_id}: {e.cause!r}", [w.worker_id]) from e
 
     @staticmethod
     def _annotate(out: RequestOutput, req: Request, placed: list[Worker]) -> RequestOutput:

@@ -226,3 +226,46 @@ def test_unreachable_decode_worker_fails_every_queued_job_at_once():
         assert calls == [1]  # one rendezvous tried, not one per job
     finally:
         pusher.stop()
+
+
+def test_parts_go_out_as_layers_finish_before_the_tokens_exist(pair):
+    reserve(pair, "a", [6, 7])
+    job = PushJob("d0", ["a"], [[1, 2]], LAYERS)
+    pair.pusher.push(job)
+    for layer in range(LAYERS):
+        job.layer_done(layer)
+    # Every KV part has arrived while the step is still "sampling": only the trailer is missing.
+    wait_for(lambda: torch.equal(pair.dst[:, :, :, [6, 7]], pair.src[:, :, :, [1, 2]]), TIMEOUT_S,
+             what="the KV parts before the tokens")
+    assert pair.of("landed") == []
+    job.sampled([5])
+    wait_for(lambda: pair.of("landed"), TIMEOUT_S, what="the request to land")
+
+
+def test_a_prefill_step_tells_its_pushes_of_every_layer():
+    """The prefill worker's per-layer hook: a push started before the forward hears of each layer."""
+    from types import SimpleNamespace
+
+    from prefill_worker.actor import _StepPushes
+    from pdserve.request import Request
+    from pdserve.runner import Chunk
+    from pdserve.sampling import SamplingParams
+
+    pushed: list[PushJob] = []
+    actor = SimpleNamespace(
+        push_layerwise=True, _lock=threading.Lock(), _ready={"a": 0.0}, _pushing=set(),
+        _destination_of={"a": "d0"}, _destinations={"d0": SimpleNamespace(pusher=SimpleNamespace(push=pushed.append))},
+        core=SimpleNamespace(model_config=SimpleNamespace(num_layers=LAYERS),
+                             kv=SimpleNamespace(blocks_needed=lambda n: -(-n // BLOCK_SIZE))))
+    req = Request("a", list(range(6)), SamplingParams(), 0)
+    req.block_ids = [3, 4]
+    step = SimpleNamespace(requests=[req], chunks=[Chunk(list(range(6)), 0, [3, 4], SamplingParams())])
+    pushes = _StepPushes(actor, step)
+    pushes.layer_done(-1)
+    (job,) = pushed
+    assert job.block_ids == [[3, 4]] and actor._pushing == {"a"} and actor._ready == {}
+    for layer in range(LAYERS):
+        pushes.layer_done(layer)
+        assert job.wait_layers(layer + 1, 0.01) is None  # reported, not waited for
+    pushes.sampled({"a": 11})
+    assert job.wait_tokens(0.01)[0] == [11]

@@ -57,16 +57,19 @@ def test_a_pool_takes_the_engines_cache_and_batching_unless_it_sets_its_own():
 
     engine = EngineConfig(cache=CacheConfig(block_size=8), scheduler=SchedulerConfig(max_num_seqs=4))
     own = SchedulerConfig(max_num_batched_tokens=256)
-    c = ClusterConfig(engine=engine, prefill=PoolConfig(scheduler=own), decode=PoolConfig(cache=CacheConfig(block_size=32)))
-    assert c.engine_for(c.prefill).scheduler is own and c.engine_for(c.prefill).cache.block_size == 8
-    assert c.engine_for(c.decode).scheduler.max_num_seqs == 4 and c.engine_for(c.decode).cache.block_size == 32
+    c = ClusterConfig(engine=engine, prefill=PoolConfig(scheduler=own),
+                      decode=PoolConfig(cache=CacheConfig(block_size=8, num_blocks=100)))
+    assert c.engine_for(c.prefill).scheduler is own and c.engine_for(c.prefill).cache.num_blocks is None
+    assert c.engine_for(c.decode).scheduler.max_num_seqs == 4 and c.engine_for(c.decode).cache.num_blocks == 100
 
 
 def test_a_pool_of_the_other_mode_is_an_error():
-    from pdserve.config import ClusterConfig, PoolConfig
+    from pdserve.config import CacheConfig, ClusterConfig, PoolConfig
 
     with pytest.raises(ValueError, match="colocated pool is not part of a disaggregated cluster"):
         ClusterConfig(colocated=PoolConfig())
     with pytest.raises(ValueError, match="prefill pool is not part of a colocated cluster"):
         ClusterConfig(mode="colocated", prefill=PoolConfig())
     assert list(ClusterConfig().pools) == ["prefill", "decode"]
+    with pytest.raises(ValueError, match="one KV block size"):
+        ClusterConfig(decode=PoolConfig(cache=CacheConfig(block_size=32)))
