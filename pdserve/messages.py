@@ -46,7 +46,6 @@ class PrefillResult:
     request_id: str
     first_token: int
     num_cached_tokens: int  # prompt tokens served by the prefix cache
-    num_kv_blocks: int  # blocks of KV handed to the decode worker
 
 
 @dataclass(frozen=True)

@@ -259,8 +259,7 @@ class PrefillActor(WorkerActor):
         fut = self._results.get(req.request_id)
         try:
             if fut is not None:
-                fut.set_result(PrefillResult(req.request_id, token, req.num_cached_tokens,
-                                             len(self.core.scheduler.kv_blocks(req))))
+                fut.set_result(PrefillResult(req.request_id, token, req.num_cached_tokens))
         except InvalidStateError:  # cancelled meanwhile
             pass
 
