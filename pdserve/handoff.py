@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import itertools
 import logging
 import queue
 import threading
@@ -501,7 +502,8 @@ class KVIntake:
         num_layers = cache.shape[0]
         total = sum(a.num_blocks)
         # Requests no longer expected still arrive (the order must hold); their KV goes nowhere.
-        keep = [(off, blk) for off, blk in zip(_offsets(a.num_blocks), blocks) if blk is not None]
+        offsets = [0, *itertools.accumulate(a.num_blocks)]  # of each request's blocks in the transfer
+        keep = [(off, blk) for off, blk in zip(offsets, blocks) if blk is not None]
         for n, blk in zip(a.num_blocks, blocks):
             if blk is not None and len(blk) != n:
                 raise TransferError(f"{n} blocks announced for a request that reserved {len(blk)}")
@@ -515,7 +517,7 @@ class KVIntake:
                               dtype=cache.dtype, device=cache.device)
         buffers = [staging[: end - start] for start, end in spans]  # leading slices: contiguous
         parts = channel.recv_parts(a.seq, [*buffers, trailer], per_layer * num_layers + trailer.numel())
-        with torch.cuda.stream(self._stream) if self._stream is not None else _nullcontext():
+        with torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext():
             for (start, end), data in zip(spans, parts):
                 if dst.numel():
                     cache[start:end].index_copy_(3, dst, data.index_select(3, src))
@@ -523,15 +525,3 @@ class KVIntake:
                 pass
             values = trailer.tolist()  # on a GPU this waits for the writes above as well
         return values[:-1], values[-1] / 1e6
-
-
-_nullcontext = contextlib.nullcontext
-
-
-def _offsets(sizes: Sequence[int]) -> list[int]:
-    out, total = [], 0
-    for n in sizes:
-        out.append(total)
-        total += n
-    return out
-

@@ -21,7 +21,7 @@ import torch
 
 from pdserve.config import EngineConfig
 from pdserve.engine import EngineCore
-from pdserve.loader import LoadedModel, load
+from pdserve.loader import LoadedModel
 from pdserve.messages import Failure, FailureReason, StepOutput, TokenEvent, WorkerStats
 from pdserve.scheduler import Role, SampledToken, ScheduledStep
 from pdserve.step_loop import StepLoop, StepLoopStopped
@@ -48,7 +48,7 @@ class WorkerActor:
         if torch_threads:
             torch.set_num_threads(torch_threads)
         self.worker_id = worker_id
-        self.core = EngineCore(config, loaded or load(config), self.role)
+        self.core = EngineCore(config, loaded, self.role)
         self.peaks = device_peaks(self.core.runner.device, config.peak_flops, config.peak_bytes_per_second)
         self.busy_seconds = 0.0
         self.started = time.monotonic()

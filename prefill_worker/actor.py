@@ -45,7 +45,6 @@ class _Destination:
 class _HeldKV:
     """A computed prompt whose decode worker has not reserved room yet."""
 
-    destination: str
     block_ids: list[int]
     token: int
     sampled_at: float
@@ -102,7 +101,6 @@ class PrefillActor(WorkerActor):
 
     async def kv_ready(self, decode_id: str, handle: Any, host: str, port: int, request_ids: tuple[str, ...]) -> None:
         """A decode worker has reserved room for these requests' KV: push what is already held, at once."""
-        jobs: list[PushJob] = []
         with self._lock:
             dest = self._destination(decode_id, handle, host, port)
             held = [(rid, self._held.pop(rid)) for rid in request_ids if rid in self._held]
@@ -113,13 +111,9 @@ class PrefillActor(WorkerActor):
                     self._ready[rid] = now
             for rid in [r for r, t in self._ready.items() if now - t > READY_TTL_S]:
                 del self._ready[rid]
-            if held:
-                self._pushing.update(rid for rid, _ in held)
-                jobs.append(PushJob(decode_id, [rid for rid, _ in held], [h.block_ids for _, h in held],
-                                    self.core.model_config.num_layers, self.core.model_config.num_layers,
-                                    [h.token for _, h in held], min(h.sampled_at for _, h in held)))
-        for job in jobs:
-            dest.pusher.push(job)
+            self._pushing.update(pushed_now)
+        if held:
+            dest.pusher.push(self._held_job(decode_id, held))
 
     async def cancel(self, request_id: str) -> bool:
         self._fail(request_id, asyncio.CancelledError(f"request {request_id} cancelled"))
@@ -226,7 +220,7 @@ class PrefillActor(WorkerActor):
                 self._forget(rid)
                 self.core.cancel(rid)  # nothing follows the first token
                 continue
-            held = _HeldKV(dest, scheduler.kv_blocks(req), s.token, sampled_at)
+            held = _HeldKV(scheduler.kv_blocks(req), s.token, sampled_at)
             with self._lock:
                 if rid in self._ready:
                     del self._ready[rid]
@@ -237,10 +231,14 @@ class PrefillActor(WorkerActor):
         for dest, items in late.items():  # the reservation came during this step
             with self._lock:
                 pusher = self._destinations[dest].pusher
-            pusher.push(PushJob(dest, [rid for rid, _ in items], [h.block_ids for _, h in items],
-                                self.core.model_config.num_layers, self.core.model_config.num_layers,
-                                [h.token for _, h in items], sampled_at))
+            pusher.push(self._held_job(dest, items))
         return True
+
+    def _held_job(self, destination: str, items: list[tuple[str, _HeldKV]]) -> PushJob:
+        """A push of computed KV: all of its layers are there, and so are the first tokens."""
+        num_layers = self.core.model_config.num_layers
+        return PushJob(destination, [rid for rid, _ in items], [h.block_ids for _, h in items], num_layers,
+                       num_layers, [h.token for _, h in items], min(h.sampled_at for _, h in items))
 
     def _cancel(self, request_id: str) -> bool:
         if self._forget(request_id):
