@@ -10,13 +10,16 @@ cluster bound to 127.0.0.1 runs two actors: the decode side (StoreServer, rank 1
 prefill side (rank 0, sends). A transfer's time is what the receiver waits for one recv_into, header
 included; the baseline is `dst.copy_(src)` into a preallocated tensor inside the receiving actor.
 Each figure is the median of --reps repetitions, after a sweep of --warmup unrecorded ones per
-payload. Prints one table.
+payload. The checksum column is pdserve.handoff.kv_checksum of the payload in the receiving actor; a
+transfer computes it on both ends, so its cost is twice that, shown as a share of the gloo time.
+Prints one table.
 
 Hand-off table: a real prefill worker and decode worker (the cluster's actors, SmolLM2, one torch
 thread each) serve one request at a time of --handoff-tokens prompt tokens and 2 output tokens. The
 decode worker reserves room before the prefill starts (as the router does), so the KV is pushed
 during the prefill step; each length is also run with the push held to the end of the forward (the
-whole KV at once). Hand-off = first token sampled on the prefill worker -> KV usable on the decode
+whole KV at once), and layer-wise with the KV checksum (--kv-checksum). Hand-off = first token
+sampled on the prefill worker -> KV usable on the decode
 worker (the decode worker's pdserve_kv_handoff_seconds); prefill step = the prefill worker's busy time
 for the request. Medians of --handoff-reps requests after one warm-up each.
 """
@@ -77,6 +80,19 @@ class Endpoint:
             seconds.append(time.perf_counter() - start)
         return seconds
 
+    def checksum(self, shape: tuple[int, ...], count: int) -> list[float]:
+        from pdserve.handoff import kv_checksum
+
+        data = torch.randn(shape)
+        if data.dim() != 6:  # a flat payload, seen as blocks of SmolLM2's shape
+            data = data.view(1, 1, 1, -1, BLOCK_SIZE, HEAD_DIM)
+        seconds = []
+        for _ in range(count):
+            start = time.perf_counter()
+            kv_checksum(data)
+            seconds.append(time.perf_counter() - start)
+        return seconds
+
     def threads(self) -> int:
         return torch.get_num_threads()
 
@@ -115,11 +131,12 @@ def handoff_table(lengths: list[int], reps: int) -> None:
     ray.get(decode.ready.remote())
     params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
     print("\nhand-off, prefill worker -> decode worker (SmolLM2, fp32, 1 torch thread each)")
-    print(f"{'prompt':>8} {'push':>12} {'prefill step ms':>16} {'hand-off ms':>12} {'hand-off/step':>14}")
+    print(f"{'prompt':>8} {'push':>20} {'prefill step ms':>16} {'hand-off ms':>12} {'hand-off/step':>14}")
     ids = iter(range(10**6))
-    for layerwise in (True, False):
-        pid = f"prefill-{int(not layerwise)}"
-        prefill = ray.remote(PrefillActor).options(num_cpus=0.5).remote(pid, config, TIMEOUT_S, 1, layerwise)
+    for n_variant, (layerwise, checksum) in enumerate(((True, False), (True, True), (False, False))):
+        pid = f"prefill-{n_variant}"
+        prefill = ray.remote(PrefillActor).options(num_cpus=0.5).remote(pid, config, TIMEOUT_S, 1, layerwise,
+                                                                          checksum)
         ray.get(prefill.ready.remote())
         for n in lengths:
             steps, handoffs = [], []
@@ -140,8 +157,8 @@ def handoff_table(lengths: list[int], reps: int) -> None:
                     steps.append(after_p.busy_seconds - before_p.busy_seconds)
                     handoffs.append(after_d.handoff["sum"] - before_d.handoff["sum"])
             step, handoff = statistics.median(steps), statistics.median(handoffs)
-            name = "layer-wise" if layerwise else "end of step"
-            print(f"{n:>8} {name:>12} {step * 1e3:16.1f} {handoff * 1e3:12.1f} {handoff / step:14.3f}")
+            name = ("layer-wise" if layerwise else "end of step") + (", checksum" if checksum else "")
+            print(f"{n:>8} {name:>20} {step * 1e3:16.1f} {handoff * 1e3:12.1f} {handoff / step:14.3f}")
         ray.get(prefill.shutdown.remote())
         ray.kill(prefill)
     ray.get(decode.shutdown.remote())
@@ -167,7 +184,8 @@ def main() -> None:
         setup = ray.get([decode.open.remote(port, 1), prefill.open.remote(port, 0)])
         print(f"pair setup (rendezvous) {max(setup) * 1e3:.0f} ms; torch threads per actor: "
               f"{ray.get(decode.threads.remote())}")
-        print(f"{'payload':>16} {'MB':>8} {'gloo ms':>9} {'gloo GB/s':>10} {'copy GB/s':>10} {'gloo/copy':>10}")
+        print(f"{'payload':>16} {'MB':>8} {'gloo ms':>9} {'gloo GB/s':>10} {'copy GB/s':>10} {'gloo/copy':>10} "
+              f"{'checksum ms':>12} {'2 sums/gloo':>12}")
         sizes = payloads(args.tokens, args.extra_mb)
         # The warm-up is a whole unrecorded sweep: a fresh cluster keeps the 2 cores busy for a few
         # seconds (workers starting), which would otherwise land on the first payload alone.
@@ -179,8 +197,10 @@ def main() -> None:
             recv_s, _ = ray.get([decode.recv.remote(shape, args.reps), prefill.send.remote(shape, args.reps)])
             copy_s = ray.get(decode.copy.remote(shape, args.reps))
             gloo_s = statistics.median(recv_s)
+            sum_s = statistics.median(ray.get(decode.checksum.remote(shape, args.reps)))
             gloo, copy = nbytes / gloo_s / 1e9, nbytes / statistics.median(copy_s) / 1e9
-            print(f"{name:>16} {nbytes / 1e6:8.2f} {gloo_s * 1e3:9.2f} {gloo:10.2f} {copy:10.2f} {gloo / copy:10.3f}")
+            print(f"{name:>16} {nbytes / 1e6:8.2f} {gloo_s * 1e3:9.2f} {gloo:10.2f} {copy:10.2f} {gloo / copy:10.3f} "
+                  f"{sum_s * 1e3:12.2f} {2 * sum_s / gloo_s:12.1%}")
         ray.get([decode.close.remote(), prefill.close.remote()])
         if not args.no_handoff:
             handoff_table(args.handoff_tokens, args.handoff_reps)

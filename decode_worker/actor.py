@@ -50,6 +50,7 @@ class DecodeActor(WorkerActor):
         self.store = StoreServer(bind_host or ray.util.get_node_ip_address())
         self.inbound = InboundTable()
         self._intakes: dict[str, KVIntake] = {}
+        self._lost_peers: set[str] = set()  # prefill workers the router has given up on (ids are never reused)
         self._prefill: dict[str, Any] = {}  # prefill worker id -> handle
         self._source: dict[str, tuple[str, float]] = {}  # step thread: request -> (prefill worker, placed at)
         self._self_handle: Any = None
@@ -79,20 +80,35 @@ class DecodeActor(WorkerActor):
 
     async def kv_incoming(self, announce: KVAnnounce) -> None:
         """A prefill worker's notice of its next transfer to this worker (the order to receive in)."""
-        self._intake(announce.prefill_id).announce(announce)
+        if announce.prefill_id not in self._lost_peers:
+            self._intake(announce.prefill_id).announce(announce)
 
     async def open_channel(self, prefill_id: str, generation: int) -> None:
         """This side of a new pair channel; the prefill worker builds its side concurrently."""
+        if prefill_id in self._lost_peers:
+            raise ConnectionError(f"prefill worker {prefill_id} was lost; no channel to it")
         channel = await asyncio.to_thread(
             PairChannel, self.store.host, self.store.port, prefill_id, self.worker_id, RECEIVER_RANK,
             self.transfer_timeout_s, self.core.runner.kv_cache.device, generation=generation,
             stats=self.transfer_stats)
+        if prefill_id in self._lost_peers:  # lost while the rendezvous ran
+            channel.close()
+            raise ConnectionError(f"prefill worker {prefill_id} was lost; no channel to it")
         self._intake(prefill_id).install(channel, generation)
 
     async def kv_failed(self, prefill_id: str, request_ids: tuple[str, ...], error: str) -> None:
         """A prefill worker could not push these requests' KV: drop their reservations, report them failed."""
         self.loop.call(lambda: [self._transfer_failed(rid, error) for rid in request_ids
                                 if self.inbound.expire(rid)])
+
+    async def peer_lost(self, worker_id: str) -> None:
+        """A prefill worker is gone: end its intake (the router places its requests again and cancels
+        them here; one whose KV was being written keeps its blocks until the write has failed)."""
+        self._lost_peers.add(worker_id)
+        self._prefill.pop(worker_id, None)
+        intake = self._intakes.pop(worker_id, None)
+        if intake is not None:
+            intake.stop()
 
     def _close(self) -> None:
         for intake in self._intakes.values():
@@ -164,5 +180,6 @@ class DecodeActor(WorkerActor):
         return len(s.waiting) + len(s.waiting_for_kv), sum(r.num_tokens for r in s.waiting), len(s.running)
 
     def _extra_stats(self) -> dict:
-        return dict(transfer=self.transfer_stats.snapshot(), handoff=self.handoff_seconds.snapshot(),
+        return dict(transfer=self.transfer_stats.snapshot(), kv_peers=len(self._intakes),
+                    handoff=self.handoff_seconds.snapshot(),
                     reservation_wait=self.reservation_wait_seconds.snapshot())

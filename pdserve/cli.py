@@ -8,6 +8,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from pdserve.bench.cli import add_bench_parser
+from pdserve.client import add_connection_args, connection_from_args
 from pdserve.sampling import SamplingParams
 
 
@@ -21,7 +22,7 @@ def build_parser(commands: Sequence[Callable[[Any], None]] = ()) -> argparse.Arg
 
     gen = sub.add_parser("generate", help="generate a completion for one prompt and stream it to stdout")
     gen.add_argument("prompt", help="prompt text (tokenized as given unless --chat)")
-    gen.add_argument("--target", default="127.0.0.1:50051", help="router address (HOST:PORT)")
+    add_connection_args(gen)
     gen.add_argument("--offline", action="store_true", help="run the model in this process instead (no cluster)")
     add_model_args(gen)
     add_sampling_args(gen)
@@ -32,7 +33,7 @@ def build_parser(commands: Sequence[Callable[[Any], None]] = ()) -> argparse.Arg
     gen.set_defaults(func=cmd_generate)
 
     status = sub.add_parser("status", help="print the cluster's pools and workers")
-    status.add_argument("--target", default="127.0.0.1:50051")
+    add_connection_args(status)
     status.set_defaults(func=cmd_status)
     add_bench_parser(sub)
     return parser
@@ -105,7 +106,7 @@ def generate_remote(args: argparse.Namespace) -> int:
         kwargs["prompt"] = args.prompt
     out = Completion()
     try:
-        with Client(args.target) as client:
+        with Client(connection_from_args(args)) as client:
             for r in client.generate(timeout=args.timeout, **kwargs):
                 out.add(r)
                 if not args.json and r.text:
@@ -132,7 +133,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     from pdserve.client import Client
 
     try:
-        with Client(args.target) as client:
+        with Client(connection_from_args(args)) as client:
             st = client.cluster_status(timeout=10)
     except grpc.RpcError as e:
         print(f"pdserve status: {e.code().name}: {e.details()}", file=sys.stderr)

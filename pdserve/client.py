@@ -4,11 +4,20 @@
         for r in c.generate("Once upon a time", max_tokens=32):
             print(r.text, end="", flush=True)
         print(c.complete(messages=[{"role": "user", "content": "Hi"}]).text)
+
+A router started with TLS and an API key (`pdserve serve --ssl-certfile ... --api-key-file ...`) takes
+the same options here: Client(target, api_key=KEY, ssl_ca_certs="ca.pem") verifies the server against
+that CA and sends `authorization: Bearer KEY` with every call; ssl_certfile/ssl_keyfile add a client
+certificate (mutual TLS); tls=True alone uses the system's trusted CAs. api_key None reads
+$PDSERVE_API_KEY.
 """
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass, field
+
+import os
+from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -17,6 +26,7 @@ from pdserve.v1 import generation_pb2 as pb
 from pdserve.v1 import generation_pb2_grpc as pb_grpc
 
 DEFAULT_TARGET = "127.0.0.1:50051"
+API_KEY_ENV = "PDSERVE_API_KEY"
 FINISH_REASONS = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length",
                   pb.FINISH_REASON_CANCELLED: "cancelled", pb.FINISH_REASON_ERROR: "error"}
 
@@ -69,14 +79,82 @@ def build_request(prompt: str | None = None, *, messages: Sequence[dict[str, str
     return req
 
 
+@dataclass(frozen=True)
+class Connection:
+    """How to reach a router: its address, TLS (CA to trust, optional client certificate) and API key."""
+
+    target: str = DEFAULT_TARGET
+    api_key: str | None = None  # None: $PDSERVE_API_KEY, if set
+    ssl_ca_certs: str | None = None  # PEM file of the CA that signed the router's certificate
+    ssl_certfile: str | None = None  # a client certificate and its key, for a router that asks for one
+    ssl_keyfile: str | None = None
+    tls: bool = False  # TLS with the system's CAs (implied by any ssl_* option)
+    server_name: str | None = None  # the name to check the certificate against, if not the target's host
+
+    def credentials(self) -> grpc.ChannelCredentials | None:
+        if not (self.tls or self.ssl_ca_certs or self.ssl_certfile):
+            return None
+        if bool(self.ssl_certfile) != bool(self.ssl_keyfile):
+            raise ValueError("a client certificate needs both ssl_certfile and ssl_keyfile")
+        read = lambda path: Path(path).read_bytes() if path else None  # noqa: E731
+        return grpc.ssl_channel_credentials(read(self.ssl_ca_certs), read(self.ssl_keyfile), read(self.ssl_certfile))
+
+    def options(self) -> list[tuple[str, str]]:
+        return [("grpc.ssl_target_name_override", self.server_name)] if self.server_name else []
+
+    def metadata(self) -> tuple[tuple[str, str], ...]:
+        key = self.api_key if self.api_key is not None else os.environ.get(API_KEY_ENV)
+        return (("authorization", f"Bearer {key}"),) if key else ()
+
+
+def add_connection_args(p) -> None:
+    """The command-line options that say how to reach a router (pdserve generate / status / bench)."""
+    p.add_argument("--target", default=DEFAULT_TARGET, help="router address (HOST:PORT)")
+    g = p.add_argument_group("TLS and API key (for a router started with them)")
+    g.add_argument("--api-key", default=None, help=f"sent as 'authorization: Bearer KEY' (default: ${API_KEY_ENV}; "
+                                                   "prefer the variable or --api-key-file: a flag shows in ps)")
+    g.add_argument("--api-key-file", default=None, metavar="FILE", help="read the API key from this file")
+    g.add_argument("--ssl-ca-certs", default=None, metavar="FILE", help="CA certificates (PEM) to verify the router")
+    g.add_argument("--ssl-certfile", default=None, metavar="FILE", help="client certificate (PEM), for mutual TLS")
+    g.add_argument("--ssl-keyfile", default=None, metavar="FILE", help="the client certificate's key (PEM)")
+    g.add_argument("--tls", action="store_true", help="use TLS with the system's CAs (implied by the --ssl-* options)")
+    g.add_argument("--server-name", default=None, help="the name the router's certificate must carry, if not the "
+                                                       "target's host")
+
+
+def connection_from_args(args) -> Connection:
+    return Connection(args.target, read_api_key(args.api_key, args.api_key_file), args.ssl_ca_certs,
+                      args.ssl_certfile, args.ssl_keyfile, args.tls, args.server_name)
+
+
+def read_api_key(key: str | None, key_file: str | None) -> str | None:
+    """The key given, else the first line of key_file, else $PDSERVE_API_KEY (None if there is none)."""
+    if key is None and key_file is not None:
+        key = Path(key_file).read_text().strip()
+        if not key:
+            raise ValueError(f"{key_file}: the API key file is empty")
+    return key if key is not None else (os.environ.get(API_KEY_ENV) or None)
+
+
+def _channel(grpc_module, conn: Connection):
+    creds = conn.credentials()
+    if creds is None:
+        return grpc_module.insecure_channel(conn.target, options=conn.options())
+    return grpc_module.secure_channel(conn.target, creds, options=conn.options())
+
+
 class Client:
-    def __init__(self, target: str = DEFAULT_TARGET):
-        self.channel = grpc.insecure_channel(target)
+    def __init__(self, target: str | Connection = DEFAULT_TARGET, **security):
+        """security: the other fields of Connection (api_key, ssl_ca_certs, ssl_certfile, ssl_keyfile, tls,
+        server_name)."""
+        self.connection = target if isinstance(target, Connection) else Connection(target, **security)
+        self.channel = _channel(grpc, self.connection)
+        self.metadata = self.connection.metadata()
         self.stub = pb_grpc.GenerationStub(self.channel)
 
     def generate(self, prompt: str | None = None, *, timeout: float | None = None, **kwargs) -> Iterator[pb.GenerateResponse]:
         """Stream responses; breaking out of the loop cancels the request on the server."""
-        call = self.stub.Generate(build_request(prompt, **kwargs), timeout=timeout)
+        call = self.stub.Generate(build_request(prompt, **kwargs), timeout=timeout, metadata=self.metadata)
         try:
             yield from call
         finally:
@@ -89,10 +167,10 @@ class Client:
         return out
 
     def model_info(self, timeout: float | None = None) -> pb.ModelInfo:
-        return self.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=timeout)
+        return self.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=timeout, metadata=self.metadata)
 
     def cluster_status(self, timeout: float | None = None) -> pb.ClusterStatus:
-        return self.stub.GetClusterStatus(pb.GetClusterStatusRequest(), timeout=timeout)
+        return self.stub.GetClusterStatus(pb.GetClusterStatusRequest(), timeout=timeout, metadata=self.metadata)
 
     def health(self, service: str = "", timeout: float | None = None) -> str:
         r = health_pb2_grpc.HealthStub(self.channel).Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout)
@@ -109,13 +187,16 @@ class Client:
 
 
 class AsyncClient:
-    def __init__(self, target: str = DEFAULT_TARGET):
-        self.channel = grpc.aio.insecure_channel(target)
+    def __init__(self, target: str | Connection = DEFAULT_TARGET, **security):
+        """security: as Client's."""
+        self.connection = target if isinstance(target, Connection) else Connection(target, **security)
+        self.channel = _channel(grpc.aio, self.connection)
+        self.metadata = self.connection.metadata()
         self.stub = pb_grpc.GenerationStub(self.channel)
 
     async def generate(self, prompt: str | None = None, *, timeout: float | None = None,
                        **kwargs) -> AsyncIterator[pb.GenerateResponse]:
-        call = self.stub.Generate(build_request(prompt, **kwargs), timeout=timeout)
+        call = self.stub.Generate(build_request(prompt, **kwargs), timeout=timeout, metadata=self.metadata)
         try:
             async for r in call:
                 yield r
@@ -129,10 +210,10 @@ class AsyncClient:
         return out
 
     async def model_info(self, timeout: float | None = None) -> pb.ModelInfo:
-        return await self.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=timeout)
+        return await self.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=timeout, metadata=self.metadata)
 
     async def cluster_status(self, timeout: float | None = None) -> pb.ClusterStatus:
-        return await self.stub.GetClusterStatus(pb.GetClusterStatusRequest(), timeout=timeout)
+        return await self.stub.GetClusterStatus(pb.GetClusterStatusRequest(), timeout=timeout, metadata=self.metadata)
 
     async def health(self, service: str = "", timeout: float | None = None) -> str:
         r = await health_pb2_grpc.HealthStub(self.channel).Check(health_pb2.HealthCheckRequest(service=service),

@@ -262,6 +262,12 @@ class ClusterConfig:
     stats_interval_s: float = 1.0  # heartbeat: how often the router asks every worker for its stats
     worker_timeout_s: float = 30.0  # a worker that does not answer the heartbeat this long is stuck: replaced
     worker_start_timeout_s: float = 300.0  # a replacement must be ready within this (model load included)
+    # A request that finds a pool with no live worker (its replacement is starting) waits this long for
+    # one, then ends with UNAVAILABLE.
+    pool_wait_timeout_s: float = 60.0
+    # Each KV transfer carries a checksum the decode worker verifies (a mismatch fails the transfer, which
+    # is retried). Off by default: on a CPU it costs 15-30 % of a transfer's time (docs/benchmarks.md).
+    kv_checksum: bool = False
     max_retries: int = 2  # attempts after the first for a request whose worker was lost
     on_decode_failure: str = "resume"  # or "fail": end the request with UNAVAILABLE
 
@@ -282,8 +288,9 @@ class ClusterConfig:
             raise ValueError(f"transfer_timeout_s must be positive, got {self.transfer_timeout_s}")
         if self.on_decode_failure not in ("resume", "fail"):
             raise ValueError(f"on_decode_failure must be resume or fail, got {self.on_decode_failure!r}")
-        if self.max_retries < 0 or self.worker_timeout_s <= 0 or self.stats_interval_s <= 0:
-            raise ValueError("max_retries must be >= 0, worker_timeout_s and stats_interval_s positive")
+        if self.max_retries < 0 or min(self.worker_timeout_s, self.stats_interval_s, self.pool_wait_timeout_s) <= 0:
+            raise ValueError("max_retries must be >= 0; worker_timeout_s, stats_interval_s and pool_wait_timeout_s "
+                             "positive")
 
     @property
     def pools(self) -> dict[str, PoolConfig]:

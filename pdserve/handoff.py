@@ -13,8 +13,9 @@ Request path (pdserve.request has the states):
    order, whatever order the announcements arrive in. NCCL matches operations by order alone, so the
    sender orders and the receiver follows.
 4. Each transfer is: a header, the KV (one part per layer, or one part for all), and a trailer with
-   the first token of each request and when it was sampled. D writes each part straight into the
-   reserved blocks and, after the trailer, hands each request to its scheduler (`kv_arrived`).
+   the first token of each request, when it was sampled and, if switched on, a checksum of the KV
+   (`kv_checksum`). D writes each part straight into the reserved blocks and, after the trailer
+   (a checksum that differs fails the transfer), hands each request to its scheduler (`kv_arrived`).
 5. Failure: every wait is bounded. A transfer that fails breaks its pair channel; every transfer of
    that generation fails on both sides (P releases the KV, D frees the reservations and reports the
    requests failed, and the router retries them once elsewhere); the next transfer rebuilds the
@@ -36,6 +37,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pdserve.faults import FaultPoints
 from pdserve.kv_transfer import PairChannel, TransferError, TransferTimeout
 
 log = logging.getLogger(__name__)
@@ -53,6 +55,7 @@ class KVAnnounce:
     request_ids: tuple[str, ...]
     num_blocks: tuple[int, ...]  # per request: blocks of KV sent
     num_parts: int  # KV parts, each a run of whole layers (layer_spans): 1 sends all layers at once
+    checksum: bool = False  # the trailer ends with kv_checksum of the parts
 
     @property
     def order(self) -> tuple[int, int]:
@@ -75,6 +78,19 @@ def num_parts_for(num_layers: int, layer_bytes: int, min_part_bytes: int = MIN_P
     """How many parts a layer-wise push of layers of layer_bytes each is cut into."""
     per_part = max(1, -(-min_part_bytes // max(layer_bytes, 1)))  # layers
     return max(1, num_layers // per_part)
+
+
+def kv_checksum(part: torch.Tensor) -> torch.Tensor:
+    """A checksum of a KV part [layers, 2, kv_heads, blocks, block_size, head_dim], as a 0-dim int64
+    tensor on the part's device (no host sync): the 64-bit words of each (layer, k/v, head, block) row
+    are summed, and the row sums added with weights 1, 2, 3, ... A changed word or a row in the wrong
+    place changes it. Arithmetic wraps on overflow, the same way on both ends. (Summing int64 words
+    runs at memory speed; widening int32 words to int64 first is 25x slower on a CPU.)"""
+    rows = part.reshape(-1, part[0, 0, 0, 0].numel())
+    row_bytes = rows.shape[1] * rows.element_size()
+    words = rows.view(torch.int64) if row_bytes % 8 == 0 else rows.view(torch.uint8).to(torch.int64)
+    sums = words.sum(dim=1)
+    return (sums * torch.arange(1, sums.numel() + 1, dtype=torch.int64, device=sums.device)).sum()
 
 
 def _cuda_active() -> bool:
@@ -113,6 +129,10 @@ class SecondsHistogram:
 
 
 # --- sender side (prefill worker) ------------------------------------------------------------------
+
+class KVCorrupted(TransferError):
+    """The KV received differs from the KV sent (its checksum): the transfer failed."""
+
 
 class _NoPeer(TransferError):
     """The rendezvous with the decode worker failed: it is dead or unreachable."""
@@ -199,15 +219,19 @@ class KVPusher:
 
     def __init__(self, prefill_id: str, decode_id: str, kv_cache: torch.Tensor,
                  open_pair: Callable[[int], PairChannel], announce: Callable[[KVAnnounce], None],
-                 done: Callable[[PushJob, str | None], None], min_part_bytes: int = MIN_PART_BYTES):
+                 done: Callable[[PushJob, str | None], None], min_part_bytes: int = MIN_PART_BYTES,
+                 checksum: bool = False, faults: FaultPoints | None = None):
         self.prefill_id, self.decode_id = prefill_id, decode_id
         self.min_part_bytes = min_part_bytes
+        self.checksum = checksum
+        self.faults = faults or FaultPoints()
         self.kv_cache = kv_cache
         self._open_pair, self._announce, self._done = open_pair, announce, done
         self._lock = threading.Lock()
         self._generation = 1
         self._next_seq = 0
         self._channel: PairChannel | None = None
+        self._stopped = False
         self._jobs: queue.SimpleQueue[tuple[KVAnnounce, PushJob] | None] = queue.SimpleQueue()
         self._stream = torch.cuda.Stream(kv_cache.device) if kv_cache.is_cuda else None
         self._thread = threading.Thread(target=self._run, name=f"kv-push-{prefill_id}->{decode_id}", daemon=True)
@@ -220,15 +244,22 @@ class KVPusher:
             layer_bytes = cache[0].nbytes // cache.shape[3] * sum(len(b) for b in job.block_ids)
             job.num_parts = num_parts_for(job.num_layers, layer_bytes, self.min_part_bytes)
         with self._lock:
-            a = KVAnnounce(self.prefill_id, self._generation, self._next_seq, job.request_ids,
-                           tuple(len(b) for b in job.block_ids), job.num_parts)
-            self._next_seq += 1
-            self._jobs.put((a, job))
-        self._announce(a)
+            stopped = self._stopped
+            if not stopped:
+                a = KVAnnounce(self.prefill_id, self._generation, self._next_seq, job.request_ids,
+                               tuple(len(b) for b in job.block_ids), job.num_parts, self.checksum)
+                self._next_seq += 1
+                self._jobs.put((a, job))
+        if stopped:  # its decode worker is gone
+            self._done(job, f"no channel to {self.decode_id}: it is gone")
+        else:
+            self._announce(a)
 
     def stop(self) -> None:
-        self._jobs.put(None)
+        """No more jobs; those queued are tried (and fail fast if the peer is gone), then the thread ends."""
         with self._lock:
+            self._stopped = True
+            self._jobs.put(None)
             if self._channel is not None:
                 self._channel.close()
 
@@ -291,20 +322,26 @@ class KVPusher:
         job.wait_layers(spans[0][1], timeout)
 
         def parts() -> Iterator[torch.Tensor]:
-            for start, end in spans:
+            checksum = None
+            for i, (start, end) in enumerate(spans):
                 event = job.wait_layers(end, timeout)
-                if self._stream is None:
-                    yield cache[start:end].index_select(3, index)
-                    continue
-                with torch.cuda.stream(self._stream):
+                with torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext():
                     if event is not None:
                         self._stream.wait_event(event)
-                    yield cache[start:end].index_select(3, index)
+                    part = cache[start:end].index_select(3, index)
+                    if a.checksum:
+                        checksum = kv_checksum(part) if checksum is None else checksum + kv_checksum(part)
+                    if self.faults.hit("corrupt"):
+                        part.view(-1)[:1].view(torch.uint8)[0] ^= 1  # one bit, after the checksum was taken
+                    yield part
+                if i == 0:
+                    self.faults.hit("mid_send")
             tokens, sampled_at = job.wait_tokens(timeout)
-            # Trailer: the first token of each request, then when they were sampled (microseconds).
-            yield torch.tensor([*tokens, int(sampled_at * 1e6)], dtype=torch.int64, device=cache.device)
+            # Trailer: the first token of each request, when they were sampled (microseconds), the checksum.
+            trailer = torch.tensor([*tokens, int(sampled_at * 1e6)], dtype=torch.int64, device=cache.device)
+            yield trailer if checksum is None else torch.cat([trailer, checksum.view(1)])
 
-        channel.send_parts(a.seq, parts(), per_layer * job.num_layers + len(job.request_ids) + 1)
+        channel.send_parts(a.seq, parts(), per_layer * job.num_layers + _trailer_len(a))
 
     def _break(self, generation: int) -> None:
         with self._lock:
@@ -317,6 +354,10 @@ class KVPusher:
             self._channel = None
             self._generation += 1
             self._next_seq = 0
+
+
+def _trailer_len(a: KVAnnounce) -> int:
+    return len(a.request_ids) + 1 + a.checksum
 
 
 # --- receiver side (decode worker) -----------------------------------------------------------------
@@ -483,9 +524,10 @@ class KVIntake:
                 except Exception as e:  # noqa: BLE001 - every request of the transfer fails
                     log.warning("KV transfer %s/%s from %s failed: %s", a.generation, a.seq, self.prefill_id, e)
                     error = str(e) or type(e).__name__
-                    channel.break_()  # the sender must not wait out its timeout on a receive never posted
-                    with self._cond:
-                        self._dead_generation = max(self._dead_generation, a.generation)
+                    if not isinstance(e, KVCorrupted):  # (all of a corrupted transfer arrived: the order holds)
+                        channel.break_()  # the sender must not wait out its timeout on a receive never posted
+                        with self._cond:
+                            self._dead_generation = max(self._dead_generation, a.generation)
             for i, rid in enumerate(a.request_ids):
                 if blocks[i] is None:
                     continue  # withdrawn before its turn: its owner already freed it
@@ -511,17 +553,24 @@ class KVIntake:
         dst = torch.tensor([b for _, blk in keep for b in blk], dtype=torch.int64, device=cache.device)
         spans = layer_spans(num_layers, a.num_parts)
         per_layer = cache[0].numel() // cache.shape[3] * total  # [2, kv_heads, total, block_size, head_dim]
-        trailer = torch.empty(len(a.request_ids) + 1, dtype=torch.int64, device=cache.device)
+        trailer = torch.empty(_trailer_len(a), dtype=torch.int64, device=cache.device)
         # One staging buffer, reused by every part: each is scattered into the blocks before the next arrives.
         staging = torch.empty((max(end - start for start, end in spans), *cache.shape[1:3], total, *cache.shape[4:]),
                               dtype=cache.dtype, device=cache.device)
         buffers = [staging[: end - start] for start, end in spans]  # leading slices: contiguous
         parts = channel.recv_parts(a.seq, [*buffers, trailer], per_layer * num_layers + trailer.numel())
+        checksum = None
         with torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext():
             for (start, end), data in zip(spans, parts):
+                if a.checksum:
+                    checksum = kv_checksum(data) if checksum is None else checksum + kv_checksum(data)
                 if dst.numel():
                     cache[start:end].index_copy_(3, dst, data.index_select(3, src))
             for _ in parts:  # the trailer, and the end of the transfer
                 pass
             values = trailer.tolist()  # on a GPU this waits for the writes above as well
-        return values[:-1], values[-1] / 1e6
+        if checksum is not None and int(checksum) != values[-1]:
+            channel.stats.record_checksum_failure()
+            raise KVCorrupted(f"KV checksum mismatch on transfer {a.generation}/{a.seq} from {a.prefill_id}: "
+                              f"sent {values[-1]}, received {int(checksum)}")
+        return values[:len(a.request_ids)], values[len(a.request_ids)] / 1e6

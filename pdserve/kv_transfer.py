@@ -100,6 +100,7 @@ class TransferStats:
     bytes: int = 0
     seconds: float = 0.0
     failures: int = 0
+    checksum_failures: int = 0  # transfers that arrived whole but differed from what was sent
     # Per bucket of TRANSFER_SECONDS_BUCKETS (and +Inf): transfers that took at most that long, not cumulative.
     bucket_counts: list[int] = field(default_factory=lambda: [0] * (len(TRANSFER_SECONDS_BUCKETS) + 1))
     # Several channels may share one stats object and run in different threads.
@@ -116,10 +117,16 @@ class TransferStats:
         with self._lock:
             self.failures += 1
 
+    def record_checksum_failure(self) -> None:
+        with self._lock:
+            self.failures += 1
+            self.checksum_failures += 1
+
     def snapshot(self) -> dict[str, int | float | list[int]]:
         with self._lock:
             return {"transfers": self.transfers, "bytes": self.bytes, "seconds": self.seconds,
-                    "failures": self.failures, "bucket_counts": list(self.bucket_counts)}
+                    "failures": self.failures,
+                    "checksum_failures": self.checksum_failures, "bucket_counts": list(self.bucket_counts)}
 
 
 # --- rendezvous store and pair channel ------------------------------------------------------------

@@ -74,7 +74,7 @@ class FailureReason(str, enum.Enum):
     PREFILL_LOST = "prefill_lost"  # its prefill worker died or hung
     DECODE_LOST = "decode_lost"  # its decode worker died or hung: the streamed tokens survive at the router
     COLOCATED_LOST = "colocated_lost"
-    NO_WORKER = "no_worker"  # a pool stayed empty past worker_start_timeout_s
+    NO_WORKER = "no_worker"  # a pool stayed empty past pool_wait_timeout_s
 
     @property
     def loses_the_stream(self) -> bool:
@@ -123,6 +123,7 @@ class WorkerStats:
     reservation_wait: dict = field(default_factory=dict)
     pid: int = 0  # the worker's process (operators and fault tests signal it)
     preemptions: int = 0  # running requests sent back to the queue for lack of KV blocks (recomputed)
+    kv_peers: int = 0  # workers of the other pool this one holds a KV pusher or intake for
 
     @property
     def busy_fraction(self) -> float:

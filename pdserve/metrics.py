@@ -123,10 +123,12 @@ class WorkerCollector(Collector):
         for kind, name, doc, key in (
                 (CounterMetricFamily, "pdserve_kv_transfers", "KV transfers completed", "transfers"),
                 (CounterMetricFamily, "pdserve_kv_transfer_bytes", "KV bytes transferred", "bytes"),
-                (CounterMetricFamily, "pdserve_kv_transfer_failures", "KV transfers that failed or timed out", "failures")):
+                (CounterMetricFamily, "pdserve_kv_transfer_failures", "KV transfers that failed or timed out", "failures"),
+                (CounterMetricFamily, "pdserve_kv_transfer_checksum_failures",
+                 "KV transfers that arrived but differed from what was sent (checksum)", "checksum_failures")):
             f = kind(name, doc, labels=labels)
             for s in moving:
-                f.add_metric([s.pool, s.worker_id], s.transfer[key])
+                f.add_metric([s.pool, s.worker_id], s.transfer.get(key, 0))
             yield f
         yield _histogram("pdserve_kv_transfer_seconds", "Duration of KV transfers", labels, moving,
                          lambda s: {"buckets": TRANSFER_SECONDS_BUCKETS, "counts": s.transfer["bucket_counts"],

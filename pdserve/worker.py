@@ -21,6 +21,7 @@ import torch
 
 from pdserve.config import EngineConfig
 from pdserve.engine import EngineCore
+from pdserve.faults import FaultPoints
 from pdserve.loader import LoadedModel
 from pdserve.messages import Failure, FailureReason, StepOutput, TokenEvent, WorkerStats
 from pdserve.scheduler import Role, SampledToken, ScheduledStep
@@ -56,6 +57,7 @@ class WorkerActor:
         # Ids cancelled before their request arrived here (Ray may run a cancel ahead of the call that
         # adds the request): the add then refuses them. Step thread; expire after TOMBSTONE_TTL_S.
         self._tombstones: collections.OrderedDict[str, float] = collections.OrderedDict()
+        self.faults = FaultPoints()  # inert unless a test arms one (pdserve.faults)
         self.loop: StepLoop | None = None
 
     def _start(self) -> None:
@@ -81,9 +83,20 @@ class WorkerActor:
         while True:
             yield await asyncio.to_thread(self._outputs.get)
 
+    async def peer_lost(self, worker_id: str) -> None:
+        """A worker of another pool has left its pool (dead or stuck): drop what this one holds for it."""
+
     async def shutdown(self) -> None:
         self.loop.stop()
         self._close()
+
+    async def inject_fault(self, point: str, seconds: float = 0.0, count: int = 1) -> None:
+        """Tests only: arm a fault point (pdserve.faults) for its next `count` hits."""
+        self.faults.arm(point, seconds, count)
+
+    async def fault_reached(self, point: str, timeout: float = 60.0) -> bool:
+        """Tests only: wait until an armed fault point has been hit (False after the timeout)."""
+        return await asyncio.to_thread(self.faults.wait_reached, point, timeout)
 
     # -- step thread ------------------------------------------------------------------------------
     def _step(self) -> bool:
@@ -112,6 +125,7 @@ class WorkerActor:
     def _run(self, step: ScheduledStep, layer_done: Callable[[int], None] | None = None) -> StepRun:
         """Run a scheduled step, timed. If it raises, every queued and running request is failed (their
         state is suspect) and reported; the worker keeps serving."""
+        self.faults.hit("step")
         t0 = time.perf_counter()
         try:
             return StepRun(self.core.account(step, self.core.execute(step, layer_done)), [])

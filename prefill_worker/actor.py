@@ -57,11 +57,12 @@ class PrefillActor(WorkerActor):
     role = Role.PREFILL
 
     def __init__(self, worker_id: str, config: EngineConfig, transfer_timeout_s: float, torch_threads: int | None = None,
-                 push_layerwise: bool = True):
+                 push_layerwise: bool = True, kv_checksum: bool = False):
         """push_layerwise=False sends a prompt's KV once its whole forward has run (to measure what the
-        layer-by-layer push hides: bench/kv_transfer.py)."""
+        layer-by-layer push hides: bench/kv_transfer.py); kv_checksum=True adds a checksum to every transfer."""
         super().__init__(worker_id, config, torch_threads)
         self.transfer_timeout_s = transfer_timeout_s
+        self.kv_checksum = kv_checksum
         self.transfer_stats = TransferStats()
         self.push_layerwise = push_layerwise
         self._results: dict[str, Future[PrefillResult]] = {}
@@ -69,12 +70,12 @@ class PrefillActor(WorkerActor):
         # The hand-off's shared state, under _lock.
         self._lock = threading.Lock()
         self._destinations: dict[str, _Destination] = {}
+        self._lost_peers: set[str] = set()  # decode workers the router has given up on (ids are never reused)
         # Requests whose decode worker has reserved room, and when it said so. A notice can come for a
         # request that already ended here (or before it arrived): unclaimed ones expire after READY_TTL_S.
         self._ready: dict[str, float] = {}
         self._held: dict[str, _HeldKV] = {}  # computed, waiting for their reservation
         self._pushing: set[str] = set()  # in a push job not yet done
-        self._send_delays: list[float] = []
         self._start()
 
     async def prefill(self, task: PrefillTask, decode: Any = None) -> PrefillResult:
@@ -102,7 +103,9 @@ class PrefillActor(WorkerActor):
     async def kv_ready(self, decode_id: str, handle: Any, host: str, port: int, request_ids: tuple[str, ...]) -> None:
         """A decode worker has reserved room for these requests' KV: push what is already held, at once."""
         with self._lock:
-            dest = self._destination(decode_id, handle, host, port)
+            if decode_id in self._lost_peers:
+                return  # a notice still on its way when the worker was lost; the router retries its requests
+            self._destination(decode_id, handle, host, port)  # the pusher the jobs below go to
             held = [(rid, self._held.pop(rid)) for rid in request_ids if rid in self._held]
             pushed_now = {rid for rid, _ in held}
             now = time.monotonic()
@@ -113,15 +116,19 @@ class PrefillActor(WorkerActor):
                 del self._ready[rid]
             self._pushing.update(pushed_now)
         if held:
-            dest.pusher.push(self._held_job(decode_id, held))
+            self._push(self._held_job(decode_id, held))
 
     async def cancel(self, request_id: str) -> bool:
         self._fail(request_id, asyncio.CancelledError(f"request {request_id} cancelled"))
         return await super().cancel(request_id)
 
-    async def inject_send_delay(self, seconds: float, count: int = 1) -> None:
-        """Fault injection for tests: the next `count` KV sends stall `seconds` first."""
-        self._send_delays = [seconds] * count
+    async def peer_lost(self, worker_id: str) -> None:
+        """A decode worker is gone: stop its pusher (what it still had queued fails, and is freed here)."""
+        with self._lock:
+            self._lost_peers.add(worker_id)
+            d = self._destinations.pop(worker_id, None)
+        if d is not None:
+            d.pusher.stop()
 
     def _close(self) -> None:
         with self._lock:
@@ -138,7 +145,7 @@ class PrefillActor(WorkerActor):
             pusher = KVPusher(self.worker_id, decode_id, self.core.runner.kv_cache,
                               open_pair=lambda gen, did=decode_id: self._open_pair(did, gen),
                               announce=lambda a, h=handle: self._announce(h, a),
-                              done=self._pushed)
+                              done=self._pushed, checksum=self.kv_checksum, faults=self.faults)
             d = self._destinations[decode_id] = _Destination(handle, host, port, pusher)
         return d
 
@@ -154,7 +161,7 @@ class PrefillActor(WorkerActor):
                 mine.set_result(PairChannel(d.host, d.port, self.worker_id, decode_id, SENDER_RANK,
                                             self.transfer_timeout_s, self.core.runner.kv_cache.device,
                                             generation=generation, stats=self.transfer_stats,
-                                            before_send=self._before_send))
+                                            before_send=lambda _: self.faults.hit("send")))
             except BaseException as e:  # noqa: BLE001 - handed to the waiter below
                 mine.set_exception(e)
 
@@ -182,10 +189,6 @@ class PrefillActor(WorkerActor):
         if error is not None and dest is not None:
             dest.handle.kv_failed.remote(self.worker_id, job.request_ids, error)
         self.loop.call(lambda: [self.core.cancel(rid) for rid in job.request_ids])
-
-    def _before_send(self, transfer_id: int) -> None:
-        if self._send_delays:
-            time.sleep(self._send_delays.pop())
 
     # -- step thread ------------------------------------------------------------------------------
     def _step(self) -> bool:
@@ -229,10 +232,17 @@ class PrefillActor(WorkerActor):
                 else:
                     self._held[rid] = held
         for dest, items in late.items():  # the reservation came during this step
-            with self._lock:
-                pusher = self._destinations[dest].pusher
-            pusher.push(self._held_job(dest, items))
+            self._push(self._held_job(dest, items))
         return True
+
+    def _push(self, job: PushJob) -> None:
+        """Queue a push behind its pair's earlier ones; one to a decode worker that is gone fails at once."""
+        with self._lock:
+            d = self._destinations.get(job.destination)
+        if d is None:
+            self._pushed(job, f"decode worker {job.destination} is gone")
+        else:
+            d.pusher.push(job)
 
     def _held_job(self, destination: str, items: list[tuple[str, _HeldKV]]) -> PushJob:
         """A push of computed KV: all of its layers are there, and so are the first tokens."""
@@ -275,7 +285,9 @@ class PrefillActor(WorkerActor):
         return len(queued), sum(r.num_tokens - r.num_computed_tokens for r in queued), len(s.held)
 
     def _extra_stats(self) -> dict:
-        return dict(transfer=self.transfer_stats.snapshot())
+        with self._lock:
+            peers = len(self._destinations)
+        return dict(transfer=self.transfer_stats.snapshot(), kv_peers=peers)
 
 
 class _StepPushes:
@@ -308,12 +320,11 @@ class _StepPushes:
                     del a._ready[rid]
                     a._pushing.add(rid)
                     groups.setdefault(dest, []).append(rid)
-            pushers = {dest: a._destinations[dest].pusher for dest in groups}
         for dest, rids in groups.items():
             job = PushJob(dest, rids, [self.candidates[r][1] for r in rids], self.num_layers, layer + 1)
             self.jobs.append(job)
             self.started.update((r, job) for r in rids)
-            pushers[dest].push(job)
+            a._push(job)
 
     def sampled(self, tokens: dict[str, int]) -> None:
         for job in self.jobs:

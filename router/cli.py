@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from pdserve.cli import add_model_args
+from pdserve.client import API_KEY_ENV, read_api_key
 
 
 def add_serve_parser(sub: Any) -> argparse.ArgumentParser:
@@ -24,6 +25,19 @@ def add_serve_parser(sub: Any) -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, default=50051)
     serve.add_argument("--metrics-host", default="127.0.0.1", help="address of the Prometheus /metrics endpoint")
     serve.add_argument("--metrics-port", type=int, default=9400, help="port of /metrics (0 disables it)")
+    edge = serve.add_argument_group("TLS and API key")
+    edge.add_argument("--ssl-certfile", default=None, metavar="FILE",
+                      help="serve gRPC over TLS with this certificate chain (PEM); plaintext clients get nothing")
+    edge.add_argument("--ssl-keyfile", default=None, metavar="FILE", help="the certificate's private key (PEM)")
+    edge.add_argument("--ssl-ca-certs", default=None, metavar="FILE",
+                      help="require client certificates signed by these CA certificates (mutual TLS)")
+    edge.add_argument("--api-key", default=None,
+                      help=f"every RPC but health must send 'authorization: Bearer KEY', else UNAUTHENTICATED "
+                           f"(default: ${API_KEY_ENV}; prefer it or --api-key-file, a flag shows in ps)")
+    edge.add_argument("--api-key-file", default=None, metavar="FILE", help="read the API key from this file")
+    edge.add_argument("--metrics-tls", action="store_true", help="serve /metrics over HTTPS with the same certificate")
+    edge.add_argument("--health-port", type=int, default=None,
+                      help="also serve grpc.health.v1 alone, in plaintext, on this port (probes that cannot do TLS)")
     serve.add_argument("--ray-address", default=None,
                        help="join this Ray cluster (e.g. 'auto' inside a Ray head pod); default: start a local one")
     serve.add_argument("--mode", choices=["disaggregated", "colocated"], default="disaggregated")
@@ -59,6 +73,12 @@ def add_serve_parser(sub: Any) -> argparse.ArgumentParser:
                        help="address decode workers listen on for KV transfers (default: their node's IP)")
     serve.add_argument("--worker-timeout", type=float, default=30.0,
                        help="seconds without a heartbeat answer before a worker counts as stuck and is replaced")
+    serve.add_argument("--pool-wait-timeout", type=float, default=60.0,
+                       help="seconds a request waits for a worker when its pool has none alive (a replacement "
+                            "starting), then UNAVAILABLE")
+    serve.add_argument("--kv-checksum", action=argparse.BooleanOptionalAction, default=False,
+                       help="checksum every KV transfer and verify it on the decode worker (a mismatch fails the "
+                            "transfer, which is retried); off by default: on a CPU it costs 15-30%% of a transfer")
     serve.add_argument("--max-retries", type=int, default=2, help="re-placements of a request whose worker was lost")
     serve.add_argument("--on-decode-failure", choices=["resume", "fail"], default="resume",
                        help="a lost decode worker's requests resume elsewhere, or end with UNAVAILABLE")
@@ -82,7 +102,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     cluster_config = cluster_config_from_args(args)
     router_config = RouterConfig(host=args.host, port=args.port, max_running=args.max_running,
                                  max_queued=args.max_queued, drain_timeout_s=args.drain_timeout,
-                                 metrics_host=args.metrics_host, metrics_port=args.metrics_port or None)
+                                 metrics_host=args.metrics_host, metrics_port=args.metrics_port or None,
+                                 ssl_certfile=args.ssl_certfile, ssl_keyfile=args.ssl_keyfile,
+                                 ssl_ca_certs=args.ssl_ca_certs, api_key=read_api_key(args.api_key, args.api_key_file),
+                                 metrics_tls=args.metrics_tls, health_port=args.health_port)
     if args.ray_address:
         ray.init(address=args.ray_address, log_to_driver=False)
     else:
@@ -134,7 +157,8 @@ def cluster_config_from_args(args: argparse.Namespace):
              decode=pool(args.decode_workers, decode, args.decode_resource))
     return ClusterConfig(engine=engine, mode=args.mode, **pools,
                          transfer_timeout_s=args.transfer_timeout, bind_host=args.kv_bind_host,
-                         worker_timeout_s=args.worker_timeout,
+                         worker_timeout_s=args.worker_timeout, pool_wait_timeout_s=args.pool_wait_timeout,
+                         kv_checksum=args.kv_checksum,
                          max_retries=args.max_retries, on_decode_failure=args.on_decode_failure)
 
 

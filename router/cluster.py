@@ -118,8 +118,10 @@ class Cluster:
                 except _Retry as e:
                     failures[e.reason] += 1
                     avoid = e.workers
-                    # A failed KV transfer is tried once more; other losses up to max_retries times.
-                    limit = 1 if e.reason is FailureReason.TRANSFER_FAILED else self.config.max_retries
+                    # A failed KV transfer is tried once more; other losses up to max_retries times; an
+                    # empty pool was already waited for (pool_wait_timeout_s).
+                    limit = {FailureReason.TRANSFER_FAILED: 1, FailureReason.NO_WORKER: 0}.get(
+                        e.reason, self.config.max_retries)
                     give_up = failures[e.reason] > limit or (e.reason.loses_the_stream
                                                              and self.config.on_decode_failure == "fail")
                     log.warning("request %s attempt %d failed (%s): %s%s", rid, attempt, e.reason.value, e,
@@ -261,7 +263,8 @@ class Cluster:
     async def _alive(self, pool: str) -> list[Worker]:
         workers = await self._pools.alive(pool)
         if not workers:
-            raise _Retry(FailureReason.NO_WORKER, f"no {pool} worker is available")
+            raise _Retry(FailureReason.NO_WORKER, f"no {pool} worker is available (waited "
+                                                  f"{self.config.pool_wait_timeout_s:g} s for one)")
         return workers
 
 

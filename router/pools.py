@@ -35,6 +35,10 @@ def init_local_ray(num_cpus: int | None = None, object_store_bytes: int = 128 <<
              object_store_memory=object_store_bytes, log_to_driver=False)
 
 
+# A replacement that fails to start is tried again after 1 s, then twice as long each time, up to 30 s.
+REPLACE_BACKOFF_S = (1.0, 30.0)
+
+
 @dataclass
 class Worker:
     worker_id: str
@@ -62,6 +66,7 @@ class Pools:
         self._incarnations = itertools.count(1)
         self._pool_changed = asyncio.Event()
         self.restarts: collections.Counter[str] = collections.Counter()  # by pool, exported as a metric
+        self.start_failures: collections.Counter[str] = collections.Counter()  # replacements that did not start
         self._closing = False
 
     @property
@@ -84,7 +89,7 @@ class Pools:
     def _spawn(self, pool: str, slot: int, worker_id: str) -> Worker:
         c = self.config
         pc: PoolConfig = getattr(c, pool)
-        cls, extra = {"prefill": (PrefillActor, dict(transfer_timeout_s=c.transfer_timeout_s)),
+        cls, extra = {"prefill": (PrefillActor, dict(transfer_timeout_s=c.transfer_timeout_s, kv_checksum=c.kv_checksum)),
                       "decode": (DecodeActor, dict(transfer_timeout_s=c.transfer_timeout_s, bind_host=c.bind_host)),
                       "colocated": (ColocatedActor, {})}[pool]
         actor = ray.remote(cls).options(num_cpus=pc.num_cpus, num_gpus=pc.num_gpus, resources=pc.resources,
@@ -143,19 +148,25 @@ class Pools:
         log.warning("worker %s lost (%s); replacing it", w.worker_id, why)
         self.by_name[w.pool].remove(w)
         ray.kill(w.handle, no_restart=True)  # a stuck actor must not come back and act on stale requests
+        for other in self.workers:  # its peers drop their KV channels to it (and what waited on them)
+            if other.pool != w.pool:
+                other.handle.peer_lost.remote(w.worker_id)
         self._on_lost(w, why)
         self.restarts[w.pool] += 1
         self._tasks.append(asyncio.create_task(self._replace(w)))
 
     async def _replace(self, lost: Worker) -> None:
+        backoff = REPLACE_BACKOFF_S[0]
         while not self._closing:
             w = self._spawn(lost.pool, lost.slot, f"{lost.pool}-{lost.slot}.{next(self._incarnations)}")
             try:
                 await asyncio.wait_for(w.handle.ready.remote(), self.config.worker_start_timeout_s)
-            except Exception as e:  # noqa: BLE001 - try again with a fresh actor
-                log.error("replacement %s failed to start: %s", w.worker_id, e)
+            except Exception as e:  # noqa: BLE001 - try again with a fresh actor, after a while
+                log.error("replacement %s failed to start (next try in %.0f s): %s", w.worker_id, backoff, e)
                 ray.kill(w.handle)
-                await asyncio.sleep(1.0)
+                self.start_failures[lost.pool] += 1
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, REPLACE_BACKOFF_S[1])
                 continue
             self.by_name[w.pool].append(w)  # routable only now that it is ready
             self._watch(w)
@@ -166,7 +177,7 @@ class Pools:
 
     async def alive(self, pool: str) -> list[Worker]:
         """The pool's live workers, waiting (bounded) for a replacement if none is left ([] after that)."""
-        deadline = asyncio.get_running_loop().time() + self.config.worker_start_timeout_s
+        deadline = asyncio.get_running_loop().time() + self.config.pool_wait_timeout_s
         while not self.by_name[pool]:
             remaining = deadline - asyncio.get_running_loop().time()
             if remaining <= 0:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 
@@ -25,6 +26,7 @@ from pdserve.v1 import generation_pb2 as pb
 from pdserve.v1 import generation_pb2_grpc as pb_grpc
 from router.admission import Admission, Malformed, Overloaded, parse_request, parse_wire
 from router.cluster import Cluster
+from router.security import ApiKeyInterceptor, server_credentials
 
 log = logging.getLogger(__name__)
 
@@ -43,10 +45,31 @@ class RouterConfig:
     drain_timeout_s: float = 30.0  # graceful shutdown: in-flight requests get this long to finish
     metrics_host: str = "127.0.0.1"
     metrics_port: int | None = None  # Prometheus /metrics; None: no endpoint and no recording
+    # The edge (router.security): TLS on the gRPC port with this certificate and key; client certificates
+    # signed by ssl_ca_certs required if given; an API key every RPC but health must carry.
+    ssl_certfile: str | None = None
+    ssl_keyfile: str | None = None
+    ssl_ca_certs: str | None = None
+    api_key: str | None = None
+    metrics_tls: bool = False  # /metrics over HTTPS with the same certificate
+    health_port: int | None = None  # grpc.health.v1 alone, plaintext, on this port too (for probes)
 
     def __post_init__(self) -> None:
         if self.max_running < 1 or self.max_queued < 0:
             raise ValueError("max_running must be >= 1 and max_queued >= 0")
+        if bool(self.ssl_certfile) != bool(self.ssl_keyfile):
+            raise ValueError("TLS needs both a certificate (--ssl-certfile) and its key (--ssl-keyfile)")
+        if (self.ssl_ca_certs or self.metrics_tls) and not self.ssl_certfile:
+            raise ValueError("--ssl-ca-certs and --metrics-tls need --ssl-certfile and --ssl-keyfile")
+        if self.api_key is not None and not self.api_key:
+            raise ValueError("the API key is empty")
+        for path in (self.ssl_certfile, self.ssl_keyfile, self.ssl_ca_certs):
+            if path is not None and not os.path.isfile(path):  # now, not once the pools have loaded the model
+                raise FileNotFoundError(f"no such file: {path}")
+
+    @property
+    def tls(self) -> bool:
+        return self.ssl_certfile is not None
 
 
 @dataclass
@@ -181,11 +204,14 @@ class Router:
         self.health = health.aio.HealthServicer()
         self.server: grpc.aio.Server | None = None
         self.port: int | None = None
+        self.health_port: int | None = None
         self.metrics_port: int | None = None
         self._metrics_server = None
+        self._health_server: grpc.aio.Server | None = None
 
     async def start(self) -> int:
-        server = grpc.aio.server()
+        c = self.config
+        server = grpc.aio.server(interceptors=[ApiKeyInterceptor(c.api_key)] if c.api_key else None)
         handlers = {
             "Generate": grpc.unary_stream_rpc_method_handler(
                 self.service.Generate, request_deserializer=parse_wire,
@@ -200,19 +226,32 @@ class Router:
         server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
-        self.port = server.add_insecure_port(f"{self.config.host}:{self.config.port}")
+        address = f"{c.host}:{c.port}"
+        self.port = server.add_secure_port(address, server_credentials(c.ssl_certfile, c.ssl_keyfile, c.ssl_ca_certs)) \
+            if c.tls else server.add_insecure_port(address)
         if self.port == 0:
-            raise OSError(f"could not bind {self.config.host}:{self.config.port}")
+            raise OSError(f"could not bind {address}")
         await server.start()
         self.server = server
+        if c.health_port is not None:
+            self._health_server = grpc.aio.server()
+            health_pb2_grpc.add_HealthServicer_to_server(self.health, self._health_server)
+            self.health_port = self._health_server.add_insecure_port(f"{c.host}:{c.health_port}")
+            if self.health_port == 0:
+                raise OSError(f"could not bind {c.host}:{c.health_port}")
+            await self._health_server.start()
         if self.metrics is not None:
-            self._metrics_server, _ = start_http_server(self.config.metrics_port, self.config.metrics_host,
-                                                        registry=self.metrics.registry)
+            tls = dict(certfile=c.ssl_certfile, keyfile=c.ssl_keyfile) if c.metrics_tls else {}
+            self._metrics_server, _ = start_http_server(c.metrics_port, c.metrics_host, registry=self.metrics.registry,
+                                                        **tls)
             self.metrics_port = self._metrics_server.server_port
-            log.info("metrics on http://%s:%d/metrics", self.config.metrics_host, self.metrics_port)
+            log.info("metrics on %s://%s:%d/metrics", "https" if c.metrics_tls else "http", c.metrics_host,
+                     self.metrics_port)
         for name in ("", SERVICE_NAME):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
-        log.info("pdserve listening on %s:%d (%s mode)", self.config.host, self.port, self.cluster.config.mode)
+        log.info("pdserve listening on %s (%s mode; %s; %s)", address.rsplit(":", 1)[0] + f":{self.port}",
+                 self.cluster.config.mode, "TLS" + (" with client certificates" if c.ssl_ca_certs else "")
+                 if c.tls else "plaintext", "API key required" if c.api_key else "no API key")
         return self.port
 
     async def stop(self, grace: float | None = None) -> None:
@@ -221,6 +260,8 @@ class Router:
         await self.health.enter_graceful_shutdown()
         if self.server is not None:
             await self.server.stop(self.config.drain_timeout_s if grace is None else grace)
+        if self._health_server is not None:
+            await self._health_server.stop(0)
         if self._metrics_server is not None:
             self._metrics_server.shutdown()
             self._metrics_server.server_close()

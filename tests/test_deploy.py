@@ -364,6 +364,7 @@ def test_renders_every_piece(name):
     assert kinds == sorted([
         ("Namespace", "pdserve"), ("ConfigMap", "pdserve-config"), ("ConfigMap", "pdserve-grafana-dashboard"),
         ("RayCluster", "pdserve"), ("Service", "pdserve"), ("PodMonitor", "pdserve"), ("PodMonitor", "pdserve-ray"),
+        ("NetworkPolicy", "pdserve-router"), ("NetworkPolicy", "pdserve-workers"),
     ])
     assert all(o["metadata"].get("namespace") == "pdserve" for o in objs if o["kind"] != "Namespace")
 
@@ -379,7 +380,7 @@ def test_raycluster_matches_the_kuberay_crd(name):
 def test_core_kinds_and_pod_templates_match_kubernetes_schemas(name):
     objs = rendered(name)
     core = [o for o in objs if not o["apiVersion"].startswith(CRD_GROUPS)]
-    assert {o["kind"] for o in core} == {"Namespace", "ConfigMap", "Service"}
+    assert {o["kind"] for o in core} == {"Namespace", "ConfigMap", "Service", "NetworkPolicy"}
     # The pod templates inside the RayCluster, against the core PodTemplate schema of K8S_VERSION.
     pods = [as_pod_template(role, t) for role, t in templates(one(objs, "RayCluster")).items()]
     assert [e for o in core + pods for e in core_errors(o)] == []
@@ -508,10 +509,15 @@ def test_probes_ask_grpc_health_on_the_router_port(name, tmp_path):
     args = serve_args(objs, tmp_path)
     head = templates(one(objs, "RayCluster"))["head"]
     container = ray_container(head)
+    # The kubelet's gRPC probes speak plaintext: with TLS on the API port they need the health port.
+    port = args.health_port if args.ssl_certfile else args.port
+    assert port is not None, "TLS on the API port needs --health-port for the probes"
+    if port != args.port:
+        assert port in container_ports(head).values()
     for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
         spec = container[probe]
         assert set(spec) & {"grpc", "httpGet", "tcpSocket", "exec"} == {"grpc"}, probe
-        assert spec["grpc"]["port"] == args.port, probe
+        assert spec["grpc"]["port"] == port, probe
         assert spec["grpc"].get("service", "") == "", probe  # "" reports SERVING once both pools are up
     startup = container["startupProbe"]
     assert startup["periodSeconds"] * startup["failureThreshold"] >= 600, "model loading needs a long startup budget"
@@ -648,6 +654,74 @@ def test_production_overlay_separates_pools_and_autoscales():
             assert any(t.get("key") == key and t.get("value") == value and t.get("effect") == "NoSchedule"
                        for t in spec["tolerations"]), f"{pool}: no toleration for {key}={value}"
     assert selectors["prefill"] != selectors["decode"]
+
+
+def _peers(rule: dict) -> list[dict]:
+    return rule.get("from", [])
+
+
+def _ports(rule: dict) -> set[int] | None:
+    """The ports a rule opens; None: all of them."""
+    return {p["port"] for p in rule["ports"]} if rule.get("ports") else None
+
+
+def _selects(policy: dict, template: dict) -> bool:
+    sel = policy["spec"]["podSelector"]
+    labels = template["metadata"]["labels"]
+    if not labels_match(sel.get("matchLabels", {}), template):
+        return False
+    return all(labels.get(e["key"]) in e["values"] for e in sel.get("matchExpressions", []) if e["operator"] == "In")
+
+
+@names
+def test_network_policies_let_only_clients_prometheus_and_pdserve_in(name, tmp_path):
+    objs = rendered(name)
+    args = serve_args(objs, tmp_path)
+    pods = templates(one(objs, "RayCluster"))
+    policies = of_kind(objs, "NetworkPolicy")
+    for role, template in pods.items():
+        mine = [p for p in policies if _selects(p, template)]
+        assert len(mine) == 1, f"{role}: selected by {[p['metadata']['name'] for p in mine]}"
+        (policy,) = mine
+        assert policy["spec"]["policyTypes"] == ["Ingress"]
+        for rule in policy["spec"]["ingress"]:
+            peers = _peers(rule)
+            assert peers, f"{role}: a rule with no 'from' admits everyone"
+            for peer in peers:
+                assert "ipBlock" not in peer, f"{role}: no address ranges: outside the cluster gets nothing"
+                labels = peer["podSelector"]["matchLabels"]
+                if labels == {"app.kubernetes.io/name": "pdserve"}:
+                    # pdserve's own pods, on every port (Ray, KV transfers): this namespace only.
+                    assert "namespaceSelector" not in peer, f"{role}: Ray's ports must stay in the namespace"
+                elif labels == {"pdserve.io/client": "true"}:
+                    assert role == "head" and _ports(rule) == {args.port, args.health_port or 50052}
+                elif labels == {"app.kubernetes.io/name": "prometheus"}:
+                    metrics = {args.metrics_port, 8080} if role == "head" else {8080}
+                    assert _ports(rule) == metrics, f"{role}: Prometheus reaches only the metrics ports"
+                else:
+                    raise AssertionError(f"{role}: unexpected peer {peer}")
+
+
+def test_production_serves_tls_and_an_api_key_from_secrets(tmp_path):
+    objs = rendered("production")
+    args = serve_args(objs, tmp_path)
+    assert args.ssl_certfile and args.ssl_keyfile and args.api_key_file and args.api_key is None
+    head = templates(one(objs, "RayCluster"))["head"]
+    secrets = {v["name"]: v["secret"]["secretName"] for v in head["spec"]["volumes"] if "secret" in v}
+    mounts = {m["mountPath"]: m["name"] for m in ray_container(head)["volumeMounts"]}
+
+    def secret_of(path: str) -> str:
+        (directory,) = [d for d in mounts if path.startswith(d + "/")]
+        return secrets[mounts[directory]]
+
+    assert secret_of(args.ssl_certfile) == secret_of(args.ssl_keyfile) == "pdserve-tls"
+    assert args.ssl_certfile.endswith("/tls.crt") and args.ssl_keyfile.endswith("/tls.key")  # kubernetes.io/tls keys
+    assert secret_of(args.api_key_file) == "pdserve-api-key"
+    service = one(objs, "Service", "pdserve")
+    grpc_port = next(p for p in service["spec"]["ports"] if p["name"] == "grpc")
+    assert grpc_port.get("appProtocol") != "kubernetes.io/h2c"  # TLS, not plaintext HTTP/2
+    # The key stays out of the command line (and so out of ps).
+    assert "--api-key" not in " ".join(serve_argv(objs)).replace("--api-key-file", "")
 
 
 def _dockerfile() -> tuple[dict[str, str], list[tuple[str, str]]]:

@@ -1,19 +1,16 @@
-"""Faults on a real local Ray cluster: killed workers, a stalled transfer, a soak with cancellations."""
+"""Faults on a real local Ray cluster beyond the failure matrix (tests/test_failure_matrix.py): the
+`fail` policy for a lost decode worker, and a soak with cancellations and a killed worker."""
 from __future__ import annotations
 
 import asyncio
-import os
 import random
-import signal
 
 import grpc
-import pytest
 import ray
 import torch
 from conftest import wait_for
 
 from pdserve.config import CacheConfig, ClusterConfig, EngineConfig, PoolConfig, SchedulerConfig
-from pdserve.engine import LLMEngine
 from pdserve.request import FinishReason
 from pdserve.sampling import SamplingParams
 from router.cluster import Cluster
@@ -38,15 +35,6 @@ def prompts(n=N_STREAMS, seed=21):
             for _ in range(n)]
 
 
-GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
-
-
-@pytest.fixture(scope="module")
-def reference(tiny_checkpoints):
-    engine, _ = configs(tiny_checkpoints["llama"])
-    return [c.token_ids for c in LLMEngine(engine).generate(prompts(), GREEDY)]
-
-
 def start(aloop, config) -> Cluster:
     c = Cluster(config)
     aloop.run(c.start(), timeout=600)
@@ -59,49 +47,6 @@ def settle(aloop, cluster: Cluster, sizes: dict[str, int]) -> None:
              what="the pools to be back to their configured size")
     wait_for(lambda: sum(s.kv_blocks_used for s in aloop.run(cluster.stats())) == 0, timeout=60,
              what="zero used KV blocks in both pools")
-
-
-async def stream_all(cluster: Cluster, batch, params, started: asyncio.Event | None = None, min_tokens: int = 3):
-    """Run every request; set `started` once each has streamed min_tokens. Returns (tokens, finish reason, error)."""
-    progress = [0] * len(batch)
-
-    async def one(i, p):
-        tokens, last = [], None
-        async for out in cluster.generate(p, params):
-            tokens += out.new_token_ids
-            last = out
-            progress[i] = len(tokens)
-            if started is not None and min(progress) >= min_tokens:
-                started.set()
-        return tokens, last.finish_reason, last.error
-
-    return await asyncio.gather(*(one(i, p) for i, p in enumerate(batch)))
-
-
-def kill_when_started(aloop, cluster, pool: str, batch, params):
-    async def run():
-        started = asyncio.Event()
-        task = asyncio.create_task(stream_all(cluster, batch, params, started))
-        await asyncio.wait_for(started.wait(), 120)
-        victim = cluster.pools[pool][0]
-        ray.kill(victim.handle)
-        return await asyncio.wait_for(task, 180), victim.worker_id
-
-    return aloop.run(run(), timeout=300)
-
-
-def test_decode_killed_streams_resume_and_match(ray_local, aloop, tiny_checkpoints, reference):
-    _, config = configs(tiny_checkpoints["llama"])
-    cluster = start(aloop, config)
-    try:
-        results, victim = kill_when_started(aloop, cluster, "decode", prompts(), GREEDY)
-        assert [r[0] for r in results] == reference  # nothing repeated, nothing skipped
-        assert all(r[1] is FinishReason.LENGTH and r[2] is None for r in results)
-        assert cluster.restarts["decode"] == 1 and cluster.retries["decode_lost"] == N_STREAMS
-        settle(aloop, cluster, {"prefill": 1, "decode": 1})
-        assert cluster.pools["decode"][0].worker_id != victim
-    finally:
-        aloop.run(cluster.shutdown())
 
 
 def test_decode_killed_fail_policy_ends_with_unavailable(ray_local, aloop, tiny_checkpoints):
@@ -146,50 +91,6 @@ def test_decode_killed_fail_policy_ends_with_unavailable(ray_local, aloop, tiny_
         aloop.run(cluster.shutdown())
 
 
-def test_prefill_killed_with_queued_requests_all_complete(ray_local, aloop, tiny_checkpoints, reference):
-    _, config = configs(tiny_checkpoints["llama"])
-    cluster = start(aloop, config)
-    try:
-        async def run():
-            task = asyncio.create_task(stream_all(cluster, prompts(), GREEDY))
-            # Kill once the prefill worker has prompts queued (budget 64 tokens per step: they queue).
-            await asyncio.sleep(0)
-            deadline = asyncio.get_running_loop().time() + 60
-            while cluster.pools["prefill"][0].queued_tokens == 0 and asyncio.get_running_loop().time() < deadline:
-                await asyncio.sleep(0.005)
-            queued = cluster.pools["prefill"][0].queued_tokens
-            ray.kill(cluster.pools["prefill"][0].handle)
-            return await asyncio.wait_for(task, 180), queued
-
-        results, queued = aloop.run(run(), timeout=300)
-        assert queued > 0
-        assert [r[0] for r in results] == reference
-        assert cluster.restarts["prefill"] == 1 and cluster.retries["prefill_lost"] >= 1
-        settle(aloop, cluster, {"prefill": 1, "decode": 1})
-    finally:
-        aloop.run(cluster.shutdown())
-
-
-def test_stalled_transfer_times_out_is_retried_and_frees_blocks(ray_local, aloop, tiny_checkpoints, reference):
-    _, config = configs(tiny_checkpoints["llama"], transfer_timeout_s=2.0)
-    cluster = start(aloop, config)
-    try:
-        ray.get(cluster.pools["prefill"][0].handle.inject_send_delay.remote(4.0, 1))
-        (tokens, reason, error), = aloop.run(stream_all(cluster, prompts()[:1], GREEDY), timeout=120)
-        assert (tokens, reason, error) == (reference[0], FinishReason.LENGTH, None)
-        assert cluster.retries["transfer_failed"] == 1
-        stats = {s.pool: s for s in aloop.run(cluster.stats())}
-        assert stats["decode"].transfer["failures"] == 1
-        settle(aloop, cluster, {"prefill": 1, "decode": 1})
-        # Twice in a row: retried once, then UNAVAILABLE (the router maps ERROR to it).
-        ray.get(cluster.pools["prefill"][0].handle.inject_send_delay.remote(4.0, 2))
-        (tokens, reason, error), = aloop.run(stream_all(cluster, prompts()[1:2], GREEDY), timeout=120)
-        assert reason is FinishReason.ERROR and "transfer" in error
-        settle(aloop, cluster, {"prefill": 1, "decode": 1})
-    finally:
-        aloop.run(cluster.shutdown())
-
-
 def test_soak_with_cancellations_and_a_killed_worker(ray_local, aloop, tiny_checkpoints):
     _, config = configs(tiny_checkpoints["llama"])
     cluster = start(aloop, config)
@@ -230,67 +131,5 @@ def test_soak_with_cancellations_and_a_killed_worker(ray_local, aloop, tiny_chec
         assert counts["failed"] == 0  # the resume policy recovers every request of the killed worker
         settle(aloop, cluster, {"prefill": 1, "decode": 1})
         assert cluster.restarts["decode"] == 1
-    finally:
-        aloop.run(cluster.shutdown())
-
-
-# -- the hand-off's failures: a stalled push keeps the KV "in flight" while the test acts ------------
-
-def worker_pid(aloop, cluster: Cluster, pool: str) -> int:
-    return next(s.pid for s in aloop.run(cluster.stats()) if s.pool == pool)
-
-
-def decode_waiting_for_kv(aloop, cluster: Cluster) -> int:
-    return next(s.waiting for s in aloop.run(cluster.stats()) if s.pool == "decode")
-
-
-def test_cancel_during_a_transfer_frees_both_sides(ray_local, aloop, tiny_checkpoints, reference):
-    _, config = configs(tiny_checkpoints["llama"], transfer_timeout_s=10.0)
-    cluster = start(aloop, config)
-    try:
-        ray.get(cluster.pools["prefill"][0].handle.inject_send_delay.remote(1.5, 1))
-
-        async def run():
-            gen = cluster.generate(prompts()[0], GREEDY)
-            first = await gen.__anext__()  # the prompt is computed; its push is stalled on the way
-            assert first.new_token_ids == reference[0][:1]
-            return gen
-
-        gen = aloop.run(run())
-        wait_for(lambda: decode_waiting_for_kv(aloop, cluster) == 1, 10, what="the decode worker to wait for the KV")
-        aloop.run(gen.aclose())  # the client goes away while the KV is in flight
-        settle(aloop, cluster, {"prefill": 1, "decode": 1})
-        (tokens, reason, _), = aloop.run(stream_all(cluster, prompts()[1:2], GREEDY), timeout=60)
-        assert tokens == reference[1] and reason is FinishReason.LENGTH  # the pair still works
-        settle(aloop, cluster, {"prefill": 1, "decode": 1})
-    finally:
-        aloop.run(cluster.shutdown())
-
-
-@pytest.mark.parametrize("victim", ["prefill", "decode"])
-def test_worker_killed_by_sigkill_mid_transfer_all_complete(ray_local, aloop, tiny_checkpoints, reference, victim):
-    """SIGKILL from outside while pushes are stalled: the prefill worker holds computed KV, the decode
-    worker holds reservations. Every request completes, token for token, and nothing leaks."""
-    _, config = configs(tiny_checkpoints["llama"], transfer_timeout_s=10.0)
-    cluster = start(aloop, config)
-    batch = prompts()[:6]
-    try:
-        ray.get(cluster.pools["prefill"][0].handle.inject_send_delay.remote(3.0, 1))
-        pid = worker_pid(aloop, cluster, victim)
-
-        async def run():
-            started = asyncio.Event()
-            task = asyncio.create_task(stream_all(cluster, batch, GREEDY, started, min_tokens=1))
-            await asyncio.wait_for(started.wait(), 60)  # every prompt computed; the pushes wait behind the stall
-            waiting = next(s.waiting for s in await cluster.stats() if s.pool == "decode")
-            os.kill(pid, signal.SIGKILL)
-            return await asyncio.wait_for(task, 180), waiting
-
-        results, waiting = aloop.run(run(), timeout=300)
-        assert waiting == len(batch)  # the decode worker held a reservation for each when the kill came
-        assert [r[0] for r in results] == reference[:6]
-        assert all(r[1] is FinishReason.LENGTH and r[2] is None for r in results)
-        assert cluster.restarts[victim] == 1
-        settle(aloop, cluster, {"prefill": 1, "decode": 1})
     finally:
         aloop.run(cluster.shutdown())

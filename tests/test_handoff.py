@@ -13,7 +13,9 @@ import pytest
 import torch
 from conftest import wait_for
 
-from pdserve.handoff import InboundTable, KVAnnounce, KVIntake, KVPusher, PushJob, layer_spans, num_parts_for
+from pdserve.faults import FaultPoints
+from pdserve.handoff import (InboundTable, KVAnnounce, KVIntake, KVPusher, PushJob, kv_checksum, layer_spans,
+                             num_parts_for)
 from pdserve.kv_transfer import RECEIVER_RANK, SENDER_RANK, PairChannel, StoreServer
 
 LAYERS, KV_HEADS, BLOCKS, BLOCK_SIZE, HEAD_DIM = 5, 2, 24, 4, 8
@@ -23,7 +25,7 @@ TIMEOUT_S = 10.0
 class Pair:
     """A pusher (prefill side) and an intake (decode side) joined like two workers would be."""
 
-    def __init__(self, hold_announcements: bool = False, min_part_bytes: int = 1):
+    def __init__(self, hold_announcements: bool = False, min_part_bytes: int = 1, checksum: bool = True):
         g = torch.Generator().manual_seed(1)
         self.src = torch.randn(LAYERS, 2, KV_HEADS, BLOCKS, BLOCK_SIZE, HEAD_DIM, generator=g)
         self.dst = torch.zeros_like(self.src)
@@ -34,13 +36,14 @@ class Pair:
         self.held: list[KVAnnounce] = []
         self.hold = hold_announcements
         self.generations: list[int] = []
+        self.faults = FaultPoints()
         self.intake = KVIntake("p0", "d0", self.dst, self.table, TIMEOUT_S,
                                landed=lambda rid, tok, at: self._record("landed", rid, tok),
                                failed=lambda rid, err: self._record("failed", rid, err),
                                cancelled=lambda rid: self._record("cancelled", rid))
         self.pusher = KVPusher("p0", "d0", self.src, self._open_pair, self._announce,
                                done=lambda job, err: self._record("done", job.request_ids, err),
-                               min_part_bytes=min_part_bytes)
+                               min_part_bytes=min_part_bytes, checksum=checksum, faults=self.faults)
 
     def _record(self, *event) -> None:
         with self.lock:
@@ -192,6 +195,56 @@ def test_failed_push_fails_both_sides_and_the_next_generation_works(pair):
     assert_moved(pair, [4], [2])
 
 
+def test_checksum_sees_a_flipped_bit_and_a_misplaced_block():
+    g = torch.Generator().manual_seed(3)
+    for dtype in (torch.float32, torch.bfloat16):
+        kv = torch.randn(LAYERS, 2, KV_HEADS, BLOCKS, BLOCK_SIZE, HEAD_DIM, generator=g).to(dtype)
+        base = kv_checksum(kv)
+        assert base.dtype == torch.int64 and base.dim() == 0
+        assert kv_checksum(kv.clone()) == base
+        flipped = kv.clone()
+        flipped.view(-1)[1234:1235].view(torch.uint8)[0] ^= 1  # the lowest bit of one value
+        assert kv_checksum(flipped) != base
+        swapped = kv.clone()
+        swapped[:, :, :, [2, 7]] = kv[:, :, :, [7, 2]]  # two blocks in each other's place
+        assert kv_checksum(swapped) != base
+
+
+def test_corrupted_transfer_fails_its_requests_and_the_channel_goes_on(pair):
+    reserve(pair, "a", [1])
+    pair.faults.arm("corrupt")
+    pair.pusher.push(PushJob("d0", ["a"], [[0]], LAYERS, LAYERS, [5], None))
+    wait_for(lambda: pair.of("failed"), TIMEOUT_S, what="the corrupted transfer to fail")
+    assert pair.of("failed")[0][1] == "a" and "checksum" in pair.of("failed")[0][2]
+    assert pair.of("done") == [("done", ("a",), None)]  # the sender sent it all: it frees its side
+    reserve(pair, "b", [2])
+    pair.pusher.push(PushJob("d0", ["b"], [[4]], LAYERS, LAYERS, [9], None))
+    wait_for(lambda: pair.of("landed"), TIMEOUT_S, what="the next transfer to land")
+    assert [e[1:] for e in pair.of("landed")] == [("b", 9)]
+    assert pair.generations == [1]  # everything arrived, so the channel was kept
+    assert_moved(pair, [4], [2])
+
+
+def test_push_without_checksum():
+    pair = Pair(checksum=False)
+    try:
+        reserve(pair, "a", [1, 2])
+        pair.faults.arm("corrupt")  # nothing checks: the flipped bit lands (what the checksum is for)
+        pair.pusher.push(PushJob("d0", ["a"], [[3, 4]], LAYERS, LAYERS, [5], None))
+        wait_for(lambda: pair.of("landed"), TIMEOUT_S, what="the transfer to land")
+        assert not torch.equal(pair.dst[:, :, :, [1, 2]], pair.src[:, :, :, [3, 4]])
+        assert (pair.dst[:, :, :, [1, 2]] != pair.src[:, :, :, [3, 4]]).sum() == 1
+    finally:
+        pair.close()
+
+
+def test_a_stopped_pusher_fails_new_jobs_at_once(pair):
+    pair.pusher.stop()
+    pair.pusher.push(PushJob("d0", ["a"], [[0]], LAYERS, LAYERS, [5], None))
+    (done,) = pair.of("done")
+    assert done[1] == ("a",) and "gone" in done[2]
+
+
 def test_inbound_table_states():
     t = InboundTable()
     t.publish("a", [1, 2])
@@ -254,7 +307,7 @@ def test_a_prefill_step_tells_its_pushes_of_every_layer():
     pushed: list[PushJob] = []
     actor = SimpleNamespace(
         push_layerwise=True, _lock=threading.Lock(), _ready={"a": 0.0}, _pushing=set(),
-        _destination_of={"a": "d0"}, _destinations={"d0": SimpleNamespace(pusher=SimpleNamespace(push=pushed.append))},
+        _destination_of={"a": "d0"}, _push=pushed.append,
         core=SimpleNamespace(model_config=SimpleNamespace(num_layers=LAYERS),
                              kv=SimpleNamespace(blocks_needed=lambda n: -(-n // BLOCK_SIZE))))
     req = Request("a", list(range(6)), SamplingParams(), 0)

@@ -19,6 +19,7 @@ from typing import Any
 from pdserve.bench.workload import (ARRIVALS, LENGTH_DISTS, BenchRequest, LengthSpec, TokenSampler,
                                     bursty_arrivals, closed_arrivals, load_trace, poisson_arrivals,
                                     synthetic_requests, trace_arrivals)
+from pdserve.client import add_connection_args
 
 DEFAULT_NUM_PROMPTS = 100
 
@@ -27,7 +28,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
     p = sub.add_parser("bench", help="load-test a running router: throughput, TTFT/TPOT/ITL, SLO goodput",
                        description="Drive a running pdserve router over gRPC with a synthetic or replayed "
                                    "workload and report throughput, latency percentiles and SLO goodput.")
-    p.add_argument("--target", default="127.0.0.1:50051", help="router address HOST:PORT")
+    add_connection_args(p)
     add_workload_args(p)
     g = p.add_argument_group("SLOs (goodput counts successful requests that meet every one given)")
     g.add_argument("--slo-ttft-ms", type=float, default=None, help="time to first token, ms")
@@ -185,9 +186,10 @@ def build_workload(args: argparse.Namespace, vocab_size: int, eos_ids: list[int]
 async def run_bench(args: argparse.Namespace, slo) -> dict[str, Any]:
     from pdserve.bench.runner import Progress, RunConfig, run_workload, warm_up
     from pdserve.bench.stats import build_report
-    from pdserve.client import AsyncClient
+    from pdserve.client import AsyncClient, connection_from_args
 
-    async with AsyncClient(args.target) as client:
+    conn = connection_from_args(args)
+    async with AsyncClient(conn) as client:
         info = await client.model_info(timeout=30)
         try:
             mode = (await client.cluster_status(timeout=30)).mode
@@ -202,10 +204,10 @@ async def run_bench(args: argparse.Namespace, slo) -> dict[str, Any]:
         import numpy as np
 
         rng = np.random.default_rng([args.seed, 9])
-        await warm_up(args.target, [BenchRequest(max_tokens=4, token_ids=sampler(rng, 16), ignore_eos=True)
+        await warm_up(conn, [BenchRequest(max_tokens=4, token_ids=sampler(rng, 16), ignore_eos=True)
                                     for _ in range(args.warmup)], args.temperature)
     progress = None if args.no_progress else Progress(num, args.duration)
-    records, wall = await run_workload(args.target, requests, arrivals, cfg, progress)
+    records, wall = await run_workload(conn, requests, arrivals, cfg, progress)
     report = build_report(records, slo, wall)
     model = {"name": info.name, "architecture": info.architecture, "num_params": info.num_params,
              "dtype": info.dtype, "vocab_size": info.vocab_size, "max_model_len": info.max_model_len}

@@ -22,7 +22,7 @@ import grpc
 
 from pdserve.bench.stats import RequestRecord
 from pdserve.bench.workload import BenchRequest
-from pdserve.client import FINISH_REASONS, AsyncClient
+from pdserve.client import FINISH_REASONS, AsyncClient, Connection
 
 
 @dataclass(frozen=True)
@@ -78,7 +78,7 @@ class Progress:
             self.draw()
 
 
-async def warm_up(target: str, requests: Sequence[BenchRequest], temperature: float = 0.0,
+async def warm_up(target: str | Connection, requests: Sequence[BenchRequest], temperature: float = 0.0,
                   timeout: float | None = 120.0) -> None:
     """Send requests at once and wait for them; not recorded (first-call costs: threads, KV channels)."""
     async with AsyncClient(target) as client:
@@ -86,7 +86,7 @@ async def warm_up(target: str, requests: Sequence[BenchRequest], temperature: fl
                                for r in requests))
 
 
-async def run_workload(target: str, requests: Iterable[BenchRequest], arrivals: Iterable[float], cfg: RunConfig,
+async def run_workload(target: str | Connection, requests: Iterable[BenchRequest], arrivals: Iterable[float], cfg: RunConfig,
                        progress: Progress | None = None) -> tuple[list[RequestRecord], float]:
     """Drive the workload; returns every request's record and the run's wall time (first send to last end)."""
     records: list[RequestRecord] = []
