@@ -49,7 +49,7 @@ def main() -> int:
     log = open(log_path, "w")
     server = subprocess.Popen([sys.executable, "-m", "router.cli", "serve", "--prefill-workers", "1",
                                "--decode-workers", str(args.decode_workers), "--port", str(args.port),
-                               "--metrics-port", "0"], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+                               "--metrics-port", "0", "--http-port", "0"], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
     bad = 0
     try:
         client = Client(f"127.0.0.1:{args.port}")

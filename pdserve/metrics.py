@@ -30,43 +30,51 @@ class RouterMetrics:
                  faults: Callable[[], tuple[dict[str, int], dict[str, int]]] = lambda: ({}, {})):
         """worker_stats: the workers' latest stats; faults: (restarts by pool, retries by reason), cumulative."""
         r = self.registry = CollectorRegistry()
+        # Every request metric is labelled by the protocol it came in on: "grpc" or "http" (OpenAI API).
+        p = ["protocol"]
         self.ttft = Histogram("pdserve_request_time_to_first_token_seconds",
-                              "From arrival at the router to the first token streamed", registry=r,
+                              "From arrival at the router to the first token streamed", p, registry=r,
                               buckets=REQUEST_SECONDS_BUCKETS)
         self.tpot = Histogram("pdserve_request_time_per_output_token_seconds",
-                              "Per request: (end-to-end - time to first token) / (output tokens - 1)", registry=r,
+                              "Per request: (end-to-end - time to first token) / (output tokens - 1)", p, registry=r,
                               buckets=TOKEN_SECONDS_BUCKETS)
         self.itl = Histogram("pdserve_request_inter_token_latency_seconds",
-                             "Every gap between two consecutive streamed tokens", registry=r, buckets=TOKEN_SECONDS_BUCKETS)
-        self.e2e = Histogram("pdserve_request_e2e_seconds", "From arrival at the router to the last token",
+                             "Every gap between two consecutive streamed tokens", p, registry=r,
+                             buckets=TOKEN_SECONDS_BUCKETS)
+        self.e2e = Histogram("pdserve_request_e2e_seconds", "From arrival at the router to the last token", p,
                              registry=r, buckets=REQUEST_SECONDS_BUCKETS)
-        self.queue = Histogram("pdserve_request_queue_seconds", "Time waiting for admission", registry=r,
+        self.queue = Histogram("pdserve_request_queue_seconds", "Time waiting for admission", p, registry=r,
                                buckets=REQUEST_SECONDS_BUCKETS)
-        self.requests = Counter("pdserve_requests", "Finished requests by finish reason and gRPC status code",
-                                ["finish_reason", "code"], registry=r)
-        self.prompt_tokens = Counter("pdserve_request_prompt_tokens", "Prompt tokens of finished requests", registry=r)
-        self.generation_tokens = Counter("pdserve_request_generation_tokens", "Tokens streamed to clients", registry=r)
+        self.requests = Counter("pdserve_requests", "Finished requests by protocol, finish reason and status code "
+                                "(gRPC's names, for HTTP requests too: OK, INVALID_ARGUMENT, ...)",
+                                ["protocol", "finish_reason", "code"], registry=r)
+        self.prompt_tokens = Counter("pdserve_request_prompt_tokens", "Prompt tokens of finished requests", p,
+                                     registry=r)
+        self.generation_tokens = Counter("pdserve_request_generation_tokens", "Tokens streamed to clients", p,
+                                         registry=r)
         self.running = Gauge("pdserve_router_requests_running", "Requests admitted to the workers", registry=r)
         self.queued = Gauge("pdserve_router_requests_queued", "Requests waiting for admission", registry=r)
         r.register(WorkerCollector(worker_stats))
         r.register(FaultCollector(faults))
 
     def observe_request(self, *, finish_reason: str, code: str, queue_s: float | None, ttft_s: float | None,
-                        e2e_s: float | None, token_times: list[float], prompt_tokens: int, output_tokens: int) -> None:
+                        e2e_s: float | None, token_times: list[float], prompt_tokens: int, output_tokens: int,
+                        protocol: str = "grpc") -> None:
         """Record one finished request. token_times: when each output token was streamed (one per token)."""
-        self.requests.labels(finish_reason, code).inc()
+        self.requests.labels(protocol, finish_reason, code).inc()
         if queue_s is not None:
-            self.queue.observe(queue_s)
+            self.queue.labels(protocol).observe(queue_s)
         if ttft_s is not None:
-            self.ttft.observe(ttft_s)
+            self.ttft.labels(protocol).observe(ttft_s)
         if e2e_s is not None:
-            self.e2e.observe(e2e_s)
+            self.e2e.labels(protocol).observe(e2e_s)
         if ttft_s is not None and e2e_s is not None and output_tokens > 1:
-            self.tpot.observe((e2e_s - ttft_s) / (output_tokens - 1))
+            self.tpot.labels(protocol).observe((e2e_s - ttft_s) / (output_tokens - 1))
+        itl = self.itl.labels(protocol)
         for a, b in zip(token_times, token_times[1:]):
-            self.itl.observe(b - a)
-        self.prompt_tokens.inc(prompt_tokens)
-        self.generation_tokens.inc(output_tokens)
+            itl.observe(b - a)
+        self.prompt_tokens.labels(protocol).inc(prompt_tokens)
+        self.generation_tokens.labels(protocol).inc(output_tokens)
 
 
 class WorkerCollector(Collector):

@@ -60,55 +60,79 @@ def parse_wire(data: bytes) -> pb.GenerateRequest | Malformed:
 
 
 def parse_request(request: pb.GenerateRequest, info: ModelInfo, limit: int) -> tuple[list[int], SamplingParams]:
-    """The prompt's token ids and the sampling parameters; ValueError says what is wrong.
+    """The prompt's token ids and the sampling parameters of a gRPC request; ValueError says what is wrong.
     limit: characters of text accepted before tokenizing (prompt, or all messages)."""
-    tok = info.tokenizer
     which = request.WhichOneof("input")
-    if which is None:
+    s = request.sampling
+    return prepare(
+        info, limit,
+        prompt=request.prompt if which == "prompt" else None,
+        messages=[{"role": m.role, "content": m.content} for m in request.messages.messages]
+        if which == "messages" else None,
+        token_ids=list(request.token_ids.ids) if which == "token_ids" else None,
+        max_tokens=request.max_tokens if request.HasField("max_tokens") else None,
+        temperature=s.temperature if s.HasField("temperature") else None,
+        top_p=s.top_p if s.HasField("top_p") else None,
+        top_k=s.top_k if s.HasField("top_k") else None,
+        seed=s.seed if s.HasField("seed") else None,
+        stop=tuple(request.stop), stop_token_ids=tuple(request.stop_token_ids), ignore_eos=request.ignore_eos)
+
+
+def prepare(info: ModelInfo, limit: int, *, prompt: str | None = None, messages: list[dict[str, str]] | None = None,
+            token_ids: list[int] | None = None, max_tokens: int | None = None, temperature: float | None = None,
+            top_p: float | None = None, top_k: int | None = None, seed: int | None = None,
+            stop: tuple[str, ...] = (), stop_token_ids: tuple[int, ...] = (),
+            ignore_eos: bool = False) -> tuple[list[int], SamplingParams]:
+    """What every protocol's request comes down to: the prompt's token ids (from exactly one of prompt
+    text, chat messages or token ids) and the sampling parameters, checked against the model; None
+    leaves a default. ValueError says what is wrong."""
+    tok = info.tokenizer
+    given = [name for name, v in (("prompt", prompt), ("messages", messages), ("token_ids", token_ids)) if v is not None]
+    if not given:
         raise ValueError("the request has no input: set prompt, messages or token_ids")
-    if which == "token_ids":
-        prompt = list(request.token_ids.ids)
+    if len(given) > 1:
+        raise ValueError(f"give one input, not {' and '.join(given)}")
+    if token_ids is not None:
+        ids = list(token_ids)
     else:
         if tok is None:
             raise ValueError("this model has no tokenizer: send token_ids")
-        if which == "prompt":
-            if len(request.prompt) > limit:
-                raise ValueError(f"prompt has {len(request.prompt)} characters; the limit is {limit}")
-            if not request.prompt:
+        if prompt is not None:
+            if len(prompt) > limit:
+                raise ValueError(f"prompt has {len(prompt)} characters; the limit is {limit}")
+            if not prompt:
                 raise ValueError("prompt is empty")
-            prompt = tok.encode(request.prompt)
+            ids = tok.encode(prompt)
         else:
-            msgs = [{"role": m.role, "content": m.content} for m in request.messages.messages]
-            if not msgs:
+            if not messages:
                 raise ValueError("messages is empty")
-            if sum(len(m["content"]) + len(m["role"]) for m in msgs) > limit:
+            if sum(len(m["content"]) + len(m["role"]) for m in messages) > limit:
                 raise ValueError(f"messages exceed {limit} characters in all")
-            if any(not m["role"] for m in msgs):
+            if any(not m["role"] for m in messages):
                 raise ValueError("every message needs a role")
             if not tok.has_chat_template:
                 raise ValueError("this model has no chat template: send a prompt or token_ids")
-            prompt = tok.apply_chat_template(msgs)
-    if not prompt:
+            ids = tok.apply_chat_template(messages)
+    if not ids:
         raise ValueError("prompt is empty")
-    max_tokens = request.max_tokens if request.HasField("max_tokens") else DEFAULT_MAX_TOKENS
+    max_tokens = DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens
     if max_tokens < 1:
         raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
-    if len(prompt) + max_tokens > info.max_model_len:
-        raise ValueError(f"prompt ({len(prompt)} tokens) + max_tokens ({max_tokens}) exceeds the model's "
+    if len(ids) + max_tokens > info.max_model_len:
+        raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds the model's "
                          f"context of {info.max_model_len} tokens")
-    s = request.sampling
     params = SamplingParams(
         max_tokens=max_tokens,
-        temperature=s.temperature if s.HasField("temperature") else 1.0,
-        top_p=s.top_p if s.HasField("top_p") else 1.0,
-        top_k=s.top_k if s.HasField("top_k") else 0,
-        seed=s.seed if s.HasField("seed") else None,
-        stop=tuple(request.stop),
-        stop_token_ids=tuple(request.stop_token_ids),
-        ignore_eos=request.ignore_eos,
+        temperature=1.0 if temperature is None else temperature,
+        top_p=1.0 if top_p is None else top_p,
+        top_k=0 if top_k is None else top_k,
+        seed=seed,
+        stop=tuple(stop),
+        stop_token_ids=tuple(stop_token_ids),
+        ignore_eos=ignore_eos,
     )
     vocab = info.config.vocab_size
-    bad = [t for t in (*prompt, *params.stop_token_ids) if not 0 <= t < vocab]
+    bad = [t for t in (*ids, *params.stop_token_ids) if not 0 <= t < vocab]
     if bad:
         raise ValueError(f"unknown token ids (the vocabulary is [0, {vocab})): {bad[:5]}")
-    return prompt, params
+    return ids, params

@@ -23,6 +23,11 @@ def add_serve_parser(sub: Any) -> argparse.ArgumentParser:
     add_model_args(serve)
     serve.add_argument("--host", default="127.0.0.1", help="address the router binds (default 127.0.0.1)")
     serve.add_argument("--port", type=int, default=50051)
+    serve.add_argument("--http-port", type=int, default=8000,
+                       help="port of the OpenAI-compatible HTTP API on --host (/v1/completions, /v1/chat/completions, "
+                            "/v1/models, /health); 0 turns it off")
+    serve.add_argument("--served-model-name", default=None,
+                       help="the model's name in the HTTP API (default: its file or directory name)")
     serve.add_argument("--metrics-host", default="127.0.0.1", help="address of the Prometheus /metrics endpoint")
     serve.add_argument("--metrics-port", type=int, default=9400, help="port of /metrics (0 disables it)")
     edge = serve.add_argument_group("TLS and API key")
@@ -105,7 +110,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                                  metrics_host=args.metrics_host, metrics_port=args.metrics_port or None,
                                  ssl_certfile=args.ssl_certfile, ssl_keyfile=args.ssl_keyfile,
                                  ssl_ca_certs=args.ssl_ca_certs, api_key=read_api_key(args.api_key, args.api_key_file),
-                                 metrics_tls=args.metrics_tls, health_port=args.health_port)
+                                 metrics_tls=args.metrics_tls, health_port=args.health_port,
+                                 http_port=args.http_port or None, served_model_name=args.served_model_name)
     if args.ray_address:
         ray.init(address=args.ray_address, log_to_driver=False)
     else:

@@ -10,8 +10,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import ssl
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -27,6 +29,7 @@ from pdserve.v1 import generation_pb2_grpc as pb_grpc
 from router.admission import Admission, Malformed, Overloaded, parse_request, parse_wire
 from router.cluster import Cluster
 from router.security import ApiKeyInterceptor, server_credentials
+from router.tracking import Timeline
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +56,8 @@ class RouterConfig:
     api_key: str | None = None
     metrics_tls: bool = False  # /metrics over HTTPS with the same certificate
     health_port: int | None = None  # grpc.health.v1 alone, plaintext, on this port too (for probes)
+    http_port: int | None = None  # the OpenAI-compatible HTTP API (router.openai_api) on host:http_port
+    served_model_name: str | None = None  # the model's name in the HTTP API; None: its file or directory name
 
     def __post_init__(self) -> None:
         if self.max_running < 1 or self.max_queued < 0:
@@ -72,18 +77,6 @@ class RouterConfig:
         return self.ssl_certfile is not None
 
 
-@dataclass
-class _Timeline:
-    """What the router saw of one request, for its response timings and its metrics."""
-
-    arrived: float
-    admitted: float = 0.0
-    token_times: list[float] = field(default_factory=list)  # when each output token was streamed
-    prompt_tokens: int = 0
-    finish_reason: str = "none"  # until the request ends with one
-    code: str = "OK"
-
-
 class GenerationService(pb_grpc.GenerationServicer):
     def __init__(self, cluster: Cluster, config: RouterConfig, metrics: RouterMetrics | None = None):
         self.cluster = cluster
@@ -97,7 +90,7 @@ class GenerationService(pb_grpc.GenerationServicer):
 
     # -- Generate ---------------------------------------------------------------------------------
     async def Generate(self, request: pb.GenerateRequest | Malformed, context: grpc.aio.ServicerContext):
-        t = _Timeline(time.monotonic())
+        t = Timeline("grpc")
         try:
             async for resp in self._generate(request, context, t):
                 yield resp
@@ -107,15 +100,9 @@ class GenerationService(pb_grpc.GenerationServicer):
             t.finish_reason = "cancelled"
             raise
         finally:
-            if self.metrics is not None:
-                self.metrics.observe_request(
-                    finish_reason=t.finish_reason, code=t.code,
-                    queue_s=t.admitted - t.arrived if t.admitted else None,
-                    ttft_s=t.token_times[0] - t.arrived if t.token_times else None,
-                    e2e_s=t.token_times[-1] - t.arrived if t.token_times and t.finish_reason != "cancelled" else None,
-                    token_times=t.token_times, prompt_tokens=t.prompt_tokens, output_tokens=len(t.token_times))
+            t.record(self.metrics)
 
-    async def _generate(self, request, context, t: _Timeline):
+    async def _generate(self, request, context, t: Timeline):
         async def abort(code: grpc.StatusCode, message: str) -> None:
             t.code = code.name
             await context.abort(code, message)
@@ -136,8 +123,7 @@ class GenerationService(pb_grpc.GenerationServicer):
                     if out.finish_reason is FinishReason.ERROR:
                         t.finish_reason = "error"
                         await abort(grpc.StatusCode.UNAVAILABLE, out.error or "the request failed on a worker")
-                    now = time.monotonic()
-                    t.token_times.extend([now] * len(out.new_token_ids))
+                    t.tokens(len(out.new_token_ids))
                     if out.finish_reason is not None:
                         t.finish_reason = out.finish_reason.value
                     yield self._response(out, t)
@@ -147,7 +133,7 @@ class GenerationService(pb_grpc.GenerationServicer):
             await abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
 
     @staticmethod
-    def _response(out: RequestOutput, t: _Timeline) -> pb.GenerateResponse:
+    def _response(out: RequestOutput, t: Timeline) -> pb.GenerateResponse:
         resp = pb.GenerateResponse(request_id=out.request_id, text=out.new_text, token_ids=out.new_token_ids)
         if out.finish_reason is not None:
             resp.finish_reason = _FINISH[out.finish_reason]
@@ -208,6 +194,9 @@ class Router:
         self.metrics_port: int | None = None
         self._metrics_server = None
         self._health_server: grpc.aio.Server | None = None
+        self.http_port: int | None = None
+        self._http_server = None
+        self._http_task: asyncio.Task | None = None
 
     async def start(self) -> int:
         c = self.config
@@ -240,6 +229,8 @@ class Router:
             if self.health_port == 0:
                 raise OSError(f"could not bind {c.host}:{c.health_port}")
             await self._health_server.start()
+        if c.http_port is not None:
+            await self._start_http()
         if self.metrics is not None:
             tls = dict(certfile=c.ssl_certfile, keyfile=c.ssl_keyfile) if c.metrics_tls else {}
             self._metrics_server, _ = start_http_server(c.metrics_port, c.metrics_host, registry=self.metrics.registry,
@@ -254,6 +245,32 @@ class Router:
                  if c.tls else "plaintext", "API key required" if c.api_key else "no API key")
         return self.port
 
+    async def _start_http(self) -> None:
+        import uvicorn
+
+        from router.openai_api import build_app
+
+        c = self.config
+        name = c.served_model_name or Path(self.cluster.info.path).name
+        app = build_app(self.service, name, c.api_key)
+        tls = {}
+        if c.tls:
+            tls = dict(ssl_certfile=c.ssl_certfile, ssl_keyfile=c.ssl_keyfile, ssl_ca_certs=c.ssl_ca_certs,
+                       ssl_cert_reqs=ssl.CERT_REQUIRED if c.ssl_ca_certs else ssl.CERT_NONE)
+        # On this event loop, beside gRPC: one admission, one cluster.
+        server = uvicorn.Server(uvicorn.Config(app, host=c.host, port=c.http_port, lifespan="off",
+                                               log_level="warning", access_log=False, **tls))
+        self._http_task = asyncio.create_task(server.serve())
+        while not server.started:
+            if self._http_task.done():  # it could not bind: say why
+                self._http_task.result()
+                raise OSError(f"the HTTP server on {c.host}:{c.http_port} did not start")
+            await asyncio.sleep(0.01)
+        self._http_server = server
+        self.http_port = server.servers[0].sockets[0].getsockname()[1]
+        log.info("OpenAI-compatible HTTP API on %s://%s:%d/v1 (model %r)", "https" if c.tls else "http", c.host,
+                 self.http_port, name)
+
     async def stop(self, grace: float | None = None) -> None:
         """Refuse new requests and let in-flight ones finish within the grace period (the cluster stays up)."""
         self.service.serving = False
@@ -262,6 +279,9 @@ class Router:
             await self.server.stop(self.config.drain_timeout_s if grace is None else grace)
         if self._health_server is not None:
             await self._health_server.stop(0)
+        if self._http_server is not None:
+            self._http_server.should_exit = True  # after the gRPC drain: in-flight HTTP streams had it too
+            await self._http_task
         if self._metrics_server is not None:
             self._metrics_server.shutdown()
             self._metrics_server.server_close()

@@ -694,7 +694,7 @@ def test_network_policies_let_only_clients_prometheus_and_pdserve_in(name, tmp_p
                     # pdserve's own pods, on every port (Ray, KV transfers): this namespace only.
                     assert "namespaceSelector" not in peer, f"{role}: Ray's ports must stay in the namespace"
                 elif labels == {"pdserve.io/client": "true"}:
-                    assert role == "head" and _ports(rule) == {args.port, args.health_port or 50052}
+                    assert role == "head" and _ports(rule) == {args.port, args.http_port, args.health_port or 50052}
                 elif labels == {"app.kubernetes.io/name": "prometheus"}:
                     metrics = {args.metrics_port, 8080} if role == "head" else {8080}
                     assert _ports(rule) == metrics, f"{role}: Prometheus reaches only the metrics ports"

@@ -82,7 +82,9 @@ def test_request_metrics_tpot_and_itl():
     # Arrival at 0; tokens at 1.0, 1.2, 1.5, 2.0: TTFT 1.0, e2e 2.0, TPOT (2.0 - 1.0) / 3, ITL 0.2, 0.3, 0.5.
     m.observe_request(finish_reason="length", code="OK", queue_s=0.1, ttft_s=1.0, e2e_s=2.0,
                       token_times=[1.0, 1.2, 1.5, 2.0], prompt_tokens=9, output_tokens=4)
-    g = m.registry.get_sample_value
+    def g(name, labels=None):
+        return m.registry.get_sample_value(name, {"protocol": "grpc", **(labels or {})})
+
     assert g("pdserve_request_time_per_output_token_seconds_sum") == pytest.approx(1 / 3)
     assert g("pdserve_request_inter_token_latency_seconds_count") == 3
     assert g("pdserve_request_inter_token_latency_seconds_sum") == pytest.approx(1.0)
@@ -94,6 +96,12 @@ def test_request_metrics_tpot_and_itl():
     m.observe_request(finish_reason="stop", code="OK", queue_s=0.0, ttft_s=0.5, e2e_s=0.5, token_times=[0.5],
                       prompt_tokens=3, output_tokens=1)
     assert g("pdserve_request_time_per_output_token_seconds_count") == 1
+    # The same request over HTTP is counted under its own protocol.
+    m.observe_request(finish_reason="stop", code="OK", queue_s=0.0, ttft_s=0.5, e2e_s=0.5, token_times=[0.5],
+                      prompt_tokens=3, output_tokens=1, protocol="http")
+    assert m.registry.get_sample_value("pdserve_requests_total",
+                                       {"protocol": "http", "finish_reason": "stop", "code": "OK"}) == 1
+    assert g("pdserve_requests_total", {"finish_reason": "stop", "code": "OK"}) == 1
 
 
 def test_worker_series_and_transfer_histogram():

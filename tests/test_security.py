@@ -189,3 +189,25 @@ def test_bad_edge_settings_fail_at_once(pki, tmp_path):
     (tmp_path / "empty").write_text("\n")
     with pytest.raises(ValueError, match="empty"):
         read_api_key(None, str(tmp_path / "empty"))
+
+
+def test_the_http_api_takes_the_same_tls_and_key(aloop, cluster, pki):
+    import httpx
+
+    r = serve(aloop, cluster, ssl_certfile=pki["cert"], ssl_keyfile=pki["key"], api_key=KEY, http_port=0,
+              served_model_name="tiny")
+    try:
+        base = f"https://127.0.0.1:{r.http_port}"
+        with httpx.Client(verify=ssl.create_default_context(cafile=pki["ca"]), timeout=30) as h:
+            assert h.get(f"{base}/health").status_code == 200  # no key needed
+            assert h.get(f"{base}/v1/models").status_code == 401
+            ok = h.get(f"{base}/v1/models", headers={"Authorization": f"Bearer {KEY}"})
+            assert ok.status_code == 200 and ok.json()["data"][0]["id"] == "tiny"
+            done = h.post(f"{base}/v1/completions", headers={"Authorization": f"Bearer {KEY}"},
+                          json={"model": "tiny", "prompt": PROMPT, "max_tokens": 8, "temperature": 0,
+                                "ignore_eos": True})
+            assert done.status_code == 200 and done.json()["usage"]["completion_tokens"] == 8
+        with pytest.raises(httpx.HTTPError):  # plaintext to the TLS port
+            httpx.get(f"http://127.0.0.1:{r.http_port}/health", timeout=10)
+    finally:
+        aloop.run(r.stop(grace=2))

@@ -1,0 +1,402 @@
+"""The OpenAI-compatible HTTP door beside gRPC: /v1/models, /v1/completions, /v1/chat/completions, /health.
+
+A FastAPI app, served by uvicorn on the router's own event loop, over the same GenerationService as
+gRPC: the same admission, the same cluster, the same request checks (router.admission.prepare), the
+same metrics (labelled protocol="http"), the same API key and TLS. Streams are server-sent events
+(`data: {json}` ... `data: [DONE]`); a client that goes away cancels its request on every worker.
+
+What OpenAI's API has and pdserve does not (n > 1, logprobs, echo, suffix, tools, penalties, logit
+bias, JSON mode) is a 400 that names the field. Errors use OpenAI's shape,
+{"error": {"message", "type", "param", "code"}}: 400 bad input, 401 missing or wrong key, 404 unknown
+model, 429 admission queue full, 503 draining or the workers failed the request.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict
+
+from pdserve.output import RequestOutput
+from pdserve.request import FinishReason
+from router.admission import Overloaded, prepare
+from router.tracking import Timeline
+
+_FINISH = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length"}
+DISCONNECT_POLL_S = 0.25  # how often a non-streamed request checks that its client is still there
+
+
+class HTTPError(Exception):
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None, grpc_code: str = "INVALID_ARGUMENT"):
+        super().__init__(message)
+        self.status, self.kind, self.param, self.code, self.grpc_code = status, kind, param, code, grpc_code
+
+    def response(self) -> JSONResponse:
+        return JSONResponse({"error": {"message": str(self), "type": self.kind, "param": self.param,
+                                       "code": self.code}}, status_code=self.status)
+
+
+# -- request bodies -------------------------------------------------------------------------------------
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _Common(BaseModel):
+    # Fields of OpenAI's API that change nothing here (user, ...) and those of other servers pass.
+    model_config = ConfigDict(extra="allow")
+
+    model: str
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None  # an extension (vLLM and others take it too)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None  # extension
+    ignore_eos: bool = False  # extension: load generators use it for fixed output lengths
+    n: int | None = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    presence_penalty: float | None = 0.0
+    frequency_penalty: float | None = 0.0
+    logit_bias: dict[str, float] | None = None
+
+    def unsupported(self) -> list[tuple[str, str]]:
+        """(field, why) for everything asked that pdserve does not do."""
+        out = []
+        if self.n not in (None, 1):
+            out.append(("n", "n > 1 is not supported: send n requests"))
+        if self.presence_penalty or self.frequency_penalty:
+            out.append(("presence_penalty" if self.presence_penalty else "frequency_penalty",
+                        "presence and frequency penalties are not supported"))
+        if self.logit_bias:
+            out.append(("logit_bias", "logit_bias is not supported"))
+        return out
+
+
+class CompletionRequest(_Common):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    echo: bool = False
+    suffix: str | None = None
+    logprobs: int | None = None
+    best_of: int | None = None
+
+    def unsupported(self) -> list[tuple[str, str]]:
+        out = super().unsupported()
+        for name, bad in (("echo", self.echo), ("suffix", self.suffix), ("logprobs", self.logprobs is not None),
+                          ("best_of", self.best_of not in (None, 1))):
+            if bad:
+                out.append((name, f"{name} is not supported"))
+        return out
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+
+
+class ChatCompletionRequest(_Common):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = False
+    top_logprobs: int | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    functions: list[Any] | None = None
+    function_call: Any = None
+    response_format: dict[str, Any] | None = None
+
+    def unsupported(self) -> list[tuple[str, str]]:
+        out = super().unsupported()
+        if self.logprobs or self.top_logprobs:
+            out.append(("logprobs", "logprobs are not supported"))
+        for name in ("tools", "functions"):
+            if getattr(self, name):
+                out.append((name, "tool and function calling are not supported"))
+        if self.tool_choice not in (None, "none") or self.function_call not in (None, "none"):
+            out.append(("tool_choice", "tool and function calling are not supported"))
+        if self.response_format and self.response_format.get("type", "text") != "text":
+            out.append(("response_format", "only the text response format is supported"))
+        return out
+
+
+# -- the app --------------------------------------------------------------------------------------------
+
+def build_app(service, model_name: str, api_key: str | None) -> FastAPI:
+    """service: the router's GenerationService (cluster, admission, metrics, serving flag, limits)."""
+    expected = f"Bearer {api_key}".encode() if api_key else None
+
+    async def authorized(request: Request) -> None:
+        # A dependency, not an HTTP middleware: Starlette's middleware wrapper would hide a client's
+        # disconnect from the handler (request.is_disconnected), and with it the cancel.
+        if expected is not None and request.url.path != "/health":
+            if not hmac.compare_digest(request.headers.get("authorization", "").encode(), expected):
+                raise HTTPError(401, "missing or wrong API key: send the header 'Authorization: Bearer <key>'",
+                                code="invalid_api_key", grpc_code="UNAUTHENTICATED")
+
+    app = FastAPI(title="pdserve (OpenAI-compatible)", docs_url=None, redoc_url=None, openapi_url=None,
+                  dependencies=[Depends(authorized)])
+    info = service.cluster.info
+    names = {model_name, info.path}
+    created = int(time.time())
+
+    @app.exception_handler(HTTPError)
+    async def _error(request: Request, e: HTTPError) -> JSONResponse:
+        return e.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, e: RequestValidationError) -> JSONResponse:
+        first = e.errors()[0] if e.errors() else {}
+        where = ".".join(str(x) for x in first.get("loc", ()) if x != "body")
+        return HTTPError(400, f"{where or 'body'}: {first.get('msg', 'invalid request')}", param=where or None).response()
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        return JSONResponse({"status": "ok" if service.serving else "draining"},
+                            status_code=200 if service.serving else 503)
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return {"object": "list", "data": [_model_card(model_name, created, info)]}
+
+    @app.get("/v1/models/{name:path}")
+    async def model(name: str) -> dict:
+        if name not in names:
+            raise HTTPError(404, f"the model {name!r} does not exist; this server has {model_name!r}",
+                            param="model", code="model_not_found")
+        return _model_card(model_name, created, info)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        prompt = body.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+            if len(prompt) != 1:
+                raise HTTPError(400, "a batch of prompts is not supported: send one prompt per request", param="prompt")
+            prompt = prompt[0]
+        fields = dict(token_ids=list(prompt)) if isinstance(prompt, list) else dict(prompt=prompt)
+        return await _serve(body, request, "text_completion", fields, body.max_tokens)
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatCompletionRequest, request: Request):
+        messages = [{"role": m.role, "content": _text(m.content, i)} for i, m in enumerate(body.messages)]
+        return await _serve(body, request, "chat.completion", dict(messages=messages),
+                            body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens)
+
+    async def _serve(body: _Common, request: Request, kind: str, fields: dict, max_tokens: int | None):
+        t = Timeline("http")
+        try:
+            if body.model not in names:
+                raise HTTPError(404, f"the model {body.model!r} does not exist; this server has {model_name!r}",
+                                param="model", code="model_not_found", grpc_code="NOT_FOUND")
+            for field, why in body.unsupported():
+                raise HTTPError(400, why, param=field)
+            if not service.serving:
+                raise HTTPError(503, "the router is draining; retry on another replica", kind="server_error",
+                                grpc_code="UNAVAILABLE")
+            stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
+            try:
+                prompt, params = prepare(info, service.config.max_input_chars, max_tokens=max_tokens,
+                                         temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
+                                         seed=body.seed, stop=stop, stop_token_ids=tuple(body.stop_token_ids or ()),
+                                         ignore_eos=body.ignore_eos, **fields)
+            except ValueError as e:
+                raise HTTPError(400, str(e)) from None
+        except HTTPError as e:
+            t.code, t.finish_reason = e.grpc_code, "none"
+            t.record(service.metrics)
+            raise
+        t.prompt_tokens = len(prompt)
+        rid = ("chatcmpl-" if kind == "chat.completion" else "cmpl-") + uuid.uuid4().hex
+        run = _Run(service, t, prompt, params, rid)
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            first = await run.start()  # errors before the first token are plain HTTP errors
+            return StreamingResponse(_sse(run, first, kind, rid, body.model, include_usage),
+                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        return await _whole(run, request, kind, rid, body.model)
+
+    return app
+
+
+def _model_card(name: str, created: int, info) -> dict:
+    return {"id": name, "object": "model", "created": created, "owned_by": "pdserve",
+            "max_model_len": info.max_model_len}
+
+
+def _text(content, index: int) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    parts = []
+    for part in content:
+        if part.get("type") != "text":
+            raise HTTPError(400, f"messages[{index}]: only text content is supported, got {part.get('type')!r}",
+                            param=f"messages.{index}.content")
+        parts.append(str(part.get("text", "")))
+    return "".join(parts)
+
+
+class _Run:
+    """One request on the cluster, inside an admission slot; started once its first output is in."""
+
+    def __init__(self, service, t: Timeline, prompt: list[int], params, rid: str):
+        self.service, self.t, self.prompt, self.params, self.rid = service, t, prompt, params, rid
+        self._stack = contextlib.AsyncExitStack()
+        self._outs: AsyncIterator[RequestOutput] | None = None
+        self.last: RequestOutput | None = None
+
+    async def start(self) -> RequestOutput | None:
+        """Admit and place the request; its first output (None if it produced nothing)."""
+        t = self.t
+        try:
+            await self._stack.enter_async_context(self.service.admission.slot())
+            t.admitted = time.monotonic()
+            gen = self.service.cluster.generate(self.prompt, self.params, self.rid)
+            self._outs = await self._stack.enter_async_context(contextlib.aclosing(gen))
+            return await self.next()
+        except Overloaded as e:
+            await self.close("RESOURCE_EXHAUSTED")
+            raise HTTPError(429, str(e), kind="rate_limit_error", code="rate_limit_exceeded",
+                            grpc_code="RESOURCE_EXHAUSTED") from None
+        except ValueError as e:
+            await self.close("INVALID_ARGUMENT")
+            raise HTTPError(400, str(e)) from None
+        except HTTPError as e:
+            await self.close(e.grpc_code)
+            raise
+        except BaseException:
+            await self.close("CANCELLED", "cancelled")
+            raise
+
+    async def next(self) -> RequestOutput | None:
+        """The next output; HTTPError 503 if the workers failed the request."""
+        try:
+            out = await self._outs.__anext__()
+        except StopAsyncIteration:
+            return None
+        if out.finish_reason is FinishReason.ERROR:
+            raise HTTPError(503, out.error or "the request failed on a worker", kind="server_error",
+                            grpc_code="UNAVAILABLE")
+        self.t.tokens(len(out.new_token_ids))
+        if out.finish_reason is not None:
+            self.t.finish_reason = out.finish_reason.value
+        self.last = out
+        return out
+
+    async def close(self, code: str = "OK", finish_reason: str | None = None) -> None:
+        """Leave the cluster (cancelling the request there if it is still running) and record it, once."""
+        if self._stack is None:
+            return
+        stack, self._stack = self._stack, None
+        self.t.code = code
+        if finish_reason is not None:
+            self.t.finish_reason = finish_reason
+        try:
+            await stack.aclose()
+        finally:
+            self.t.record(self.service.metrics)
+
+    def usage(self) -> dict:
+        out = self.last
+        n = out.num_output_tokens if out is not None else 0
+        return {"prompt_tokens": len(self.prompt), "completion_tokens": n, "total_tokens": len(self.prompt) + n}
+
+
+async def _whole(run: _Run, request: Request, kind: str, rid: str, model: str) -> JSONResponse:
+    """A non-streamed request: collect it, cancelling it if the client goes away meanwhile."""
+
+    async def collect() -> tuple[str, str | None]:
+        text, out = "", await run.start()
+        while out is not None:
+            text += out.new_text
+            if out.finished:
+                return text, _FINISH.get(out.finish_reason)
+            out = await run.next()
+        return text, None
+
+    async def gone() -> None:
+        while not await request.is_disconnected():
+            await asyncio.sleep(DISCONNECT_POLL_S)
+
+    task, watch = asyncio.create_task(collect()), asyncio.create_task(gone())
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not task.done():  # the client went away (or this handler was cancelled): stop the request
+            task.cancel()
+    try:
+        text, finish = await task
+    except asyncio.CancelledError:
+        await run.close("CANCELLED", "cancelled")
+        raise
+    except HTTPError as e:
+        await run.close(e.grpc_code, "error" if e.status == 503 else None)
+        raise
+    await run.close()
+    choice: dict[str, Any] = {"index": 0, "finish_reason": finish, "logprobs": None}
+    if kind == "chat.completion":
+        choice["message"] = {"role": "assistant", "content": text}
+    else:
+        choice["text"] = text
+    return JSONResponse({"id": rid, "object": kind, "created": int(time.time()), "model": model,
+                         "choices": [choice], "usage": run.usage()})
+
+
+async def _sse(run: _Run, first: RequestOutput | None, kind: str, rid: str, model: str,
+               include_usage: bool) -> AsyncIterator[str]:
+    """A streamed request as server-sent events. Cancelled when the client disconnects: the request is
+    then cancelled on every worker (run.close)."""
+    chat = kind == "chat.completion"
+    obj = "chat.completion.chunk" if chat else "text_completion"
+    created = int(time.time())
+
+    def chunk(text: str | None, finish: str | None, role: bool = False) -> str:
+        if chat:
+            delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else {}
+            if text:
+                delta["content"] = text
+            choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
+        else:
+            choice = {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}
+        body: dict[str, Any] = {"id": rid, "object": obj, "created": created, "model": model, "choices": [choice]}
+        if include_usage:
+            body["usage"] = None
+        return f"data: {json.dumps(body)}\n\n"
+
+    code, reason = "CANCELLED", "cancelled"
+    try:
+        if chat:
+            yield chunk(None, None, role=True)
+        out = first
+        while out is not None:
+            finish = _FINISH.get(out.finish_reason) if out.finished else None
+            if out.new_text or finish:
+                yield chunk(out.new_text, finish)
+            if out.finished:
+                break
+            out = await run.next()
+        if include_usage:
+            yield f"data: {json.dumps({'id': rid, 'object': obj, 'created': created, 'model': model, 'choices': [], 'usage': run.usage()})}\n\n"
+        yield "data: [DONE]\n\n"
+        code, reason = "OK", None
+    except HTTPError as e:  # the workers failed it mid-stream: the status line is long gone, say so in the stream
+        code, reason = e.grpc_code, "error"
+        yield f"data: {json.dumps({'error': {'message': str(e), 'type': e.kind, 'param': None, 'code': None}})}\n\n"
+    finally:
+        await run.close(code, reason)
+
