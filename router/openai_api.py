@@ -21,7 +21,7 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
-from fastapi import Depends, FastAPI, Request
+from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict
@@ -137,18 +137,9 @@ class ChatCompletionRequest(_Common):
 
 def build_app(service, model_name: str, api_key: str | None) -> FastAPI:
     """service: the router's GenerationService (cluster, admission, metrics, serving flag, limits)."""
-    expected = f"Bearer {api_key}".encode() if api_key else None
-
-    async def authorized(request: Request) -> None:
-        # A dependency, not an HTTP middleware: Starlette's middleware wrapper would hide a client's
-        # disconnect from the handler (request.is_disconnected), and with it the cancel.
-        if expected is not None and request.url.path != "/health":
-            if not hmac.compare_digest(request.headers.get("authorization", "").encode(), expected):
-                raise HTTPError(401, "missing or wrong API key: send the header 'Authorization: Bearer <key>'",
-                                code="invalid_api_key", grpc_code="UNAUTHENTICATED")
-
-    app = FastAPI(title="pdserve (OpenAI-compatible)", docs_url=None, redoc_url=None, openapi_url=None,
-                  dependencies=[Depends(authorized)])
+    app = FastAPI(title="pdserve (OpenAI-compatible)", docs_url=None, redoc_url=None, openapi_url=None)
+    if api_key:
+        app.add_middleware(_ApiKey, expected=f"Bearer {api_key}".encode())
     info = service.cluster.info
     names = {model_name, info.path}
     created = int(time.time())
@@ -229,6 +220,25 @@ def build_app(service, model_name: str, api_key: str | None) -> FastAPI:
         return await _whole(run, request, kind, rid, body.model)
 
     return app
+
+
+class _ApiKey:
+    """Every path but /health needs `Authorization: Bearer <key>`, checked before the body is read. A
+    plain ASGI middleware: Starlette's BaseHTTPMiddleware would wrap `receive` and hide a client's
+    disconnect from the handler (and with it the cancel on the workers)."""
+
+    def __init__(self, app, expected: bytes):
+        self.app, self.expected = app, expected
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["path"] != "/health":
+            given = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
+            if not hmac.compare_digest(given, self.expected):
+                error = HTTPError(401, "missing or wrong API key: send the header 'Authorization: Bearer <key>'",
+                                  code="invalid_api_key", grpc_code="UNAUTHENTICATED")
+                await error.response()(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 def _model_card(name: str, created: int, info) -> dict:

@@ -201,6 +201,9 @@ def test_the_http_api_takes_the_same_tls_and_key(aloop, cluster, pki):
         with httpx.Client(verify=ssl.create_default_context(cafile=pki["ca"]), timeout=30) as h:
             assert h.get(f"{base}/health").status_code == 200  # no key needed
             assert h.get(f"{base}/v1/models").status_code == 401
+            # Refused before the body is read: garbage without the key is a 401, not a 400.
+            garbage = h.post(f"{base}/v1/completions", content=b"\xff{not json", headers={"Authorization": "Bearer x"})
+            assert garbage.status_code == 401 and garbage.json()["error"]["code"] == "invalid_api_key"
             ok = h.get(f"{base}/v1/models", headers={"Authorization": f"Bearer {KEY}"})
             assert ok.status_code == 200 and ok.json()["data"][0]["id"] == "tiny"
             done = h.post(f"{base}/v1/completions", headers={"Authorization": f"Bearer {KEY}"},
