@@ -323,7 +323,9 @@ class _Run:
     def usage(self) -> dict:
         out = self.last
         n = out.num_output_tokens if out is not None else 0
-        return {"prompt_tokens": len(self.prompt), "completion_tokens": n, "total_tokens": len(self.prompt) + n}
+        cached = out.num_cached_tokens if out is not None else 0  # prompt tokens served by the prefix cache
+        return {"prompt_tokens": len(self.prompt), "completion_tokens": n, "total_tokens": len(self.prompt) + n,
+                "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 async def _whole(run: _Run, request: Request, kind: str, rid: str, model: str) -> JSONResponse:

@@ -96,6 +96,11 @@ def test_completion_reports_usage_and_equals_grpc(sdk, grpc_client):
     assert r.choices[0].finish_reason == "length"
     assert (r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.total_tokens) == \
         (ref.usage["prompt_tokens"], 12, ref.usage["prompt_tokens"] + 12)
+    # A long prompt asked twice: the second time its full blocks come from the prefix cache, and usage says so.
+    long = " ".join(["the quick brown fox jumps over the lazy dog"] * 8)
+    first, again = (sdk.completions.create(model=MODEL, prompt=long, max_tokens=2) for _ in range(2))
+    assert first.usage.prompt_tokens_details.cached_tokens < again.usage.prompt_tokens_details.cached_tokens
+    assert again.usage.prompt_tokens_details.cached_tokens >= 16
     # Token ids as the prompt, and a non-streamed chat.
     ids = sdk.completions.create(model=MODEL, prompt=[1, 2, 3, 4], max_tokens=3, temperature=0.0,
                                  extra_body={"ignore_eos": True})
