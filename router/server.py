@@ -258,8 +258,11 @@ class Router:
             tls = dict(ssl_certfile=c.ssl_certfile, ssl_keyfile=c.ssl_keyfile, ssl_ca_certs=c.ssl_ca_certs,
                        ssl_cert_reqs=ssl.CERT_REQUIRED if c.ssl_ca_certs else ssl.CERT_NONE)
         # On this event loop, beside gRPC: one admission, one cluster.
+        # Its drain runs beside gRPC's (service.serving turns False for both); what is still open when
+        # stop() reaches it gets the drain timeout again, at most.
         server = uvicorn.Server(uvicorn.Config(app, host=c.host, port=c.http_port, lifespan="off",
-                                               log_level="warning", access_log=False, **tls))
+                                               log_level="warning", access_log=False,
+                                               timeout_graceful_shutdown=c.drain_timeout_s, **tls))
         self._http_task = asyncio.create_task(server.serve())
         while not server.started:
             if self._http_task.done():  # it could not bind: say why

@@ -203,3 +203,31 @@ def test_metrics_are_labelled_by_protocol(router, sdk, grpc_client):
     assert any('protocol="http"' in s and 'code="OK"' in s for s in samples), samples
     assert any('protocol="grpc"' in s and 'code="OK"' in s for s in samples), samples
     assert any('protocol="http"' in s and 'code="INVALID_ARGUMENT"' in s for s in samples), samples
+
+
+def test_drain_lets_http_streams_finish(aloop, cluster):
+    r = start(aloop, cluster)
+    url = f"http://127.0.0.1:{r.http_port}/v1/completions"
+    body = dict(model=MODEL, prompt="Tell me a story", max_tokens=30, temperature=0.0, ignore_eos=True, stream=True,
+                stream_options={"include_usage": True})
+
+    async def run():
+        async with httpx.AsyncClient(timeout=120) as h:
+            async with h.stream("POST", url, json=body) as resp:
+                lines = resp.aiter_lines()
+                events = []
+                async for line in lines:
+                    if line.startswith("data: "):
+                        events.append(line[6:])
+                        break  # streaming: now shut the router down under it
+                stop = asyncio.wrap_future(asyncio.run_coroutine_threadsafe(r.stop(grace=60), aloop.loop))
+                async for line in lines:
+                    if line.startswith("data: "):
+                        events.append(line[6:])
+            await stop
+            return events
+
+    events = asyncio.run(run())
+    assert events[-1] == "[DONE]"
+    assert json.loads(events[-2])["usage"]["completion_tokens"] == 30  # the whole answer, not cut by the drain
+    assert not r.service.serving
