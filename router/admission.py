@@ -81,11 +81,12 @@ def parse_request(request: pb.GenerateRequest, info: ModelInfo, limit: int) -> t
 def prepare(info: ModelInfo, limit: int, *, prompt: str | None = None, messages: list[dict[str, str]] | None = None,
             token_ids: list[int] | None = None, max_tokens: int | None = None, temperature: float | None = None,
             top_p: float | None = None, top_k: int | None = None, seed: int | None = None,
-            stop: tuple[str, ...] = (), stop_token_ids: tuple[int, ...] = (),
-            ignore_eos: bool = False) -> tuple[list[int], SamplingParams]:
+            stop: tuple[str, ...] = (), stop_token_ids: tuple[int, ...] = (), ignore_eos: bool = False,
+            default_max_tokens: int | None = DEFAULT_MAX_TOKENS) -> tuple[list[int], SamplingParams]:
     """What every protocol's request comes down to: the prompt's token ids (from exactly one of prompt
     text, chat messages or token ids) and the sampling parameters, checked against the model; None
-    leaves a default. ValueError says what is wrong."""
+    leaves a default. default_max_tokens None: up to the end of the context (OpenAI's chat API).
+    ValueError says what is wrong."""
     tok = info.tokenizer
     given = [name for name, v in (("prompt", prompt), ("messages", messages), ("token_ids", token_ids)) if v is not None]
     if not given:
@@ -115,7 +116,8 @@ def prepare(info: ModelInfo, limit: int, *, prompt: str | None = None, messages:
             ids = tok.apply_chat_template(messages)
     if not ids:
         raise ValueError("prompt is empty")
-    max_tokens = DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens
+    if max_tokens is None:
+        max_tokens = info.max_model_len - len(ids) if default_max_tokens is None else default_max_tokens
     if max_tokens < 1:
         raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
     if len(ids) + max_tokens > info.max_model_len:

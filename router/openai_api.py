@@ -28,7 +28,7 @@ from pydantic import BaseModel, ConfigDict
 
 from pdserve.output import RequestOutput
 from pdserve.request import FinishReason
-from router.admission import Overloaded, prepare
+from router.admission import DEFAULT_MAX_TOKENS, Overloaded, prepare
 from router.tracking import Timeline
 
 _FINISH = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length"}
@@ -178,15 +178,18 @@ def build_app(service, model_name: str, api_key: str | None) -> FastAPI:
                 raise HTTPError(400, "a batch of prompts is not supported: send one prompt per request", param="prompt")
             prompt = prompt[0]
         fields = dict(token_ids=list(prompt)) if isinstance(prompt, list) else dict(prompt=prompt)
-        return await _serve(body, request, "text_completion", fields, body.max_tokens)
+        return await _serve(body, request, "text_completion", fields, body.max_tokens, DEFAULT_MAX_TOKENS)
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request):
         messages = [{"role": m.role, "content": _text(m.content, i)} for i, m in enumerate(body.messages)]
+        # As OpenAI's chat API: with no limit given, up to the end of the context.
         return await _serve(body, request, "chat.completion", dict(messages=messages),
-                            body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens)
+                            body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens,
+                            None)
 
-    async def _serve(body: _Common, request: Request, kind: str, fields: dict, max_tokens: int | None):
+    async def _serve(body: _Common, request: Request, kind: str, fields: dict, max_tokens: int | None,
+                     default_max_tokens: int | None):
         t = Timeline("http")
         try:
             if body.model not in names:
@@ -202,7 +205,7 @@ def build_app(service, model_name: str, api_key: str | None) -> FastAPI:
                 prompt, params = prepare(info, service.config.max_input_chars, max_tokens=max_tokens,
                                          temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
                                          seed=body.seed, stop=stop, stop_token_ids=tuple(body.stop_token_ids or ()),
-                                         ignore_eos=body.ignore_eos, **fields)
+                                         ignore_eos=body.ignore_eos, default_max_tokens=default_max_tokens, **fields)
             except ValueError as e:
                 raise HTTPError(400, str(e)) from None
         except HTTPError as e:

@@ -141,3 +141,20 @@ def test_fuzz_random_and_truncated_bytes(served, aloop):
     print(f"\nfuzzed bytes: {sum(seen.values())} calls, {dict(seen)}")
     assert sum(seen.values()) >= BYTES_CASES
     assert_nothing_left(aloop, cluster, router, client)
+
+
+def test_max_tokens_defaults_per_protocol(tiny_checkpoints):
+    """gRPC and /v1/completions default to 16 new tokens; /v1/chat/completions, like OpenAI's, to the rest
+    of the context. An explicit value wins, and one past the context is refused."""
+    from pdserve.loader import load_info
+    from router.admission import DEFAULT_MAX_TOKENS, prepare
+
+    info = load_info(EngineConfig(model=str(tiny_checkpoints["llama"])))
+    ids = [5, 6, 7]
+    assert prepare(info, 1000, token_ids=ids)[1].max_tokens == DEFAULT_MAX_TOKENS
+    assert prepare(info, 1000, token_ids=ids, default_max_tokens=None)[1].max_tokens == info.max_model_len - 3
+    assert prepare(info, 1000, token_ids=ids, max_tokens=4, default_max_tokens=None)[1].max_tokens == 4
+    with pytest.raises(ValueError, match="context"):
+        prepare(info, 1000, token_ids=ids, max_tokens=info.max_model_len)
+    with pytest.raises(ValueError, match="one input"):
+        prepare(info, 1000, token_ids=ids, prompt="x")
