@@ -13,10 +13,9 @@ $PDSERVE_API_KEY.
 """
 from __future__ import annotations
 
+import os
 from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass, field
-
-import os
 from pathlib import Path
 
 import grpc

@@ -13,7 +13,6 @@ model, 429 admission queue full, 503 draining or the workers failed the request.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hmac
 import json
 import time
@@ -29,6 +28,7 @@ from pydantic import BaseModel, ConfigDict
 from pdserve.output import RequestOutput
 from pdserve.request import FinishReason
 from router.admission import DEFAULT_MAX_TOKENS, Overloaded, prepare
+from router.server import RequestFailed
 from router.tracking import Timeline
 
 _FINISH = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length"}
@@ -264,30 +264,19 @@ def _text(content, index: int) -> str:
 
 
 class _Run:
-    """One request on the cluster, inside an admission slot; started once its first output is in."""
+    """One request through the router's GenerationService.run (admission, cluster, timeline), with the
+    errors it raises as HTTP errors; recorded once, when closed."""
 
     def __init__(self, service, t: Timeline, prompt: list[int], params, rid: str):
-        self.service, self.t, self.prompt, self.params, self.rid = service, t, prompt, params, rid
-        self._stack = contextlib.AsyncExitStack()
-        self._outs: AsyncIterator[RequestOutput] | None = None
+        self.service, self.t, self.prompt = service, t, prompt
+        self._outs: AsyncIterator[RequestOutput] = service.run(prompt, params, rid, t)
+        self._closed = False
         self.last: RequestOutput | None = None
 
     async def start(self) -> RequestOutput | None:
         """Admit and place the request; its first output (None if it produced nothing)."""
-        t = self.t
         try:
-            await self._stack.enter_async_context(self.service.admission.slot())
-            t.admitted = time.monotonic()
-            gen = self.service.cluster.generate(self.prompt, self.params, self.rid)
-            self._outs = await self._stack.enter_async_context(contextlib.aclosing(gen))
             return await self.next()
-        except Overloaded as e:
-            await self.close("RESOURCE_EXHAUSTED")
-            raise HTTPError(429, str(e), kind="rate_limit_error", code="rate_limit_exceeded",
-                            grpc_code="RESOURCE_EXHAUSTED") from None
-        except ValueError as e:
-            await self.close("INVALID_ARGUMENT")
-            raise HTTPError(400, str(e)) from None
         except HTTPError as e:
             await self.close(e.grpc_code)
             raise
@@ -296,30 +285,32 @@ class _Run:
             raise
 
     async def next(self) -> RequestOutput | None:
-        """The next output; HTTPError 503 if the workers failed the request."""
+        """The next output; HTTPError 429 (admission full), 400 (the cluster refused it) or 503 (the
+        workers failed it)."""
         try:
             out = await self._outs.__anext__()
         except StopAsyncIteration:
             return None
-        if out.finish_reason is FinishReason.ERROR:
-            raise HTTPError(503, out.error or "the request failed on a worker", kind="server_error",
-                            grpc_code="UNAVAILABLE")
-        self.t.tokens(len(out.new_token_ids))
-        if out.finish_reason is not None:
-            self.t.finish_reason = out.finish_reason.value
+        except Overloaded as e:
+            raise HTTPError(429, str(e), kind="rate_limit_error", code="rate_limit_exceeded",
+                            grpc_code="RESOURCE_EXHAUSTED") from None
+        except ValueError as e:
+            raise HTTPError(400, str(e)) from None
+        except RequestFailed as e:
+            raise HTTPError(503, str(e), kind="server_error", grpc_code="UNAVAILABLE") from None
         self.last = out
         return out
 
     async def close(self, code: str = "OK", finish_reason: str | None = None) -> None:
         """Leave the cluster (cancelling the request there if it is still running) and record it, once."""
-        if self._stack is None:
+        if self._closed:
             return
-        stack, self._stack = self._stack, None
+        self._closed = True
         self.t.code = code
         if finish_reason is not None:
             self.t.finish_reason = finish_reason
         try:
-            await stack.aclose()
+            await self._outs.aclose()
         finally:
             self.t.record(self.service.metrics)
 
@@ -360,7 +351,7 @@ async def _whole(run: _Run, request: Request, kind: str, rid: str, model: str) -
         await run.close("CANCELLED", "cancelled")
         raise
     except HTTPError as e:
-        await run.close(e.grpc_code, "error" if e.status == 503 else None)
+        await run.close(e.grpc_code)
         raise
     await run.close()
     choice: dict[str, Any] = {"index": 0, "finish_reason": finish, "logprobs": None}
@@ -410,7 +401,7 @@ async def _sse(run: _Run, first: RequestOutput | None, kind: str, rid: str, mode
         yield "data: [DONE]\n\n"
         code, reason = "OK", None
     except HTTPError as e:  # the workers failed it mid-stream: the status line is long gone, say so in the stream
-        code, reason = e.grpc_code, "error"
+        code, reason = e.grpc_code, None
         yield f"data: {json.dumps({'error': {'message': str(e), 'type': e.kind, 'param': None, 'code': None}})}\n\n"
     finally:
         await run.close(code, reason)

@@ -8,10 +8,12 @@ the request on every worker.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import ssl
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -77,6 +79,10 @@ class RouterConfig:
         return self.ssl_certfile is not None
 
 
+class RequestFailed(Exception):
+    """The workers failed a request, retries included: UNAVAILABLE (gRPC) or 503 (HTTP)."""
+
+
 class GenerationService(pb_grpc.GenerationServicer):
     def __init__(self, cluster: Cluster, config: RouterConfig, metrics: RouterMetrics | None = None):
         self.cluster = cluster
@@ -117,20 +123,31 @@ class GenerationService(pb_grpc.GenerationServicer):
             await abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         t.prompt_tokens = len(prompt)
         try:
-            async with self.admission.slot():
-                t.admitted = time.monotonic()
-                async for out in self.cluster.generate(prompt, params, request.request_id or None):
-                    if out.finish_reason is FinishReason.ERROR:
-                        t.finish_reason = "error"
-                        await abort(grpc.StatusCode.UNAVAILABLE, out.error or "the request failed on a worker")
-                    t.tokens(len(out.new_token_ids))
-                    if out.finish_reason is not None:
-                        t.finish_reason = out.finish_reason.value
-                    yield self._response(out, t)
+            async for out in self.run(prompt, params, request.request_id or None, t):
+                yield self._response(out, t)
+        except RequestFailed as e:
+            await abort(grpc.StatusCode.UNAVAILABLE, str(e))
         except Overloaded as e:
             await abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
         except ValueError as e:  # the cluster's own checks (context length, duplicate request id, ...)
             await abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+
+    async def run(self, prompt: list[int], params, request_id: str | None, t: Timeline) -> AsyncIterator[RequestOutput]:
+        """A checked request through admission and the cluster, for either protocol: its outputs, recorded
+        on its timeline as they stream. Raises Overloaded (the admission queue is full), ValueError (the
+        cluster's own checks: context length, a duplicate request id, ...) or RequestFailed (the workers
+        failed it). Closing it early cancels the request on every worker."""
+        async with self.admission.slot():
+            t.admitted = time.monotonic()
+            async with contextlib.aclosing(self.cluster.generate(prompt, params, request_id)) as outs:
+                async for out in outs:
+                    if out.finish_reason is FinishReason.ERROR:
+                        t.finish_reason = "error"
+                        raise RequestFailed(out.error or "the request failed on a worker")
+                    t.tokens(len(out.new_token_ids))
+                    if out.finish_reason is not None:
+                        t.finish_reason = out.finish_reason.value
+                    yield out
 
     @staticmethod
     def _response(out: RequestOutput, t: Timeline) -> pb.GenerateResponse:
