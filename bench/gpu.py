@@ -1008,13 +1008,13 @@ def main() -> None:
         bench_cluster(args, device)
     if "checksum" in wanted:
         bench_checksum(args, device)
-    # cpu_attention must not have been built or loaded by a CUDA run.
-    from pdserve import cpu_attention
-    env["cpu_attention_loaded"] = cpu_attention._op is not None or cpu_attention._failed
+    # The CPU kernels must not have been built or loaded by a CUDA run.
+    from pdserve import cpu_kernels
+    env["cpu_attention_loaded"] = cpu_kernels._loaded or cpu_kernels._failed
     if device.type == "cuda":
         env["max_memory_allocated_gib"] = torch.cuda.max_memory_allocated(device) / GiB
     text = table()
-    print("\n" + "=" * 100 + "\n" + text + f"\ncpu_attention kernel touched: {env['cpu_attention_loaded']}")
+    print("\n" + "=" * 100 + "\n" + text + f"\nCPU kernels touched: {env['cpu_attention_loaded']}")
     path = args.json or (os.path.join(os.environ["OUT"], "gpu_bench.json") if os.environ.get("OUT") else None)
     if path:
         Path(path).write_text(json.dumps(RESULTS, indent=1, default=str))

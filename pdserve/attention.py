@@ -46,14 +46,6 @@ class AttentionMetadata:
     prefill_block_tables: list[torch.Tensor]  # per prefill sequence: [blocks] int64
 
 
-def write_kv(kv_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Store new K/V (each [tokens, kv_heads, head_dim]) into their cache slots."""
-    kv_heads, num_blocks, block_size, head_dim = kv_layer.shape[1:]
-    flat = kv_layer.view(2, kv_heads, num_blocks * block_size, head_dim)
-    flat[0].index_copy_(1, slot_mapping, k.transpose(0, 1))  # [kv_heads, tokens, head_dim]
-    flat[1].index_copy_(1, slot_mapping, v.transpose(0, 1))
-
-
 def paged_attention(
     q: torch.Tensor,  # [tokens, heads, head_dim]
     k: torch.Tensor,  # [tokens, kv_heads, head_dim] (this step's keys, already in the cache)

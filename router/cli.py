@@ -156,7 +156,8 @@ def cluster_config_from_args(args: argparse.Namespace):
                              reservation_headroom_blocks=args.reservation_headroom_blocks)
     colocated = SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.prefill_token_budget)
 
-    engine = EngineConfig(model=args.model, load_format=args.load_format, dtype=args.dtype, device=args.device,
+    engine = EngineConfig(model=args.model, load_format=args.load_format, dtype=args.dtype,
+                          quantization=args.quantization, device=args.device,
                           cache=cache, peak_flops=args.peak_flops, peak_bytes_per_second=args.peak_memory_bandwidth)
     pools = dict(colocated=pool(args.colocated_workers, colocated, [])) if args.mode == "colocated" else \
         dict(prefill=pool(args.prefill_workers, prefill, args.prefill_resource),

@@ -8,7 +8,7 @@ import shutil
 import pytest
 import torch
 
-from pdserve import attention, cpu_attention
+from pdserve import attention, cpu_attention, cpu_kernels
 from pdserve.attention import AttentionMetadata, DecodeGroup, _decode_attention_torch, paged_attention
 
 TOL = 1e-5
@@ -199,17 +199,17 @@ def test_unsupported_inputs_take_torch_path(monkeypatch):
 
 def test_failed_build_warns_once_and_falls_back(monkeypatch, caplog):
     monkeypatch.delenv(cpu_attention.ENV_VAR, raising=False)
-    monkeypatch.setattr(cpu_attention, "_op", None)
-    monkeypatch.setattr(cpu_attention, "_failed", False)
+    monkeypatch.setattr(cpu_kernels, "_loaded", False)
+    monkeypatch.setattr(cpu_kernels, "_failed", False)
     attempts = []
 
     def broken_build():
         attempts.append(1)
         raise RuntimeError("no compiler here")
 
-    monkeypatch.setattr(cpu_attention, "_build", broken_build)
+    monkeypatch.setattr(cpu_kernels, "_build", broken_build)
     q, kv, tables, lens = make_case(3, 9, 3, 64, seed=10)
-    with caplog.at_level(logging.WARNING, logger=cpu_attention.__name__):
+    with caplog.at_level(logging.WARNING, logger=cpu_kernels.__name__):
         out = attention._decode_attention(q, kv, tables, lens, 0.125)
         attention._decode_attention(q, kv, tables, lens, 0.125)
         assert not cpu_attention.available()
