@@ -327,10 +327,14 @@ def main() -> None:
                 line += f"{ratio:7.2f}"
             print(line)
         if not isinstance(theirs, dict):
-            print(f"  llama.cpp: {theirs}")
+            print(f"  llama.cpp: {theirs}", end="")
         else:
             same = sum(a == b for a, b in zip(ours["greedy_16"], theirs["greedy_16"]))
-            print(f"  greedy tokens equal to llama.cpp's: {same}/16; pdserve start-up {ours['startup_s']:.1f} s")
+            print(f"  first 16 greedy tokens equal to llama.cpp's: {same}/16", end="")
+        if name != "f32" and "f32" in results["variants"]:
+            same = sum(a == b for a, b in zip(ours["greedy_16"], results["variants"]["f32"]["pdserve"]["greedy_16"]))
+            print(f"; to pdserve float32's: {same}/16", end="")
+        print(f"; pdserve start-up {ours['startup_s']:.1f} s")
     if "hf_batch_tok_s" in results:
         print(f"transformers fp32 batch-{args.batch}: {results['hf_batch_tok_s']:.1f} tok/s")
     print("pd/ll: pdserve time over llama.cpp time (decode), llama.cpp rate over pdserve rate (others): > 1 means pdserve is slower")

@@ -40,7 +40,10 @@ typedef int32_t ivec8 __attribute__((vector_size(32)));
 constexpr int64_t kW = 8;
 constexpr int64_t kN = 4;  // output channels per task
 constexpr int64_t kM = 4;  // rows of x per pass
-constexpr int64_t kPrefetch = 2;  // groups of kN weight rows ahead
+#ifndef PDSERVE_PREFETCH
+#define PDSERVE_PREFETCH 2
+#endif
+constexpr int64_t kPrefetch = PDSERVE_PREFETCH;  // groups of kN weight rows ahead
 
 PDSERVE_INLINE vec8 load8(const float* p) {
   vec8 v;
