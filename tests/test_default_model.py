@@ -9,10 +9,11 @@ import sys
 import pytest
 import torch
 
-from pdserve.config import EngineConfig
+from pdserve.config import CacheConfig, EngineConfig
 from pdserve.engine import LLMEngine
 from pdserve.loader import default_model_path
 from pdserve.request import FinishReason
+from pdserve.runner import Chunk
 from pdserve.sampling import SamplingParams
 
 pytestmark = pytest.mark.slow
@@ -51,6 +52,27 @@ def test_greedy_chat_answer_matches_transformers(engine):
     assert "Paris" in ours.text
     assert ours.finish_reason is FinishReason.STOP
     assert ours.text == engine.tokenizer.decode(ours.token_ids)
+
+
+@pytest.mark.parametrize("dtype,quantization", [("bfloat16", None), ("float32", "int8")])
+def test_reduced_precision_answers_as_fp32_on_real_weights(engine, dtype, quantization):
+    """bf16 and int8 weights give the fp32 engine's greedy answer on the real model (where, unlike the
+    tiny random checkpoints, the top token leads by a margin); the logits of the first token stay close."""
+    prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": QUESTION}])
+    params = SamplingParams(max_tokens=48, temperature=0.0)
+    ref = engine.generate([prompt], params)[0]
+    reduced = LLMEngine(EngineConfig(dtype=dtype, quantization=quantization))
+    ours = reduced.generate([prompt], params)[0]
+    assert ours.token_ids == ref.token_ids and "Paris" in ours.text
+    assert reduced.pool.num_used_blocks == 0
+    # First-token logits, each engine's runner straight on blocks of its own (no prefix cache to spoil).
+    fp32 = LLMEngine(EngineConfig(cache=CacheConfig(enable_prefix_caching=False)))
+    reduced = LLMEngine(EngineConfig(dtype=dtype, quantization=quantization,
+                                     cache=CacheConfig(enable_prefix_caching=False)))
+    chunk = Chunk(token_ids=prompt, start=0, block_ids=list(range(-(-len(prompt) // 16))),
+                  sample=SamplingParams(max_tokens=1, temperature=0.0))
+    first = [e.runner.execute([chunk]).logits[0] for e in (fp32, reduced)]
+    assert (first[1] - first[0]).abs().max() / first[0].abs().max() < 0.1
 
 
 def test_streamed_text_equals_full_decode_and_stop_strings_cut(engine):

@@ -73,3 +73,12 @@ def test_a_pool_of_the_other_mode_is_an_error():
     assert list(ClusterConfig().pools) == ["prefill", "decode"]
     with pytest.raises(ValueError, match="one KV block size"):
         ClusterConfig(decode=PoolConfig(cache=CacheConfig(block_size=32)))
+
+
+def test_dtype_and_quantization_reach_every_worker(tmp_path):
+    cfg = write(tmp_path, "dtype: bfloat16\nquantization: int8\n")
+    engine = cluster_config_from_args(parse_args(["serve", "--config", cfg])).engine
+    assert (engine.dtype, engine.quantization) == ("bfloat16", "int8")
+    assert cluster_config_from_args(parse_args(["serve"])).engine.quantization is None
+    with pytest.raises(SystemExit):
+        parse_args(["serve", "--quantization", "int4"])
