@@ -16,7 +16,7 @@
 // blocks; results differ from F.linear by summation order only, ~1e-6 relative). int8 rows are
 // summed unscaled and multiplied by their scale once: exact in the integer part, one rounding more.
 //
-// Portability: the hot functions are built twice with target_clones (x86-64-v3 and baseline), as in
+// Portability: the hot functions are built twice with target_clones (x86-64-v3 and baseline, see vec.h), as in
 // paged_decode_attention.cpp, so one cached build runs on any x86-64 machine.
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -25,31 +25,17 @@
 #include <cstdint>
 #include <cstring>
 
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 11
-#define PDSERVE_MULTIVERSION __attribute__((target_clones("arch=x86-64-v3", "default")))
-#else
-#define PDSERVE_MULTIVERSION
-#endif
-#define PDSERVE_INLINE inline __attribute__((always_inline))
+#include "vec.h"
 
 namespace {
 
-typedef float vec8 __attribute__((vector_size(32)));
-typedef uint32_t uvec8 __attribute__((vector_size(32)));
-typedef int32_t ivec8 __attribute__((vector_size(32)));
-constexpr int64_t kW = 8;
+using namespace pdserve_vec;
 constexpr int64_t kN = 4;  // output channels per task
 constexpr int64_t kM = 4;  // rows of x per pass
 #ifndef PDSERVE_PREFETCH
 #define PDSERVE_PREFETCH 2
 #endif
 constexpr int64_t kPrefetch = PDSERVE_PREFETCH;  // groups of kN weight rows ahead
-
-PDSERVE_INLINE vec8 load8(const float* p) {
-  vec8 v;
-  std::memcpy(&v, p, sizeof v);  // unaligned load
-  return v;
-}
 
 // How each weight format becomes fp32 vectors. A block of kB weights is one 32-byte load; sub(p, j)
 // is its j-th vector of 8. Narrow formats are widened with shifts within 32-bit lanes, which AVX2 does
@@ -62,7 +48,7 @@ struct Format;
 template <>
 struct Format<float> {
   static constexpr int64_t kB = 8;
-  static PDSERVE_INLINE vec8 sub(const float* p, int) { return load8(p); }
+  static PDSERVE_INLINE vec8 sub(const float* p, int) { return load(p); }
 };
 
 template <>
@@ -131,7 +117,7 @@ PDSERVE_INLINE void tile(const W* w, int64_t ldw, const float* x, int64_t ldx, i
       vec8 wv[NR];
       for (int n = 0; n < NR; ++n) wv[n] = Format<W>::sub(w + n * ldw + k, j);
       for (int m = 0; m < MR; ++m) {
-        const vec8 xv = load8(x + m * ldx + k + j * kW);
+        const vec8 xv = load(x + m * ldx + k + j * kW);
         for (int n = 0; n < NR; ++n) a[m][n] += wv[n] * xv;
       }
     }

@@ -36,30 +36,11 @@
 #include <cstring>
 #include <vector>
 
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 11  // x86-64-v3: GCC 11+
-#define PDSERVE_MULTIVERSION __attribute__((target_clones("arch=x86-64-v3", "default")))
-#else
-#define PDSERVE_MULTIVERSION
-#endif
-#define PDSERVE_INLINE inline __attribute__((always_inline))
+#include "vec.h"
 
 namespace {
 
-// 8 floats, one AVX register (two SSE ones in the baseline clone). GCC/clang vector extensions make
-// the vectorisation explicit rather than hoping the auto-vectoriser finds it, with no intrinsics tied
-// to one instruction set.
-typedef float vec8 __attribute__((vector_size(32)));
-typedef int32_t ivec8 __attribute__((vector_size(32)));
-typedef float vec4 __attribute__((vector_size(16)));
-constexpr int64_t kW = 8;
-
-PDSERVE_INLINE vec8 load(const float* p) {
-  vec8 v;
-  std::memcpy(&v, p, sizeof v);  // unaligned load
-  return v;
-}
-
-PDSERVE_INLINE void store(float* p, vec8 v) { std::memcpy(p, &v, sizeof v); }
+using namespace pdserve_vec;
 
 PDSERVE_INLINE vec8 splat(float x) { return vec8{x, x, x, x, x, x, x, x}; }
 
