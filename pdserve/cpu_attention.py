@@ -4,7 +4,7 @@ The torch path in pdserve.attention gathers every decode row's blocks into a pad
 two matmuls over it (about three passes over the KV bytes, padding included). The kernel in
 csrc/paged_decode_attention.cpp walks each row's block table instead, one (row, kv head) task per
 thread-pool slot (torch's intra-op pool, so ``torch.set_num_threads`` governs it), computing the
-query heads of a GQA group together. fp32, contiguous cache only; pdserve.attention uses the torch
+query heads of a GQA group together. fp32 or bf16 (K and V read as stored, the arithmetic in fp32), contiguous cache only; pdserve.attention uses the torch
 path for everything else.
 
 Build: with the other CPU kernels, by pdserve.cpu_kernels (cached per machine; torch path if it fails).
@@ -34,10 +34,10 @@ def enabled() -> bool:
 
 
 def supports(q: torch.Tensor, kv_layer: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor) -> bool:
-    """Whether these decode inputs take the kernel: CPU, fp32, contiguous cache, int64 metadata, not
+    """Whether these decode inputs take the kernel: CPU, fp32 or bf16, contiguous cache, int64 metadata, not
     forced off by the environment, and the kernel builds."""
     # Runs once per decode group and layer: cheap properties first (device.type costs ~0.7 us).
-    return (q.dtype == torch.float32 and kv_layer.dtype == torch.float32
+    return (q.dtype in (torch.float32, torch.bfloat16) and kv_layer.dtype == q.dtype
             and block_tables.dtype == torch.int64 and context_lens.dtype == torch.int64
             and q.is_cpu and kv_layer.is_cpu and block_tables.is_cpu and context_lens.is_cpu
             and kv_layer.is_contiguous()
@@ -45,12 +45,12 @@ def supports(q: torch.Tensor, kv_layer: torch.Tensor, block_tables: torch.Tensor
 
 
 def paged_decode_attention(
-    q: torch.Tensor,  # [batch, heads, head_dim] fp32
-    kv_layer: torch.Tensor,  # [2, kv_heads, num_blocks, block_size, head_dim] fp32, contiguous
+    q: torch.Tensor,  # [batch, heads, head_dim] fp32 or bf16
+    kv_layer: torch.Tensor,  # [2, kv_heads, num_blocks, block_size, head_dim] of q's dtype, contiguous
     block_tables: torch.Tensor,  # [batch, max_blocks] int64; entries past a row's context are ignored
     context_lens: torch.Tensor,  # [batch] int64, >= 1
     scale: float,
-    out: torch.Tensor | None = None,  # [batch, heads, head_dim] fp32 contiguous, written in place
+    out: torch.Tensor | None = None,  # [batch, heads, head_dim] of q's dtype, contiguous, written in place
 ) -> torch.Tensor:
     """One query token per row attending to its paged context. Raises if the kernel is unavailable
     (callers check supports() first)."""

@@ -72,6 +72,20 @@ def test_parity_with_torch_path(batch, heads, kv_heads, head_dim):
     assert (out - ref).abs().max().item() <= TOL
 
 
+@pytest.mark.parametrize("batch,head_dim", [(1, 64), (5, 36), (17, 128)])
+def test_bf16_cache_matches_fp32_arithmetic_on_the_same_values(batch, head_dim):
+    """bf16 K/V are read as stored and widened: the result is the fp32 kernel's on the same (rounded)
+    values, rounded once to bf16 at the end."""
+    q, kv, tables, lens = make_case(batch, 9, 3, head_dim, seed=batch + head_dim)
+    q16, kv16 = q.bfloat16(), kv.bfloat16()
+    out = cpu_attention.paged_decode_attention(q16, kv16, tables, lens, head_dim ** -0.5)
+    assert out.dtype == torch.bfloat16
+    ref = cpu_attention.paged_decode_attention(q16.float(), kv16.float(), tables, lens, head_dim ** -0.5)
+    torch.testing.assert_close(out, ref.bfloat16(), atol=0, rtol=0)
+    torch_path = _decode_attention_torch(q16, kv16, tables, lens, head_dim ** -0.5)  # bf16 matmuls
+    assert (out.float() - torch_path.float()).abs().max() / torch_path.float().abs().max() < 2e-2
+
+
 @pytest.mark.parametrize("block_size,head_dim", [(1, 64), (8, 20), (32, 36), (16, 80)])
 def test_other_block_sizes_head_dims_and_peaked_softmax(block_size, head_dim):
     # head_dim not a multiple of 8 or 32 exercises the kernel's tail loops. scale 1.0: scores span

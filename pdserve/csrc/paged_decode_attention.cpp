@@ -42,6 +42,12 @@ namespace {
 
 using namespace pdserve_vec;
 
+// K and V are fp32 or bf16 in the cache; everything else (q, scores, the output) is fp32 here.
+using pdserve_vec::load;  // overloaded below: a using-directive alone would be hidden by the overload
+PDSERVE_INLINE vec8 load(const c10::BFloat16* p) { return load_bf16(reinterpret_cast<const uint16_t*>(p)); }
+PDSERVE_INLINE float to_f(float x) { return x; }
+PDSERVE_INLINE float to_f(c10::BFloat16 x) { return static_cast<float>(x); }
+
 PDSERVE_INLINE vec8 splat(float x) { return vec8{x, x, x, x, x, x, x, x}; }
 
 PDSERVE_INLINE vec8 vmax(vec8 a, vec8 b) { return a > b ? a : b; }
@@ -79,7 +85,8 @@ PDSERVE_INLINE vec4 hsum4(vec8 a8, vec8 b8, vec8 c8, vec8 d8) {
 
 // q . k over n floats: two vector accumulators (so consecutive FMAs do not wait on each other), one
 // horizontal sum at the end, scalar tail for n not a multiple of 8.
-PDSERVE_INLINE float dot(const float* a, const float* b, int64_t n) {
+template <typename T>
+PDSERVE_INLINE float dot(const float* a, const T* b, int64_t n) {
   vec8 acc0 = splat(0.f), acc1 = splat(0.f);
   int64_t i = 0;
   for (; i + 2 * kW <= n; i += 2 * kW) {
@@ -88,13 +95,14 @@ PDSERVE_INLINE float dot(const float* a, const float* b, int64_t n) {
   }
   for (; i + kW <= n; i += kW) acc0 += load(a + i) * load(b + i);
   float tail = 0.f;
-  for (; i < n; ++i) tail += a[i] * b[i];
+  for (; i < n; ++i) tail += a[i] * to_f(b[i]);
   return hsum(acc0 + acc1) + tail;
 }
 
 // q . k_j for four consecutive rows k_j = k + j * n: each load of q serves four products, and the
 // four horizontal sums are done together.
-PDSERVE_INLINE vec4 dot4(const float* q, const float* k, int64_t n) {
+template <typename T>
+PDSERVE_INLINE vec4 dot4(const float* q, const T* k, int64_t n) {
   vec8 a0 = splat(0.f), a1 = splat(0.f), a2 = splat(0.f), a3 = splat(0.f);
   int64_t i = 0;
   for (; i + kW <= n; i += kW) {
@@ -106,7 +114,7 @@ PDSERVE_INLINE vec4 dot4(const float* q, const float* k, int64_t n) {
   }
   vec4 r = hsum4(a0, a1, a2, a3);
   for (; i < n; ++i)
-    for (int j = 0; j < 4; ++j) r[j] += q[i] * k[j * n + i];
+    for (int j = 0; j < 4; ++j) r[j] += q[i] * to_f(k[j * n + i]);
   return r;
 }
 
@@ -170,14 +178,15 @@ PDSERVE_INLINE float softmax_numerator(float* s, int64_t n) {
 
 // o[0:n] += sum_i p[i] * v[i * stride + 0:n] over i < count: the output stays in registers (four
 // vectors, 32 floats at a time) across all `count` rows of v instead of being reloaded per row.
-PDSERVE_INLINE void accumulate_rows(float* o, const float* p, const float* v, int64_t count, int64_t stride,
+template <typename T>
+PDSERVE_INLINE void accumulate_rows(float* o, const float* p, const T* v, int64_t count, int64_t stride,
                                     int64_t n) {
   int64_t d = 0;
   for (; d + 4 * kW <= n; d += 4 * kW) {
     vec8 a0 = load(o + d), a1 = load(o + d + kW), a2 = load(o + d + 2 * kW), a3 = load(o + d + 3 * kW);
     for (int64_t i = 0; i < count; ++i) {
       const float pi = p[i];  // scalar * vector broadcasts it (a vector literal here compiles badly)
-      const float* vi = v + i * stride + d;
+      const T* vi = v + i * stride + d;
       a0 += pi * load(vi);
       a1 += pi * load(vi + kW);
       a2 += pi * load(vi + 2 * kW);
@@ -191,14 +200,15 @@ PDSERVE_INLINE void accumulate_rows(float* o, const float* p, const float* v, in
     store(o + d, a);
   }
   for (; d < n; ++d)
-    for (int64_t i = 0; i < count; ++i) o[d] += p[i] * v[i * stride + d];
+    for (int64_t i = 0; i < count; ++i) o[d] += p[i] * to_f(v[i * stride + d]);
 }
 
 // Asks for the cache lines of the next block while this one is computed: blocks lie at unrelated
 // addresses, so the hardware prefetcher, which follows sequential streams, cannot guess them
 // (measured here: ~10-15% off a layer whose K/V come from DRAM).
-PDSERVE_INLINE void prefetch(const float* p, int64_t n) {
-  for (int64_t i = 0; i < n; i += 64 / sizeof(float)) __builtin_prefetch(p + i);
+template <typename T>
+PDSERVE_INLINE void prefetch(const T* p, int64_t n) {
+  for (int64_t i = 0; i < n; i += 64 / sizeof(T)) __builtin_prefetch(p + i);
 }
 
 struct Geometry {
@@ -210,15 +220,16 @@ struct Geometry {
 
 // One (row, kv head): q and out point at the G consecutive query heads [G, D]; k and v at this kv
 // head's blocks [num_blocks, block_size, D]; scores is scratch of G * ctx floats.
+template <typename T>
 PDSERVE_MULTIVERSION
-void attend(const float* q, const float* k, const float* v, const int64_t* table, int64_t ctx, float scale,
+void attend(const float* q, const T* k, const T* v, const int64_t* table, int64_t ctx, float scale,
             const Geometry& geo, float* scores, float* out) {
   const int64_t G = geo.group, D = geo.head_dim, BS = geo.block_size;
 
   // Pass 1: scores[g, t] = scale * (q_g . k_t). Each k_t comes from memory once; the other G - 1 heads
   // read it from L1.
   for (int64_t t0 = 0, b = 0; t0 < ctx; t0 += BS, ++b) {
-    const float* kb = k + table[b] * BS * D;
+    const T* kb = k + table[b] * BS * D;
     const int64_t n = std::min(BS, ctx - t0);
     if (t0 + BS < ctx) prefetch(k + table[b + 1] * BS * D, std::min(BS, ctx - t0 - BS) * D);
     int64_t i = 0;
@@ -242,7 +253,7 @@ void attend(const float* q, const float* k, const float* v, const int64_t* table
   // few KB) comes from memory once and stays in L1 while every head of the group accumulates it.
   std::fill(out, out + G * D, 0.0f);
   for (int64_t t0 = 0, b = 0; t0 < ctx; t0 += BS, ++b) {
-    const float* vb = v + table[b] * BS * D;
+    const T* vb = v + table[b] * BS * D;
     const int64_t n = std::min(BS, ctx - t0);
     if (t0 + BS < ctx) prefetch(v + table[b + 1] * BS * D, std::min(BS, ctx - t0 - BS) * D);
     for (int64_t g = 0; g < G; ++g) accumulate_rows(out + g * D, scores + g * ctx + t0, vb, n, D, D);
@@ -257,8 +268,9 @@ at::Tensor paged_decode_attention_out(const at::Tensor& q, const at::Tensor& kv_
   TORCH_CHECK(q.device().is_cpu() && kv_layer.device().is_cpu() && block_tables.device().is_cpu() &&
                   context_lens.device().is_cpu() && out.device().is_cpu(),
               "paged_decode_attention: CPU tensors only");
-  TORCH_CHECK(q.scalar_type() == at::kFloat && kv_layer.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat,
-              "paged_decode_attention: float32 only");
+  const auto dtype = kv_layer.scalar_type();
+  TORCH_CHECK((dtype == at::kFloat || dtype == at::kBFloat16) && q.scalar_type() == dtype && out.scalar_type() == dtype,
+              "paged_decode_attention: q, kv_layer and out must all be float32 or all bfloat16");
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && context_lens.scalar_type() == at::kLong,
               "paged_decode_attention: block_tables and context_lens must be int64");
   TORCH_CHECK(q.dim() == 3 && kv_layer.dim() == 5 && block_tables.dim() == 2 && context_lens.dim() == 1,
@@ -291,10 +303,11 @@ at::Tensor paged_decode_attention_out(const at::Tensor& q, const at::Tensor& kv_
   }
 
   const Geometry geo{H / KVH, D, BS, NB * BS * D};
-  const float* qp = q.data_ptr<float>();
-  const float* kp = kv_layer.data_ptr<float>();
-  const float* vp = kp + KVH * geo.head_stride;
-  float* op = out.data_ptr<float>();
+  // q and the output in fp32 (a few KB); K and V read in place, in the cache's dtype.
+  const at::Tensor qf = q.to(at::kFloat).contiguous();
+  at::Tensor of = dtype == at::kFloat ? out : at::empty(out.sizes(), out.options().dtype(at::kFloat));
+  const float* qp = qf.data_ptr<float>();
+  float* op = of.data_ptr<float>();
   const float fscale = static_cast<float>(scale);
 
   // Tasks are (row, kv head), task i = row i / KVH. Rows arrive sorted by length (the runner sorts
@@ -323,11 +336,19 @@ at::Tensor paged_decode_attention_out(const at::Tensor& q, const at::Tensor& kv_
       for (int64_t i = bounds[c]; i < bounds[c + 1]; ++i) {
         const int64_t b = i / KVH, h = i % KVH;
         const int64_t off = (b * H + h * geo.group) * D;
-        attend(qp + off, kp + h * geo.head_stride, vp + h * geo.head_stride, tables + b * M, lens[b], fscale, geo,
-               scores.data(), op + off);
+        if (dtype == at::kFloat) {
+          const float* kp = kv_layer.data_ptr<float>();
+          attend(qp + off, kp + h * geo.head_stride, kp + (KVH + h) * geo.head_stride, tables + b * M, lens[b],
+                 fscale, geo, scores.data(), op + off);
+        } else {
+          const c10::BFloat16* kp = kv_layer.data_ptr<c10::BFloat16>();
+          attend(qp + off, kp + h * geo.head_stride, kp + (KVH + h) * geo.head_stride, tables + b * M, lens[b],
+                 fscale, geo, scores.data(), op + off);
+        }
       }
     }
   });
+  if (dtype != at::kFloat) out.copy_(of);
   return out;
 }
 

@@ -37,4 +37,15 @@ PDSERVE_INLINE vec8 load(const float* p) {
 
 PDSERVE_INLINE void store(float* p, vec8 v) { std::memcpy(p, &v, sizeof v); }
 
+// Eight bf16 values (their bits) as fp32: a bf16 is the top half of an fp32.
+typedef uint16_t u16x8 __attribute__((vector_size(16)));
+PDSERVE_INLINE vec8 load_bf16(const uint16_t* p) {
+  u16x8 h;
+  std::memcpy(&h, p, sizeof h);
+  const uvec8 u = __builtin_convertvector(h, uvec8) << 16;
+  vec8 v;
+  std::memcpy(&v, &u, sizeof v);
+  return v;
+}
+
 }  // namespace pdserve_vec
