@@ -12,7 +12,7 @@ attended in groups of similar length, each padded only to its own longest contex
 matmuls are memory-bound, and one batch padded to its longest sequence would move about twice the
 bytes on a mixed-length batch.
 
-On CPU with an fp32 contiguous cache, decode attention runs a C++ kernel instead (pdserve.cpu_attention)
+On CPU with an fp32 or bf16 contiguous cache, decode attention runs a C++ kernel instead (pdserve.cpu_attention)
 that reads each row's K/V blocks in place, once, with no padding; PDSERVE_CPU_ATTENTION=torch forces
 the torch path below, which stays the reference and serves every other device and dtype.
 """

@@ -21,12 +21,9 @@
 // vectorisation is explicit instead, with GCC/clang vector types of 8 floats: dot products keep 8-lane
 // partial sums and add them up at the end, the V update is an elementwise multiply-add, and exp is a
 // branch-free polynomial (Cephes expf, ~1 ulp) rather than a scalar libm call. Results differ from the
-// torch path only by summation order and exp rounding (~1e-7 absolute on unit-scale values). The hot
-// function is compiled twice with GCC's target_clones, for x86-64-v3 (AVX2 + FMA) and the baseline,
-// and the dynamic loader picks one for the CPU it runs on: one build is safe on any x86-64 machine
-// and still uses 256-bit vectors where they exist. (-march=native would tie the build to the CPU that
-// compiled it, and the build is cached in a directory that other machines may share.) Other compilers
-// and architectures get the baseline build.
+// torch path only by summation order and exp rounding (~1e-7 absolute on unit-scale values). A bf16
+// cache is read as stored and widened in registers (q and the output go through fp32 copies, a few
+// KB): bf16 halves the bytes, the arithmetic stays fp32. The hot function is multiversioned (vec.h).
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 #include <torch/types.h>
