@@ -21,6 +21,7 @@ import torch
 from pdserve import cpu_kernels
 
 ENV_VAR = "PDSERVE_CPU_ATTENTION"
+DTYPES = (torch.float32, torch.bfloat16)  # of q, the cache and the output
 
 
 def available() -> bool:
@@ -37,7 +38,7 @@ def supports(q: torch.Tensor, kv_layer: torch.Tensor, block_tables: torch.Tensor
     """Whether these decode inputs take the kernel: CPU, fp32 or bf16, contiguous cache, int64 metadata, not
     forced off by the environment, and the kernel builds."""
     # Runs once per decode group and layer: cheap properties first (device.type costs ~0.7 us).
-    return (q.dtype in (torch.float32, torch.bfloat16) and kv_layer.dtype == q.dtype
+    return (q.dtype in DTYPES and kv_layer.dtype == q.dtype
             and block_tables.dtype == torch.int64 and context_lens.dtype == torch.int64
             and q.is_cpu and kv_layer.is_cpu and block_tables.is_cpu and context_lens.is_cpu
             and kv_layer.is_contiguous()

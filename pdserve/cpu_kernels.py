@@ -96,6 +96,12 @@ def available() -> bool:
     return _loaded
 
 
+def applies(t: torch.Tensor) -> bool:
+    """Whether ops on this activation take the CPU kernels: a CPU tensor of a dtype they cover (fp32,
+    bf16), kernels not forced off, and built."""
+    return t.is_cpu and t.dtype in (torch.float32, torch.bfloat16) and enabled() and available()
+
+
 def enabled(env_var: str = ENV_VAR) -> bool:
     """False when PDSERVE_CPU_KERNELS (or the given switch) forces the torch path."""
     value = os.environ.get(env_var, "auto").strip().lower()

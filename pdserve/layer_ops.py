@@ -13,14 +13,6 @@ import torch.nn.functional as F
 
 from pdserve import cpu_kernels
 
-_KERNEL_DTYPES = (torch.float32, torch.bfloat16)
-
-
-def use_kernels(t: torch.Tensor) -> bool:
-    """Whether ops on this tensor take the CPU kernels (a CPU tensor of a dtype they cover, not forced off)."""
-    return t.is_cpu and t.dtype in _KERNEL_DTYPES and cpu_kernels.enabled() and cpu_kernels.available()
-
-
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x: [..., dim]. Normalised in fp32, rounded to x's dtype, then scaled (as the reference models do)."""
     if x.dtype == torch.float32:
@@ -32,7 +24,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 def add_rms_norm(x: torch.Tensor | None, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """residual += x (in place, when x is given); returns rms_norm(residual). [tokens, dim] each."""
-    if use_kernels(residual) and residual.is_contiguous() and (x is None or x.is_contiguous()):
+    if cpu_kernels.applies(residual) and residual.is_contiguous() and (x is None or x.is_contiguous()):
         return torch.ops.pdserve.add_rms_norm(x, residual, weight, eps)
     if x is not None:
         residual.add_(x)
@@ -41,7 +33,7 @@ def add_rms_norm(x: torch.Tensor | None, residual: torch.Tensor, weight: torch.T
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """gate_up: [tokens, 2 * d] -> silu(gate) * up: [tokens, d]."""
-    if use_kernels(gate_up) and gate_up.is_contiguous():
+    if cpu_kernels.applies(gate_up) and gate_up.is_contiguous():
         return torch.ops.pdserve.silu_and_mul(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
@@ -71,14 +63,13 @@ def rope_and_cache(qkv: torch.Tensor, positions: torch.Tensor, rope_cos: torch.T
     """
     t = qkv.shape[0]
     head_dim = kv_layer.shape[-1]
-    if use_kernels(qkv) and qkv.is_contiguous() and kv_layer.dtype == qkv.dtype and kv_layer.is_contiguous():
-        torch.ops.pdserve.rope_and_cache(qkv, positions, rope_cos, rope_sin, kv_layer, slot_mapping, heads, kv_heads)
-        q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
-        return q.view(t, heads, head_dim), k.view(t, kv_heads, head_dim), v.view(t, kv_heads, head_dim)
     q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
     q = q.view(t, heads, head_dim)  # [tokens, heads, head_dim]
     k = k.view(t, kv_heads, head_dim)  # [tokens, kv_heads, head_dim]
     v = v.view(t, kv_heads, head_dim)
+    if cpu_kernels.applies(qkv) and qkv.is_contiguous() and kv_layer.dtype == qkv.dtype and kv_layer.is_contiguous():
+        torch.ops.pdserve.rope_and_cache(qkv, positions, rope_cos, rope_sin, kv_layer, slot_mapping, heads, kv_heads)
+        return q, k, v  # views of qkv, rotated in place
     cos = rope_cos[positions].unsqueeze(1).to(qkv.dtype)  # [tokens, 1, head_dim // 2]
     sin = rope_sin[positions].unsqueeze(1).to(qkv.dtype)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)

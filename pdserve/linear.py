@@ -32,9 +32,8 @@ class Linear(nn.Module):
         self.register_buffer("scale", None)  # [out] fp32 for int8 weights
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [tokens, in] -> [tokens, out]
-        if x.is_cpu and x.dim() == 2 and x.dtype in (torch.float32, torch.bfloat16) \
-                and self.weight.dtype in (torch.float32, torch.bfloat16, torch.int8) \
-                and cpu_kernels.enabled() and cpu_kernels.available():
+        if x.dim() == 2 and self.weight.dtype in (torch.float32, torch.bfloat16, torch.int8) \
+                and cpu_kernels.applies(x):
             return torch.ops.pdserve.linear(x, self.weight, self.scale, self.bias)
         return F.linear(x, self.dequantized(x.dtype), self.bias)
 

@@ -86,13 +86,11 @@ def load_info(config: EngineConfig) -> ModelInfo:
 def load(config: EngineConfig) -> LoadedModel:
     """Model weights and ModelInfo."""
     path, fmt = resolve_format(config.model, config.load_format)
+    info = load_info(config)
+    model = _empty_model(info.config, config)
     if fmt == "dummy":
-        info = load_info(config)
-        model = _empty_model(info.config, config)
         _init_dummy(model, config.seed)
     else:
-        info = load_info(config)
-        model = _empty_model(info.config, config)
         model.load_weights(_safetensors_weights(_weights_dir(path, fmt)))
     if config.quantization:
         quantize(model, config.quantization)

@@ -125,7 +125,7 @@ class ModelRunner:
     def _max_padding(self) -> float:
         """Padding the decode groups may carry: the CPU kernel never reads it (one group is fastest);
         the torch path reads all of it (groups of similar length)."""
-        kernel = self.device.type == "cpu" and self.dtype in (torch.float32, torch.bfloat16) and cpu_attention.enabled() \
+        kernel = self.device.type == "cpu" and self.dtype in cpu_attention.DTYPES and cpu_attention.enabled() \
             and cpu_attention.available()
         return float("inf") if kernel else 0.25
 

@@ -104,3 +104,23 @@ def wait_for(predicate, timeout: float = 30.0, interval: float = 0.05, what: str
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout}s waiting for {what}")
         time.sleep(interval)
+
+
+@pytest.fixture(scope="module")
+def cpu_kernels_built():
+    """Builds (or loads the cached build of) the CPU kernels once; where a toolchain exists they must
+    build, elsewhere the module is skipped with the reason."""
+    import shutil
+
+    from pdserve import cpu_kernels
+
+    if cpu_kernels.available():
+        return
+    if shutil.which(os.environ.get("CXX", "c++")) is None:
+        pytest.skip("CPU kernels cannot be built: no C++ compiler on PATH")
+    if shutil.which("ninja") is None:
+        try:
+            import ninja  # noqa: F401
+        except ImportError:
+            pytest.skip("CPU kernels cannot be built: ninja is not installed")
+    pytest.fail("a compiler and ninja exist but the CPU kernels did not build (see the warning)")

@@ -2,8 +2,6 @@
 from __future__ import annotations
 
 import logging
-import os
-import shutil
 
 import pytest
 import torch
@@ -14,26 +12,7 @@ from pdserve.attention import AttentionMetadata, DecodeGroup, _decode_attention_
 TOL = 1e-5
 
 
-def _can_build() -> str | None:
-    """Why the kernel cannot be built here, or None when a compiler and ninja exist."""
-    if shutil.which(os.environ.get("CXX", "c++")) is None:
-        return "no C++ compiler on PATH"
-    if shutil.which("ninja") is None:
-        try:
-            import ninja  # noqa: F401
-        except ImportError:
-            return "ninja is not installed"
-    return None
-
-
-@pytest.fixture(scope="module", autouse=True)
-def kernel():
-    """Builds (or loads the cached build of) the kernel once; where a toolchain exists it must work."""
-    reason = _can_build()
-    if not cpu_attention.available():
-        if reason:
-            pytest.skip(f"CPU attention kernel cannot be built: {reason}")
-        pytest.fail("a compiler and ninja exist but the CPU attention kernel did not build (see the warning)")
+pytestmark = pytest.mark.usefixtures("cpu_kernels_built")
 
 
 def make_case(batch, heads, kv_heads, head_dim, block_size=16, max_ctx=400, seed=0, pad_value=None):

@@ -10,15 +10,7 @@ from pdserve import cpu_kernels, layer_ops
 from pdserve.linear import Linear, quantize
 
 
-@pytest.fixture(scope="module", autouse=True)
-def kernels():
-    from test_cpu_attention import _can_build
-
-    reason = _can_build()
-    if not cpu_kernels.available():
-        if reason:
-            pytest.skip(f"CPU kernels cannot be built: {reason}")
-        pytest.fail("a compiler and ninja exist but the CPU kernels did not build (see the warning)")
+pytestmark = pytest.mark.usefixtures("cpu_kernels_built")
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
