@@ -9,6 +9,7 @@ from typing import Any
 
 from pdserve.bench.cli import add_bench_parser
 from pdserve.client import add_connection_args, connection_from_args
+from pdserve.planner.cli import add_plan_parser, add_profile_parser
 from pdserve.sampling import SamplingParams
 
 
@@ -36,6 +37,8 @@ def build_parser(commands: Sequence[Callable[[Any], None]] = ()) -> argparse.Arg
     add_connection_args(status)
     status.set_defaults(func=cmd_status)
     add_bench_parser(sub)
+    add_profile_parser(sub)
+    add_plan_parser(sub)
     return parser
 
 

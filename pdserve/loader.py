@@ -28,6 +28,10 @@ DUMMY_PRESETS: dict[str, dict] = {
                       num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
                       max_position_embeddings=8192, rms_norm_eps=1e-5, rope_theta=500000.0,
                       tie_word_embeddings=False, eos_token_id=128001),
+    "llama3-70b": dict(model_type="llama", vocab_size=128256, hidden_size=8192, intermediate_size=28672,
+                       num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8,
+                       max_position_embeddings=8192, rms_norm_eps=1e-5, rope_theta=500000.0,
+                       tie_word_embeddings=False, eos_token_id=128001),
 }
 
 

@@ -133,10 +133,12 @@ def plot_title(report: dict[str, Any]) -> str:
             f"{report['completed']} ok / {report['failed']} failed in {report['duration']:.1f}s")
 
 
-def build_workload(args: argparse.Namespace, vocab_size: int, eos_ids: list[int], max_model_len: int
+def build_workload(args: argparse.Namespace, vocab_size: int, eos_ids: list[int], max_model_len: int,
+                   sampler_type: type[TokenSampler] = TokenSampler
                    ) -> tuple[Iterator[BenchRequest], Iterator[float], str, int | None, dict[str, Any]]:
-    """(requests, arrivals, arrival kind, request count bound, description) from the flags and the model."""
-    sampler = TokenSampler(vocab_size, eos_ids)
+    """(requests, arrivals, arrival kind, request count bound, description) from the flags and the model.
+    sampler_type: LengthSampler where only the lengths matter (the planner)."""
+    sampler = sampler_type(vocab_size, eos_ids)
     num = args.num_prompts
     if args.trace:
         trace = load_trace(args.trace, sampler, seed=args.seed, default_output_len=args.output_len,

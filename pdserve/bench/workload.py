@@ -111,6 +111,16 @@ class TokenSampler:
         return tuple(int(t) for t in self.allowed[rng.integers(0, self.allowed.size, size=n)])
 
 
+class LengthSampler(TokenSampler):
+    """Stand-in prompts for the planner's simulator: it needs lengths, not ids. It advances the random
+    stream exactly as TokenSampler does, so one seed gives the same lengths and arrivals as a bench
+    run, and returns range(n) instead of building n ids."""
+
+    def __call__(self, rng: np.random.Generator, n: int) -> range:  # type: ignore[override]
+        rng.integers(0, self.allowed.size, size=n)
+        return range(n)
+
+
 def check_context(input_spec: LengthSpec, output_spec: LengthSpec, max_model_len: int) -> None:
     out_hi = output_spec.bounds[1]
     if out_hi >= max_model_len:

@@ -1,0 +1,154 @@
+"""`pdserve profile` and `pdserve plan`."""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+
+def add_profile_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    from pdserve.cli import add_model_args
+
+    p = sub.add_parser("profile", help="measure step times and KV transfers on this device for `pdserve plan`",
+                       description="Measure prefill and decode step times and KV transfers on this device with "
+                                   "the threads one worker gets, fit the cost model, and write it as JSON.")
+    add_model_args(p)
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch threads (default: half the cores, what each of two workers gets from pdserve serve)")
+    p.add_argument("--kv-cache-mib", type=int, default=1024, help="KV cache, MiB (bounds the decode batches measured)")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--quick", action="store_true", help="a few points only (~15 s): for a smoke test, not a plan")
+    p.add_argument("--output", required=True, metavar="PROFILE.json")
+    p.set_defaults(func=cmd_profile)
+    return p
+
+
+def cmd_profile(args: argparse.Namespace) -> int:
+    from pdserve.planner.profile import profile_config, run_profile
+
+    if args.threads is not None and args.threads < 1:
+        raise ValueError(f"--threads must be >= 1, got {args.threads}")
+    config = profile_config(args.model, args.load_format, args.dtype, args.quantization, args.device,
+                            args.kv_cache_mib, args.block_size)
+    prof = run_profile(config, args.threads, quick=args.quick, log=lambda s: print(s, flush=True))
+    Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.output).write_text(json.dumps(prof, indent=1) + "\n")
+    print(f"profile: {args.output}")
+    return 0
+
+
+def add_plan_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    from pdserve.bench.cli import add_workload_args
+
+    p = sub.add_parser("plan", help="size the pools: simulate every configuration of up to N workers on a workload",
+                       description="Simulate colocated and every xPyD configuration of at most --max-workers workers "
+                                   "on the workload that `pdserve bench` would send with the same flags, and rank "
+                                   "them by goodput per worker.")
+    src = p.add_argument_group("costs (one of)")
+    src.add_argument("--profile", default=None, metavar="PROFILE.json", help="measured by `pdserve profile`")
+    src.add_argument("--gpu", default=None, help="a roofline of this GPU's datasheet: H100, H200, A100, L40S, L4")
+    src.add_argument("--model", default=None,
+                     help="with --gpu: a preset (llama-3-8b, llama-3-70b, smollm2-135m), config.json, HF directory or .gguf")
+    src.add_argument("--dtype-bytes", type=int, default=2, help="with --gpu: bytes per weight and KV value (2: bf16)")
+    add_workload_args(p)
+    g = p.add_argument_group("SLOs (goodput counts requests that meet every one given)")
+    g.add_argument("--slo-ttft-ms", type=float, default=None)
+    g.add_argument("--slo-tpot-ms", type=float, default=None)
+    g.add_argument("--slo-e2el-ms", type=float, default=None)
+    g.add_argument("--min-attainment", type=float, default=0.9,
+                   help="share of requests within the SLOs a recommended configuration must keep (default 0.9)")
+    g = p.add_argument_group("cluster")
+    g.add_argument("--max-workers", type=int, required=True, help="workers (devices) at most")
+    g.add_argument("--max-num-seqs", type=int, nargs="+", default=[64],
+                   help="running-batch caps of the decode and colocated pools to try (default 64)")
+    g.add_argument("--prefill-token-budget", type=int, default=2048, help="tokens per prefill (and colocated) step")
+    g.add_argument("--kv-cache-mib", type=int, default=None,
+                   help="KV cache per worker (default: the profile's; with --gpu, what the GPU holds beside the weights)")
+    g.add_argument("--max-running", type=int, default=256)
+    g.add_argument("--max-queued", type=int, default=1024)
+    g.add_argument("--first-token-latency-ms", type=float, default=None,
+                   help="worker -> client hops of the first token (default: measured on the local CPU cluster)")
+    g.add_argument("--token-latency-ms", type=float, default=None, help="the same for later tokens")
+    g = p.add_argument_group("output")
+    g.add_argument("--output", default=None, metavar="PLAN.json")
+    g.add_argument("--plot", default=None, metavar="PLAN.png", help="predicted goodput against request rate")
+    p.set_defaults(func=cmd_plan)
+    return p
+
+
+def _costs_and_model(args: argparse.Namespace) -> tuple[Any, dict[str, Any], int | None, int]:
+    """(costs, model facts, default KV cache bytes, block size) from --profile or --gpu/--model."""
+    if (args.profile is None) == (args.gpu is None):
+        raise ValueError("give --profile FILE, or --gpu NAME with --model M")
+    if args.profile:
+        from pdserve.planner.costs import MeasuredCosts
+
+        if args.model:
+            raise ValueError("--model goes with --gpu; a profile names its own model")
+        prof = json.loads(Path(args.profile).read_text())
+        if prof.get("version") != 1:
+            raise ValueError(f"{args.profile}: not a pdserve profile (version {prof.get('version')!r})")
+        return MeasuredCosts.from_dict(prof["costs"]), prof["model"], prof["kv_cache_bytes"], prof["block_size"]
+    from pdserve.planner.hardware import gpu, kv_budget_bytes, resolve_model, roofline
+
+    if not args.model:
+        raise ValueError("--gpu needs --model (a preset, config.json, HF directory or .gguf)")
+    device = gpu(args.gpu)
+    name, cfg = resolve_model(args.model)
+    costs = roofline(cfg, device, args.dtype_bytes)
+    model = {"name": name, "path": None, "vocab_size": cfg.vocab_size, "eos_token_ids": list(cfg.eos_token_ids),
+             "max_model_len": cfg.max_position_embeddings, "num_params": cfg.num_params}
+    return costs, model, kv_budget_bytes(device, costs.weight_bytes), 16
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from pdserve.bench.cli import check_args
+    from pdserve.bench.stats import Slo
+    from pdserve.planner.plan import (FIRST_TOKEN_LATENCY_S, TOKEN_LATENCY_S, PoolSettings, candidates,
+                                      format_plan, make_plan, plot_plan, workload_from_args)
+
+    slo = Slo(args.slo_ttft_ms, args.slo_tpot_ms, args.slo_e2el_ms)
+    check_args(args)
+    if args.num_prompts is None and args.duration is None and args.trace is None:
+        args.num_prompts = 1000
+    if not 0 < args.min_attainment <= 1:
+        raise ValueError(f"--min-attainment must be in (0, 1], got {args.min_attainment}")
+    if min(args.max_num_seqs) < 1 or args.prefill_token_budget < 1:
+        raise ValueError("--max-num-seqs and --prefill-token-budget must be >= 1")
+    costs, model, kv_default, block_size = _costs_and_model(args)
+    tokenizer = None
+    if args.trace and model.get("path"):
+        from pdserve.tokenizer import Tokenizer
+
+        try:
+            tokenizer = Tokenizer.from_pretrained(model["path"])
+        except Exception:  # only text traces need it; they say so
+            tokenizer = None
+    workload = workload_from_args(args, model["vocab_size"], model["eos_token_ids"], model["max_model_len"], tokenizer)
+    kv_bytes = (args.kv_cache_mib << 20) if args.kv_cache_mib else kv_default
+    settings = PoolSettings(
+        kv_cache_bytes=kv_bytes, block_size=block_size, token_budget=args.prefill_token_budget,
+        max_running=args.max_running, max_queued=args.max_queued,
+        first_token_latency_s=FIRST_TOKEN_LATENCY_S if args.first_token_latency_ms is None
+        else args.first_token_latency_ms / 1e3,
+        token_latency_s=TOKEN_LATENCY_S if args.token_latency_ms is None else args.token_latency_ms / 1e3)
+    plan = make_plan(costs, workload, slo, args.max_workers, sorted(set(args.max_num_seqs)), settings,
+                     args.min_attainment)
+    plan["model"] = model["name"]
+    plan["costs"] = args.profile or f"roofline of {args.gpu}"
+    print(f"{plan['requests']} requests: {workload.description['workload']}; model {model['name']}; costs: "
+          f"{plan['costs']}")
+    print(format_plan(plan))
+    print(f"simulated {plan['requests']} requests through {len(plan['candidates'])} configurations in "
+          f"{plan['simulation_seconds']:.2f} s")
+    if args.output:
+        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.output).write_text(json.dumps(plan, indent=1) + "\n")
+        print(f"plan: {args.output}")
+    if args.plot:
+        shapes = candidates(args.max_workers, sorted(set(args.max_num_seqs)), settings, costs.kv_bytes_per_token)
+        plot_plan(shapes, costs, workload, slo, args.plot)
+        print(f"plot: {args.plot}")
+    return 0
+

@@ -1,0 +1,237 @@
+"""What a worker's step and a KV hand-off cost, as the simulator asks for them.
+
+A step is described by five numbers, whatever the worker's role:
+  prefill_tokens   prompt tokens computed in the step (all chunks)
+  prefill_pairs    attention work of those chunks: sum over chunks of n * start + n * (n + 1) / 2
+                   (token i of a chunk starting at `start` attends to start + i + 1 tokens)
+  prefill_seqs     chunks that end a prompt and sample its first token
+  decode_seqs      requests decoding one token each
+  decode_context   tokens of KV those decoding requests read (their contexts, summed)
+A prefill worker's step has only the first three, a decode worker's only the last two; a colocated
+worker's step mixes both.
+
+Two models answer: `MeasuredCosts`, fitted to what `pdserve profile` measured on a device (least squares,
+each term non-negative), and `RooflineCosts`, from the model's FLOPs and bytes against a GPU's
+datasheet peaks (pdserve.planner.hardware). Both describe the KV hand-off the same way: a latency and
+a bandwidth of the transport between two workers.
+"""
+from __future__ import annotations
+
+import bisect
+from dataclasses import asdict, dataclass
+from typing import Any, Protocol
+
+import numpy as np
+
+from pdserve.config import ModelConfig
+from pdserve.handoff import MIN_PART_BYTES
+from pdserve.utilization import lm_head_flops, linear_flops_per_token, weight_bytes
+
+
+def attention_pairs(start: int, n: int) -> int:
+    """Query-key pairs of a chunk of n tokens after `start` cached ones (causal)."""
+    return n * start + n * (n + 1) // 2
+
+
+@dataclass(frozen=True)
+class Transport:
+    """The KV hand-off between two workers: t(bytes) = latency_s + bytes / bytes_per_s."""
+
+    latency_s: float
+    bytes_per_s: float
+    # A layer-by-layer push sends parts of at least this many bytes while later layers compute; what is
+    # left after the first token is sampled is the last part (or more, when the link is slower than the
+    # prefill that feeds it).
+    part_bytes: int = MIN_PART_BYTES
+
+    def __post_init__(self) -> None:
+        if self.latency_s < 0 or not self.bytes_per_s > 0:
+            raise ValueError(f"transport needs latency >= 0 and bandwidth > 0, got {self}")
+
+    def send_time(self, nbytes: int) -> float:
+        """A whole transfer sent at once (KV held until its destination was ready)."""
+        return self.latency_s + nbytes / self.bytes_per_s
+
+    def exposed_time(self, nbytes: int, step_s: float) -> float:
+        """First token sampled -> KV usable on the decode worker, for KV pushed during a step of step_s."""
+        tail = min(nbytes, self.part_bytes) / self.bytes_per_s
+        return self.latency_s + max(tail, nbytes / self.bytes_per_s - step_s)
+
+
+class StepCosts(Protocol):
+    kv_bytes_per_token: int
+    weight_bytes: int
+    transport: Transport
+
+    def step_time(self, prefill_tokens: int, prefill_pairs: int, prefill_seqs: int, decode_seqs: int,
+                  decode_context: int) -> float: ...
+
+
+PREFILL_TERMS = ("overhead_s", "per_token_s", "per_pair_s", "per_seq_s")
+
+
+@dataclass(frozen=True)
+class MeasuredCosts:
+    """Step times fitted to measurements (pdserve profile).
+
+    prefill step = overhead + per_token * tokens + per_pair * pairs + per_seq * seqs   (linear)
+    decode step  = batch_s(seqs) + per_context_token * context
+        batch_s is piecewise linear through the measured batch sizes (extended along its last slope):
+        a decode step is flat while reading the weights dominates and grows once the rows' compute
+        does, which no single line follows.
+    mixed step (colocated: decodes riding with prompt chunks) = the larger of the decode step and a
+        prefill step whose rows are the chunks' tokens plus one per decode, with the decodes' context
+        read on top: one forward over all rows, the weights read once.
+    """
+
+    prefill: dict[str, float]
+    decode_batches: tuple[int, ...]
+    decode_batch_s: tuple[float, ...]
+    per_context_token_s: float
+    transport: Transport
+    kv_bytes_per_token: int
+    weight_bytes: int
+
+    def __post_init__(self) -> None:
+        if set(self.prefill) != set(PREFILL_TERMS) or any(v < 0 for v in self.prefill.values()):
+            raise ValueError(f"prefill costs need non-negative {PREFILL_TERMS}, got {self.prefill}")
+        b, s = self.decode_batches, self.decode_batch_s
+        if not b or len(b) != len(s) or list(b) != sorted(set(b)) or b[0] < 1 or min(s) < 0 \
+                or self.per_context_token_s < 0:
+            raise ValueError(f"decode costs need increasing batch sizes >= 1 and non-negative times, got {b}, {s}")
+
+    def prefill_time(self, tokens: int, pairs: int, seqs: int) -> float:
+        p = self.prefill
+        return p["overhead_s"] + p["per_token_s"] * tokens + p["per_pair_s"] * pairs + p["per_seq_s"] * seqs
+
+    def batch_time(self, seqs: int) -> float:
+        b, s = self.decode_batches, self.decode_batch_s
+        if seqs <= b[0] or len(b) == 1:  # below the smallest batch measured: the weights' read dominates
+            return s[0]
+        i = min(bisect.bisect_right(b, seqs), len(b) - 1)  # segment [i-1, i], the last one beyond
+        slope = (s[i] - s[i - 1]) / (b[i] - b[i - 1])
+        return s[i - 1] + slope * (seqs - b[i - 1])
+
+    def step_time(self, prefill_tokens: int, prefill_pairs: int, prefill_seqs: int, decode_seqs: int,
+                  decode_context: int) -> float:
+        ctx = self.per_context_token_s * decode_context
+        if not prefill_tokens:
+            return self.batch_time(decode_seqs) + ctx if decode_seqs else 0.0
+        t = self.prefill_time(prefill_tokens + decode_seqs, prefill_pairs, prefill_seqs + decode_seqs)
+        if decode_seqs:
+            t = max(t, self.batch_time(decode_seqs)) + ctx
+        return t
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kind": "measured", "prefill": dict(self.prefill),
+                "decode": {"batches": list(self.decode_batches), "batch_s": list(self.decode_batch_s),
+                           "per_context_token_s": self.per_context_token_s},
+                "transport": asdict(self.transport), "kv_bytes_per_token": self.kv_bytes_per_token,
+                "weight_bytes": self.weight_bytes}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> MeasuredCosts:
+        if d.get("kind") != "measured":
+            raise ValueError(f"not a measured cost model: kind {d.get('kind')!r}")
+        dec = d["decode"]
+        return cls(dict(d["prefill"]), tuple(int(b) for b in dec["batches"]), tuple(map(float, dec["batch_s"])),
+                   float(dec["per_context_token_s"]), Transport(**d["transport"]), int(d["kv_bytes_per_token"]),
+                   int(d["weight_bytes"]))
+
+
+def fit_nonnegative(features: np.ndarray, times: np.ndarray) -> np.ndarray:
+    """Least squares on relative error (each row divided by its time, so short steps count as much as
+    long ones), with every coefficient >= 0: a term that comes out negative is dropped and the rest
+    refitted (a negative cost per token would be noise, and would let long steps cost less)."""
+    a = features / times[:, None]
+    b = np.ones_like(times)
+    active = list(range(features.shape[1]))
+    while True:
+        coef = np.zeros(features.shape[1])
+        if active:
+            sol, *_ = np.linalg.lstsq(a[:, active], b, rcond=None)
+            coef[active] = sol
+        negative = [i for i in active if coef[i] < 0]
+        if not negative:
+            return coef
+        active.remove(min(negative, key=lambda i: coef[i]))
+
+
+def fit_measured(prefill_rows: list[dict[str, float]], decode_rows: list[dict[str, float]], transport: Transport,
+                 kv_bytes_per_token: int, weight_bytes_: int) -> tuple[MeasuredCosts, dict[str, float]]:
+    """The fitted model and its worst relative error on the measurements of each phase.
+
+    prefill_rows: {"tokens", "pairs", "seqs", "seconds"}; decode_rows: {"seqs", "context", "seconds"}.
+    """
+    x = np.array([[1.0, r["tokens"], r["pairs"], r["seqs"]] for r in prefill_rows])
+    t = np.array([r["seconds"] for r in prefill_rows])
+    pc = fit_nonnegative(x, t)
+    prefill = dict(zip(PREFILL_TERMS, map(float, pc)))
+    batches = sorted({int(r["seqs"]) for r in decode_rows})
+    # One unknown per measured batch size (its step time at zero context) and one per context token.
+    xd = np.array([[float(r["seqs"] == b) for b in batches] + [r["context"]] for r in decode_rows])
+    td = np.array([r["seconds"] for r in decode_rows])
+    dc = fit_nonnegative(xd, td)
+    batch_s = tuple(float(v) for v in np.maximum.accumulate(dc[:-1]))  # a bigger batch never costs less
+    costs = MeasuredCosts(prefill, tuple(batches), batch_s, float(dc[-1]), transport, kv_bytes_per_token,
+                          weight_bytes_)
+    perr = max(abs(costs.prefill_time(r["tokens"], r["pairs"], r["seqs"]) - r["seconds"]) / r["seconds"]
+               for r in prefill_rows)
+    derr = max(abs(costs.step_time(0, 0, 0, int(r["seqs"]), int(r["context"])) - r["seconds"]) / r["seconds"]
+               for r in decode_rows)
+    return costs, {"prefill_max_rel_error": perr, "decode_max_rel_error": derr}
+
+
+@dataclass(frozen=True)
+class RooflineCosts:
+    """Step times from FLOPs and bytes against a device's peaks, each derated by an efficiency factor:
+
+        step = overhead_s + max(FLOPs / (peak_flops * mfu), bytes / (peak_bandwidth * mbu))
+
+    FLOPs: the matmuls of every new token (pdserve.utilization), attention over the pairs each chunk
+    computes and over each decoding request's context, the LM head of every sampled row. Bytes: every
+    weight once, the KV that decoding requests read, the KV the step writes. Efficiencies <= 1 and a
+    non-negative overhead keep every prediction at or above the physical floor.
+    """
+
+    model: ModelConfig
+    dtype_bytes: int
+    peak_flops: float
+    peak_bytes_per_s: float
+    mfu: float
+    mbu: float
+    overhead_s: float
+    transport: Transport
+
+    def __post_init__(self) -> None:
+        if not (0 < self.mfu <= 1 and 0 < self.mbu <= 1) or self.overhead_s < 0:
+            raise ValueError(f"efficiencies must be in (0, 1] and overhead >= 0, got mfu={self.mfu} mbu={self.mbu} "
+                             f"overhead={self.overhead_s}")
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return 2 * self.model.num_layers * self.model.kv_size * self.dtype_bytes
+
+    @property
+    def weight_bytes(self) -> int:
+        return weight_bytes(self.model, self.dtype_bytes)
+
+    def flops(self, prefill_tokens: int, prefill_pairs: int, prefill_seqs: int, decode_seqs: int,
+              decode_context: int) -> float:
+        m = self.model
+        attn_per_pair = 2 * 2 * m.q_size * m.num_layers  # QK^T and PV
+        return ((prefill_tokens + decode_seqs) * linear_flops_per_token(m)
+                + attn_per_pair * (prefill_pairs + decode_context)
+                + (prefill_seqs + decode_seqs) * lm_head_flops(m))
+
+    def bytes(self, prefill_tokens: int, decode_seqs: int, decode_context: int) -> float:
+        return self.weight_bytes + self.kv_bytes_per_token * (decode_context + prefill_tokens + decode_seqs)
+
+    def step_time(self, prefill_tokens: int, prefill_pairs: int, prefill_seqs: int, decode_seqs: int,
+                  decode_context: int) -> float:
+        if not prefill_tokens and not decode_seqs:
+            return 0.0
+        compute = self.flops(prefill_tokens, prefill_pairs, prefill_seqs, decode_seqs, decode_context) / (
+            self.peak_flops * self.mfu)
+        memory = self.bytes(prefill_tokens, decode_seqs, decode_context) / (self.peak_bytes_per_s * self.mbu)
+        return self.overhead_s + max(compute, memory)

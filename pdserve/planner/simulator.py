@@ -1,0 +1,531 @@
+"""A discrete-event simulator of a pdserve cluster, fast enough to try many configurations.
+
+It replays a workload (arrival time, prompt and output length of each request) through the parts of
+the request path that decide latency, with each step's duration from a cost model
+(pdserve.planner.costs):
+
+- the router: admission (max_running on the workers, max_queued waiting, the rest refused) and
+  placement (pdserve router.placement's rules: the prefill worker with the fewest queued prompt tokens,
+  the decode or colocated worker with the fewest active requests, then the most free KV blocks);
+- a prefill worker: token-budget steps, running chunks first, then waiting prompts in arrival order,
+  each admitted only when blocks for its whole prompt are free; a finished prompt's first token goes
+  to the client at once and its KV stays HELD until it has reached the decode worker;
+- the hand-off: the decode worker reserves blocks for the prompt's KV at its next step boundary (FIFO,
+  bounded by max_num_seqs and the free blocks it must keep per running request); KV whose destination
+  was ready when its prefill step began is pushed during the step (what is left after the first token
+  is Transport.exposed_time); KV held for a late reservation is sent whole once it is made;
+- a decode worker: continuous batching, one token per running request a step; a landed request
+  joins at the next step, whose end is its 2nd token;
+- a colocated worker: one scheduler for both phases, decodes first, then prompt chunks in the rest of
+  the token budget, as pdserve.scheduler does.
+
+What it leaves out, and why that is safe for sizing: prefix caching (synthetic prompts share none),
+stop strings and EOS (benchmarks set ignore_eos), preemption (a worker whose KV would overflow is
+counted in `kv_overflows` and the plan marks the configuration; it does not recompute), and
+per-block rounding of a running request's growth (its blocks are its tokens / block size plus half a
+block). Ray and gRPC hops are the constant latencies of ClusterShape.
+
+Per step the work is O(requests joining or finishing), never O(batch): a running request's context
+grows by one token a step, so the decode context of a step is a running sum plus the batch times
+the step index, and finishing steps sit in a heap.
+"""
+from __future__ import annotations
+
+import heapq
+import math
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from pdserve.planner.costs import StepCosts, attention_pairs
+
+
+@dataclass(frozen=True)
+class PoolShape:
+    """One pool: how many workers and how each batches (pdserve.config.SchedulerConfig's knobs)."""
+
+    workers: int
+    kv_blocks: int  # KV cache per worker, in blocks
+    block_size: int = 16
+    max_num_seqs: int = 64
+    token_budget: int = 2048  # tokens a step computes (max_num_batched_tokens)
+    headroom_blocks: int = 1  # decode: free blocks a reservation leaves per running request
+
+    def __post_init__(self) -> None:
+        if min(self.workers, self.kv_blocks, self.block_size, self.max_num_seqs, self.token_budget) < 1:
+            raise ValueError(f"every pool setting must be >= 1: {self}")
+
+
+@dataclass(frozen=True)
+class ClusterShape:
+    """A deployment to simulate: disaggregated (prefill + decode pools) or colocated (one pool)."""
+
+    mode: str
+    prefill: PoolShape | None = None
+    decode: PoolShape | None = None
+    colocated: PoolShape | None = None
+    max_running: int = 256  # router admission (pdserve serve --max-running)
+    max_queued: int = 1024  # router queue (--max-queued)
+    first_token_latency_s: float = 0.0  # worker -> router -> client, for the first token
+    token_latency_s: float = 0.0  # the same for a decode step's tokens
+
+    def __post_init__(self) -> None:
+        pools = (self.prefill, self.decode) if self.mode == "disaggregated" else (self.colocated,)
+        if self.mode not in ("disaggregated", "colocated") or any(p is None for p in pools):
+            raise ValueError(f"a {self.mode} cluster needs its pools: {self}")
+
+    @property
+    def workers(self) -> int:
+        if self.mode == "colocated":
+            return self.colocated.workers
+        return self.prefill.workers + self.decode.workers
+
+    @property
+    def label(self) -> str:
+        if self.mode == "colocated":
+            return f"colocated x{self.colocated.workers}"
+        return f"{self.prefill.workers}P{self.decode.workers}D"
+
+
+@dataclass
+class SimResult:
+    """Per request: seconds after the start (NaN where it does not apply); per worker: peaks and busy time."""
+
+    arrival: np.ndarray
+    input_len: np.ndarray
+    output_len: np.ndarray
+    first_token: np.ndarray  # when the client sees the first token
+    second_token: np.ndarray
+    end: np.ndarray  # when the client sees the last token
+    rejected: np.ndarray  # bool: refused by admission (RESOURCE_EXHAUSTED)
+    peak_kv_blocks: dict[str, int]  # worker -> most blocks in use at once
+    busy_s: dict[str, float]  # worker -> seconds spent in steps
+    kv_overflows: int  # decode steps that needed more blocks than the worker has (preemption in reality)
+    steps: int
+
+    @property
+    def ok(self) -> np.ndarray:
+        return ~self.rejected & ~np.isnan(self.end)
+
+    @property
+    def ttft(self) -> np.ndarray:
+        return self.first_token - self.arrival
+
+    @property
+    def e2el(self) -> np.ndarray:
+        return self.end - self.arrival
+
+    @property
+    def tpot(self) -> np.ndarray:
+        with np.errstate(invalid="ignore", divide="ignore"):
+            return np.where(self.output_len > 1, (self.end - self.first_token) / (self.output_len - 1), np.nan)
+
+
+# Event kinds; the heap holds (time, seq, kind, worker).
+_PREFILL_END, _DECODE_END, _COLOCATED_END, _LANDED = range(4)
+
+
+class _Prefill:
+    def __init__(self, name: str, shape: PoolShape):
+        self.name, self.shape = name, shape
+        self.waiting: deque[int] = deque()
+        self.running: list[list[int]] = []  # [request, tokens computed]
+        self.free = shape.kv_blocks
+        self.queued_tokens = 0  # the router's view: prompt tokens placed and not yet answered
+        self.busy = False
+        self.step: list[tuple[int, int]] = []  # (request, tokens) of the step under way
+        self.step_start = 0.0
+        self.busy_s = 0.0
+        self.peak = 0
+
+
+class _Decode:
+    def __init__(self, name: str, shape: PoolShape):
+        self.name, self.shape = name, shape
+        self.to_reserve: deque[int] = deque()
+        self.reserved = 0  # blocks reserved for KV in flight
+        self.num_reserved = 0  # requests whose KV is in flight (they count towards max_num_seqs)
+        self.landed: list[int] = []  # join at the next step
+        self.active = 0  # the router's view: placed and not finished
+        self.batch = 0
+        self.ctx_base = 0  # sum over running requests of (context at join - join step)
+        self.finish: list[tuple[int, int]] = []  # (step index of the last token, request)
+        self.joined: list[int] = []  # requests whose first decode step is the next one to end
+        self.k = 0  # index of the next step
+        self.busy = False
+        self.busy_s = 0.0
+        self.peak = 0
+        # colocated only: prompts placed here, and the chunks in progress
+        self.waiting: deque[int] = deque()
+        self.prefilling: list[list[int]] = []
+        self.prefill_blocks = 0
+        self.step: list[tuple[int, int]] = []
+
+    def used_blocks(self) -> int:
+        bs = self.shape.block_size
+        ctx = self.ctx_base + self.batch * self.k
+        running = (ctx + self.batch + bs - 1) // bs + self.batch // 2 if self.batch else 0
+        return running + self.reserved + self.prefill_blocks
+
+    def free_blocks(self) -> int:
+        return self.shape.kv_blocks - self.used_blocks()
+
+
+def simulate(shape: ClusterShape, costs: StepCosts, arrival: np.ndarray, input_len: np.ndarray,
+             output_len: np.ndarray, concurrency: int | None = None) -> SimResult:
+    """Run the workload (arrays of one entry per request, arrival times non-decreasing) to the end.
+
+    concurrency: the client's cap on requests in flight (pdserve bench --concurrency): a request due
+    while the cap is reached is sent when one ends, and its times count from then, as bench's do.
+    """
+    n = len(arrival)
+    arr = [float(x) for x in arrival]
+    n_in = [int(x) for x in input_len]
+    n_out = [int(x) for x in output_len]
+    if any(b < a for a, b in zip(arr, arr[1:])):
+        raise ValueError("arrival times must be non-decreasing")
+    nan = math.nan
+    first = [nan] * n
+    second = [nan] * n
+    end = [nan] * n
+    rejected = [False] * n
+    ctx_join = [0] * n  # decode: context at join minus join step
+    prefill_of = [-1] * n
+    decode_of = [-1] * n
+    ready_at = [math.inf] * n  # when the decode worker's reservation for the request was made
+    held = [False] * n  # prefill done, waiting for its destination
+    kv_bytes = costs.kv_bytes_per_token
+    transport = costs.transport
+    step_time = costs.step_time
+    first_lat, tok_lat = shape.first_token_latency_s, shape.token_latency_s
+
+    events: list[tuple[float, int, int, int]] = []
+    seq = 0
+    running_requests = 0
+    router_queue: deque[int] = deque()
+    client_queue: deque[int] = deque()
+    in_flight = 0
+    overflows = 0
+    steps = 0
+
+    def push(t: float, kind: int, who: int) -> None:
+        nonlocal seq
+        seq += 1
+        heapq.heappush(events, (t, seq, kind, who))
+
+    if shape.mode == "disaggregated":
+        prefills = [_Prefill(f"prefill-{i}", shape.prefill) for i in range(shape.prefill.workers)]
+        decodes = [_Decode(f"decode-{i}", shape.decode) for i in range(shape.decode.workers)]
+        bs = shape.prefill.block_size
+    else:
+        prefills = []
+        decodes = [_Decode(f"colocated-{i}", shape.colocated) for i in range(shape.colocated.workers)]
+        bs = shape.colocated.block_size
+
+    def blocks(tokens: int) -> int:
+        return (tokens + bs - 1) // bs
+
+    # -- router ---------------------------------------------------------------------------------
+    def place(r: int, now: float) -> None:
+        nonlocal running_requests
+        running_requests += 1
+        d = min(decodes, key=lambda w: (w.active, -w.free_blocks()))
+        if shape.mode == "colocated":
+            d.active += 1
+            d.waiting.append(r)
+            if not d.busy:
+                colocated_step(d, now)
+            return
+        p = min(prefills, key=lambda w: w.queued_tokens)
+        prefill_of[r] = prefills.index(p)
+        p.queued_tokens += n_in[r]
+        p.waiting.append(r)
+        if n_out[r] > 1:
+            decode_of[r] = decodes.index(d)
+            d.active += 1
+            d.to_reserve.append(r)
+            if not d.busy:
+                decode_step(d, now)  # an idle decode worker reserves at once
+        if not p.busy:
+            prefill_step(p, now)
+
+    def send(r: int, t: float) -> None:
+        nonlocal in_flight
+        if concurrency is not None and in_flight >= concurrency:
+            client_queue.append(r)
+            return
+        in_flight += 1
+        arr[r] = t
+        if running_requests < shape.max_running:
+            place(r, t)
+        elif len(router_queue) < shape.max_queued:
+            router_queue.append(r)
+        else:
+            rejected[r] = True
+            client_done(t)
+
+    def client_done(t: float) -> None:
+        nonlocal in_flight
+        in_flight -= 1
+        if client_queue:
+            send(client_queue.popleft(), t)
+
+    def finished(r: int, t: float) -> None:
+        nonlocal running_requests
+        end[r] = t
+        running_requests -= 1
+        if router_queue:
+            place(router_queue.popleft(), t)
+        client_done(t)
+
+    # -- prefill worker -------------------------------------------------------------------------
+    def prefill_step(p: _Prefill, now: float) -> None:
+        sh = p.shape
+        budget = sh.token_budget
+        chunks: list[tuple[int, int]] = []
+        tokens = pairs = seqs = 0
+        for entry in p.running:
+            if budget <= 0:
+                break
+            r, done = entry
+            k = min(n_in[r] - done, budget)
+            chunks.append((r, k))
+            tokens += k
+            pairs += attention_pairs(done, k)
+            seqs += done + k == n_in[r]
+            budget -= k
+        while p.waiting and budget > 0 and len(p.running) < sh.max_num_seqs:
+            r = p.waiting[0]
+            need = blocks(n_in[r])
+            if need > p.free:
+                break
+            p.waiting.popleft()
+            p.free -= need
+            p.peak = max(p.peak, sh.kv_blocks - p.free)
+            p.running.append([r, 0])
+            k = min(n_in[r], budget)
+            chunks.append((r, k))
+            tokens += k
+            pairs += attention_pairs(0, k)
+            seqs += k == n_in[r]
+            budget -= k
+        if not chunks:
+            p.busy = False
+            return
+        nonlocal steps
+        steps += 1
+        p.busy, p.step, p.step_start = True, chunks, now
+        push(now + step_time(tokens, pairs, seqs, 0, 0), _PREFILL_END, prefills.index(p))
+
+    def prefill_end(p: _Prefill, now: float) -> None:
+        dt = now - p.step_start
+        p.busy_s += dt
+        for r, k in p.step:
+            entry = next(e for e in p.running if e[0] == r)
+            entry[1] += k
+            if entry[1] < n_in[r]:
+                continue
+            p.running.remove(entry)
+            p.queued_tokens -= n_in[r]
+            first[r] = now + first_lat
+            if n_out[r] == 1:
+                p.free += blocks(n_in[r])
+                finished(r, first[r])
+                continue
+            if ready_at[r] <= p.step_start:  # pushed layer by layer during the step
+                push(now + transport.exposed_time(n_in[r] * kv_bytes, dt), _LANDED, r)
+            elif ready_at[r] < math.inf:  # became ready during the step: sent whole from the held blocks
+                push(now + transport.send_time(n_in[r] * kv_bytes), _LANDED, r)
+            else:
+                held[r] = True  # sent once the decode worker reserves
+        prefill_step(p, now)
+
+    # -- decode worker --------------------------------------------------------------------------
+    def reserve(d: _Decode, now: float) -> None:
+        sh = d.shape
+        while d.to_reserve and d.batch + d.num_reserved + len(d.landed) < sh.max_num_seqs:
+            r = d.to_reserve[0]
+            need = blocks(n_in[r] + 1)
+            if d.free_blocks() - need < d.batch * sh.headroom_blocks:
+                break
+            d.to_reserve.popleft()
+            d.reserved += need
+            d.num_reserved += 1
+            ready_at[r] = now
+            if held[r]:
+                held[r] = False
+                push(now + transport.send_time(n_in[r] * kv_bytes), _LANDED, r)
+
+    def landed(r: int, now: float) -> None:
+        p = prefills[prefill_of[r]]
+        p.free += blocks(n_in[r])
+        d = decodes[decode_of[r]]
+        d.landed.append(r)
+        if not p.busy:
+            prefill_step(p, now)
+        if not d.busy:
+            decode_step(d, now)
+
+    def join(d: _Decode, r: int) -> None:
+        """r's first token is known; its KV (prompt) is in d: from step d.k on it decodes."""
+        c = n_in[r] + 1 - d.k
+        ctx_join[r] = c
+        d.ctx_base += c
+        d.batch += 1
+        d.joined.append(r)
+        heapq.heappush(d.finish, (d.k + n_out[r] - 2, r))
+
+    def step_done(d: _Decode, now: float) -> None:
+        """The tokens of decode step d.k reach their clients; the requests whose last token it was finish."""
+        t = now + tok_lat
+        for r in d.joined:
+            second[r] = t
+        d.joined.clear()
+        while d.finish and d.finish[0][0] <= d.k:
+            _, r = heapq.heappop(d.finish)
+            d.batch -= 1
+            d.ctx_base -= ctx_join[r]
+            d.active -= 1
+            finished(r, t)
+        d.k += 1
+
+    def decode_step(d: _Decode, now: float) -> None:
+        reserve(d, now)
+        for r in d.landed:
+            d.reserved -= blocks(n_in[r] + 1)
+            d.num_reserved -= 1
+            join(d, r)
+        d.landed.clear()
+        if not d.batch:
+            d.busy = False
+            return
+        decodes_only(d, now, _DECODE_END)
+
+    def decodes_only(d: _Decode, now: float, kind: int) -> None:
+        """Steps of d's running batch alone. Steps that end before anything else happens in the
+        cluster, with no request joining or finishing, change nothing another part could see: they
+        are accounted here in a loop rather than as one event each (the simulation's hot path)."""
+        nonlocal steps, overflows
+        d.busy = True
+        who = decodes.index(d)
+        horizon = events[0][0] if events else math.inf
+        if i < n and arr[i] < horizon:
+            horizon = arr[i]
+        batch, base, capacity = d.batch, d.ctx_base, d.shape.kv_blocks
+        # Blocks besides the running requests' contexts (see used_blocks), and the step's new tokens.
+        fixed = d.reserved + d.prefill_blocks + batch // 2 + batch // 2
+        bs = d.shape.block_size
+        last = d.finish[0][0]
+        busy = 0.0
+        while True:
+            steps += 1
+            ctx = base + batch * d.k
+            used = (ctx + batch + bs - 1) // bs + fixed
+            if used > capacity:
+                overflows += 1
+            if used > d.peak:
+                d.peak = used
+            dt = step_time(0, 0, 0, batch, ctx + batch)
+            busy += dt
+            t = now + dt
+            if d.joined or last <= d.k or t >= horizon:
+                d.busy_s += busy
+                push(t, kind, who)
+                return
+            d.k += 1
+            now = t
+
+    def decode_end(d: _Decode, now: float) -> None:
+        step_done(d, now)
+        decode_step(d, now)
+
+    # -- colocated worker -----------------------------------------------------------------------
+    def colocated_step(d: _Decode, now: float) -> None:
+        sh = d.shape
+        budget = sh.token_budget - d.batch
+        chunks: list[tuple[int, int]] = []
+        tokens = pairs = seqs = 0
+        for entry in d.prefilling:
+            if budget <= 0:
+                break
+            r, done = entry
+            k = min(n_in[r] - done, budget)
+            chunks.append((r, k))
+            tokens += k
+            pairs += attention_pairs(done, k)
+            seqs += done + k == n_in[r]
+            budget -= k
+        while d.waiting and budget > 0 and d.batch + len(d.prefilling) < sh.max_num_seqs:
+            r = d.waiting[0]
+            k = min(n_in[r], budget)
+            if blocks(k) > d.free_blocks():
+                break
+            d.waiting.popleft()
+            d.prefilling.append([r, 0])
+            chunks.append((r, k))
+            tokens += k
+            pairs += attention_pairs(0, k)
+            seqs += k == n_in[r]
+            budget -= k
+        if not chunks:
+            if d.batch:
+                decodes_only(d, now, _COLOCATED_END)
+            else:
+                d.busy = False
+            return
+        nonlocal steps
+        steps += 1
+        for r, k in chunks:  # blocks for the chunks, taken now as the scheduler allocates them
+            entry = next(e for e in d.prefilling if e[0] == r)
+            d.prefill_blocks += blocks(entry[1] + k) - blocks(entry[1])
+        d.peak = max(d.peak, d.used_blocks() + d.batch // 2)
+        d.busy, d.step = True, chunks
+        ctx = d.ctx_base + d.batch * d.k
+        dt = step_time(tokens, pairs, seqs, d.batch, ctx + d.batch if d.batch else 0)
+        d.busy_s += dt
+        push(now + dt, _COLOCATED_END, decodes.index(d))
+
+    def colocated_end(d: _Decode, now: float) -> None:
+        joined = []
+        for r, k in d.step:
+            entry = next(e for e in d.prefilling if e[0] == r)
+            entry[1] += k
+            if entry[1] < n_in[r]:
+                continue
+            d.prefilling.remove(entry)
+            d.prefill_blocks -= blocks(n_in[r])
+            first[r] = now + first_lat
+            joined.append(r)
+        d.step = []
+        if d.batch:
+            step_done(d, now)
+        else:
+            d.k += 1
+        for r in joined:
+            if n_out[r] == 1:
+                d.active -= 1
+                finished(r, first[r])
+            else:
+                join(d, r)
+        colocated_step(d, now)
+
+    # -- the loop -------------------------------------------------------------------------------
+    handlers = {
+        _PREFILL_END: lambda who, t: prefill_end(prefills[who], t),
+        _DECODE_END: lambda who, t: decode_end(decodes[who], t),
+        _COLOCATED_END: lambda who, t: colocated_end(decodes[who], t),
+        _LANDED: lambda who, t: landed(who, t),
+    }
+    i = 0  # the next request of the schedule (decodes_only reads it)
+    while i < n or events:
+        if i < n and (not events or arr[i] <= events[0][0]):
+            send(i, arr[i])
+            i += 1
+            continue
+        t, _, kind, who = heapq.heappop(events)
+        handlers[kind](who, t)
+    workers = [*prefills, *decodes]
+    return SimResult(np.array(arr), np.asarray(input_len), np.asarray(output_len),
+                     np.array(first), np.array(second), np.array(end), np.array(rejected),
+                     {w.name: w.peak for w in workers}, {w.name: w.busy_s for w in workers}, overflows, steps)
