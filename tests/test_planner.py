@@ -16,10 +16,12 @@ import pytest
 from pdserve.bench.stats import Slo
 from pdserve.config import ModelConfig
 from pdserve.planner.costs import MeasuredCosts, RooflineCosts, Transport, attention_pairs, fit_measured
-from pdserve.planner.hardware import GPUS, gpu, kv_budget_bytes, resolve_model, roofline
-from pdserve.planner.plan import PoolSettings, candidates, make_plan, recommend, report, workload_from_args
+from pdserve.planner.hardware import (DECODE_MBU, GPUS, PREFILL_MFU, STEP_OVERHEAD_S, gpu, kv_budget_bytes,
+                                      resolve_model, roofline)
+from pdserve.planner.plan import (PoolSettings, candidates, format_plan, make_plan, recommend, report,
+                                  workload_from_args)
 from pdserve.planner.simulator import ClusterShape, PoolShape, simulate
-from pdserve.utilization import linear_flops_per_token, weight_bytes
+from pdserve.utilization import step_bytes, step_flops, weight_bytes
 
 FAST_LINK = Transport(latency_s=0.002, bytes_per_s=1e15)
 
@@ -112,21 +114,25 @@ def llama8b() -> ModelConfig:
 def test_decode_step_at_least_weights_and_kv_over_bandwidth(llama8b, batch, context):
     h100 = gpu("h100")
     r = roofline(llama8b, h100)
-    kv = 2 * llama8b.num_layers * llama8b.kv_size * 2 * batch * context
-    floor = (weight_bytes(llama8b, 2) + kv) / h100.bytes_per_s
+    # The floor, counted independently: pdserve.utilization's bytes of a decode step (every weight once,
+    # each sequence's whole context of K and V) over the datasheet bandwidth.
+    floor = step_bytes(llama8b, [(context - 1, 1)] * batch, 2) / h100.bytes_per_s
     t = r.step_time(0, 0, 0, batch, batch * context)
     assert t >= floor
-    assert t <= 3 * floor + 0.01 or batch >= 64  # and not absurdly above it while memory-bound
+    compute = step_flops(llama8b, [(context - 1, 1)] * batch, batch) / h100.flops
+    # ... and exactly the roofline stated in hardware.py: overhead + the larger bound over its efficiency.
+    assert t == pytest.approx(STEP_OVERHEAD_S + max(floor / DECODE_MBU, compute / PREFILL_MFU), rel=0.01)
 
 
 @pytest.mark.parametrize("tokens", [128, 512, 4096, 8192])
 def test_prefill_at_least_flops_over_peak(llama8b, tokens):
     h100 = gpu("H100")
     r = roofline(llama8b, h100)
-    pairs = attention_pairs(0, tokens)
-    flops = tokens * linear_flops_per_token(llama8b) + 4 * llama8b.q_size * llama8b.num_layers * pairs
-    assert r.step_time(tokens, pairs, 1, 0, 0) >= flops / h100.flops
-    assert r.flops(tokens, pairs, 1, 0, 0) >= flops
+    floor = step_flops(llama8b, [(0, tokens)], 1) / h100.flops
+    t = r.step_time(tokens, attention_pairs(0, tokens), 1, 0, 0)
+    assert t >= floor
+    if tokens >= 512:  # compute-bound: the roofline's compute side
+        assert t == pytest.approx(STEP_OVERHEAD_S + floor / PREFILL_MFU, rel=0.01)
 
 
 def test_roofline_rejects_efficiencies_above_one(llama8b):
@@ -249,6 +255,42 @@ def test_simulation_conserves_requests_on_a_random_workload():
         assert np.isnan(res.second_token[~two]).all()
 
 
+def test_decode_batch_cap_holds_back_reservations():
+    shape = disagg(decode=pool(max_num_seqs=1))
+    res = run(shape, costs(per_token=1e-4), [0.0, 0.0], [100, 100], [5, 5])
+    assert res.second_token[1] > res.end[0]
+
+
+def test_kv_held_for_a_late_reservation_is_sent_whole_after_it():
+    link = Transport(latency_s=0.001, bytes_per_s=1e6)  # 1 MB/s: 100 tokens of 1000 B take 0.1 s
+    c = costs(per_token=1e-4, transport=link)
+    res = run(disagg(decode=pool(max_num_seqs=1)), c, [0.0, 0.0], [100, 100], [3, 3])
+    # Request 0: KV streamed during its 10 ms prefill, at 1 MB/s; 2 decode steps after it lands.
+    landed0 = 0.01 + link.exposed_time(100_000, 0.01)
+    assert res.end[0] == pytest.approx(landed0 + 0.02)
+    # Request 1 is reserved only once 0 has finished (the cap), and its whole KV goes then.
+    assert res.second_token[1] == pytest.approx(res.end[0] + link.send_time(100_000) + 0.01)
+
+
+def test_one_step_to_one_decode_worker_is_one_transfer():
+    link = Transport(latency_s=0.001, bytes_per_s=1e6)
+    c = costs(per_token=1e-5, transport=link)
+    res = run(disagg(), c, [0.0, 0.0, 0.0], [10, 100, 100], [2, 2, 2])
+    # The 10-token prompt runs alone; the two 100-token prompts share the next step and one transfer
+    # of 200,000 bytes, so they land (and reach their 2nd token) together.
+    assert res.second_token[1] == pytest.approx(res.second_token[2])
+    step_end = res.first_token[1]
+    assert res.second_token[1] >= step_end + link.exposed_time(200_000, 0.002) + 0.01 - 1e-9
+
+
+def test_colocated_kv_capacity_holds_back_prompts():
+    shape = ClusterShape("colocated", colocated=pool(kv_blocks=10))
+    res = run(shape, costs(), [0.0, 0.0], [100, 100], [5, 5])
+    # Each holds 7 blocks and grows: the second prompt is admitted only after the first has finished.
+    assert res.first_token[1] > res.end[0] - 1e-9
+    assert res.peak_kv_blocks["colocated-0"] <= 10 and res.kv_overflows == 0
+
+
 # -- the plan ---------------------------------------------------------------------------------------
 
 def test_candidates_cover_colocated_and_every_xpyd():
@@ -300,6 +342,24 @@ def test_plan_ranks_by_goodput_per_worker_and_recommends():
     assert rec["slo_attainment"] >= 0.9 and rec["reason"]
     assert all(x["goodput_per_worker"] <= rec["goodput_per_worker"] for x in cands if x["slo_attainment"] >= 0.9)
     json.dumps(plan)  # JSON-able as it stands
+
+
+def test_plan_refuses_a_prompt_larger_than_a_workers_cache():
+    args = _bench_args(num_prompts=5, input_len=3000, output_len=10)
+    w = workload_from_args(args, 1000, [0], 8192)
+    with pytest.raises(ValueError, match="raise --kv-cache-mib"):
+        make_plan(costs(), w, Slo(ttft_ms=1000), 2, [64], PoolSettings(kv_cache_bytes=1000 * 16 * 100))
+
+
+def test_format_plan_shows_missing_figures_as_na():
+    c = costs()
+    args = _bench_args(num_prompts=3, input_len=50, output_len=5)
+    w = workload_from_args(args, 1000, [0], 4096)
+    plan = make_plan(c, w, Slo(ttft_ms=1000), 1, [64], PoolSettings(kv_cache_bytes=1 << 26))
+    plan["candidates"][0].update(request_goodput=None, goodput_per_worker=None, slo_attainment=None,
+                                 median_ttft_ms=None)
+    text = format_plan(plan)
+    assert text.count("n/a") >= 4
 
 
 def test_recommend_says_when_nothing_meets_the_slo():
@@ -356,6 +416,9 @@ def test_plan_command_roofline(tmp_path):
     (["--gpu", "V100", "--model", "llama-3-8b"], "unknown GPU"),
     (["--gpu", "H100"], "--gpu needs --model"),
     (["--gpu", "H100", "--model", "llama-3-8b", "--slo-ttft-ms", "-1"], "SLO ttft_ms must be > 0"),
+    (["--gpu", "H100", "--model", "llama-3-8b", "--max-running", "0"], "--max-running must be >= 1"),
+    (["--gpu", "L4", "--model", "llama-3-70b"], "do not fit"),
+    (["--profile", "/nonexistent.json"], "not a pdserve profile"),
 ])
 def test_plan_command_errors(argv, message, capsys):
     from pdserve.cli import main
@@ -365,6 +428,14 @@ def test_plan_command_errors(argv, message, capsys):
         base += ["--slo-ttft-ms", "1000"]
     assert main(base + argv) == 2
     assert message in capsys.readouterr().err
+
+
+def test_plan_needs_a_request_count_where_bench_would_stop_by_the_clock(capsys):
+    from pdserve.cli import main
+
+    assert main(["plan", "--gpu", "H100", "--model", "llama-3-8b", "--max-workers", "2", "--slo-ttft-ms", "500",
+                 "--arrival", "closed", "--concurrency", "4", "--duration", "60"]) == 2
+    assert "needs --num-prompts" in capsys.readouterr().err
 
 
 def test_plan_needs_an_slo(capsys):

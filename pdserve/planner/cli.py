@@ -16,6 +16,9 @@ def add_profile_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentPars
     add_model_args(p)
     p.add_argument("--threads", type=int, default=None,
                    help="torch threads (default: half the cores, what each of two workers gets from pdserve serve)")
+    p.add_argument("--neighbours", type=int, default=None,
+                   help="processes that load the other cores as the cluster's other workers would while steps are "
+                        "timed (default on CPU: enough to fill the cores; on GPU: 0)")
     p.add_argument("--kv-cache-mib", type=int, default=1024, help="KV cache, MiB (bounds the decode batches measured)")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--quick", action="store_true", help="a few points only (~15 s): for a smoke test, not a plan")
@@ -31,7 +34,10 @@ def cmd_profile(args: argparse.Namespace) -> int:
         raise ValueError(f"--threads must be >= 1, got {args.threads}")
     config = profile_config(args.model, args.load_format, args.dtype, args.quantization, args.device,
                             args.kv_cache_mib, args.block_size)
-    prof = run_profile(config, args.threads, quick=args.quick, log=lambda s: print(s, flush=True))
+    if args.neighbours is not None and args.neighbours < 0:
+        raise ValueError(f"--neighbours must be >= 0, got {args.neighbours}")
+    prof = run_profile(config, args.threads, quick=args.quick, neighbours=args.neighbours,
+                       log=lambda s: print(s, flush=True))
     Path(args.output).parent.mkdir(parents=True, exist_ok=True)
     Path(args.output).write_text(json.dumps(prof, indent=1) + "\n")
     print(f"profile: {args.output}")
@@ -49,7 +55,8 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     src.add_argument("--profile", default=None, metavar="PROFILE.json", help="measured by `pdserve profile`")
     src.add_argument("--gpu", default=None, help="a roofline of this GPU's datasheet: H100, H200, A100, L40S, L4")
     src.add_argument("--model", default=None,
-                     help="with --gpu: a preset (llama-3-8b, llama-3-70b, smollm2-135m), config.json, HF directory or .gguf")
+                     help="with --gpu: a preset (llama-3-8b, llama-3-70b, smollm2-135m), config.json, HF directory or "
+                          ".gguf; one worker is one GPU, so the model must fit one (llama-3-70b in bf16 fits none)")
     src.add_argument("--dtype-bytes", type=int, default=2, help="with --gpu: bytes per weight and KV value (2: bf16)")
     add_workload_args(p)
     g = p.add_argument_group("SLOs (goodput counts requests that meet every one given)")
@@ -65,6 +72,9 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     g.add_argument("--prefill-token-budget", type=int, default=2048, help="tokens per prefill (and colocated) step")
     g.add_argument("--kv-cache-mib", type=int, default=None,
                    help="KV cache per worker (default: the profile's; with --gpu, what the GPU holds beside the weights)")
+    g.add_argument("--block-size", type=int, default=None, help="KV block size (default: the profile's; 16)")
+    g.add_argument("--reservation-headroom-blocks", type=int, default=1,
+                   help="free KV blocks a decode worker keeps per running request when it reserves room")
     g.add_argument("--max-running", type=int, default=256)
     g.add_argument("--max-queued", type=int, default=1024)
     g.add_argument("--first-token-latency-ms", type=float, default=None,
@@ -86,10 +96,16 @@ def _costs_and_model(args: argparse.Namespace) -> tuple[Any, dict[str, Any], int
 
         if args.model:
             raise ValueError("--model goes with --gpu; a profile names its own model")
-        prof = json.loads(Path(args.profile).read_text())
-        if prof.get("version") != 1:
-            raise ValueError(f"{args.profile}: not a pdserve profile (version {prof.get('version')!r})")
-        return MeasuredCosts.from_dict(prof["costs"]), prof["model"], prof["kv_cache_bytes"], prof["block_size"]
+        try:
+            prof = json.loads(Path(args.profile).read_text())
+            if prof.get("version") != 1:
+                raise ValueError(f"version {prof.get('version')!r}")
+            model = prof["model"]
+            for key in ("vocab_size", "eos_token_ids", "max_model_len"):
+                model[key]
+            return MeasuredCosts.from_dict(prof["costs"]), model, int(prof["kv_cache_bytes"]), int(prof["block_size"])
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:  # JSONDecodeError: a ValueError
+            raise ValueError(f"{args.profile} is not a pdserve profile ({type(e).__name__}: {e})") from None
     from pdserve.planner.hardware import gpu, kv_budget_bytes, resolve_model, roofline
 
     if not args.model:
@@ -99,7 +115,7 @@ def _costs_and_model(args: argparse.Namespace) -> tuple[Any, dict[str, Any], int
     costs = roofline(cfg, device, args.dtype_bytes)
     model = {"name": name, "path": None, "vocab_size": cfg.vocab_size, "eos_token_ids": list(cfg.eos_token_ids),
              "max_model_len": cfg.max_position_embeddings, "num_params": cfg.num_params}
-    return costs, model, kv_budget_bytes(device, costs.weight_bytes), 16
+    return costs, model, kv_budget_bytes(device, costs.weight_bytes), args.block_size or 16
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
@@ -114,8 +130,19 @@ def cmd_plan(args: argparse.Namespace) -> int:
         args.num_prompts = 1000
     if not 0 < args.min_attainment <= 1:
         raise ValueError(f"--min-attainment must be in (0, 1], got {args.min_attainment}")
-    if min(args.max_num_seqs) < 1 or args.prefill_token_budget < 1:
-        raise ValueError("--max-num-seqs and --prefill-token-budget must be >= 1")
+    for name in ("max_workers", "prefill_token_budget", "max_running", "dtype_bytes", "kv_cache_mib", "block_size"):
+        v = getattr(args, name)
+        if v is not None and v < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {v}")
+    if min(args.max_num_seqs) < 1:
+        raise ValueError(f"--max-num-seqs must be >= 1, got {min(args.max_num_seqs)}")
+    for name in ("max_queued", "reservation_headroom_blocks", "first_token_latency_ms", "token_latency_ms"):
+        v = getattr(args, name)
+        if v is not None and v < 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {v}")
+    if args.num_prompts is None and args.trace is None and (args.concurrency is not None or args.arrival == "closed"):
+        # bench ends such a run by its clock, which a simulation does not have before it runs
+        raise ValueError("pdserve plan needs --num-prompts with --concurrency or --arrival closed")
     costs, model, kv_default, block_size = _costs_and_model(args)
     tokenizer = None
     if args.trace and model.get("path"):
@@ -126,10 +153,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
         except Exception:  # only text traces need it; they say so
             tokenizer = None
     workload = workload_from_args(args, model["vocab_size"], model["eos_token_ids"], model["max_model_len"], tokenizer)
-    kv_bytes = (args.kv_cache_mib << 20) if args.kv_cache_mib else kv_default
+    kv_bytes = (args.kv_cache_mib << 20) if args.kv_cache_mib is not None else kv_default
     settings = PoolSettings(
-        kv_cache_bytes=kv_bytes, block_size=block_size, token_budget=args.prefill_token_budget,
-        max_running=args.max_running, max_queued=args.max_queued,
+        kv_cache_bytes=kv_bytes, block_size=args.block_size or block_size, token_budget=args.prefill_token_budget,
+        headroom_blocks=args.reservation_headroom_blocks, max_running=args.max_running, max_queued=args.max_queued,
         first_token_latency_s=FIRST_TOKEN_LATENCY_S if args.first_token_latency_ms is None
         else args.first_token_latency_ms / 1e3,
         token_latency_s=TOKEN_LATENCY_S if args.token_latency_ms is None else args.token_latency_ms / 1e3)

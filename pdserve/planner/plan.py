@@ -19,10 +19,11 @@ from pdserve.bench.stats import Slo
 from pdserve.planner.costs import StepCosts
 from pdserve.planner.simulator import ClusterShape, PoolShape, SimResult, simulate
 
-# Ray and gRPC hops a token takes from a worker to the client, added to the simulated step ends.
-# Measured on the local CPU cluster (docs/benchmarks.md, "pdserve plan against pdserve bench"): the
-# first token crosses the prefill worker's Ray reply, the router and gRPC; later ones the decode
-# worker's batched output stream, the router's fan-out and gRPC.
+# Ray and gRPC hops a token takes from a worker to the client, added to the simulated step ends:
+# the first token crosses the prefill worker's Ray reply, the router and gRPC; later ones the decode
+# worker's batched output stream, the router's fan-out and gRPC. Estimates (a Ray actor reply and a
+# gRPC message on loopback take 1-3 ms each on the 2-core CPU machines), not measured one by one;
+# against seconds of TTFT and tens of ms of TPOT they move no prediction by more than a few percent.
 FIRST_TOKEN_LATENCY_S = 0.005
 TOKEN_LATENCY_S = 0.003
 
@@ -122,7 +123,9 @@ def report(res: SimResult, slo: Slo) -> dict[str, Any]:
     """The simulated run's statistics under `pdserve bench`'s key names (milliseconds where bench's are)."""
     ok = res.ok
     n = len(ok)
-    duration = float(np.nanmax(res.end)) if ok.any() else 0.0
+    # As bench: from the first send to the last end, a refused request's (at once) included.
+    ends = np.concatenate([res.end[ok], res.arrival[res.rejected]])
+    duration = float(ends.max()) if ends.size else 0.0
     ttft, e2el = res.ttft[ok], res.e2el[ok]
     tpot_all = res.tpot[ok]
     tpot = tpot_all[~np.isnan(tpot_all)]
@@ -177,7 +180,7 @@ def evaluate(shape: ClusterShape, cap: int, costs: StepCosts, workload: Workload
         "kv_bytes_per_prefill_worker": peaks["prefill"] * block_bytes if shape.prefill else None,
         "kv_bytes_per_decode_worker": (peaks["decode"] or peaks["colocated"]) * block_bytes,
         "kv_cache_bytes": capacity,
-        "kv_fits": res.kv_overflows == 0,
+        "kv_fits": res.kv_overflows == 0 and kv_need <= capacity,
         "kv_overflow_steps": res.kv_overflows,
         "busy_fraction": {pool: busy[pool] / (workers[pool] * rep["duration"])
                           for pool in busy if workers[pool] and rep["duration"]},
@@ -213,6 +216,12 @@ def make_plan(costs: StepCosts, workload: Workload, slo: Slo, max_workers: int, 
               settings: PoolSettings, min_attainment: float = 0.9) -> dict[str, Any]:
     if not slo.given:
         raise ValueError("give at least one SLO (--slo-ttft-ms, --slo-tpot-ms, --slo-e2el-ms): goodput ranks the plan")
+    # A worker refuses a request its whole KV cache could not hold (pdserve.scheduler.Scheduler.add).
+    blocks = settings.kv_cache_bytes // (costs.kv_bytes_per_token * settings.block_size)
+    longest = int((workload.input_len + 1).max())
+    if -(-longest // settings.block_size) > blocks:
+        raise ValueError(f"the workload's longest prompt ({longest - 1} tokens) needs more KV than a worker's cache "
+                         f"holds ({blocks} blocks of {settings.block_size} tokens): raise --kv-cache-mib")
     start = time.perf_counter()
     cands = [evaluate(shape, cap, costs, workload, slo)
              for shape, cap in candidates(max_workers, batch_caps, settings, costs.kv_bytes_per_token)]
@@ -236,6 +245,10 @@ def _ms(v: float | None) -> str:
     return "n/a" if v is None else f"{v:.0f}" if v >= 100 else f"{v:.1f}"
 
 
+def _num(v: float | None, spec: str) -> str:
+    return "n/a" if v is None else format(v, spec)
+
+
 def format_plan(plan: dict[str, Any]) -> str:
     head = (f"{'#':>3} {'configuration':24} {'goodput':>8} {'/worker':>8} {'SLO ok':>7} {'TTFT med':>9} {'p99':>7} "
             f"{'TPOT med':>9} {'p99':>7} {'KV/worker':>10} {'busy P/D':>9}")
@@ -244,8 +257,9 @@ def format_plan(plan: dict[str, Any]) -> str:
         busy = c["busy_fraction"]
         b = "/".join(f"{busy[k]:.0%}" for k in ("prefill", "decode", "colocated") if k in busy)
         kv = _mb(c["kv_bytes_per_worker"]) + ("" if c["kv_fits"] else "!")
-        lines.append(f"{c['rank']:>3} {c['label']:24} {c['request_goodput']:8.3f} {c['goodput_per_worker']:8.3f} "
-                     f"{c['slo_attainment']:7.1%} {_ms(c['median_ttft_ms']):>9} {_ms(c['p99_ttft_ms']):>7} "
+        lines.append(f"{c['rank']:>3} {c['label']:24} {_num(c['request_goodput'], '.3f'):>8} "
+                     f"{_num(c['goodput_per_worker'], '.3f'):>8} {_num(c['slo_attainment'], '.1%'):>7} "
+                     f"{_ms(c['median_ttft_ms']):>9} {_ms(c['p99_ttft_ms']):>7} "
                      f"{_ms(c['median_tpot_ms']):>9} {_ms(c['p99_tpot_ms']):>7} {kv:>10} {b:>9}")
     r = plan["recommended"]
     lines += ["", f"goodput in req/s; times in ms; KV/worker: the most KV a worker held (! : more than its cache, "

@@ -10,6 +10,11 @@ the forward, sampling and the step's bookkeeping), with the torch threads one wo
   PairChannel: gloo on CPU, NCCL between GPUs), from one block to a 2048-token prompt's KV: the time
   from the sender's start to the receiver's end, on the machine's one monotonic clock.
 
+On a CPU, the other cores are kept busy meanwhile by neighbour processes running the same engine
+(prompts and decode steps), as the cluster's other workers would: workers on one machine share its
+memory bandwidth and last-level cache, and a worker timed alone runs 10-25 % faster than one in a
+busy local cluster (docs/benchmarks.md). `--neighbours 0` times it alone.
+
 Decode steps run on requests placed directly in the running batch with their blocks allocated (what
 a decode worker holds after a hand-off), so that a batch of 64 at 2048 tokens is timed without
 first prefilling it. Each point is the median of a few steps after one warm-up. Prefix caching is off.
@@ -47,6 +52,28 @@ VERSION = 1
 def default_threads() -> int:
     """One worker of two on this machine, as `pdserve serve` splits the cores on a local CPU cluster."""
     return max(1, (os.cpu_count() or 1) // 2)
+
+
+def default_neighbours(device: torch.device, threads: int) -> int:
+    """Workers that share this machine with the one measured: on a CPU, as many as fill the other cores
+    (a local cluster's workers share the memory bandwidth and the last-level cache, which slows each
+    one's steps); on a GPU none (a worker has its device to itself)."""
+    if device.type != "cpu":
+        return 0
+    return max(0, (os.cpu_count() or 1) // threads - 1)
+
+
+def _neighbour(config: EngineConfig, threads: int, ready: Any, stop: Any) -> None:
+    """Load the machine as another worker would while the profile measures: prompts and decode steps."""
+    torch.set_num_threads(threads)
+    bench = _Bench(config)
+    ready.set()
+    while not stop.is_set():
+        bench.prefill(1, 256, 256, 0)
+        for _ in range(4):
+            if stop.is_set():
+                break
+            bench.decode(8, 512, 2)
 
 
 def device_name(device: torch.device) -> str:
@@ -154,8 +181,9 @@ class _Bench:
         finally:
             for r in reqs:
                 core.cancel(r.request_id)
-        # Step i reads context + i tokens per request; the median step is the middle one.
-        mid = context + reps // 2
+        # Step i (0: the unrecorded warm-up) reads context + i tokens per request; the median of the
+        # recorded steps reads the middle one's.
+        mid = context + (reps + 1) // 2
         return {"seqs": batch, "context": batch * mid, "context_per_seq": context, "seconds": seconds}
 
 
@@ -231,16 +259,41 @@ def fit_transport(rows: list[dict[str, float]]) -> Transport:
 
 
 def run_profile(config: EngineConfig, threads: int | None = None, quick: bool = False,
-                log: Callable[[str], None] = print) -> dict[str, Any]:
-    """Measure, fit and return the profile (a JSON-able dict)."""
+                neighbours: int | None = None, log: Callable[[str], None] = print) -> dict[str, Any]:
+    """Measure, fit and return the profile (a JSON-able dict). neighbours: processes that load the
+    machine as the cluster's other workers would while the steps are timed (default_neighbours)."""
     start = time.perf_counter()
     threads = threads or default_threads()
     device = torch.device(config.device)
     if device.type == "cpu":
         torch.set_num_threads(threads)
+    neighbours = default_neighbours(device, threads) if neighbours is None else neighbours
     config = replace(config, cache=replace(config.cache, enable_prefix_caching=False),
                      scheduler=SchedulerConfig(max_num_seqs=max(DECODE_BATCHES)))
-    bench = _Bench(config)
+    ctx = mp.get_context("spawn")
+    stop = ctx.Event()
+    others = []
+    for _ in range(neighbours):
+        ready = ctx.Event()
+        proc = ctx.Process(target=_neighbour, args=(config, threads, ready, stop), daemon=True)
+        proc.start()
+        others.append((proc, ready))
+    try:
+        bench = _Bench(config)
+        for proc, ready in others:
+            if not ready.wait(300):
+                raise TimeoutError("a neighbour process did not load the model in 300 s")
+        return _measure(bench, config, threads, neighbours, device, quick, start, log)
+    finally:
+        stop.set()
+        for proc, _ in others:
+            proc.join(30)
+            if proc.is_alive():
+                proc.kill()
+
+
+def _measure(bench: _Bench, config: EngineConfig, threads: int, neighbours: int, device: torch.device,
+             quick: bool, start: float, log: Callable[[str], None]) -> dict[str, Any]:
     mcfg = bench.core.model_config
     kv_tok = kv_bytes_per_token(mcfg, config.torch_dtype)
     block = config.cache.block_size
@@ -248,7 +301,7 @@ def run_profile(config: EngineConfig, threads: int | None = None, quick: bool = 
     prefill_sizes = PREFILL_TOKENS[:3] if quick else PREFILL_TOKENS
     log(f"profiling {bench.core.info.path} ({mcfg.num_params / 1e6:.0f}M parameters, {config.dtype}"
         f"{', ' + config.quantization if config.quantization else ''}) on {device_name(device)}, "
-        f"{threads} torch thread(s)")
+        f"{threads} torch thread(s), {neighbours} neighbour worker(s) loading the machine")
     prefill_rows = []
     for tokens in prefill_sizes:
         prefill_rows += bench.prefill(1, tokens, tokens, reps)
@@ -285,7 +338,7 @@ def run_profile(config: EngineConfig, threads: int | None = None, quick: bool = 
     return {
         "version": VERSION,
         "date": dt.datetime.now().astimezone().isoformat(timespec="seconds"),
-        "device": {"type": device.type, "name": device_name(device), "threads": threads},
+        "device": {"type": device.type, "name": device_name(device), "threads": threads, "neighbours": neighbours},
         "model": {"name": os.path.basename(info.path), "path": info.path, "architecture": mcfg.architecture,
                   "num_params": mcfg.num_params, "dtype": config.dtype, "quantization": config.quantization,
                   "max_model_len": info.max_model_len, "vocab_size": mcfg.vocab_size,

@@ -20,10 +20,10 @@ the request path that decide latency, with each step's duration from a cost mode
   the token budget, as pdserve.scheduler does.
 
 What it leaves out, and why that is safe for sizing: prefix caching (synthetic prompts share none),
-stop strings and EOS (benchmarks set ignore_eos), preemption (a worker whose KV would overflow is
-counted in `kv_overflows` and the plan marks the configuration; it does not recompute), and
-per-block rounding of a running request's growth (its blocks are its tokens / block size plus half a
-block). Ray and gRPC hops are the constant latencies of ClusterShape.
+stop strings and EOS (benchmarks set ignore_eos), preemption (a step whose KV would overflow the
+worker's cache is counted in `kv_overflows` and the plan marks the configuration; nothing is
+recomputed), and per-block rounding of a running request's growth (its blocks are its tokens / block
+size plus half a block). Ray and gRPC hops are the constant latencies of ClusterShape.
 
 Per step the work is O(requests joining or finishing), never O(batch): a running request's context
 grows by one token a step, so the decode context of a step is a running sum plus the batch times
@@ -123,7 +123,7 @@ class SimResult:
 
 
 # Event kinds; the heap holds (time, seq, kind, worker).
-_PREFILL_END, _DECODE_END, _COLOCATED_END, _LANDED = range(4)
+_PREFILL_END, _DECODE_END, _COLOCATED_END, _LANDED, _WAKE = range(5)
 
 
 class _Prefill:
@@ -162,10 +162,16 @@ class _Decode:
         self.prefill_blocks = 0
         self.step: list[tuple[int, int]] = []
 
+    @property
+    def context(self) -> int:
+        """Tokens of KV the running requests hold at step k, the token each computes in it included."""
+        return self.ctx_base + self.batch * self.k
+
     def used_blocks(self) -> int:
+        """Blocks in use: a running request's tokens / block size plus half a block (its last block's
+        rounding, on average), the reservations, and the chunks of prompts being prefilled."""
         bs = self.shape.block_size
-        ctx = self.ctx_base + self.batch * self.k
-        running = (ctx + self.batch + bs - 1) // bs + self.batch // 2 if self.batch else 0
+        running = (self.context + bs - 1) // bs + self.batch // 2
         return running + self.reserved + self.prefill_blocks
 
     def free_blocks(self) -> int:
@@ -201,6 +207,7 @@ def simulate(shape: ClusterShape, costs: StepCosts, arrival: np.ndarray, input_l
     first_lat, tok_lat = shape.first_token_latency_s, shape.token_latency_s
 
     events: list[tuple[float, int, int, int]] = []
+    pair_free: dict[tuple[int, int], float] = {}  # (prefill, decode) -> when its last transfer ends
     seq = 0
     running_requests = 0
     router_queue: deque[int] = deque()
@@ -321,6 +328,8 @@ def simulate(shape: ClusterShape, costs: StepCosts, arrival: np.ndarray, input_l
     def prefill_end(p: _Prefill, now: float) -> None:
         dt = now - p.step_start
         p.busy_s += dt
+        streamed: dict[int, list[int]] = {}
+        after: dict[int, list[int]] = {}
         for r, k in p.step:
             entry = next(e for e in p.running if e[0] == r)
             entry[1] += k
@@ -334,17 +343,35 @@ def simulate(shape: ClusterShape, costs: StepCosts, arrival: np.ndarray, input_l
                 finished(r, first[r])
                 continue
             if ready_at[r] <= p.step_start:  # pushed layer by layer during the step
-                push(now + transport.exposed_time(n_in[r] * kv_bytes, dt), _LANDED, r)
+                streamed.setdefault(decode_of[r], []).append(r)
             elif ready_at[r] < math.inf:  # became ready during the step: sent whole from the held blocks
-                push(now + transport.send_time(n_in[r] * kv_bytes), _LANDED, r)
+                after.setdefault(decode_of[r], []).append(r)
             else:
                 held[r] = True  # sent once the decode worker reserves
+        pi = prefills.index(p)
+        # The requests of one step bound for one decode worker travel as one transfer; a pair's
+        # transfers go one after another, in order.
+        for dest, rs in streamed.items():
+            nbytes = sum(n_in[r] for r in rs) * kv_bytes
+            free_at = pair_free.get((pi, dest), 0.0)
+            t = now + transport.exposed_time(nbytes, dt)
+            if free_at > p.step_start:  # the pair was still busy when the layers began to come
+                t = max(t, free_at + transport.send_time(nbytes))
+            hand_off(pi, dest, rs, t)
+        for dest, rs in after.items():
+            nbytes = sum(n_in[r] for r in rs) * kv_bytes
+            hand_off(pi, dest, rs, max(now, pair_free.get((pi, dest), 0.0)) + transport.send_time(nbytes))
         prefill_step(p, now)
+
+    def hand_off(pi: int, dest: int, rs: list[int], t: float) -> None:
+        pair_free[(pi, dest)] = t
+        for r in rs:
+            push(t, _LANDED, r)
 
     # -- decode worker --------------------------------------------------------------------------
     def reserve(d: _Decode, now: float) -> None:
         sh = d.shape
-        while d.to_reserve and d.batch + d.num_reserved + len(d.landed) < sh.max_num_seqs:
+        while d.to_reserve and d.batch + d.num_reserved < sh.max_num_seqs:
             r = d.to_reserve[0]
             need = blocks(n_in[r] + 1)
             if d.free_blocks() - need < d.batch * sh.headroom_blocks:
@@ -355,7 +382,9 @@ def simulate(shape: ClusterShape, costs: StepCosts, arrival: np.ndarray, input_l
             ready_at[r] = now
             if held[r]:
                 held[r] = False
-                push(now + transport.send_time(n_in[r] * kv_bytes), _LANDED, r)
+                pi, dest = prefill_of[r], decode_of[r]
+                hand_off(pi, dest, [r], max(now, pair_free.get((pi, dest), 0.0))
+                         + transport.send_time(n_in[r] * kv_bytes))
 
     def landed(r: int, now: float) -> None:
         p = prefills[prefill_of[r]]
@@ -364,8 +393,9 @@ def simulate(shape: ClusterShape, costs: StepCosts, arrival: np.ndarray, input_l
         d.landed.append(r)
         if not p.busy:
             prefill_step(p, now)
-        if not d.busy:
-            decode_step(d, now)
+        if not d.busy:  # wake it after every landing of this instant (one transfer carries several)
+            d.busy = True
+            push(now, _WAKE, decode_of[r])
 
     def join(d: _Decode, r: int) -> None:
         """r's first token is known; its KV (prompt) is in d: from step d.k on it decodes."""
@@ -391,12 +421,13 @@ def simulate(shape: ClusterShape, costs: StepCosts, arrival: np.ndarray, input_l
         d.k += 1
 
     def decode_step(d: _Decode, now: float) -> None:
-        reserve(d, now)
+        # Landed KV joins first (the worker takes it in between steps), then the step reserves room.
         for r in d.landed:
             d.reserved -= blocks(n_in[r] + 1)
             d.num_reserved -= 1
             join(d, r)
         d.landed.clear()
+        reserve(d, now)
         if not d.batch:
             d.busy = False
             return
@@ -413,20 +444,19 @@ def simulate(shape: ClusterShape, costs: StepCosts, arrival: np.ndarray, input_l
         if i < n and arr[i] < horizon:
             horizon = arr[i]
         batch, base, capacity = d.batch, d.ctx_base, d.shape.kv_blocks
-        # Blocks besides the running requests' contexts (see used_blocks), and the step's new tokens.
-        fixed = d.reserved + d.prefill_blocks + batch // 2 + batch // 2
+        fixed = d.reserved + d.prefill_blocks + batch // 2  # blocks besides the contexts' (used_blocks)
         bs = d.shape.block_size
         last = d.finish[0][0]
         busy = 0.0
         while True:
             steps += 1
             ctx = base + batch * d.k
-            used = (ctx + batch + bs - 1) // bs + fixed
+            used = (ctx + bs - 1) // bs + fixed
             if used > capacity:
                 overflows += 1
             if used > d.peak:
                 d.peak = used
-            dt = step_time(0, 0, 0, batch, ctx + batch)
+            dt = step_time(0, 0, 0, batch, ctx)
             busy += dt
             t = now + dt
             if d.joined or last <= d.k or t >= horizon:
@@ -446,11 +476,13 @@ def simulate(shape: ClusterShape, costs: StepCosts, arrival: np.ndarray, input_l
         budget = sh.token_budget - d.batch
         chunks: list[tuple[int, int]] = []
         tokens = pairs = seqs = 0
-        for entry in d.prefilling:
+        free = d.free_blocks()
+        for entry in d.prefilling:  # prompts under way first; their blocks grow chunk by chunk
             if budget <= 0:
                 break
             r, done = entry
             k = min(n_in[r] - done, budget)
+            free -= blocks(done + k) - blocks(done)
             chunks.append((r, k))
             tokens += k
             pairs += attention_pairs(done, k)
@@ -459,8 +491,9 @@ def simulate(shape: ClusterShape, costs: StepCosts, arrival: np.ndarray, input_l
         while d.waiting and budget > 0 and d.batch + len(d.prefilling) < sh.max_num_seqs:
             r = d.waiting[0]
             k = min(n_in[r], budget)
-            if blocks(k) > d.free_blocks():
+            if blocks(k) > free:
                 break
+            free -= blocks(k)
             d.waiting.popleft()
             d.prefilling.append([r, 0])
             chunks.append((r, k))
@@ -474,15 +507,15 @@ def simulate(shape: ClusterShape, costs: StepCosts, arrival: np.ndarray, input_l
             else:
                 d.busy = False
             return
-        nonlocal steps
+        nonlocal steps, overflows
         steps += 1
-        for r, k in chunks:  # blocks for the chunks, taken now as the scheduler allocates them
-            entry = next(e for e in d.prefilling if e[0] == r)
-            d.prefill_blocks += blocks(entry[1] + k) - blocks(entry[1])
-        d.peak = max(d.peak, d.used_blocks() + d.batch // 2)
+        d.prefill_blocks += d.free_blocks() - free  # what the chunks took
+        used = d.used_blocks()
+        if used > sh.kv_blocks:  # a prompt under way outgrew the cache: the scheduler would preempt
+            overflows += 1
+        d.peak = max(d.peak, used)
         d.busy, d.step = True, chunks
-        ctx = d.ctx_base + d.batch * d.k
-        dt = step_time(tokens, pairs, seqs, d.batch, ctx + d.batch if d.batch else 0)
+        dt = step_time(tokens, pairs, seqs, d.batch, d.context)
         d.busy_s += dt
         push(now + dt, _COLOCATED_END, decodes.index(d))
 
@@ -516,6 +549,7 @@ def simulate(shape: ClusterShape, costs: StepCosts, arrival: np.ndarray, input_l
         _DECODE_END: lambda who, t: decode_end(decodes[who], t),
         _COLOCATED_END: lambda who, t: colocated_end(decodes[who], t),
         _LANDED: lambda who, t: landed(who, t),
+        _WAKE: lambda who, t: decode_step(decodes[who], t),
     }
     i = 0  # the next request of the schedule (decodes_only reads it)
     while i < n or events:
