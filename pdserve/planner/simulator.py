@@ -122,6 +122,25 @@ class SimResult:
             return np.where(self.output_len > 1, (self.end - self.first_token) / (self.output_len - 1), np.nan)
 
 
+class _StepWork:
+    """The prompt chunks one step computes, within its token budget."""
+
+    __slots__ = ("chunks", "tokens", "pairs", "seqs", "budget")
+
+    def __init__(self, budget: int):
+        self.chunks: list[tuple[int, int]] = []  # (request, tokens)
+        self.tokens = self.pairs = self.seqs = 0
+        self.budget = budget
+
+    def add(self, r: int, done: int, prompt: int, k: int) -> None:
+        """k more tokens of request r's prompt of `prompt` tokens, `done` of them already computed."""
+        self.chunks.append((r, k))
+        self.tokens += k
+        self.pairs += attention_pairs(done, k)
+        self.seqs += done + k == prompt
+        self.budget -= k
+
+
 # Event kinds; the heap holds (time, seq, kind, worker).
 _PREFILL_END, _DECODE_END, _COLOCATED_END, _LANDED, _WAKE = range(5)
 
@@ -289,20 +308,12 @@ def simulate(shape: ClusterShape, costs: StepCosts, arrival: np.ndarray, input_l
     # -- prefill worker -------------------------------------------------------------------------
     def prefill_step(p: _Prefill, now: float) -> None:
         sh = p.shape
-        budget = sh.token_budget
-        chunks: list[tuple[int, int]] = []
-        tokens = pairs = seqs = 0
-        for entry in p.running:
-            if budget <= 0:
+        w = _StepWork(sh.token_budget)
+        for r, done in p.running:
+            if w.budget <= 0:
                 break
-            r, done = entry
-            k = min(n_in[r] - done, budget)
-            chunks.append((r, k))
-            tokens += k
-            pairs += attention_pairs(done, k)
-            seqs += done + k == n_in[r]
-            budget -= k
-        while p.waiting and budget > 0 and len(p.running) < sh.max_num_seqs:
+            w.add(r, done, n_in[r], min(n_in[r] - done, w.budget))
+        while p.waiting and w.budget > 0 and len(p.running) < sh.max_num_seqs:
             r = p.waiting[0]
             need = blocks(n_in[r])
             if need > p.free:
@@ -311,19 +322,14 @@ def simulate(shape: ClusterShape, costs: StepCosts, arrival: np.ndarray, input_l
             p.free -= need
             p.peak = max(p.peak, sh.kv_blocks - p.free)
             p.running.append([r, 0])
-            k = min(n_in[r], budget)
-            chunks.append((r, k))
-            tokens += k
-            pairs += attention_pairs(0, k)
-            seqs += k == n_in[r]
-            budget -= k
-        if not chunks:
+            w.add(r, 0, n_in[r], min(n_in[r], w.budget))
+        if not w.chunks:
             p.busy = False
             return
         nonlocal steps
         steps += 1
-        p.busy, p.step, p.step_start = True, chunks, now
-        push(now + step_time(tokens, pairs, seqs, 0, 0), _PREFILL_END, prefills.index(p))
+        p.busy, p.step, p.step_start = True, w.chunks, now
+        push(now + step_time(w.tokens, w.pairs, w.seqs, 0, 0), _PREFILL_END, prefills.index(p))
 
     def prefill_end(p: _Prefill, now: float) -> None:
         dt = now - p.step_start
@@ -473,35 +479,24 @@ def simulate(shape: ClusterShape, costs: StepCosts, arrival: np.ndarray, input_l
     # -- colocated worker -----------------------------------------------------------------------
     def colocated_step(d: _Decode, now: float) -> None:
         sh = d.shape
-        budget = sh.token_budget - d.batch
-        chunks: list[tuple[int, int]] = []
-        tokens = pairs = seqs = 0
+        w = _StepWork(sh.token_budget - d.batch)
         free = d.free_blocks()
-        for entry in d.prefilling:  # prompts under way first; their blocks grow chunk by chunk
-            if budget <= 0:
+        for r, done in d.prefilling:  # prompts under way first; their blocks grow chunk by chunk
+            if w.budget <= 0:
                 break
-            r, done = entry
-            k = min(n_in[r] - done, budget)
+            k = min(n_in[r] - done, w.budget)
             free -= blocks(done + k) - blocks(done)
-            chunks.append((r, k))
-            tokens += k
-            pairs += attention_pairs(done, k)
-            seqs += done + k == n_in[r]
-            budget -= k
-        while d.waiting and budget > 0 and d.batch + len(d.prefilling) < sh.max_num_seqs:
+            w.add(r, done, n_in[r], k)
+        while d.waiting and w.budget > 0 and d.batch + len(d.prefilling) < sh.max_num_seqs:
             r = d.waiting[0]
-            k = min(n_in[r], budget)
+            k = min(n_in[r], w.budget)
             if blocks(k) > free:
                 break
             free -= blocks(k)
             d.waiting.popleft()
             d.prefilling.append([r, 0])
-            chunks.append((r, k))
-            tokens += k
-            pairs += attention_pairs(0, k)
-            seqs += k == n_in[r]
-            budget -= k
-        if not chunks:
+            w.add(r, 0, n_in[r], k)
+        if not w.chunks:
             if d.batch:
                 decodes_only(d, now, _COLOCATED_END)
             else:
@@ -514,8 +509,8 @@ def simulate(shape: ClusterShape, costs: StepCosts, arrival: np.ndarray, input_l
         if used > sh.kv_blocks:  # a prompt under way outgrew the cache: the scheduler would preempt
             overflows += 1
         d.peak = max(d.peak, used)
-        d.busy, d.step = True, chunks
-        dt = step_time(tokens, pairs, seqs, d.batch, d.context)
+        d.busy, d.step = True, w.chunks
+        dt = step_time(w.tokens, w.pairs, w.seqs, d.batch, d.context)
         d.busy_s += dt
         push(now + dt, _COLOCATED_END, decodes.index(d))
 
