@@ -17,8 +17,8 @@ def _values(report: dict[str, Any], key: str) -> list[float]:
     return sorted(r[key] for r in rows if r[key] is not None)
 
 
-def plot_reports(reports: Sequence[tuple[str, dict[str, Any]]], path: str | Path, title: str = "") -> Path:
-    """Draw the reports (label, report) on one figure and save it as a PNG at path."""
+def pyplot() -> Any:
+    """matplotlib.pyplot on the Agg backend; a ValueError naming the extra when matplotlib is missing."""
     try:
         import matplotlib
     except ImportError:
@@ -26,6 +26,24 @@ def plot_reports(reports: Sequence[tuple[str, dict[str, Any]]], path: str | Path
     matplotlib.use("Agg", force=True)
     import matplotlib.pyplot as plt
 
+    return plt
+
+
+def save_figure(fig: Any, path: str | Path) -> Path:
+    """Write the figure as a PNG at path (its folder made if need be) and release it."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path
+
+
+def plot_reports(reports: Sequence[tuple[str, dict[str, Any]]], path: str | Path, title: str = "") -> Path:
+    """Draw the reports (label, report) on one figure and save it as a PNG at path."""
+    plt = pyplot()
     fig, axes = plt.subplots(3, 2, figsize=(12, 11))
     cdf_axes = [axes[0][0], axes[0][1], axes[1][0], axes[1][1]]
     for ax, (key, name, slo_key) in zip(cdf_axes, PANELS):
@@ -61,9 +79,4 @@ def plot_reports(reports: Sequence[tuple[str, dict[str, Any]]], path: str | Path
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     fig.suptitle(title or "pdserve bench")
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)

@@ -272,21 +272,17 @@ def plot_plan(plan_candidates: list[tuple[ClusterShape, int]], costs: StepCosts,
               path: str | Path, factors: tuple[float, ...] = (0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 2.0, 3.0)) -> Path:
     """Predicted goodput against request rate for each configuration: the workload's requests, arriving
     faster or slower by each factor."""
-    try:
-        import matplotlib
-    except ImportError:
-        raise ValueError("--plot needs matplotlib: pip install 'pdserve[bench]'") from None
-    matplotlib.use("Agg", force=True)
-    import matplotlib.pyplot as plt
+    from pdserve.bench.plot import pyplot, save_figure
 
+    plt = pyplot()
     base = workload.mean_rate
     xs = [f * base for f in factors] if base else list(factors)
     fig, ax = plt.subplots(figsize=(9, 6))
     for shape, cap in plan_candidates:
         ys = []
         for f in factors:
-            res = simulate(shape, costs, *(lambda w: (w.arrival, w.input_len, w.output_len))(workload.scaled(f)),
-                           workload.concurrency)
+            w = workload.scaled(f)
+            res = simulate(shape, costs, w.arrival, w.input_len, w.output_len, w.concurrency)
             ys.append(report(res, slo)["request_goodput"] or 0.0)
         ax.plot(xs, ys, marker="o", label=shape.label + (f", batch <= {cap}" if len(
             {c for _, c in plan_candidates}) > 1 else ""))
@@ -296,10 +292,5 @@ def plot_plan(plan_candidates: list[tuple[ClusterShape, int]], costs: StepCosts,
         f"{k[:-3].upper()} <= {v:g} ms" for k, v in slo.as_dict().items() if v is not None))
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 

@@ -145,9 +145,22 @@ class _StepWork:
 _PREFILL_END, _DECODE_END, _COLOCATED_END, _LANDED, _WAKE = range(5)
 
 
+def _completed(step: list[tuple[int, int]], in_progress: list[list[int]], n_in: list[int]) -> list[int]:
+    """Account a step's chunks to the prompts in progress ([request, tokens computed]); the requests
+    whose prompt it completed, taken out of in_progress."""
+    done = []
+    for r, k in step:
+        entry = next(e for e in in_progress if e[0] == r)
+        entry[1] += k
+        if entry[1] == n_in[r]:
+            in_progress.remove(entry)
+            done.append(r)
+    return done
+
+
 class _Prefill:
-    def __init__(self, name: str, shape: PoolShape):
-        self.name, self.shape = name, shape
+    def __init__(self, index: int, shape: PoolShape):
+        self.index, self.name, self.shape = index, f"prefill-{index}", shape
         self.waiting: deque[int] = deque()
         self.running: list[list[int]] = []  # [request, tokens computed]
         self.free = shape.kv_blocks
@@ -160,8 +173,8 @@ class _Prefill:
 
 
 class _Decode:
-    def __init__(self, name: str, shape: PoolShape):
-        self.name, self.shape = name, shape
+    def __init__(self, index: int, name: str, shape: PoolShape):
+        self.index, self.name, self.shape = index, name, shape
         self.to_reserve: deque[int] = deque()
         self.reserved = 0  # blocks reserved for KV in flight
         self.num_reserved = 0  # requests whose KV is in flight (they count towards max_num_seqs)
@@ -241,12 +254,12 @@ def simulate(shape: ClusterShape, costs: StepCosts, arrival: np.ndarray, input_l
         heapq.heappush(events, (t, seq, kind, who))
 
     if shape.mode == "disaggregated":
-        prefills = [_Prefill(f"prefill-{i}", shape.prefill) for i in range(shape.prefill.workers)]
-        decodes = [_Decode(f"decode-{i}", shape.decode) for i in range(shape.decode.workers)]
+        prefills = [_Prefill(i, shape.prefill) for i in range(shape.prefill.workers)]
+        decodes = [_Decode(i, f"decode-{i}", shape.decode) for i in range(shape.decode.workers)]
         bs = shape.prefill.block_size
     else:
         prefills = []
-        decodes = [_Decode(f"colocated-{i}", shape.colocated) for i in range(shape.colocated.workers)]
+        decodes = [_Decode(i, f"colocated-{i}", shape.colocated) for i in range(shape.colocated.workers)]
         bs = shape.colocated.block_size
 
     def blocks(tokens: int) -> int:
@@ -264,11 +277,11 @@ def simulate(shape: ClusterShape, costs: StepCosts, arrival: np.ndarray, input_l
                 colocated_step(d, now)
             return
         p = min(prefills, key=lambda w: w.queued_tokens)
-        prefill_of[r] = prefills.index(p)
+        prefill_of[r] = p.index
         p.queued_tokens += n_in[r]
         p.waiting.append(r)
         if n_out[r] > 1:
-            decode_of[r] = decodes.index(d)
+            decode_of[r] = d.index
             d.active += 1
             d.to_reserve.append(r)
             if not d.busy:
@@ -329,19 +342,14 @@ def simulate(shape: ClusterShape, costs: StepCosts, arrival: np.ndarray, input_l
         nonlocal steps
         steps += 1
         p.busy, p.step, p.step_start = True, w.chunks, now
-        push(now + step_time(w.tokens, w.pairs, w.seqs, 0, 0), _PREFILL_END, prefills.index(p))
+        push(now + step_time(w.tokens, w.pairs, w.seqs, 0, 0), _PREFILL_END, p.index)
 
     def prefill_end(p: _Prefill, now: float) -> None:
         dt = now - p.step_start
         p.busy_s += dt
         streamed: dict[int, list[int]] = {}
         after: dict[int, list[int]] = {}
-        for r, k in p.step:
-            entry = next(e for e in p.running if e[0] == r)
-            entry[1] += k
-            if entry[1] < n_in[r]:
-                continue
-            p.running.remove(entry)
+        for r in _completed(p.step, p.running, n_in):
             p.queued_tokens -= n_in[r]
             first[r] = now + first_lat
             if n_out[r] == 1:
@@ -354,7 +362,7 @@ def simulate(shape: ClusterShape, costs: StepCosts, arrival: np.ndarray, input_l
                 after.setdefault(decode_of[r], []).append(r)
             else:
                 held[r] = True  # sent once the decode worker reserves
-        pi = prefills.index(p)
+        pi = p.index
         # The requests of one step bound for one decode worker travel as one transfer; a pair's
         # transfers go one after another, in order.
         for dest, rs in streamed.items():
@@ -365,14 +373,18 @@ def simulate(shape: ClusterShape, costs: StepCosts, arrival: np.ndarray, input_l
                 t = max(t, free_at + transport.send_time(nbytes))
             hand_off(pi, dest, rs, t)
         for dest, rs in after.items():
-            nbytes = sum(n_in[r] for r in rs) * kv_bytes
-            hand_off(pi, dest, rs, max(now, pair_free.get((pi, dest), 0.0)) + transport.send_time(nbytes))
+            send_whole(pi, dest, rs, now)
         prefill_step(p, now)
 
     def hand_off(pi: int, dest: int, rs: list[int], t: float) -> None:
         pair_free[(pi, dest)] = t
         for r in rs:
             push(t, _LANDED, r)
+
+    def send_whole(pi: int, dest: int, rs: list[int], now: float) -> None:
+        """Held KV sent at once, after the pair's earlier transfers."""
+        nbytes = sum(n_in[r] for r in rs) * kv_bytes
+        hand_off(pi, dest, rs, max(now, pair_free.get((pi, dest), 0.0)) + transport.send_time(nbytes))
 
     # -- decode worker --------------------------------------------------------------------------
     def reserve(d: _Decode, now: float) -> None:
@@ -388,9 +400,7 @@ def simulate(shape: ClusterShape, costs: StepCosts, arrival: np.ndarray, input_l
             ready_at[r] = now
             if held[r]:
                 held[r] = False
-                pi, dest = prefill_of[r], decode_of[r]
-                hand_off(pi, dest, [r], max(now, pair_free.get((pi, dest), 0.0))
-                         + transport.send_time(n_in[r] * kv_bytes))
+                send_whole(prefill_of[r], decode_of[r], [r], now)
 
     def landed(r: int, now: float) -> None:
         p = prefills[prefill_of[r]]
@@ -445,7 +455,7 @@ def simulate(shape: ClusterShape, costs: StepCosts, arrival: np.ndarray, input_l
         are accounted here in a loop rather than as one event each (the simulation's hot path)."""
         nonlocal steps, overflows
         d.busy = True
-        who = decodes.index(d)
+        who = d.index
         horizon = events[0][0] if events else math.inf
         if i < n and arr[i] < horizon:
             horizon = arr[i]
@@ -512,19 +522,13 @@ def simulate(shape: ClusterShape, costs: StepCosts, arrival: np.ndarray, input_l
         d.busy, d.step = True, w.chunks
         dt = step_time(w.tokens, w.pairs, w.seqs, d.batch, d.context)
         d.busy_s += dt
-        push(now + dt, _COLOCATED_END, decodes.index(d))
+        push(now + dt, _COLOCATED_END, d.index)
 
     def colocated_end(d: _Decode, now: float) -> None:
-        joined = []
-        for r, k in d.step:
-            entry = next(e for e in d.prefilling if e[0] == r)
-            entry[1] += k
-            if entry[1] < n_in[r]:
-                continue
-            d.prefilling.remove(entry)
+        joined = _completed(d.step, d.prefilling, n_in)
+        for r in joined:
             d.prefill_blocks -= blocks(n_in[r])
             first[r] = now + first_lat
-            joined.append(r)
         d.step = []
         if d.batch:
             step_done(d, now)
