@@ -4,7 +4,8 @@ The failure matrix (tests/test_failure_matrix.py, docs/faults.md) needs a worker
 exact moment (inside a step, between two parts of a KV transfer) while the test kills it from outside,
 or a transfer to arrive corrupted. A point does nothing unless a test armed it through the worker's
 `inject_fault` actor method; `fault_reached` lets the test wait, without sleeping, until the worker
-is there.
+is there. A point can let its first hits pass (`skip`), so a test catches a worker at, say, its fourth
+step with work: a moment that comes after the streams began and before any of them can end.
 
 Points: "step" (a step with work, before it runs), "send" (a KV transfer, before its header),
 "mid_send" (a KV transfer, after its first part), "corrupt" (a KV transfer: one of its parts is
@@ -23,14 +24,17 @@ class FaultPoints:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._armed: dict[str, list[float]] = {}  # point -> the stall of each coming hit
+        self._armed: dict[str, list[float | None]] = {}  # point -> each coming hit: its stall, None to pass
         self._reached: dict[str, threading.Event] = {p: threading.Event() for p in POINTS}
 
-    def arm(self, point: str, seconds: float = 0.0, count: int = 1) -> None:
+    def arm(self, point: str, seconds: float = 0.0, count: int = 1, skip: int = 0) -> None:
+        """The `count` hits after the next `skip` ones stall `seconds` each (and act, for "corrupt")."""
         if point not in POINTS:
             raise ValueError(f"unknown fault point {point!r}; the points are {', '.join(POINTS)}")
+        if count < 1 or skip < 0:
+            raise ValueError(f"count must be at least 1 and skip at least 0, not {count} and {skip}")
         with self._lock:
-            self._armed[point] = [seconds] * count
+            self._armed[point] = [seconds] * count + [None] * skip  # popped from the end
             self._reached[point].clear()
 
     def hit(self, point: str) -> bool:
@@ -44,6 +48,8 @@ class FaultPoints:
             seconds = stalls.pop()
             if not stalls:
                 del self._armed[point]
+            if seconds is None:  # a hit let through
+                return False
             self._reached[point].set()
         if seconds > 0:
             time.sleep(seconds)

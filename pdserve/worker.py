@@ -90,9 +90,9 @@ class WorkerActor:
         self.loop.stop()
         self._close()
 
-    async def inject_fault(self, point: str, seconds: float = 0.0, count: int = 1) -> None:
-        """Tests only: arm a fault point (pdserve.faults) for its next `count` hits."""
-        self.faults.arm(point, seconds, count)
+    async def inject_fault(self, point: str, seconds: float = 0.0, count: int = 1, skip: int = 0) -> None:
+        """Tests only: arm a fault point (pdserve.faults) for `count` hits after the next `skip`."""
+        self.faults.arm(point, seconds, count, skip)
 
     async def fault_reached(self, point: str, timeout: float = 60.0) -> bool:
         """Tests only: wait until an armed fault point has been hit (False after the timeout)."""

@@ -266,8 +266,9 @@ def test_decode_worker_dies_mid_stream_1p2d(one_two, how):
     reference = s.reference(batch, 160)
     victim = s.worker("decode", 0)
     pid = s.pid(victim)
+    ray.get(victim.handle.inject_fault.remote("step", STALL_S, skip=8))  # mid-stream, whatever the timing
     streams = Streams(s, batch, 160)
-    streams.wait_progress(8)
+    reached(victim, "step")
     t = kill(s, victim, how, pid)
     assert_exact(streams.result(ROWS["decode-mid-stream"], t), reference)
     assert s.cluster.retries["decode_lost"] >= 1
@@ -284,13 +285,11 @@ def test_stuck_worker_is_killed_and_replaced(one_one, pool):
     victim = s.worker(pool)
     pid = s.pid(victim)
     restarts = s.cluster.restarts[pool]
-    if pool == "prefill":  # caught inside a step, with prompts in it and queued behind it
-        ray.get(victim.handle.inject_fault.remote("step", STALL_S))
+    # Caught inside a step: the prefill worker with prompts in it and queued behind it; the decode worker
+    # at its fourth step, after every stream began and before any can end.
+    ray.get(victim.handle.inject_fault.remote("step", STALL_S, skip=3 if pool == "decode" else 0))
     streams = Streams(s, batch, 40)
-    if pool == "decode":
-        streams.wait_progress(3)
-    else:
-        reached(victim, "step")
+    reached(victim, "step")
     t = time.monotonic()
     os.kill(pid, signal.SIGSTOP)
     try:
@@ -397,11 +396,13 @@ def test_replacement_that_fails_to_start(ray_local, aloop, tiny_checkpoints, tmp
     try:
         batch = prompts(4, seed=90)
         reference = s.reference(batch, 40)
-        streams = Streams(s, batch, 40)
-        streams.wait_progress(3)
-        model.rename(tmp_path / "gone")  # the model volume is gone: every replacement fails to load
         victim = s.worker("decode")
-        t = kill(s, victim, "SIGKILL", s.pid(victim))
+        pid = s.pid(victim)
+        ray.get(victim.handle.inject_fault.remote("step", STALL_S, skip=3))  # streams begun, none can end
+        streams = Streams(s, batch, 40)
+        reached(victim, "step")
+        model.rename(tmp_path / "gone")  # the model volume is gone: every replacement fails to load
+        t = kill(s, victim, "SIGKILL", pid)
         for out in streams.result(ROWS["replacement-fails"], t):
             assert out.code == grpc.StatusCode.UNAVAILABLE and "no decode worker" in out.details, out
         wait_for(lambda: s.cluster._pools.start_failures["decode"] >= 1, 60, what="a replacement to fail")

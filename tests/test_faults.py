@@ -71,11 +71,16 @@ def test_decode_killed_fail_policy_ends_with_unavailable(ray_local, aloop, tiny_
                         return e.code(), e.details()
                     return grpc.StatusCode.OK, ""
 
-                tasks = [asyncio.create_task(one(i, p)) for i, p in enumerate(prompts())]
-                wait = asyncio.get_running_loop().time() + 120
-                while min(counts) < 3 and asyncio.get_running_loop().time() < wait:
-                    await asyncio.sleep(0.05)
+                # The decode worker stops inside its fourth step and stays there until it is killed: every
+                # stream has begun (its first token comes from the prefill worker) and none can end first.
                 victim = cluster.pools["decode"][0]
+                await victim.handle.inject_fault.remote("step", 60.0, skip=3)
+                tasks = [asyncio.create_task(one(i, p)) for i, p in enumerate(prompts())]
+                assert await victim.handle.fault_reached.remote("step", 60), "the decode worker never stepped"
+                wait = asyncio.get_running_loop().time() + 60
+                while min(counts) < 1 and asyncio.get_running_loop().time() < wait:
+                    await asyncio.sleep(0.05)
+                assert min(counts) >= 1, counts
                 t0 = asyncio.get_running_loop().time()
                 aloop.loop.call_soon_threadsafe(ray.kill, victim.handle)
                 out = await asyncio.gather(*tasks)

@@ -322,3 +322,18 @@ def test_a_prefill_step_tells_its_pushes_of_every_layer():
         job.wait_layers(layer + 1, 0.01)  # reported at once: a layer not reported would time out here
     pushes.sampled({"a": 11})
     assert job.wait_tokens(0.01)[0] == [11]
+
+
+def test_fault_points_let_the_first_hits_pass():
+    faults = FaultPoints()
+    assert not faults.hit("step")  # nothing armed
+    faults.arm("corrupt", count=2, skip=3)
+    assert [faults.hit("corrupt") for _ in range(6)] == [False] * 3 + [True] * 2 + [False]
+    assert faults.wait_reached("corrupt", 0)
+    faults.arm("step", skip=1)
+    assert not faults.hit("step") and not faults.wait_reached("step", 0)  # a pass is not the moment
+    assert faults.hit("step") and faults.wait_reached("step", 0)
+    with pytest.raises(ValueError, match="unknown fault point"):
+        faults.arm("nowhere")
+    with pytest.raises(ValueError, match="count"):
+        faults.arm("step", count=0)
