@@ -35,6 +35,8 @@ def build_parser(commands: Sequence[Callable[[Any], None]] = ()) -> argparse.Arg
 
     status = sub.add_parser("status", help="print the cluster's pools and workers")
     add_connection_args(status)
+    status.add_argument("--json", action="store_true",
+                        help="print the ClusterStatus message as JSON (every field, zeros included)")
     status.set_defaults(func=cmd_status)
     add_bench_parser(sub)
     add_profile_parser(sub)
@@ -145,16 +147,29 @@ def cmd_status(args: argparse.Namespace) -> int:
     except grpc.RpcError as e:
         print(f"pdserve status: {e.code().name}: {e.details()}", file=sys.stderr)
         return 1
+    if args.json:
+        import json
+
+        from google.protobuf.json_format import MessageToDict
+
+        print(json.dumps(MessageToDict(st, preserving_proto_field_name=True,
+                                       always_print_fields_with_no_presence=True), indent=1))
+        return 0
     print(f"mode {st.mode}  serving {st.serving}  running {st.requests_running}  "
           f"queued {st.requests_queued}/{st.queue_capacity}")
-    header = f"{'pool':10} {'worker':14} {'waiting':>8} {'wait tok':>9} {'running':>8} {'KV used':>14} {'busy':>6} {'steps':>8} {'tokens':>10}"
+    for pool in st.pools:
+        print(f"{pool.name} pool: {pool.current_workers} workers, desired {pool.desired_workers} "
+              f"(range {pool.min_workers}:{pool.max_workers})")
+    header = (f"{'pool':10} {'worker':14} {'state':9} {'waiting':>8} {'wait tok':>9} {'running':>8} {'KV used':>14} "
+              f"{'busy':>6} {'steps':>8} {'tokens':>10}")
     print(header)
     for pool in st.pools:
         for w in pool.workers:
             kv = f"{w.kv_blocks_used}/{w.kv_blocks_total}"
-            print(f"{pool.name:10} {w.worker_id:14} {w.waiting_requests:8d} {w.waiting_tokens:9d} {w.running_requests:8d} "
-                  f"{kv:>14} {w.busy_fraction:6.1%} {w.steps:8d} {w.tokens_processed:10d}")
-        print(f"{pool.name:10} {'(pool)':14} {pool.waiting_requests:8d} {'':9} {'':8} {pool.kv_usage:14.1%} {pool.busy_fraction:6.1%}")
+            print(f"{pool.name:10} {w.worker_id:14} {w.state:9} {w.waiting_requests:8d} {w.waiting_tokens:9d} "
+                  f"{w.running_requests:8d} {kv:>14} {w.busy_fraction:6.1%} {w.steps:8d} {w.tokens_processed:10d}")
+        print(f"{pool.name:10} {'(pool)':14} {'':9} {pool.waiting_requests:8d} {'':9} {'':8} {pool.kv_usage:14.1%} "
+              f"{pool.busy_fraction:6.1%}")
     return 0
 
 

@@ -228,7 +228,8 @@ class EngineConfig:
 class PoolConfig:
     """One pool of workers: how many, what each gets from Ray, how each batches."""
 
-    num_workers: int = 1
+    num_workers: int = 1  # the pool's size; its minimum (and size at start) when max_workers is larger
+    max_workers: int | None = None  # autoscaled between num_workers and this (router.autoscaler); None: fixed
     num_cpus: float = 0.5  # fractional on CPU machines: 2-core boxes run several workers
     num_gpus: float = 0.0
     # Ray custom resources each worker needs, e.g. {"prefill": 1} so prefill actors land only on
@@ -243,8 +244,31 @@ class PoolConfig:
     def __post_init__(self) -> None:
         if self.num_workers < 1:
             raise ValueError(f"a pool needs at least one worker, got {self.num_workers}")
+        if self.max_workers is not None and self.max_workers < self.num_workers:
+            raise ValueError(f"a pool's range MIN:MAX needs MIN <= MAX, got {self.num_workers}:{self.max_workers}")
         if self.num_cpus < 0 or self.num_gpus < 0:
             raise ValueError("num_cpus and num_gpus must be >= 0")
+
+
+@dataclass(frozen=True)
+class AutoscaleConfig:
+    """How autoscaled pools (PoolConfig.max_workers) are sized: by the planner's cost model
+    (pdserve.planner.autoscale), from a measured profile or a GPU's roofline, towards SLO targets."""
+
+    profile: str | None = None  # `pdserve profile` output for this model and device
+    gpu: str | None = None  # or the roofline of this GPU (pdserve.planner.hardware.GPUS)
+    ttft_target_s: float = 1.0  # the sizing keeps a prompt's wait + compute within this
+    tpot_target_s: float = 0.1  # and a decode step within this
+    interval_s: float = 2.0  # how often the pools' sizes are decided
+    window_s: float = 30.0  # arrival rate and lengths are measured over this
+    scale_down_delay_s: float = 60.0  # a pool shrinks only to the most it needed over this long
+
+    def __post_init__(self) -> None:
+        if min(self.ttft_target_s, self.tpot_target_s, self.interval_s, self.window_s) <= 0 \
+                or self.scale_down_delay_s < 0:
+            raise ValueError("autoscale targets, interval and window must be positive, the scale-down delay >= 0")
+        if self.profile is not None and self.gpu is not None:
+            raise ValueError("autoscaling takes its costs from a profile or a GPU's roofline, not both")
 
 
 @dataclass(frozen=True)
@@ -273,6 +297,7 @@ class ClusterConfig:
     kv_checksum: bool = False
     max_retries: int = 2  # attempts after the first for a request whose worker was lost
     on_decode_failure: str = "resume"  # or "fail": end the request with UNAVAILABLE
+    autoscale: AutoscaleConfig = field(default_factory=AutoscaleConfig)  # for pools with max_workers
 
     def __post_init__(self) -> None:
         if self.mode not in ("disaggregated", "colocated"):
@@ -291,6 +316,12 @@ class ClusterConfig:
             raise ValueError(f"transfer_timeout_s must be positive, got {self.transfer_timeout_s}")
         if self.on_decode_failure not in ("resume", "fail"):
             raise ValueError(f"on_decode_failure must be resume or fail, got {self.on_decode_failure!r}")
+        if self.ranges:
+            if self.mode == "colocated":
+                raise ValueError("a colocated pool does not autoscale: give it a fixed size")
+            if self.autoscale.profile is None and self.autoscale.gpu is None:
+                raise ValueError("autoscaled pools are sized by a cost model: give a profile (`pdserve profile`, "
+                                 "then --profile FILE) or a GPU for its roofline (--gpu NAME)")
         if self.max_retries < 0 or min(self.worker_timeout_s, self.stats_interval_s, self.pool_wait_timeout_s) <= 0:
             raise ValueError("max_retries must be >= 0; worker_timeout_s, stats_interval_s and pool_wait_timeout_s "
                              "positive")
@@ -300,6 +331,12 @@ class ClusterConfig:
         """The mode's pools by name."""
         names = ("colocated",) if self.mode == "colocated" else ("prefill", "decode")
         return {name: getattr(self, name) for name in names}
+
+    @property
+    def ranges(self) -> dict[str, tuple[int, int]]:
+        """The autoscaled pools by name: (MIN, MAX) workers."""
+        return {name: (p.num_workers, p.max_workers) for name, p in self.pools.items()
+                if p.max_workers is not None and p.max_workers > p.num_workers}
 
     def engine_for(self, pool: PoolConfig) -> EngineConfig:
         """What a worker of the pool runs: the engine's model and device, with the pool's batching and

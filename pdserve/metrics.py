@@ -9,13 +9,16 @@ Prometheus conventions: `pdserve_` prefix, base units, `_total` for counters.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric,
+                                   SummaryMetricFamily)
 from prometheus_client.registry import Collector
 
 from pdserve.kv_transfer import TRANSFER_SECONDS_BUCKETS
 from pdserve.messages import WorkerStats
+from pdserve.planner.autoscale import REASONS
 
 REQUEST_SECONDS_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 7.5, 10.0, 15.0, 20.0,
                            30.0, 60.0, 120.0, 300.0)
@@ -23,12 +26,29 @@ TOKEN_SECONDS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.
                          2.0, 5.0, 10.0)
 
 
+@dataclass(frozen=True)
+class PoolScale:
+    """One pool's size as scaling sees it (router.pools, router.autoscaler)."""
+
+    pool: str
+    ready: int
+    starting: int
+    draining: int
+    desired: int
+    min_workers: int
+    max_workers: int
+    start_seconds: tuple[float, ...]  # how long each worker started so far took to be ready
+    events: dict[tuple[str, str], int]  # (up|down, reason) -> scale events so far
+
+
 class RouterMetrics:
     """The registry the router serves: request histograms and counters, admission gauges, worker metrics."""
 
     def __init__(self, worker_stats: Callable[[], Iterable[WorkerStats]],
-                 faults: Callable[[], tuple[dict[str, int], dict[str, int]]] = lambda: ({}, {})):
-        """worker_stats: the workers' latest stats; faults: (restarts by pool, retries by reason), cumulative."""
+                 faults: Callable[[], tuple[dict[str, int], dict[str, int]]] = lambda: ({}, {}),
+                 scale: Callable[[], Iterable[PoolScale]] = lambda: ()):
+        """worker_stats: the workers' latest stats; faults: (restarts by pool, retries by reason), cumulative;
+        scale: each pool's size, target and scale events."""
         r = self.registry = CollectorRegistry()
         # Every request metric is labelled by the protocol it came in on: "grpc" or "http" (OpenAI API).
         p = ["protocol"]
@@ -56,6 +76,7 @@ class RouterMetrics:
         self.queued = Gauge("pdserve_router_requests_queued", "Requests waiting for admission", registry=r)
         r.register(WorkerCollector(worker_stats))
         r.register(FaultCollector(faults))
+        r.register(ScaleCollector(scale))
 
     def observe_request(self, *, finish_reason: str, code: str, queue_s: float | None, ttft_s: float | None,
                         e2e_s: float | None, token_times: list[float], prompt_tokens: int, output_tokens: int,
@@ -181,3 +202,37 @@ class FaultCollector(Collector):
         for reason, n in sorted(retries.items()):
             f.add_metric([reason], n)
         yield f
+
+
+class ScaleCollector(Collector):
+    """The pools' sizes against their targets and ranges, scale events, and workers' start-up times."""
+
+    def __init__(self, scale: Callable[[], Iterable[PoolScale]]):
+        self.scale = scale
+
+    def collect(self) -> Iterator[Metric]:
+        pools = list(self.scale())
+        workers = GaugeMetricFamily("pdserve_pool_workers", "Workers in the pool by state (starting, ready, draining)",
+                                    labels=["pool", "state"])
+        desired = GaugeMetricFamily("pdserve_pool_desired_workers",
+                                    "Workers the autoscaler wants in the pool (its configured size if fixed)",
+                                    labels=["pool"])
+        lo = GaugeMetricFamily("pdserve_pool_min_workers", "The pool's smallest size", labels=["pool"])
+        hi = GaugeMetricFamily("pdserve_pool_max_workers", "The pool's largest size", labels=["pool"])
+        events = CounterMetricFamily("pdserve_scale_events", "Workers started (up) or drained (down) by the autoscaler, "
+                                     "by the reason of the decision", labels=["pool", "direction", "reason"])
+        start = SummaryMetricFamily("pdserve_worker_start_seconds", "From a worker's start to ready (model load included)",
+                                    labels=["pool"])
+        for p in pools:
+            for state in ("starting", "ready", "draining"):
+                workers.add_metric([p.pool, state], getattr(p, state))
+            desired.add_metric([p.pool], p.desired)
+            lo.add_metric([p.pool], p.min_workers)
+            hi.add_metric([p.pool], p.max_workers)
+            counts = dict(p.events)
+            if p.max_workers > p.min_workers:  # an autoscaled pool: every series exists from the start
+                counts = {**{(d, r): 0 for d in ("up", "down") for r in REASONS}, **counts}
+            for (direction, reason), n in sorted(counts.items()):
+                events.add_metric([p.pool, direction, reason], n)
+            start.add_metric([p.pool], len(p.start_seconds), sum(p.start_seconds))
+        yield from (workers, desired, lo, hi, events, start)

@@ -46,8 +46,10 @@ def add_serve_parser(sub: Any) -> argparse.ArgumentParser:
     serve.add_argument("--ray-address", default=None,
                        help="join this Ray cluster (e.g. 'auto' inside a Ray head pod); default: start a local one")
     serve.add_argument("--mode", choices=["disaggregated", "colocated"], default="disaggregated")
-    serve.add_argument("--prefill-workers", type=int, default=1)
-    serve.add_argument("--decode-workers", type=int, default=1)
+    serve.add_argument("--prefill-workers", type=worker_range, default=(1, 1), metavar="N|MIN:MAX",
+                       help="prefill workers: N, fixed, or MIN:MAX, autoscaled (starts at MIN; see Autoscaling)")
+    serve.add_argument("--decode-workers", type=worker_range, default=(1, 1), metavar="N|MIN:MAX",
+                       help="decode workers: N, fixed, or MIN:MAX, autoscaled")
     serve.add_argument("--colocated-workers", type=int, default=1, help="workers in colocated mode")
     serve.add_argument("--worker-cpus", type=float, default=None,
                        help="Ray CPUs per worker (default: 0.5 on CPU, 1 with --device cuda)")
@@ -87,11 +89,36 @@ def add_serve_parser(sub: Any) -> argparse.ArgumentParser:
     serve.add_argument("--max-retries", type=int, default=2, help="re-placements of a request whose worker was lost")
     serve.add_argument("--on-decode-failure", choices=["resume", "fail"], default="resume",
                        help="a lost decode worker's requests resume elsewhere, or end with UNAVAILABLE")
+    scale = serve.add_argument_group("autoscaling (pools given as MIN:MAX)")
+    scale.add_argument("--profile", default=None, metavar="PROFILE.json",
+                       help="the cost model pools are sized by: `pdserve profile` of this model on this device")
+    scale.add_argument("--gpu", default=None, metavar="NAME",
+                       help="or the roofline of this GPU (H100, H200, A100, L40S, L4)")
+    scale.add_argument("--slo-ttft-ms", type=float, default=1000.0,
+                       help="time to first token the prefill pool is sized for")
+    scale.add_argument("--slo-tpot-ms", type=float, default=100.0,
+                       help="time per output token the decode pool is sized for")
+    scale.add_argument("--scale-down-delay", type=float, default=60.0, metavar="SECONDS",
+                       help="a pool shrinks only to the most workers it needed over this long (no flapping)")
+    scale.add_argument("--autoscale-interval", type=float, default=2.0, metavar="SECONDS",
+                       help="how often the pools' sizes are decided")
     serve.add_argument("--max-running", type=int, default=256, help="requests on the workers at once")
     serve.add_argument("--max-queued", type=int, default=1024, help="requests waiting; more get RESOURCE_EXHAUSTED")
     serve.add_argument("--drain-timeout", type=float, default=30.0, help="seconds in-flight requests get on shutdown")
     serve.set_defaults(func=cmd_serve)
     return serve
+
+
+def worker_range(text: str) -> tuple[int, int]:
+    """N (a fixed pool) or MIN:MAX (an autoscaled one)."""
+    lo, sep, hi = str(text).partition(":")
+    try:
+        out = (int(lo), int(hi if sep else lo))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"workers are N or MIN:MAX, got {text!r}") from None
+    if not 1 <= out[0] <= out[1]:
+        raise argparse.ArgumentTypeError(f"workers need 1 <= MIN <= MAX, got {text!r}")
+    return out
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -134,7 +161,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cluster_config_from_args(args: argparse.Namespace):
-    from pdserve.config import CacheConfig, ClusterConfig, EngineConfig, PoolConfig, SchedulerConfig
+    from pdserve.config import AutoscaleConfig, CacheConfig, ClusterConfig, EngineConfig, PoolConfig, SchedulerConfig
 
     gpu = args.device.startswith("cuda")
     cpus = args.worker_cpus if args.worker_cpus is not None else (1.0 if gpu else 0.5)
@@ -143,12 +170,14 @@ def cluster_config_from_args(args: argparse.Namespace):
     threads = args.torch_threads
     if threads is None and not gpu and not args.ray_address:
         # A local CPU cluster: split the cores between the workers instead of oversubscribing them.
-        workers = args.colocated_workers if args.mode == "colocated" else args.prefill_workers + args.decode_workers
+        # Autoscaled pools count at their largest.
+        workers = args.colocated_workers if args.mode == "colocated" else args.prefill_workers[1] + args.decode_workers[1]
         threads = max(1, (os.cpu_count() or 1) // workers)
 
-    def pool(n: int, scheduler: SchedulerConfig, resources: list[str]) -> PoolConfig:
-        return PoolConfig(num_workers=n, num_cpus=cpus, num_gpus=gpus, resources=parse_resources(resources),
-                          scheduler=scheduler, cache=cache, torch_threads=threads)
+    def pool(n: int | tuple[int, int], scheduler: SchedulerConfig, resources: list[str]) -> PoolConfig:
+        lo, hi = (n, n) if isinstance(n, int) else n
+        return PoolConfig(num_workers=lo, max_workers=hi if hi > lo else None, num_cpus=cpus, num_gpus=gpus,
+                          resources=parse_resources(resources), scheduler=scheduler, cache=cache, torch_threads=threads)
 
     # Each role batches for its own bottleneck: prefill by prompt tokens, decode by running requests.
     prefill = SchedulerConfig(max_num_batched_tokens=args.prefill_token_budget)
@@ -166,7 +195,12 @@ def cluster_config_from_args(args: argparse.Namespace):
                          transfer_timeout_s=args.transfer_timeout, bind_host=args.kv_bind_host,
                          worker_timeout_s=args.worker_timeout, pool_wait_timeout_s=args.pool_wait_timeout,
                          kv_checksum=args.kv_checksum,
-                         max_retries=args.max_retries, on_decode_failure=args.on_decode_failure)
+                         max_retries=args.max_retries, on_decode_failure=args.on_decode_failure,
+                         autoscale=AutoscaleConfig(profile=args.profile, gpu=args.gpu,
+                                                   ttft_target_s=args.slo_ttft_ms / 1000,
+                                                   tpot_target_s=args.slo_tpot_ms / 1000,
+                                                   interval_s=args.autoscale_interval,
+                                                   scale_down_delay_s=args.scale_down_delay))
 
 
 def parse_resources(items: list[str]) -> dict[str, float]:
@@ -218,7 +252,7 @@ def load_config(path: str, serve: argparse.ArgumentParser) -> dict[str, Any]:
             elif action.type is not None and v is not None:
                 try:
                     v = action.type(v)
-                except (TypeError, ValueError) as e:
+                except (TypeError, ValueError, argparse.ArgumentTypeError) as e:
                     raise ValueError(f"{path}: {key}: {e}") from None
             if action.choices is not None and v not in action.choices:
                 raise ValueError(f"{path}: {key} must be one of {list(action.choices)}, got {v!r}")

@@ -22,6 +22,7 @@ import contextlib
 import itertools
 import logging
 import random
+import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import replace
@@ -34,6 +35,7 @@ from pdserve.config import ClusterConfig
 from pdserve.loader import ModelInfo, load_info
 from pdserve.messages import DecodeTask, Failure, FailureReason, PrefillTask, StepOutput, TokenEvent, WorkerStats
 from pdserve.output import RequestOutput, TextOutput, token_output
+from pdserve.planner.autoscale import Demand, DemandWindow
 from pdserve.request import FinishReason, Request, token_stop_reason, validate_prompt
 from pdserve.sampling import SamplingParams
 from router.placement import DecodeLoad, PrefillLoad, pick_decode, pick_prefill
@@ -62,6 +64,8 @@ class Cluster:
         # Where requests start (prefill or colocated): their prompts' block hashes steer placement.
         self.block_size = config.engine_for(next(iter(config.pools.values()))).cache.block_size
         self.retries: collections.Counter[str] = collections.Counter()  # by FailureReason value, a metric
+        # What the autoscaler sizes the pools for, from now on.
+        self.demand = DemandWindow(config.autoscale.window_s, time.monotonic())
 
     @property
     def pools(self) -> dict[str, list[Worker]]:
@@ -87,6 +91,23 @@ class Cluster:
         """The latest stats each worker reported (step outputs and the heartbeat); no call is made."""
         return self._pools.latest_stats()
 
+    @property
+    def scaling(self) -> Pools:
+        """The pools' scaling side (router.autoscaler): sizes, grow, drain, events."""
+        return self._pools
+
+    def load(self, now: float, queued_requests: int = 0) -> Demand:
+        """The demand now: the window's rate and lengths, prompt tokens not yet computed (those placed on
+        prefill workers, and `queued_requests` waiting for admission at the mean prompt length), the
+        decode workers' requests and KV in use (latest stats, no call)."""
+        rate, input_len, output_len = self.demand.observe(now)
+        decode = [w for w in self._pools.workers if w.pool == "decode"]
+        return Demand(rate, input_len, output_len,
+                      sum(w.queued_tokens for w in self._pools.workers if w.pool == "prefill")
+                      + round(queued_requests * input_len),
+                      sum(len(w.requests) for w in decode),
+                      sum(w.stats.kv_blocks_used for w in decode if w.stats is not None))
+
     # -- requests ---------------------------------------------------------------------------------
     async def generate(self, prompt_token_ids: Sequence[int], params: SamplingParams,
                        request_id: str | None = None) -> AsyncIterator[RequestOutput]:
@@ -102,6 +123,7 @@ class Cluster:
         req = Request(rid, prompt, params, seed)  # the router's view: tokens streamed so far
         text = TextOutput(info.tokenizer, prompt, params.stop)
         self._streams[rid] = asyncio.Queue()
+        self.demand.arrived(time.monotonic(), len(prompt), params.max_tokens)
         failures: collections.Counter[FailureReason] = collections.Counter()
         avoid: tuple[str, ...] = ()
         try:
@@ -113,6 +135,8 @@ class Cluster:
                     # attempt on its workers the moment the client goes away.
                     async with contextlib.aclosing(self._attempt(req, text, f"{rid}#{attempt}", avoid)) as outs:
                         async for out in outs:
+                            if out.finish_reason in (FinishReason.STOP, FinishReason.LENGTH):
+                                self.demand.finished(time.monotonic(), out.num_output_tokens)
                             yield out
                     return
                 except _Retry as e:

@@ -1,10 +1,15 @@
-"""The worker pools on Ray: spawning, readiness, the heartbeat, losing a worker and replacing it.
+"""The worker pools on Ray: spawning, readiness, the heartbeat, losing a worker and replacing it,
+growing a pool and draining a worker out of it.
 
 A worker that dies is noticed at once (its calls and its stream raise); one that hangs is noticed when
 the heartbeat's stats call times out, and is killed. Either way it leaves its pool, the request flow
 (router.cluster) is told so that its requests are tried again elsewhere, and a replacement (a new
 incarnation, under a new id) joins the pool once it is ready. Nothing here knows about requests
 beyond the worker-side ids routed to each worker.
+
+A worker's life: starting (its actor loads the model; not routable), ready (placement sees it),
+draining (placement no longer sees it; the requests it has finish there), then it leaves: its peers
+drop their KV channels to it and its actor shuts down. Nothing is retried because of a drain.
 """
 from __future__ import annotations
 
@@ -12,6 +17,7 @@ import asyncio
 import collections
 import itertools
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -50,6 +56,11 @@ class Worker:
     stats: WorkerStats | None = None
     prefix: PrefixIndex = field(default_factory=lambda: PrefixIndex(0))  # prefill workers only
     alive: bool = True
+    state: str = "starting"  # starting | ready | draining
+
+
+# How often a draining worker is checked for its last request.
+DRAIN_POLL_S = 0.1
 
 
 class Pools:
@@ -60,27 +71,45 @@ class Pools:
                  on_lost: Callable[[Worker, str], None]):
         self.config = config
         self.info: ModelInfo | None = None
-        self.by_name: dict[str, list[Worker]] = {"prefill": [], "decode": [], "colocated": []}
+        self.by_name: dict[str, list[Worker]] = {"prefill": [], "decode": [], "colocated": []}  # ready
+        self.starting: dict[str, list[Worker]] = {p: [] for p in self.by_name}
+        self.draining: list[Worker] = []
         self._on_output, self._on_lost = on_output, on_lost
         self._tasks: list[asyncio.Task] = []
         self._incarnations = itertools.count(1)
         self._pool_changed = asyncio.Event()
         self.restarts: collections.Counter[str] = collections.Counter()  # by pool, exported as a metric
-        self.start_failures: collections.Counter[str] = collections.Counter()  # replacements that did not start
+        self.start_failures: collections.Counter[str] = collections.Counter()  # workers that did not start
+        # Scaling: events by (pool, up|down, reason); seconds each started worker took to be ready, by pool.
+        self.scale_events: collections.Counter[tuple[str, str, str]] = collections.Counter()
+        self.start_seconds: dict[str, list[float]] = {p: [] for p in self.by_name}
         self._closing = False
 
     @property
     def workers(self) -> list[Worker]:
-        return [w for pool in self.by_name.values() for w in pool]
+        """Every worker with a live actor: ready and draining (starting ones are not answering yet)."""
+        return [w for pool in self.by_name.values() for w in pool] + self.draining
+
+    def size(self, pool: str) -> int:
+        """The pool's size as scaling counts it: ready and starting workers."""
+        return len(self.by_name[pool]) + len(self.starting[pool])
+
+    def last_start_seconds(self) -> float | None:
+        """How long the latest worker took to be ready (the cluster's first ones included)."""
+        times = [t for ts in self.start_seconds.values() for t in ts[-1:]]
+        return max(times) if times else None
 
     async def start(self, info: ModelInfo) -> None:
         c = self.config
         self.info = info
         sizes = {name: pool.num_workers for name, pool in c.pools.items()}
+        t0 = time.monotonic()
         starting = [self._spawn(pool, slot, f"{pool}-{slot}") for pool, n in sizes.items() for slot in range(n)]
         await asyncio.gather(*(w.handle.ready.remote() for w in starting))
         for w in starting:
+            w.state = "ready"
             self.by_name[w.pool].append(w)
+            self.start_seconds[w.pool].append(time.monotonic() - t0)
         await self._poll_stats()
         for w in starting:
             self._watch(w)
@@ -110,10 +139,13 @@ class Pools:
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        everyone = self.workers + [w for ws in self.starting.values() for w in ws]
         await asyncio.gather(*(w.handle.shutdown.remote() for w in self.workers), return_exceptions=True)
-        for w in self.workers:
+        for w in everyone:
             ray.kill(w.handle)
         self.by_name = {p: [] for p in self.by_name}
+        self.starting = {p: [] for p in self.by_name}
+        self.draining = []
 
     async def stats(self) -> list[WorkerStats]:
         """Fresh stats from every worker (one call each)."""
@@ -141,39 +173,110 @@ class Pools:
             await self._poll_stats()
 
     def lose(self, w: Worker, why: str) -> None:
-        """Take a dead or stuck worker out of its pool, fail its requests over, start its replacement."""
+        """Take a dead or stuck worker out of its pool, fail its requests over, start its replacement
+        (unless it was draining: it was leaving anyway)."""
         if not w.alive or self._closing:
             return
         w.alive = False
-        log.warning("worker %s lost (%s); replacing it", w.worker_id, why)
-        self.by_name[w.pool].remove(w)
+        replace = w.state != "draining"
+        log.warning("worker %s lost (%s)%s", w.worker_id, why, "; replacing it" if replace else " while draining")
+        (self.by_name[w.pool] if replace else self.draining).remove(w)
         ray.kill(w.handle, no_restart=True)  # a stuck actor must not come back and act on stale requests
-        for other in self.workers:  # its peers drop their KV channels to it (and what waited on them)
+        self._tell_peers(w)
+        self._on_lost(w, why)
+        if replace:
+            self.restarts[w.pool] += 1
+            self._tasks.append(asyncio.create_task(self._replace(w)))
+
+    def _tell_peers(self, w: Worker) -> None:
+        """Its peers drop their KV channels to a worker that left (and whatever waited on them)."""
+        for other in self.workers:
             if other.pool != w.pool:
                 other.handle.peer_lost.remote(w.worker_id)
-        self._on_lost(w, why)
-        self.restarts[w.pool] += 1
-        self._tasks.append(asyncio.create_task(self._replace(w)))
 
     async def _replace(self, lost: Worker) -> None:
         backoff = REPLACE_BACKOFF_S[0]
         while not self._closing:
             w = self._spawn(lost.pool, lost.slot, f"{lost.pool}-{lost.slot}.{next(self._incarnations)}")
-            try:
-                await asyncio.wait_for(w.handle.ready.remote(), self.config.worker_start_timeout_s)
-            except Exception as e:  # noqa: BLE001 - try again with a fresh actor, after a while
-                log.error("replacement %s failed to start (next try in %.0f s): %s", w.worker_id, backoff, e)
-                ray.kill(w.handle)
-                self.start_failures[lost.pool] += 1
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, REPLACE_BACKOFF_S[1])
-                continue
-            self.by_name[w.pool].append(w)  # routable only now that it is ready
-            self._watch(w)
-            self._pool_changed.set()
-            self._pool_changed = asyncio.Event()
-            log.info("worker %s replaces %s", w.worker_id, lost.worker_id)
+            if await self._bring_up(w):
+                log.info("worker %s replaces %s", w.worker_id, lost.worker_id)
+                return
+            log.error("replacement %s failed to start (next try in %.0f s)", w.worker_id, backoff)
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, REPLACE_BACKOFF_S[1])
+
+    async def _bring_up(self, w: Worker) -> bool:
+        """Wait (bounded) for a spawned worker to be ready, then make it routable; False if it did not start."""
+        self.starting[w.pool].append(w)
+        t0 = time.monotonic()
+        try:
+            await asyncio.wait_for(w.handle.ready.remote(), self.config.worker_start_timeout_s)
+        except Exception as e:  # noqa: BLE001 - a worker that cannot start is killed, never half-joined
+            log.error("worker %s did not start: %s", w.worker_id, e)
+            ray.kill(w.handle)
+            self.start_failures[w.pool] += 1
+            return False
+        finally:
+            self.starting[w.pool].remove(w)
+        if self._closing:
+            ray.kill(w.handle)
+            return False
+        self.start_seconds[w.pool].append(time.monotonic() - t0)
+        w.state = "ready"
+        self.by_name[w.pool].append(w)  # routable only now that it is ready
+        self._watch(w)
+        self._pool_changed.set()
+        self._pool_changed = asyncio.Event()
+        return True
+
+    # -- scaling ----------------------------------------------------------------------------------
+    def grow(self, pool: str, n: int, reason: str) -> None:
+        """Start n more workers in the pool; each becomes routable once ready."""
+        for _ in range(n):
+            used = {w.slot for w in self.by_name[pool] + self.starting[pool] + self.draining if w.pool == pool}
+            slot = next(i for i in itertools.count() if i not in used)
+            w = self._spawn(pool, slot, f"{pool}-{slot}.{next(self._incarnations)}")
+            self.scale_events[(pool, "up", reason)] += 1
+            log.info("scaling %s up (%s): starting %s", pool, reason, w.worker_id)
+            self._tasks.append(asyncio.create_task(self._started(w)))
+
+    async def _started(self, w: Worker) -> None:
+        if await self._bring_up(w):
+            log.info("worker %s ready in %.1f s", w.worker_id, self.start_seconds[w.pool][-1])
+
+    def drain(self, pool: str, n: int, reason: str) -> None:
+        """Take n ready workers out of placement (those with the fewest requests) and let each leave
+        once its requests have finished. The pool keeps at least one ready worker."""
+        ready = self.by_name[pool]
+        for w in sorted(ready, key=lambda x: (len(x.requests), x.queued_tokens, -x.slot))[:min(n, len(ready) - 1)]:
+            self.drain_worker(w, reason)
+
+    def drain_worker(self, w: Worker, reason: str) -> None:
+        """Take one ready worker out of placement; it leaves once its requests have finished."""
+        assert w.state == "ready" and len(self.by_name[w.pool]) > 1, "a pool keeps one ready worker"
+        self.by_name[w.pool].remove(w)
+        w.state = "draining"
+        self.draining.append(w)
+        self.scale_events[(w.pool, "down", reason)] += 1
+        log.info("scaling %s down (%s): draining %s (%d requests on it)", w.pool, reason, w.worker_id,
+                 len(w.requests))
+        self._tasks.append(asyncio.create_task(self._leave(w)))
+
+    async def _leave(self, w: Worker) -> None:
+        t0 = time.monotonic()
+        while w.requests and w.alive:  # the request flow discards each as it finishes
+            await asyncio.sleep(DRAIN_POLL_S)
+        if not w.alive:  # lost while draining: its requests were failed over like any loss
             return
+        w.alive = False
+        self.draining.remove(w)
+        self._tell_peers(w)
+        try:
+            await asyncio.wait_for(w.handle.shutdown.remote(), self.config.worker_timeout_s)
+        except Exception as e:  # noqa: BLE001 - it is leaving either way
+            log.warning("worker %s did not shut down cleanly: %s", w.worker_id, e)
+        ray.kill(w.handle)
+        log.info("worker %s drained in %.1f s and left the %s pool", w.worker_id, time.monotonic() - t0, w.pool)
 
     async def alive(self, pool: str) -> list[Worker]:
         """The pool's live workers, waiting (bounded) for a replacement if none is left ([] after that)."""

@@ -23,12 +23,13 @@ from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
 
 from pdserve.config import ClusterConfig
-from pdserve.metrics import RouterMetrics
+from pdserve.metrics import PoolScale, RouterMetrics
 from pdserve.output import RequestOutput
 from pdserve.request import FinishReason
 from pdserve.v1 import generation_pb2 as pb
 from pdserve.v1 import generation_pb2_grpc as pb_grpc
 from router.admission import Admission, Malformed, Overloaded, parse_request, parse_wire
+from router.autoscaler import AutoscaleLoop
 from router.cluster import Cluster
 from router.security import ApiKeyInterceptor, server_credentials
 from router.tracking import Timeline
@@ -90,6 +91,8 @@ class GenerationService(pb_grpc.GenerationServicer):
         self.metrics = metrics
         self.admission = Admission(config.max_running, config.max_queued)
         self.serving = True
+        # Autoscaled pools follow the demand seen here (the admission queue included).
+        self.autoscaler = AutoscaleLoop(cluster, lambda: self.admission.queued) if cluster.config.ranges else None
         if metrics is not None:
             metrics.running.set_function(lambda: self.admission.running)
             metrics.queued.set_function(lambda: self.admission.queued)
@@ -174,24 +177,47 @@ class GenerationService(pb_grpc.GenerationServicer):
                             has_chat_template=bool(info.tokenizer and info.tokenizer.has_chat_template),
                             eos_token_ids=list(info.eos_token_ids))
 
+    def pool_scale(self) -> list[PoolScale]:
+        """Each pool's size by state, its target and range, its scale events and start-up times."""
+        pools, out = self.cluster.scaling, []
+        for name, pc in self.cluster.config.pools.items():
+            lo, hi = pc.num_workers, max(pc.num_workers, pc.max_workers or 0)
+            desired = self.autoscaler.desired(name) if self.autoscaler is not None else None
+            events = {(d, r): n for (p, d, r), n in pools.scale_events.items() if p == name}
+            out.append(PoolScale(name, len(pools.by_name[name]), len(pools.starting[name]),
+                                 sum(w.pool == name for w in pools.draining),
+                                 desired if desired is not None else pools.size(name) if lo < hi else lo,
+                                 lo, hi, tuple(pools.start_seconds[name]), events))
+        return out
+
     async def GetClusterStatus(self, request, context) -> pb.ClusterStatus:
-        stats = await self.cluster.stats()
-        pools: dict[str, list] = {}
-        for s in stats:
-            pools.setdefault(s.pool, []).append(s)
+        stats = {s.worker_id: s for s in await self.cluster.stats()}
+        pools = self.cluster.scaling
         out = pb.ClusterStatus(mode=self.cluster.config.mode, requests_running=self.admission.running,
                                requests_queued=self.admission.queued, queue_capacity=self.config.max_queued,
                                serving=self.serving)
-        for name, ws in pools.items():
-            workers = [pb.WorkerStatus(worker_id=s.worker_id, pool=s.pool, waiting_requests=s.waiting,
-                                       waiting_tokens=s.waiting_tokens, running_requests=s.running,
-                                       kv_blocks_used=s.kv_blocks_used, kv_blocks_total=s.kv_blocks_total,
-                                       busy_fraction=s.busy_fraction, steps=s.steps,
-                                       tokens_processed=s.tokens_processed) for s in ws]
+        for scale in self.pool_scale():
+            name = scale.pool
+            members = pools.starting[name] + pools.by_name[name] + [w for w in pools.draining if w.pool == name]
+            workers, ws = [], []
+            for w in members:
+                s = stats.get(w.worker_id)
+                if s is None:  # starting: nothing to report yet
+                    workers.append(pb.WorkerStatus(worker_id=w.worker_id, pool=name, state=w.state))
+                    continue
+                ws.append(s)
+                workers.append(pb.WorkerStatus(worker_id=s.worker_id, pool=s.pool, waiting_requests=s.waiting,
+                                               waiting_tokens=s.waiting_tokens, running_requests=s.running,
+                                               kv_blocks_used=s.kv_blocks_used, kv_blocks_total=s.kv_blocks_total,
+                                               busy_fraction=s.busy_fraction, steps=s.steps,
+                                               tokens_processed=s.tokens_processed, state=w.state))
             total = sum(s.kv_blocks_total for s in ws)
             out.pools.append(pb.PoolStatus(name=name, workers=workers, waiting_requests=sum(s.waiting for s in ws),
                                            kv_usage=sum(s.kv_blocks_used for s in ws) / total if total else 0.0,
-                                           busy_fraction=sum(s.busy_fraction for s in ws) / len(ws)))
+                                           busy_fraction=sum(s.busy_fraction for s in ws) / len(ws) if ws else 0.0,
+                                           current_workers=scale.ready + scale.starting,
+                                           desired_workers=scale.desired, min_workers=scale.min_workers,
+                                           max_workers=scale.max_workers))
         return out
 
 
@@ -201,8 +227,8 @@ class Router:
     def __init__(self, cluster: Cluster, config: RouterConfig):
         self.cluster = cluster
         self.config = config
-        self.metrics = RouterMetrics(cluster.worker_stats, lambda: (dict(cluster.restarts), dict(cluster.retries))) \
-            if config.metrics_port is not None else None
+        self.metrics = RouterMetrics(cluster.worker_stats, lambda: (dict(cluster.restarts), dict(cluster.retries)),
+                                     lambda: self.service.pool_scale()) if config.metrics_port is not None else None
         self.service = GenerationService(cluster, config, self.metrics)
         self.health = health.aio.HealthServicer()
         self.server: grpc.aio.Server | None = None
@@ -255,6 +281,8 @@ class Router:
             self.metrics_port = self._metrics_server.server_port
             log.info("metrics on %s://%s:%d/metrics", "https" if c.metrics_tls else "http", c.metrics_host,
                      self.metrics_port)
+        if self.service.autoscaler is not None:
+            self.service.autoscaler.start()
         for name in ("", SERVICE_NAME):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         log.info("pdserve listening on %s (%s mode; %s; %s)", address.rsplit(":", 1)[0] + f":{self.port}",
@@ -294,6 +322,8 @@ class Router:
     async def stop(self, grace: float | None = None) -> None:
         """Refuse new requests and let in-flight ones finish within the grace period (the cluster stays up)."""
         self.service.serving = False
+        if self.service.autoscaler is not None:  # the pools keep their size while the router drains
+            await self.service.autoscaler.stop()
         await self.health.enter_graceful_shutdown()
         if self.server is not None:
             await self.server.stop(self.config.drain_timeout_s if grace is None else grace)

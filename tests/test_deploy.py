@@ -402,7 +402,7 @@ def test_validators_reject_unknown_fields():
 
 @names
 def test_head_runs_a_pdserve_serve_the_cli_accepts(name, tmp_path):
-    from router.cli import cluster_config_from_args
+    from router.cli import cluster_config_from_args, worker_range
 
     objs = rendered(name)
     args = serve_args(objs, tmp_path)
@@ -412,8 +412,8 @@ def test_head_runs_a_pdserve_serve_the_cli_accepts(name, tmp_path):
     assert args.host == "0.0.0.0" and args.metrics_host == "0.0.0.0"  # reachable from the Service
     assert args.device.startswith("cuda")
     assert args.model == settings["model"]
-    assert args.prefill_workers == settings["prefill-workers"]
-    assert args.decode_workers == settings["decode-workers"]
+    assert args.prefill_workers == worker_range(settings["prefill-workers"])
+    assert args.decode_workers == worker_range(settings["decode-workers"])
     assert args.worker_gpus == settings["worker-gpus"] > 0
     # serve.yaml reaches the router: the head mounts the ConfigMap where --config looks.
     head = templates(one(objs, "RayCluster"))["head"]
@@ -593,8 +593,11 @@ def test_pools_are_pinned_to_their_groups_by_ray_resources(name, tmp_path):
     assert head["rayStartParams"]["num-cpus"] == "0" and head["rayStartParams"]["num-gpus"] == "0"
     assert not set(ray_resources(head["rayStartParams"])) & {*wanted["prefill"], *wanted["decode"]}
     assert GPU not in ray_container(head["template"]).get("resources", {}).get("limits", {})
-    workers = {"prefill": args.prefill_workers, "decode": args.decode_workers}
+    workers = {"prefill": args.prefill_workers, "decode": args.decode_workers}  # (MIN, MAX)
     autoscaling = rc["spec"].get("enableInTreeAutoscaling", False)
+    # Autoscaled pools and the Ray autoscaler go together: the router asks for workers, the Ray
+    # autoscaler brings the pods that place them.
+    assert autoscaling == any(lo < hi for lo, hi in workers.values())
     for pool, group in worker_groups.items():
         other = "decode" if pool == "prefill" else "prefill"
         offered = ray_resources(group["rayStartParams"])
@@ -607,9 +610,15 @@ def test_pools_are_pinned_to_their_groups_by_ray_resources(name, tmp_path):
         actors_per_pod = min(per_pod)
         assert actors_per_pod >= 1, f"a {pool} pod cannot host one {pool} actor"
         assert 0 <= group["minReplicas"] <= group["replicas"] <= group["maxReplicas"]
-        pods = group["maxReplicas"] if autoscaling else group["replicas"]
-        assert workers[pool] <= actors_per_pod * pods, (
-            f"{workers[pool]} {pool} workers need more than {pods} pods of {actors_per_pod} actor(s) each")
+        lo, hi = workers[pool]
+        if autoscaling:  # the group's bounds are the pool's range, pod for pod
+            assert actors_per_pod == 1, f"{pool}: one worker per pod, or the group's bounds cannot follow the pool"
+            assert (group["minReplicas"], group["replicas"], group["maxReplicas"]) == (lo, lo, hi), (
+                f"{pool}: group replicas {group['minReplicas']}/{group['replicas']}/{group['maxReplicas']} "
+                f"(min/start/max) are not the pool's range {lo}:{hi}")
+        else:
+            assert hi <= actors_per_pod * group["replicas"], (
+                f"{hi} {pool} workers need more than {group['replicas']} pods of {actors_per_pod} actor(s) each")
 
 
 @names
@@ -631,7 +640,7 @@ def test_dev_overlay_fits_one_gpu_node(tmp_path):
     rc = one(objs, "RayCluster")
     args = serve_args(objs, tmp_path)
     assert not rc["spec"].get("enableInTreeAutoscaling", False)
-    assert args.prefill_workers == args.decode_workers == 1
+    assert args.prefill_workers == args.decode_workers == (1, 1)
     total_gpus = 0
     for pool, group in groups(rc).items():
         assert group["replicas"] == group["minReplicas"] == group["maxReplicas"] == 1, pool

@@ -21,15 +21,11 @@ from pathlib import Path
 import grpc
 import pytest
 import ray
-import torch
 from conftest import wait_for
+from served import Served, Streams, assert_exact, prompts
 
 from pdserve.client import AsyncClient
 from pdserve.config import CacheConfig, ClusterConfig, EngineConfig, PoolConfig, SchedulerConfig
-from pdserve.engine import LLMEngine
-from pdserve.sampling import SamplingParams
-from router.cluster import Cluster
-from router.server import Router, RouterConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 STALL_S = 2.0  # how long an armed fault point holds a worker: the kill comes well within it
@@ -89,46 +85,6 @@ def cluster_config(model: Path, decode_workers: int = 1, **kw) -> ClusterConfig:
     return ClusterConfig(**opts)
 
 
-class Served:
-    """A cluster behind a gRPC router, with the offline engine's answers for its prompts."""
-
-    def __init__(self, aloop, config: ClusterConfig):
-        self.aloop = aloop
-        self.cluster = Cluster(config)
-        aloop.run(self.cluster.start(), timeout=600)
-        self.router = Router(self.cluster, RouterConfig(port=0))
-        aloop.run(self.router.start())
-        self.target = f"127.0.0.1:{self.router.port}"
-        self.sizes = {name: pool.num_workers for name, pool in config.pools.items()}
-        self.offline = LLMEngine(config.engine)
-
-    def reference(self, batch, max_tokens):
-        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-        return [c.token_ids for c in self.offline.generate(batch, params)]
-
-    def worker(self, pool: str, index: int = 0):
-        return self.cluster.pools[pool][index]
-
-    def stats(self):
-        return self.aloop.run(self.cluster.stats())
-
-    def pid(self, worker) -> int:
-        return next(s.pid for s in self.stats() if s.worker_id == worker.worker_id)
-
-    def settle(self) -> None:
-        """Pools back to size, no KV block used anywhere, no KV channel kept to a worker that is gone."""
-        wait_for(lambda: all(len(self.cluster.pools[p]) == n for p, n in self.sizes.items()), timeout=120,
-                 what="the pools to be back to their configured size")
-        wait_for(lambda: sum(s.kv_blocks_used for s in self.stats()) == 0, timeout=60,
-                 what="zero used KV blocks on every worker")
-        wait_for(lambda: all(s.kv_peers <= len(self.cluster.pools["decode" if s.pool == "prefill" else "prefill"])
-                             for s in self.stats()), timeout=30, what="no KV channel kept to a lost worker")
-
-    def close(self) -> None:
-        self.aloop.run(self.router.stop(grace=5))
-        self.aloop.run(self.cluster.shutdown())
-
-
 @pytest.fixture(scope="module")
 def one_one(ray_local, aloop, tiny_checkpoints):
     s = Served(aloop, cluster_config(tiny_checkpoints["llama"]))
@@ -143,60 +99,7 @@ def one_two(ray_local, aloop, tiny_checkpoints):
     s.close()
 
 
-def prompts(n, seed=21):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(1, 300, (int(torch.randint(4, 60, (1,), generator=g)),), generator=g).tolist()
-            for _ in range(n)]
-
-
 # -- running a row ----------------------------------------------------------------------------------
-
-@dataclass
-class Outcome:
-    tokens: list[int]
-    code: grpc.StatusCode
-    details: str
-
-
-class Streams:
-    """Greedy streams through the gRPC router, started at once; progress is readable while they run."""
-
-    def __init__(self, served: Served, batch, max_tokens: int):
-        self.served, self.batch, self.max_tokens = served, batch, max_tokens
-        self.progress = [0] * len(batch)
-        self.future = asyncio.run_coroutine_threadsafe(self._run(), served.aloop.loop)
-
-    async def _run(self) -> list[Outcome]:
-        async with AsyncClient(self.served.target) as c:
-            return await asyncio.gather(*(self._one(c, i, p) for i, p in enumerate(self.batch)))
-
-    async def _one(self, c: AsyncClient, i: int, prompt) -> Outcome:
-        tokens: list[int] = []
-        try:
-            async for r in c.generate(token_ids=prompt, max_tokens=self.max_tokens, temperature=0.0, ignore_eos=True,
-                                      timeout=300):
-                tokens += r.token_ids
-                self.progress[i] = len(tokens)
-        except grpc.aio.AioRpcError as e:
-            return Outcome(tokens, e.code(), e.details())
-        return Outcome(tokens, grpc.StatusCode.OK, "")
-
-    def wait_progress(self, at_least: int, timeout: float = 60) -> None:
-        wait_for(lambda: min(self.progress) >= at_least or self.future.done(), timeout,
-                 what=f"every stream to have {at_least} tokens")
-        assert not self.future.done(), "the streams ended before the fault"
-
-    def result(self, row: Row, fault_at: float) -> list[Outcome]:
-        out = self.future.result(row.bound_s + 30)
-        elapsed = time.monotonic() - fault_at
-        assert elapsed < row.bound_s, f"{row.id}: the last stream ended {elapsed:.1f} s after the fault"
-        return out
-
-
-def assert_exact(outcomes: list[Outcome], reference: list[list[int]]) -> None:
-    assert [(o.code, o.details) for o in outcomes] == [(grpc.StatusCode.OK, "")] * len(outcomes)
-    assert [o.tokens for o in outcomes] == reference  # nothing lost, repeated or skipped
-
 
 def kill(served: Served, worker, how: str, pid: int) -> float:
     t = time.monotonic()
@@ -230,7 +133,7 @@ def test_prefill_worker_dies(one_one, row, how):
     if point != "step":  # after its step: the first tokens are out, the KV is still here
         streams.wait_progress(1)
     t = kill(s, victim, how, pid)
-    assert_exact(streams.result(ROWS[row], t), reference)
+    assert_exact(streams.result(ROWS[row].bound_s, t, ROWS[row].id), reference)
     s.settle()
     assert s.worker("prefill").worker_id != victim.worker_id
 
@@ -254,7 +157,7 @@ def test_decode_worker_dies_during_the_hand_off(one_one, row, how):
         streams = Streams(s, batch, 24)
         reached(prefill, "mid_send")
     t = kill(s, victim, how, pid)
-    assert_exact(streams.result(ROWS[row], t), reference)
+    assert_exact(streams.result(ROWS[row].bound_s, t, ROWS[row].id), reference)
     s.settle()
 
 
@@ -270,7 +173,7 @@ def test_decode_worker_dies_mid_stream_1p2d(one_two, how):
     streams = Streams(s, batch, 160)
     reached(victim, "step")
     t = kill(s, victim, how, pid)
-    assert_exact(streams.result(ROWS["decode-mid-stream"], t), reference)
+    assert_exact(streams.result(ROWS["decode-mid-stream"].bound_s, t, ROWS["decode-mid-stream"].id), reference)
     assert s.cluster.retries["decode_lost"] >= 1
     s.settle()
 
@@ -293,7 +196,7 @@ def test_stuck_worker_is_killed_and_replaced(one_one, pool):
     t = time.monotonic()
     os.kill(pid, signal.SIGSTOP)
     try:
-        assert_exact(streams.result(ROWS[f"{pool}-stuck"], t), reference)
+        assert_exact(streams.result(ROWS[f"{pool}-stuck"].bound_s, t, ROWS[f"{pool}-stuck"].id), reference)
         assert s.cluster.restarts[pool] == restarts + 1
         s.settle()
         # The stopped process is killed, not left behind to wake up later.
@@ -326,13 +229,13 @@ def test_stalled_transfer_is_retried_then_unavailable(one_one):
     ray.get(prefill.handle.inject_fault.remote("send", TRANSFER_TIMEOUT_S + 1.5))
     streams = Streams(s, batch[:1], 24)
     t = time.monotonic()
-    assert_exact(streams.result(ROWS["transfer-stalled"], t), reference[:1])
+    assert_exact(streams.result(ROWS["transfer-stalled"].bound_s, t, ROWS["transfer-stalled"].id), reference[:1])
     assert s.cluster.retries["transfer_failed"] == failures + 1
     s.settle()
     ray.get(prefill.handle.inject_fault.remote("send", TRANSFER_TIMEOUT_S + 1.5, 2))
     streams = Streams(s, batch[1:], 24)
     t = time.monotonic()
-    (out,) = streams.result(ROWS["transfer-stalled-twice"], t)
+    (out,) = streams.result(ROWS["transfer-stalled-twice"].bound_s, t, ROWS["transfer-stalled-twice"].id)
     assert out.code == grpc.StatusCode.UNAVAILABLE and "transfer" in out.details
     # Each attempt's first token came from the prefill worker before its KV failed: two, in order.
     assert out.tokens == reference[1][:2]
@@ -348,7 +251,7 @@ def test_corrupted_transfer_is_caught_and_retried(one_one):
     ray.get(s.worker("prefill").handle.inject_fault.remote("corrupt"))
     streams = Streams(s, batch, 24)
     t = time.monotonic()
-    assert_exact(streams.result(ROWS["transfer-corrupted"], t), reference)
+    assert_exact(streams.result(ROWS["transfer-corrupted"].bound_s, t, ROWS["transfer-corrupted"].id), reference)
     after = next(x.transfer["checksum_failures"] for x in s.stats() if x.worker_id == decode.worker_id)
     assert after == before + 1
     s.settle()
@@ -403,14 +306,14 @@ def test_replacement_that_fails_to_start(ray_local, aloop, tiny_checkpoints, tmp
         reached(victim, "step")
         model.rename(tmp_path / "gone")  # the model volume is gone: every replacement fails to load
         t = kill(s, victim, "SIGKILL", pid)
-        for out in streams.result(ROWS["replacement-fails"], t):
+        for out in streams.result(ROWS["replacement-fails"].bound_s, t, ROWS["replacement-fails"].id):
             assert out.code == grpc.StatusCode.UNAVAILABLE and "no decode worker" in out.details, out
         wait_for(lambda: s.cluster._pools.start_failures["decode"] >= 1, 60, what="a replacement to fail")
         assert s.cluster.pools["decode"] == []
         (tmp_path / "gone").rename(model)  # back: the next try starts (after its backoff)
         s.settle()
         streams = Streams(s, batch, 40)
-        assert_exact(streams.result(ROWS["replacement-fails"], time.monotonic()), reference)
+        assert_exact(streams.result(ROWS["replacement-fails"].bound_s, time.monotonic(), ROWS["replacement-fails"].id), reference)
         s.settle()
     finally:
         s.close()

@@ -10,13 +10,15 @@ import subprocess
 import threading
 import urllib.parse
 import urllib.request
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import yaml
 from conftest import wait_for
 
-from pdserve.config import CacheConfig, ClusterConfig, EngineConfig, ModelConfig, PoolConfig, SchedulerConfig
+from pdserve.config import (AutoscaleConfig, CacheConfig, ClusterConfig, EngineConfig, ModelConfig, PoolConfig,
+                            SchedulerConfig)
 from pdserve.kv_transfer import TRANSFER_SECONDS_BUCKETS
 from pdserve.messages import WorkerStats
 from pdserve.metrics import RouterMetrics
@@ -167,7 +169,7 @@ def test_dashboard_is_grafana_shaped():
     d = json.loads(DASHBOARD.read_text())
     assert d["templating"]["list"][0]["type"] == "datasource"
     rows = [p["title"] for p in d["panels"] if p["type"] == "row"]
-    assert rows == ["Prefill pool", "Decode pool", "Latency", "KV transfer"]
+    assert rows == ["Prefill pool", "Decode pool", "Latency", "KV transfer", "Pool sizes (autoscaling)"]
     for p in d["panels"]:
         if p["type"] != "row":
             assert p["datasource"]["uid"] == "${datasource}" and p["targets"]
@@ -238,7 +240,10 @@ def test_prometheus_scrapes_every_dashboard_and_rule_expression(ray_local, aloop
     cache = CacheConfig(block_size=4, num_blocks=256)
     engine = EngineConfig(model=str(tiny_checkpoints["llama"]), cache=cache)
     pool = PoolConfig(1, num_cpus=0.25, cache=cache, scheduler=SchedulerConfig(max_num_batched_tokens=64))
-    cluster = Cluster(ClusterConfig(engine=engine, prefill=pool, decode=pool, stats_interval_s=0.5))
+    # The prefill pool autoscaled (1:2; an H100's roofline finds one worker plenty for the tiny model,
+    # so it stays at 1) so that the pool-size panels have their series.
+    cluster = Cluster(ClusterConfig(engine=engine, prefill=replace(pool, max_workers=2), decode=pool,
+                                    stats_interval_s=0.5, autoscale=AutoscaleConfig(gpu="H100")))
     aloop.run(cluster.start(), timeout=600)
     router = Router(cluster, RouterConfig(port=0, metrics_port=0))
     aloop.run(router.start())

@@ -17,12 +17,12 @@ def test_file_values_become_the_flags_defaults_and_flags_win(tmp_path):
                           "prefill-resource: [prefill=1]\ntransfer-timeout: 12\n")
     assert parse_args(["serve", "--config", cfg]).mode == "colocated"
     args = parse_args(["serve", "--config", cfg, "--decode-workers", "5", "--mode", "disaggregated"])
-    assert (args.prefill_workers, args.decode_workers, args.kv_cache_mib) == (2, 5, 256)
+    assert (args.prefill_workers, args.decode_workers, args.kv_cache_mib) == ((2, 2), (5, 5), 256)
     assert args.mode == "disaggregated" and args.prefill_resource == ["prefill=1"]
     assert args.transfer_timeout == 12.0 and isinstance(args.transfer_timeout, float)
     cluster = cluster_config_from_args(args)
     assert cluster.prefill.resources == {"prefill": 1.0} and cluster.decode.num_workers == 5
-    assert parse_args(["serve"]).prefill_workers == 1  # no file: the built-in defaults
+    assert parse_args(["serve"]).prefill_workers == (1, 1)  # no file: the built-in defaults
 
 
 @pytest.mark.parametrize("text, message", [

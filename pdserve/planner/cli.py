@@ -92,20 +92,11 @@ def _costs_and_model(args: argparse.Namespace) -> tuple[Any, dict[str, Any], int
     if (args.profile is None) == (args.gpu is None):
         raise ValueError("give --profile FILE, or --gpu NAME with --model M")
     if args.profile:
-        from pdserve.planner.costs import MeasuredCosts
+        from pdserve.planner.profile import read_profile
 
         if args.model:
             raise ValueError("--model goes with --gpu; a profile names its own model")
-        try:
-            prof = json.loads(Path(args.profile).read_text())
-            if prof.get("version") != 1:
-                raise ValueError(f"version {prof.get('version')!r}")
-            model = prof["model"]
-            for key in ("vocab_size", "eos_token_ids", "max_model_len"):
-                model[key]
-            return MeasuredCosts.from_dict(prof["costs"]), model, int(prof["kv_cache_bytes"]), int(prof["block_size"])
-        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:  # JSONDecodeError: a ValueError
-            raise ValueError(f"{args.profile} is not a pdserve profile ({type(e).__name__}: {e})") from None
+        return read_profile(args.profile)
     from pdserve.planner.hardware import gpu, kv_budget_bytes, resolve_model, roofline
 
     if not args.model:

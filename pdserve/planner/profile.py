@@ -22,6 +22,7 @@ first prefilling it. Each point is the median of a few steps after one warm-up. 
 from __future__ import annotations
 
 import datetime as dt
+import json
 import multiprocessing as mp
 import os
 import platform
@@ -29,13 +30,14 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
 from pdserve.config import CacheConfig, EngineConfig, SchedulerConfig, kv_bytes_per_token
-from pdserve.planner.costs import Transport, attention_pairs, fit_measured, fit_nonnegative
+from pdserve.planner.costs import MeasuredCosts, Transport, attention_pairs, fit_measured, fit_nonnegative
 from pdserve.request import Request, RequestStatus
 from pdserve.sampling import SamplingParams
 from pdserve.utilization import weight_bytes
@@ -358,3 +360,17 @@ def profile_config(model: str | None, load_format: str, dtype: str, quantization
                    kv_cache_mib: int, block_size: int) -> EngineConfig:
     return EngineConfig(model=model, load_format=load_format, dtype=dtype, quantization=quantization, device=device,
                         cache=CacheConfig(block_size=block_size, memory_bytes=kv_cache_mib << 20))
+
+
+def read_profile(path: str) -> tuple[MeasuredCosts, dict[str, Any], int, int]:
+    """A profile written by `pdserve profile`: (costs, model facts, KV cache bytes, block size)."""
+    try:
+        prof = json.loads(Path(path).read_text())
+        if prof.get("version") != 1:
+            raise ValueError(f"version {prof.get('version')!r}")
+        model = prof["model"]
+        for key in ("vocab_size", "eos_token_ids", "max_model_len"):
+            model[key]
+        return MeasuredCosts.from_dict(prof["costs"]), model, int(prof["kv_cache_bytes"]), int(prof["block_size"])
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:  # JSONDecodeError: a ValueError
+        raise ValueError(f"{path} is not a pdserve profile ({type(e).__name__}: {e})") from None

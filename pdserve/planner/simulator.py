@@ -25,6 +25,12 @@ worker's cache is counted in `kv_overflows` and the plan marks the configuration
 recomputed), and per-block rounding of a running request's growth (its blocks are its tokens / block
 size plus half a block). Ray and gRPC hops are the constant latencies of ClusterShape.
 
+Autoscaling: given an Autoscaler (pdserve.planner.autoscale), the simulator asks it every interval
+with the demand the router would see (the same DemandWindow, queues, requests on decode workers and
+their KV) and acts as router.pools does: a new worker is placeable startup_s after it was asked for;
+a drained one takes no new requests and leaves once its last request is done. Worker-seconds count
+each worker from the moment it was asked for to the moment it left.
+
 Per step the work is O(requests joining or finishing), never O(batch): a running request's context
 grows by one token a step, so the decode context of a step is a running sum plus the batch times
 the step index, and finishing steps sit in a heap.
@@ -38,6 +44,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from pdserve.planner.autoscale import Autoscaler, Demand, DemandWindow
 from pdserve.planner.costs import StepCosts, attention_pairs
 
 
@@ -103,6 +110,8 @@ class SimResult:
     busy_s: dict[str, float]  # worker -> seconds spent in steps
     kv_overflows: int  # decode steps that needed more blocks than the worker has (preemption in reality)
     steps: int
+    worker_seconds: float = 0.0  # summed over workers, from asked for to gone (or the last request's end)
+    sizes: list[tuple[float, int, int]] = field(default_factory=list)  # autoscaled: (time, prefill, decode) after each change
 
     @property
     def ok(self) -> np.ndarray:
@@ -142,7 +151,7 @@ class _StepWork:
 
 
 # Event kinds; the heap holds (time, seq, kind, worker).
-_PREFILL_END, _DECODE_END, _COLOCATED_END, _LANDED, _WAKE = range(5)
+_PREFILL_END, _DECODE_END, _COLOCATED_END, _LANDED, _WAKE, _SCALE, _PREFILL_READY, _DECODE_READY = range(8)
 
 
 def _completed(step: list[tuple[int, int]], in_progress: list[list[int]], n_in: list[int]) -> list[int]:
@@ -158,7 +167,15 @@ def _completed(step: list[tuple[int, int]], in_progress: list[list[int]], n_in: 
     return done
 
 
-class _Prefill:
+class _Lifecycle:
+    """When a worker was asked for, when it left, and whether placement sees it."""
+
+    born = 0.0
+    left = math.inf
+    state = "ready"  # starting | ready | draining | gone
+
+
+class _Prefill(_Lifecycle):
     def __init__(self, index: int, shape: PoolShape):
         self.index, self.name, self.shape = index, f"prefill-{index}", shape
         self.waiting: deque[int] = deque()
@@ -172,7 +189,7 @@ class _Prefill:
         self.peak = 0
 
 
-class _Decode:
+class _Decode(_Lifecycle):
     def __init__(self, index: int, name: str, shape: PoolShape):
         self.index, self.name, self.shape = index, name, shape
         self.to_reserve: deque[int] = deque()
@@ -211,11 +228,14 @@ class _Decode:
 
 
 def simulate(shape: ClusterShape, costs: StepCosts, arrival: np.ndarray, input_len: np.ndarray,
-             output_len: np.ndarray, concurrency: int | None = None) -> SimResult:
+             output_len: np.ndarray, concurrency: int | None = None, autoscaler: Autoscaler | None = None,
+             interval_s: float = 2.0, window_s: float = 30.0, startup_s: float = 60.0) -> SimResult:
     """Run the workload (arrays of one entry per request, arrival times non-decreasing) to the end.
 
     concurrency: the client's cap on requests in flight (pdserve bench --concurrency): a request due
     while the cap is reached is sent when one ends, and its times count from then, as bench's do.
+    autoscaler: decides the prefill and decode pools' sizes every interval_s (the shape's sizes are
+    where they start); a worker it starts is placeable startup_s later.
     """
     n = len(arrival)
     arr = [float(x) for x in arrival]
@@ -265,18 +285,68 @@ def simulate(shape: ClusterShape, costs: StepCosts, arrival: np.ndarray, input_l
     def blocks(tokens: int) -> int:
         return (tokens + bs - 1) // bs
 
+    window = DemandWindow(window_s, 0.0)
+    sizes: list[tuple[float, int, int]] = []
+
+    # -- scaling (autoscaler given) ---------------------------------------------------------------
+    def leave_if_done(w: _Prefill | _Decode, now: float) -> None:
+        """A draining worker leaves once nothing of any request is on it."""
+        if w.state != "draining" or w.busy:
+            return
+        if isinstance(w, _Prefill):
+            done = not w.waiting and not w.running and w.free == w.shape.kv_blocks  # no KV held either
+        else:
+            done = w.active == 0
+        if done:
+            w.state, w.left = "gone", now
+
+    def scale(now: float) -> None:
+        rate, input_len, output_len = window.observe(now)
+        live = [w for w in (*prefills, *decodes) if w.state in ("ready", "draining")]
+        demand = Demand(rate, input_len, output_len,
+                        sum(w.queued_tokens for w in live if isinstance(w, _Prefill))
+                        + round(len(router_queue) * input_len),
+                        sum(w.active for w in live if isinstance(w, _Decode)),
+                        sum(w.used_blocks() for w in live if isinstance(w, _Decode)))
+        pools = {"prefill": prefills, "decode": decodes}
+        current = {name: sum(w.state in ("starting", "ready") for w in ws) for name, ws in pools.items()}
+        changed = False
+        for d in autoscaler.decide(now, demand, {p: current[p] for p in autoscaler.ranges}):
+            ws = pools[d.pool]
+            if d.direction == "up":
+                for _ in range(d.desired - d.current):
+                    w = _Prefill(len(ws), shape.prefill) if d.pool == "prefill" else \
+                        _Decode(len(ws), f"decode-{len(ws)}", shape.decode)
+                    w.state, w.born = "starting", now
+                    ws.append(w)
+                    push(now + startup_s, _PREFILL_READY if d.pool == "prefill" else _DECODE_READY, w.index)
+            elif d.direction == "down":
+                ready = [w for w in ws if w.state == "ready"]
+                load = (lambda w: (w.queued_tokens, -w.index)) if d.pool == "prefill" else (lambda w: (w.active, -w.index))
+                for w in sorted(ready, key=load)[:min(d.current - d.desired, len(ready) - 1)]:
+                    w.state = "draining"
+                    leave_if_done(w, now)
+            changed |= d.direction != "none"
+        if changed:
+            sizes.append((now, *(sum(w.state in ("starting", "ready") for w in pools[p]) for p in ("prefill", "decode"))))
+        if i < n or running_requests or client_queue:
+            push(now + interval_s, _SCALE, 0)
+
+    def ready(w: _Prefill | _Decode) -> None:
+        w.state = "ready"
+
     # -- router ---------------------------------------------------------------------------------
     def place(r: int, now: float) -> None:
         nonlocal running_requests
         running_requests += 1
-        d = min(decodes, key=lambda w: (w.active, -w.free_blocks()))
+        d = min((w for w in decodes if w.state == "ready"), key=lambda w: (w.active, -w.free_blocks()))
         if shape.mode == "colocated":
             d.active += 1
             d.waiting.append(r)
             if not d.busy:
                 colocated_step(d, now)
             return
-        p = min(prefills, key=lambda w: w.queued_tokens)
+        p = min((w for w in prefills if w.state == "ready"), key=lambda w: w.queued_tokens)
         prefill_of[r] = p.index
         p.queued_tokens += n_in[r]
         p.waiting.append(r)
@@ -296,6 +366,7 @@ def simulate(shape: ClusterShape, costs: StepCosts, arrival: np.ndarray, input_l
             return
         in_flight += 1
         arr[r] = t
+        window.arrived(t, n_in[r], n_out[r])
         if running_requests < shape.max_running:
             place(r, t)
         elif len(router_queue) < shape.max_queued:
@@ -313,6 +384,7 @@ def simulate(shape: ClusterShape, costs: StepCosts, arrival: np.ndarray, input_l
     def finished(r: int, t: float) -> None:
         nonlocal running_requests
         end[r] = t
+        window.finished(t, n_out[r])
         running_requests -= 1
         if router_queue:
             place(router_queue.popleft(), t)
@@ -338,6 +410,7 @@ def simulate(shape: ClusterShape, costs: StepCosts, arrival: np.ndarray, input_l
             w.add(r, 0, n_in[r], min(n_in[r], w.budget))
         if not w.chunks:
             p.busy = False
+            leave_if_done(p, now)
             return
         nonlocal steps
         steps += 1
@@ -446,6 +519,7 @@ def simulate(shape: ClusterShape, costs: StepCosts, arrival: np.ndarray, input_l
         reserve(d, now)
         if not d.batch:
             d.busy = False
+            leave_if_done(d, now)
             return
         decodes_only(d, now, _DECODE_END)
 
@@ -549,7 +623,15 @@ def simulate(shape: ClusterShape, costs: StepCosts, arrival: np.ndarray, input_l
         _COLOCATED_END: lambda who, t: colocated_end(decodes[who], t),
         _LANDED: lambda who, t: landed(who, t),
         _WAKE: lambda who, t: decode_step(decodes[who], t),
+        _SCALE: lambda who, t: scale(t),
+        _PREFILL_READY: lambda who, t: ready(prefills[who]),
+        _DECODE_READY: lambda who, t: ready(decodes[who]),
     }
+    if autoscaler is not None:
+        if shape.mode != "disaggregated":
+            raise ValueError("the simulator autoscales disaggregated pools only")
+        push(interval_s, _SCALE, 0)
+        sizes.append((0.0, len(prefills), len(decodes)))
     i = 0  # the next request of the schedule (decodes_only reads it)
     while i < n or events:
         if i < n and (not events or arr[i] <= events[0][0]):
@@ -559,6 +641,9 @@ def simulate(shape: ClusterShape, costs: StepCosts, arrival: np.ndarray, input_l
         t, _, kind, who = heapq.heappop(events)
         handlers[kind](who, t)
     workers = [*prefills, *decodes]
+    last = max((t for t in end if t == t), default=0.0)
+    worker_seconds = sum(max(0.0, min(w.left, last) - w.born) for w in workers)
     return SimResult(np.array(arr), np.asarray(input_len), np.asarray(output_len),
                      np.array(first), np.array(second), np.array(end), np.array(rejected),
-                     {w.name: w.peak for w in workers}, {w.name: w.busy_s for w in workers}, overflows, steps)
+                     {w.name: w.peak for w in workers}, {w.name: w.busy_s for w in workers}, overflows, steps,
+                     worker_seconds, sizes)

@@ -151,7 +151,7 @@ class GetClusterStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStatus(_message.Message):
-    __slots__ = ("worker_id", "pool", "waiting_requests", "waiting_tokens", "running_requests", "kv_blocks_used", "kv_blocks_total", "busy_fraction", "steps", "tokens_processed")
+    __slots__ = ("worker_id", "pool", "waiting_requests", "waiting_tokens", "running_requests", "kv_blocks_used", "kv_blocks_total", "busy_fraction", "steps", "tokens_processed", "state")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     POOL_FIELD_NUMBER: _ClassVar[int]
     WAITING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
@@ -162,6 +162,7 @@ class WorkerStatus(_message.Message):
     BUSY_FRACTION_FIELD_NUMBER: _ClassVar[int]
     STEPS_FIELD_NUMBER: _ClassVar[int]
     TOKENS_PROCESSED_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     pool: str
     waiting_requests: int
@@ -172,21 +173,30 @@ class WorkerStatus(_message.Message):
     busy_fraction: float
     steps: int
     tokens_processed: int
-    def __init__(self, worker_id: _Optional[str] = ..., pool: _Optional[str] = ..., waiting_requests: _Optional[int] = ..., waiting_tokens: _Optional[int] = ..., running_requests: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., busy_fraction: _Optional[float] = ..., steps: _Optional[int] = ..., tokens_processed: _Optional[int] = ...) -> None: ...
+    state: str
+    def __init__(self, worker_id: _Optional[str] = ..., pool: _Optional[str] = ..., waiting_requests: _Optional[int] = ..., waiting_tokens: _Optional[int] = ..., running_requests: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., busy_fraction: _Optional[float] = ..., steps: _Optional[int] = ..., tokens_processed: _Optional[int] = ..., state: _Optional[str] = ...) -> None: ...
 
 class PoolStatus(_message.Message):
-    __slots__ = ("name", "workers", "waiting_requests", "kv_usage", "busy_fraction")
+    __slots__ = ("name", "workers", "waiting_requests", "kv_usage", "busy_fraction", "current_workers", "desired_workers", "min_workers", "max_workers")
     NAME_FIELD_NUMBER: _ClassVar[int]
     WORKERS_FIELD_NUMBER: _ClassVar[int]
     WAITING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     KV_USAGE_FIELD_NUMBER: _ClassVar[int]
     BUSY_FRACTION_FIELD_NUMBER: _ClassVar[int]
+    CURRENT_WORKERS_FIELD_NUMBER: _ClassVar[int]
+    DESIRED_WORKERS_FIELD_NUMBER: _ClassVar[int]
+    MIN_WORKERS_FIELD_NUMBER: _ClassVar[int]
+    MAX_WORKERS_FIELD_NUMBER: _ClassVar[int]
     name: str
     workers: _containers.RepeatedCompositeFieldContainer[WorkerStatus]
     waiting_requests: int
     kv_usage: float
     busy_fraction: float
-    def __init__(self, name: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., waiting_requests: _Optional[int] = ..., kv_usage: _Optional[float] = ..., busy_fraction: _Optional[float] = ...) -> None: ...
+    current_workers: int
+    desired_workers: int
+    min_workers: int
+    max_workers: int
+    def __init__(self, name: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., waiting_requests: _Optional[int] = ..., kv_usage: _Optional[float] = ..., busy_fraction: _Optional[float] = ..., current_workers: _Optional[int] = ..., desired_workers: _Optional[int] = ..., min_workers: _Optional[int] = ..., max_workers: _Optional[int] = ...) -> None: ...
 
 class ClusterStatus(_message.Message):
     __slots__ = ("mode", "pools", "requests_running", "requests_queued", "queue_capacity", "serving")

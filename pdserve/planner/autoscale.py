@@ -1,0 +1,223 @@
+"""Autoscaling: how many workers each pool needs now, by the planner's cost model.
+
+The live cluster (router.autoscaler) and the simulator (pdserve.planner.simulator) ask the same
+Autoscaler, so what the simulator says of the policy over a long trace is what the cluster does.
+
+Each pool is sized from what it must sustain, through the cost model (pdserve.planner.costs), not by
+one threshold on one signal:
+
+- prefill: the prompt tokens arriving per second over what one worker computes per second with its
+  token budget full, at a utilization whose queueing still lets a prompt of the mean length start
+  within the TTFT target; plus the prompt tokens already waiting, which must be computed within the
+  TTFT target or, when a new worker takes longer than that to be ready, within its start-up time
+  (a worker that arrives after the backlog is gone helps nobody).
+- decode: one worker runs at most b* requests, the largest batch whose step (at the mean context)
+  stays within the TPOT target and whose KV fits its cache. The requests decoding at once are, by
+  Little's law, arrival rate x output length x step time; the pool needs that over b*, and never fewer
+  workers than the requests it already holds over b*, nor than its KV in use needs.
+
+Hysteresis: a pool grows as soon as it needs to; it shrinks only to the largest size it needed over
+the last scale_down_delay_s seconds (the stabilization window of Kubernetes' HPA), so a burst's lull
+between two waves does not drain workers the next wave needs.
+"""
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass
+
+from pdserve.planner.costs import StepCosts, attention_pairs
+
+# The share of a worker's throughput the sizing plans for at most: the rest absorbs variation in
+# arrivals and lengths that the mean does not show.
+MAX_UTILIZATION = 0.9
+# Decode KV in use that calls for another worker: above it, a growing batch soon preempts.
+KV_HIGH_WATER = 0.85
+
+
+@dataclass(frozen=True)
+class PoolLimits:
+    """What one worker of a pool can hold and compute per step (its SchedulerConfig and KV cache)."""
+
+    kv_blocks: int
+    block_size: int
+    max_num_seqs: int
+    token_budget: int
+
+    def blocks(self, tokens: float) -> int:
+        return math.ceil(tokens / self.block_size)
+
+
+@dataclass(frozen=True)
+class Demand:
+    """The load the pools see now."""
+
+    arrival_rate: float  # requests per second over the window
+    input_len: float  # mean prompt tokens
+    output_len: float  # mean output tokens
+    prefill_backlog_tokens: int  # prompt tokens arrived and not yet computed (router queue included)
+    decode_requests: int  # requests placed on decode workers and not finished
+    decode_kv_blocks: int  # KV blocks in use on the decode workers
+
+
+# Why a pool has the size it has: the term of the sizing that set it, or its range's bound.
+REASONS = ("rate", "backlog", "running", "kv", "minimum", "maximum")
+
+
+@dataclass(frozen=True)
+class Need:
+    workers: int
+    reason: str  # one of REASONS
+
+
+@dataclass(frozen=True)
+class Decision:
+    pool: str
+    current: int
+    desired: int
+    reason: str
+
+    @property
+    def direction(self) -> str:
+        return "up" if self.desired > self.current else "down" if self.desired < self.current else "none"
+
+
+class DemandWindow:
+    """Arrivals and finishes over a sliding window: the arrival rate and mean lengths the sizing uses.
+
+    Output length is that of the requests that finished in the window; before any has, the requested
+    max_tokens of those that arrived (an upper bound, which errs towards more decode workers).
+    """
+
+    def __init__(self, window_s: float, start: float | None = None):
+        """start: when watching began (a rate over less time than that is not a rate); None: the first
+        arrival or observation."""
+        if window_s <= 0:
+            raise ValueError(f"the window must be positive, got {window_s}")
+        self.window_s = window_s
+        self._arrivals: deque[tuple[float, int, int]] = deque()  # (time, prompt tokens, max_tokens)
+        self._finishes: deque[tuple[float, int]] = deque()  # (time, output tokens)
+        self._start = start
+
+    def arrived(self, now: float, prompt_tokens: int, max_tokens: int) -> None:
+        if self._start is None:
+            self._start = now
+        self._arrivals.append((now, prompt_tokens, max_tokens))
+
+    def finished(self, now: float, output_tokens: int) -> None:
+        self._finishes.append((now, output_tokens))
+
+    def observe(self, now: float) -> tuple[float, float, float]:
+        """(arrival rate, mean prompt tokens, mean output tokens) over the window ending now."""
+        if self._start is None:
+            self._start = now
+        for q in (self._arrivals, self._finishes):
+            while q and q[0][0] < now - self.window_s:
+                q.popleft()
+        span = max(min(self.window_s, now - self._start), 1e-9)
+        if not self._arrivals:
+            return 0.0, 0.0, _mean(o for _, o in self._finishes)
+        rate = len(self._arrivals) / max(span, self._arrivals[-1][0] - self._arrivals[0][0], 1e-3)
+        input_len = _mean(p for _, p, _ in self._arrivals)
+        output_len = _mean(o for _, o in self._finishes) if self._finishes else _mean(m for _, _, m in self._arrivals)
+        return rate, input_len, output_len
+
+
+def _mean(values) -> float:
+    v = list(values)
+    return sum(v) / len(v) if v else 0.0
+
+
+def prefill_need(costs: StepCosts, limits: PoolLimits, demand: Demand, ttft_s: float, startup_s: float) -> Need:
+    """Prefill workers for the demand (before the pool's range is applied)."""
+    n_in = max(1, round(demand.input_len))
+    k = max(1, limits.token_budget // n_in)  # prompts of the mean length in one full step
+    tokens = min(k * n_in, max(limits.token_budget, n_in))
+    step = costs.step_time(tokens, k * attention_pairs(0, n_in), k, 0, 0)
+    per_worker = tokens / step  # prompt tokens per second, token budget full
+    alone = costs.step_time(n_in, attention_pairs(0, n_in), 1, 0, 0)
+    # M/D/1: a prompt waits utilization / (2 (1 - utilization)) services on average; the utilization
+    # at which wait + service reaches the TTFT target bounds what the sizing plans for.
+    slack = max(ttft_s - alone, 0.0) / alone
+    rho = min(MAX_UTILIZATION, max(0.1, 2 * slack / (1 + 2 * slack)))
+    by_rate = demand.arrival_rate * demand.input_len / (rho * per_worker)
+    by_backlog = demand.prefill_backlog_tokens / (per_worker * max(ttft_s, startup_s))
+    return _largest({"rate": by_rate, "backlog": by_backlog})
+
+
+def decode_batch(costs: StepCosts, limits: PoolLimits, input_len: float, output_len: float, tpot_s: float) -> int:
+    """b*: the most requests one decode worker runs within the TPOT target, their KV in its cache."""
+    ctx = input_len + output_len / 2  # a running request's mean context over its life
+    fits = max(1, int(limits.kv_blocks * KV_HIGH_WATER) // max(1, limits.blocks(input_len + output_len)))
+    best = 1
+    for b in range(1, min(limits.max_num_seqs, fits) + 1):
+        if costs.step_time(0, 0, 0, b, round(b * ctx)) > tpot_s:
+            break
+        best = b
+    return best
+
+
+def decode_need(costs: StepCosts, limits: PoolLimits, demand: Demand, tpot_s: float) -> Need:
+    """Decode workers for the demand (before the pool's range is applied)."""
+    b = decode_batch(costs, limits, demand.input_len, demand.output_len, tpot_s)
+    ctx = demand.input_len + demand.output_len / 2
+    step = costs.step_time(0, 0, 0, b, round(b * ctx))
+    concurrent = demand.arrival_rate * max(demand.output_len - 1, 0) * step  # Little's law
+    return _largest({"rate": concurrent / (MAX_UTILIZATION * b), "running": demand.decode_requests / b,
+                     "kv": demand.decode_kv_blocks / (KV_HIGH_WATER * limits.kv_blocks)})
+
+
+def _largest(terms: dict[str, float]) -> Need:
+    reason, value = max(terms.items(), key=lambda kv: kv[1])
+    # A hair over an integer is measurement noise, not a worker more.
+    return Need(max(0, math.ceil(value - 1e-6)), reason)
+
+
+class Autoscaler:
+    """Decides each autoscaled pool's size at each call; keeps the history the hysteresis needs."""
+
+    def __init__(self, costs: StepCosts, limits: dict[str, PoolLimits], ranges: dict[str, tuple[int, int]],
+                 ttft_s: float, tpot_s: float, scale_down_delay_s: float, startup_s: float):
+        unknown = set(ranges) - {"prefill", "decode"}
+        if unknown:
+            raise ValueError(f"only prefill and decode pools autoscale, not {sorted(unknown)}")
+        for pool, (lo, hi) in ranges.items():
+            if not 1 <= lo <= hi:
+                raise ValueError(f"{pool}: a range MIN:MAX needs 1 <= MIN <= MAX, got {lo}:{hi}")
+        if min(ttft_s, tpot_s) <= 0 or scale_down_delay_s < 0:
+            raise ValueError("the TTFT and TPOT targets must be positive and the scale-down delay >= 0")
+        self.costs, self.limits, self.ranges = costs, limits, ranges
+        self.ttft_s, self.tpot_s, self.scale_down_delay_s = ttft_s, tpot_s, scale_down_delay_s
+        self.startup_s = startup_s  # how long a new worker takes to be ready: the latest measured
+        self._history: dict[str, deque[tuple[float, Need]]] = {p: deque() for p in ranges}
+
+    def need(self, pool: str, demand: Demand) -> Need:
+        """What the pool needs now, within its range."""
+        if pool == "prefill":
+            need = prefill_need(self.costs, self.limits[pool], demand, self.ttft_s, self.startup_s)
+        else:
+            need = decode_need(self.costs, self.limits[pool], demand, self.tpot_s)
+        lo, hi = self.ranges[pool]
+        if need.workers < lo:
+            return Need(lo, "minimum")
+        if need.workers > hi:
+            return Need(hi, "maximum")
+        return need
+
+    def decide(self, now: float, demand: Demand, current: dict[str, int]) -> list[Decision]:
+        """One decision per autoscaled pool; `current` counts its ready and starting workers."""
+        out = []
+        for pool, history in self._history.items():
+            need = self.need(pool, demand)
+            history.append((now, need))
+            while history[0][0] < now - self.scale_down_delay_s:
+                history.popleft()
+            n = current[pool]
+            if need.workers >= n:
+                out.append(Decision(pool, n, need.workers, need.reason))
+                continue
+            # Down only to what the whole window needed: the largest need in it, and why.
+            held = max((h for _, h in history), key=lambda h: h.workers)
+            desired = min(n, held.workers)
+            out.append(Decision(pool, n, desired, held.reason))
+        return out

@@ -1,0 +1,98 @@
+"""The autoscaler of a running cluster: every interval, the demand the router sees goes to the
+planner's policy (pdserve.planner.autoscale), and its decisions grow pools or drain workers
+(router.pools).
+
+Its costs come from a measured profile (`pdserve profile`) or a GPU's roofline, as `pdserve plan`'s do.
+The latest decision of each pool is kept for `pdserve status` and the metrics.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+
+from pdserve.planner.autoscale import Autoscaler, Decision, PoolLimits
+from pdserve.planner.costs import StepCosts
+from router.cluster import Cluster
+
+log = logging.getLogger(__name__)
+
+# Before any worker has been started and timed, a new one is assumed this long from start to ready.
+STARTUP_GUESS_S = 30.0
+
+
+def cluster_costs(cluster: Cluster) -> StepCosts:
+    """The cost model the autoscaler sizes with: the configured profile, or the configured GPU's roofline."""
+    a, info = cluster.config.autoscale, cluster.info
+    if a.profile is not None:
+        from pdserve.planner.profile import read_profile
+
+        costs, model, _, _ = read_profile(a.profile)
+        if model.get("vocab_size") != info.config.vocab_size or model.get("num_params") not in (None, info.config.num_params):
+            raise ValueError(f"{a.profile} profiles {model.get('name')!r}, not the served model {info.path!r}")
+        return costs
+    from pdserve.planner.hardware import gpu, roofline
+
+    return roofline(info.config, gpu(a.gpu), cluster.config.engine.torch_dtype.itemsize)
+
+
+class AutoscaleLoop:
+    """Runs the policy over the cluster's pools; `queued` gives the requests waiting for admission."""
+
+    def __init__(self, cluster: Cluster, queued: Callable[[], int] = lambda: 0):
+        c = cluster.config
+        self.cluster, self.queued = cluster, queued
+        limits = {}
+        for name in c.ranges:
+            engine = c.engine_for(c.pools[name])
+            limits[name] = PoolLimits(engine.cache.resolve_num_blocks(cluster.info.config, engine.torch_dtype),
+                                      engine.cache.block_size, engine.scheduler.max_num_seqs,
+                                      engine.scheduler.max_num_batched_tokens)
+        a = c.autoscale
+        self.policy = Autoscaler(cluster_costs(cluster), limits, c.ranges, a.ttft_target_s, a.tpot_target_s,
+                                 a.scale_down_delay_s, cluster.scaling.last_start_seconds() or STARTUP_GUESS_S)
+        self.decisions: dict[str, Decision] = {}
+        self._task: asyncio.Task | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+
+    async def _run(self) -> None:
+        while True:
+            await asyncio.sleep(self.cluster.config.autoscale.interval_s)
+            try:
+                self.step(time.monotonic())
+            except Exception:  # noqa: BLE001 - a bad decision must not stop the next one
+                log.exception("autoscaler step failed")
+
+    def step(self, now: float) -> list[Decision]:
+        """Decide each autoscaled pool's size now and act on it."""
+        pools = self.cluster.scaling
+        startup = pools.last_start_seconds()
+        if startup is not None:
+            self.policy.startup_s = startup
+        demand = self.cluster.load(now, self.queued())
+        decisions = self.policy.decide(now, demand, {p: pools.size(p) for p in self.policy.ranges})
+        for d in decisions:
+            self.decisions[d.pool] = d
+            if d.direction == "none":
+                continue
+            log.info("%s pool: %d -> %d workers (%s; %.2f req/s, prompts %.0f, outputs %.0f tokens, %d prompt "
+                     "tokens waiting, %d requests on decode)", d.pool, d.current, d.desired, d.reason,
+                     demand.arrival_rate, demand.input_len, demand.output_len, demand.prefill_backlog_tokens,
+                     demand.decode_requests)
+            if d.direction == "up":
+                pools.grow(d.pool, d.desired - d.current, d.reason)
+            else:
+                pools.drain(d.pool, d.current - d.desired, d.reason)
+        return decisions
+
+    def desired(self, pool: str) -> int | None:
+        d = self.decisions.get(pool)
+        return d.desired if d is not None else None

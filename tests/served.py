@@ -1,0 +1,114 @@
+"""A real local Ray cluster behind the real gRPC router, greedy streams through it from a real client,
+and the offline engine's answers to check them against: what the cluster tests share."""
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+
+import grpc
+import torch
+from conftest import wait_for
+
+from pdserve.client import AsyncClient
+from pdserve.config import ClusterConfig
+from pdserve.engine import LLMEngine
+from pdserve.sampling import SamplingParams
+from router.cluster import Cluster
+from router.server import Router, RouterConfig
+
+
+class Served:
+    """A cluster behind a gRPC router, with the offline engine's answers for its prompts."""
+
+    def __init__(self, aloop, config: ClusterConfig, router: RouterConfig | None = None):
+        self.aloop = aloop
+        self.cluster = Cluster(config)
+        aloop.run(self.cluster.start(), timeout=600)
+        self.router = Router(self.cluster, router or RouterConfig(port=0))
+        aloop.run(self.router.start())
+        self.target = f"127.0.0.1:{self.router.port}"
+        self.sizes = {name: pool.num_workers for name, pool in config.pools.items()}
+        self.offline = LLMEngine(config.engine)
+
+    def reference(self, batch, max_tokens):
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        return [c.token_ids for c in self.offline.generate(batch, params)]
+
+    def worker(self, pool: str, index: int = 0):
+        return self.cluster.pools[pool][index]
+
+    def stats(self):
+        return self.aloop.run(self.cluster.stats())
+
+    def pid(self, worker) -> int:
+        return next(s.pid for s in self.stats() if s.worker_id == worker.worker_id)
+
+    def settle(self) -> None:
+        """Pools back to size, no KV block used anywhere, no KV channel kept to a worker that is gone."""
+        wait_for(lambda: all(len(self.cluster.pools[p]) == n for p, n in self.sizes.items()), timeout=120,
+                 what="the pools to be back to their configured size")
+        wait_for(lambda: sum(s.kv_blocks_used for s in self.stats()) == 0, timeout=60,
+                 what="zero used KV blocks on every worker")
+        wait_for(lambda: all(s.kv_peers <= len(self.cluster.pools["decode" if s.pool == "prefill" else "prefill"])
+                             for s in self.stats()), timeout=30, what="no KV channel kept to a lost worker")
+
+    def close(self) -> None:
+        self.aloop.run(self.router.stop(grace=5))
+        self.aloop.run(self.cluster.shutdown())
+
+
+def prompts(n, seed=21):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(1, 300, (int(torch.randint(4, 60, (1,), generator=g)),), generator=g).tolist()
+            for _ in range(n)]
+
+
+@dataclass
+class Outcome:
+    tokens: list[int]
+    code: grpc.StatusCode
+    details: str
+
+
+class Streams:
+    """Greedy streams through the gRPC router, started at once; progress is readable while they run."""
+
+    def __init__(self, served: Served, batch, max_tokens: int):
+        self.served, self.batch, self.max_tokens = served, batch, max_tokens
+        self.progress = [0] * len(batch)
+        self.future = asyncio.run_coroutine_threadsafe(self._run(), served.aloop.loop)
+
+    async def _run(self) -> list[Outcome]:
+        async with AsyncClient(self.served.target) as c:
+            return await asyncio.gather(*(self._one(c, i, p) for i, p in enumerate(self.batch)))
+
+    async def _one(self, c: AsyncClient, i: int, prompt) -> Outcome:
+        tokens: list[int] = []
+        try:
+            async for r in c.generate(token_ids=prompt, max_tokens=self.max_tokens, temperature=0.0, ignore_eos=True,
+                                      timeout=300):
+                tokens += r.token_ids
+                self.progress[i] = len(tokens)
+        except grpc.aio.AioRpcError as e:
+            return Outcome(tokens, e.code(), e.details())
+        return Outcome(tokens, grpc.StatusCode.OK, "")
+
+    def wait_progress(self, at_least: int, timeout: float = 60) -> None:
+        wait_for(lambda: min(self.progress) >= at_least or self.future.done(), timeout,
+                 what=f"every stream to have {at_least} tokens")
+        assert not self.future.done(), "the streams ended before the fault"
+
+    def result(self, bound_s: float, since: float, what: str = "") -> list[Outcome]:
+        """Every stream's outcome; the last must have ended within bound_s of `since` (a fault, say)."""
+        out = self.future.result(bound_s + 30)
+        elapsed = time.monotonic() - since
+        assert elapsed < bound_s, f"{what}: the last stream ended {elapsed:.1f} s after {since:.1f}"
+        return out
+
+
+def assert_exact(outcomes: list[Outcome], reference: list[list[int]]) -> None:
+    assert [(o.code, o.details) for o in outcomes] == [(grpc.StatusCode.OK, "")] * len(outcomes)
+    assert [o.tokens for o in outcomes] == reference  # nothing lost, repeated or skipped
+
+
