@@ -1,7 +1,7 @@
 """Autoscaled pools against a fixed cluster on bursty load, on this machine, side by side in one run.
 
     .venv/bin/python bench/autoscale_bursts.py [--profile profile.json] [--output out.json]
-        [--scale-down-delay 15] [--slo-ttft-ms 8000] [--slo-tpot-ms 120] [any `pdserve bench` flag ...]
+        [--scale-down-delay 15] [--slo-ttft-ms 10000] [--slo-tpot-ms 120] [any `pdserve bench` flag ...]
 
 1. Profile this machine (`pdserve profile`, about 2 minutes, one torch thread as each worker gets),
    unless --profile names one: the cost model the autoscaler sizes the pools by.
@@ -36,7 +36,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 BENCH_ARGS = ["--num-prompts", "48", "--arrival", "bursty", "--burst-size", "24", "--burst-interval", "60",
-              "--lengths", "uniform", "--input-len", "768", "--output-len", "96", "--range-ratio", "0.25",
+              "--lengths", "uniform", "--input-len", "128", "--output-len", "96", "--range-ratio", "0.25",
               "--seed", "0", "--timeout", "600"]
 SAMPLE_S = 0.25
 
@@ -59,7 +59,7 @@ def main() -> int:
     ap.add_argument("--profile", default=None, help="a `pdserve profile` JSON (default: profile now)")
     ap.add_argument("--max-workers", type=int, default=2, help="each pool's MAX (and the fixed cluster's size)")
     ap.add_argument("--scale-down-delay", type=float, default=15.0)
-    ap.add_argument("--slo-ttft-ms", type=float, default=8000.0)
+    ap.add_argument("--slo-ttft-ms", type=float, default=10000.0)
     ap.add_argument("--slo-tpot-ms", type=float, default=120.0)
     ap.add_argument("--kv-cache-mib", type=int, default=256)
     ap.add_argument("--prefill-token-budget", type=int, default=512)

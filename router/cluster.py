@@ -43,6 +43,14 @@ from router.pools import Pools, Worker
 
 log = logging.getLogger(__name__)
 
+# A prefill worker is sent a prompt only while fewer than this many steps' worth of prompt tokens (its
+# token budget a step) are queued on it, the step it runs included: one step running and the next one
+# ready; and only when a decode worker has room for the prompt's KV (Cluster._decode_room). The rest
+# wait here, in arrival order. So a worker that joins (a replacement, or one the autoscaler started)
+# takes its share of a backlog that arrived before it, and no prompt is computed only for its KV to
+# wait on the prefill worker for a full decode worker.
+PREFILL_QUEUE_STEPS = 2
+
 
 class _Retry(Exception):
     def __init__(self, reason: FailureReason, detail: str, workers: Sequence[str] = ()):
@@ -66,6 +74,12 @@ class Cluster:
         self.retries: collections.Counter[str] = collections.Counter()  # by FailureReason value, a metric
         # What the autoscaler sizes the pools for, from now on.
         self.demand = DemandWindow(config.autoscale.window_s, time.monotonic())
+        # Prompts waiting for a prefill worker with room (PREFILL_QUEUE_STEPS), in arrival order.
+        self._prefill_line: collections.deque[asyncio.Future[None]] = collections.deque()
+        self.waiting_prompt_tokens = 0
+        if config.mode == "disaggregated":
+            self._prefill_room = PREFILL_QUEUE_STEPS * config.engine_for(config.prefill).scheduler.max_num_batched_tokens
+            self._decode_seqs = config.engine_for(config.decode).scheduler.max_num_seqs
 
     @property
     def pools(self) -> dict[str, list[Worker]]:
@@ -104,7 +118,7 @@ class Cluster:
         decode = [w for w in self._pools.workers if w.pool == "decode"]
         return Demand(rate, input_len, output_len,
                       sum(w.queued_tokens for w in self._pools.workers if w.pool == "prefill")
-                      + round(queued_requests * input_len),
+                      + self.waiting_prompt_tokens + round(queued_requests * input_len),
                       sum(len(w.requests) for w in decode),
                       sum(w.stats.kv_blocks_used for w in decode if w.stats is not None))
 
@@ -177,16 +191,13 @@ class Cluster:
                 streamer.requests.add(wrid)
                 await self._call(streamer, streamer.handle.generate.remote(task))
             else:
-                prefill = _prefer(await self._alive("prefill"), avoid)
+                # A decode worker only if a token follows the one the prefill worker samples.
+                follows = req.params.max_tokens - req.num_output_tokens > 1 and req.num_tokens + 1 < info.max_model_len
+                prefill, decode = await self._room_for(req.num_tokens, follows, avoid)
                 hashes = hash_prompt_blocks(req.token_ids, self.block_size)
                 p = prefill[pick_prefill([PrefillLoad(x.queued_tokens, x.prefix.match(hashes) * self.block_size)
                                           for x in prefill])]
-                # A decode worker only if a token follows the one the prefill worker samples.
-                follows = req.params.max_tokens - req.num_output_tokens > 1 and req.num_tokens + 1 < info.max_model_len
-                streamer = None
-                if follows:
-                    decode = _prefer(await self._alive("decode"), avoid)
-                    streamer = decode[pick_decode([self._decode_load(x) for x in decode])]
+                streamer = decode[pick_decode([self._decode_load(x) for x in decode])] if follows else None
                 placed += [p] + ([streamer] if streamer else [])
                 p.prefix.add(hashes)
                 p.queued_tokens += req.num_tokens
@@ -206,6 +217,7 @@ class Cluster:
                     result = await self._call(p, prefilled)
                 finally:
                     p.queued_tokens -= req.num_tokens
+                    self._pools.notify()  # room for the next prompt in line
                 req.token_ids.append(result.first_token)
                 if req.num_output_tokens == 1:
                     req.num_cached_tokens = result.num_cached_tokens
@@ -245,6 +257,35 @@ class Cluster:
                 w.requests.discard(wrid)
                 if not finished and w.alive:
                     w.handle.cancel.remote(wrid)  # a retry, the client went away, or an error: free its KV
+            if placed:
+                self._pools.notify()  # room on its workers
+
+    async def _room_for(self, tokens: int, follows: bool,
+                        avoid: tuple[str, ...]) -> tuple[list[Worker], list[Worker]]:
+        """The prefill workers with room for another prompt of `tokens` and, if a token follows the first,
+        the decode workers with room for its KV; once this request is first in line and both exist."""
+        # Only the first in line watches the pools; the others wait for their turn (a burst of thousands
+        # must not wake thousands at every change).
+        turn = asyncio.get_running_loop().create_future()
+        self._prefill_line.append(turn)
+        self.waiting_prompt_tokens += tokens
+        try:
+            if self._prefill_line[0] is not turn:
+                await turn
+            while True:
+                changed = self._pools.changed
+                prefill = [w for w in _prefer(await self._alive("prefill"), avoid) if w.queued_tokens < self._prefill_room]
+                decode = [w for w in _prefer(await self._alive("decode"), avoid) if self._decode_room(w, tokens)] \
+                    if follows else []
+                if prefill and (decode or not follows):
+                    return prefill, decode
+                await changed.wait()
+        finally:
+            first = self._prefill_line[0] is turn
+            self._prefill_line.remove(turn)
+            self.waiting_prompt_tokens -= tokens
+            if first and self._prefill_line:
+                self._prefill_line[0].set_result(None)  # the next in line: its turn
 
     async def _call(self, w: Worker, ref: Any) -> Any:
         """Await a worker call; a dead worker makes the attempt retry (and the worker be replaced)."""
@@ -264,6 +305,20 @@ class Cluster:
         out.num_cached_tokens = req.num_cached_tokens
         out.placement = tuple(w.worker_id for w in placed)
         return out
+
+    def _decode_room(self, w: Worker, prompt_tokens: int) -> bool:
+        """Whether a decode worker can take another request's KV now, by its latest stats: fewer
+        requests than its max_num_seqs, and blocks for the prompt beyond those its waiting requests
+        will take (or nothing on it at all: it takes whatever fits its cache). Stats come with every
+        decode step, so requests sent between two of them may still have to wait there for room."""
+        if len(w.requests) >= self._decode_seqs:
+            return False
+        s = w.stats
+        if s is None or not w.requests:
+            return True
+        bs = self.block_size
+        free = s.kv_blocks_total - s.kv_blocks_used - -(-s.waiting_tokens // bs)
+        return free >= -(-(prompt_tokens + 1) // bs)
 
     def _decode_load(self, w: Worker) -> DecodeLoad:
         s = w.stats

@@ -77,7 +77,9 @@ class Pools:
         self._on_output, self._on_lost = on_output, on_lost
         self._tasks: list[asyncio.Task] = []
         self._incarnations = itertools.count(1)
-        self._pool_changed = asyncio.Event()
+        # Set (and replaced) whenever a worker joins or leaves a pool, or has room again for prompts
+        # (router.cluster waits on it for both).
+        self.changed = asyncio.Event()
         self.restarts: collections.Counter[str] = collections.Counter()  # by pool, exported as a metric
         self.start_failures: collections.Counter[str] = collections.Counter()  # workers that did not start
         # Scaling: events by (pool, up|down, reason); seconds each started worker took to be ready, by pool.
@@ -164,6 +166,7 @@ class Pools:
         for w, r in zip(workers, results):
             if isinstance(r, WorkerStats):
                 w.stats = r
+                self.notify()
             elif isinstance(r, (asyncio.TimeoutError, ray.exceptions.RayError)):
                 self.lose(w, "stuck: no heartbeat" if isinstance(r, asyncio.TimeoutError) else f"dead: {r}")
 
@@ -184,9 +187,15 @@ class Pools:
         ray.kill(w.handle, no_restart=True)  # a stuck actor must not come back and act on stale requests
         self._tell_peers(w)
         self._on_lost(w, why)
+        self.notify()
         if replace:
             self.restarts[w.pool] += 1
             self._tasks.append(asyncio.create_task(self._replace(w)))
+
+    def notify(self) -> None:
+        """Wake whatever waits for a pool to change."""
+        self.changed.set()
+        self.changed = asyncio.Event()
 
     def _tell_peers(self, w: Worker) -> None:
         """Its peers drop their KV channels to a worker that left (and whatever waited on them)."""
@@ -225,8 +234,7 @@ class Pools:
         w.state = "ready"
         self.by_name[w.pool].append(w)  # routable only now that it is ready
         self._watch(w)
-        self._pool_changed.set()
-        self._pool_changed = asyncio.Event()
+        self.notify()
         return True
 
     # -- scaling ----------------------------------------------------------------------------------
@@ -286,7 +294,7 @@ class Pools:
             if remaining <= 0:
                 return []
             try:
-                await asyncio.wait_for(self._pool_changed.wait(), remaining)
+                await asyncio.wait_for(self.changed.wait(), remaining)
             except asyncio.TimeoutError:
                 pass
         return self.by_name[pool]
@@ -299,6 +307,8 @@ class Pools:
                 if out.stats is not None:
                     w.stats = out.stats
                 self._on_output(w, out)
+                if out.stats is not None:
+                    self.notify()  # its room changed (router.cluster waits on it)
         except asyncio.CancelledError:
             raise
         except Exception as e:  # the worker is gone: no request of its may hang

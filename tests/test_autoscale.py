@@ -134,12 +134,24 @@ def test_demand_window_rate_and_lengths():
     rate, n_in, n_out = w.observe(5.0)
     assert rate == pytest.approx(20 / 5.0) and n_in == pytest.approx(109.5)
     assert n_out == 64  # nothing finished yet: the requested max_tokens
-    w.finished(5.5, 10)
-    w.finished(5.6, 30)
-    assert w.observe(6.0)[2] == 20  # what finished requests produced
-    assert w.observe(30.0) == (0.0, 0.0, 0.0)  # all of it out of the window
+    for k in range(DemandWindow.MIN_FINISHED - 1):
+        w.finished(5.5, 10 + 20 * (k % 2))
+    assert w.observe(6.0)[2] == 64  # too few finished: the first to finish are the short ones
+    w.finished(5.6, 20)
+    produced = (10 * 10 + 9 * 30 + 20) / 20
+    assert w.observe(6.0)[2] == pytest.approx(produced)  # what finished requests produced
+    # Nothing in the window: no rate, but the lengths of the requests before (a wave to come is
+    # sized by the waves before it).
+    assert w.observe(30.0) == (0.0, pytest.approx(109.5), pytest.approx(produced))
     with pytest.raises(ValueError):
         DemandWindow(0)
+
+
+def test_demand_window_rate_counts_from_its_start():
+    w = DemandWindow(30.0, start=0.0)
+    for k in range(24):  # a burst at 20 s, watched since 0: 24 requests over 20 s, not over 0.1 s
+        w.arrived(20.0 + k * 0.004, 100, 10)
+    assert w.observe(20.1)[0] == pytest.approx(24 / 20.1)
 
 
 # -- settings ----------------------------------------------------------------------------------------

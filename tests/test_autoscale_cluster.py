@@ -132,8 +132,10 @@ def test_pools_grow_under_load_and_drain_back(ray_local, aloop, tiny_checkpoints
         assert pools.scale_events[("prefill", "up", "maximum")] + pools.scale_events[("prefill", "up", "rate")] \
             + pools.scale_events[("prefill", "up", "backlog")] >= 1
         assert sum(n for (p, d, _), n in pools.scale_events.items() if p == "decode" and d == "down") >= 1
-        drained = [r.getMessage() for r in caplog.records if "drained in" in r.getMessage()]
-        assert len(drained) >= 2, drained
+        # Each drained worker leaves (its actor shut down) and says so: one per pool at least.
+        wait_for(lambda: {p for p in ("prefill", "decode") for r in caplog.records
+                          if "drained in" in r.getMessage() and f"left the {p} pool" in r.getMessage()}
+                 == {"prefill", "decode"}, 30, what="a drained worker of each pool to have left")
         assert all(len(ts) >= 2 for p, ts in pools.start_seconds.items() if p != "colocated")
         st = status_json(s.target)
         assert [(p["current_workers"], p["desired_workers"]) for p in st["pools"]] == [(1, 1), (1, 1)]
@@ -197,3 +199,26 @@ async def _drain(pools, worker) -> None:
 
 async def _drain_some(pools, pool: str, n: int) -> None:
     pools.drain(pool, n, "test")
+
+
+def test_prompts_wait_at_the_router_until_a_prefill_worker_has_room(ray_local, aloop, tiny_checkpoints, tmp_path):
+    """A prefill worker holds at most two token budgets of prompts (64 tokens a step here); the rest wait
+    at the router, where a worker that joins later can take them. Caught with the worker stalled in its
+    first step: four 40-token prompts on it (160 >= 128), four in line."""
+    config = autoscaled_config(tiny_checkpoints["llama"], tmp_path)
+    fixed = PoolConfig(1, num_cpus=0.25, cache=config.prefill.cache, scheduler=config.prefill.scheduler)
+    s = Served(aloop, ClusterConfig(engine=config.engine, prefill=fixed, decode=fixed, stats_interval_s=0.5))
+    try:
+        batch = [[k + 1] * 40 for k in range(8)]
+        reference = s.reference(batch, 8)
+        prefill = s.worker("prefill")
+        ray.get(prefill.handle.inject_fault.remote("step", 5.0))
+        streams = Streams(s, batch, 8)
+        assert ray.get(prefill.handle.fault_reached.remote("step", 60))
+        wait_for(lambda: s.cluster.waiting_prompt_tokens == 4 * 40 and prefill.queued_tokens == 4 * 40, 5,
+                 what="four prompts on the prefill worker and four in line at the router")
+        assert s.cluster.load(time.monotonic()).prefill_backlog_tokens == 8 * 40  # the autoscaler sees both
+        assert_exact(streams.result(60, time.monotonic(), "prefill room"), reference)
+        assert s.cluster.waiting_prompt_tokens == 0
+    finally:
+        s.close()

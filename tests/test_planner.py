@@ -263,13 +263,24 @@ def test_decode_batch_cap_holds_back_reservations():
 
 def test_kv_held_for_a_late_reservation_is_sent_whole_after_it():
     link = Transport(latency_s=0.001, bytes_per_s=1e6)  # 1 MB/s: 100 tokens of 1000 B take 0.1 s
-    c = costs(per_token=1e-4, transport=link)
-    res = run(disagg(decode=pool(max_num_seqs=1)), c, [0.0, 0.0], [100, 100], [3, 3])
-    # Request 0: KV streamed during its 10 ms prefill, at 1 MB/s; 2 decode steps after it lands.
+    c = costs(per_token=1e-4, decode=(0.05,), transport=link)
+    res = run(disagg(), c, [0.0, 0.12], [100, 100], [3, 3])
+    # Request 0: KV streamed during its 10 ms prefill, at 1 MB/s; 2 decode steps of 50 ms after it lands.
     landed0 = 0.01 + link.exposed_time(100_000, 0.01)
-    assert res.end[0] == pytest.approx(landed0 + 0.02)
-    # Request 1 is reserved only once 0 has finished (the cap), and its whole KV goes then.
-    assert res.second_token[1] == pytest.approx(res.end[0] + link.send_time(100_000) + 0.01)
+    assert res.end[0] == pytest.approx(landed0 + 0.1)
+    # Request 1 arrives while the decode worker is in a step: its prompt is done (at 0.13) before the
+    # worker reserves, at the step's end; then its whole KV goes, and its first decode step follows.
+    reserved1 = landed0 + 0.05
+    assert res.first_token[1] == pytest.approx(0.13) and res.first_token[1] < reserved1
+    assert res.second_token[1] == pytest.approx(reserved1 + link.send_time(100_000) + 0.05)
+
+
+def test_prompts_wait_at_the_router_for_decode_room():
+    # One request at a time fits a decode worker (max_num_seqs 1): the second prompt is not even
+    # computed until the first request ends, so its KV never waits on the prefill worker.
+    c = costs(per_token=1e-4, decode=(0.05,))
+    res = run(disagg(decode=pool(max_num_seqs=1)), c, [0.0, 0.0], [100, 100], [3, 3])
+    assert res.first_token[1] == pytest.approx(res.end[0] + 0.01)
 
 
 def test_one_step_to_one_decode_worker_is_one_transfer():

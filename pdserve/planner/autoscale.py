@@ -83,11 +83,18 @@ class Decision:
 
 
 class DemandWindow:
-    """Arrivals and finishes over a sliding window: the arrival rate and mean lengths the sizing uses.
+    """Arrivals and finishes: the arrival rate over a sliding window, and the mean lengths of recent
+    requests (the last LENGTH_MEMORY, whenever they came: a wave's requests are sized by the lengths of
+    the waves before it, not by no data in a quiet window).
 
-    Output length is that of the requests that finished in the window; before any has, the requested
-    max_tokens of those that arrived (an upper bound, which errs towards more decode workers).
+    Output length is that of the requests that finished; before MIN_FINISHED have, the requested
+    max_tokens (an upper bound, which errs towards more decode workers). The first requests to finish
+    are the short ones, so a mean over only those would size a wave's decode pool for outputs it
+    mostly does not have.
     """
+
+    LENGTH_MEMORY = 1000
+    MIN_FINISHED = 20
 
     def __init__(self, window_s: float, start: float | None = None):
         """start: when watching began (a rate over less time than that is not a rate); None: the first
@@ -95,32 +102,34 @@ class DemandWindow:
         if window_s <= 0:
             raise ValueError(f"the window must be positive, got {window_s}")
         self.window_s = window_s
-        self._arrivals: deque[tuple[float, int, int]] = deque()  # (time, prompt tokens, max_tokens)
-        self._finishes: deque[tuple[float, int]] = deque()  # (time, output tokens)
+        self._arrivals: deque[float] = deque()  # times, within the window
+        self._inputs: deque[int] = deque(maxlen=self.LENGTH_MEMORY)
+        self._max_tokens: deque[int] = deque(maxlen=self.LENGTH_MEMORY)
+        self._outputs: deque[int] = deque(maxlen=self.LENGTH_MEMORY)
         self._start = start
 
     def arrived(self, now: float, prompt_tokens: int, max_tokens: int) -> None:
         if self._start is None:
             self._start = now
-        self._arrivals.append((now, prompt_tokens, max_tokens))
+        self._arrivals.append(now)
+        self._inputs.append(prompt_tokens)
+        self._max_tokens.append(max_tokens)
 
     def finished(self, now: float, output_tokens: int) -> None:
-        self._finishes.append((now, output_tokens))
+        self._outputs.append(output_tokens)
 
     def observe(self, now: float) -> tuple[float, float, float]:
-        """(arrival rate, mean prompt tokens, mean output tokens) over the window ending now."""
+        """(arrival rate over the window ending now, mean prompt tokens, mean output tokens)."""
         if self._start is None:
             self._start = now
-        for q in (self._arrivals, self._finishes):
-            while q and q[0][0] < now - self.window_s:
-                q.popleft()
-        span = max(min(self.window_s, now - self._start), 1e-9)
-        if not self._arrivals:
-            return 0.0, 0.0, _mean(o for _, o in self._finishes)
-        rate = len(self._arrivals) / max(span, self._arrivals[-1][0] - self._arrivals[0][0], 1e-3)
-        input_len = _mean(p for _, p, _ in self._arrivals)
-        output_len = _mean(o for _, o in self._finishes) if self._finishes else _mean(m for _, _, m in self._arrivals)
-        return rate, input_len, output_len
+        while self._arrivals and self._arrivals[0] < now - self.window_s:
+            self._arrivals.popleft()
+        rate = 0.0
+        if self._arrivals:
+            span = max(min(self.window_s, now - self._start), self._arrivals[-1] - self._arrivals[0], 1e-3)
+            rate = len(self._arrivals) / span
+        outputs = self._outputs if len(self._outputs) >= self.MIN_FINISHED else self._max_tokens
+        return rate, _mean(self._inputs), _mean(outputs)
 
 
 def _mean(values) -> float:

@@ -6,7 +6,11 @@ the request path that decide latency, with each step's duration from a cost mode
 
 - the router: admission (max_running on the workers, max_queued waiting, the rest refused) and
   placement (pdserve router.placement's rules: the prefill worker with the fewest queued prompt tokens,
-  the decode or colocated worker with the fewest active requests, then the most free KV blocks);
+  the decode or colocated worker with the fewest active requests, then the most free KV blocks); a
+  prompt is sent only when a prefill worker has less than PREFILL_QUEUE_STEPS token budgets queued and,
+  if a token will follow the first, a decode worker has room for its KV (fewer than max_num_seqs
+  requests, and the free blocks its waiting requests leave); the others wait in arrival order at the
+  router (router.cluster's rules);
 - a prefill worker: token-budget steps, running chunks first, then waiting prompts in arrival order,
   each admitted only when blocks for its whole prompt are free; a finished prompt's first token goes
   to the client at once and its KV stays HELD until it has reached the decode worker;
@@ -46,6 +50,8 @@ import numpy as np
 
 from pdserve.planner.autoscale import Autoscaler, Demand, DemandWindow
 from pdserve.planner.costs import StepCosts, attention_pairs
+
+PREFILL_QUEUE_STEPS = 2  # router.cluster.PREFILL_QUEUE_STEPS (pdserve/ cannot import router/)
 
 
 @dataclass(frozen=True)
@@ -286,6 +292,9 @@ def simulate(shape: ClusterShape, costs: StepCosts, arrival: np.ndarray, input_l
         return (tokens + bs - 1) // bs
 
     window = DemandWindow(window_s, 0.0)
+    prefill_line: deque[int] = deque()  # prompts waiting at the router for a prefill worker with room
+    line_tokens = 0
+    prefill_room = PREFILL_QUEUE_STEPS * shape.prefill.token_budget if shape.prefill else 0
     sizes: list[tuple[float, int, int]] = []
 
     # -- scaling (autoscaler given) ---------------------------------------------------------------
@@ -304,7 +313,7 @@ def simulate(shape: ClusterShape, costs: StepCosts, arrival: np.ndarray, input_l
         rate, input_len, output_len = window.observe(now)
         live = [w for w in (*prefills, *decodes) if w.state in ("ready", "draining")]
         demand = Demand(rate, input_len, output_len,
-                        sum(w.queued_tokens for w in live if isinstance(w, _Prefill))
+                        sum(w.queued_tokens for w in live if isinstance(w, _Prefill)) + line_tokens
                         + round(len(router_queue) * input_len),
                         sum(w.active for w in live if isinstance(w, _Decode)),
                         sum(w.used_blocks() for w in live if isinstance(w, _Decode)))
@@ -332,21 +341,47 @@ def simulate(shape: ClusterShape, costs: StepCosts, arrival: np.ndarray, input_l
         if i < n or running_requests or client_queue:
             push(now + interval_s, _SCALE, 0)
 
-    def ready(w: _Prefill | _Decode) -> None:
+    def ready(w: _Prefill | _Decode, now: float) -> None:
         w.state = "ready"
+        dispatch(now)
 
     # -- router ---------------------------------------------------------------------------------
     def place(r: int, now: float) -> None:
-        nonlocal running_requests
+        nonlocal running_requests, line_tokens
         running_requests += 1
-        d = min((w for w in decodes if w.state == "ready"), key=lambda w: (w.active, -w.free_blocks()))
         if shape.mode == "colocated":
+            d = min(decodes, key=lambda w: (w.active, -w.free_blocks()))
             d.active += 1
             d.waiting.append(r)
             if not d.busy:
                 colocated_step(d, now)
             return
-        p = min((w for w in prefills if w.state == "ready"), key=lambda w: w.queued_tokens)
+        prefill_line.append(r)
+        line_tokens += n_in[r]
+        dispatch(now)
+
+    def dispatch(now: float) -> None:
+        """Send the prompts in line to prefill workers with room, first come first served."""
+        nonlocal line_tokens
+        while prefill_line:
+            r = prefill_line[0]
+            room = [w for w in prefills if w.state == "ready" and w.queued_tokens < prefill_room]
+            open_ = [w for w in decodes if w.state == "ready" and decode_room(w, n_in[r])] if n_out[r] > 1 else [None]
+            if not room or not open_:
+                return
+            prefill_line.popleft()
+            line_tokens -= n_in[r]
+            d = min(open_, key=lambda w: (w.active, -w.free_blocks())) if n_out[r] > 1 else None
+            send_prompt(r, min(room, key=lambda w: w.queued_tokens), d, now)
+
+    def decode_room(d: _Decode, prompt: int) -> bool:
+        """Whether d can take another request's KV: the router's view (router.cluster._decode_room)."""
+        if d.active >= d.shape.max_num_seqs:
+            return False
+        waiting = sum(blocks(n_in[x] + 1) for x in d.to_reserve)
+        return d.active == 0 or d.free_blocks() - waiting >= blocks(prompt + 1)
+
+    def send_prompt(r: int, p: _Prefill, d: _Decode | None, now: float) -> None:
         prefill_of[r] = p.index
         p.queued_tokens += n_in[r]
         p.waiting.append(r)
@@ -447,6 +482,7 @@ def simulate(shape: ClusterShape, costs: StepCosts, arrival: np.ndarray, input_l
             hand_off(pi, dest, rs, t)
         for dest, rs in after.items():
             send_whole(pi, dest, rs, now)
+        dispatch(now)  # its queue shrank: prompts in line may come (they join its next step)
         prefill_step(p, now)
 
     def hand_off(pi: int, dest: int, rs: list[int], t: float) -> None:
@@ -508,6 +544,8 @@ def simulate(shape: ClusterShape, costs: StepCosts, arrival: np.ndarray, input_l
             d.active -= 1
             finished(r, t)
         d.k += 1
+        if prefill_line:
+            dispatch(now)  # room on d, maybe
 
     def decode_step(d: _Decode, now: float) -> None:
         # Landed KV joins first (the worker takes it in between steps), then the step reserves room.
@@ -624,8 +662,8 @@ def simulate(shape: ClusterShape, costs: StepCosts, arrival: np.ndarray, input_l
         _LANDED: lambda who, t: landed(who, t),
         _WAKE: lambda who, t: decode_step(decodes[who], t),
         _SCALE: lambda who, t: scale(t),
-        _PREFILL_READY: lambda who, t: ready(prefills[who]),
-        _DECODE_READY: lambda who, t: ready(decodes[who]),
+        _PREFILL_READY: lambda who, t: ready(prefills[who], t),
+        _DECODE_READY: lambda who, t: ready(decodes[who], t),
     }
     if autoscaler is not None:
         if shape.mode != "disaggregated":
