@@ -10,7 +10,8 @@ the previous one began (rewards and the policy update). Prompts and outputs are 
 long and heavy-tailed, as reasoning rollouts are), seeded.
 
 The fixed cluster has --max-prefill + --max-decode workers (one GPU each) all the time. The autoscaled
-one has pools of 1:max-prefill and 1:max-decode, and a worker it asks for is placeable --startup seconds
+one has pools of min-prefill:max-prefill and min-decode:max-decode (1:16 and 1:48 by default), and a
+worker it asks for is placeable --startup seconds
 later (pod on a warm node + weights from the node's cache; a node the cloud must provision first takes
 minutes). Printed per configuration: GPU-hours, SLO attainment (TTFT and TPOT within the targets),
 median and p99 TTFT and TPOT, each wave's makespan (first arrival to last token), and the ratio of GPU-hours.
@@ -60,6 +61,8 @@ def main() -> int:
     p.add_argument("--output-mean", type=float, default=2048)
     p.add_argument("--max-prefill", type=int, default=16)
     p.add_argument("--max-decode", type=int, default=48)
+    p.add_argument("--min-prefill", type=int, default=1, help="the autoscaled pools' MIN (kept warm)")
+    p.add_argument("--min-decode", type=int, default=1)
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--token-budget", type=int, default=8192)
     p.add_argument("--slo-ttft-ms", type=float, default=60_000.0)
@@ -112,13 +115,14 @@ def main() -> int:
     limits = PoolLimits(kv_blocks, block, args.max_num_seqs, args.token_budget)
     for startup in args.startup:
         scaler = Autoscaler(costs, {"prefill": limits, "decode": limits},
-                            {"prefill": (1, args.max_prefill), "decode": (1, args.max_decode)},
+                            {"prefill": (args.min_prefill, args.max_prefill), "decode": (args.min_decode, args.max_decode)},
                             args.slo_ttft_ms / 1000, args.slo_tpot_ms / 1000, args.scale_down_delay, startup)
-        start = ClusterShape("disaggregated", pool(1), pool(1), max_running=10**6, max_queued=10**6)
+        start = ClusterShape("disaggregated", pool(args.min_prefill), pool(args.min_decode), max_running=10**6,
+                             max_queued=10**6)
         t0 = time.perf_counter()
         res = simulate(start, costs, arrival, inputs, outputs, autoscaler=scaler, interval_s=args.interval,
                        startup_s=startup)
-        row = report(f"autoscaled 1:{args.max_prefill} 1:{args.max_decode}, start {startup:g} s", res,
+        row = report(f"autoscaled {args.min_prefill}:{args.max_prefill} {args.min_decode}:{args.max_decode}, start {startup:g} s", res,
                      time.perf_counter() - t0)
         row["startup_s"] = startup
         row["gpu_hours_ratio"] = row["gpu_hours"] / fixed["gpu_hours"]

@@ -227,12 +227,29 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def load_config(path: str, serve: argparse.ArgumentParser) -> dict[str, Any]:
-    """A YAML mapping of `pdserve serve` flags to values, checked and converted as the flags would be."""
+def yaml_load(stream: Any) -> Any:
+    """yaml.safe_load, except that 1:4 stays the string "1:4" (YAML 1.1 reads it as the base-60 number
+    64, and a pool's range MIN:MAX would silently become 64 workers)."""
+    import re
+
     import yaml
 
+    class Loader(yaml.SafeLoader):
+        pass
+
+    int_tag = "tag:yaml.org,2002:int"
+    Loader.yaml_implicit_resolvers = {
+        first: [(tag, rx) for tag, rx in resolvers if tag != int_tag]
+        for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+    Loader.add_implicit_resolver(int_tag, re.compile(r"^(?:[-+]?0b[0-1_]+|[-+]?0[0-7_]+|[-+]?(?:0|[1-9][0-9_]*)"
+                                                     r"|[-+]?0x[0-9a-fA-F_]+)$"), list("-+0123456789"))
+    return yaml.load(stream, Loader=Loader)  # noqa: S506 - a SafeLoader
+
+
+def load_config(path: str, serve: argparse.ArgumentParser) -> dict[str, Any]:
+    """A YAML mapping of `pdserve serve` flags to values, checked and converted as the flags would be."""
     with open(path) as f:
-        data = yaml.safe_load(f) or {}
+        data = yaml_load(f) or {}
     if not isinstance(data, dict):
         raise ValueError(f"{path}: a config file is a mapping of flag names to values")
     actions = {a.dest: a for a in serve._actions if a.dest not in ("help", "config")}

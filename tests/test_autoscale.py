@@ -183,7 +183,8 @@ def test_serve_config_file_ranges(tmp_path):
     from router.cli import cluster_config_from_args, parse_args
 
     cfg = tmp_path / "serve.yaml"
-    cfg.write_text('prefill-workers: "1:3"\ndecode-workers: 2\ngpu: H100\nscale-down-delay: 15\n')
+    # Unquoted, as a user would write it: YAML 1.1 reads 1:3 as 63 (base 60); the file's reader does not.
+    cfg.write_text('prefill-workers: 1:3\ndecode-workers: 2\ngpu: H100\nscale-down-delay: 15\n')
     c = cluster_config_from_args(parse_args(["serve", "--config", str(cfg)]))
     assert c.ranges == {"prefill": (1, 3)} and c.decode.num_workers == 2
     assert c.autoscale.gpu == "H100" and c.autoscale.scale_down_delay_s == 15
