@@ -284,7 +284,7 @@ class Cluster:
             first = self._prefill_line[0] is turn
             self._prefill_line.remove(turn)
             self.waiting_prompt_tokens -= tokens
-            if first and self._prefill_line:
+            if first and self._prefill_line and not self._prefill_line[0].done():  # done: cancelled, leaving
                 self._prefill_line[0].set_result(None)  # the next in line: its turn
 
     async def _call(self, w: Worker, ref: Any) -> Any:

@@ -212,13 +212,36 @@ def test_prompts_wait_at_the_router_until_a_prefill_worker_has_room(ray_local, a
         batch = [[k + 1] * 40 for k in range(8)]
         reference = s.reference(batch, 8)
         prefill = s.worker("prefill")
-        ray.get(prefill.handle.inject_fault.remote("step", 5.0))
+        ray.get(prefill.handle.inject_fault.remote("step", 8.0))
         streams = Streams(s, batch, 8)
         assert ray.get(prefill.handle.fault_reached.remote("step", 60))
         wait_for(lambda: s.cluster.waiting_prompt_tokens == 4 * 40 and prefill.queued_tokens == 4 * 40, 5,
                  what="four prompts on the prefill worker and four in line at the router")
         assert s.cluster.load(time.monotonic()).prefill_backlog_tokens == 8 * 40  # the autoscaler sees both
+        # Two more join the line, and their clients go away while they wait: they leave it, the rest go on.
+        gone = asyncio.run_coroutine_threadsafe(_wait_then_cancel(s, [[7] * 40, [9] * 40]), aloop.loop)
+        assert gone.result(30) == [grpc.StatusCode.CANCELLED] * 2
+        wait_for(lambda: s.cluster.waiting_prompt_tokens == 4 * 40, 5, what="the cancelled prompts to leave the line")
         assert_exact(streams.result(60, time.monotonic(), "prefill room"), reference)
         assert s.cluster.waiting_prompt_tokens == 0
+        s.settle()
     finally:
         s.close()
+
+
+async def _wait_then_cancel(s: Served, batch) -> list[grpc.StatusCode]:
+    """Send the prompts, cancel them once they are all in line at the router; their status codes."""
+    from pdserve.client import build_request
+
+    async with AsyncClient(s.target) as c:
+        calls = [c.stub.Generate(build_request(token_ids=p, max_tokens=8, temperature=0.0, ignore_eos=True), timeout=60)
+                 for p in batch]
+        reads = [asyncio.ensure_future(call.read()) for call in calls]  # start them
+        deadline = asyncio.get_running_loop().time() + 5
+        while s.cluster.waiting_prompt_tokens < 6 * 40:  # four in line before them, now six
+            assert asyncio.get_running_loop().time() < deadline, "the two prompts never joined the line"
+            await asyncio.sleep(0.01)
+        for call in calls:
+            call.cancel()
+        await asyncio.gather(*reads, return_exceptions=True)
+        return [await call.code() for call in calls]
