@@ -75,7 +75,7 @@ class Pools:
         self.starting: dict[str, list[Worker]] = {p: [] for p in self.by_name}
         self.draining: list[Worker] = []
         self._on_output, self._on_lost = on_output, on_lost
-        self._tasks: list[asyncio.Task] = []
+        self._tasks: set[asyncio.Task] = set()  # running: each leaves the set when it ends
         self._incarnations = itertools.count(1)
         # Set (and replaced) whenever a worker joins or leaves a pool, or has room again for prompts
         # (router.cluster waits on it for both).
@@ -115,7 +115,7 @@ class Pools:
         await self._poll_stats()
         for w in starting:
             self._watch(w)
-        self._tasks.append(asyncio.create_task(self._heartbeat()))
+        self._task(self._heartbeat())
 
     def _spawn(self, pool: str, slot: int, worker_id: str) -> Worker:
         c = self.config
@@ -132,16 +132,22 @@ class Pools:
             w.prefix = PrefixIndex(engine.cache.resolve_num_blocks(self.info.config, engine.torch_dtype))
         return w
 
+    def _task(self, coro) -> None:
+        t = asyncio.create_task(coro)
+        self._tasks.add(t)
+        t.add_done_callback(self._tasks.discard)
+
     def _watch(self, w: Worker) -> None:
         if w.pool in ("decode", "colocated"):
-            self._tasks.append(asyncio.create_task(self._consume(w)))
+            self._task(self._consume(w))
 
     async def shutdown(self) -> None:
         self._closing = True
-        for t in self._tasks:
+        everyone = self.workers + [w for ws in self.starting.values() for w in ws]  # before their tasks end
+        tasks = list(self._tasks)
+        for t in tasks:
             t.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
-        everyone = self.workers + [w for ws in self.starting.values() for w in ws]
+        await asyncio.gather(*tasks, return_exceptions=True)
         await asyncio.gather(*(w.handle.shutdown.remote() for w in self.workers), return_exceptions=True)
         for w in everyone:
             ray.kill(w.handle)
@@ -190,7 +196,7 @@ class Pools:
         self.notify()
         if replace:
             self.restarts[w.pool] += 1
-            self._tasks.append(asyncio.create_task(self._replace(w)))
+            self._task(self._replace(w))
 
     def notify(self) -> None:
         """Wake whatever waits for a pool to change."""
@@ -246,7 +252,7 @@ class Pools:
             w = self._spawn(pool, slot, f"{pool}-{slot}.{next(self._incarnations)}")
             self.scale_events[(pool, "up", reason)] += 1
             log.info("scaling %s up (%s): starting %s", pool, reason, w.worker_id)
-            self._tasks.append(asyncio.create_task(self._started(w)))
+            self._task(self._started(w))
 
     async def _started(self, w: Worker) -> None:
         if await self._bring_up(w):
@@ -268,7 +274,7 @@ class Pools:
         self.scale_events[(w.pool, "down", reason)] += 1
         log.info("scaling %s down (%s): draining %s (%d requests on it)", w.pool, reason, w.worker_id,
                  len(w.requests))
-        self._tasks.append(asyncio.create_task(self._leave(w)))
+        self._task(self._leave(w))
 
     async def _leave(self, w: Worker) -> None:
         t0 = time.monotonic()
