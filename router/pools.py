@@ -213,6 +213,7 @@ class Pools:
         backoff = REPLACE_BACKOFF_S[0]
         while not self._closing:
             w = self._spawn(lost.pool, lost.slot, f"{lost.pool}-{lost.slot}.{next(self._incarnations)}")
+            self.starting[w.pool].append(w)
             if await self._bring_up(w):
                 log.info("worker %s replaces %s", w.worker_id, lost.worker_id)
                 return
@@ -221,8 +222,8 @@ class Pools:
             backoff = min(backoff * 2, REPLACE_BACKOFF_S[1])
 
     async def _bring_up(self, w: Worker) -> bool:
-        """Wait (bounded) for a spawned worker to be ready, then make it routable; False if it did not start."""
-        self.starting[w.pool].append(w)
+        """Wait (bounded) for a spawned worker, already counted as starting, to be ready, then make it
+        routable; False if it did not start."""
         t0 = time.monotonic()
         try:
             await asyncio.wait_for(w.handle.ready.remote(), self.config.worker_start_timeout_s)
@@ -250,6 +251,7 @@ class Pools:
             used = {w.slot for w in self.by_name[pool] + self.starting[pool] + self.draining if w.pool == pool}
             slot = next(i for i in itertools.count() if i not in used)
             w = self._spawn(pool, slot, f"{pool}-{slot}.{next(self._incarnations)}")
+            self.starting[pool].append(w)  # now, so that the next one takes another slot
             self.scale_events[(pool, "up", reason)] += 1
             log.info("scaling %s up (%s): starting %s", pool, reason, w.worker_id)
             self._task(self._started(w))
