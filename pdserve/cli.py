@@ -31,6 +31,8 @@ def build_parser(commands: Sequence[Callable[[Any], None]] = ()) -> argparse.Arg
     gen.add_argument("--json", action="store_true",
                      help="print one JSON object at the end (text, token_ids, finish_reason, usage) instead of streaming")
     gen.add_argument("--timeout", type=float, default=None, help="deadline in seconds (remote only)")
+    gen.add_argument("--service-tier", default="auto", choices=["auto", "default", "priority", "flex"],
+                     help="the tier asked for (remote only); the tier served is printed on stderr (or in --json)")
     gen.set_defaults(func=cmd_generate)
 
     status = sub.add_parser("status", help="print the cluster's pools and workers")
@@ -108,7 +110,7 @@ def generate_remote(args: argparse.Namespace) -> int:
 
     sampling_params_from_args(args)  # same validation, same messages as offline, before any network call
     kwargs = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                  seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos)
+                  seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos, service_tier=args.service_tier)
     if args.chat:
         kwargs["messages"] = [{"role": "user", "content": args.prompt}]
     else:
@@ -124,14 +126,18 @@ def generate_remote(args: argparse.Namespace) -> int:
     except grpc.RpcError as e:
         print(f"\npdserve generate: {e.code().name}: {e.details()}", file=sys.stderr)
         return 1
+    if not args.json:
+        print(f"\n[service tier: {out.service_tier}]", file=sys.stderr)
     finish(args.json, out.text, out.token_ids, out.finish_reason,
-           {k: out.usage[k] for k in ("prompt_tokens", "completion_tokens")})
+           {k: out.usage[k] for k in ("prompt_tokens", "completion_tokens")}, service_tier=out.service_tier)
     return 0
 
 
-def finish(as_json: bool, text: str, token_ids: list[int], reason: str, usage: dict[str, int]) -> None:
+def finish(as_json: bool, text: str, token_ids: list[int], reason: str, usage: dict[str, int],
+           service_tier: str | None = None) -> None:
     if as_json:
-        print(json.dumps({"text": text, "token_ids": token_ids, "finish_reason": reason, "usage": usage}))
+        extra = {} if service_tier is None else {"service_tier": service_tier}
+        print(json.dumps({"text": text, "token_ids": token_ids, "finish_reason": reason, "usage": usage, **extra}))
     else:
         sys.stdout.write("\n")
 

@@ -38,6 +38,7 @@ class Completion:
     finish_reason: str = ""
     usage: dict[str, int] = field(default_factory=dict)
     timings: dict[str, float | str] = field(default_factory=dict)
+    service_tier: str = ""  # the tier served (last message)
 
     def add(self, r: pb.GenerateResponse) -> None:
         self.request_id = r.request_id
@@ -51,18 +52,20 @@ class Completion:
             self.timings = {"queue_seconds": t.queue_seconds, "time_to_first_token_seconds": t.time_to_first_token_seconds,
                             "end_to_end_seconds": t.end_to_end_seconds, "prefill_worker": t.prefill_worker,
                             "decode_worker": t.decode_worker}
+            self.service_tier = r.service_tier
 
 
 def build_request(prompt: str | None = None, *, messages: Sequence[dict[str, str]] | None = None,
                   token_ids: Sequence[int] | None = None, max_tokens: int | None = None,
                   temperature: float | None = None, top_p: float | None = None, top_k: int | None = None,
                   seed: int | None = None, stop: Sequence[str] = (), stop_token_ids: Sequence[int] = (),
-                  ignore_eos: bool = False, request_id: str = "") -> pb.GenerateRequest:
-    """A GenerateRequest from exactly one of prompt, messages or token_ids; None leaves the server default."""
+                  ignore_eos: bool = False, request_id: str = "", service_tier: str = "") -> pb.GenerateRequest:
+    """A GenerateRequest from exactly one of prompt, messages or token_ids; None leaves the server default.
+    service_tier: auto (or empty), default, priority or flex (pdserve.tiers)."""
     if sum(x is not None for x in (prompt, messages, token_ids)) != 1:
         raise ValueError("give exactly one of prompt, messages or token_ids")
     req = pb.GenerateRequest(stop=list(stop), stop_token_ids=list(stop_token_ids), ignore_eos=ignore_eos,
-                             request_id=request_id)
+                             request_id=request_id, service_tier=service_tier)
     if prompt is not None:
         req.prompt = prompt
     elif messages is not None:

@@ -6,6 +6,8 @@ from typing import Any
 
 import torch
 
+from pdserve.tiers import TiersConfig
+
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -183,6 +185,9 @@ class SchedulerConfig:
     # Decode role: free blocks a reservation for incoming KV must leave per running request, so that
     # taking the request in does not force a preemption at the very next step.
     reservation_headroom_blocks: int = 1
+    # Service tiers (pdserve.tiers): this share of max_num_seqs (rounded up) is flex's floor: running
+    # flex requests are preempted for other tiers only above it. Set from ClusterConfig.tiers.
+    flex_min_share: float = 0.0
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -282,6 +287,10 @@ class ClusterConfig:
     prefill: PoolConfig | None = None
     decode: PoolConfig | None = None
     colocated: PoolConfig | None = None
+    # The fast lane (pdserve.tiers): decode workers serving priority requests only, with a small running
+    # batch (tiers.fast_lane_max_running). None: no lane. Its batching is the decode pool's but for that cap.
+    fast: PoolConfig | None = None
+    tiers: TiersConfig = field(default_factory=TiersConfig)
     transfer_timeout_s: float = 30.0
     # Where decode workers listen for KV-transfer rendezvous. None: the worker's node IP as Ray knows it
     # (127.0.0.1 on a local cluster started on loopback, the pod IP on Kubernetes).
@@ -308,6 +317,12 @@ class ClusterConfig:
                 object.__setattr__(self, name, PoolConfig())
             elif name not in mine and getattr(self, name) is not None:
                 raise ValueError(f"a {name} pool is not part of a {self.mode} cluster")
+        if self.fast is not None:
+            if self.mode == "colocated":
+                raise ValueError("the fast lane is a set of decode workers: it needs a disaggregated cluster")
+            decode = self.engine_for(self.decode)
+            lane = replace(decode.scheduler, max_num_seqs=self.tiers.fast_lane_max_running)
+            object.__setattr__(self, "fast", replace(self.fast, scheduler=lane, cache=self.fast.cache or decode.cache))
         if self.mode == "disaggregated":
             sizes = {name: self.engine_for(pool).cache.block_size for name, pool in self.pools.items()}
             if len(set(sizes.values())) > 1:  # KV moves between the pools block for block
@@ -328,9 +343,9 @@ class ClusterConfig:
 
     @property
     def pools(self) -> dict[str, PoolConfig]:
-        """The mode's pools by name."""
-        names = ("colocated",) if self.mode == "colocated" else ("prefill", "decode")
-        return {name: getattr(self, name) for name in names}
+        """The mode's pools by name (with the fast lane, "fast", if there is one)."""
+        names = ("colocated",) if self.mode == "colocated" else ("prefill", "decode", "fast")
+        return {name: getattr(self, name) for name in names if getattr(self, name) is not None}
 
     @property
     def ranges(self) -> dict[str, tuple[int, int]]:
@@ -341,5 +356,5 @@ class ClusterConfig:
     def engine_for(self, pool: PoolConfig) -> EngineConfig:
         """What a worker of the pool runs: the engine's model and device, with the pool's batching and
         KV cache where the pool sets them, the engine's where it does not."""
-        return replace(self.engine, scheduler=pool.scheduler or self.engine.scheduler,
-                       cache=pool.cache or self.engine.cache)
+        scheduler = replace(pool.scheduler or self.engine.scheduler, flex_min_share=self.tiers.flex_min_share)
+        return replace(self.engine, scheduler=scheduler, cache=pool.cache or self.engine.cache)
