@@ -183,3 +183,10 @@ class DecodeActor(WorkerActor):
         return dict(transfer=self.transfer_stats.snapshot(), kv_peers=len(self._intakes),
                     handoff=self.handoff_seconds.snapshot(),
                     reservation_wait=self.reservation_wait_seconds.snapshot())
+
+
+class FastLaneActor(DecodeActor):
+    """A decode worker of the fast lane (pdserve.tiers): the same worker, serving priority requests only,
+    with a small running-batch cap (its pool's max_num_seqs) so that each of its steps is short."""
+
+    pool = "fast"

@@ -187,7 +187,7 @@ class SchedulerConfig:
     reservation_headroom_blocks: int = 1
     # Service tiers (pdserve.tiers): this share of max_num_seqs (rounded up) is flex's floor: running
     # flex requests are preempted for other tiers only above it. Set from ClusterConfig.tiers.
-    flex_min_share: float = 0.0
+    flex_min_share: float = 0.1
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -356,5 +356,7 @@ class ClusterConfig:
     def engine_for(self, pool: PoolConfig) -> EngineConfig:
         """What a worker of the pool runs: the engine's model and device, with the pool's batching and
         KV cache where the pool sets them, the engine's where it does not."""
-        scheduler = replace(pool.scheduler or self.engine.scheduler, flex_min_share=self.tiers.flex_min_share)
+        scheduler = pool.scheduler or self.engine.scheduler
+        if scheduler.flex_min_share != self.tiers.flex_min_share:
+            scheduler = replace(scheduler, flex_min_share=self.tiers.flex_min_share)
         return replace(self.engine, scheduler=scheduler, cache=pool.cache or self.engine.cache)

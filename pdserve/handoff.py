@@ -8,10 +8,11 @@ Request path (pdserve.request has the states):
    by layer during that step's forward (layer i travels while layer i+1 computes); one whose
    destination became ready later is sent at once from its HELD blocks. The requests of one step bound
    for the same D travel as one transfer. Nothing waits for another step or a per-request call.
-3. Ordering: per (P, D) pair, P's `KVPusher` numbers its transfers (generation, seq) and announces each
-   (`KVAnnounce`, a small Ray call to D) before sending it; D's `KVIntake` receives them strictly in that
-   order, whatever order the announcements arrive in. NCCL matches operations by order alone, so the
-   sender orders and the receiver follows.
+3. Ordering: per (P, D) pair, P's `KVPusher` takes queued transfers by service tier, then queue order,
+   numbers each (generation, seq) as its turn comes and announces it (`KVAnnounce`, a small Ray call to
+   D) before sending it; D's `KVIntake` receives them strictly in that order, whatever order the
+   announcements arrive in. NCCL matches operations by order alone, so the sender orders and the
+   receiver follows.
 4. Each transfer is: a header, the KV (one part per layer, or one part for all), and a trailer with
    the first token of each request, when it was sampled and, if switched on, a checksum of the KV
    (`kv_checksum`). D writes each part straight into the reserved blocks and, after the trailer
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import heapq
 import itertools
 import logging
 import queue
@@ -148,8 +150,9 @@ class PushJob:
 
     def __init__(self, destination: str, request_ids: Sequence[str], block_ids: Sequence[Sequence[int]],
                  num_layers: int, layers_done: int = 0, tokens: Sequence[int] | None = None,
-                 sampled_at: float | None = None):
+                 sampled_at: float | None = None, tier: int = 1):
         self.destination = destination
+        self.tier = tier  # the service tier's rank of its requests (pdserve.tiers): the pusher's order
         self.request_ids = tuple(request_ids)
         self.block_ids = [list(b) for b in block_ids]
         self.num_layers = num_layers
@@ -208,13 +211,15 @@ class PushJob:
 
 
 class KVPusher:
-    """The sending end of one (prefill, decode) pair: numbers, announces and sends transfers, in order.
+    """The sending end of one (prefill, decode) pair: orders, numbers, announces and sends transfers.
 
+    Queued jobs go by (service tier, queue order): a priority request's KV never waits behind flex's.
+    A job is numbered and announced when its turn comes, just before it is sent, so the order the
+    decode worker receives in is the order they are sent in.
     open_pair(generation) must start the decode worker's side of a new channel and return this side
     (a rendezvous); announce(KVAnnounce) tells the decode worker what comes (asynchronously);
     done(job, error) is called once per job, from this pusher's thread, when the job has been sent
     (error None) or has failed (the owner then tells the decode worker, which drops the reservations).
-    A job announced on a channel that broke before its turn is announced again on the next channel.
     """
 
     def __init__(self, prefill_id: str, decode_id: str, kv_cache: torch.Tensor,
@@ -228,17 +233,19 @@ class KVPusher:
         self.kv_cache = kv_cache
         self._open_pair, self._announce, self._done = open_pair, announce, done
         self._lock = threading.Lock()
+        self._queued = threading.Condition(self._lock)
         self._generation = 1
         self._next_seq = 0
         self._channel: PairChannel | None = None
         self._stopped = False
-        self._jobs: queue.SimpleQueue[tuple[KVAnnounce, PushJob] | None] = queue.SimpleQueue()
+        self._jobs: list[tuple[int, int, PushJob]] = []  # a heap on (tier, queue order)
+        self._order = itertools.count()
         self._stream = torch.cuda.Stream(kv_cache.device) if kv_cache.is_cuda else None
         self._thread = threading.Thread(target=self._run, name=f"kv-push-{prefill_id}->{decode_id}", daemon=True)
         self._thread.start()
 
     def push(self, job: PushJob) -> None:
-        """Queue a job behind the pair's earlier ones and announce it to the decode worker."""
+        """Queue a job: it goes after the queued jobs of its tier and higher ones, before lower tiers'."""
         if job.num_parts > 1:
             cache = self.kv_cache
             layer_bytes = cache[0].nbytes // cache.shape[3] * sum(len(b) for b in job.block_ids)
@@ -246,38 +253,39 @@ class KVPusher:
         with self._lock:
             stopped = self._stopped
             if not stopped:
-                a = KVAnnounce(self.prefill_id, self._generation, self._next_seq, job.request_ids,
-                               tuple(len(b) for b in job.block_ids), job.num_parts, self.checksum)
-                self._next_seq += 1
-                self._jobs.put((a, job))
+                heapq.heappush(self._jobs, (job.tier, next(self._order), job))
+                self._queued.notify()
         if stopped:  # its decode worker is gone
             self._done(job, f"no channel to {self.decode_id}: it is gone")
-        else:
-            self._announce(a)
 
     def stop(self) -> None:
         """No more jobs; those queued are tried (and fail fast if the peer is gone), then the thread ends."""
         with self._lock:
             self._stopped = True
-            self._jobs.put(None)
+            self._queued.notify()
             if self._channel is not None:
                 self._channel.close()
 
     def _run(self) -> None:
-        while (item := self._jobs.get()) is not None:
-            a, job = item
+        while True:
             with self._lock:
-                stale = a.generation != self._generation
-            if stale:  # the channel broke after this job was announced: announce it again on the next one
-                self.push(job)
-                continue
+                while not self._jobs and not self._stopped:
+                    self._queued.wait()
+                if not self._jobs:
+                    return  # stopped, and nothing left
+                job = heapq.heappop(self._jobs)[2]
+                a = KVAnnounce(self.prefill_id, self._generation, self._next_seq, job.request_ids,
+                               tuple(len(b) for b in job.block_ids), job.num_parts, self.checksum)
+                self._next_seq += 1
+            self._announce(a)
             try:
                 self._send(a, job)
             except _NoPeer as e:  # the decode worker cannot be reached: fail what waits for it as well
                 log.warning("KV push to %s failed: %s", self.decode_id, e)
-                with self._lock:  # one step: a job pushed meanwhile is numbered after the break, and kept
+                with self._lock:
                     self._break_locked(a.generation)
-                    queued = self._drain_locked()
+                    queued = [j for _, _, j in self._jobs]
+                    self._jobs.clear()
                 for other in (job, *queued):
                     self._done(other, str(e))
             except Exception as e:  # noqa: BLE001 - the job fails; the pair moves to the next generation
@@ -287,19 +295,6 @@ class KVPusher:
                 self._done(job, str(e) or type(e).__name__)
             else:
                 self._done(job, None)
-
-    def _drain_locked(self) -> list[PushJob]:
-        """The queued jobs, taken out of the queue (under _lock)."""
-        jobs = []
-        while True:
-            try:
-                item = self._jobs.get_nowait()
-            except queue.Empty:
-                return jobs
-            if item is None:  # stopping: leave the sentinel for the loop
-                self._jobs.put(None)
-                return jobs
-            jobs.append(item[1])
 
     def _send(self, a: KVAnnounce, job: PushJob) -> None:
         with self._lock:

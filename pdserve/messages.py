@@ -20,9 +20,10 @@ class _Task:
     output_token_ids: tuple[int, ...]
     params: SamplingParams
     seed: int
+    tier: int  # its service tier's rank (pdserve.tiers): every queue orders by it
 
     def new_request(self) -> Request:
-        req = Request(self.request_id, list(self.prompt_token_ids), self.params, self.seed)
+        req = Request(self.request_id, list(self.prompt_token_ids), self.params, self.seed, tier=self.tier)
         req.token_ids.extend(self.output_token_ids)
         return req
 
@@ -39,6 +40,7 @@ class PrefillTask(_Task):
     # The decode worker that reserves room for this prompt's KV, or None if nothing follows the first
     # token (max_tokens reached with it): then the KV is freed as soon as the token is sampled.
     kv_destination: str | None = None
+    tier: int = 1
 
 
 @dataclass(frozen=True)
@@ -58,6 +60,7 @@ class DecodeTask(_Task):
     params: SamplingParams
     seed: int
     prefill_worker: str  # id of the prefill worker that computes and pushes the KV
+    tier: int = 1
 
     def new_request(self) -> Request:
         req = super().new_request()
@@ -124,6 +127,11 @@ class WorkerStats:
     pid: int = 0  # the worker's process (operators and fault tests signal it)
     preemptions: int = 0  # running requests sent back to the queue for lack of KV blocks (recomputed)
     kv_peers: int = 0  # workers of the other pool this one holds a KV pusher or intake for
+    # Service tiers (pdserve.tiers), cumulative: step seconds attributed to each tier (a step's time is
+    # shared by its requests in proportion to the tokens each computed in it), and preemptions by
+    # "TIER/kept" or "TIER/recomputed".
+    tier_seconds: dict = field(default_factory=dict)
+    tier_preemptions: dict = field(default_factory=dict)
 
     @property
     def busy_fraction(self) -> float:

@@ -19,6 +19,7 @@ from prometheus_client.registry import Collector
 from pdserve.kv_transfer import TRANSFER_SECONDS_BUCKETS
 from pdserve.messages import WorkerStats
 from pdserve.planner.autoscale import REASONS
+from pdserve.tiers import TIERS, ServiceTier, TierSLO, TiersConfig
 
 REQUEST_SECONDS_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 7.5, 10.0, 15.0, 20.0,
                            30.0, 60.0, 120.0, 300.0)
@@ -46,12 +47,16 @@ class RouterMetrics:
 
     def __init__(self, worker_stats: Callable[[], Iterable[WorkerStats]],
                  faults: Callable[[], tuple[dict[str, int], dict[str, int]]] = lambda: ({}, {}),
-                 scale: Callable[[], Iterable[PoolScale]] = lambda: ()):
+                 scale: Callable[[], Iterable[PoolScale]] = lambda: (),
+                 slos: dict[str, TierSLO] | None = None, downgrades: Callable[[], int] = lambda: 0):
         """worker_stats: the workers' latest stats; faults: (restarts by pool, retries by reason), cumulative;
-        scale: each pool's size, target and scale events."""
+        scale: each pool's size, target and scale events; slos: each tier's targets (pdserve.tiers);
+        downgrades: priority requests served as default so far."""
         r = self.registry = CollectorRegistry()
-        # Every request metric is labelled by the protocol it came in on: "grpc" or "http" (OpenAI API).
-        p = ["protocol"]
+        self.slos = slos if slos is not None else TiersConfig().slo
+        # Every request metric is labelled by the protocol it came in on, "grpc" or "http" (OpenAI API),
+        # and the service tier it asked for (pdserve.tiers).
+        p = ["protocol", "service_tier"]
         self.ttft = Histogram("pdserve_request_time_to_first_token_seconds",
                               "From arrival at the router to the first token streamed", p, registry=r,
                               buckets=REQUEST_SECONDS_BUCKETS)
@@ -65,37 +70,66 @@ class RouterMetrics:
                              registry=r, buckets=REQUEST_SECONDS_BUCKETS)
         self.queue = Histogram("pdserve_request_queue_seconds", "Time waiting for admission", p, registry=r,
                                buckets=REQUEST_SECONDS_BUCKETS)
-        self.requests = Counter("pdserve_requests", "Finished requests by protocol, finish reason and status code "
-                                "(gRPC's names, for HTTP requests too: OK, INVALID_ARGUMENT, ...)",
-                                ["protocol", "finish_reason", "code"], registry=r)
+        self.requests = Counter("pdserve_requests", "Finished requests by protocol, tier, finish reason and status "
+                                "code (gRPC's names, for HTTP requests too: OK, INVALID_ARGUMENT, ...)",
+                                ["protocol", "service_tier", "finish_reason", "code"], registry=r)
+        # Live goodput: requests that finished (stop or length) and whether they met their tier's SLO
+        # (TTFT and TPOT targets), and their output tokens.
+        slo = ["service_tier", "met"]
+        self.slo_requests = Counter("pdserve_tier_slo_requests", "Finished requests by tier, and whether they met "
+                                    "the tier's SLO (met=true: goodput)", slo, registry=r)
+        self.slo_tokens = Counter("pdserve_tier_slo_output_tokens", "Output tokens of finished requests by tier, and "
+                                  "whether their request met the tier's SLO", slo, registry=r)
+        self.served = Counter("pdserve_tier_served_requests", "Finished requests by the tier asked for and the tier "
+                              "served (lower when a priority request found the fast lane full)",
+                              ["service_tier", "served_tier"], registry=r)
+        for t in TIERS:  # the series a dashboard divides by exist from the start
+            for met in ("true", "false"):
+                self.slo_requests.labels(t.value, met)
+                self.slo_tokens.labels(t.value, met)
         self.prompt_tokens = Counter("pdserve_request_prompt_tokens", "Prompt tokens of finished requests", p,
                                      registry=r)
         self.generation_tokens = Counter("pdserve_request_generation_tokens", "Tokens streamed to clients", p,
                                          registry=r)
         self.running = Gauge("pdserve_router_requests_running", "Requests admitted to the workers", registry=r)
         self.queued = Gauge("pdserve_router_requests_queued", "Requests waiting for admission", registry=r)
+        self._tier_queued: Callable[[ServiceTier], int] = lambda t: 0
+        r.register(TierCollector(lambda: {t.value: self._tier_queued(t) for t in TIERS}, downgrades))
         r.register(WorkerCollector(worker_stats))
         r.register(FaultCollector(faults))
         r.register(ScaleCollector(scale))
 
+    def tier_queued(self, queued: Callable[[ServiceTier], int]) -> None:
+        """Where the requests waiting by tier are counted (router.server)."""
+        self._tier_queued = queued
+
     def observe_request(self, *, finish_reason: str, code: str, queue_s: float | None, ttft_s: float | None,
                         e2e_s: float | None, token_times: list[float], prompt_tokens: int, output_tokens: int,
-                        protocol: str = "grpc") -> None:
-        """Record one finished request. token_times: when each output token was streamed (one per token)."""
-        self.requests.labels(protocol, finish_reason, code).inc()
+                        protocol: str = "grpc", service_tier: str = "default", served_tier: str | None = None) -> None:
+        """Record one finished request. token_times: when each output token was streamed (one per token).
+        service_tier: the tier it asked for, whose SLO it is judged by; served_tier: the tier it got."""
+        p = (protocol, service_tier)
+        self.requests.labels(*p, finish_reason, code).inc()
         if queue_s is not None:
-            self.queue.labels(protocol).observe(queue_s)
+            self.queue.labels(*p).observe(queue_s)
         if ttft_s is not None:
-            self.ttft.labels(protocol).observe(ttft_s)
+            self.ttft.labels(*p).observe(ttft_s)
         if e2e_s is not None:
-            self.e2e.labels(protocol).observe(e2e_s)
+            self.e2e.labels(*p).observe(e2e_s)
+        tpot = None
         if ttft_s is not None and e2e_s is not None and output_tokens > 1:
-            self.tpot.labels(protocol).observe((e2e_s - ttft_s) / (output_tokens - 1))
-        itl = self.itl.labels(protocol)
+            tpot = (e2e_s - ttft_s) / (output_tokens - 1)
+            self.tpot.labels(*p).observe(tpot)
+        itl = self.itl.labels(*p)
         for a, b in zip(token_times, token_times[1:]):
             itl.observe(b - a)
-        self.prompt_tokens.labels(protocol).inc(prompt_tokens)
-        self.generation_tokens.labels(protocol).inc(output_tokens)
+        self.prompt_tokens.labels(*p).inc(prompt_tokens)
+        self.generation_tokens.labels(*p).inc(output_tokens)
+        if code == "OK" and finish_reason in ("stop", "length") and ttft_s is not None:
+            met = "true" if self.slos[service_tier].met(ttft_s, tpot) else "false"
+            self.slo_requests.labels(service_tier, met).inc()
+            self.slo_tokens.labels(service_tier, met).inc(output_tokens)
+            self.served.labels(service_tier, served_tier or service_tier).inc()
 
 
 class WorkerCollector(Collector):
@@ -144,6 +178,20 @@ class WorkerCollector(Collector):
         yield family(CounterMetricFamily, "pdserve_worker_preemptions",
                      "Running requests sent back to the queue for lack of KV blocks (their KV is recomputed)",
                      lambda s: s.preemptions)
+        for kind, name, doc, key, label in (
+                (CounterMetricFamily, "pdserve_tier_device_seconds", "Step seconds attributed to each service tier (a "
+                 "step's time shared by its requests by the tokens each computed): the device cost of a tier",
+                 "tier_seconds", "service_tier"),
+                (CounterMetricFamily, "pdserve_tier_preemptions", "Requests preempted, by tier and by outcome: kept "
+                 "(resumed with its KV) or recomputed (its KV freed)", "tier_preemptions", "tier_outcome")):
+            f = kind(name, doc, labels=labels + (["service_tier", "outcome"] if label == "tier_outcome" else [label]))
+            for s in stats:
+                values = getattr(s, key) or {}
+                tiers = [t.value for t in TIERS]
+                keys = [f"{t}/{o}" for t in tiers for o in ("kept", "recomputed")] if label == "tier_outcome" else tiers
+                for k in keys:
+                    f.add_metric([s.pool, s.worker_id, *k.split("/")], values.get(k, 0))
+            yield f
         yield family(CounterMetricFamily, "pdserve_worker_prefix_cache_hit_blocks", "Prompt blocks served by the prefix cache",
                      lambda s: s.prefix_hit_blocks)
         yield family(CounterMetricFamily, "pdserve_worker_prefix_cache_query_blocks", "Prompt blocks looked up in the prefix cache",
@@ -185,6 +233,22 @@ def _histogram(name: str, doc: str, labels: list[str], stats: list[WorkerStats],
     return h
 
 
+class TierCollector(Collector):
+    """Requests waiting by service tier (for admission or in the router's line), and downgrades."""
+
+    def __init__(self, queued: Callable[[], dict[str, int]], downgrades: Callable[[], int]):
+        self.queued, self.downgrades = queued, downgrades
+
+    def collect(self) -> Iterator[Metric]:
+        f = GaugeMetricFamily("pdserve_tier_requests_queued", "Requests waiting, by the tier they are served at: for "
+                              "admission or for workers with room", labels=["service_tier"])
+        for tier, n in self.queued().items():
+            f.add_metric([tier], n)
+        yield f
+        yield CounterMetricFamily("pdserve_tier_downgrades", "Priority requests served as default: the fast lane was "
+                                  "full", value=self.downgrades())
+
+
 class FaultCollector(Collector):
     """Worker replacements and request retries, as counted by the router."""
 
@@ -194,7 +258,7 @@ class FaultCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         restarts, retries = self.faults()
         f = CounterMetricFamily("pdserve_worker_restarts", "Workers lost (dead or stuck) and replaced", labels=["pool"])
-        for pool in ("prefill", "decode", "colocated"):
+        for pool in ("prefill", "decode", "fast", "colocated"):
             f.add_metric([pool], restarts.get(pool, 0))
         yield f
         f = CounterMetricFamily("pdserve_request_retries", "Requests placed again after a lost worker or failed transfer",

@@ -25,6 +25,7 @@ class RequestOutput:
     error: str | None = None  # with finish_reason ERROR
     num_cached_tokens: int = 0  # prompt tokens the prefix cache served
     placement: tuple[str, ...] = ()  # workers that ran the request (prefill, decode), on the last output
+    service_tier: str = "default"  # the tier it is served at (pdserve.tiers): lower than asked if downgraded
 
     @property
     def finished(self) -> bool:

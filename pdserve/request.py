@@ -52,6 +52,12 @@ class Request:
     finish_reason: FinishReason | None = None
     # Decode side of a hand-off: the KV of token_ids comes from a prefill worker, with the next token.
     remote_kv: bool = False
+    # Its service tier's rank (pdserve.tiers: 0 priority, 1 default, 2 flex): every queue orders by
+    # (tier, queue_seq), queue_seq being the order the scheduler took it in.
+    tier: int = 1
+    queue_seq: int = 0
+    # Preempted for another tier with its KV kept in its blocks: it resumes without recomputing.
+    kept_kv: bool = False
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

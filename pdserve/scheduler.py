@@ -1,10 +1,17 @@
 """The continuous-batching scheduler every engine runs; the worker's role is a policy over request states.
 
 Each step spends a token budget: first one token for every running request that is decoding (and the
-next chunk of any running prefill), then prompt chunks of waiting requests in arrival order. When the
-pool cannot hold a running request's next token, the most recently admitted request is preempted: its
-blocks are freed and it goes back to the front of the queue to be recomputed (prompt + output so far),
-so nothing is dropped and the tokens already produced are kept.
+next chunk of any running prefill), then prompt chunks of waiting requests in (service tier, arrival)
+order (pdserve.tiers). When the pool cannot hold a running request's next token, a request is preempted:
+the lowest tier's most recently admitted one. Its blocks are freed and it goes back to the queue, at its
+place, to be recomputed (prompt + output so far), so nothing is dropped and the tokens already produced
+are kept.
+
+Tiers (decode and colocated roles): a waiting request of a higher tier than flex that finds every slot
+(max_num_seqs) taken preempts the most recently admitted running flex request, as long as flex keeps its
+floor (flex_min_share of the slots). That flex request keeps its KV in its blocks and resumes without
+recomputing when its turn comes again; if a higher tier needs its blocks (a reservation that does not
+fit), they are freed and it is recomputed instead. Both outcomes are counted (`preemptions`).
 
 Roles (see pdserve.request.RequestStatus for the states):
 - COLOCATED (offline engine, colocated workers): both phases here.
@@ -20,14 +27,20 @@ Roles (see pdserve.request.RequestStatus for the states):
 """
 from __future__ import annotations
 
+import bisect
+import collections
 import enum
-from collections import deque
+import itertools
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from pdserve.config import SchedulerConfig
 from pdserve.kv_cache import KVCacheManager
 from pdserve.request import FinishReason, Request, RequestStatus, token_stop_reason
 from pdserve.runner import Chunk, StepResult
+from pdserve.tiers import ServiceTier, flex_floor
+
+FLEX = ServiceTier.FLEX.rank
 
 
 class Role(str, enum.Enum):
@@ -52,6 +65,35 @@ class SampledToken:
     finish_reason: FinishReason | None  # set when a token-level rule ended the request
 
 
+class WaitingQueue:
+    """Waiting requests in (tier, queue_seq) order: the head is the next to go, whatever the tier it came in."""
+
+    def __init__(self) -> None:
+        self._items: list[Request] = []
+
+    def append(self, req: Request) -> None:
+        bisect.insort(self._items, req, key=_queue_key)
+
+    def popleft(self) -> Request:
+        return self._items.pop(0)
+
+    def remove(self, req: Request) -> None:
+        self._items.remove(req)
+
+    def __getitem__(self, i: int) -> Request:
+        return self._items[i]
+
+    def __iter__(self) -> Iterator[Request]:
+        return iter(self._items)
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+
+def _queue_key(req: Request) -> tuple[int, int]:
+    return req.tier, req.queue_seq
+
+
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager, eos_token_ids: tuple[int, ...],
                  max_model_len: int, role: Role = Role.COLOCATED):
@@ -60,12 +102,17 @@ class Scheduler:
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
         self.role = role
-        self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []  # in admission order: the last one is preempted first
+        self.waiting = WaitingQueue()
+        self.running: list[Request] = []  # in admission order
         self.held: dict[str, Request] = {}  # prefill: KV kept for the decode worker
         self.waiting_for_kv: dict[str, Request] = {}  # decode: blocks reserved, KV in flight
         self.requests: dict[str, Request] = {}  # every unfinished request, by id
         self.num_preemptions = 0
+        # Preemptions by (tier name, "kept" | "recomputed"), counted when the preempted request resumes
+        # with its KV (kept) or loses it (recomputed).
+        self.preemptions: collections.Counter[tuple[str, str]] = collections.Counter()
+        self._seq = itertools.count()
+        self._flex_floor = flex_floor(config.flex_min_share, config.max_num_seqs)
 
     def add(self, req: Request) -> None:
         if req.request_id in self.requests:
@@ -79,6 +126,7 @@ class Scheduler:
                 f"({req.num_tokens} tokens, {self.kv.pool.num_blocks} blocks of {self.kv.block_size})"
             )
         req.status = RequestStatus.WAITING
+        req.queue_seq = next(self._seq)
         self.waiting.append(req)
         self.requests[req.request_id] = req
 
@@ -97,15 +145,23 @@ class Scheduler:
         scheduled: list[tuple[Request, int]] = []
         reserved: list[Request] = []
         preempted = 0
+        if self.role is not Role.PREFILL:
+            self._preempt_for_tiers()
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             n = min(req.num_tokens - req.num_computed_tokens, budget)
-            while not self.kv.allocate_slots(req, n):
+            while not self._allocate(req, n):
                 assert self.role is not Role.PREFILL, "a prefill worker allocates whole prompts at admission"
-                victim = self.running.pop()
+                # The lowest tier's most recently admitted request gives its blocks back.
+                v = max(range(len(self.running)), key=lambda j: (self.running[j].tier, j))
+                victim = self.running.pop(v)
                 self._preempt(victim)
                 preempted += 1
+                if v < i:  # already in this step: take it out again
+                    k = next(k for k, (r, _) in enumerate(scheduled) if r is victim)
+                    budget += scheduled.pop(k)[1]
+                    i -= 1
                 if victim is req:
                     break
             else:
@@ -125,17 +181,24 @@ class Scheduler:
                 continue
             if budget <= 0:
                 break
+            kept, req.kept_kv = req.kept_kv, False  # preempted for another tier, its KV still here
             if not req.block_ids:
                 self.kv.admit_cached_prefix(req)
             n = req.num_tokens - req.num_computed_tokens
             if n > budget and not self.config.enable_chunked_prefill:
+                req.kept_kv = kept
                 break
             # A prefill worker allocates the whole prompt now, so a chunked prompt never waits for room.
             need = n if self.role is Role.PREFILL else min(n, budget)
             n = min(n, budget)
-            if not self.kv.allocate_slots(req, need):
-                self.kv.free(req)  # drop the prefix references taken above; retry next step
+            if not self._allocate(req, need):
+                if kept:
+                    req.kept_kv = True
+                else:
+                    self.kv.free(req)  # drop the prefix references taken above; retry next step
                 break
+            if kept:  # resumes without recomputing
+                self.preemptions[(ServiceTier.of_rank(req.tier).value, "kept")] += 1
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
             self.running.append(req)
@@ -212,7 +275,11 @@ class Scheduler:
     def _reserve(self, req: Request) -> bool:
         """Blocks for a remote request's KV and its next token, if that leaves the configured headroom
         per running request (so that taking it in does not force a preemption at the very next step)."""
-        return self._room_for(req) and self.kv.allocate_slots(req, req.num_tokens + 1)
+        if not self._room_for(req):
+            if not self._drop_kept():
+                return False
+            return self._reserve(req)
+        return self.kv.allocate_slots(req, req.num_tokens + 1)
 
     def _can_reserve(self) -> bool:
         return bool(self.waiting) and self.waiting[0].remote_kv and self.num_active < self.config.max_num_seqs \
@@ -222,11 +289,52 @@ class Scheduler:
         need = self.kv.blocks_needed(req.num_tokens + 1)
         return self.kv.pool.num_free_blocks - need >= len(self.running) * self.config.reservation_headroom_blocks
 
-    def _preempt(self, req: Request) -> None:
-        self.kv.free(req)
+    def _preempt(self, req: Request, keep_kv: bool = False) -> None:
+        """Back to the queue at its place: its KV freed (recomputed when it runs again) or kept."""
+        if keep_kv:
+            req.kept_kv = True
+        else:
+            self.kv.free(req)
+            self.preemptions[(ServiceTier.of_rank(req.tier).value, "recomputed")] += 1
         req.status = RequestStatus.WAITING
-        req.remote_kv = False  # its KV is recomputed here
-        self.waiting.appendleft(req)
+        req.remote_kv = False  # its KV is here (kept) or recomputed here
+        self.waiting.append(req)
+
+    def _allocate(self, req: Request, n: int) -> bool:
+        """Slots for n more tokens of req; KV kept by preempted requests is given up for them if needed."""
+        while not self.kv.allocate_slots(req, n):
+            if not self._drop_kept():
+                return False
+        return True
+
+    def _drop_kept(self) -> bool:
+        """Free the KV of the last waiting request that kept it (it will be recomputed); False if none did."""
+        kept = next((r for r in reversed(list(self.waiting)) if r.kept_kv), None)
+        if kept is None:
+            return False
+        kept.kept_kv = False
+        self.kv.free(kept)
+        self.preemptions[(ServiceTier.of_rank(kept.tier).value, "recomputed")] += 1
+        return True
+
+    def _preempt_for_tiers(self) -> None:
+        """Running flex requests above flex's floor make way for a waiting request of a higher tier that
+        has no slot (they keep their KV) or, for incoming KV, no room (their KV is freed: flex requests
+        preempted earlier and still waiting with their KV give theirs first)."""
+        while self.waiting and self.waiting[0].tier < FLEX:
+            head = self.waiting[0]
+            no_slot = self.num_active >= self.config.max_num_seqs
+            no_room = head.remote_kv and not self._room_for(head)
+            if not (no_slot or no_room):
+                return
+            if no_room and not no_slot and self._drop_kept():
+                continue
+            flex = [j for j, r in enumerate(self.running) if r.tier == FLEX]
+            if len(flex) <= self._flex_floor:
+                return
+            victim = self.running.pop(flex[-1])
+            self._preempt(victim, keep_kv=not no_room)
+            self.num_preemptions += 1
 
 
 def chunk_of(req: Request, n: int) -> Chunk:

@@ -26,6 +26,7 @@ from pdserve.loader import LoadedModel
 from pdserve.messages import Failure, FailureReason, StepOutput, TokenEvent, WorkerStats
 from pdserve.scheduler import Role, SampledToken, ScheduledStep
 from pdserve.step_loop import StepLoop, StepLoopStopped
+from pdserve.tiers import ServiceTier
 from pdserve.utilization import device_peaks
 
 log = logging.getLogger(__name__)
@@ -52,6 +53,7 @@ class WorkerActor:
         self.core = EngineCore(config, loaded, self.role)
         self.peaks = device_peaks(self.core.runner.device, config.peak_flops, config.peak_bytes_per_second)
         self.busy_seconds = 0.0
+        self.tier_seconds: collections.Counter[str] = collections.Counter()  # busy seconds by tier
         self.started = time.monotonic()
         self._outputs: queue.SimpleQueue[StepOutput] = queue.SimpleQueue()
         # Ids cancelled before their request arrived here (Ray may run a cancel ahead of the call that
@@ -127,6 +129,7 @@ class WorkerActor:
         state is suspect) and reported; the worker keeps serving."""
         self.faults.hit("step")
         t0 = time.perf_counter()
+        tokens = [(ServiceTier.of_rank(r.tier).value, len(c.token_ids)) for r, c in zip(step.requests, step.chunks)]
         try:
             return StepRun(self.core.account(step, self.core.execute(step, layer_done)), [])
         except Exception as e:  # noqa: BLE001 - the batch fails, not the worker
@@ -134,7 +137,11 @@ class WorkerActor:
             return StepRun([], [Failure(rid, FailureReason.STEP_FAILED, f"{self.pool} step failed: {e}")
                                 for rid in self.core.cancel_all()])
         finally:
-            self.busy_seconds += time.perf_counter() - t0
+            dt = time.perf_counter() - t0
+            self.busy_seconds += dt
+            total = sum(n for _, n in tokens)
+            for tier, n in tokens:  # each request's share of the step, by the tokens it computed
+                self.tier_seconds[tier] += dt * n / total
 
     def _publish(self, run: StepRun, extra_failed: tuple[Failure, ...] = ()) -> None:
         """Put one StepOutput with every request's new token (and the failures), if there is any."""
@@ -164,4 +171,6 @@ class WorkerActor:
             uptime_seconds=time.monotonic() - self.started, flops=runner.flops_total, bytes_read=runner.bytes_total,
             peak_flops=self.peaks.flops_per_second, peak_bytes_per_second=self.peaks.bytes_per_second,
             peak_source=self.peaks.source, prefix_hit_blocks=pool.prefix_hits, prefix_query_blocks=pool.prefix_queries,
-            pid=os.getpid(), preemptions=c.scheduler.num_preemptions, **self._extra_stats())
+            pid=os.getpid(), preemptions=c.scheduler.num_preemptions, tier_seconds=dict(self.tier_seconds),
+            tier_preemptions={f"{t}/{kind}": n for (t, kind), n in c.scheduler.preemptions.items()},
+            **self._extra_stats())

@@ -48,6 +48,7 @@ class _HeldKV:
     block_ids: list[int]
     token: int
     sampled_at: float
+    tier: int  # its service tier's rank: pushes go by it
 
 
 class PrefillActor(WorkerActor):
@@ -115,8 +116,8 @@ class PrefillActor(WorkerActor):
             for rid in [r for r, t in self._ready.items() if now - t > READY_TTL_S]:
                 del self._ready[rid]
             self._pushing.update(pushed_now)
-        if held:
-            self._push(self._held_job(decode_id, held))
+        for job in self._held_jobs(decode_id, held):
+            self._push(job)
 
     async def cancel(self, request_id: str) -> bool:
         self._fail(request_id, asyncio.CancelledError(f"request {request_id} cancelled"))
@@ -223,7 +224,7 @@ class PrefillActor(WorkerActor):
                 self._forget(rid)
                 self.core.cancel(rid)  # nothing follows the first token
                 continue
-            held = _HeldKV(scheduler.kv_blocks(req), s.token, sampled_at)
+            held = _HeldKV(scheduler.kv_blocks(req), s.token, sampled_at, req.tier)
             with self._lock:
                 if rid in self._ready:
                     del self._ready[rid]
@@ -232,7 +233,8 @@ class PrefillActor(WorkerActor):
                 else:
                     self._held[rid] = held
         for dest, items in late.items():  # the reservation came during this step
-            self._push(self._held_job(dest, items))
+            for job in self._held_jobs(dest, items):
+                self._push(job)
         return True
 
     def _push(self, job: PushJob) -> None:
@@ -244,11 +246,16 @@ class PrefillActor(WorkerActor):
         else:
             d.pusher.push(job)
 
-    def _held_job(self, destination: str, items: list[tuple[str, _HeldKV]]) -> PushJob:
-        """A push of computed KV: all of its layers are there, and so are the first tokens."""
+    def _held_jobs(self, destination: str, items: list[tuple[str, _HeldKV]]) -> list[PushJob]:
+        """Pushes of computed KV, one per service tier (all of their layers are there, and so are the first
+        tokens), highest tier first."""
         num_layers = self.core.model_config.num_layers
-        return PushJob(destination, [rid for rid, _ in items], [h.block_ids for _, h in items], num_layers,
-                       num_layers, [h.token for _, h in items], min(h.sampled_at for _, h in items))
+        jobs = []
+        for tier in sorted({h.tier for _, h in items}):
+            mine = [(rid, h) for rid, h in items if h.tier == tier]
+            jobs.append(PushJob(destination, [rid for rid, _ in mine], [h.block_ids for _, h in mine], num_layers,
+                                num_layers, [h.token for _, h in mine], min(h.sampled_at for _, h in mine), tier))
+        return jobs
 
     def _cancel(self, request_id: str) -> bool:
         if self._forget(request_id):
@@ -298,11 +305,13 @@ class _StepPushes:
     def __init__(self, actor: PrefillActor, step: ScheduledStep):
         self.actor = actor
         self.num_layers = actor.core.model_config.num_layers
-        self.candidates: dict[str, tuple[str, list[int]]] = {}  # request -> (decode worker, its KV blocks)
+        # request -> (decode worker, its service tier's rank, its KV blocks)
+        self.candidates: dict[str, tuple[str, int, list[int]]] = {}
         for req, chunk in zip(step.requests, step.chunks):
             dest = actor._destination_of.get(req.request_id)
             if chunk.sample is not None and dest is not None:
-                self.candidates[req.request_id] = (dest, req.block_ids[: actor.core.kv.blocks_needed(req.num_tokens)])
+                self.candidates[req.request_id] = (dest, req.tier,
+                                                   req.block_ids[: actor.core.kv.blocks_needed(req.num_tokens)])
         self.started: dict[str, PushJob] = {}
         self.jobs: list[PushJob] = []
 
@@ -313,15 +322,15 @@ class _StepPushes:
         if len(self.started) == len(self.candidates) or (not self.actor.push_layerwise and layer < self.num_layers - 1):
             return
         a = self.actor
-        groups: dict[str, list[str]] = {}
+        groups: dict[tuple[int, str], list[str]] = {}  # one job per (tier, decode worker), highest tier first
         with a._lock:
-            for rid, (dest, _) in self.candidates.items():
+            for rid, (dest, tier, _) in self.candidates.items():
                 if rid not in self.started and rid in a._ready:
                     del a._ready[rid]
                     a._pushing.add(rid)
-                    groups.setdefault(dest, []).append(rid)
-        for dest, rids in groups.items():
-            job = PushJob(dest, rids, [self.candidates[r][1] for r in rids], self.num_layers, layer + 1)
+                    groups.setdefault((tier, dest), []).append(rid)
+        for (tier, dest), rids in sorted(groups.items()):
+            job = PushJob(dest, rids, [self.candidates[r][2] for r in rids], self.num_layers, layer + 1, tier=tier)
             self.jobs.append(job)
             self.started.update((r, job) for r in rids)
             a._push(job)

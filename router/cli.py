@@ -102,6 +102,25 @@ def add_serve_parser(sub: Any) -> argparse.ArgumentParser:
                        help="a pool shrinks only to the most workers it needed over this long (no flapping)")
     scale.add_argument("--autoscale-interval", type=float, default=2.0, metavar="SECONDS",
                        help="how often the pools' sizes are decided")
+    tiers = serve.add_argument_group("service tiers (a request's service_tier: auto, default, priority, flex)")
+    tiers.add_argument("--fast-lane-workers", type=lane_range, default=(0, 0), metavar="N|MIN:MAX",
+                       help="decode workers beside the decode pool that serve priority requests only, each with a "
+                            "small running batch (--fast-lane-max-running): faster tokens at a higher cost per "
+                            "token; MIN:MAX autoscales the lane (default 0: no lane)")
+    tiers.add_argument("--fast-lane-max-running", type=int, default=4, help="running requests per fast-lane worker")
+    tiers.add_argument("--fast-lane-when-full", choices=["wait", "downgrade"], default="wait",
+                       help="a priority request that finds the lane full waits (up to --fast-lane-max-wait) or is "
+                            "served as default at once; the tier served says which")
+    tiers.add_argument("--fast-lane-max-wait", type=float, default=5.0, metavar="SECONDS",
+                       help="how long a priority request waits for the lane before it is served as default")
+    tiers.add_argument("--flex-max-queued", type=int, default=64,
+                       help="flex requests waiting beyond this are refused at once (RESOURCE_EXHAUSTED, HTTP 429)")
+    tiers.add_argument("--flex-min-share", type=float, default=0.1,
+                       help="flex's floor: this share of the decode slots is flex's whenever flex wants it (it is "
+                            "neither preempted nor kept in line below it)")
+    tiers.add_argument("--tier-slo", action="append", default=[], metavar="TIER=TTFT_MS:TPOT_MS",
+                       help="a tier's SLO (repeatable), for the per-tier goodput metrics and the fast lane's sizing; "
+                            "defaults: priority=1000:50, default=4000:150, flex=120000:1000")
     serve.add_argument("--max-running", type=int, default=256, help="requests on the workers at once")
     serve.add_argument("--max-queued", type=int, default=1024, help="requests waiting; more get RESOURCE_EXHAUSTED")
     serve.add_argument("--drain-timeout", type=float, default=30.0, help="seconds in-flight requests get on shutdown")
@@ -118,6 +137,30 @@ def worker_range(text: str) -> tuple[int, int]:
         raise argparse.ArgumentTypeError(f"workers are N or MIN:MAX, got {text!r}") from None
     if not 1 <= out[0] <= out[1]:
         raise argparse.ArgumentTypeError(f"workers need 1 <= MIN <= MAX, got {text!r}")
+    return out
+
+
+def lane_range(text: str) -> tuple[int, int]:
+    """0 (no fast lane), N or MIN:MAX."""
+    if str(text).strip() == "0":
+        return (0, 0)
+    return worker_range(text)
+
+
+def tier_slos(items: list[str]) -> dict[str, dict[str, float]]:
+    """TIER=TTFT_MS:TPOT_MS items -> {tier: {"ttft_s", "tpot_s"}}."""
+    from pdserve.tiers import parse_tier
+
+    out = {}
+    for item in items:
+        name, sep, value = str(item).partition("=")
+        ttft, colon, tpot = value.partition(":")
+        try:
+            out[parse_tier(name.strip()).value] = {"ttft_s": float(ttft) / 1000, "tpot_s": float(tpot) / 1000}
+        except ValueError:
+            raise ValueError(f"--tier-slo is TIER=TTFT_MS:TPOT_MS, got {item!r}") from None
+        if not sep or not colon:
+            raise ValueError(f"--tier-slo is TIER=TTFT_MS:TPOT_MS, got {item!r}")
     return out
 
 
@@ -162,6 +205,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def cluster_config_from_args(args: argparse.Namespace):
     from pdserve.config import AutoscaleConfig, CacheConfig, ClusterConfig, EngineConfig, PoolConfig, SchedulerConfig
+    from pdserve.tiers import TiersConfig
 
     gpu = args.device.startswith("cuda")
     cpus = args.worker_cpus if args.worker_cpus is not None else (1.0 if gpu else 0.5)
@@ -171,7 +215,8 @@ def cluster_config_from_args(args: argparse.Namespace):
     if threads is None and not gpu and not args.ray_address:
         # A local CPU cluster: split the cores between the workers instead of oversubscribing them.
         # Autoscaled pools count at their largest.
-        workers = args.colocated_workers if args.mode == "colocated" else args.prefill_workers[1] + args.decode_workers[1]
+        workers = args.colocated_workers if args.mode == "colocated" else \
+            args.prefill_workers[1] + args.decode_workers[1] + args.fast_lane_workers[1]
         threads = max(1, (os.cpu_count() or 1) // workers)
 
     def pool(n: int | tuple[int, int], scheduler: SchedulerConfig, resources: list[str]) -> PoolConfig:
@@ -191,7 +236,14 @@ def cluster_config_from_args(args: argparse.Namespace):
     pools = dict(colocated=pool(args.colocated_workers, colocated, [])) if args.mode == "colocated" else \
         dict(prefill=pool(args.prefill_workers, prefill, args.prefill_resource),
              decode=pool(args.decode_workers, decode, args.decode_resource))
-    return ClusterConfig(engine=engine, mode=args.mode, **pools,
+    if args.fast_lane_workers[0]:
+        if args.mode == "colocated":
+            raise ValueError("the fast lane (--fast-lane-workers) is a set of decode workers: it needs disaggregated mode")
+        pools["fast"] = pool(args.fast_lane_workers, decode, args.decode_resource)
+    tiers = TiersConfig(fast_lane_max_running=args.fast_lane_max_running, fast_lane_when_full=args.fast_lane_when_full,
+                        fast_lane_max_wait_s=args.fast_lane_max_wait, flex_max_queued=args.flex_max_queued,
+                        flex_min_share=args.flex_min_share, slo=tier_slos(args.tier_slo))
+    return ClusterConfig(engine=engine, mode=args.mode, **pools, tiers=tiers,
                          transfer_timeout_s=args.transfer_timeout, bind_host=args.kv_bind_host,
                          worker_timeout_s=args.worker_timeout, pool_wait_timeout_s=args.pool_wait_timeout,
                          kv_checksum=args.kv_checksum,

@@ -38,6 +38,8 @@ from pdserve.output import RequestOutput, TextOutput, token_output
 from pdserve.planner.autoscale import Demand, DemandWindow
 from pdserve.request import FinishReason, Request, token_stop_reason, validate_prompt
 from pdserve.sampling import SamplingParams
+from pdserve.tiers import TIERS, ServiceTier, flex_floor
+from router.line import Entry, Line
 from router.placement import DecodeLoad, PrefillLoad, pick_decode, pick_prefill
 from router.pools import Pools, Worker
 
@@ -46,9 +48,10 @@ log = logging.getLogger(__name__)
 # A prefill worker is sent a prompt only while fewer than this many steps' worth of prompt tokens (its
 # token budget a step) are queued on it, the step it runs included: one step running and the next one
 # ready; and only when a decode worker has room for the prompt's KV (Cluster._decode_room). The rest
-# wait here, in arrival order. So a worker that joins (a replacement, or one the autoscaler started)
+# wait here, in line. So a worker that joins (a replacement, or one the autoscaler started)
 # takes its share of a backlog that arrived before it, and no prompt is computed only for its KV to
-# wait on the prefill worker for a full decode worker.
+# wait on the prefill worker for a full decode worker. The line's order is by service tier, then arrival
+# (router.line).
 PREFILL_QUEUE_STEPS = 2
 
 
@@ -74,12 +77,16 @@ class Cluster:
         self.retries: collections.Counter[str] = collections.Counter()  # by FailureReason value, a metric
         # What the autoscaler sizes the pools for, from now on.
         self.demand = DemandWindow(config.autoscale.window_s, time.monotonic())
-        # Prompts waiting for a prefill worker with room (PREFILL_QUEUE_STEPS), in arrival order.
-        self._prefill_line: collections.deque[asyncio.Future[None]] = collections.deque()
+        self.tier_demand = {t: DemandWindow(config.autoscale.window_s, time.monotonic()) for t in TIERS}
+        # Prompts waiting for workers with room (PREFILL_QUEUE_STEPS, _decode_room), by tier then arrival.
+        self._line = Line()
         self.waiting_prompt_tokens = 0
+        self.in_flight: collections.Counter[ServiceTier] = collections.Counter()  # placed, by tier served
+        self.downgrades = 0  # priority requests served as default (the fast lane was full)
+        self._seqs = {name: config.engine_for(pc).scheduler.max_num_seqs for name, pc in config.pools.items()}
         if config.mode == "disaggregated":
             self._prefill_room = PREFILL_QUEUE_STEPS * config.engine_for(config.prefill).scheduler.max_num_batched_tokens
-            self._decode_seqs = config.engine_for(config.decode).scheduler.max_num_seqs
+            self._pools.listeners.append(self._dispatch)
 
     @property
     def pools(self) -> dict[str, list[Worker]]:
@@ -123,9 +130,10 @@ class Cluster:
                       sum(w.stats.kv_blocks_used for w in decode if w.stats is not None))
 
     # -- requests ---------------------------------------------------------------------------------
-    async def generate(self, prompt_token_ids: Sequence[int], params: SamplingParams,
-                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
-        """Stream a request's outputs; closing the iterator early cancels it on every worker."""
+    async def generate(self, prompt_token_ids: Sequence[int], params: SamplingParams, request_id: str | None = None,
+                       tier: ServiceTier = ServiceTier.DEFAULT) -> AsyncIterator[RequestOutput]:
+        """Stream a request's outputs; closing the iterator early cancels it on every worker. Each output
+        says the tier it is served at (`service_tier`)."""
         info = self.info
         assert info is not None, "start() the cluster first"
         prompt = list(prompt_token_ids)
@@ -134,10 +142,11 @@ class Cluster:
         if rid in self._streams:
             raise ValueError(f"request id {rid!r} is already in use")
         seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
-        req = Request(rid, prompt, params, seed)  # the router's view: tokens streamed so far
+        req = Request(rid, prompt, params, seed, tier=tier.rank)  # the router's view: tokens streamed so far
         text = TextOutput(info.tokenizer, prompt, params.stop)
         self._streams[rid] = asyncio.Queue()
         self.demand.arrived(time.monotonic(), len(prompt), params.max_tokens)
+        self.tier_demand[tier].arrived(time.monotonic(), len(prompt), params.max_tokens)
         failures: collections.Counter[FailureReason] = collections.Counter()
         avoid: tuple[str, ...] = ()
         try:
@@ -151,6 +160,7 @@ class Cluster:
                         async for out in outs:
                             if out.finish_reason in (FinishReason.STOP, FinishReason.LENGTH):
                                 self.demand.finished(time.monotonic(), out.num_output_tokens)
+                                self.tier_demand[tier].finished(time.monotonic(), out.num_output_tokens)
                             yield out
                     return
                 except _Retry as e:
@@ -180,9 +190,11 @@ class Cluster:
         while not q.empty():  # failures meant for an earlier attempt
             q.get_nowait()
         self._owner[wrid] = req.request_id  # until the attempt ends: later events of it go nowhere
-        task = PrefillTask(wrid, tuple(req.prompt_token_ids), req.params, req.seed, tuple(req.output_token_ids))
+        task = PrefillTask(wrid, tuple(req.prompt_token_ids), req.params, req.seed, tuple(req.output_token_ids),
+                           tier=req.tier)
         placed: list[Worker] = []
         finished = False
+        in_flight: ServiceTier | None = None  # the tier it was placed at, counted in self.in_flight
         try:
             if self.config.mode == "colocated":
                 pool = _prefer(await self._alive("colocated"), avoid)
@@ -191,25 +203,20 @@ class Cluster:
                 streamer.requests.add(wrid)
                 await self._call(streamer, streamer.handle.generate.remote(task))
             else:
-                # A decode worker only if a token follows the one the prefill worker samples.
+                # A decode worker only if a token follows the one the prefill worker samples; priority's
+                # is on the fast lane, if the cluster has one.
                 follows = req.params.max_tokens - req.num_output_tokens > 1 and req.num_tokens + 1 < info.max_model_len
-                prefill, decode = await self._room_for(req.num_tokens, follows, avoid)
-                hashes = hash_prompt_blocks(req.token_ids, self.block_size)
-                p = prefill[pick_prefill([PrefillLoad(x.queued_tokens, x.prefix.match(hashes) * self.block_size)
-                                          for x in prefill])]
-                streamer = decode[pick_decode([self._decode_load(x) for x in decode])] if follows else None
+                lane = self.config.fast is not None and req.tier == ServiceTier.PRIORITY.rank
+                p, streamer = await self._place(req, wrid, ("fast" if lane else "decode") if follows else None, avoid)
+                in_flight = ServiceTier.of_rank(req.tier)
                 placed += [p] + ([streamer] if streamer else [])
-                p.prefix.add(hashes)
-                p.queued_tokens += req.num_tokens
-                p.requests.add(wrid)  # until its KV has reached the decode worker (the first decode token)
                 # Both at once: the decode worker reserves room while the prefill worker computes.
                 reserved = None
                 if streamer is not None:
-                    streamer.requests.add(wrid)
                     reserved = streamer.handle.reserve.remote(
                         DecodeTask(wrid, tuple(req.prompt_token_ids), tuple(req.output_token_ids), req.params,
-                                   req.seed, p.worker_id), p.handle)
-                task = replace(task, kv_destination=streamer.worker_id if streamer else None)
+                                   req.seed, p.worker_id, tier=req.tier), p.handle)
+                task = replace(task, kv_destination=streamer.worker_id if streamer else None, tier=req.tier)
                 try:
                     prefilled = p.handle.prefill.remote(task, streamer.handle if streamer else None)
                     if reserved is not None:
@@ -253,39 +260,126 @@ class Cluster:
                 yield self._annotate(out, req, placed if finished else [])
         finally:
             self._owner.pop(wrid, None)
+            if in_flight is not None:
+                self.in_flight[in_flight] -= 1
             for w in placed:
                 w.requests.discard(wrid)
+                w.flex.discard(wrid)
                 if not finished and w.alive:
                     w.handle.cancel.remote(wrid)  # a retry, the client went away, or an error: free its KV
             if placed:
                 self._pools.notify()  # room on its workers
 
-    async def _room_for(self, tokens: int, follows: bool,
-                        avoid: tuple[str, ...]) -> tuple[list[Worker], list[Worker]]:
-        """The prefill workers with room for another prompt of `tokens` and, if a token follows the first,
-        the decode workers with room for its KV; once this request is first in line and both exist."""
-        # Only the first in line watches the pools; the others wait for their turn (a burst of thousands
-        # must not wake thousands at every change).
-        turn = asyncio.get_running_loop().create_future()
-        self._prefill_line.append(turn)
-        self.waiting_prompt_tokens += tokens
+    async def _place(self, req: Request, wrid: str, target: str | None,
+                     avoid: tuple[str, ...]) -> tuple[Worker, Worker | None]:
+        """Wait in line (router.line) until a prefill worker has room for the prompt and, if a token follows
+        the first, a worker of its decode pool (`target`) has room for its KV; returns both, the request
+        already counted on them. A priority request bound for a full fast lane waits up to
+        fast_lane_max_wait_s, or not at all (fast_lane_when_full), then is served as default."""
+        tiers, loop = self.config.tiers, asyncio.get_running_loop()
+        e = Entry(wrid, req.num_tokens, target, avoid, hash_prompt_blocks(req.token_ids, self.block_size),
+                  ServiceTier.of_rank(req.tier))
+        lane_deadline = None
+        if target == "fast":
+            if tiers.fast_lane_when_full == "downgrade" \
+                    and not any(self._decode_room(w, e.tokens) for w in self._pools.by_name["fast"]):
+                self._downgrade(req, e)
+            else:
+                lane_deadline = loop.time() + tiers.fast_lane_max_wait_s
+        self._line.add(e)
+        self.waiting_prompt_tokens += e.tokens
+        empty_since = None
         try:
-            if self._prefill_line[0] is not turn:
-                await turn
-            while True:
-                changed = self._pools.changed
-                prefill = [w for w in _prefer(await self._alive("prefill"), avoid) if w.queued_tokens < self._prefill_room]
-                decode = [w for w in _prefer(await self._alive("decode"), avoid) if self._decode_room(w, tokens)] \
-                    if follows else []
-                if prefill and (decode or not follows):
-                    return prefill, decode
-                await changed.wait()
+            self._dispatch()
+            while not e.placed.done():
+                now = loop.time()
+                if not self._pools.by_name["prefill"] or (e.target and not self._pools.by_name[e.target]):
+                    empty_since = empty_since or now
+                    if now - empty_since >= self.config.pool_wait_timeout_s:
+                        pool = e.target if self._pools.by_name["prefill"] else "prefill"
+                        raise _Retry(FailureReason.NO_WORKER, f"no {pool} worker is available (waited "
+                                                              f"{self.config.pool_wait_timeout_s:g} s for one)")
+                else:
+                    empty_since = None
+                deadlines = [d for d in (lane_deadline, empty_since and empty_since + self.config.pool_wait_timeout_s)
+                             if d]
+                await asyncio.wait([e.placed], timeout=max(min(deadlines) - now, 0) if deadlines else None)
+                if not e.placed.done() and lane_deadline is not None and loop.time() >= lane_deadline:
+                    lane_deadline = None
+                    self._downgrade(req, e)
+                    self._dispatch()
+            return e.placed.result()
+        except BaseException:
+            if e.placed.done() and not e.placed.cancelled():
+                self._unplace(e, *e.placed.result())  # placed as it was leaving: give the room back
+            else:
+                e.placed.cancel()
+            self._line.remove(e)
+            self._dispatch()  # it may have held others back
+            raise
         finally:
-            first = self._prefill_line[0] is turn
-            self._prefill_line.remove(turn)
-            self.waiting_prompt_tokens -= tokens
-            if first and self._prefill_line and not self._prefill_line[0].done():  # done: cancelled, leaving
-                self._prefill_line[0].set_result(None)  # the next in line: its turn
+            self.waiting_prompt_tokens -= e.tokens
+
+    def _downgrade(self, req: Request, e: Entry) -> None:
+        """The fast lane is full: the request is served as default, on the decode pool."""
+        log.info("request %s: the fast lane is full; served as default", e.wrid)
+        req.tier = ServiceTier.DEFAULT.rank
+        e.target = "decode"
+        self.downgrades += 1
+        if e in self._line:
+            self._line.move(e, ServiceTier.DEFAULT)
+        else:
+            e.tier = ServiceTier.DEFAULT
+
+    def _dispatch(self) -> None:
+        """Place every prompt in line whose workers have room, in the line's order (router.line)."""
+        prefill_ready = self._pools.by_name["prefill"]
+        if not len(self._line) or not prefill_ready:
+            return
+        decode_slots = len(self._pools.by_name["decode"]) * self._seqs.get("decode", 0)
+        slack = flex_floor(self.config.tiers.flex_min_share, decode_slots) - self.in_flight[ServiceTier.FLEX]
+        blocked: set[tuple[str, bool]] = set()  # (decode pool, flex?) with no room for the first in line bound there
+        for e in self._line.order(slack):
+            if e.placed.done():
+                continue
+            prefill = [w for w in _prefer(prefill_ready, e.avoid) if w.queued_tokens < self._prefill_room]
+            if not prefill:
+                return  # every prompt behind it needs a prefill worker too
+            flex = e.tier is ServiceTier.FLEX
+            if (e.target, False) in blocked or (e.target, flex) in blocked:
+                continue  # one before it, bound for the same pool, waits (flex waiting holds back only flex)
+            decode: list[Worker] = []
+            if e.target is not None:
+                decode = [w for w in _prefer(self._pools.by_name[e.target], e.avoid)
+                          if self._decode_room(w, e.tokens, e.tier)]
+                if not decode:
+                    blocked.add((e.target, flex))
+                    continue
+            p = prefill[pick_prefill([PrefillLoad(x.queued_tokens, x.prefix.match(e.hashes) * self.block_size)
+                                      for x in prefill])]
+            d = decode[pick_decode([self._decode_load(x) for x in decode])] if decode else None
+            p.prefix.add(e.hashes)
+            p.queued_tokens += e.tokens
+            p.requests.add(e.wrid)  # until its KV has reached the decode worker (the first decode token)
+            if d is not None:
+                d.requests.add(e.wrid)
+                if e.tier is ServiceTier.FLEX:
+                    d.flex.add(e.wrid)
+            self.in_flight[e.tier] += 1
+            self._line.remove(e)
+            e.placed.set_result((p, d))
+
+    def _unplace(self, e: Entry, p: Worker, d: Worker | None) -> None:
+        p.queued_tokens -= e.tokens
+        p.requests.discard(e.wrid)
+        if d is not None:
+            d.requests.discard(e.wrid)
+            d.flex.discard(e.wrid)
+        self.in_flight[e.tier] -= 1
+
+    def queued(self, tier: ServiceTier) -> int:
+        """Requests of a tier waiting in line for workers."""
+        return self._line.count(tier)
 
     async def _call(self, w: Worker, ref: Any) -> Any:
         """Await a worker call; a dead worker makes the attempt retry (and the worker be replaced)."""
@@ -304,14 +398,20 @@ class Cluster:
     def _annotate(out: RequestOutput, req: Request, placed: list[Worker]) -> RequestOutput:
         out.num_cached_tokens = req.num_cached_tokens
         out.placement = tuple(w.worker_id for w in placed)
+        out.service_tier = ServiceTier.of_rank(req.tier).value
         return out
 
-    def _decode_room(self, w: Worker, prompt_tokens: int) -> bool:
+    def _decode_room(self, w: Worker, prompt_tokens: int, tier: ServiceTier = ServiceTier.DEFAULT) -> bool:
         """Whether a decode worker can take another request's KV now, by its latest stats: fewer
         requests than its max_num_seqs, and blocks for the prompt beyond those its waiting requests
         will take (or nothing on it at all: it takes whatever fits its cache). Stats come with every
-        decode step, so requests sent between two of them may still have to wait there for room."""
-        if len(w.requests) >= self._decode_seqs:
+        decode step, so requests sent between two of them may still have to wait there for room.
+        A request of a higher tier than flex also finds room where flex requests run above flex's floor:
+        the decode worker preempts them for it (pdserve.scheduler)."""
+        seqs = self._seqs[w.pool]
+        if tier is not ServiceTier.FLEX and w.flex:  # every slot but those flex's floor holds
+            return len(w.requests) - len(w.flex) < seqs - min(len(w.flex), flex_floor(self.config.tiers.flex_min_share, seqs))
+        if len(w.requests) >= seqs:
             return False
         s = w.stats
         if s is None or not w.requests:
@@ -347,7 +447,7 @@ class Cluster:
         return workers
 
 
-_LOST = {"prefill": FailureReason.PREFILL_LOST, "decode": FailureReason.DECODE_LOST,
+_LOST = {"prefill": FailureReason.PREFILL_LOST, "decode": FailureReason.DECODE_LOST, "fast": FailureReason.DECODE_LOST,
          "colocated": FailureReason.COLOCATED_LOST}
 
 

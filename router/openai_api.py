@@ -27,6 +27,7 @@ from pydantic import BaseModel, ConfigDict
 
 from pdserve.output import RequestOutput
 from pdserve.request import FinishReason
+from pdserve.tiers import ServiceTier, parse_tier
 from router.admission import DEFAULT_MAX_TOKENS, Overloaded, prepare
 from router.server import RequestFailed
 from router.tracking import Timeline
@@ -72,6 +73,8 @@ class _Common(BaseModel):
     presence_penalty: float | None = 0.0
     frequency_penalty: float | None = 0.0
     logit_bias: dict[str, float] | None = None
+    # auto (or absent), default, priority or flex (pdserve.tiers); the tier served is in the response.
+    service_tier: str | None = None
 
     def unsupported(self) -> list[tuple[str, str]]:
         """(field, why) for everything asked that pdserve does not do."""
@@ -202,6 +205,10 @@ def build_app(service, model_name: str, api_key: str | None) -> FastAPI:
                                 grpc_code="UNAVAILABLE")
             stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
             try:
+                tier = parse_tier(body.service_tier)
+            except ValueError as e:
+                raise HTTPError(400, str(e), param="service_tier") from None
+            try:
                 prompt, params = prepare(info, service.config.max_input_chars, max_tokens=max_tokens,
                                          temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
                                          seed=body.seed, stop=stop, stop_token_ids=tuple(body.stop_token_ids or ()),
@@ -214,7 +221,7 @@ def build_app(service, model_name: str, api_key: str | None) -> FastAPI:
             raise
         t.prompt_tokens = len(prompt)
         rid = ("chatcmpl-" if kind == "chat.completion" else "cmpl-") + uuid.uuid4().hex
-        run = _Run(service, t, prompt, params, rid)
+        run = _Run(service, t, prompt, params, rid, tier)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             first = await run.start()  # errors before the first token are plain HTTP errors
@@ -267,9 +274,9 @@ class _Run:
     """One request through the router's GenerationService.run (admission, cluster, timeline), with the
     errors it raises as HTTP errors; recorded once, when closed."""
 
-    def __init__(self, service, t: Timeline, prompt: list[int], params, rid: str):
+    def __init__(self, service, t: Timeline, prompt: list[int], params, rid: str, tier: ServiceTier):
         self.service, self.t, self.prompt = service, t, prompt
-        self._outs: AsyncIterator[RequestOutput] = service.run(prompt, params, rid, t)
+        self._outs: AsyncIterator[RequestOutput] = service.run(prompt, params, rid, t, tier)
         self._closed = False
         self.last: RequestOutput | None = None
 
@@ -360,7 +367,7 @@ async def _whole(run: _Run, request: Request, kind: str, rid: str, model: str) -
     else:
         choice["text"] = text
     return JSONResponse({"id": rid, "object": kind, "created": int(time.time()), "model": model,
-                         "choices": [choice], "usage": run.usage()})
+                         "choices": [choice], "usage": run.usage(), "service_tier": run.t.served_tier})
 
 
 async def _sse(run: _Run, first: RequestOutput | None, kind: str, rid: str, model: str,
@@ -379,7 +386,8 @@ async def _sse(run: _Run, first: RequestOutput | None, kind: str, rid: str, mode
             choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
         else:
             choice = {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}
-        body: dict[str, Any] = {"id": rid, "object": obj, "created": created, "model": model, "choices": [choice]}
+        body: dict[str, Any] = {"id": rid, "object": obj, "created": created, "model": model, "choices": [choice],
+                                "service_tier": run.t.served_tier}
         if include_usage:
             body["usage"] = None
         return f"data: {json.dumps(body)}\n\n"
@@ -397,7 +405,7 @@ async def _sse(run: _Run, first: RequestOutput | None, kind: str, rid: str, mode
                 break
             out = await run.next()
         if include_usage:
-            yield f"data: {json.dumps({'id': rid, 'object': obj, 'created': created, 'model': model, 'choices': [], 'usage': run.usage()})}\n\n"
+            yield f"data: {json.dumps({'id': rid, 'object': obj, 'created': created, 'model': model, 'choices': [], 'usage': run.usage(), 'service_tier': run.t.served_tier})}\n\n"
         yield "data: [DONE]\n\n"
         code, reason = "OK", None
     except HTTPError as e:  # the workers failed it mid-stream: the status line is long gone, say so in the stream

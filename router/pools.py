@@ -24,7 +24,7 @@ from typing import Any
 
 import ray
 
-from decode_worker.actor import DecodeActor
+from decode_worker.actor import DecodeActor, FastLaneActor
 from pdserve.colocated import ColocatedActor
 from pdserve.config import ClusterConfig, PoolConfig
 from pdserve.loader import ModelInfo
@@ -52,6 +52,7 @@ class Worker:
     pool: str
     slot: int  # position in its pool; replacements take the same slot under a new id
     requests: set[str] = field(default_factory=set)  # worker-side ids routed here and not finished
+    flex: set[str] = field(default_factory=set)  # those of the flex tier (decode workers preempt them for others)
     queued_tokens: int = 0  # prefill: prompt tokens sent and not yet ingested
     stats: WorkerStats | None = None
     prefix: PrefixIndex = field(default_factory=lambda: PrefixIndex(0))  # prefill workers only
@@ -71,7 +72,7 @@ class Pools:
                  on_lost: Callable[[Worker, str], None]):
         self.config = config
         self.info: ModelInfo | None = None
-        self.by_name: dict[str, list[Worker]] = {"prefill": [], "decode": [], "colocated": []}  # ready
+        self.by_name: dict[str, list[Worker]] = {"prefill": [], "decode": [], "fast": [], "colocated": []}  # ready
         self.starting: dict[str, list[Worker]] = {p: [] for p in self.by_name}
         self.draining: list[Worker] = []
         self._on_output, self._on_lost = on_output, on_lost
@@ -80,6 +81,7 @@ class Pools:
         # Set (and replaced) whenever a worker joins or leaves a pool, or has room again for prompts
         # (router.cluster waits on it for both).
         self.changed = asyncio.Event()
+        self.listeners: list[Callable[[], None]] = []  # called on every notify()
         self.restarts: collections.Counter[str] = collections.Counter()  # by pool, exported as a metric
         self.start_failures: collections.Counter[str] = collections.Counter()  # workers that did not start
         # Scaling: events by (pool, up|down, reason); seconds each started worker took to be ready, by pool.
@@ -122,6 +124,7 @@ class Pools:
         pc: PoolConfig = getattr(c, pool)
         cls, extra = {"prefill": (PrefillActor, dict(transfer_timeout_s=c.transfer_timeout_s, kv_checksum=c.kv_checksum)),
                       "decode": (DecodeActor, dict(transfer_timeout_s=c.transfer_timeout_s, bind_host=c.bind_host)),
+                      "fast": (FastLaneActor, dict(transfer_timeout_s=c.transfer_timeout_s, bind_host=c.bind_host)),
                       "colocated": (ColocatedActor, {})}[pool]
         actor = ray.remote(cls).options(num_cpus=pc.num_cpus, num_gpus=pc.num_gpus, resources=pc.resources,
                                         max_restarts=0)
@@ -138,7 +141,7 @@ class Pools:
         t.add_done_callback(self._tasks.discard)
 
     def _watch(self, w: Worker) -> None:
-        if w.pool in ("decode", "colocated"):
+        if w.pool != "prefill":  # the workers that stream tokens
             self._task(self._consume(w))
 
     async def shutdown(self) -> None:
@@ -199,9 +202,11 @@ class Pools:
             self._task(self._replace(w))
 
     def notify(self) -> None:
-        """Wake whatever waits for a pool to change."""
+        """Wake whatever waits for a pool to change, and tell the listeners (router.cluster's line)."""
         self.changed.set()
         self.changed = asyncio.Event()
+        for listener in self.listeners:
+            listener()
 
     def _tell_peers(self, w: Worker) -> None:
         """Its peers drop their KV channels to a worker that left (and whatever waited on them)."""

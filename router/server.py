@@ -8,6 +8,7 @@ the request on every worker.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import os
@@ -26,6 +27,7 @@ from pdserve.config import ClusterConfig
 from pdserve.metrics import PoolScale, RouterMetrics
 from pdserve.output import RequestOutput
 from pdserve.request import FinishReason
+from pdserve.tiers import TIERS, ServiceTier, parse_tier
 from pdserve.v1 import generation_pb2 as pb
 from pdserve.v1 import generation_pb2_grpc as pb_grpc
 from router.admission import Admission, Malformed, Overloaded, parse_request, parse_wire
@@ -90,12 +92,17 @@ class GenerationService(pb_grpc.GenerationServicer):
         self.config = config
         self.metrics = metrics
         self.admission = Admission(config.max_running, config.max_queued)
+        tiers = cluster.config.tiers
+        self.flex_admission = Admission(config.max_running, tiers.flex_max_queued)
+        self._waiting: collections.Counter[ServiceTier] = collections.Counter()  # for admission, by tier
         self.serving = True
         # Autoscaled pools follow the demand seen here (the admission queue included).
-        self.autoscaler = AutoscaleLoop(cluster, lambda: self.admission.queued) if cluster.config.ranges else None
+        self.autoscaler = AutoscaleLoop(cluster, lambda: self.admission.queued + self.flex_admission.queued) \
+            if cluster.config.ranges else None
         if metrics is not None:
             metrics.running.set_function(lambda: self.admission.running)
-            metrics.queued.set_function(lambda: self.admission.queued)
+            metrics.queued.set_function(lambda: self.admission.queued + self.flex_admission.queued)
+            metrics.tier_queued(self.queued)
 
     # -- Generate ---------------------------------------------------------------------------------
     async def Generate(self, request: pb.GenerateRequest | Malformed, context: grpc.aio.ServicerContext):
@@ -122,11 +129,12 @@ class GenerationService(pb_grpc.GenerationServicer):
             await abort(grpc.StatusCode.UNAVAILABLE, "the router is draining; retry on another replica")
         try:
             prompt, params = parse_request(request, self.cluster.info, self.config.max_input_chars)
+            tier = parse_tier(request.service_tier)
         except ValueError as e:
             await abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         t.prompt_tokens = len(prompt)
         try:
-            async for out in self.run(prompt, params, request.request_id or None, t):
+            async for out in self.run(prompt, params, request.request_id or None, t, tier):
                 yield self._response(out, t)
         except RequestFailed as e:
             await abort(grpc.StatusCode.UNAVAILABLE, str(e))
@@ -135,28 +143,50 @@ class GenerationService(pb_grpc.GenerationServicer):
         except ValueError as e:  # the cluster's own checks (context length, duplicate request id, ...)
             await abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
 
-    async def run(self, prompt: list[int], params, request_id: str | None, t: Timeline) -> AsyncIterator[RequestOutput]:
+    def queued(self, tier: ServiceTier) -> int:
+        """Requests of a tier waiting: for admission, or in the cluster's line for workers."""
+        return self._waiting[tier] + self.cluster.queued(tier)
+
+    async def run(self, prompt: list[int], params, request_id: str | None, t: Timeline,
+                  tier: ServiceTier = ServiceTier.DEFAULT) -> AsyncIterator[RequestOutput]:
         """A checked request through admission and the cluster, for either protocol: its outputs, recorded
-        on its timeline as they stream. Raises Overloaded (the admission queue is full), ValueError (the
-        cluster's own checks: context length, a duplicate request id, ...) or RequestFailed (the workers
-        failed it). Closing it early cancels the request on every worker."""
-        async with self.admission.slot():
-            t.admitted = time.monotonic()
-            async with contextlib.aclosing(self.cluster.generate(prompt, params, request_id)) as outs:
-                async for out in outs:
-                    if out.finish_reason is FinishReason.ERROR:
-                        t.finish_reason = "error"
-                        raise RequestFailed(out.error or "the request failed on a worker")
-                    t.tokens(len(out.new_token_ids))
-                    if out.finish_reason is not None:
-                        t.finish_reason = out.finish_reason.value
-                    yield out
+        on its timeline as they stream. Raises Overloaded (the admission queue is full, or flex's queue
+        is), ValueError (the cluster's own checks: context length, a duplicate request id, ...) or
+        RequestFailed (the workers failed it). Closing it early cancels the request on every worker.
+
+        flex has an admission of its own, so flex requests never take the places of the other tiers."""
+        t.service_tier = t.served_tier = tier.value
+        bound = self.cluster.config.tiers.flex_max_queued
+        if tier is ServiceTier.FLEX and self.queued(tier) >= bound:
+            raise Overloaded(f"the flex tier's queue is full ({bound} waiting); retry later")
+        admission = self.flex_admission if tier is ServiceTier.FLEX else self.admission
+        self._waiting[tier] += 1
+        waiting = True
+        try:
+            async with admission.slot():
+                self._waiting[tier] -= 1
+                waiting = False
+                t.admitted = time.monotonic()
+                async with contextlib.aclosing(self.cluster.generate(prompt, params, request_id, tier)) as outs:
+                    async for out in outs:
+                        t.served_tier = out.service_tier
+                        if out.finish_reason is FinishReason.ERROR:
+                            t.finish_reason = "error"
+                            raise RequestFailed(out.error or "the request failed on a worker")
+                        t.tokens(len(out.new_token_ids))
+                        if out.finish_reason is not None:
+                            t.finish_reason = out.finish_reason.value
+                        yield out
+        finally:
+            if waiting:
+                self._waiting[tier] -= 1
 
     @staticmethod
     def _response(out: RequestOutput, t: Timeline) -> pb.GenerateResponse:
         resp = pb.GenerateResponse(request_id=out.request_id, text=out.new_text, token_ids=out.new_token_ids)
         if out.finish_reason is not None:
             resp.finish_reason = _FINISH[out.finish_reason]
+            resp.service_tier = out.service_tier
             resp.usage.CopyFrom(pb.Usage(prompt_tokens=out.num_prompt_tokens, completion_tokens=out.num_output_tokens,
                                          cached_prompt_tokens=out.num_cached_tokens))
             resp.timings.CopyFrom(pb.Timings(queue_seconds=t.admitted - t.arrived,
@@ -193,9 +223,11 @@ class GenerationService(pb_grpc.GenerationServicer):
     async def GetClusterStatus(self, request, context) -> pb.ClusterStatus:
         stats = {s.worker_id: s for s in await self.cluster.stats()}
         pools = self.cluster.scaling
-        out = pb.ClusterStatus(mode=self.cluster.config.mode, requests_running=self.admission.running,
-                               requests_queued=self.admission.queued, queue_capacity=self.config.max_queued,
-                               serving=self.serving)
+        out = pb.ClusterStatus(mode=self.cluster.config.mode,
+                               requests_running=self.admission.running + self.flex_admission.running,
+                               requests_queued=self.admission.queued + self.flex_admission.queued,
+                               queue_capacity=self.config.max_queued, serving=self.serving,
+                               queued_by_service_tier={t.value: self.queued(t) for t in TIERS})
         for scale in self.pool_scale():
             name = scale.pool
             members = pools.starting[name] + pools.by_name[name] + [w for w in pools.draining if w.pool == name]
@@ -228,7 +260,8 @@ class Router:
         self.cluster = cluster
         self.config = config
         self.metrics = RouterMetrics(cluster.worker_stats, lambda: (dict(cluster.restarts), dict(cluster.retries)),
-                                     lambda: self.service.pool_scale()) if config.metrics_port is not None else None
+                                     lambda: self.service.pool_scale(), cluster.config.tiers.slo,
+                                     lambda: cluster.downgrades) if config.metrics_port is not None else None
         self.service = GenerationService(cluster, config, self.metrics)
         self.health = health.aio.HealthServicer()
         self.server: grpc.aio.Server | None = None

@@ -19,6 +19,8 @@ class Timeline:
     prompt_tokens: int = 0
     finish_reason: str = "none"  # until the request ends with one
     code: str = "OK"  # gRPC's status names, for HTTP requests too
+    service_tier: str = "default"  # the tier asked for (pdserve.tiers)
+    served_tier: str = "default"  # and the tier served
 
     def tokens(self, n: int) -> None:
         now = time.monotonic()
@@ -33,4 +35,5 @@ class Timeline:
             queue_s=t.admitted - t.arrived if t.admitted else None,
             ttft_s=t.token_times[0] - t.arrived if t.token_times else None,
             e2e_s=t.token_times[-1] - t.arrived if t.token_times and t.finish_reason != "cancelled" else None,
-            token_times=t.token_times, prompt_tokens=t.prompt_tokens, output_tokens=len(t.token_times))
+            token_times=t.token_times, prompt_tokens=t.prompt_tokens, output_tokens=len(t.token_times),
+            service_tier=t.service_tier, served_tier=t.served_tier)

@@ -142,19 +142,41 @@ def test_parts_of_several_layers():
 
 
 def test_announcements_out_of_order_are_received_in_the_senders_order():
-    pair = Pair(hold_announcements=True)
+    """The intake takes transfers in (generation, seq) order whatever order their announcements arrive in
+    (Ray calls to an async actor carry no order). The pusher announces each as it sends it, so the
+    transfers are sent here by hand, announced in reverse."""
+    pair = Pair()
     try:
-        jobs = []
+        pair.pusher.stop()  # sends by hand below
+        announces = [KVAnnounce("p0", 1, i, (f"r{i}",), (1,), 1, True) for i in range(4)]
         for i in range(4):
             reserve(pair, f"r{i}", [i])
-            jobs.append(PushJob("d0", [f"r{i}"], [[10 + i]], LAYERS, LAYERS, [i], None))
-            pair.pusher.push(jobs[-1])
-        pair.release_announcements(lambda held: reversed(held))
+        for a in reversed(announces):
+            pair.intake.announce(a)
+        for i, a in enumerate(announces):
+            pair.pusher._send(a, PushJob("d0", [f"r{i}"], [[10 + i]], LAYERS, LAYERS, [i], None))
         wait_for(lambda: len(pair.of("landed")) == 4, TIMEOUT_S, what="four transfers")
         assert [e[1] for e in pair.of("landed")] == ["r0", "r1", "r2", "r3"]
         assert_moved(pair, [10, 11, 12, 13], [0, 1, 2, 3])
     finally:
         pair.close()
+
+
+def test_queued_pushes_go_by_service_tier_then_queue_order(pair):
+    """While a push is under way, the next ones queue; they go priority, default, flex, each in order."""
+    for i in range(5):
+        reserve(pair, f"r{i}", [i])
+    first = PushJob("d0", ["r0"], [[10]], LAYERS, tier=1)  # no layer computed yet: the pusher waits on it
+    pair.pusher.push(first)
+    wait_for(lambda: len(pair.of("landed")) == 0 and pair.generations, TIMEOUT_S, what="the first push to start")
+    for i, tier in ((1, 2), (2, 1), (3, 0), (4, 2)):  # flex, default, priority, flex
+        pair.pusher.push(PushJob("d0", [f"r{i}"], [[10 + i]], LAYERS, LAYERS, [i], None, tier=tier))
+    for layer in range(LAYERS):
+        first.layer_done(layer)
+    first.sampled([0])
+    wait_for(lambda: len(pair.of("landed")) == 5, TIMEOUT_S, what="five transfers")
+    assert [e[1] for e in pair.of("landed")] == ["r0", "r3", "r2", "r1", "r4"]
+    assert_moved(pair, [10, 11, 12, 13, 14], [0, 1, 2, 3, 4])
 
 
 def test_cancel_during_the_write_keeps_blocks_until_it_is_over(pair):

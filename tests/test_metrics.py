@@ -85,7 +85,7 @@ def test_request_metrics_tpot_and_itl():
     m.observe_request(finish_reason="length", code="OK", queue_s=0.1, ttft_s=1.0, e2e_s=2.0,
                       token_times=[1.0, 1.2, 1.5, 2.0], prompt_tokens=9, output_tokens=4)
     def g(name, labels=None):
-        return m.registry.get_sample_value(name, {"protocol": "grpc", **(labels or {})})
+        return m.registry.get_sample_value(name, {"protocol": "grpc", "service_tier": "default", **(labels or {})})
 
     assert g("pdserve_request_time_per_output_token_seconds_sum") == pytest.approx(1 / 3)
     assert g("pdserve_request_inter_token_latency_seconds_count") == 3
@@ -101,9 +101,49 @@ def test_request_metrics_tpot_and_itl():
     # The same request over HTTP is counted under its own protocol.
     m.observe_request(finish_reason="stop", code="OK", queue_s=0.0, ttft_s=0.5, e2e_s=0.5, token_times=[0.5],
                       prompt_tokens=3, output_tokens=1, protocol="http")
-    assert m.registry.get_sample_value("pdserve_requests_total",
-                                       {"protocol": "http", "finish_reason": "stop", "code": "OK"}) == 1
+    assert m.registry.get_sample_value("pdserve_requests_total", {"protocol": "http", "service_tier": "default",
+                                                                  "finish_reason": "stop", "code": "OK"}) == 1
     assert g("pdserve_requests_total", {"finish_reason": "stop", "code": "OK"}) == 1
+
+
+def test_tier_metrics_judge_each_request_by_its_tiers_slo():
+    """SLO attainment and goodput tokens per tier (by the tier asked for), the tier served, queue depth and
+    downgrades; the worker-side cost and preemption series by tier."""
+    from pdserve.tiers import ServiceTier, TierSLO
+
+    slos = {"priority": TierSLO(1.0, 0.05), "default": TierSLO(4.0, 0.15), "flex": TierSLO(60.0, 1.0)}
+    m = RouterMetrics(lambda: [stats("decode", "decode-0", tier_seconds={"default": 2.5, "flex": 0.5},
+                                     tier_preemptions={"flex/kept": 3, "flex/recomputed": 1})],
+                      slos=slos, downgrades=lambda: 2)
+    m.tier_queued(lambda t: {ServiceTier.FLEX: 5}.get(t, 0))
+
+    def one(tier, ttft, e2e, n=5, served=None, code="OK", reason="length"):
+        m.observe_request(finish_reason=reason, code=code, queue_s=0.0, ttft_s=ttft, e2e_s=e2e,
+                          token_times=[ttft + (e2e - ttft) * i / (n - 1) for i in range(n)], prompt_tokens=3,
+                          output_tokens=n, service_tier=tier, served_tier=served)
+
+    one("priority", 0.5, 0.5 + 4 * 0.04)  # TPOT 40 ms: met
+    one("priority", 0.5, 0.5 + 4 * 0.10, served="default")  # TPOT 100 ms: missed (priority's 50 ms)
+    one("default", 0.5, 0.5 + 4 * 0.10)  # the same timings meet default's 150 ms
+    one("flex", 30.0, 34.0, code="CANCELLED", reason="cancelled")  # not finished: not judged
+
+    def v(name, **labels):
+        return m.registry.get_sample_value(name, labels)
+
+    assert v("pdserve_tier_slo_requests_total", service_tier="priority", met="true") == 1
+    assert v("pdserve_tier_slo_requests_total", service_tier="priority", met="false") == 1
+    assert v("pdserve_tier_slo_requests_total", service_tier="default", met="true") == 1
+    assert v("pdserve_tier_slo_requests_total", service_tier="flex", met="false") == 0
+    assert v("pdserve_tier_slo_output_tokens_total", service_tier="priority", met="true") == 5
+    assert v("pdserve_tier_served_requests_total", service_tier="priority", served_tier="default") == 1
+    assert v("pdserve_request_time_per_output_token_seconds_count", protocol="grpc", service_tier="priority") == 2
+    assert v("pdserve_tier_requests_queued", service_tier="flex") == 5
+    assert v("pdserve_tier_requests_queued", service_tier="priority") == 0
+    assert v("pdserve_tier_downgrades_total") == 2
+    assert v("pdserve_tier_device_seconds_total", pool="decode", worker="decode-0", service_tier="default") == 2.5
+    assert v("pdserve_tier_device_seconds_total", pool="decode", worker="decode-0", service_tier="priority") == 0
+    assert v("pdserve_tier_preemptions_total", pool="decode", worker="decode-0", service_tier="flex",
+             outcome="kept") == 3
 
 
 def test_worker_series_and_transfer_histogram():

@@ -1,0 +1,75 @@
+"""The router's line: prompts waiting for a prefill worker with room (and a decode worker with room for
+their KV), in the order they go, by service tier (pdserve.tiers) then arrival.
+
+router.cluster walks the line whenever the pools change and places every prompt whose workers have room,
+in order: a prompt that finds no prefill room stops the walk (every prompt behind it needs one too); one
+that finds its decode pool full only holds back the prompts behind it bound for the same pool, so a
+priority prompt waiting for the fast lane never blocks a default one bound for the decode pool.
+
+flex's floor: while fewer flex requests are in flight than flex's floor, the first flex prompts in line
+go as if they were default (by arrival among the defaults), so flex never starves behind a steady
+default load.
+"""
+from __future__ import annotations
+
+import asyncio
+import bisect
+import heapq
+import itertools
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from pdserve.tiers import TIERS, ServiceTier
+
+
+@dataclass(eq=False)
+class Entry:
+    """One prompt in line: what it needs, where it goes, and the future its placement is set on."""
+
+    wrid: str  # the attempt's worker-side id
+    tokens: int  # prompt tokens (those already streamed included)
+    target: str | None  # its decode pool ("decode" or "fast"), or None if no token follows the first
+    avoid: tuple[str, ...]  # workers it prefers not to use (a retry's previous ones)
+    hashes: list[bytes]  # its prompt's block hashes (prefix-aware placement)
+    tier: ServiceTier  # the tier it is served at (downgraded: no longer the one it asked for)
+    seq: int = 0
+    placed: asyncio.Future[Any] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+
+
+class Line:
+    def __init__(self) -> None:
+        self._by_tier: dict[ServiceTier, list[Entry]] = {t: [] for t in TIERS}  # each in arrival order
+        self._seq = itertools.count()
+
+    def add(self, e: Entry) -> None:
+        e.seq = next(self._seq)
+        self._by_tier[e.tier].append(e)
+
+    def remove(self, e: Entry) -> None:
+        entries = self._by_tier[e.tier]
+        if e in entries:
+            entries.remove(e)
+
+    def move(self, e: Entry, tier: ServiceTier) -> None:
+        """Serve it at another tier (a downgrade): it keeps its arrival order there."""
+        self.remove(e)
+        e.tier = tier
+        bisect.insort(self._by_tier[tier], e, key=lambda x: x.seq)
+
+    def __contains__(self, e: Entry) -> bool:
+        return e in self._by_tier[e.tier]
+
+    def count(self, tier: ServiceTier) -> int:
+        return len(self._by_tier[tier])
+
+    def __len__(self) -> int:
+        return sum(len(v) for v in self._by_tier.values())
+
+    def order(self, flex_slack: int) -> Iterator[Entry]:
+        """The entries in the order they go; the first `flex_slack` flex entries rank as default."""
+        flex = self._by_tier[ServiceTier.FLEX]
+        lifted, rest = flex[:max(flex_slack, 0)], flex[max(flex_slack, 0):]
+        yield from list(self._by_tier[ServiceTier.PRIORITY])
+        yield from heapq.merge(list(self._by_tier[ServiceTier.DEFAULT]), lifted, key=lambda x: x.seq)
+        yield from list(rest)
