@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+from collections import Counter
 
 import grpc
 import numpy as np
@@ -15,9 +16,10 @@ from pdserve.bench.runner import RunConfig, run_workload
 from pdserve.bench.stats import (RequestRecord, Slo, build_report, peak_concurrency, percentile, summarize,
                                  timeline, timeline_bin)
 from pdserve.bench.workload import (BenchRequest, LengthSpec, TokenSampler, TraceError, bursty_arrivals,
-                                    closed_arrivals, load_trace, poisson_arrivals, synthetic_requests,
+                                    closed_arrivals, load_trace, poisson_arrivals, synthetic_requests, tier_draws,
                                     trace_arrivals)
 from pdserve.cli import build_parser
+from pdserve.tiers import parse_mix
 from pdserve.v1 import generation_pb2 as pb
 from pdserve.v1 import generation_pb2_grpc as pb_grpc
 
@@ -420,3 +422,253 @@ def test_real_bench_run(ray_local, aloop, tmp_path):
     assert sum(rep["timeline"]["completed"]) == 12 and rep["peak_concurrency"] >= 1
     data = png.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 20_000
+
+
+# -- service tiers ----------------------------------------------------------------------------------
+MIX = "priority=0.1,default=0.6,flex=0.3"
+
+
+def test_tier_draws_seeded_and_shares_honoured():
+    from pdserve.tiers import ServiceTier
+
+    mix = parse_mix(MIX)
+    draws = [t.value for t in take(tier_draws(mix, seed=0), 20)]
+    assert draws == ["flex", "default", "default", "default", "flex", "default", "default", "flex", "flex", "default",
+                     "default", "default", "priority", "default", "default", "flex", "default", "flex", "flex",
+                     "default"]
+    assert [t.value for t in take(tier_draws(mix, seed=0), 20)] == draws  # seeded
+    assert [t.value for t in take(tier_draws(mix, seed=1), 20)] != draws
+    # the order the mix is written in changes nothing
+    assert [t.value for t in take(tier_draws(parse_mix("flex=3,default=6,priority=1"), seed=0), 20)] == draws
+    n = 100_000
+    counts = Counter(take(tier_draws(mix, seed=1), n))
+    for tier, share in ((ServiceTier.PRIORITY, 0.1), (ServiceTier.DEFAULT, 0.6), (ServiceTier.FLEX, 0.3)):
+        assert counts[tier] / n == pytest.approx(share, abs=0.005)
+    only = Counter(take(tier_draws(parse_mix("priority=0,default=1,flex=0"), seed=0), 1000))
+    assert only == {ServiceTier.DEFAULT: 1000}  # a zero share is never drawn
+
+
+def test_tier_mix_changes_no_prompt_length_or_arrival():
+    base = ("--num-prompts", "30", "--request-rate", "5", "--lengths", "uniform", "--seed", "3")
+    plain, plain_at, *_, plain_desc = build_workload(parse(*base), 1000, [2], 2048)
+    tiered, tiered_at, *_, desc = build_workload(parse(*base, "--service-tier-mix", MIX), 1000, [2], 2048)
+    plain, tiered = take(plain, 30), take(tiered, 30)
+    assert [(r.token_ids, r.max_tokens) for r in tiered] == [(r.token_ids, r.max_tokens) for r in plain]
+    assert take(tiered_at, 30) == take(plain_at, 30)
+    assert [r.service_tier for r in tiered] == [t.value for t in take(tier_draws(parse_mix(MIX), 3), 30)]
+    assert tiered[0].client_kwargs()["service_tier"] == tiered[0].service_tier
+    # without a mix no tier is sent at all (the server's default), and the config says nothing of tiers
+    assert all(r.service_tier is None and "service_tier" not in r.client_kwargs() for r in plain)
+    assert "service_tier_mix" not in plain_desc
+    assert desc["service_tier_mix"] == {"priority": 0.1, "default": 0.6, "flex": 0.3}
+    # the planner's parsers have no tier flags: build_workload works without them
+    args = parse(*base)
+    del args.service_tier_mix, args.tier_slo
+    assert [r.token_ids for r in take(build_workload(args, 1000, [2], 2048)[0], 30)] == [r.token_ids for r in plain]
+
+
+def tiered_records() -> list[RequestRecord]:
+    """a, b ask for priority (a served as default: downgraded), c for default, d for flex and is refused."""
+    a, b, c, d = rec_a(), rec_b(), rec_c(), rec_d()
+    a.service_tier, a.served_tier = "priority", "default"
+    b.service_tier, b.served_tier = "priority", "priority"
+    c.service_tier, c.served_tier = "default", "default"
+    d.service_tier, d.error_code, d.error = "flex", "RESOURCE_EXHAUSTED", "flex queue full"
+    return [a, b, c, d]
+
+
+def test_report_split_by_tier():
+    recs = tiered_records()
+    rep = build_report(recs, Slo(ttft_ms=375, tpot_ms=250))
+    # the run as a whole: what it was without tiers, but d's code
+    assert rep["completed"] == 3 and rep["good_requests"] == 2 and rep["total_output_tokens"] == 10
+    assert rep["failed_by_code"] == {"RESOURCE_EXHAUSTED": 1}
+    by = rep["by_service_tier"]
+    assert list(by) == ["priority", "default", "flex"]  # rank order
+    p, dflt, flex = by["priority"], by["default"], by["flex"]
+    assert (p["sent"], p["completed"], p["failed"], p["refused"], p["downgraded"]) == (2, 2, 0, 0, 1)
+    assert p["served"] == {"priority": 1, "default": 1}
+    assert p["duration"] == 2.25  # the run's: per-tier throughputs add up to the run's
+    assert (p["total_input_tokens"], p["total_output_tokens"]) == (30, 9)
+    assert p["request_throughput"] == pytest.approx(2 / 2.25) and p["output_throughput"] == pytest.approx(9 / 2.25)
+    assert p["mean_ttft_ms"] == pytest.approx(375) and p["p99_ttft_ms"] == pytest.approx(497.5)  # [250, 500]
+    assert p["mean_tpot_ms"] == pytest.approx(234.375) and p["median_itl_ms"] == pytest.approx(250)
+    assert p["mean_e2el_ms"] == pytest.approx(1187.5) and p["peak_concurrency"] == 2  # a and b overlap at t = 1
+    assert (p["good_requests"], p["slo_attainment"]) == (1, 0.5)  # a misses TTFT, b meets both
+    assert p["request_goodput"] == pytest.approx(1 / 2.25)
+    assert (dflt["sent"], dflt["completed"], dflt["served"], dflt["downgraded"]) == (1, 1, {"default": 1}, 0)
+    assert dflt["mean_ttft_ms"] == pytest.approx(375) and dflt["mean_tpot_ms"] is None and dflt["good_requests"] == 1
+    assert (flex["sent"], flex["completed"], flex["failed"], flex["refused"], flex["served"]) == (1, 0, 1, 1, {})
+    assert flex["failed_by_code"] == {"RESOURCE_EXHAUSTED": 1} and flex["mean_ttft_ms"] is None
+    assert (flex["good_requests"], flex["slo_attainment"], flex["request_throughput"]) == (0, 0.0, 0.0)
+    assert sum(t["good_requests"] for t in by.values()) == rep["good_requests"]
+    # every key of the run's statistics is in each tier's
+    stat_keys = set(rep) - {"by_service_tier", "timeline", "requests"}
+    assert all(stat_keys <= set(t) for t in by.values())
+    assert [(r["service_tier"], r["served_tier"]) for r in rep["requests"]] == [
+        ("priority", "default"), ("priority", "priority"), ("default", "default"), ("flex", None)]
+    # the tiers of the mix are all reported, even one that drew no request
+    assert build_report(recs[:3], tiers=["priority", "default", "flex"])["by_service_tier"]["flex"]["sent"] == 0
+    # a success whose stream did not say what it served
+    recs[2].served_tier = ""
+    assert build_report(recs)["by_service_tier"]["default"]["served"] == {"unreported": 1}
+    json.dumps(rep)
+
+
+def test_no_tiers_no_split():
+    rep = build_report([rec_a(), rec_b(), rec_c(), rec_d()], Slo(ttft_ms=375))
+    assert "by_service_tier" not in rep and all("service_tier" not in r for r in rep["requests"])
+    text = format_report({"mode": "disaggregated", "config": {"workload": "w"}, **rep})
+    assert "By service tier" not in text
+
+
+def test_tier_slo_goodput():
+    recs = tiered_records()
+    glob = Slo(ttft_ms=375, tpot_ms=250)
+    # priority judged by its own TTFT 500: a (TTFT 500, TPOT 250) now meets it; default keeps the global SLO
+    rep = build_report(recs, glob, tier_slos={"priority": Slo(ttft_ms=500, tpot_ms=250)})
+    by = rep["by_service_tier"]
+    assert by["priority"]["slo"] == {"ttft_ms": 500, "tpot_ms": 250, "e2el_ms": None}
+    assert by["default"]["slo"] == rep["slo"] == glob.as_dict()
+    assert (by["priority"]["good_requests"], by["default"]["good_requests"], by["flex"]["good_requests"]) == (2, 1, 0)
+    assert rep["good_requests"] == 3 and rep["slo_attainment"] == 0.75
+    assert [r["met_slo"] for r in rep["requests"]] == [True, True, True, False]
+    # a stricter priority TPOT: b (218.75) misses 200, so does a
+    rep = build_report(recs, glob, tier_slos={"priority": Slo(ttft_ms=500, tpot_ms=200)})
+    assert rep["by_service_tier"]["priority"]["good_requests"] == 0 and rep["good_requests"] == 1
+    # only a tier SLO: the tiers without one count their successes (they met every SLO given them)
+    rep = build_report(recs, Slo(), tier_slos={"priority": Slo(ttft_ms=300)})
+    assert rep["by_service_tier"]["priority"]["good_requests"] == 1  # b only
+    assert rep["by_service_tier"]["default"]["good_requests"] == 1 and rep["good_requests"] == 2
+    text = format_report({"mode": "m", "config": {"workload": "w"}, **rep})
+    assert "SLOs:                                   none" in text
+    assert "  priority SLOs:                        TTFT<=300ms" in text
+
+
+def test_tier_slo_flag_merges_with_global():
+    from pdserve.bench.cli import tier_slos_from_args
+
+    a = parse("--slo-ttft-ms", "375", "--slo-tpot-ms", "250", "--service-tier-mix", MIX,
+              "--tier-slo", "priority=500:", "--tier-slo", "flex=:200:9000", "--tier-slo", "auto=100")
+    assert tier_slos_from_args(a, Slo(375, 250)) == {"priority": Slo(500, 250), "flex": Slo(375, 200, 9000),
+                                                     "default": Slo(100, 250)}
+    assert tier_slos_from_args(parse("--service-tier-mix", MIX), Slo(375)) == {}
+
+
+def test_format_report_tier_rows():
+    rep = build_report(tiered_records(), Slo(ttft_ms=375, tpot_ms=250))
+    lines = format_report({"mode": "disaggregated", "config": {"workload": "w"}, **rep}).splitlines()
+    i = lines.index("Tier       Sent    OK Failed Refused Downgr  SLO % Goodput TTFT p50 TTFT p99 TPOT p50 TPOT p99")
+    assert "By service tier asked" in lines[i - 1]
+    assert lines[i + 1:i + 4] == [
+        "priority      2     2      0       0      1   50.0    0.44    375.0    497.5    234.4    249.7",
+        "default       1     1      0       0      0  100.0    0.44    375.0    375.0      n/a      n/a",
+        "flex          1     0      1       1      0    0.0    0.00      n/a      n/a      n/a      n/a",
+    ]
+    assert lines[i + 4] == "=" * 50
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--service-tier-mix", "priority=0.1,gold=0.9"], "unknown service_tier 'gold'"),
+    (["--service-tier-mix", "priority"], "a tier mix is TIER=SHARE"),
+    (["--service-tier-mix", "priority=lots"], "must be a number"),
+    (["--service-tier-mix", "priority=-1,default=2"], "share >= 0"),
+    (["--service-tier-mix", "priority=0.5,priority=0.5"], "each tier once"),
+    (["--service-tier-mix", "priority=0,flex=0"], "positive share"),
+    (["--service-tier-mix", "=1"], "a tier mix is TIER=SHARE"),
+    (["--service-tier-mix", ""], "--service-tier-mix ''"),
+    (["--tier-slo", "priority=100:10"], "--tier-slo needs --service-tier-mix"),
+    (["--service-tier-mix", MIX, "--tier-slo", "priority:100"], "TIER=TTFT_MS:TPOT_MS[:E2EL_MS]"),
+    (["--service-tier-mix", MIX, "--tier-slo", "priority=1:2:3:4"], "TIER=TTFT_MS:TPOT_MS[:E2EL_MS]"),
+    (["--service-tier-mix", MIX, "--tier-slo", "priority=fast:10"], "TIER=TTFT_MS:TPOT_MS[:E2EL_MS]"),
+    (["--service-tier-mix", MIX, "--tier-slo", "gold=1:2"], "unknown service_tier 'gold'"),
+    (["--service-tier-mix", MIX, "--tier-slo", "priority=0:10"], "SLO ttft_ms must be > 0"),
+    (["--service-tier-mix", MIX, "--tier-slo", "flex=1:2", "--tier-slo", "flex=3:4"], "given twice for flex"),
+])
+def test_cli_rejects_bad_tier_flags(argv, message, capsys):
+    from pdserve.cli import main
+
+    assert main(["bench", "--target", "127.0.0.1:1", *argv]) == 2  # on the flags, before the network
+    assert message in capsys.readouterr().err
+
+
+class TieredGeneration(pb_grpc.GenerationServicer):
+    """A synchronous scripted router: records the tier each request asks for (by its first prompt token);
+    refuses flex at once (RESOURCE_EXHAUSTED), serves priority as default when the first token is even,
+    and reports nothing served when no tier was asked (as a server without tiers)."""
+
+    def __init__(self):
+        self.seen: list[tuple[int, str]] = []
+
+    def GetModelInfo(self, request, context):
+        return pb.ModelInfo(name="scripted", vocab_size=64, max_model_len=256, eos_token_ids=[0])
+
+    def GetClusterStatus(self, request, context):
+        return pb.ClusterStatus(mode="scripted")
+
+    def Generate(self, request, context):
+        first = request.token_ids.ids[0]
+        self.seen.append((first, request.service_tier))
+        if request.service_tier == "flex":
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "flex queue full")
+        served = ("default" if first % 2 == 0 else "priority") if request.service_tier == "priority" \
+            else request.service_tier
+        for i in range(request.max_tokens):
+            r = pb.GenerateResponse(request_id="x", token_ids=[i])
+            if i == request.max_tokens - 1:
+                r.finish_reason = pb.FINISH_REASON_LENGTH
+                r.usage.prompt_tokens = len(request.token_ids.ids)
+                r.service_tier = served
+            yield r
+
+
+@pytest.fixture
+def tiered_server():
+    from concurrent import futures
+
+    servicer = TieredGeneration()
+    server = grpc.server(futures.ThreadPoolExecutor(4))
+    pb_grpc.add_GenerationServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        yield servicer, f"127.0.0.1:{port}"
+    finally:
+        server.stop(0)
+
+
+def test_bench_sends_tiers_and_records_served(tiered_server, tmp_path, capsys):
+    from pdserve.cli import main
+
+    servicer, target = tiered_server
+    flags = ["--num-prompts", "24", "--input-len", "8", "--output-len", "3", "--seed", "7",
+             "--service-tier-mix", "priority=0.25,default=0.5,flex=0.25", "--tier-slo", "priority=60000:60000"]
+    out = tmp_path / "run.json"
+    assert main(["bench", "--target", target, "--warmup", "0", "--no-progress", "--output", str(out), *flags]) == 0
+    sent = take(build_workload(parse(*flags), 64, [0], 256)[0], 24)
+    asked = Counter(r.service_tier for r in sent)
+    assert asked == {"default": 13, "flex": 4, "priority": 7}
+    # on the wire: each prompt with the tier drawn for it
+    assert sorted(servicer.seen) == sorted((r.token_ids[0], r.service_tier) for r in sent)
+    rep = json.loads(out.read_text())
+    by = rep["by_service_tier"]
+    down = sum(1 for r in sent if r.service_tier == "priority" and r.token_ids[0] % 2 == 0)
+    assert down == 3  # both outcomes happen
+    assert (by["priority"]["sent"], by["priority"]["completed"], by["priority"]["downgraded"]) == (7, 7, down)
+    assert by["priority"]["served"] == {k: v for k, v in (("priority", 7 - down), ("default", down)) if v}
+    assert (by["default"]["sent"], by["default"]["served"], by["default"]["refused"]) == (13, {"default": 13}, 0)
+    assert (by["flex"]["sent"], by["flex"]["completed"], by["flex"]["refused"]) == (4, 0, 4)
+    assert rep["failed_by_code"] == {"RESOURCE_EXHAUSTED": 4} and rep["completed"] == 20
+    assert by["priority"]["slo"]["ttft_ms"] == 60000 and by["priority"]["good_requests"] == 7
+    assert by["default"]["good_requests"] == 13 and rep["good_requests"] == 20  # no global SLO: successes count
+    assert [r["service_tier"] for r in rep["requests"]] == [r.service_tier for r in sent]
+    assert rep["config"]["service_tier_mix"] == {"priority": 0.25, "default": 0.5, "flex": 0.25}
+    text = capsys.readouterr().out
+    assert "\nflex          4     0      4       4      0    0.0    " in text
+    # without a mix: no tier on the wire, none served, no split
+    servicer.seen.clear()
+    assert main(["bench", "--target", target, "--warmup", "0", "--no-progress", "--output", str(out),
+                 *flags[:8]]) == 0
+    assert len(servicer.seen) == 24 and {t for _, t in servicer.seen} == {""}
+    rep = json.loads(out.read_text())
+    assert "by_service_tier" not in rep and "service_tier_mix" not in rep["config"] and rep["completed"] == 24

@@ -3,6 +3,10 @@
     pdserve bench --target 127.0.0.1:50051 --request-rate 4 --num-prompts 200 \
         --lengths uniform --input-len 256 --output-len 64 --slo-ttft-ms 500 --slo-tpot-ms 50 \
         --output run.json --plot run.png
+
+Service tiers: `--service-tier-mix priority=0.1,default=0.6,flex=0.3` has each request ask for a tier
+drawn from the mix, and splits the report by the tier asked for (stats.py); `--tier-slo
+priority=1000:50` gives a tier its own SLOs for goodput.
 """
 from __future__ import annotations
 
@@ -16,10 +20,12 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from pdserve.bench.stats import Slo
 from pdserve.bench.workload import (ARRIVALS, LENGTH_DISTS, BenchRequest, LengthSpec, TokenSampler,
                                     bursty_arrivals, closed_arrivals, load_trace, poisson_arrivals,
-                                    synthetic_requests, trace_arrivals)
+                                    synthetic_requests, trace_arrivals, with_tiers)
 from pdserve.client import add_connection_args
+from pdserve.tiers import TIERS, ServiceTier, parse_mix, parse_tier
 
 DEFAULT_NUM_PROMPTS = 100
 
@@ -34,6 +40,18 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
     g.add_argument("--slo-ttft-ms", type=float, default=None, help="time to first token, ms")
     g.add_argument("--slo-tpot-ms", type=float, default=None, help="time per output token after the first, ms")
     g.add_argument("--slo-e2el-ms", type=float, default=None, help="end-to-end latency, ms")
+    g = p.add_argument_group("service tiers (without --service-tier-mix no tier is sent: the server's default)")
+    g.add_argument("--service-tier-mix", default=None, metavar="TIER=SHARE,...",
+                   help="each request asks for a tier (priority, default, flex; auto is default) drawn from these "
+                        "shares (normalised to sum to 1), e.g. priority=0.1,default=0.6,flex=0.3; seeded by --seed "
+                        "apart from the lengths, prompts and arrivals, which stay those of the same seed without a "
+                        "mix. The report gains by_service_tier: the statistics of each tier asked for, what it was "
+                        "served (served, downgraded) and how many were refused (RESOURCE_EXHAUSTED)")
+    g.add_argument("--tier-slo", action="append", default=[], metavar="TIER=TTFT_MS:TPOT_MS[:E2EL_MS]",
+                   help="this tier's SLOs for goodput, in ms, instead of the --slo-* ones (which apply to every tier "
+                        "not given here); an empty field keeps the --slo-* value: priority=1000:50 (TTFT 1 s, TPOT "
+                        "50 ms; no E2EL limit unless --slo-e2el-ms), flex=:200 (TPOT 200 ms, TTFT that of --slo-ttft-ms). "
+                        "Repeatable, once per tier; needs --service-tier-mix")
     g = p.add_argument_group("output")
     g.add_argument("--output", default=None, metavar="FILE.json", help="write the full report as JSON")
     g.add_argument("--plot", default=None, metavar="FILE.png", help="latency CDFs and throughput timeline (matplotlib)")
@@ -82,9 +100,8 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
 def cmd_bench(args: argparse.Namespace) -> int:
     import grpc
 
-    from pdserve.bench.stats import Slo
-
     slo = Slo(args.slo_ttft_ms, args.slo_tpot_ms, args.slo_e2el_ms)  # ValueErrors before any network call
+    tier_slos = tier_slos_from_args(args, slo)
     check_args(args)
     if args.plot:  # fail now, not after the run
         try:
@@ -92,7 +109,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         except ImportError:
             raise ValueError("--plot needs matplotlib: pip install 'pdserve[bench]'") from None
     try:
-        report = asyncio.run(run_bench(args, slo))
+        report = asyncio.run(run_bench(args, slo, tier_slos))
     except grpc.RpcError as e:
         print(f"pdserve bench: {args.target}: {e.code().name}: {e.details()}", file=sys.stderr)
         return 1
@@ -125,6 +142,55 @@ def check_args(args: argparse.Namespace) -> None:
         LengthSpec(args.lengths, args.output_len, args.range_ratio, args.max_output_len)
     elif not Path(args.trace).is_file():
         raise FileNotFoundError(f"trace {args.trace} not found")
+
+
+def tier_mix_from_args(args: argparse.Namespace) -> dict[ServiceTier, float] | None:
+    """The --service-tier-mix shares in rank order, or None without one (nor the flag: the planner's)."""
+    text = getattr(args, "service_tier_mix", None)
+    if text is None:
+        return None
+    try:
+        if any(not item.partition("=")[0].strip() for item in text.split(",")):
+            raise ValueError("a tier mix is TIER=SHARE,... with TIER one of priority, default, flex")
+        mix = parse_mix(text)
+    except ValueError as e:
+        raise ValueError(f"--service-tier-mix {text!r}: {e}") from None
+    return {t: mix[t] for t in TIERS if t in mix}
+
+
+def parse_tier_slo(text: str, base: Slo) -> tuple[str, Slo]:
+    """`TIER=TTFT_MS:TPOT_MS[:E2EL_MS]` -> (tier, its SLO); an empty field keeps base's value."""
+    form = "--tier-slo is TIER=TTFT_MS:TPOT_MS[:E2EL_MS] (an empty field keeps the --slo-* value)"
+    name, sep, values = text.partition("=")
+    fields = values.split(":")
+    if not sep or not name.strip() or not 1 <= len(fields) <= 3:
+        raise ValueError(f"{form}; got {text!r}")
+    try:
+        tier = parse_tier(name.strip()).value
+        ms = [float(f) if f.strip() else None for f in fields] + [None] * (3 - len(fields))
+    except ValueError as e:
+        raise ValueError(f"{form}; got {text!r}: {e}") from None
+    ttft, tpot, e2el = (given if given is not None else dflt
+                        for given, dflt in zip(ms, (base.ttft_ms, base.tpot_ms, base.e2el_ms)))
+    try:
+        return tier, Slo(ttft, tpot, e2el)
+    except ValueError as e:
+        raise ValueError(f"--tier-slo {text!r}: {e}") from None
+
+
+def tier_slos_from_args(args: argparse.Namespace, slo: Slo) -> dict[str, Slo]:
+    """The SLOs of the tiers given --tier-slo (the others are judged by `slo`); checks the mix too."""
+    mix = tier_mix_from_args(args)
+    given = getattr(args, "tier_slo", None) or []
+    if given and mix is None:
+        raise ValueError("--tier-slo needs --service-tier-mix (without a mix every request is judged by --slo-*)")
+    out: dict[str, Slo] = {}
+    for text in given:
+        tier, tslo = parse_tier_slo(text, slo)
+        if tier in out:
+            raise ValueError(f"--tier-slo given twice for {tier}")
+        out[tier] = tslo
+    return out
 
 
 def plot_title(report: dict[str, Any]) -> str:
@@ -174,6 +240,10 @@ def build_workload(args: argparse.Namespace, vocab_size: int, eos_ids: list[int]
         if not args.trace:
             raise ValueError("--arrival trace needs --trace FILE.jsonl")
         arrivals, what = trace_arrivals(trace), "trace timestamps"
+    mix = tier_mix_from_args(args)
+    if mix is not None:  # its own random stream: the same seed sends the same prompts with or without a mix
+        requests = with_tiers(requests, mix, args.seed)
+        desc["service_tier_mix"] = {t.value: share for t, share in mix.items()}
     if args.concurrency is not None and arrival != "closed":
         what += f", at most {args.concurrency} in flight"
     desc = {"workload": what, "arrival": arrival, "request_rate": args.request_rate if arrival == "poisson" else None,
@@ -185,7 +255,7 @@ def build_workload(args: argparse.Namespace, vocab_size: int, eos_ids: list[int]
     return requests, arrivals, arrival, num, desc
 
 
-async def run_bench(args: argparse.Namespace, slo) -> dict[str, Any]:
+async def run_bench(args: argparse.Namespace, slo, tier_slos: dict | None = None) -> dict[str, Any]:
     from pdserve.bench.runner import Progress, RunConfig, run_workload, warm_up
     from pdserve.bench.stats import build_report
     from pdserve.client import AsyncClient, connection_from_args
@@ -210,7 +280,9 @@ async def run_bench(args: argparse.Namespace, slo) -> dict[str, Any]:
                                     for _ in range(args.warmup)], args.temperature)
     progress = None if args.no_progress else Progress(num, args.duration)
     records, wall = await run_workload(conn, requests, arrivals, cfg, progress)
-    report = build_report(records, slo, wall)
+    mix = tier_mix_from_args(args)
+    tiers = None if mix is None else [t.value for t, share in mix.items() if share > 0]
+    report = build_report(records, slo, wall, tier_slos=tier_slos, tiers=tiers)
     model = {"name": info.name, "architecture": info.architecture, "num_params": info.num_params,
              "dtype": info.dtype, "vocab_size": info.vocab_size, "max_model_len": info.max_model_len}
     return {"date": dt.datetime.now().astimezone().isoformat(timespec="seconds"), "label": args.label,
@@ -219,6 +291,10 @@ async def run_bench(args: argparse.Namespace, slo) -> dict[str, Any]:
 
 def _f(v: float | None, spec: str = ".2f") -> str:
     return "n/a" if v is None else format(v, spec)
+
+
+def _slo_text(slo: dict[str, float | None]) -> str:
+    return ", ".join(f"{k[:-3].upper()}<={v:g}ms" for k, v in slo.items() if v is not None) or "none"
 
 
 def format_report(rep: dict[str, Any]) -> str:
@@ -235,8 +311,10 @@ def format_report(rep: dict[str, Any]) -> str:
     row("Total generated tokens:", rep["total_output_tokens"])
     row("Request throughput (req/s):", _f(rep["request_throughput"]))
     if rep["good_requests"] is not None:
-        slo = ", ".join(f"{k[:-3].upper()}<={v:g}ms" for k, v in rep["slo"].items() if v is not None)
-        row("SLOs:", slo)
+        row("SLOs:", _slo_text(rep["slo"]))
+        for tier, t in (rep.get("by_service_tier") or {}).items():
+            if t["slo"] != rep["slo"]:  # given its own by --tier-slo
+                row(f"  {tier} SLOs:", _slo_text(t["slo"]))
         row("Request goodput (req/s):", _f(rep["request_goodput"]))
         row("SLO attainment (%):", _f(100 * rep["slo_attainment"], ".1f"))
     row("Input token throughput (tok/s):", _f(rep["input_throughput"]))
@@ -254,5 +332,27 @@ def format_report(rep: dict[str, Any]) -> str:
     row("P99 1st->2nd token gap (ms):", _f(rep["p99_first_gap_ms"]))
     row("Median ITL after the 2nd token (ms):", _f(rep["median_later_itl_ms"]))
     row("P99 ITL after the 2nd token (ms):", _f(rep["p99_later_itl_ms"]))
+    if rep.get("by_service_tier"):
+        lines += format_tiers(rep["by_service_tier"])
     lines.append("=" * 50)
     return "\n".join(lines)
+
+
+TIER_COLUMNS = ("Tier", "Sent", "OK", "Failed", "Refused", "Downgr", "SLO %", "Goodput", "TTFT p50", "TTFT p99",
+                "TPOT p50", "TPOT p99")
+
+
+def format_tiers(by_tier: dict[str, dict[str, Any]]) -> list[str]:
+    """A row per tier asked for: requests, refusals (RESOURCE_EXHAUSTED), downgrades, SLO attainment (%),
+    goodput (req/s) and TTFT / TPOT percentiles (ms)."""
+    widths = (9, 6, 6, 7, 8, 7, 7, 8, 9, 9, 9, 9)
+    fmt = lambda cells: "".join(f"{c:<{w}}" if i == 0 else f"{c:>{w}}"  # noqa: E731
+                                for i, (c, w) in enumerate(zip(cells, widths)))
+    out = ["{s:{c}^50}".format(s="By service tier asked (ms; goodput req/s)", c="-"), fmt(TIER_COLUMNS)]
+    for tier, t in by_tier.items():
+        att = t["slo_attainment"]
+        out.append(fmt((tier, t["sent"], t["completed"], t["failed"], t["refused"], t["downgraded"],
+                        _f(None if att is None else 100 * att, ".1f"), _f(t["request_goodput"]),
+                        _f(t["median_ttft_ms"], ".1f"), _f(t["p99_ttft_ms"], ".1f"), _f(t["median_tpot_ms"], ".1f"),
+                        _f(t["p99_tpot_ms"], ".1f"))))
+    return out

@@ -107,6 +107,8 @@ async def run_workload(target: str | Connection, requests: Iterable[BenchRequest
                 rec.send = clock()
                 async for r in client.generate(timeout=cfg.timeout, temperature=cfg.temperature, **req.client_kwargs()):
                     rec.chunks.append((clock(), len(r.token_ids)))
+                    if r.service_tier:  # the tier served: on the last message
+                        rec.served_tier = r.service_tier
                     if r.finish_reason:
                         rec.finish_reason = FINISH_REASONS.get(r.finish_reason, str(r.finish_reason))
                         rec.input_tokens = r.usage.prompt_tokens or rec.input_tokens
@@ -140,7 +142,8 @@ async def run_workload(target: str | Connection, requests: Iterable[BenchRequest
                     if slots is not None:
                         slots.release()
                     break
-                rec = RequestRecord(send=clock(), input_tokens=req.input_len or 0, max_tokens=req.max_tokens)
+                rec = RequestRecord(send=clock(), input_tokens=req.input_len or 0, max_tokens=req.max_tokens,
+                                    service_tier=req.service_tier)
                 records.append(rec)
                 tasks.append(asyncio.create_task(one(req, rec)))
                 if progress:

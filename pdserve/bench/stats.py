@@ -18,14 +18,26 @@ Only successful requests count towards tokens, throughput and latency statistics
 ones are counted by gRPC status code. Goodput is the rate of successful requests that met every SLO
 given (DistServe; vLLM's --goodput); SLO attainment is their share of all requests sent, failures
 included (a failed request misses its SLO).
+
+Service tiers (`pdserve bench --service-tier-mix`): each record keeps the tier it asked for and the tier
+the server reports it served (the last message's service_tier; lower than asked when downgraded). The
+report then has `by_service_tier`, keyed by the tier asked for: the same statistics over that tier's
+requests alone (throughputs over the whole run's duration, so the tiers' throughputs add up to the
+run's), judged by that tier's SLO, plus `sent`, `served` (successful requests by the tier served),
+`downgraded` (served lower than asked) and `refused` (failed with RESOURCE_EXHAUSTED: a full queue, as
+flex's when it is refused at once). The run's own goodput then judges each request by its tier's SLO,
+so the tiers' good requests add up to the run's (a tier with no SLO given, where another tier has one,
+counts each of its successful requests as good: it met every SLO it was given).
 """
 from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+from pdserve.tiers import TIERS, ServiceTier
 
 METRICS = ("ttft", "tpot", "itl", "e2el")
 STAT_NAMES = ("mean", "median", "std", "p90", "p99")
@@ -43,6 +55,8 @@ class RequestRecord:
     finish_reason: str = ""
     error_code: str | None = None  # gRPC status name (or the exception's class for a client-side failure)
     error: str = ""
+    service_tier: str | None = None  # the tier asked for; None: none was sent
+    served_tier: str = ""  # the tier the server says it served ("" if it did not say)
 
     @property
     def ok(self) -> bool:
@@ -176,15 +190,59 @@ def timeline(records: Sequence[RequestRecord], duration: float, bin_s: float | N
 
 
 def build_report(records: Sequence[RequestRecord], slo: Slo = Slo(), duration: float | None = None,
-                 bin_s: float | None = None) -> dict[str, Any]:
+                 bin_s: float | None = None, tier_slos: Mapping[str, Slo] | None = None,
+                 tiers: Sequence[str] | None = None) -> dict[str, Any]:
     """The aggregate of a run (vLLM's key names where vLLM has one) plus per-request rows and a timeline.
 
     duration: the run's wall time; default the last request's end (the first send is time 0).
+    tier_slos: the SLO of a tier asked for (by name), where it is not `slo`.
+    tiers: the tiers to report in by_service_tier (default: those the records asked for); the key is
+    left out when there are none, as in a run without a tier mix.
     """
-    ok = [r for r in records if r.ok]
-    failed = [r for r in records if not r.ok]
     if duration is None:
         duration = max((r.end if r.end is not None else r.send for r in records), default=0.0)
+    tier_slos = dict(tier_slos or {})
+    slo_of = lambda r: tier_slos.get(r.service_tier, slo) if r.service_tier else slo  # noqa: E731
+    judged = slo.given or any(s.given for s in tier_slos.values())
+    rep = _aggregate(records, slo_of, judged, duration, slo)
+    if tiers is None:
+        asked = {r.service_tier for r in records if r.service_tier}
+        tiers = sorted(asked, key=_tier_order)
+    if tiers:
+        by_tier: dict[str, Any] = {}
+        for tier in tiers:
+            mine = [r for r in records if r.service_tier == tier]
+            tslo = tier_slos.get(tier, slo)
+            by_tier[tier] = {"sent": len(mine), **_tier_outcome(tier, mine),
+                             **_aggregate(mine, lambda r, s=tslo: s, judged, duration, tslo)}
+        rep["by_service_tier"] = by_tier
+    rep["timeline"] = timeline(records, duration, bin_s)
+    rep["requests"] = [request_row(r, slo_of(r), judged) for r in records]
+    return rep
+
+
+def _tier_order(name: str) -> tuple[int, str]:
+    try:
+        return ServiceTier(name).rank, name
+    except ValueError:
+        return len(TIERS), name
+
+
+def _tier_outcome(tier: str, records: Sequence[RequestRecord]) -> dict[str, Any]:
+    """What the successful requests asking for `tier` were served, how many lower, how many were refused."""
+    ok = [r for r in records if r.ok]
+    served = Counter(r.served_tier or "unreported" for r in ok)
+    asked = _tier_order(tier)[0]
+    return {"served": {t: served[t] for t in sorted(served, key=_tier_order)},
+            "downgraded": sum(1 for r in ok if r.served_tier and _tier_order(r.served_tier)[0] > asked),
+            "refused": sum(1 for r in records if r.error_code == "RESOURCE_EXHAUSTED")}
+
+
+def _aggregate(records: Sequence[RequestRecord], slo_of, judged: bool, duration: float, slo: Slo) -> dict[str, Any]:
+    """Counts, tokens, throughputs, latency statistics and goodput of these records; slo_of(record) is the
+    SLO a record is judged by, judged whether any SLO was given (no goodput otherwise), slo the one shown."""
+    ok = [r for r in records if r.ok]
+    failed = [r for r in records if not r.ok]
     rate = (lambda x: x / duration) if duration > 0 else (lambda x: None)  # noqa: E731
     n_in = sum(r.input_tokens for r in ok)
     n_out = sum(r.output_tokens for r in ok)
@@ -222,13 +280,11 @@ def build_report(records: Sequence[RequestRecord], slo: Slo = Slo(), duration: f
         for stat in ("median", "p99"):
             rep[f"{stat}_{name}_ms"] = None if summary[stat] is None else summary[stat] * 1e3
     rep["max_later_itl_ms"] = max(later) * 1e3 if later else None
-    good = sum(slo.met(r) for r in ok) if slo.given else None
+    good = sum(slo_of(r).met(r) for r in ok) if judged else None
     rep["slo"] = slo.as_dict()
     rep["good_requests"] = good
     rep["request_goodput"] = None if good is None else rate(good)
     rep["slo_attainment"] = None if good is None or not records else good / len(records)
-    rep["timeline"] = timeline(records, duration, bin_s)
-    rep["requests"] = [request_row(r, slo) for r in records]
     return rep
 
 
@@ -236,8 +292,13 @@ def _ms(x: float | None) -> float | None:
     return None if x is None else round(x * 1e3, 3)
 
 
-def request_row(r: RequestRecord, slo: Slo = Slo()) -> dict[str, Any]:
-    return {"send_s": round(r.send, 6), "input_tokens": r.input_tokens, "output_tokens": r.output_tokens,
-            "max_tokens": r.max_tokens, "ttft_ms": _ms(r.ttft), "tpot_ms": _ms(r.tpot), "e2el_ms": _ms(r.e2el),
-            "itl_ms": [_ms(g) for g in r.itl], "finish_reason": r.finish_reason, "error_code": r.error_code,
-            "error": r.error, "met_slo": slo.met(r) if slo.given else None}
+def request_row(r: RequestRecord, slo: Slo = Slo(), judged: bool | None = None) -> dict[str, Any]:
+    """judged: whether the run has any SLO (default: whether `slo` has one); met_slo is None if not."""
+    judged = slo.given if judged is None else judged
+    row = {"send_s": round(r.send, 6), "input_tokens": r.input_tokens, "output_tokens": r.output_tokens,
+           "max_tokens": r.max_tokens, "ttft_ms": _ms(r.ttft), "tpot_ms": _ms(r.tpot), "e2el_ms": _ms(r.e2el),
+           "itl_ms": [_ms(g) for g in r.itl], "finish_reason": r.finish_reason, "error_code": r.error_code,
+           "error": r.error, "met_slo": slo.met(r) if judged else None}
+    if r.service_tier is not None:
+        row["service_tier"], row["served_tier"] = r.service_tier, r.served_tier or None
+    return row

@@ -9,15 +9,18 @@ does for its random dataset).
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import math
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from pdserve.tiers import TIERS, ServiceTier
 
 LENGTH_DISTS = ("fixed", "uniform", "longtail")
 ARRIVALS = ("poisson", "closed", "bursty", "trace")
@@ -80,6 +83,7 @@ class BenchRequest:
     messages: tuple[tuple[str, str], ...] | None = None  # (role, content)
     ignore_eos: bool = False
     timestamp: float | None = None  # trace replay: seconds after the start
+    service_tier: str | None = None  # sent as GenerateRequest.service_tier; None: not sent (the server's default)
 
     @property
     def input_len(self) -> int | None:
@@ -95,6 +99,8 @@ class BenchRequest:
             kw["prompt"] = self.prompt
         else:
             kw["messages"] = [{"role": r, "content": c} for r, c in self.messages or ()]
+        if self.service_tier is not None:
+            kw["service_tier"] = self.service_tier
         return kw
 
 
@@ -138,6 +144,29 @@ def synthetic_requests(input_spec: LengthSpec, output_spec: LengthSpec, sampler:
         n_out = int(output_spec.sample(rng, 1)[0])
         n_in = min(n_in, max_model_len - n_out)
         yield BenchRequest(max_tokens=n_out, token_ids=sampler(rng, n_in), ignore_eos=ignore_eos)
+
+
+# -- service tiers --------------------------------------------------------------------------------
+def tier_draws(mix: Mapping[ServiceTier, float], seed: int) -> Iterator[ServiceTier]:
+    """An endless seeded stream of tiers, each drawn independently with the probabilities of `mix`
+    (pdserve.tiers.parse_mix). It has its own random stream, so adding a mix to a workload changes none
+    of its lengths, prompts or arrivals; and the tiers are laid out in rank order whatever the mix's
+    order, so `default=0.6,priority=0.1,flex=0.3` draws exactly what `priority=0.1,default=0.6,flex=0.3` does."""
+    tiers = [t for t in TIERS if mix.get(t, 0.0) > 0]
+    if not tiers:
+        raise ValueError("a tier mix needs a positive share")
+    shares = np.array([mix[t] for t in tiers], dtype=np.float64)
+    cum = np.cumsum(shares / shares.sum())
+    rng = np.random.default_rng([seed, 4])
+    while True:
+        for u in rng.random(256):
+            yield tiers[min(int(np.searchsorted(cum, u, side="right")), len(tiers) - 1)]
+
+
+def with_tiers(requests: Iterable[BenchRequest], mix: Mapping[ServiceTier, float], seed: int) -> Iterator[BenchRequest]:
+    """The requests, the i-th asking for the i-th tier of tier_draws(mix, seed)."""
+    for req, tier in zip(requests, tier_draws(mix, seed)):
+        yield dataclasses.replace(req, service_tier=tier.value)
 
 
 # -- arrival schedules (seconds after the start; endless, the runner stops them) --------------------
