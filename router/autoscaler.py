@@ -2,6 +2,9 @@
 planner's policy (pdserve.planner.autoscale), and its decisions grow pools or drain workers
 (router.pools).
 
+The fast lane (pool "fast", pdserve.tiers) is sized apart from the decode pool: from the priority tier's
+demand (Cluster.tier_demand) and the lane's own workers, with priority's TPOT target.
+
 Its costs come from a measured profile (`pdserve profile`) or a GPU's roofline, as `pdserve plan`'s do.
 The latest decision of each pool is kept for `pdserve status` and the metrics.
 """
@@ -12,8 +15,9 @@ import logging
 import time
 from collections.abc import Callable
 
-from pdserve.planner.autoscale import Autoscaler, Decision, PoolLimits
+from pdserve.planner.autoscale import Autoscaler, Decision, Demand, PoolLimits
 from pdserve.planner.costs import StepCosts
+from pdserve.tiers import ServiceTier
 from router.cluster import Cluster
 
 log = logging.getLogger(__name__)
@@ -51,7 +55,8 @@ class AutoscaleLoop:
                                       engine.scheduler.max_num_batched_tokens)
         a = c.autoscale
         self.policy = Autoscaler(cluster_costs(cluster), limits, c.ranges, a.ttft_target_s, a.tpot_target_s,
-                                 a.scale_down_delay_s, cluster.scaling.last_start_seconds() or STARTUP_GUESS_S)
+                                 a.scale_down_delay_s, cluster.scaling.last_start_seconds() or STARTUP_GUESS_S,
+                                 c.tiers.slo_of(ServiceTier.PRIORITY).tpot_s)
         self.decisions: dict[str, Decision] = {}
         self._task: asyncio.Task | None = None
 
@@ -78,7 +83,8 @@ class AutoscaleLoop:
         if startup is not None:
             self.policy.startup_s = startup
         demand = self.cluster.load(now, self.queued())
-        decisions = self.policy.decide(now, demand, {p: pools.size(p) for p in self.policy.ranges})
+        own = {"fast": self.fast_demand(now)} if "fast" in self.policy.ranges else None
+        decisions = self.policy.decide(now, demand, {p: pools.size(p) for p in self.policy.ranges}, own)
         for d in decisions:
             self.decisions[d.pool] = d
             if d.direction == "none":
@@ -92,6 +98,17 @@ class AutoscaleLoop:
             else:
                 pools.drain(d.pool, d.current - d.desired, d.reason)
         return decisions
+
+    def fast_demand(self, now: float) -> Demand:
+        """The fast lane's demand, as Cluster.load() is the decode pool's: the priority tier's arrivals and
+        lengths, the requests and KV on the lane's workers. A cluster without per-tier windows gives the
+        lane only what it holds (no rate), so it keeps the workers its requests need and no more."""
+        windows = getattr(self.cluster, "tier_demand", None)
+        rate, input_len, output_len = (windows[ServiceTier.PRIORITY].observe(now) if windows
+                                       else (0.0, 0.0, 0.0))
+        lane = [w for w in self.cluster.scaling.workers if w.pool == "fast"]
+        return Demand(rate, input_len, output_len, 0, sum(len(w.requests) for w in lane),
+                      sum(w.stats.kv_blocks_used for w in lane if w.stats is not None))
 
     def desired(self, pool: str) -> int | None:
         d = self.decisions.get(pool)

@@ -118,7 +118,7 @@ def test_bad_ranges_and_targets_are_refused():
         scaler(prefill=(0, 2))
     with pytest.raises(ValueError, match="1 <= MIN <= MAX"):
         scaler(decode=(3, 2))
-    with pytest.raises(ValueError, match="only prefill and decode"):
+    with pytest.raises(ValueError, match="only the prefill, decode and fast pools"):
         Autoscaler(costs(), {}, {"colocated": (1, 2)}, 1.0, 0.03, 10, 5)
     with pytest.raises(ValueError, match="positive"):
         Autoscaler(costs(), {}, {}, 0.0, 0.03, 10, 5)
@@ -237,3 +237,97 @@ def test_a_simulated_worker_takes_requests_only_once_started():
     assert runs[2.0].busy_s["prefill-1"] > 0
     assert np.nanmax(runs[2.0].end) < np.nanmax(never.end)
     assert math.isclose(never.ok.mean(), 1.0)
+
+
+# -- the fast lane (service tiers) ----------------------------------------------------------------
+
+LANE = PoolLimits(kv_blocks=10_000, block_size=16, max_num_seqs=6, token_budget=2048)
+
+
+def test_the_fast_lane_is_sized_by_priority_tpot_and_its_cap():
+    a = Autoscaler(costs(), {"decode": LIMITS, "fast": LANE}, {"decode": (1, 8), "fast": (1, 8)}, ttft_s=1.0,
+                   tpot_s=0.030, scale_down_delay_s=10, startup_s=5, fast_tpot_s=0.0125)
+    # Priority's 12.5 ms allows b = 3 (10 ms + 1 ms x 2), under the lane's cap of 6; its step is 12 ms.
+    # 10 req/s of priority x 49 steps x 12 ms = 5.88 decoding at once, over 90 % of 3: 3 workers.
+    # The decode pool, from the whole demand at 30 ms (b* = 21): 100 x 49 x 30 ms = 147 over 18.9: 8.
+    whole, priority = demand(rate=100), demand(rate=10)
+    got = sizes(a.decide(0.0, whole, {"decode": 1, "fast": 1}, {"fast": priority}))
+    assert got == {"decode": (8, "rate"), "fast": (3, "rate")}
+    # A loose priority target is capped by the lane's max running: b = 6, step 15 ms, 5.88 x 15/12 / 5.4.
+    loose = Autoscaler(costs(), {"fast": LANE}, {"fast": (1, 8)}, 1.0, 0.030, 10, 5, fast_tpot_s=1.0)
+    assert loose.need("fast", priority) == Need(2, "rate")
+    # Without its own demand the lane would be sized by the whole cluster's: the loop always gives it one.
+    assert loose.need("fast", demand(decode_requests=13)) == Need(3, "running")
+
+
+def test_an_autoscaled_fast_lane_needs_priority_tpot():
+    with pytest.raises(ValueError, match="priority tier's TPOT"):
+        Autoscaler(costs(), {"fast": LANE}, {"fast": (1, 2)}, 1.0, 0.03, 10, 5)
+    with pytest.raises(ValueError, match="only the prefill, decode and fast pools"):
+        Autoscaler(costs(), {}, {"colocated": (1, 2)}, 1.0, 0.03, 10, 5, fast_tpot_s=0.05)
+
+
+class _Scaling:
+    """The pools' scaling side as router.autoscaler uses it: sizes, workers, and what it was told."""
+
+    def __init__(self, workers):
+        self.workers = workers
+        self.calls = []
+
+    def last_start_seconds(self):
+        return None
+
+    def size(self, pool):
+        return sum(w.pool == pool for w in self.workers)
+
+    def grow(self, pool, n, reason):
+        self.calls.append(("grow", pool, n, reason))
+
+    def drain(self, pool, n, reason):
+        self.calls.append(("drain", pool, n, reason))
+
+
+def _loop_cluster(with_tier_demand: bool):
+    from types import SimpleNamespace
+
+    from pdserve.planner.hardware import resolve_model
+    from pdserve.tiers import ServiceTier, TierSLO, TiersConfig
+
+    config = ClusterConfig(prefill=PoolConfig(1), decode=PoolConfig(1, max_workers=8), fast=PoolConfig(1, max_workers=8),
+                           autoscale=AutoscaleConfig(gpu="H100", tpot_target_s=0.030),
+                           tiers=TiersConfig(fast_lane_max_running=6, slo={"priority": TierSLO(1.0, 0.0125)}))
+    lane_worker = SimpleNamespace(pool="fast", requests={"a", "b", "c", "d"}, stats=SimpleNamespace(kv_blocks_used=40))
+    workers = [SimpleNamespace(pool="prefill", requests=set(), stats=None),
+               SimpleNamespace(pool="decode", requests={"x"}, stats=SimpleNamespace(kv_blocks_used=10)), lane_worker]
+    cluster = SimpleNamespace(config=config, info=SimpleNamespace(config=resolve_model("llama-3-8b")[1], path="m"),
+                              scaling=_Scaling(workers), load=lambda now, queued: demand(rate=100))
+    if with_tier_demand:
+        window = DemandWindow(10.0, start=0.0)
+        for k in range(100):  # 10 req/s of priority over the last 10 s, 100-token prompts, 50-token outputs
+            window.arrived(k / 10, 100, 50)
+        cluster.tier_demand = {t: DemandWindow(10.0, start=0.0) for t in ServiceTier}
+        cluster.tier_demand[ServiceTier.PRIORITY] = window
+    return cluster
+
+
+@pytest.mark.parametrize("with_tier_demand", [True, False])
+def test_the_loop_scales_the_fast_lane_by_priority_demand(with_tier_demand):
+    from router.autoscaler import AutoscaleLoop
+
+    cluster = _loop_cluster(with_tier_demand)
+    loop = AutoscaleLoop(cluster)
+    assert loop.policy.fast_tpot_s == 0.0125 and loop.policy.limits["fast"].max_num_seqs == 6
+    loop.policy.costs = costs()  # the hand-made model, for exact numbers
+    for name in ("decode", "fast"):
+        loop.policy.limits[name] = LIMITS if name == "decode" else LANE
+    lane = loop.fast_demand(10.0)
+    assert (lane.decode_requests, lane.decode_kv_blocks) == (4, 40)  # the lane's workers only
+    decisions = {d.pool: d for d in loop.step(10.0)}
+    assert decisions["decode"].desired == 8  # the whole demand, as before
+    if with_tier_demand:
+        assert lane.arrival_rate == pytest.approx(10.0) and (lane.input_len, lane.output_len) == (100, 50)
+        assert (decisions["fast"].desired, decisions["fast"].reason) == (3, "rate")  # as computed above
+        assert cluster.scaling.calls == [("grow", "decode", 7, "rate"), ("grow", "fast", 2, "rate")]
+    else:  # no per-tier windows (older clusters): the lane keeps what its requests need, 4 over b = 3
+        assert lane.arrival_rate == 0.0
+        assert (decisions["fast"].desired, decisions["fast"].reason) == (2, "running")

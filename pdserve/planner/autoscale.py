@@ -16,6 +16,10 @@ one threshold on one signal:
   Little's law, arrival rate x output length x step time; the pool needs that over b*, and never fewer
   workers than the requests it already holds over b*, nor than its KV in use needs.
 
+- fast (the fast lane, pdserve.tiers): decode's sizing from the priority tier's demand alone (its
+  arrivals, the requests and KV on the lane's workers), with priority's TPOT target and b* capped at
+  the lane's running-batch cap (its PoolLimits.max_num_seqs). The decode pool keeps the cluster's demand.
+
 Hysteresis: a pool grows as soon as it needs to; it shrinks only to the largest size it needed over
 the last scale_down_delay_s seconds (the stabilization window of Kubernetes' HPA), so a burst's lull
 between two waves does not drain workers the next wave needs.
@@ -186,10 +190,14 @@ class Autoscaler:
     """Decides each autoscaled pool's size at each call; keeps the history the hysteresis needs."""
 
     def __init__(self, costs: StepCosts, limits: dict[str, PoolLimits], ranges: dict[str, tuple[int, int]],
-                 ttft_s: float, tpot_s: float, scale_down_delay_s: float, startup_s: float):
-        unknown = set(ranges) - {"prefill", "decode"}
+                 ttft_s: float, tpot_s: float, scale_down_delay_s: float, startup_s: float,
+                 fast_tpot_s: float | None = None):
+        """fast_tpot_s: the priority tier's TPOT target, which sizes the fast lane (needed when it autoscales)."""
+        unknown = set(ranges) - {"prefill", "decode", "fast"}
         if unknown:
-            raise ValueError(f"only prefill and decode pools autoscale, not {sorted(unknown)}")
+            raise ValueError(f"only the prefill, decode and fast pools autoscale, not {sorted(unknown)}")
+        if "fast" in ranges and (fast_tpot_s is None or fast_tpot_s <= 0):
+            raise ValueError("an autoscaled fast lane needs the priority tier's TPOT target (> 0)")
         for pool, (lo, hi) in ranges.items():
             if not 1 <= lo <= hi:
                 raise ValueError(f"{pool}: a range MIN:MAX needs 1 <= MIN <= MAX, got {lo}:{hi}")
@@ -197,6 +205,7 @@ class Autoscaler:
             raise ValueError("the TTFT and TPOT targets must be positive and the scale-down delay >= 0")
         self.costs, self.limits, self.ranges = costs, limits, ranges
         self.ttft_s, self.tpot_s, self.scale_down_delay_s = ttft_s, tpot_s, scale_down_delay_s
+        self.fast_tpot_s = fast_tpot_s
         self.startup_s = startup_s  # how long a new worker takes to be ready: the latest measured
         self._history: dict[str, deque[tuple[float, Need]]] = {p: deque() for p in ranges}
 
@@ -204,6 +213,8 @@ class Autoscaler:
         """What the pool needs now, within its range."""
         if pool == "prefill":
             need = prefill_need(self.costs, self.limits[pool], demand, self.ttft_s, self.startup_s)
+        elif pool == "fast":
+            need = decode_need(self.costs, self.limits[pool], demand, self.fast_tpot_s)
         else:
             need = decode_need(self.costs, self.limits[pool], demand, self.tpot_s)
         lo, hi = self.ranges[pool]
@@ -213,11 +224,13 @@ class Autoscaler:
             return Need(hi, "maximum")
         return need
 
-    def decide(self, now: float, demand: Demand, current: dict[str, int]) -> list[Decision]:
-        """One decision per autoscaled pool; `current` counts its ready and starting workers."""
+    def decide(self, now: float, demand: Demand, current: dict[str, int],
+               pool_demand: dict[str, Demand] | None = None) -> list[Decision]:
+        """One decision per autoscaled pool; `current` counts its ready and starting workers.
+        pool_demand: a pool's own demand where it has one (the fast lane: the priority tier's), else `demand`."""
         out = []
         for pool, history in self._history.items():
-            need = self.need(pool, demand)
+            need = self.need(pool, (pool_demand or {}).get(pool, demand))
             history.append((now, need))
             while history[0][0] < now - self.scale_down_delay_s:
                 history.popleft()

@@ -80,6 +80,14 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     g.add_argument("--first-token-latency-ms", type=float, default=None,
                    help="worker -> client hops of the first token (default: measured on the local CPU cluster)")
     g.add_argument("--token-latency-ms", type=float, default=None, help="the same for later tokens")
+    g = p.add_argument_group("service tiers (pdserve.tiers): the fast lane's size and batch cap, each tier's price")
+    g.add_argument("--tier-mix", default=None, metavar="priority=0.1,default=0.6,flex=0.3",
+                   help="shares of the requests by tier; prints the fast lane's max running and workers and each "
+                        "tier's device time per output token against default's (and, with no --slo-*, ranks the "
+                        "configurations by default's SLO)")
+    g.add_argument("--tier-slo", action="append", default=[], metavar="TIER=TTFT_MS:TPOT_MS",
+                   help="a tier's SLO (repeatable; default: the serve defaults, priority=1000:50, default=4000:150, "
+                        "flex=120000:1000)")
     g = p.add_argument_group("output")
     g.add_argument("--output", default=None, metavar="PLAN.json")
     g.add_argument("--plot", default=None, metavar="PLAN.png", help="predicted goodput against request rate")
@@ -109,12 +117,38 @@ def _costs_and_model(args: argparse.Namespace) -> tuple[Any, dict[str, Any], int
     return costs, model, kv_budget_bytes(device, costs.weight_bytes), args.block_size or 16
 
 
+def parse_tier_slos(items: list[str]) -> dict[str, Any]:
+    """--tier-slo TIER=TTFT_MS:TPOT_MS, repeatable -> TiersConfig(slo=...).slo by tier name."""
+    from pdserve.tiers import TierSLO, TiersConfig, parse_tier
+
+    given: dict[str, TierSLO] = {}
+    for item in items:
+        name, sep, value = item.partition("=")
+        ttft, colon, tpot = value.partition(":")
+        try:
+            if not (sep and colon):
+                raise ValueError
+            slo = TierSLO(float(ttft) / 1e3, float(tpot) / 1e3)
+        except ValueError:
+            raise ValueError(f"--tier-slo is TIER=TTFT_MS:TPOT_MS with positive numbers, got {item!r}") from None
+        given[parse_tier(name.strip()).value] = slo
+    return TiersConfig(slo=given).slo
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
     from pdserve.bench.cli import check_args
     from pdserve.bench.stats import Slo
     from pdserve.planner.plan import (FIRST_TOKEN_LATENCY_S, TOKEN_LATENCY_S, PoolSettings, candidates,
                                       format_plan, make_plan, plot_plan, workload_from_args)
+    from pdserve.tiers import ServiceTier, parse_mix
 
+    mix = parse_mix(args.tier_mix) if args.tier_mix else None
+    if args.tier_slo and mix is None:
+        raise ValueError("--tier-slo goes with --tier-mix")
+    tier_slos = parse_tier_slos(args.tier_slo) if mix else None
+    if mix and args.slo_ttft_ms is None and args.slo_tpot_ms is None and args.slo_e2el_ms is None:
+        default = tier_slos["default"]
+        args.slo_ttft_ms, args.slo_tpot_ms = default.ttft_s * 1e3, default.tpot_s * 1e3
     slo = Slo(args.slo_ttft_ms, args.slo_tpot_ms, args.slo_e2el_ms)
     check_args(args)
     if args.num_prompts is None and args.duration is None and args.trace is None:
@@ -160,6 +194,17 @@ def cmd_plan(args: argparse.Namespace) -> int:
     print(format_plan(plan))
     print(f"simulated {plan['requests']} requests through {len(plan['candidates'])} configurations in "
           f"{plan['simulation_seconds']:.2f} s")
+    if mix:
+        from pdserve.planner.autoscale import PoolLimits
+        from pdserve.planner.pricing import format_prices, tier_prices
+
+        bsize = settings.block_size
+        limits = PoolLimits(kv_bytes // (costs.kv_bytes_per_token * bsize), bsize, max(args.max_num_seqs),
+                            args.prefill_token_budget)
+        plan["tiers"] = tier_prices(costs, limits, float(workload.input_len.mean()), float(workload.output_len.mean()),
+                                    {t: tier_slos[t.value] for t in ServiceTier}, mix, workload.mean_rate)
+        print()
+        print(format_prices(plan["tiers"]))
     if args.output:
         Path(args.output).parent.mkdir(parents=True, exist_ok=True)
         Path(args.output).write_text(json.dumps(plan, indent=1) + "\n")

@@ -35,6 +35,19 @@ their KV) and acts as router.pools does: a new worker is placeable startup_s aft
 a drained one takes no new requests and leaves once its last request is done. Worker-seconds count
 each worker from the moment it was asked for to the moment it left.
 
+Service tiers (pdserve.tiers), given a tier per request: the router's line and its admission queue
+serve by (tier rank, arrival), flex at default's rank while the flex requests in flight are fewer than
+its floor (flex_floor of the decode pool's slots); flex is refused once flex_max_queued of it wait; a
+fast lane (ClusterShape.fast) decodes priority requests only, with its own running cap, and a priority
+request that finds it full waits for it up to fast_lane_max_wait_s and is then served as default
+("wait"), or is served as default at once ("downgrade"); a decode worker reserves by (tier, arrival),
+and a priority or default request that finds it full preempts its latest running flex request above
+flex's floor (flex_floor of the worker's slots): the flex request keeps its KV and resumes where it
+was when only a slot was short, and loses its KV and recomputes its context (prompt and tokens so far,
+as a prefill on top of the step it rejoins) when KV was short. Without tiers every request is default
+and none of this changes anything. Left out: the prefill worker's own queue stays first come, first
+served (the router's line, in front of it, is ordered; it holds at most PREFILL_QUEUE_STEPS budgets).
+
 Per step the work is O(requests joining or finishing), never O(batch): a running request's context
 grows by one token a step, so the decode context of a step is a running sum plus the batch times
 the step index, and finishing steps sit in a heap.
@@ -42,6 +55,7 @@ the step index, and finishing steps sit in a heap.
 from __future__ import annotations
 
 import heapq
+import itertools
 import math
 from collections import deque
 from dataclasses import dataclass, field
@@ -50,6 +64,7 @@ import numpy as np
 
 from pdserve.planner.autoscale import Autoscaler, Demand, DemandWindow
 from pdserve.planner.costs import StepCosts, attention_pairs
+from pdserve.tiers import TIERS, ServiceTier, TiersConfig, flex_floor, parse_tier
 
 PREFILL_QUEUE_STEPS = 2  # router.cluster.PREFILL_QUEUE_STEPS (pdserve/ cannot import router/)
 
@@ -72,7 +87,8 @@ class PoolShape:
 
 @dataclass(frozen=True)
 class ClusterShape:
-    """A deployment to simulate: disaggregated (prefill + decode pools) or colocated (one pool)."""
+    """A deployment to simulate: disaggregated (prefill + decode pools, and the fast lane's decode workers
+    when `fast` is given) or colocated (one pool)."""
 
     mode: str
     prefill: PoolShape | None = None
@@ -82,23 +98,26 @@ class ClusterShape:
     max_queued: int = 1024  # router queue (--max-queued)
     first_token_latency_s: float = 0.0  # worker -> router -> client, for the first token
     token_latency_s: float = 0.0  # the same for a decode step's tokens
+    fast: PoolShape | None = None  # the fast lane: priority only, max_num_seqs its running cap
 
     def __post_init__(self) -> None:
         pools = (self.prefill, self.decode) if self.mode == "disaggregated" else (self.colocated,)
         if self.mode not in ("disaggregated", "colocated") or any(p is None for p in pools):
             raise ValueError(f"a {self.mode} cluster needs its pools: {self}")
+        if self.fast is not None and self.mode != "disaggregated":
+            raise ValueError("the fast lane is a set of decode workers: it needs a disaggregated cluster")
 
     @property
     def workers(self) -> int:
         if self.mode == "colocated":
             return self.colocated.workers
-        return self.prefill.workers + self.decode.workers
+        return self.prefill.workers + self.decode.workers + (self.fast.workers if self.fast else 0)
 
     @property
     def label(self) -> str:
         if self.mode == "colocated":
             return f"colocated x{self.colocated.workers}"
-        return f"{self.prefill.workers}P{self.decode.workers}D"
+        return f"{self.prefill.workers}P{self.decode.workers}D" + (f"+{self.fast.workers}F" if self.fast else "")
 
 
 @dataclass
@@ -118,6 +137,10 @@ class SimResult:
     steps: int
     worker_seconds: float = 0.0  # summed over workers, from asked for to gone (or the last request's end)
     sizes: list[tuple[float, int, int]] = field(default_factory=list)  # autoscaled: (time, prefill, decode) after each change
+    tier: np.ndarray | None = None  # the rank of the tier each request asked for (pdserve.tiers)
+    served_tier: np.ndarray | None = None  # ... and of the tier it was served as (priority -> default)
+    preemptions: np.ndarray | None = None  # times each request was preempted (flex only)
+    recomputes: np.ndarray | None = None  # ... of which its KV was dropped and its context recomputed
 
     @property
     def ok(self) -> np.ndarray:
@@ -135,6 +158,76 @@ class SimResult:
     def tpot(self) -> np.ndarray:
         with np.errstate(invalid="ignore", divide="ignore"):
             return np.where(self.output_len > 1, (self.end - self.first_token) / (self.output_len - 1), np.nan)
+
+    def tier_stats(self, tiers: TiersConfig | None = None) -> dict[str, dict]:
+        """Per tier asked for: counts, TTFT and TPOT (median, p99), and the share of its requests within
+        its own SLO (tiers.slo; a refused or downgraded request is judged by the tier it asked for)."""
+        tiers = tiers or TiersConfig()
+        out = {}
+        for t in TIERS:
+            sel = self.tier == t.rank
+            if not sel.any():
+                continue
+            ok = sel & self.ok
+            slo = tiers.slo_of(t)
+            ttft, tpot = self.ttft[ok], self.tpot[ok]
+            tpot = tpot[~np.isnan(tpot)]
+            with np.errstate(invalid="ignore"):
+                met = ok & (self.ttft <= slo.ttft_s) & (np.nan_to_num(self.tpot, nan=0.0) <= slo.tpot_s)
+
+            def pct(v: np.ndarray, q: float, scale: float = 1.0) -> float | None:
+                return float(np.percentile(v, q)) * scale if v.size else None
+
+            out[t.value] = {
+                "requests": int(sel.sum()), "completed": int(ok.sum()), "rejected": int((sel & self.rejected).sum()),
+                "served_lower": int((sel & (self.served_tier != t.rank)).sum()),
+                "median_ttft_s": pct(ttft, 50), "p99_ttft_s": pct(ttft, 99),
+                "median_tpot_ms": pct(tpot, 50, 1e3), "p99_tpot_ms": pct(tpot, 99, 1e3),
+                "slo_attainment": float(met.sum() / sel.sum()),
+                "preemptions": int(self.preemptions[sel].sum()), "recomputes": int(self.recomputes[sel].sum())}
+        return out
+
+
+class _Line:
+    """Requests waiting, in the order every queue serves them: (tier rank, arrival), flex at default's
+    rank while it is under its floor (flex_as_default). Without tiers all are default: first come, first served."""
+
+    __slots__ = ("queues", "arr", "rank")
+
+    def __init__(self, arr: list[float], rank: list[int]):
+        self.queues: tuple[deque[int], ...] = (deque(), deque(), deque())
+        self.arr, self.rank = arr, rank
+
+    def __len__(self) -> int:
+        return len(self.queues[0]) + len(self.queues[1]) + len(self.queues[2])
+
+    def __iter__(self):
+        return itertools.chain(*self.queues)
+
+    def flex(self) -> int:
+        return len(self.queues[2])
+
+    def append(self, r: int) -> None:
+        """In arrival order within r's tier (a preempted or downgraded request goes back to its place)."""
+        q, arr = self.queues[self.rank[r]], self.arr
+        i = len(q)
+        while i and arr[q[i - 1]] > arr[r]:
+            i -= 1
+        q.insert(i, r)
+
+    def head(self, flex_as_default: bool = False) -> int | None:
+        p, d, f = self.queues
+        if p:
+            return p[0]
+        if f and (not d or flex_as_default and (self.arr[f[0]], f[0]) < (self.arr[d[0]], d[0])):
+            return f[0]
+        return d[0] if d else None
+
+    def remove(self, r: int) -> None:
+        """Take r, a head, out of the line."""
+        q = self.queues[self.rank[r]]
+        assert q[0] == r
+        q.popleft()
 
 
 class _StepWork:
@@ -157,7 +250,7 @@ class _StepWork:
 
 
 # Event kinds; the heap holds (time, seq, kind, worker).
-_PREFILL_END, _DECODE_END, _COLOCATED_END, _LANDED, _WAKE, _SCALE, _PREFILL_READY, _DECODE_READY = range(8)
+_PREFILL_END, _DECODE_END, _COLOCATED_END, _LANDED, _WAKE, _SCALE, _PREFILL_READY, _DECODE_READY, _ROUTER = range(9)
 
 
 def _completed(step: list[tuple[int, int]], in_progress: list[list[int]], n_in: list[int]) -> list[int]:
@@ -196,9 +289,16 @@ class _Prefill(_Lifecycle):
 
 
 class _Decode(_Lifecycle):
-    def __init__(self, index: int, name: str, shape: PoolShape):
+    def __init__(self, index: int, name: str, shape: PoolShape, gid: int, line: _Line, floor: int):
         self.index, self.name, self.shape = index, name, shape
-        self.to_reserve: deque[int] = deque()
+        self.gid = gid  # index among every decode-side worker (the events' key)
+        self.to_reserve = line
+        self.floor = floor  # flex's floor of this worker's slots
+        self.flex_active = 0  # flex requests placed here and not finished
+        self.flex_held = 0  # ... holding a slot (reserved or running)
+        self.flex_running: set[int] = set()
+        self.paused_blocks = 0  # KV kept by preempted flex requests
+        self.recompute = [0, 0, 0]  # prompt tokens, pairs, seqs: preempted contexts the next step recomputes
         self.reserved = 0  # blocks reserved for KV in flight
         self.num_reserved = 0  # requests whose KV is in flight (they count towards max_num_seqs)
         self.landed: list[int] = []  # join at the next step
@@ -227,7 +327,7 @@ class _Decode(_Lifecycle):
         rounding, on average), the reservations, and the chunks of prompts being prefilled."""
         bs = self.shape.block_size
         running = (self.context + bs - 1) // bs + self.batch // 2
-        return running + self.reserved + self.prefill_blocks
+        return running + self.reserved + self.prefill_blocks + self.paused_blocks
 
     def free_blocks(self) -> int:
         return self.shape.kv_blocks - self.used_blocks()
@@ -235,13 +335,17 @@ class _Decode(_Lifecycle):
 
 def simulate(shape: ClusterShape, costs: StepCosts, arrival: np.ndarray, input_len: np.ndarray,
              output_len: np.ndarray, concurrency: int | None = None, autoscaler: Autoscaler | None = None,
-             interval_s: float = 2.0, window_s: float = 30.0, startup_s: float = 60.0) -> SimResult:
+             interval_s: float = 2.0, window_s: float = 30.0, startup_s: float = 60.0,
+             tier: np.ndarray | None = None, tiers: TiersConfig | None = None) -> SimResult:
     """Run the workload (arrays of one entry per request, arrival times non-decreasing) to the end.
 
     concurrency: the client's cap on requests in flight (pdserve bench --concurrency): a request due
     while the cap is reached is sent when one ends, and its times count from then, as bench's do.
     autoscaler: decides the prefill and decode pools' sizes every interval_s (the shape's sizes are
-    where they start); a worker it starts is placeable startup_s later.
+    where they start); a worker it starts is placeable startup_s later. It sizes the fast lane, when
+    its ranges have one, from the priority requests' demand.
+    tier: each request's service tier (ServiceTier, its name, or its rank); None: all default.
+    tiers: the tier settings (floor, fast lane, flex queue bound, SLOs); None: TiersConfig's defaults.
     """
     n = len(arrival)
     arr = [float(x) for x in arrival]
@@ -259,6 +363,19 @@ def simulate(shape: ClusterShape, costs: StepCosts, arrival: np.ndarray, input_l
     decode_of = [-1] * n
     ready_at = [math.inf] * n  # when the decode worker's reservation for the request was made
     held = [False] * n  # prefill done, waiting for its destination
+    tiers = tiers or TiersConfig()
+    tiered = tier is not None
+    if tiered and shape.mode != "disaggregated":
+        raise ValueError("the simulator serves tiers on disaggregated clusters only")
+    rank = [1] * n if not tiered else [int(x) if isinstance(x, (int, np.integer)) else parse_tier(str(
+        x.value if isinstance(x, ServiceTier) else x)).rank for x in tier]
+    asked = list(rank)  # rank: the tier served, lower than asked once a priority request is downgraded
+    done_tok = [1] * n  # tokens a request has (its first comes with the prefill)
+    fin_step = [0] * n  # decode step of its last token, while running
+    resuming = [False] * n  # preempted, waiting to run again
+    paused = [-1] * n  # blocks a preempted request kept (-1: none, it recomputes)
+    preempts = [0] * n
+    recomputes = [0] * n
     kv_bytes = costs.kv_bytes_per_token
     transport = costs.transport
     step_time = costs.step_time
@@ -268,7 +385,7 @@ def simulate(shape: ClusterShape, costs: StepCosts, arrival: np.ndarray, input_l
     pair_free: dict[tuple[int, int], float] = {}  # (prefill, decode) -> when its last transfer ends
     seq = 0
     running_requests = 0
-    router_queue: deque[int] = deque()
+    router_queue = _Line(arr, rank)
     client_queue: deque[int] = deque()
     in_flight = 0
     overflows = 0
@@ -279,20 +396,39 @@ def simulate(shape: ClusterShape, costs: StepCosts, arrival: np.ndarray, input_l
         seq += 1
         heapq.heappush(events, (t, seq, kind, who))
 
+    allw: list[_Decode] = []  # decode-side workers by gid: the decode pool's, the fast lane's, or colocated
+    decodes: list[_Decode] = []
+    fasts: list[_Decode] = []
+
+    def new_decode(pool: str) -> _Decode:
+        ws, sh = (fasts, shape.fast) if pool == "fast" else (decodes, shape.decode or shape.colocated)
+        w = _Decode(len(ws), f"{pool}-{len(ws)}", sh, len(allw), _Line(arr, rank),
+                    flex_floor(tiers.flex_min_share, sh.max_num_seqs) if tiered else 0)
+        ws.append(w)
+        allw.append(w)
+        return w
+
     if shape.mode == "disaggregated":
         prefills = [_Prefill(i, shape.prefill) for i in range(shape.prefill.workers)]
-        decodes = [_Decode(i, f"decode-{i}", shape.decode) for i in range(shape.decode.workers)]
+        for _ in range(shape.decode.workers):
+            new_decode("decode")
+        for _ in range(shape.fast.workers if shape.fast else 0):
+            new_decode("fast")
         bs = shape.prefill.block_size
     else:
         prefills = []
-        decodes = [_Decode(i, f"colocated-{i}", shape.colocated) for i in range(shape.colocated.workers)]
+        for _ in range(shape.colocated.workers):
+            new_decode("colocated")
         bs = shape.colocated.block_size
 
     def blocks(tokens: int) -> int:
         return (tokens + bs - 1) // bs
 
     window = DemandWindow(window_s, 0.0)
-    prefill_line: deque[int] = deque()  # prompts waiting at the router for a prefill worker with room
+    priority_window = DemandWindow(window_s, 0.0)  # the fast lane's demand
+    prefill_line = _Line(arr, rank)  # prompts waiting at the router for a prefill worker with room
+    lane_line: deque[int] = deque()  # priority prompts waiting for the fast lane
+    flex_inflight = 0  # flex requests past the router's line, not finished
     line_tokens = 0
     prefill_room = PREFILL_QUEUE_STEPS * shape.prefill.token_budget if shape.prefill else 0
     sizes: list[tuple[float, int, int]] = []
@@ -317,18 +453,26 @@ def simulate(shape: ClusterShape, costs: StepCosts, arrival: np.ndarray, input_l
                         + round(len(router_queue) * input_len),
                         sum(w.active for w in live if isinstance(w, _Decode)),
                         sum(w.used_blocks() for w in live if isinstance(w, _Decode)))
-        pools = {"prefill": prefills, "decode": decodes}
+        pools = {"prefill": prefills, "decode": decodes, "fast": fasts}
         current = {name: sum(w.state in ("starting", "ready") for w in ws) for name, ws in pools.items()}
+        own = None
+        if "fast" in autoscaler.ranges:
+            lane = [w for w in fasts if w.state in ("ready", "draining")]
+            own = {"fast": Demand(*priority_window.observe(now), 0, sum(w.active for w in lane),
+                                  sum(w.used_blocks() for w in lane))}
         changed = False
-        for d in autoscaler.decide(now, demand, {p: current[p] for p in autoscaler.ranges}):
+        for d in autoscaler.decide(now, demand, {p: current[p] for p in autoscaler.ranges}, own):
             ws = pools[d.pool]
             if d.direction == "up":
                 for _ in range(d.desired - d.current):
-                    w = _Prefill(len(ws), shape.prefill) if d.pool == "prefill" else \
-                        _Decode(len(ws), f"decode-{len(ws)}", shape.decode)
+                    if d.pool == "prefill":
+                        w = _Prefill(len(ws), shape.prefill)
+                        ws.append(w)
+                    else:
+                        w = new_decode(d.pool)
                     w.state, w.born = "starting", now
-                    ws.append(w)
-                    push(now + startup_s, _PREFILL_READY if d.pool == "prefill" else _DECODE_READY, w.index)
+                    push(now + startup_s, _PREFILL_READY if d.pool == "prefill" else _DECODE_READY,
+                         w.index if d.pool == "prefill" else w.gid)
             elif d.direction == "down":
                 ready = [w for w in ws if w.state == "ready"]
                 load = (lambda w: (w.queued_tokens, -w.index)) if d.pool == "prefill" else (lambda w: (w.active, -w.index))
@@ -346,6 +490,11 @@ def simulate(shape: ClusterShape, costs: StepCosts, arrival: np.ndarray, input_l
         dispatch(now)
 
     # -- router ---------------------------------------------------------------------------------
+    def flex_first() -> bool:
+        """Whether flex is at default's rank in the router's line: fewer of it in flight than its floor."""
+        return tiered and flex_inflight < flex_floor(
+            tiers.flex_min_share, sum(w.shape.max_num_seqs for w in decodes if w.state == "ready"))
+
     def place(r: int, now: float) -> None:
         nonlocal running_requests, line_tokens
         running_requests += 1
@@ -356,38 +505,72 @@ def simulate(shape: ClusterShape, costs: StepCosts, arrival: np.ndarray, input_l
             if not d.busy:
                 colocated_step(d, now)
             return
-        prefill_line.append(r)
         line_tokens += n_in[r]
+        if rank[r] == 0 and fasts:
+            if tiers.fast_lane_when_full == "wait":
+                push(arr[r] + tiers.fast_lane_max_wait_s, _ROUTER, 0)  # the end of its wait for the lane
+            lane_line.append(r)
+        else:
+            prefill_line.append(r)
         dispatch(now)
 
+    def prefill_rooms() -> list[_Prefill]:
+        return [w for w in prefills if w.state == "ready" and w.queued_tokens < prefill_room]
+
     def dispatch(now: float) -> None:
-        """Send the prompts in line to prefill workers with room, first come first served."""
-        nonlocal line_tokens
-        while prefill_line:
-            r = prefill_line[0]
-            room = [w for w in prefills if w.state == "ready" and w.queued_tokens < prefill_room]
-            open_ = [w for w in decodes if w.state == "ready" and decode_room(w, n_in[r])] if n_out[r] > 1 else [None]
-            if not room or not open_:
+        """Send the prompts in line to prefill workers with room: priority bound for the fast lane first
+        (served as default when the lane is full: at once, or after its wait), then the line by tier."""
+        nonlocal line_tokens, flex_inflight
+        while lane_line:
+            r = lane_line[0]
+            open_ = [w for w in fasts if w.state == "ready" and decode_room(w, r)] if n_out[r] > 1 else [None]
+            if not open_:
+                if tiers.fast_lane_when_full == "downgrade" or now >= arr[r] + tiers.fast_lane_max_wait_s:
+                    lane_line.popleft()
+                    rank[r] = ServiceTier.DEFAULT.rank
+                    prefill_line.append(r)
+                    continue
+                break  # it waits for the lane; the line behind goes on
+            room = prefill_rooms()
+            if not room:
                 return
-            prefill_line.popleft()
+            lane_line.popleft()
             line_tokens -= n_in[r]
             d = min(open_, key=lambda w: (w.active, -w.free_blocks())) if n_out[r] > 1 else None
             send_prompt(r, min(room, key=lambda w: w.queued_tokens), d, now)
+        while prefill_line:
+            r = prefill_line.head(flex_first())
+            room = prefill_rooms()
+            open_ = [w for w in decodes if w.state == "ready" and decode_room(w, r)] if n_out[r] > 1 else [None]
+            if not room or not open_:
+                return
+            prefill_line.remove(r)
+            line_tokens -= n_in[r]
+            flex_inflight += rank[r] == 2
+            d = min(open_, key=lambda w: (w.active, -w.free_blocks())) if n_out[r] > 1 else None
+            send_prompt(r, min(room, key=lambda w: w.queued_tokens), d, now)
 
-    def decode_room(d: _Decode, prompt: int) -> bool:
-        """Whether d can take another request's KV: the router's view (router.cluster._decode_room)."""
-        if d.active >= d.shape.max_num_seqs:
+    def decode_room(d: _Decode, r: int) -> bool:
+        """Whether d can take request r's KV: the router's view (router.cluster._decode_room). For a
+        priority or default request, flex above its floor counts as room, slots and KV (it is preempted)."""
+        active = d.active
+        if rank[r] < 2 and d.flex_active > d.floor:
+            active -= d.flex_active - d.floor
+        if active >= d.shape.max_num_seqs:
             return False
+        if rank[r] < 2 and len(d.flex_running) > d.floor:
+            return True  # its KV too, as far as the router can tell
         waiting = sum(blocks(n_in[x] + 1) for x in d.to_reserve)
-        return d.active == 0 or d.free_blocks() - waiting >= blocks(prompt + 1)
+        return d.active == 0 or d.free_blocks() - waiting >= blocks(n_in[r] + 1)
 
     def send_prompt(r: int, p: _Prefill, d: _Decode | None, now: float) -> None:
         prefill_of[r] = p.index
         p.queued_tokens += n_in[r]
         p.waiting.append(r)
         if n_out[r] > 1:
-            decode_of[r] = d.index
+            decode_of[r] = d.gid
             d.active += 1
+            d.flex_active += rank[r] == 2
             d.to_reserve.append(r)
             if not d.busy:
                 decode_step(d, now)  # an idle decode worker reserves at once
@@ -402,7 +585,12 @@ def simulate(shape: ClusterShape, costs: StepCosts, arrival: np.ndarray, input_l
         in_flight += 1
         arr[r] = t
         window.arrived(t, n_in[r], n_out[r])
-        if running_requests < shape.max_running:
+        if asked[r] == 0:
+            priority_window.arrived(t, n_in[r], n_out[r])
+        if rank[r] == 2 and router_queue.flex() + prefill_line.flex() >= tiers.flex_max_queued:
+            rejected[r] = True  # flex is refused at once when its own queue is full
+            client_done(t)
+        elif running_requests < shape.max_running:
             place(r, t)
         elif len(router_queue) < shape.max_queued:
             router_queue.append(r)
@@ -417,12 +605,17 @@ def simulate(shape: ClusterShape, costs: StepCosts, arrival: np.ndarray, input_l
             send(client_queue.popleft(), t)
 
     def finished(r: int, t: float) -> None:
-        nonlocal running_requests
+        nonlocal running_requests, flex_inflight
         end[r] = t
         window.finished(t, n_out[r])
+        if asked[r] == 0:
+            priority_window.finished(t, n_out[r])
         running_requests -= 1
+        flex_inflight -= rank[r] == 2
         if router_queue:
-            place(router_queue.popleft(), t)
+            r = router_queue.head(flex_first())
+            router_queue.remove(r)
+            place(r, t)
         client_done(t)
 
     # -- prefill worker -------------------------------------------------------------------------
@@ -497,13 +690,26 @@ def simulate(shape: ClusterShape, costs: StepCosts, arrival: np.ndarray, input_l
 
     # -- decode worker --------------------------------------------------------------------------
     def reserve(d: _Decode, now: float) -> None:
+        """Room for the requests waiting on d, by (tier, arrival); a priority or default request that
+        finds d full preempts flex above its floor. A preempted request resumes here (joins at once)."""
         sh = d.shape
-        while d.to_reserve and d.batch + d.num_reserved < sh.max_num_seqs:
-            r = d.to_reserve[0]
-            need = blocks(n_in[r] + 1)
-            if d.free_blocks() - need < d.batch * sh.headroom_blocks:
+        while d.to_reserve:
+            r = d.to_reserve.head(d.flex_held < d.floor)
+            if resuming[r]:
+                need = 0 if paused[r] >= 0 else blocks(n_in[r] + done_tok[r] + 1)
+            else:
+                need = blocks(n_in[r] + 1)
+            slot = d.batch + d.num_reserved < sh.max_num_seqs
+            fits = d.free_blocks() - need >= d.batch * sh.headroom_blocks
+            if not (slot and fits):
+                if rank[r] < 2 and preempt(d, kv_short=not fits):
+                    continue
                 break
-            d.to_reserve.popleft()
+            d.to_reserve.remove(r)
+            d.flex_held += rank[r] == 2
+            if resuming[r]:
+                resume(d, r)
+                continue
             d.reserved += need
             d.num_reserved += 1
             ready_at[r] = now
@@ -514,7 +720,7 @@ def simulate(shape: ClusterShape, costs: StepCosts, arrival: np.ndarray, input_l
     def landed(r: int, now: float) -> None:
         p = prefills[prefill_of[r]]
         p.free += blocks(n_in[r])
-        d = decodes[decode_of[r]]
+        d = allw[decode_of[r]]
         d.landed.append(r)
         if not p.busy:
             prefill_step(p, now)
@@ -523,28 +729,83 @@ def simulate(shape: ClusterShape, costs: StepCosts, arrival: np.ndarray, input_l
             push(now, _WAKE, decode_of[r])
 
     def join(d: _Decode, r: int) -> None:
-        """r's first token is known; its KV (prompt) is in d: from step d.k on it decodes."""
-        c = n_in[r] + 1 - d.k
+        """r's first done_tok[r] tokens are known; its KV (prompt and those) is in d: from step d.k on it decodes."""
+        c = n_in[r] + done_tok[r] - d.k
         ctx_join[r] = c
         d.ctx_base += c
         d.batch += 1
         d.joined.append(r)
-        heapq.heappush(d.finish, (d.k + n_out[r] - 2, r))
+        fin_step[r] = d.k + n_out[r] - done_tok[r] - 1
+        heapq.heappush(d.finish, (fin_step[r], r))
+        if rank[r] == 2:
+            d.flex_running.add(r)
+
+    def preempt(d: _Decode, kv_short: bool) -> bool:
+        """Make room on d for a higher tier: when KV is short, first drop the KV a paused flex request
+        kept; else pause d's latest running flex request above flex's floor, keeping its KV unless KV is
+        short (then it recomputes when it resumes). False: nothing to preempt."""
+        if kv_short:
+            kept = next((x for x in d.to_reserve.queues[2] if paused[x] >= 0), None)
+            if kept is not None:
+                d.paused_blocks -= paused[kept]
+                paused[kept] = -1
+                recomputes[kept] += 1
+                return True
+        if d.flex_held <= d.floor or not d.flex_running:
+            return False
+        r = max(d.flex_running, key=lambda x: (arr[x], x))
+        d.flex_running.discard(r)
+        d.flex_held -= 1
+        d.batch -= 1
+        d.ctx_base -= ctx_join[r]
+        d.finish.remove((fin_step[r], r))
+        heapq.heapify(d.finish)
+        if r in d.joined:
+            d.joined.remove(r)
+        done_tok[r] = d.k + ctx_join[r] - n_in[r]  # its tokens so far (one per step since it joined)
+        preempts[r] += 1
+        if kv_short:
+            paused[r] = -1
+            recomputes[r] += 1
+        else:
+            paused[r] = blocks(n_in[r] + done_tok[r])
+            d.paused_blocks += paused[r]
+        resuming[r] = True
+        d.to_reserve.append(r)
+        return True
+
+    def resume(d: _Decode, r: int) -> None:
+        resuming[r] = False
+        if paused[r] >= 0:
+            d.paused_blocks -= paused[r]
+            paused[r] = -1
+        else:  # its context is computed again, as prompt chunks riding on the next step
+            tokens = n_in[r] + done_tok[r]
+            rc = d.recompute
+            rc[0] += tokens
+            rc[1] += attention_pairs(0, tokens)
+            rc[2] += 1
+        join(d, r)
 
     def step_done(d: _Decode, now: float) -> None:
         """The tokens of decode step d.k reach their clients; the requests whose last token it was finish."""
         t = now + tok_lat
         for r in d.joined:
-            second[r] = t
+            if second[r] != second[r]:  # not yet (a resumed request had it before)
+                second[r] = t
         d.joined.clear()
         while d.finish and d.finish[0][0] <= d.k:
             _, r = heapq.heappop(d.finish)
             d.batch -= 1
             d.ctx_base -= ctx_join[r]
             d.active -= 1
+            if rank[r] == 2:
+                d.flex_active -= 1
+                d.flex_held -= 1
+                d.flex_running.discard(r)
             finished(r, t)
         d.k += 1
-        if prefill_line:
+        if prefill_line or lane_line:
             dispatch(now)  # room on d, maybe
 
     def decode_step(d: _Decode, now: float) -> None:
@@ -567,15 +828,23 @@ def simulate(shape: ClusterShape, costs: StepCosts, arrival: np.ndarray, input_l
         are accounted here in a loop rather than as one event each (the simulation's hot path)."""
         nonlocal steps, overflows
         d.busy = True
-        who = d.index
+        who = d.gid
         horizon = events[0][0] if events else math.inf
         if i < n and arr[i] < horizon:
             horizon = arr[i]
         batch, base, capacity = d.batch, d.ctx_base, d.shape.kv_blocks
-        fixed = d.reserved + d.prefill_blocks + batch // 2  # blocks besides the contexts' (used_blocks)
+        fixed = d.reserved + d.prefill_blocks + d.paused_blocks + batch // 2  # besides the contexts' (used_blocks)
         bs = d.shape.block_size
         last = d.finish[0][0]
         busy = 0.0
+        rc = d.recompute
+        if rc[0]:  # preempted contexts computed again ride on this step, which ends there
+            steps += 1
+            dt = step_time(rc[0], rc[1], rc[2], batch, base + batch * d.k)
+            d.recompute = [0, 0, 0]
+            d.busy_s += dt
+            push(now + dt, kind, who)
+            return
         while True:
             steps += 1
             ctx = base + batch * d.k
@@ -634,7 +903,7 @@ def simulate(shape: ClusterShape, costs: StepCosts, arrival: np.ndarray, input_l
         d.busy, d.step = True, w.chunks
         dt = step_time(w.tokens, w.pairs, w.seqs, d.batch, d.context)
         d.busy_s += dt
-        push(now + dt, _COLOCATED_END, d.index)
+        push(now + dt, _COLOCATED_END, d.gid)
 
     def colocated_end(d: _Decode, now: float) -> None:
         joined = _completed(d.step, d.prefilling, n_in)
@@ -657,13 +926,14 @@ def simulate(shape: ClusterShape, costs: StepCosts, arrival: np.ndarray, input_l
     # -- the loop -------------------------------------------------------------------------------
     handlers = {
         _PREFILL_END: lambda who, t: prefill_end(prefills[who], t),
-        _DECODE_END: lambda who, t: decode_end(decodes[who], t),
-        _COLOCATED_END: lambda who, t: colocated_end(decodes[who], t),
+        _DECODE_END: lambda who, t: decode_end(allw[who], t),
+        _COLOCATED_END: lambda who, t: colocated_end(allw[who], t),
         _LANDED: lambda who, t: landed(who, t),
-        _WAKE: lambda who, t: decode_step(decodes[who], t),
+        _WAKE: lambda who, t: decode_step(allw[who], t),
         _SCALE: lambda who, t: scale(t),
         _PREFILL_READY: lambda who, t: ready(prefills[who], t),
-        _DECODE_READY: lambda who, t: ready(decodes[who], t),
+        _DECODE_READY: lambda who, t: ready(allw[who], t),
+        _ROUTER: lambda who, t: dispatch(t),
     }
     if autoscaler is not None:
         if shape.mode != "disaggregated":
@@ -678,10 +948,10 @@ def simulate(shape: ClusterShape, costs: StepCosts, arrival: np.ndarray, input_l
             continue
         t, _, kind, who = heapq.heappop(events)
         handlers[kind](who, t)
-    workers = [*prefills, *decodes]
+    workers = [*prefills, *allw]
     last = max((t for t in end if t == t), default=0.0)
     worker_seconds = sum(max(0.0, min(w.left, last) - w.born) for w in workers)
     return SimResult(np.array(arr), np.asarray(input_len), np.asarray(output_len),
                      np.array(first), np.array(second), np.array(end), np.array(rejected),
                      {w.name: w.peak for w in workers}, {w.name: w.busy_s for w in workers}, overflows, steps,
-                     worker_seconds, sizes)
+                     worker_seconds, sizes, np.array(asked), np.array(rank), np.array(preempts), np.array(recomputes))
