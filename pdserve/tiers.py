@@ -91,6 +91,22 @@ def _default_slos() -> dict[str, TierSLO]:
     return {"priority": TierSLO(1.0, 0.05), "default": TierSLO(4.0, 0.15), "flex": TierSLO(120.0, 1.0)}
 
 
+def parse_tier_slos(items: list[str]) -> dict[str, TierSLO]:
+    """`--tier-slo TIER=TTFT_MS:TPOT_MS` items -> {tier name: TierSLO}; ValueError says what is wrong."""
+    given: dict[str, TierSLO] = {}
+    for item in items:
+        name, sep, value = str(item).partition("=")
+        ttft, colon, tpot = value.partition(":")
+        try:
+            if not (sep and colon):
+                raise ValueError
+            slo = TierSLO(float(ttft) / 1e3, float(tpot) / 1e3)
+        except ValueError:
+            raise ValueError(f"--tier-slo is TIER=TTFT_MS:TPOT_MS with positive numbers, got {item!r}") from None
+        given[parse_tier(name.strip()).value] = slo
+    return given
+
+
 @dataclass(frozen=True)
 class TiersConfig:
     """The cluster's tier settings (ClusterConfig.tiers; the serve flags and config keys of the same names)."""

@@ -147,23 +147,6 @@ def lane_range(text: str) -> tuple[int, int]:
     return worker_range(text)
 
 
-def tier_slos(items: list[str]) -> dict[str, dict[str, float]]:
-    """TIER=TTFT_MS:TPOT_MS items -> {tier: {"ttft_s", "tpot_s"}}."""
-    from pdserve.tiers import parse_tier
-
-    out = {}
-    for item in items:
-        name, sep, value = str(item).partition("=")
-        ttft, colon, tpot = value.partition(":")
-        try:
-            out[parse_tier(name.strip()).value] = {"ttft_s": float(ttft) / 1000, "tpot_s": float(tpot) / 1000}
-        except ValueError:
-            raise ValueError(f"--tier-slo is TIER=TTFT_MS:TPOT_MS, got {item!r}") from None
-        if not sep or not colon:
-            raise ValueError(f"--tier-slo is TIER=TTFT_MS:TPOT_MS, got {item!r}")
-    return out
-
-
 def cmd_serve(args: argparse.Namespace) -> int:
     import asyncio
     import logging
@@ -205,7 +188,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def cluster_config_from_args(args: argparse.Namespace):
     from pdserve.config import AutoscaleConfig, CacheConfig, ClusterConfig, EngineConfig, PoolConfig, SchedulerConfig
-    from pdserve.tiers import TiersConfig
+    from pdserve.tiers import TiersConfig, parse_tier_slos
 
     gpu = args.device.startswith("cuda")
     cpus = args.worker_cpus if args.worker_cpus is not None else (1.0 if gpu else 0.5)
@@ -242,7 +225,7 @@ def cluster_config_from_args(args: argparse.Namespace):
         pools["fast"] = pool(args.fast_lane_workers, decode, args.decode_resource)
     tiers = TiersConfig(fast_lane_max_running=args.fast_lane_max_running, fast_lane_when_full=args.fast_lane_when_full,
                         fast_lane_max_wait_s=args.fast_lane_max_wait, flex_max_queued=args.flex_max_queued,
-                        flex_min_share=args.flex_min_share, slo=tier_slos(args.tier_slo))
+                        flex_min_share=args.flex_min_share, slo=parse_tier_slos(args.tier_slo))
     return ClusterConfig(engine=engine, mode=args.mode, **pools, tiers=tiers,
                          transfer_timeout_s=args.transfer_timeout, bind_host=args.kv_bind_host,
                          worker_timeout_s=args.worker_timeout, pool_wait_timeout_s=args.pool_wait_timeout,

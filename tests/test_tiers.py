@@ -197,3 +197,22 @@ def test_memory_preemption_takes_the_lowest_tier_first(loaded, tiny_checkpoints)
     assert core.pool.num_used_blocks == 0
     ref = LLMEngine(engine_config(path), loaded).generate(ps, [replace(params, seed=7)] * 3)
     assert [out[f"r{i}"] for i in range(3)] == [r.token_ids for r in ref]
+
+
+def test_serve_flags_and_config_keys_of_the_same_names(tmp_path):
+    from router.cli import cluster_config_from_args, parse_args
+
+    f = tmp_path / "serve.yaml"
+    f.write_text("fast-lane-workers: 1:3\nfast-lane-max-running: 2\nfast-lane-when-full: downgrade\n"
+                 "flex-max-queued: 5\nflex-min-share: 0.25\ntier-slo: [priority=500:30]\ngpu: H100\n")
+    c = cluster_config_from_args(parse_args(["serve", "--config", str(f), "--fast-lane-max-wait", "2"]))
+    assert (c.fast.num_workers, c.fast.max_workers, c.engine_for(c.fast).scheduler.max_num_seqs) == (1, 3, 2)
+    t = c.tiers
+    assert (t.fast_lane_when_full, t.fast_lane_max_wait_s, t.flex_max_queued, t.flex_min_share) == \
+        ("downgrade", 2.0, 5, 0.25)
+    assert t.slo["priority"] == TierSLO(0.5, 0.03) and c.ranges == {"fast": (1, 3)}
+    assert cluster_config_from_args(parse_args(["serve"])).fast is None
+    with pytest.raises(ValueError, match="disaggregated"):
+        cluster_config_from_args(parse_args(["serve", "--mode", "colocated", "--fast-lane-workers", "1"]))
+    with pytest.raises(ValueError, match="TIER=TTFT_MS:TPOT_MS"):
+        cluster_config_from_args(parse_args(["serve", "--tier-slo", "priority=fast"]))

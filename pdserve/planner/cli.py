@@ -118,21 +118,10 @@ def _costs_and_model(args: argparse.Namespace) -> tuple[Any, dict[str, Any], int
 
 
 def parse_tier_slos(items: list[str]) -> dict[str, Any]:
-    """--tier-slo TIER=TTFT_MS:TPOT_MS, repeatable -> TiersConfig(slo=...).slo by tier name."""
-    from pdserve.tiers import TierSLO, TiersConfig, parse_tier
+    """--tier-slo TIER=TTFT_MS:TPOT_MS, repeatable -> every tier's SLO (TiersConfig's defaults for the rest)."""
+    from pdserve.tiers import TiersConfig, parse_tier_slos as parse
 
-    given: dict[str, TierSLO] = {}
-    for item in items:
-        name, sep, value = item.partition("=")
-        ttft, colon, tpot = value.partition(":")
-        try:
-            if not (sep and colon):
-                raise ValueError
-            slo = TierSLO(float(ttft) / 1e3, float(tpot) / 1e3)
-        except ValueError:
-            raise ValueError(f"--tier-slo is TIER=TTFT_MS:TPOT_MS with positive numbers, got {item!r}") from None
-        given[parse_tier(name.strip()).value] = slo
-    return TiersConfig(slo=given).slo
+    return TiersConfig(slo=parse(items)).slo
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
