@@ -152,12 +152,13 @@ class DecodeActor(WorkerActor):
         step = self.core.scheduler.schedule()
         if step.reserved:
             self._announce_reserved(step.reserved)
-        if step.chunks:
+        launched = bool(self.core.scheduler.launched)  # pipelined: a step to resolve
+        if step.chunks or launched:
             run = self._run(step)
             for f in run.failed:  # the step raised: the whole queue and batch were failed
                 self._source.pop(f.request_id, None)
             self._publish(run)
-        return bool(step.chunks or step.reserved)
+        return bool(step.chunks or step.reserved or launched)
 
     def _announce_reserved(self, reserved) -> None:
         """Publish the reserved blocks, then tell each prefill worker, in one call, which destinations are ready."""

@@ -35,7 +35,7 @@ class ColocatedActor(WorkerActor):
 
     def _step(self) -> bool:
         step = self.core.scheduler.schedule()
-        if not step.chunks:
+        if not step.chunks and not self.core.scheduler.launched:
             return False
         self._publish(self._run(step))
         return True

@@ -212,6 +212,9 @@ class EngineConfig:
     # The device's peaks for utilization metrics; None: a known GPU's datasheet figures, else measured.
     peak_flops: float | None = None
     peak_bytes_per_second: float | None = None
+    # Pipelined decode (pdserve.engine.EngineCore): step t+1 is scheduled and launched before step t's
+    # sampled tokens reach the host. None: on for CUDA, off elsewhere (a CPU step does not overlap the host).
+    pipelined_decode: bool | None = None
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 

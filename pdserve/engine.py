@@ -49,6 +49,8 @@ class EngineCore:
         self.kv = KVCacheManager(self.pool)
         self.runner = ModelRunner(loaded.model, num_blocks, config.cache.block_size)
         self.scheduler = Scheduler(config.scheduler, self.kv, self.eos_token_ids, self.max_model_len, role)
+        on = config.pipelined_decode if config.pipelined_decode is not None else self.runner.device.type == "cuda"
+        self.pipelined = on and role is not Role.PREFILL
         self.steps = 0
         self.tokens_processed = 0
 
@@ -68,16 +70,42 @@ class EngineCore:
 
         Requests with no part in a step (HELD, WAITING_FOR_KV) are their owner's to end.
         """
-        ids = [r.request_id for r in (*self.scheduler.running, *self.scheduler.waiting)]
+        ids = [r.request_id for r in (*self.scheduler.running, *self.scheduler.ending, *self.scheduler.waiting)]
         for rid in ids:
             self.cancel(rid)
         return ids
 
+    @property
+    def has_work(self) -> bool:
+        """A step would compute something, or a launched step is still to resolve."""
+        return self.scheduler.has_work or bool(self.scheduler.launched)
+
     def step(self) -> list[SampledToken]:
+        """One step: the tokens it sampled (pipelined: those of the step launched before it)."""
+        if self.pipelined:
+            return self.step_pipelined()
         step = self.scheduler.schedule()
         if not step.chunks:
             return []
         return self.account(step, self.execute(step))
+
+    def step_pipelined(self) -> list[SampledToken]:
+        return self.run_pipelined(self.scheduler.schedule())
+
+    def run_pipelined(self, step: ScheduledStep, layer_done: Callable[[int], None] | None = None) -> list[SampledToken]:
+        """Launch a scheduled step (its pending tokens read on the device from the step launched before
+        it), then resolve that earlier step: on a GPU the host's work for step t+1 overlaps step t's.
+        With no chunks, the launched step is resolved (the pipeline drains)."""
+        launched = self.scheduler.launched
+        if step.chunks:
+            previous = launched[-1].result.sampled if launched else None
+            result = self.runner.execute(step.chunks, layer_done, previous)
+            self.steps += 1
+            self.tokens_processed += sum(len(c.token_ids) for c in step.chunks)
+            self.scheduler.launch(step, result)
+        if len(launched) > 1 or (launched and not step.chunks):
+            return self.scheduler.resolve(launched[0])
+        return []
 
     def execute(self, step: ScheduledStep, layer_done: Callable[[int], None] | None = None) -> StepResult:
         """Run a scheduled step's forward and sampling; layer_done(i) is called once layer i's KV is written."""
@@ -133,7 +161,7 @@ class LLMEngine:
 
     @property
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work
+        return self.core.has_work
 
     # -- stepping ---------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -144,7 +172,7 @@ class LLMEngine:
         outputs = []
         for s in sampled:
             rid = s.request.request_id
-            out = token_output(s.request, self._text[rid], s.token, s.finish_reason)
+            out = token_output(s.request, self._text[rid], s.token, s.finish_reason, s.num_output_tokens)
             if out.finish_reason is not None:
                 self.scheduler.finish(s.request, out.finish_reason)  # no-op if the token rules ended it
                 del self._requests[rid], self._text[rid]

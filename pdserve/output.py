@@ -73,8 +73,11 @@ class TextOutput:
         return TextDelta(delta, stopped)
 
 
-def token_output(req: Request, text: TextOutput, token: int, reason: FinishReason | None) -> RequestOutput:
-    """The output for a token just appended to req; reason is what the token-level rules said.
+def token_output(req: Request, text: TextOutput, token: int, reason: FinishReason | None,
+                 num_output_tokens: int | None = None) -> RequestOutput:
+    """The output for a token just appended to req; reason is what the token-level rules said;
+    num_output_tokens: the output's length with this token (default: req's, which pipelined decode may
+    already have extended with tokens in flight).
 
     EOS and stop ids end the stream but are not text. A completed stop string turns the reason into
     STOP: the caller must then end the request if it is still running.
@@ -82,4 +85,5 @@ def token_output(req: Request, text: TextOutput, token: int, reason: FinishReaso
     delta = text.add([] if reason is FinishReason.STOP else [token], reason)
     if delta.stopped:
         reason = FinishReason.STOP
-    return RequestOutput(req.request_id, [token], delta.text, reason, req.num_prompt_tokens, req.num_output_tokens)
+    return RequestOutput(req.request_id, [token], delta.text, reason, req.num_prompt_tokens,
+                         req.num_output_tokens if num_output_tokens is None else num_output_tokens)

@@ -58,6 +58,10 @@ class Request:
     queue_seq: int = 0
     # Preempted for another tier with its KV kept in its blocks: it resumes without recomputing.
     kept_kv: bool = False
+    # Pipelined decode (pdserve.scheduler.Scheduler.launch): tokens appended as PENDING whose values are
+    # still on the device, and the row of the launched step's sampled tensor that holds the last one.
+    unresolved: int = 0
+    pending_row: int = -1
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
@@ -80,12 +84,24 @@ class Request:
         return self.status is RequestStatus.FINISHED
 
 
-def token_stop_reason(req: Request, eos_token_ids: tuple[int, ...], max_model_len: int) -> FinishReason | None:
-    """Whether the request must stop after its last appended token (stop strings are checked on text)."""
-    last = req.token_ids[-1]
+PENDING = -1  # a sampled token whose value has not reached the host yet (pipelined decode)
+
+
+def token_stop_reason(req: Request, eos_token_ids: tuple[int, ...], max_model_len: int,
+                      end: int | None = None) -> FinishReason | None:
+    """Whether the request must stop after its token at index end - 1 (default: its last appended
+    token); stop strings are checked on text."""
+    end = req.num_tokens if end is None else end
+    last = req.token_ids[end - 1]
     if (not req.params.ignore_eos and last in eos_token_ids) or last in req.params.stop_token_ids:
         return FinishReason.STOP
-    if req.num_output_tokens >= req.params.max_tokens or req.num_tokens >= max_model_len:
+    return length_stop(req, max_model_len, end)
+
+
+def length_stop(req: Request, max_model_len: int, end: int | None = None) -> FinishReason | None:
+    """LENGTH if the request has no room for a token after its first `end` tokens (whatever their values)."""
+    end = req.num_tokens if end is None else end
+    if end - req.num_prompt_tokens >= req.params.max_tokens or end >= max_model_len:
         return FinishReason.LENGTH
     return None
 

@@ -6,6 +6,7 @@ sample the next. Prefill workers, decode workers and the offline engine share it
 """
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -28,6 +29,9 @@ class Chunk(NamedTuple):
     sample: SamplingParams | None  # None: a prefill chunk that does not reach the sequence's end
     seed: int = 0
     output_index: int = 0  # index of the token to sample in the request's output
+    # Pipelined decode: the chunk's last token is the previous step's sampled row pending_row, still on
+    # the device (its value in token_ids is a placeholder).
+    pending_row: int | None = None
 
 
 @dataclass
@@ -57,14 +61,23 @@ class ModelRunner:
         self.bytes_total = 0
 
     @torch.inference_mode()
-    def execute(self, chunks: list[Chunk], layer_done: Callable[[int], None] | None = None) -> StepResult:
+    def execute(self, chunks: list[Chunk], layer_done: Callable[[int], None] | None = None,
+                previous: torch.Tensor | None = None) -> StepResult:
         """layer_done(i), if given, is called as soon as layer i has written this step's KV (on a GPU:
-        once its kernels are queued; the callee orders its own reads after them)."""
+        once its kernels are queued; the callee orders its own reads after them). previous: the sampled
+        tokens of the step before (pipelined decode), which chunks with a pending_row read on the device.
+        The sampled tokens are returned on the device: nothing here waits for them."""
         assert chunks, "empty step"
         # Single-token chunks take the batched decode path; they come first, by context length.
         order = sorted(range(len(chunks)), key=lambda i: (len(chunks[i].token_ids) != 1, chunks[i].start))
         ordered = [chunks[i] for i in order]
         input_ids, positions, meta = self._prepare(ordered)
+        pending = [(row, c.pending_row) for row, c in zip(itertools.accumulate(len(c.token_ids) for c in ordered),
+                                                          ordered) if c.pending_row is not None]
+        if pending:
+            assert previous is not None, "a pending token needs the previous step's sampled tokens"
+            dst, src = zip(*pending)
+            input_ids[torch.tensor(dst, device=self.device) - 1] = previous[torch.tensor(src, device=self.device)]
         spans = [(c.start, len(c.token_ids)) for c in chunks]
         self.flops_total += step_flops(self.cfg, spans, sum(c.sample is not None for c in chunks))
         self.bytes_total += step_bytes(self.cfg, spans, self._dtype_bytes, self._weight_bytes)
@@ -82,7 +95,7 @@ class ModelRunner:
         batch = SamplingBatch.build([chunks[i].sample for i in sampling_chunks],
                                     [chunks[i].seed for i in sampling_chunks],
                                     [chunks[i].output_index for i in sampling_chunks], device=self.device)
-        return StepResult(sample(logits, batch).cpu(), logits, sampling_chunks)
+        return StepResult(sample(logits, batch), logits, sampling_chunks)
 
     def _prepare(self, chunks: list[Chunk]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         bs = self.block_size

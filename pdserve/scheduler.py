@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 
 from pdserve.config import SchedulerConfig
 from pdserve.kv_cache import KVCacheManager
-from pdserve.request import FinishReason, Request, RequestStatus, token_stop_reason
+from pdserve.request import PENDING, FinishReason, Request, RequestStatus, length_stop, token_stop_reason
 from pdserve.runner import Chunk, StepResult
 from pdserve.tiers import ServiceTier, flex_floor
 
@@ -63,6 +63,18 @@ class SampledToken:
     request: Request
     token: int
     finish_reason: FinishReason | None  # set when a token-level rule ended the request
+    num_output_tokens: int = 0  # the request's output with this token (pipelined: more may be in flight)
+
+
+@dataclass
+class LaunchedStep:
+    """A step whose forward and sampling are launched and whose sampled tokens are still on the device
+    (pipelined decode): each sampled row's request and the index of its PENDING token."""
+
+    step: ScheduledStep
+    result: StepResult
+    rows: list[tuple[Request, int]]
+    members: set[int]  # id() of every request in the step: its blocks are in use until it resolves
 
 
 class WaitingQueue:
@@ -112,6 +124,11 @@ class Scheduler:
         # with its KV (kept) or loses it (recomputed).
         self.preemptions: collections.Counter[tuple[str, str]] = collections.Counter()
         self._seq = itertools.count()
+        # Pipelined decode: steps launched and not yet resolved (at most two), requests out of the batch
+        # whose last token is in flight, and finished requests whose blocks a launched step still uses.
+        self.launched: list[LaunchedStep] = []
+        self.ending: list[Request] = []
+        self._free_after: list[Request] = []
         self._flex_floor = flex_floor(config.flex_min_share, config.max_num_seqs)
 
     def add(self, req: Request) -> None:
@@ -171,6 +188,8 @@ class Scheduler:
         # Admitting while preempting would only thrash: the freed room belongs to the running batch.
         while self.waiting and not preempted and self.num_active < self.config.max_num_seqs:
             req = self.waiting[0]
+            if req.unresolved:
+                break  # preempted with a token in flight: it goes once that token is known
             if req.remote_kv:
                 if not self._reserve(req):
                     break  # backpressure: it waits, in order, for room
@@ -227,8 +246,66 @@ class Scheduler:
                 self.held[req.request_id] = req
             elif reason is not None:
                 self.finish(req, reason)
-            out.append(SampledToken(req, token, reason))
+            out.append(SampledToken(req, token, reason, req.num_output_tokens))
         return out
+
+    def launch(self, step: ScheduledStep, result: StepResult) -> LaunchedStep:
+        """Pipelined decode: account a step whose sampled tokens are still on the device. Its tokens count
+        as computed and each sampled token is appended as PENDING, so the next step can be scheduled (and
+        launched, taking that token from the device) before this one resolves. A request whose PENDING
+        token is its last by length leaves the batch now; one that a token rule ends (EOS, a stop id)
+        is known only at resolve: it rides the next step, whose output for it is dropped, and its
+        blocks are freed once that step resolves too."""
+        assert self.role is not Role.PREFILL, "a prefill worker hands its requests off: it does not pipeline"
+        for req, chunk in zip(step.requests, step.chunks):
+            req.num_computed_tokens += len(chunk.token_ids)
+        rows = []
+        for row, i in enumerate(result.sampling_chunks):
+            req = step.requests[i]
+            req.token_ids.append(PENDING)
+            req.unresolved += 1
+            req.pending_row = row
+            rows.append((req, req.num_tokens - 1))
+            if length_stop(req, self.max_model_len) is not None and req in self.running:
+                self.running.remove(req)
+                self.ending.append(req)
+        launched = LaunchedStep(step, result, rows, {id(r) for r in step.requests})
+        self.launched.append(launched)
+        return launched
+
+    def resolve(self, launched: LaunchedStep) -> list[SampledToken]:
+        """Pipelined decode: a launched step's sampled tokens, now on the host (this waits for them), in
+        place of its PENDING tokens; token-level stops; the blocks of requests that ended meanwhile."""
+        assert self.launched and self.launched[0] is launched, "steps resolve in launch order"
+        tokens = launched.result.sampled.tolist()
+        self.launched.pop(0)
+        out = []
+        for (req, idx), token in zip(launched.rows, tokens):
+            if req.finished:
+                continue  # ended meanwhile (cancelled, a stop string, a stop in the step before): dropped
+            req.token_ids[idx] = token
+            req.unresolved -= 1
+            reason = token_stop_reason(req, self.eos_token_ids, self.max_model_len, end=idx + 1)
+            if reason is not None:
+                del req.token_ids[idx + 1:]  # what was launched after its last token
+                req.unresolved = 0
+            out.append(SampledToken(req, token, reason, idx + 1 - req.num_prompt_tokens))
+            if reason is not None:
+                self.finish(req, reason)
+        for req in launched.step.requests:
+            if not req.finished and PENDING not in req.token_ids[max(req.num_computed_tokens - 2, 0):req.num_computed_tokens]:
+                self.kv.cache_computed_blocks(req)
+        for req in [r for r in self._free_after if not any(id(r) in s.members for s in self.launched)]:
+            self._free_after.remove(req)
+            self.kv.free(req)
+        return out
+
+    def abandon_launched(self) -> None:
+        """A step failed: the launched steps will not resolve (their requests are being failed)."""
+        self.launched.clear()
+        for req in self._free_after:
+            self.kv.free(req)
+        self._free_after.clear()
 
     def kv_arrived(self, request_id: str, token: int) -> SampledToken | None:
         """The KV of a WAITING_FOR_KV request has landed in its blocks, with the token sampled after it.
@@ -247,7 +324,7 @@ class Scheduler:
         reason = token_stop_reason(req, self.eos_token_ids, self.max_model_len)
         if reason is not None:
             self.finish(req, reason)
-        return SampledToken(req, token, reason)
+        return SampledToken(req, token, reason, req.num_output_tokens)
 
     def kv_blocks(self, req: Request) -> list[int]:
         """The blocks that hold (prefill: HELD) or will hold (decode: WAITING_FOR_KV) the hand-off's KV."""
@@ -259,7 +336,10 @@ class Scheduler:
         if req.finished:
             return
         if req.status is RequestStatus.RUNNING:
-            self.running.remove(req)
+            if req in self.ending:
+                self.ending.remove(req)
+            else:
+                self.running.remove(req)
         elif req.status is RequestStatus.WAITING:
             self.waiting.remove(req)
         elif req.status is RequestStatus.HELD:
@@ -268,7 +348,10 @@ class Scheduler:
             assert req.status is RequestStatus.WAITING_FOR_KV, req.status
             del self.waiting_for_kv[req.request_id]
         del self.requests[req.request_id]
-        self.kv.free(req)
+        if any(id(req) in step.members for step in self.launched):
+            self._free_after.append(req)  # a launched step still writes its KV: freed when it resolves
+        else:
+            self.kv.free(req)
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
 
@@ -338,13 +421,17 @@ class Scheduler:
 
 
 def chunk_of(req: Request, n: int) -> Chunk:
-    """The next n uncomputed tokens of a request; it samples if they reach its last known token."""
+    """The next n uncomputed tokens of a request; it samples if they reach its last known token. A
+    PENDING last token (pipelined decode) is read on the device from the launched step's row."""
     start = req.num_computed_tokens
+    end = start + n
+    pending = req.unresolved > 0 and end == req.num_tokens and req.token_ids[-1] == PENDING
     return Chunk(
-        token_ids=req.token_ids[start:start + n],
+        token_ids=req.token_ids[start:end],
         start=start,
         block_ids=req.block_ids,
-        sample=req.params if start + n == req.num_tokens else None,
+        sample=req.params if end == req.num_tokens else None,
         seed=req.seed,
         output_index=req.num_output_tokens,
+        pending_row=req.pending_row if pending else None,
     )

@@ -126,16 +126,23 @@ class WorkerActor:
 
     def _run(self, step: ScheduledStep, layer_done: Callable[[int], None] | None = None) -> StepRun:
         """Run a scheduled step, timed. If it raises, every queued and running request is failed (their
-        state is suspect) and reported; the worker keeps serving."""
+        state is suspect) and reported; the worker keeps serving.
+
+        Pipelined decode (EngineCore.pipelined): the step (if it has chunks) is launched, and the step
+        launched before it is resolved: the tokens returned are that one's."""
         self.faults.hit("step")
         t0 = time.perf_counter()
         tokens = [(ServiceTier.of_rank(r.tier).value, len(c.token_ids)) for r, c in zip(step.requests, step.chunks)]
+        core = self.core
         try:
-            return StepRun(self.core.account(step, self.core.execute(step, layer_done)), [])
+            if core.pipelined:
+                return StepRun(core.run_pipelined(step, layer_done), [])
+            return StepRun(core.account(step, core.execute(step, layer_done)), [])
         except Exception as e:  # noqa: BLE001 - the batch fails, not the worker
             log.exception("%s step failed on %s", self.pool, self.worker_id)
+            core.scheduler.abandon_launched()
             return StepRun([], [Failure(rid, FailureReason.STEP_FAILED, f"{self.pool} step failed: {e}")
-                                for rid in self.core.cancel_all()])
+                                for rid in core.cancel_all()])
         finally:
             dt = time.perf_counter() - t0
             self.busy_seconds += dt
