@@ -9,8 +9,9 @@ sender; rank 1 = decode, the receiver), built on a ``PrefixStore`` of the decode
 ``StoreServer``. There is no global world: pairs come and go as pools grow and shrink, and many pairs
 live side by side in one process. Gloo carries CPU tensors, NCCL carries CUDA tensors on two GPUs;
 two workers on one GPU (NCCL rejects two ranks on one GPU) stage through host memory over gloo: the
-channel finds out at its rendezvous (``staged``). The CUDA IPC functions at the end of this module
-would make that a device-to-device copy; they are tested, not yet wired into a channel.
+channel finds out at its rendezvous (``staged``). (A device-to-device copy over CUDA IPC would be
+faster there; it was written once, tested across processes on an H100, never wired into a channel,
+and removed: docs/benchmarks.md has the staged path's hand-off times on one GPU.)
 
 Ordering: NCCL matches sends and receives between two ranks by order, not by tag, so one side must
 decide the order of transfers and the other follow it: the sender (the prefill worker, which knows when
@@ -360,36 +361,3 @@ def _new_group(store: dist.Store, rank: int, timeout: timedelta, backend: str) -
     options = dist.ProcessGroupNCCL.Options()
     options._timeout = timeout
     return dist.ProcessGroupNCCL(store, rank, 2, options)
-
-
-# --- same GPU: CUDA IPC ---------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class CudaIpcHandle:
-    """A CUDA tensor exported to another process on the same GPU: a handle to its memory, not a copy.
-
-    Small and picklable (Ray can carry it). Only torch's rebuild_cuda_tensor arguments are kept.
-    """
-
-    args: tuple
-
-
-def export_cuda_ipc(data: torch.Tensor) -> CudaIpcHandle:
-    """Share data with a process on the same GPU. Keep data alive until the receiver has copied it."""
-    if not data.is_cuda:
-        raise ValueError(f"CUDA IPC needs a CUDA tensor, got one on {data.device}")
-    from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
-
-    rebuild, args = reduce_tensor(data)
-    assert rebuild is rebuild_cuda_tensor
-    return CudaIpcHandle(args)
-
-
-def import_cuda_ipc(handle: CudaIpcHandle) -> torch.Tensor:
-    """The sender's tensor, mapped into this process (waits for the sender's pending writes).
-
-    Copy out of it at once (e.g. insert_blocks) and drop it: it aliases the sender's memory.
-    """
-    from torch.multiprocessing.reductions import rebuild_cuda_tensor
-
-    return rebuild_cuda_tensor(*handle.args)
