@@ -215,6 +215,9 @@ class EngineConfig:
     # Pipelined decode (pdserve.engine.EngineCore): step t+1 is scheduled and launched before step t's
     # sampled tokens reach the host. None: on for CUDA, off elsewhere (a CPU step does not overlap the host).
     pipelined_decode: bool | None = None
+    # CUDA graphs for decode-only steps (pdserve.cuda_graphs). None: on for CUDA (decode and colocated
+    # roles), off elsewhere; True on a CPU runs the same padded buckets eagerly (tests).
+    cuda_graphs: bool | None = None
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 

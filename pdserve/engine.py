@@ -9,6 +9,8 @@ import random
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
+import torch
+
 from pdserve.block_pool import BlockPool
 from pdserve.config import EngineConfig
 from pdserve.kv_cache import KVCacheManager
@@ -47,7 +49,10 @@ class EngineCore:
         num_blocks = config.cache.resolve_num_blocks(self.model_config, config.torch_dtype)
         self.pool = BlockPool(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
         self.kv = KVCacheManager(self.pool)
-        self.runner = ModelRunner(loaded.model, num_blocks, config.cache.block_size)
+        cuda = torch.device(config.device).type == "cuda"
+        graphs = (config.cuda_graphs if config.cuda_graphs is not None else cuda) and role is not Role.PREFILL
+        self.runner = ModelRunner(loaded.model, num_blocks, config.cache.block_size, cuda_graphs=graphs,
+                                  max_num_seqs=config.scheduler.max_num_seqs, max_model_len=self.max_model_len)
         self.scheduler = Scheduler(config.scheduler, self.kv, self.eos_token_ids, self.max_model_len, role)
         on = config.pipelined_decode if config.pipelined_decode is not None else self.runner.device.type == "cuda"
         self.pipelined = on and role is not Role.PREFILL

@@ -18,7 +18,8 @@ from pdserve.attention import AttentionMetadata, DecodeGroup
 from pdserve.config import ModelConfig
 from pdserve.kv_cache import allocate_kv_cache
 from pdserve.model import LlamaModel
-from pdserve.sampling import SamplingBatch, SamplingParams, sample
+from pdserve.cuda_graphs import DecodeGraphs, batch_buckets
+from pdserve.sampling import SamplingBatch, SamplingParams, sample, to_device
 from pdserve.utilization import step_bytes, step_flops
 
 
@@ -41,15 +42,31 @@ class StepResult:
     sampling_chunks: list[int]  # index into the step's chunks of each sampled row
 
 
+# Decode steps replayed from CUDA graphs serve contexts up to this many tokens (the graphs' block tables
+# are this long); longer ones run eagerly.
+GRAPH_MAX_CONTEXT = 16384
+
+
 class ModelRunner:
-    def __init__(self, model: LlamaModel, num_blocks: int, block_size: int):
+    def __init__(self, model: LlamaModel, num_blocks: int, block_size: int, cuda_graphs: bool = False,
+                 max_num_seqs: int = 64, max_model_len: int | None = None):
+        """cuda_graphs: decode-only steps of up to max_num_seqs requests replay CUDA graphs
+        (pdserve.cuda_graphs); the cache then holds one more block than the pool hands out, the graphs'
+        scratch block."""
         self.model = model
         self.cfg: ModelConfig = model.cfg
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
         self.block_size = block_size
         self.num_blocks = num_blocks
-        self.kv_cache = allocate_kv_cache(self.cfg, num_blocks, block_size, self.dtype, self.device)
+        self.kv_cache = allocate_kv_cache(self.cfg, num_blocks + cuda_graphs, block_size, self.dtype, self.device)
+        self.graphs: DecodeGraphs | None = None
+        if cuda_graphs:
+            context = min(max_model_len or self.cfg.max_position_embeddings, GRAPH_MAX_CONTEXT)
+            self.graphs = DecodeGraphs(model, self.kv_cache, block_size, scratch_block=num_blocks,
+                                       max_blocks=-(-context // block_size), buckets=batch_buckets(max_num_seqs))
+            if self.device.type == "cuda":
+                self.graphs.capture()
         self._dtype_bytes = self.kv_cache.element_size()
         self._weight_bytes = model.lm_head.weight.element_size()  # 1 for int8 weights
         if self.device.type == "cpu":
@@ -68,6 +85,8 @@ class ModelRunner:
         tokens of the step before (pipelined decode), which chunks with a pending_row read on the device.
         The sampled tokens are returned on the device: nothing here waits for them."""
         assert chunks, "empty step"
+        if self.graphs is not None and self.graphs.bucket_for(chunks, layer_done) is not None:
+            return self._execute_graph(chunks, previous)
         # Single-token chunks take the batched decode path; they come first, by context length.
         order = sorted(range(len(chunks)), key=lambda i: (len(chunks[i].token_ids) != 1, chunks[i].start))
         ordered = [chunks[i] for i in order]
@@ -76,8 +95,8 @@ class ModelRunner:
                                                           ordered) if c.pending_row is not None]
         if pending:
             assert previous is not None, "a pending token needs the previous step's sampled tokens"
-            dst, src = zip(*pending)
-            input_ids[torch.tensor(dst, device=self.device) - 1] = previous[torch.tensor(src, device=self.device)]
+            dst, src = to_device(torch.tensor(list(zip(*pending))), self.device)
+            input_ids[dst - 1] = previous[src]
         spans = [(c.start, len(c.token_ids)) for c in chunks]
         self.flops_total += step_flops(self.cfg, spans, sum(c.sample is not None for c in chunks))
         self.bytes_total += step_bytes(self.cfg, spans, self._dtype_bytes, self._weight_bytes)
@@ -90,12 +109,22 @@ class ModelRunner:
         sampling_chunks = [i for i, c in enumerate(chunks) if c.sample is not None]
         if not sampling_chunks:
             return StepResult(torch.empty(0, dtype=torch.int64), torch.empty(0, self.cfg.vocab_size), [])
-        rows = torch.tensor([last_row[i] for i in sampling_chunks], device=self.device)
+        rows = to_device(torch.tensor([last_row[i] for i in sampling_chunks]), self.device)
         logits = self.model.compute_logits(hidden[rows])  # [sampling chunks, vocab]
         batch = SamplingBatch.build([chunks[i].sample for i in sampling_chunks],
                                     [chunks[i].seed for i in sampling_chunks],
                                     [chunks[i].output_index for i in sampling_chunks], device=self.device)
         return StepResult(sample(logits, batch), logits, sampling_chunks)
+
+    def _execute_graph(self, chunks: list[Chunk], previous: torch.Tensor | None) -> StepResult:
+        """A decode-only step in its CUDA graph's bucket (padded; eager where no graph is captured)."""
+        spans = [(c.start, 1) for c in chunks]
+        self.flops_total += step_flops(self.cfg, spans, len(chunks))
+        self.bytes_total += step_bytes(self.cfg, spans, self._dtype_bytes, self._weight_bytes)
+        logits = self.graphs.run(chunks, previous)
+        batch = SamplingBatch.build([c.sample for c in chunks], [c.seed for c in chunks],
+                                    [c.output_index for c in chunks], device=self.device)
+        return StepResult(sample(logits, batch), logits, list(range(len(chunks))))
 
     def _prepare(self, chunks: list[Chunk]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         bs = self.block_size
@@ -122,9 +151,9 @@ class ModelRunner:
             else:
                 p_q.append(n)
                 p_ctx.append(end)
-                p_tables.append(table.to(self.device))
+                p_tables.append(to_device(table, self.device))
         meta = AttentionMetadata(
-            slot_mapping=torch.cat(slots).to(self.device),
+            slot_mapping=to_device(torch.cat(slots), self.device),
             num_decodes=num_decodes,
             decode_groups=[self._decode_group(decode_tables[a:b], decode_lens[a:b])
                            for a, b in group_by_length([len(t) for t in decode_tables], self._max_padding())],
@@ -132,8 +161,8 @@ class ModelRunner:
             prefill_context_lens=p_ctx,
             prefill_block_tables=p_tables,
         )
-        input_ids = torch.tensor(ids, dtype=torch.int64, device=self.device)
-        return input_ids, torch.cat(pos).to(self.device), meta
+        input_ids = to_device(torch.tensor(ids, dtype=torch.int64), self.device)
+        return input_ids, to_device(torch.cat(pos), self.device), meta
 
     def _max_padding(self) -> float:
         """Padding the decode groups may carry: the CPU kernel never reads it (one group is fastest);
@@ -146,7 +175,7 @@ class ModelRunner:
         bt = torch.zeros(len(tables), len(tables[-1]), dtype=torch.int64)  # rows ascend: the last is longest
         for i, t in enumerate(tables):
             bt[i, : len(t)] = torch.tensor(t, dtype=torch.int64)
-        return DecodeGroup(bt.to(self.device), torch.tensor(lens, dtype=torch.int64, device=self.device))
+        return DecodeGroup(to_device(bt, self.device), to_device(torch.tensor(lens, dtype=torch.int64), self.device))
 
 
 def group_by_length(num_blocks: list[int], max_padding: float = 0.25) -> list[tuple[int, int]]:

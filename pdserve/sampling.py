@@ -76,14 +76,25 @@ class SamplingBatch:
     def build(cls, params: Sequence[SamplingParams], seeds: Sequence[int], output_index: Sequence[int],
               device: torch.device | str = "cpu") -> SamplingBatch:
         return cls(
-            temperatures=torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device),
-            top_k=torch.tensor([p.top_k for p in params], dtype=torch.int64, device=device),
-            top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
+            temperatures=to_device(torch.tensor([p.temperature for p in params], dtype=torch.float32), device),
+            top_k=to_device(torch.tensor([p.top_k for p in params], dtype=torch.int64), device),
+            top_p=to_device(torch.tensor([p.top_p for p in params], dtype=torch.float32), device),
             seeds=tuple(seeds),
             output_index=tuple(output_index),
             all_greedy=all(p.greedy for p in params),
             any_filter=any(not p.greedy and (p.top_k > 0 or p.top_p < 1.0) for p in params),
         )
+
+
+def to_device(host: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """A host tensor on the device without the host waiting for the device: on CUDA a plain copy from
+    pageable memory synchronizes the stream (it would stall pipelined decode), so the data goes through
+    pinned memory with non_blocking=True (the caching host allocator keeps the pinned block until the
+    copy has run). Elsewhere: as is, or a plain copy."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return host.pin_memory().to(device, non_blocking=True)
+    return host.to(device)
 
 
 def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:

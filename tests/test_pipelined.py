@@ -183,3 +183,22 @@ def test_pipelined_workers_stream_token_exact(ray_local, aloop, tiny_checkpoints
         s.settle()
     finally:
         s.close()
+
+
+@pytest.mark.parametrize("pipelined", [False, True])
+def test_decode_graph_buckets_give_the_plain_tokens(loaded, tiny_checkpoints, pipelined):
+    """The CUDA path's step machinery on the CPU: decode-only steps padded to the graphs' buckets (eager,
+    no graph captured here), with and without pipelining, give the plain loop's tokens and leave the
+    pool's blocks free; the scratch block is the cache's one extra block."""
+    path = tiny_checkpoints["llama"]
+    sampled = SamplingParams(max_tokens=16, temperature=0.8, ignore_eos=True)
+    schedule = workload(lambda i: replace(sampled, seed=7 + i), n=6, join_every=2)
+    plain = run(LLMEngine(config(path, False), loaded), schedule)
+    engine = LLMEngine(replace(config(path, pipelined), cuda_graphs=True), loaded)
+    runner = engine.runner
+    assert runner.graphs is not None and runner.kv_cache.shape[3] == runner.num_blocks + 1
+    calls = []
+    run_graph = runner.graphs.run
+    runner.graphs.run = lambda chunks, previous=None: calls.append(len(chunks)) or run_graph(chunks, previous)
+    assert run(engine, schedule) == plain
+    assert calls and engine.pool.num_used_blocks == 0
