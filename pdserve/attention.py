@@ -15,15 +15,30 @@ bytes on a mixed-length batch.
 On CPU with an fp32 or bf16 contiguous cache, decode attention runs a C++ kernel instead (pdserve.cpu_attention)
 that reads each row's K/V blocks in place, once, with no padding; PDSERVE_CPU_ATTENTION=torch forces
 the torch path below, which stays the reference and serves every other device and dtype.
+
+On CUDA, decode and prefill with a cached prefix run Triton kernels (pdserve.triton_attention) that read
+the blocks in place the same way, when triton imports (CUDA builds of torch bring it) and the dtype is
+fp32, bf16 or fp16; the torch path gathers the prefix and hands SDPA a dense boolean mask.
+PDSERVE_GPU_ATTENTION=torch (read at every call) forces the torch path there, for A/B runs and as the way
+out if the kernels misbehave: they have only run under Triton's interpreter, never on a GPU.
+FlashInfer is not wired: its paged kernels take a plan() per step (host-side metadata) that belongs where
+the step's metadata is built (pdserve.runner), not in this per-layer call.
 """
 from __future__ import annotations
 
+import functools
+import logging
 from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
 
-from pdserve import cpu_attention
+from pdserve import cpu_attention, cpu_kernels
+
+log = logging.getLogger(__name__)
+
+GPU_ENV_VAR = "PDSERVE_GPU_ATTENTION"  # 'torch' forces the torch path on CUDA; 'auto' (or unset) the kernels
 
 
 @dataclass
@@ -78,6 +93,9 @@ def _decode_attention(
 ) -> torch.Tensor:
     if cpu_attention.supports(q, kv_layer, block_tables, context_lens):
         return cpu_attention.paged_decode_attention(q, kv_layer, block_tables, context_lens, scale, out=out)
+    gpu = _gpu_kernels(q, kv_layer)
+    if gpu is not None:
+        return gpu.paged_decode_attention(q, kv_layer, block_tables, context_lens, scale, out=out)
     result = _decode_attention_torch(q, kv_layer, block_tables, context_lens, scale)
     return result if out is None else out.copy_(result)
 
@@ -105,6 +123,23 @@ def _decode_attention_torch(
 
 def _prefill_attention(
     q: torch.Tensor,  # [q_len, heads, head_dim]
+    k_new: torch.Tensor,  # [q_len, kv_heads, head_dim] (also in the cache already)
+    v_new: torch.Tensor,
+    kv_layer: torch.Tensor,
+    blocks: torch.Tensor,  # [blocks] of this sequence
+    ctx_len: int,
+    scale: float,
+) -> torch.Tensor:  # [q_len, heads, head_dim]
+    # Without a cached prefix the torch path is SDPA's plain causal attention over the fresh keys
+    # (FlashAttention on CUDA), which has run on GPUs; the kernel serves the prefix case it lacks.
+    gpu = _gpu_kernels(q, kv_layer) if ctx_len > q.shape[0] else None
+    if gpu is not None:
+        return gpu.prefill_attention(q, k_new, v_new, kv_layer, blocks, ctx_len, scale)
+    return _prefill_attention_torch(q, k_new, v_new, kv_layer, blocks, ctx_len, scale)
+
+
+def _prefill_attention_torch(
+    q: torch.Tensor,  # [q_len, heads, head_dim]
     k_new: torch.Tensor,  # [q_len, kv_heads, head_dim]
     v_new: torch.Tensor,
     kv_layer: torch.Tensor,
@@ -130,3 +165,25 @@ def _prefill_attention(
         o = F.scaled_dot_product_attention(qh, k.unsqueeze(0), v.unsqueeze(0), attn_mask=mask, scale=scale,
                                            enable_gqa=True)
     return o.squeeze(0).transpose(0, 1)  # [q_len, heads, head_dim]
+
+
+def _gpu_kernels(q: torch.Tensor, kv_layer: torch.Tensor) -> ModuleType | None:
+    """pdserve.triton_attention when these inputs take its kernels: CUDA tensors of a dtype it supports,
+    triton importable, not forced off by PDSERVE_GPU_ATTENTION=torch; else None (the torch path)."""
+    if not q.is_cuda:  # the CPU path never imports triton
+        return None
+    module = _triton_attention()
+    if module is None or not module.supports(q, kv_layer) or not cpu_kernels.enabled(GPU_ENV_VAR):
+        return None
+    return module
+
+
+@functools.cache
+def _triton_attention() -> ModuleType | None:
+    """Imported at the first CUDA call; None (logged once) where triton does not import."""
+    try:
+        from pdserve import triton_attention
+    except ImportError as e:
+        log.warning("triton does not import (%s): attention on CUDA uses the torch path", e)
+        return None
+    return triton_attention
