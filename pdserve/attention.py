@@ -178,6 +178,12 @@ def _gpu_kernels(q: torch.Tensor, kv_layer: torch.Tensor) -> ModuleType | None:
     return module
 
 
+def gpu_decode_in_place() -> bool:
+    """Whether decode attention on CUDA reads each row's blocks in place up to its context (the Triton
+    kernel), rather than gathering and masking the whole padded block table (the torch path)."""
+    return _triton_attention() is not None and cpu_kernels.enabled(GPU_ENV_VAR)
+
+
 @functools.cache
 def _triton_attention() -> ModuleType | None:
     """Imported at the first CUDA call; None (logged once) where triton does not import."""

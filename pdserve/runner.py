@@ -13,7 +13,7 @@ from typing import NamedTuple
 
 import torch
 
-from pdserve import cpu_attention, cpu_kernels
+from pdserve import attention, cpu_attention, cpu_kernels
 from pdserve.attention import AttentionMetadata, DecodeGroup
 from pdserve.config import ModelConfig
 from pdserve.kv_cache import allocate_kv_cache
@@ -43,8 +43,10 @@ class StepResult:
 
 
 # Decode steps replayed from CUDA graphs serve contexts up to this many tokens (the graphs' block tables
-# are this long); longer ones run eagerly.
+# are this long); longer ones run eagerly. The torch attention path reads a graph's whole block table
+# every step, so without the in-place GPU kernel the graphs' tables are kept short.
 GRAPH_MAX_CONTEXT = 16384
+GRAPH_MAX_CONTEXT_TORCH_ATTENTION = 2048
 
 
 class ModelRunner:
@@ -62,7 +64,9 @@ class ModelRunner:
         self.kv_cache = allocate_kv_cache(self.cfg, num_blocks + cuda_graphs, block_size, self.dtype, self.device)
         self.graphs: DecodeGraphs | None = None
         if cuda_graphs:
-            context = min(max_model_len or self.cfg.max_position_embeddings, GRAPH_MAX_CONTEXT)
+            in_place = self.device.type != "cuda" or attention.gpu_decode_in_place()
+            cap = GRAPH_MAX_CONTEXT if in_place else GRAPH_MAX_CONTEXT_TORCH_ATTENTION
+            context = min(max_model_len or self.cfg.max_position_embeddings, cap)
             self.graphs = DecodeGraphs(model, self.kv_cache, block_size, scratch_block=num_blocks,
                                        max_blocks=-(-context // block_size), buckets=batch_buckets(max_num_seqs))
             if self.device.type == "cuda":
