@@ -55,6 +55,11 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quantization", default=None, choices=["int8"],
                    help="int8: weight-only int8 linear layers, one scale per output channel (activations stay --dtype)")
     p.add_argument("--device", default="cpu")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="no CUDA graphs for decode (on by default with --device cuda)")
+    p.add_argument("--pipelined-decode", action=argparse.BooleanOptionalAction, default=None,
+                   help="launch each decode step before the previous one's tokens reach the host (default: on "
+                        "with --device cuda, off on CPU)")
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -82,7 +87,9 @@ def generate_offline(args: argparse.Namespace) -> int:
 
     params = sampling_params_from_args(args)
     engine = LLMEngine(EngineConfig(model=args.model, load_format=args.load_format, dtype=args.dtype,
-                                    quantization=args.quantization, device=args.device))
+                                    quantization=args.quantization, device=args.device,
+                                    cuda_graphs=False if args.enforce_eager else None,
+                                    pipelined_decode=args.pipelined_decode))
     tok = engine.tokenizer
     if tok is None:
         print("pdserve generate: this model has no tokenizer; text prompts need one", file=sys.stderr)

@@ -215,6 +215,7 @@ def cluster_config_from_args(args: argparse.Namespace):
 
     engine = EngineConfig(model=args.model, load_format=args.load_format, dtype=args.dtype,
                           quantization=args.quantization, device=args.device,
+                          cuda_graphs=False if args.enforce_eager else None, pipelined_decode=args.pipelined_decode,
                           cache=cache, peak_flops=args.peak_flops, peak_bytes_per_second=args.peak_memory_bandwidth)
     pools = dict(colocated=pool(args.colocated_workers, colocated, [])) if args.mode == "colocated" else \
         dict(prefill=pool(args.prefill_workers, prefill, args.prefill_resource),
