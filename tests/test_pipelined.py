@@ -202,3 +202,12 @@ def test_decode_graph_buckets_give_the_plain_tokens(loaded, tiny_checkpoints, pi
     runner.graphs.run = lambda chunks, previous=None: calls.append(len(chunks)) or run_graph(chunks, previous)
     assert run(engine, schedule) == plain
     assert calls and engine.pool.num_used_blocks == 0
+
+
+def test_serve_flags_turn_the_fast_path_off():
+    from router.cli import cluster_config_from_args, parse_args
+
+    e = cluster_config_from_args(parse_args(["serve", "--enforce-eager", "--no-pipelined-decode"])).engine
+    assert (e.cuda_graphs, e.pipelined_decode) == (False, False)
+    e = cluster_config_from_args(parse_args(["serve"])).engine
+    assert (e.cuda_graphs, e.pipelined_decode) == (None, None)  # the device decides: on for CUDA
