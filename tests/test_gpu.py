@@ -29,11 +29,13 @@ def prompts(vocab: int, lens=PROMPT_LENS, seed: int = 1) -> list[list[int]]:
     return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lens]
 
 
-def engine(path, device: str, dtype: str = "float32", prefix_caching: bool = True, budget: int = 16) -> LLMEngine:
+def engine(path, device: str, dtype: str = "float32", prefix_caching: bool = True, budget: int = 16,
+           fast_path: bool | None = None) -> LLMEngine:
     # Small blocks and a small token budget: prompts span several blocks, prefills are chunked and
-    # share steps with decodes (the same shape as tests/test_model_parity.py).
+    # share steps with decodes (the same shape as tests/test_model_parity.py). fast_path None: the
+    # device's defaults (on CUDA: CUDA graphs and pipelined decode); False: both off.
     return LLMEngine(EngineConfig(
-        model=str(path), dtype=dtype, device=device,
+        model=str(path), dtype=dtype, device=device, cuda_graphs=fast_path, pipelined_decode=fast_path,
         cache=CacheConfig(block_size=4, num_blocks=128, enable_prefix_caching=prefix_caching),
         scheduler=SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=8),
     ))
@@ -132,6 +134,23 @@ def test_cuda_prefix_reuse_gives_the_same_tokens(tiny_checkpoints, no_cpu_kernel
 def _cache(device: str, dtype: torch.dtype, num_blocks: int = 16) -> torch.Tensor:
     g = torch.Generator().manual_seed(num_blocks)
     return torch.randn(2, 2, 2, num_blocks, 4, 8, generator=g).to(device=device, dtype=dtype)
+
+
+def test_cuda_fast_path_gives_the_eager_plain_tokens(tiny_checkpoints, no_cpu_kernel):
+    """CUDA graphs (captured at start-up) and pipelined decode, the CUDA defaults, against both off on the
+    same GPU: the same greedy and seeded tokens, fp32; the graphs were replayed; no block left used."""
+    path = tiny_checkpoints["llama"]
+    batch = prompts(320)
+    seeded = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.8, seed=3, ignore_eos=True)
+    fast, eager = engine(path, "cuda"), engine(path, "cuda", fast_path=False)
+    assert fast.core.pipelined and fast.runner.graphs is not None and fast.runner.graphs.captured
+    assert not eager.core.pipelined and eager.runner.graphs is None
+    replays = []
+    run = fast.runner.graphs.run
+    fast.runner.graphs.run = lambda chunks, previous=None: replays.append(len(chunks)) or run(chunks, previous)
+    for params in (greedy(), seeded):
+        assert tokens(fast, batch, params) == tokens(eager, batch, params)
+    assert replays and fast.pool.num_used_blocks == 0
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
