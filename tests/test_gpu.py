@@ -320,3 +320,34 @@ def handoff_round_trip(device: str) -> None:
 @pytest.mark.timeout(60)
 def test_cuda_handoff_pushes_layer_by_layer_on_one_gpu():
     handoff_round_trip("cuda:0")
+
+
+def test_cuda_dispatch_uses_the_triton_kernels(monkeypatch):
+    """On CUDA, decode and prefill over a cached prefix take pdserve.triton_attention's kernels (compiled
+    here; tests/test_triton_attention.py runs them in the interpreter on CPU), within fp32 tolerance of
+    the torch path; PDSERVE_GPU_ATTENTION=torch turns them off."""
+    from test_triton_attention import DEVICE, FP32_TOL, DECODE_LENS, make_cache, max_err, prefill_case
+
+    from pdserve import attention, triton_attention
+    from pdserve.attention import _decode_attention_torch, _prefill_attention_torch
+
+    calls = []
+
+    def spy(name):
+        real = getattr(triton_attention, name)
+        return lambda *a, **k: calls.append(name) or real(*a, **k)
+
+    for name in ("paged_decode_attention", "prefill_attention"):
+        monkeypatch.setattr(triton_attention, name, spy(name))
+    kv, tables = make_cache(2, 64, 16, DECODE_LENS, seed=8)
+    lens = torch.tensor(DECODE_LENS, device=DEVICE)
+    q = torch.randn(len(DECODE_LENS), 8, 64, device=DEVICE)
+    ref = _decode_attention_torch(q, kv, tables, lens, 0.125)
+    assert max_err(attention._decode_attention(q, kv, tables, lens, 0.125), ref) <= FP32_TOL
+    pq, k_new, v_new, pkv, blocks = prefill_case(37, 150, 8, 2, 64, 16, seed=9)
+    out = attention._prefill_attention(pq, k_new, v_new, pkv, blocks, 150, 0.125)
+    assert max_err(out, _prefill_attention_torch(pq, k_new, v_new, pkv, blocks, 150, 0.125)) <= FP32_TOL
+    assert calls == ["paged_decode_attention", "prefill_attention"]
+    monkeypatch.setenv(attention.GPU_ENV_VAR, "torch")
+    assert torch.equal(attention._decode_attention(q, kv, tables, lens, 0.125), ref)  # forced off: the torch path
+    assert len(calls) == 2

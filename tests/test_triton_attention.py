@@ -260,28 +260,3 @@ def test_paged_attention_with_the_kernels_matches_the_torch_path(monkeypatch):
     monkeypatch.setattr(attention, "_gpu_kernels", lambda q, kv_layer: triton_attention)
     out = paged_attention(q, k, v, kv, meta, 0.125)
     assert max_err(out, ref) <= FP32_TOL
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(DEVICE.type != "cuda", reason="the dispatch to the kernels happens on CUDA tensors only")
-def test_cuda_dispatch_uses_the_kernels(monkeypatch):
-    calls = []
-
-    def spy(name):
-        real = getattr(triton_attention, name)
-        return lambda *a, **k: calls.append(name) or real(*a, **k)
-
-    for name in ("paged_decode_attention", "prefill_attention"):
-        monkeypatch.setattr(triton_attention, name, spy(name))
-    kv, tables = make_cache(2, 64, 16, DECODE_LENS, seed=8)
-    lens = torch.tensor(DECODE_LENS, device=DEVICE)
-    q = torch.randn(len(DECODE_LENS), 8, 64, device=DEVICE)
-    ref = _decode_attention_torch(q, kv, tables, lens, 0.125)
-    assert max_err(attention._decode_attention(q, kv, tables, lens, 0.125), ref) <= FP32_TOL
-    pq, k_new, v_new, pkv, blocks = prefill_case(37, 150, 8, 2, 64, 16, seed=9)
-    out = attention._prefill_attention(pq, k_new, v_new, pkv, blocks, 150, 0.125)
-    assert max_err(out, _prefill_attention_torch(pq, k_new, v_new, pkv, blocks, 150, 0.125)) <= FP32_TOL
-    assert calls == ["paged_decode_attention", "prefill_attention"]
-    monkeypatch.setenv(attention.GPU_ENV_VAR, "torch")
-    assert torch.equal(attention._decode_attention(q, kv, tables, lens, 0.125), ref)  # forced off: the torch path
-    assert len(calls) == 2
