@@ -56,8 +56,12 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     src.add_argument("--gpu", default=None, help="a roofline of this GPU's datasheet: H100, H200, A100, L40S, L4")
     src.add_argument("--model", default=None,
                      help="with --gpu: a preset (llama-3-8b, llama-3-70b, smollm2-135m), config.json, HF directory or "
-                          ".gguf; one worker is one GPU, so the model must fit one (llama-3-70b in bf16 fits none)")
+                          ".gguf; one worker is one GPU unless --tensor-parallel-sizes splits it (llama-3-70b in bf16 "
+                          "fits no single GPU)")
     src.add_argument("--dtype-bytes", type=int, default=2, help="with --gpu: bytes per weight and KV value (2: bf16)")
+    src.add_argument("--tensor-parallel-sizes", type=_sizes, default=None, metavar="1,2,4,8",
+                     help="with --gpu: compare these tensor-parallel sizes (which fit, prefill time, decode tokens/s "
+                          "per GPU) and simulate with every worker at the smallest that fits (give one to simulate it)")
     add_workload_args(p)
     g = p.add_argument_group("SLOs (goodput counts requests that meet every one given)")
     g.add_argument("--slo-ttft-ms", type=float, default=None)
@@ -95,8 +99,19 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     return p
 
 
-def _costs_and_model(args: argparse.Namespace) -> tuple[Any, dict[str, Any], int | None, int]:
-    """(costs, model facts, default KV cache bytes, block size) from --profile or --gpu/--model."""
+def _sizes(text: str) -> list[int]:
+    try:
+        sizes = [int(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected sizes separated by commas (1,2,4,8), got {text!r}") from None
+    if min(sizes) < 1:
+        raise argparse.ArgumentTypeError(f"tensor-parallel sizes must be >= 1, got {text!r}")
+    return sorted(set(sizes))
+
+
+def _costs_and_model(args: argparse.Namespace, tp: int = 1) -> tuple[Any, dict[str, Any], int | None, int]:
+    """(costs, model facts, default KV cache bytes, block size) from --profile or --gpu/--model; with --gpu, of
+    workers of tp GPUs each (costs and KV cache one GPU's)."""
     if (args.profile is None) == (args.gpu is None):
         raise ValueError("give --profile FILE, or --gpu NAME with --model M")
     if args.profile:
@@ -111,10 +126,35 @@ def _costs_and_model(args: argparse.Namespace) -> tuple[Any, dict[str, Any], int
         raise ValueError("--gpu needs --model (a preset, config.json, HF directory or .gguf)")
     device = gpu(args.gpu)
     name, cfg = resolve_model(args.model)
-    costs = roofline(cfg, device, args.dtype_bytes)
+    costs = roofline(cfg, device, args.dtype_bytes, tp)
     model = {"name": name, "path": None, "vocab_size": cfg.vocab_size, "eos_token_ids": list(cfg.eos_token_ids),
              "max_model_len": cfg.max_position_embeddings, "num_params": cfg.num_params}
-    return costs, model, kv_budget_bytes(device, costs.weight_bytes), args.block_size or 16
+    return costs, model, kv_budget_bytes(device, costs.resident_weight_bytes), args.block_size or 16
+
+
+def _compare_tp(args: argparse.Namespace) -> dict[str, Any]:
+    """--tensor-parallel-sizes compared on the workload's lengths: its mean prompt for prefill, the decode pool's
+    batch cap at the mean context (prompt + half the output) for decode, its longest request for the fit."""
+    from pdserve.planner.hardware import gpu, resolve_model
+    from pdserve.planner.parallel import compare_tp
+    from pdserve.planner.plan import workload_from_args
+
+    if args.gpu is None or not args.model:
+        raise ValueError("--tensor-parallel-sizes goes with --gpu NAME and --model M (the roofline)")
+    device = gpu(args.gpu)
+    _, cfg = resolve_model(args.model)
+    w = workload_from_args(args, cfg.vocab_size, list(cfg.eos_token_ids), cfg.max_position_embeddings)
+    prompt = round(float(w.input_len.mean()))
+    context = round(float(w.input_len.mean() + w.output_len.mean() / 2))
+    table = compare_tp(cfg, device, args.tensor_parallel_sizes, prompt, args.prefill_token_budget,
+                       max(args.max_num_seqs), context, int((w.input_len + w.output_len).max()), args.dtype_bytes)
+    if not table["fitting"]:
+        from pdserve.planner.parallel import format_tp
+
+        print(format_tp(table))
+        raise ValueError(f"no tensor-parallel size of {args.tensor_parallel_sizes} fits a {device.name}: "
+                         "give larger ones")
+    return table
 
 
 def parse_tier_slos(items: list[str]) -> dict[str, Any]:
@@ -127,6 +167,7 @@ def parse_tier_slos(items: list[str]) -> dict[str, Any]:
 def cmd_plan(args: argparse.Namespace) -> int:
     from pdserve.bench.cli import check_args
     from pdserve.bench.stats import Slo
+    from pdserve.planner.parallel import format_tp
     from pdserve.planner.plan import (FIRST_TOKEN_LATENCY_S, TOKEN_LATENCY_S, PoolSettings, candidates,
                                       format_plan, make_plan, plot_plan, workload_from_args)
     from pdserve.tiers import ServiceTier, parse_mix
@@ -157,7 +198,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.num_prompts is None and args.trace is None and (args.concurrency is not None or args.arrival == "closed"):
         # bench ends such a run by its clock, which a simulation does not have before it runs
         raise ValueError("pdserve plan needs --num-prompts with --concurrency or --arrival closed")
-    costs, model, kv_default, block_size = _costs_and_model(args)
+    tp, tp_table = 1, None
+    if args.tensor_parallel_sizes:
+        tp_table = _compare_tp(args)
+        tp = tp_table["fitting"][0]
+    costs, model, kv_default, block_size = _costs_and_model(args, tp)
     tokenizer = None
     if args.trace and model.get("path"):
         from pdserve.tokenizer import Tokenizer
@@ -167,6 +212,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
         except Exception:  # only text traces need it; they say so
             tokenizer = None
     workload = workload_from_args(args, model["vocab_size"], model["eos_token_ids"], model["max_model_len"], tokenizer)
+    if tp_table:
+        print(format_tp(tp_table))
+        print(f"simulated below: every worker is TP {tp} ({tp} GPUs; KV figures per GPU)\n")
     kv_bytes = (args.kv_cache_mib << 20) if args.kv_cache_mib is not None else kv_default
     settings = PoolSettings(
         kv_cache_bytes=kv_bytes, block_size=args.block_size or block_size, token_budget=args.prefill_token_budget,
@@ -178,6 +226,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
                      args.min_attainment)
     plan["model"] = model["name"]
     plan["costs"] = args.profile or f"roofline of {args.gpu}"
+    plan["tensor_parallel_size"] = tp
+    if tp_table:
+        plan["tensor_parallel"] = tp_table
     print(f"{plan['requests']} requests: {workload.description['workload']}; model {model['name']}; costs: "
           f"{plan['costs']}")
     print(format_plan(plan))

@@ -25,7 +25,7 @@ import numpy as np
 
 from pdserve.config import ModelConfig
 from pdserve.handoff import MIN_PART_BYTES
-from pdserve.utilization import lm_head_flops, linear_flops_per_token, weight_bytes
+from pdserve.tensor_parallel import TPLayout
 
 
 def attention_pairs(start: int, n: int) -> int:
@@ -182,16 +182,36 @@ def fit_measured(prefill_rows: list[dict[str, float]], decode_rows: list[dict[st
     return costs, {"prefill_max_rel_error": perr, "decode_max_rel_error": derr}
 
 
+def kv_heads_per_rank(model: ModelConfig, tp: int) -> int:
+    """KV heads each of tp tensor-parallel ranks holds (pdserve.tensor_parallel.TPLayout: split when tp
+    divides them, one per rank, replicated, when tp is a multiple of them); ValueError for a tp the
+    heads cannot be laid out over."""
+    return TPLayout(model.num_heads, model.num_kv_heads, tp).kv_heads_per_rank
+
+
+def _shard(n: int, tp: int) -> int:
+    """A dimension split over tp ranks (padded up when tp does not divide it, as a vocab-parallel table is)."""
+    return -(-n // tp)
+
+
 @dataclass(frozen=True)
 class RooflineCosts:
     """Step times from FLOPs and bytes against a device's peaks, each derated by an efficiency factor:
 
-        step = overhead_s + max(FLOPs / (peak_flops * mfu), bytes / (peak_bandwidth * mbu))
+        step = overhead_s + max(FLOPs / (peak_flops * mfu), bytes / (peak_bandwidth * mbu)) + all-reduces
 
     FLOPs: the matmuls of every new token (pdserve.utilization), attention over the pairs each chunk
     computes and over each decoding request's context, the LM head of every sampled row. Bytes: every
     weight once, the KV that decoding requests read, the KV the step writes. Efficiencies <= 1 and a
     non-negative overhead keep every prediction at or above the physical floor.
+
+    With tp > 1 a worker is tp GPUs (Megatron-style tensor parallelism) and every figure is one rank's:
+    q/k/v and gate/up split by output (attention heads, KV heads unless replicated: kv_heads_per_rank),
+    o_proj and down_proj by input, the embedding and the LM head by vocabulary; norms are replicated.
+    Each layer then all-reduces its hidden activations twice (after o_proj and after down_proj): a ring
+    all-reduce of B bytes takes latency + 2 (tp - 1) / tp * B / bus bandwidth (`collective`), and is
+    added to the step, not overlapped with it. The embedding's all-reduce and the logits' gather (one
+    each per step, against 2 * num_layers) are left out.
     """
 
     model: ModelConfig
@@ -202,30 +222,69 @@ class RooflineCosts:
     mbu: float
     overhead_s: float
     transport: Transport
+    tp: int = 1
+    collective: Transport | None = None  # the all-reduce between the tp ranks: latency per call, bus bandwidth
 
     def __post_init__(self) -> None:
         if not (0 < self.mfu <= 1 and 0 < self.mbu <= 1) or self.overhead_s < 0:
             raise ValueError(f"efficiencies must be in (0, 1] and overhead >= 0, got mfu={self.mfu} mbu={self.mbu} "
                              f"overhead={self.overhead_s}")
+        kv_heads_per_rank(self.model, self.tp)
+        if self.tp > 1 and self.collective is None:
+            raise ValueError(f"tensor-parallel size {self.tp} needs the all-reduce's link (collective)")
+
+    @property
+    def kv_size_per_rank(self) -> int:
+        return kv_heads_per_rank(self.model, self.tp) * self.model.head_dim
 
     @property
     def kv_bytes_per_token(self) -> int:
-        return 2 * self.model.num_layers * self.model.kv_size * self.dtype_bytes
+        return 2 * self.model.num_layers * self.kv_size_per_rank * self.dtype_bytes
+
+    def _linear_params_per_layer(self) -> int:
+        m, tp = self.model, self.tp
+        h, q = m.hidden_size, m.q_size // tp
+        return h * (q + 2 * self.kv_size_per_rank) + q * h + 3 * h * _shard(m.intermediate_size, tp)
 
     @property
     def weight_bytes(self) -> int:
-        return weight_bytes(self.model, self.dtype_bytes)
+        """Bytes of the matmul weights a step reads once, on one rank: the layers and the LM head."""
+        m = self.model
+        return (m.num_layers * self._linear_params_per_layer()
+                + m.hidden_size * _shard(m.vocab_size, self.tp)) * self.dtype_bytes
+
+    @property
+    def resident_weight_bytes(self) -> int:
+        """Bytes of every weight one rank holds: weight_bytes, the embedding (unless tied to the LM head),
+        the norms and biases. At tp 1 this is the model's num_params in dtype_bytes."""
+        m = self.model
+        per_layer = 2 * m.hidden_size
+        if m.attention_bias:
+            per_layer += m.q_size // self.tp + 2 * self.kv_size_per_rank
+        if m.qk_norm:
+            per_layer += 2 * m.head_dim
+        embed = 0 if m.tie_word_embeddings else m.hidden_size * _shard(m.vocab_size, self.tp)
+        return self.weight_bytes + (m.num_layers * per_layer + embed + m.hidden_size) * self.dtype_bytes
 
     def flops(self, prefill_tokens: int, prefill_pairs: int, prefill_seqs: int, decode_seqs: int,
               decode_context: int) -> float:
         m = self.model
-        attn_per_pair = 2 * 2 * m.q_size * m.num_layers  # QK^T and PV
-        return ((prefill_tokens + decode_seqs) * linear_flops_per_token(m)
+        linear = 2 * m.num_layers * self._linear_params_per_layer()  # at tp 1: pdserve.utilization's
+        lm_head = 2 * m.hidden_size * _shard(m.vocab_size, self.tp)
+        attn_per_pair = 2 * 2 * (m.q_size // self.tp) * m.num_layers  # QK^T and PV
+        return ((prefill_tokens + decode_seqs) * linear
                 + attn_per_pair * (prefill_pairs + decode_context)
-                + (prefill_seqs + decode_seqs) * lm_head_flops(m))
+                + (prefill_seqs + decode_seqs) * lm_head)
 
     def bytes(self, prefill_tokens: int, decode_seqs: int, decode_context: int) -> float:
         return self.weight_bytes + self.kv_bytes_per_token * (decode_context + prefill_tokens + decode_seqs)
+
+    def allreduce_time(self, rows: int) -> float:
+        """The step's all-reduces: two per layer of rows x hidden activations, ring over the tp ranks."""
+        if self.tp == 1 or not rows:
+            return 0.0
+        nbytes = rows * self.model.hidden_size * self.dtype_bytes
+        return 2 * self.model.num_layers * self.collective.send_time(2 * (self.tp - 1) / self.tp * nbytes)
 
     def step_time(self, prefill_tokens: int, prefill_pairs: int, prefill_seqs: int, decode_seqs: int,
                   decode_context: int) -> float:
@@ -234,4 +293,4 @@ class RooflineCosts:
         compute = self.flops(prefill_tokens, prefill_pairs, prefill_seqs, decode_seqs, decode_context) / (
             self.peak_flops * self.mfu)
         memory = self.bytes(prefill_tokens, decode_seqs, decode_context) / (self.peak_bytes_per_s * self.mbu)
-        return self.overhead_s + max(compute, memory)
+        return self.overhead_s + max(compute, memory) + self.allreduce_time(prefill_tokens + decode_seqs)

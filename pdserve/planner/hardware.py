@@ -1,8 +1,8 @@
 """The GPUs the roofline knows, the efficiency factors it assumes, and the models it can be asked about.
 
 Peaks are the vendors' datasheet figures: dense (no sparsity) 16-bit tensor-core FLOP/s, HBM or GDDR
-bandwidth, memory, and the link a KV hand-off between two GPUs of one node crosses (NVLink per
-direction where the part has it, PCIe Gen4 x16 per direction otherwise).
+bandwidth, memory, and the link between two GPUs of one node (NVLink per direction where the part has
+it, PCIe Gen4 x16 per direction otherwise), which a KV hand-off and a tensor-parallel all-reduce cross.
 """
 from __future__ import annotations
 
@@ -23,6 +23,13 @@ class Gpu:
     link_bytes_per_s: float  # GPU-to-GPU, one direction
 
 
+# Datasheet peaks, never measured here. The GPU-to-GPU link, per GPU and per direction (datasheets give
+# both directions together):
+# - H100 SXM5: NVLink 4, 900 GB/s (NVIDIA H100 Tensor Core GPU datasheet) -> 450 GB/s per direction
+# - H200 SXM: NVLink 4, 900 GB/s (NVIDIA H200 Tensor Core GPU datasheet) -> 450 GB/s
+# - A100 SXM4: NVLink 3, 600 GB/s (NVIDIA A100 Tensor Core GPU datasheet) -> 300 GB/s
+# - L40S, L4: no NVLink; PCIe Gen4 x16, 64 GB/s both directions (NVIDIA L40S and L4 datasheets) -> 32 GB/s
+# A ring all-reduce's bus bandwidth is at most this per-direction figure.
 GB = 10**9
 GPUS: dict[str, Gpu] = {g.name: g for g in (
     Gpu("H100", 989e12, 3.35e12, 80 * GB, 450 * GB),  # SXM5; NVLink 4: 900 GB/s both directions
@@ -50,6 +57,10 @@ STEP_OVERHEAD_S = 0.002
 LINK_EFFICIENCY = 0.7
 LINK_LATENCY_S = 50e-6
 MEMORY_UTILIZATION = 0.9
+# - ALLREDUCE_LATENCY_S: start-up cost of one all-reduce between tensor-parallel ranks (kernel launch and
+#   synchronisation); assumed, of the order of a small NCCL all-reduce within an NVLink node. Its bus
+#   bandwidth is the link's peak times LINK_EFFICIENCY.
+ALLREDUCE_LATENCY_S = 10e-6
 
 
 def gpu(name: str) -> Gpu:
@@ -59,20 +70,22 @@ def gpu(name: str) -> Gpu:
     raise ValueError(f"unknown GPU {name!r}; the roofline knows {', '.join(GPUS)} (or give --profile FILE)")
 
 
-def roofline(model: ModelConfig, device: Gpu, dtype_bytes: int = 2) -> RooflineCosts:
-    """The step and hand-off costs of `model` on one `device`, from its datasheet peaks. The roofline
-    takes one efficiency for both phases' work: whichever bound (compute or memory) dominates a step
-    is derated by its own factor."""
+def roofline(model: ModelConfig, device: Gpu, dtype_bytes: int = 2, tp: int = 1) -> RooflineCosts:
+    """The step and hand-off costs of `model` on `device`, from its datasheet peaks; with tp > 1, of a
+    worker of tp such GPUs (every figure one rank's). The roofline takes one efficiency for both phases'
+    work: whichever bound (compute or memory) dominates a step is derated by its own factor."""
+    link = device.link_bytes_per_s * LINK_EFFICIENCY
     return RooflineCosts(model, dtype_bytes, device.flops, device.bytes_per_s, PREFILL_MFU, DECODE_MBU,
-                         STEP_OVERHEAD_S, Transport(LINK_LATENCY_S, device.link_bytes_per_s * LINK_EFFICIENCY))
+                         STEP_OVERHEAD_S, Transport(LINK_LATENCY_S, link), tp, Transport(ALLREDUCE_LATENCY_S, link))
 
 
 def kv_budget_bytes(device: Gpu, weight_bytes: int) -> int:
-    """KV cache one worker of this GPU can hold next to its weights."""
+    """KV cache one worker (one rank of a tensor-parallel worker) of this GPU can hold next to its weights."""
     budget = int(device.memory_bytes * MEMORY_UTILIZATION) - weight_bytes
     if budget <= 0:
         raise ValueError(f"the weights ({weight_bytes / GB:.1f} GB) do not fit in a {device.name} "
-                         f"({device.memory_bytes / GB:.0f} GB at {MEMORY_UTILIZATION:.0%})")
+                         f"({device.memory_bytes / GB:.0f} GB at {MEMORY_UTILIZATION:.0%}): split them over "
+                         "GPUs with --tensor-parallel-sizes")
     return budget
 
 
