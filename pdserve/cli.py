@@ -55,6 +55,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quantization", default=None, choices=["int8"],
                    help="int8: weight-only int8 linear layers, one scale per output channel (activations stay --dtype)")
     p.add_argument("--device", default="cpu")
+    p.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="split the model over this many processes, one per device (offline engine only, so far)")
     p.add_argument("--enforce-eager", action="store_true",
                    help="no CUDA graphs for decode (on by default with --device cuda)")
     p.add_argument("--pipelined-decode", action=argparse.BooleanOptionalAction, default=None,
@@ -89,7 +91,15 @@ def generate_offline(args: argparse.Namespace) -> int:
     engine = LLMEngine(EngineConfig(model=args.model, load_format=args.load_format, dtype=args.dtype,
                                     quantization=args.quantization, device=args.device,
                                     cuda_graphs=False if args.enforce_eager else None,
-                                    pipelined_decode=args.pipelined_decode))
+                                    pipelined_decode=args.pipelined_decode,
+                                    tensor_parallel_size=args.tensor_parallel_size))
+    try:
+        return _generate_offline(engine, params, args)
+    finally:
+        engine.close()  # a tensor-parallel engine's other ranks
+
+
+def _generate_offline(engine, params: SamplingParams, args: argparse.Namespace) -> int:
     tok = engine.tokenizer
     if tok is None:
         print("pdserve generate: this model has no tokenizer; text prompts need one", file=sys.stderr)

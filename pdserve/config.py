@@ -218,6 +218,9 @@ class EngineConfig:
     # CUDA graphs for decode-only steps (pdserve.cuda_graphs). None: on for CUDA (decode and colocated
     # roles), off elsewhere; True on a CPU runs the same padded buckets eagerly (tests).
     cuda_graphs: bool | None = None
+    # Tensor parallelism (pdserve.tensor_parallel, pdserve.tp_runner): the model split over this many
+    # processes, one per device; rank 0 schedules. The offline engine only, so far.
+    tensor_parallel_size: int = 1
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
@@ -229,6 +232,8 @@ class EngineConfig:
             raise ValueError(f"load_format must be auto, hf, gguf or dummy, got {self.load_format!r}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -14,7 +14,7 @@ import torch
 from pdserve.block_pool import BlockPool
 from pdserve.config import EngineConfig
 from pdserve.kv_cache import KVCacheManager
-from pdserve.loader import LoadedModel, load
+from pdserve.loader import LoadedModel, load, load_shard
 from pdserve.output import RequestOutput, TextOutput, token_output
 from pdserve.request import FinishReason, Request, validate_prompt
 from pdserve.runner import ModelRunner, StepResult
@@ -40,6 +40,10 @@ class EngineCore:
 
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None, role: Role = Role.COLOCATED):
         self.config = config
+        tp = config.tensor_parallel_size
+        if tp > 1:
+            assert loaded is None, "a tensor-parallel engine loads its ranks' shares itself"
+            loaded = load_shard(config, tp, 0)
         loaded = loaded or load(config)
         self.info = loaded.info
         self.model_config = loaded.info.config
@@ -50,17 +54,29 @@ class EngineCore:
         self.pool = BlockPool(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
         self.kv = KVCacheManager(self.pool)
         cuda = torch.device(config.device).type == "cuda"
-        graphs = (config.cuda_graphs if config.cuda_graphs is not None else cuda) and role is not Role.PREFILL
+        # The fast path's graphs and pipelining are one process's: a tensor-parallel engine runs without them.
+        graphs = (config.cuda_graphs if config.cuda_graphs is not None else cuda) and role is not Role.PREFILL \
+            and tp == 1
         self.runner = ModelRunner(loaded.model, num_blocks, config.cache.block_size, cuda_graphs=graphs,
                                   max_num_seqs=config.scheduler.max_num_seqs, max_model_len=self.max_model_len)
+        if tp > 1:
+            from pdserve.tp_runner import TPRunner
+
+            self.runner = TPRunner(config, self.runner, tp)
         self.scheduler = Scheduler(config.scheduler, self.kv, self.eos_token_ids, self.max_model_len, role)
-        on = config.pipelined_decode if config.pipelined_decode is not None else self.runner.device.type == "cuda"
-        self.pipelined = on and role is not Role.PREFILL
+        on = config.pipelined_decode if config.pipelined_decode is not None else cuda
+        self.pipelined = on and role is not Role.PREFILL and tp == 1
         self.steps = 0
         self.tokens_processed = 0
 
     def validate_prompt(self, prompt: Sequence[int]) -> None:
         validate_prompt(prompt, self.model_config.vocab_size, self.max_model_len)
+
+    def close(self) -> None:
+        """Release what lives beyond this process (a tensor-parallel engine's other ranks)."""
+        close = getattr(self.runner, "close", None)
+        if close is not None:
+            close()
 
     def cancel(self, request_id: str) -> bool:
         """End an unfinished request, wherever it stands, and free its blocks."""
@@ -123,7 +139,8 @@ class EngineCore:
 
 
 class LLMEngine:
-    """The offline engine: requests in, text and tokens out, all in this process."""
+    """The offline engine: requests in, text and tokens out, all in this process (with tensor
+    parallelism, rank 0 here and the other ranks in processes of their own: close() stops them)."""
 
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None):
         self.core = EngineCore(config, loaded)
@@ -131,6 +148,16 @@ class LLMEngine:
         self._text: dict[str, TextOutput] = {}
         self._ids = itertools.count()
         self._seed_rng = random.Random(config.seed)
+
+    def close(self) -> None:
+        """Stop a tensor-parallel engine's other ranks (nothing to do otherwise)."""
+        self.core.close()
+
+    def __enter__(self) -> LLMEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     # The core's parts, for inspection.
     model_config = property(lambda self: self.core.model_config)

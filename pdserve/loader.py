@@ -101,6 +101,23 @@ def load(config: EngineConfig) -> LoadedModel:
     return LoadedModel(model, info)
 
 
+def load_shard(config: EngineConfig, tp: int, rank: int) -> LoadedModel:
+    """One tensor-parallel rank's share of the model (pdserve.tensor_parallel), read tensor by tensor:
+    no rank holds the whole model. ModelInfo is the whole model's."""
+    from pdserve.tensor_parallel import rank_config, shard_weights
+
+    path, fmt = resolve_format(config.model, config.load_format)
+    info = load_info(config)
+    model = _empty_model(rank_config(info.config, tp), config)
+    if fmt == "dummy":
+        _init_dummy(model, config.seed + rank)
+    else:
+        model.load_weights(shard_weights(_safetensors_weights(_weights_dir(path, fmt)), info.config, tp, rank))
+    if config.quantization:
+        quantize(model, config.quantization)
+    return LoadedModel(model, info)
+
+
 def _info(cfg: ModelConfig, tokenizer: Tokenizer | None, config: EngineConfig, path: str) -> ModelInfo:
     eos = set(cfg.eos_token_ids) | set(tokenizer.eos_token_ids if tokenizer is not None else ())
     max_len = min(config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)

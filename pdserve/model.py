@@ -1,6 +1,7 @@
 """Llama-family decoder: Llama 2/3, Mistral, Qwen2 (q/k/v biases), Qwen3 (q/k norm).
 
-The model never sees requests: ``forward(input_ids, positions, attention metadata, kv_cache)`` returns
+With tensor parallelism each rank holds a share (pdserve.tensor_parallel) and all-reduces the outputs
+of o_proj and down_proj (set_tensor_parallel). The model never sees requests: ``forward(input_ids, positions, attention metadata, kv_cache)`` returns
 hidden states of the step's tokens; ``compute_logits`` projects only the rows that will be sampled.
 q/k/v and gate/up projections are fused (one matmul each); ``load_weights`` maps Hugging Face names.
 """
@@ -48,6 +49,13 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
     return torch.where(medium, smoothed, scaled)
 
 
+def all_reduce(x: torch.Tensor, group) -> torch.Tensor:
+    """Sum x over a tensor-parallel group's ranks, in place (a row-parallel layer's partial sums)."""
+    if group is not None:
+        group.allreduce([x]).wait()
+    return x
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -58,6 +66,7 @@ class Attention(nn.Module):
         self.o_proj = Linear(cfg.q_size, cfg.hidden_size, bias=False)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.tp_group = None  # tensor parallelism: o_proj's partial sums are all-reduced over it
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                 meta: AttentionMetadata, kv_layer: torch.Tensor) -> torch.Tensor:
@@ -71,7 +80,7 @@ class Attention(nn.Module):
         q, k, v = layer_ops.rope_and_cache(qkv, positions, *rope, kv_layer, meta.slot_mapping,
                                            self.num_heads, self.num_kv_heads)
         o = paged_attention(q, k, v, kv_layer, meta, self.scale)  # [tokens, heads, head_dim]
-        return self.o_proj(o.view(t, self.q_size))
+        return all_reduce(self.o_proj(o.view(t, self.q_size)), self.tp_group)
 
 
 class MLP(nn.Module):
@@ -79,9 +88,10 @@ class MLP(nn.Module):
         super().__init__()
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.tp_group = None  # tensor parallelism: down_proj's partial sums are all-reduced over it
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(layer_ops.silu_and_mul(self.gate_up_proj(x)))
+        return all_reduce(self.down_proj(layer_ops.silu_and_mul(self.gate_up_proj(x))), self.tp_group)
 
 
 class DecoderLayer(nn.Module):
@@ -130,6 +140,13 @@ class LlamaModel(nn.Module):
         freqs = torch.outer(pos, rope_inv_freq(self.cfg).to(device))
         self.rope_cos = freqs.cos()
         self.rope_sin = freqs.sin()
+
+    def set_tensor_parallel(self, group) -> None:
+        """This model is one rank's share (pdserve.tensor_parallel): all-reduce the row-parallel layers
+        (o_proj, down_proj) over group, a process group of the worker's ranks."""
+        for layer in self.layers:
+            layer.self_attn.tp_group = group
+            layer.mlp.tp_group = group
 
     def tie_weights(self) -> None:
         if self.cfg.tie_word_embeddings:

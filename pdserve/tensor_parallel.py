@@ -19,7 +19,12 @@ each decode rank that holds it.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, replace
+
+import torch
+
+from pdserve.config import ModelConfig
 
 
 @dataclass(frozen=True)
@@ -97,3 +102,40 @@ def handoff_plan(prefill: TPLayout, decode: TPLayout) -> list[HeadTransfer]:
         out.append(HeadTransfer(src, dst, tuple(heads), tuple(src_heads.index(h) for h in heads),
                                 tuple(dst_heads.index(h) for h in heads)))
     return out
+
+
+# --- a rank's share of the model ----------------------------------------------------------------------
+
+def rank_config(cfg: ModelConfig, tp: int) -> ModelConfig:
+    """The shape of one rank's share: its attention heads, its KV heads and its slice of the MLP; the
+    hidden size, vocabulary (embedding and LM head are replicated) and everything else unchanged."""
+    layout = TPLayout(cfg.num_heads, cfg.num_kv_heads, tp)
+    if cfg.intermediate_size % tp:
+        raise ValueError(f"tensor-parallel size {tp} does not divide the model's MLP size {cfg.intermediate_size}")
+    return replace(cfg, num_heads=layout.heads_per_rank, num_kv_heads=layout.kv_heads_per_rank,
+                   intermediate_size=cfg.intermediate_size // tp)
+
+
+def shard_weights(weights: Iterable[tuple[str, torch.Tensor]], cfg: ModelConfig, tp: int,
+                  rank: int) -> Iterator[tuple[str, torch.Tensor]]:
+    """Hugging Face-named tensors cut to one rank's share (Megatron-style), one tensor at a time, so a
+    rank never holds the whole model: q/k/v and gate/up by output rows (column-parallel), o_proj and
+    down_proj by input columns (row-parallel: their outputs are partial sums, all-reduced); norms,
+    embedding and LM head whole."""
+    layout = TPLayout(cfg.num_heads, cfg.num_kv_heads, tp)
+    d, inter = cfg.head_dim, cfg.intermediate_size // tp
+    q_rows = torch.arange(layout.q_heads(rank).start * d, layout.q_heads(rank).stop * d)
+    kv_rows = torch.tensor([h * d + j for h in layout.kv_heads(rank) for j in range(d)])
+    mlp = torch.arange(rank * inter, (rank + 1) * inter)
+    cut = {"q_proj": (0, q_rows), "k_proj": (0, kv_rows), "v_proj": (0, kv_rows), "o_proj": (1, q_rows),
+           "gate_proj": (0, mlp), "up_proj": (0, mlp), "down_proj": (1, mlp)}
+    for name, tensor in weights:
+        parts = name.split(".")
+        kind = parts[-2] if len(parts) >= 2 else ""
+        if kind in cut:
+            dim, index = cut[kind]
+            if tensor.dim() == 1 and dim == 1:  # a row-parallel layer's bias: added once, on rank 0
+                tensor = tensor if rank == 0 else torch.zeros_like(tensor)
+            else:
+                tensor = tensor.index_select(dim if tensor.dim() > 1 else 0, index).contiguous()
+        yield name, tensor

@@ -190,6 +190,9 @@ def cluster_config_from_args(args: argparse.Namespace):
     from pdserve.config import AutoscaleConfig, CacheConfig, ClusterConfig, EngineConfig, PoolConfig, SchedulerConfig
     from pdserve.tiers import TiersConfig, parse_tier_slos
 
+    if args.tensor_parallel_size != 1:
+        raise ValueError("--tensor-parallel-size: a cluster's workers are one device each so far (the offline "
+                         "engine, `pdserve generate --offline`, splits a model)")
     gpu = args.device.startswith("cuda")
     cpus = args.worker_cpus if args.worker_cpus is not None else (1.0 if gpu else 0.5)
     gpus = args.worker_gpus if args.worker_gpus is not None else (1.0 if gpu else 0.0)

@@ -80,3 +80,114 @@ def test_every_prefill_decode_pair_moves_exactly_each_decode_ranks_kv(heads, kv)
 def test_the_two_sides_must_serve_one_model():
     with pytest.raises(ValueError, match="same model"):
         handoff_plan(TPLayout(8, 2, 2), TPLayout(8, 4, 2))
+
+
+# --- the offline engine at TP > 1 (ranks in processes of their own, gloo) ------------------------------
+
+from pdserve.config import CacheConfig, EngineConfig, SchedulerConfig  # noqa: E402
+from pdserve.engine import LLMEngine  # noqa: E402
+from pdserve.sampling import SamplingParams  # noqa: E402
+
+NEW_TOKENS = 16
+
+
+def tp_config(path, tp: int) -> EngineConfig:
+    return EngineConfig(model=str(path), tensor_parallel_size=tp, cache=CacheConfig(block_size=4, num_blocks=128),
+                        scheduler=SchedulerConfig(max_num_batched_tokens=32, max_num_seqs=8))
+
+
+def tp_prompts(vocab: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(1, vocab, (n,), generator=g).tolist() for n in (5, 17, 33, 8)]
+
+
+def greedy_tokens(config: EngineConfig, batch) -> tuple[list[list[int]], int]:
+    with LLMEngine(config) as engine:
+        out = [c.token_ids for c in engine.generate(batch, SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0,
+                                                                           ignore_eos=True))]
+        return out, engine.pool.num_used_blocks
+
+
+def hf_greedy(path, batch) -> list[list[int]]:
+    import transformers
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    out = []
+    with torch.no_grad():
+        for prompt in batch:
+            ref = hf.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
+                              do_sample=False, pad_token_id=0)
+            out.append(ref[0, len(prompt):].tolist())
+    return out
+
+
+@pytest.fixture(scope="module")
+def tp_checkpoints(tmp_path_factory):
+    from conftest import build_tiny_checkpoint
+
+    root = tmp_path_factory.mktemp("tp")
+    return {"gqa": build_tiny_checkpoint(root / "gqa", "llama", num_attention_heads=8, num_key_value_heads=2),
+            "mqa": build_tiny_checkpoint(root / "mqa", "qwen2", num_attention_heads=8, num_key_value_heads=1)}
+
+
+@pytest.mark.parametrize("kind, sizes", [("gqa", (2, 4)), ("mqa", (4,))])
+def test_tp_greedy_tokens_equal_tp1_and_transformers(tp_checkpoints, kind, sizes):
+    """8 attention heads over 2 KV heads (TP 2 splits them, TP 4 replicates them) and over 1 (MQA, with
+    q/k/v biases): the same greedy tokens at every TP size as at TP 1 and as transformers; no block left
+    used on rank 0."""
+    path = tp_checkpoints[kind]
+    batch = tp_prompts(320)
+    ref, _ = greedy_tokens(tp_config(path, 1), batch)
+    assert ref == hf_greedy(path, batch)
+    for tp in sizes:
+        tokens, used = greedy_tokens(tp_config(path, tp), batch)
+        assert tokens == ref, tp
+        assert used == 0
+
+
+def test_a_rank_holds_its_share_only(tp_checkpoints):
+    """Rank r of TP 4 over 8 heads / 2 KV heads: 2 query heads, 1 KV head (replicated), a quarter of
+    the MLP; the embedding and LM head whole."""
+    from pdserve.loader import load_shard
+
+    cfg = tp_config(tp_checkpoints["gqa"], 4)
+    full = load_shard(cfg, 1, 0).model
+    for rank in (0, 3):
+        m = load_shard(cfg, 4, rank).model
+        d = m.cfg.head_dim
+        assert (m.cfg.num_heads, m.cfg.num_kv_heads, m.cfg.intermediate_size) == (2, 1, 32)
+        assert m.layers[0].self_attn.qkv_proj.weight.shape == ((2 + 2) * d, 64)
+        assert m.layers[0].mlp.down_proj.weight.shape == (64, 32)
+        q = m.layers[0].self_attn.qkv_proj.weight[: 2 * d]
+        assert torch.equal(q, full.layers[0].self_attn.qkv_proj.weight[rank * 2 * d:(rank + 1) * 2 * d])
+        k = m.layers[0].self_attn.qkv_proj.weight[2 * d: 3 * d]
+        kv = rank // 2  # TP 4 over 2 KV heads: ranks 0-1 hold head 0, ranks 2-3 head 1
+        assert torch.equal(k, full.layers[0].self_attn.qkv_proj.weight[8 * d + kv * d: 8 * d + (kv + 1) * d])
+        assert torch.equal(m.lm_head.weight, full.lm_head.weight)
+
+
+def test_a_tp_size_the_heads_cannot_take_is_an_error_at_start(tp_checkpoints):
+    with pytest.raises(ValueError, match="does not divide the model's 8 attention heads"):
+        LLMEngine(tp_config(tp_checkpoints["gqa"], 3))
+
+
+@pytest.mark.slow
+def test_smollm2_at_tp3_equals_tp1():
+    """SmolLM2-135M (9 heads, 3 KV heads, MLP 1536) split over 3 ranks: the same greedy tokens."""
+    from pdserve.loader import default_model_path
+
+    try:
+        model = default_model_path()
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+    batch = tp_prompts(49000)[:3]
+    ref, _ = greedy_tokens(tp_config(model, 1), batch)
+    tokens, used = greedy_tokens(tp_config(model, 3), batch)
+    assert tokens == ref and used == 0
+
+
+def test_serve_refuses_tensor_parallelism_for_now():
+    from router.cli import cluster_config_from_args, parse_args
+
+    with pytest.raises(ValueError, match="one device each so far"):
+        cluster_config_from_args(parse_args(["serve", "--tensor-parallel-size", "2"]))
