@@ -79,6 +79,8 @@ class TPRunner:
         self._store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                                     timeout=timedelta(seconds=GROUP_TIMEOUT_S))
         threads = max(1, (os.cpu_count() or 1) // tp)
+        if runner.device.type == "cpu":
+            torch.set_num_threads(threads)  # this process is rank 0: the cores are split between the ranks
         ctx = mp.get_context("spawn")
         self._ranks = [ctx.Process(target=_follower, args=(config, tp, r, "127.0.0.1", self._store.port,
                                                            runner.num_blocks, threads),

@@ -1,0 +1,131 @@
+"""Tensor parallelism on this CPU: TP 1 against TP 2, and what one decode step's all-reduces cost over gloo.
+
+    .venv/bin/python bench/tp_cpu.py [--model PATH] [--prompt-len 512] [--batch 8] [--steps 20]
+
+In one run, with the same model and the same seeded prompts (default: a random checkpoint of
+SmolLM2-135M's size, fp32, with 8 attention heads over 2 KV heads instead of its 9 over 3, which TP 2
+cannot split; made here with transformers):
+- TP 1 (one process, all cores) and TP 2 (two processes, half the cores each, gloo): the time of one
+  prefill step of --prompt-len tokens and of a decode step at --batch requests (median of --steps);
+- gloo's all-reduce of one decode step's activations ([batch, hidden] fp32) between two processes,
+  timed alone, times the 2 per layer a step makes.
+A 2-core machine can show the protocol's cost, not a speed-up: TP 2 splits the same two cores that TP 1
+already uses, and adds the all-reduces.
+"""
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import statistics
+import sys
+import tempfile
+import time
+from datetime import timedelta
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+
+def smollm2_sized_checkpoint(directory: Path) -> Path:
+    """A seeded random Llama checkpoint of SmolLM2-135M's size with 8 heads over 2 KV heads."""
+    import transformers
+
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                                   num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=2048,
+                                   tie_word_embeddings=True)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(directory, safe_serialization=True)
+    return directory
+
+
+def time_engine(model: str | None, tp: int, prompt_len: int, batch: int, steps: int) -> dict:
+    from pdserve.config import CacheConfig, EngineConfig, SchedulerConfig
+    from pdserve.engine import EngineCore
+    from pdserve.request import Request
+    from pdserve.sampling import SamplingParams
+
+    if tp == 1:
+        torch.set_num_threads(os.cpu_count() or 1)
+    cfg = EngineConfig(model=model, tensor_parallel_size=tp, cache=CacheConfig(num_blocks=512, enable_prefix_caching=False),
+                       scheduler=SchedulerConfig(max_num_batched_tokens=prompt_len, max_num_seqs=batch))
+    core = EngineCore(cfg)
+    try:
+        g = torch.Generator().manual_seed(0)
+        vocab = core.model_config.vocab_size
+        params = SamplingParams(max_tokens=steps + 10, temperature=0.0, ignore_eos=True)
+        prefill = []
+        for i in range(batch):
+            core.scheduler.add(Request(f"r{i}", torch.randint(3, vocab, (prompt_len,), generator=g).tolist(), params, 0))
+            t0 = time.perf_counter()
+            core.step()  # one prompt per step (the budget is one prompt)
+            prefill.append(time.perf_counter() - t0)
+        decode = []
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            out = core.step()
+            decode.append(time.perf_counter() - t0)
+            assert len(out) == batch
+        return dict(tp=tp, prefill_s=statistics.median(prefill[1:]), decode_s=statistics.median(decode[2:]),
+                    layers=core.model_config.num_layers, hidden=core.model_config.hidden_size)
+    finally:
+        core.close()
+
+
+def _allreduce_peer(port: int, numel: int, reps: int) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))
+    group = dist.ProcessGroupGloo(store, 1, 2, timedelta(seconds=60))
+    x = torch.ones(numel)
+    for _ in range(reps):
+        group.allreduce([x]).wait()
+
+
+def time_allreduce(numel: int, reps: int = 200) -> float:
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
+    peer = mp.get_context("spawn").Process(target=_allreduce_peer, args=(store.port, numel, reps + 20))
+    peer.start()
+    group = dist.ProcessGroupGloo(store, 0, 2, timedelta(seconds=60))
+    x = torch.ones(numel)
+    times = []
+    for i in range(reps + 20):
+        t0 = time.perf_counter()
+        group.allreduce([x]).wait()
+        if i >= 20:
+            times.append(time.perf_counter() - t0)
+    peer.join(60)
+    return statistics.median(times)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None, help="a checkpoint whose heads TP 2 can split (default: made here)")
+    ap.add_argument("--prompt-len", type=int, default=512)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=20)
+    args = ap.parse_args()
+    print(f"{os.cpu_count()} cores; prompt {args.prompt_len} tokens, decode batch {args.batch}", flush=True)
+    model = args.model or str(smollm2_sized_checkpoint(Path(tempfile.mkdtemp(prefix="pdserve-tp-"))))
+    rows = [time_engine(model, tp, args.prompt_len, args.batch, args.steps) for tp in (1, 2)]
+    layers, hidden = rows[0]["layers"], rows[0]["hidden"]
+    one = time_allreduce(args.batch * hidden)
+    per_step = 2 * layers * one
+    print(f"\n{'TP':>3} {'prefill ms':>11} {'decode step ms':>15}")
+    for r in rows:
+        print(f"{r['tp']:>3} {r['prefill_s'] * 1e3:>11.1f} {r['decode_s'] * 1e3:>15.2f}")
+    print(f"TP 2 / TP 1: prefill {rows[1]['prefill_s'] / rows[0]['prefill_s']:.2f}x, decode "
+          f"{rows[1]['decode_s'] / rows[0]['decode_s']:.2f}x")
+    print(f"gloo all-reduce of [{args.batch}, {hidden}] fp32 between 2 processes: {one * 1e6:.0f} us; x {2 * layers} "
+          f"per step = {per_step * 1e3:.2f} ms ({per_step / rows[1]['decode_s']:.0%} of the TP 2 decode step)")
+
+
+if __name__ == "__main__":
+    main()
