@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from pdserve.attention import AttentionMetadata, DecodeGroup
+from pdserve.sampling import to_device
 
 if TYPE_CHECKING:  # pdserve.runner may import this module
     from pdserve.model import LlamaModel
@@ -175,7 +176,7 @@ class DecodeGraphs:
         pending = [(row, c.pending_row) for row, c in enumerate(chunks) if c.pending_row is not None]
         if pending:
             assert previous is not None, "a pending token needs the previous step's sampled tokens"
-            rows, src = self._staged(torch.tensor(list(zip(*pending)))).to(self.device, non_blocking=True)
+            rows, src = to_device(torch.tensor(list(zip(*pending))), self.device)
             buf.input_ids[rows] = previous[src]
         return buf
 

@@ -120,10 +120,8 @@ class EngineCore:
         launched = self.scheduler.launched
         if step.chunks:
             previous = launched[-1].result.sampled if launched else None
-            result = self.runner.execute(step.chunks, layer_done, previous)
-            self.steps += 1
-            self.tokens_processed += sum(len(c.token_ids) for c in step.chunks)
-            self.scheduler.launch(step, result)
+            self._count(step)
+            self.scheduler.launch(step, self.runner.execute(step.chunks, layer_done, previous))
         if len(launched) > 1 or (launched and not step.chunks):
             return self.scheduler.resolve(launched[0])
         return []
@@ -133,9 +131,12 @@ class EngineCore:
         return self.runner.execute(step.chunks, layer_done)
 
     def account(self, step: ScheduledStep, result: StepResult) -> list[SampledToken]:
+        self._count(step)
+        return self.scheduler.update(step, result)
+
+    def _count(self, step: ScheduledStep) -> None:
         self.steps += 1
         self.tokens_processed += sum(len(c.token_ids) for c in step.chunks)
-        return self.scheduler.update(step, result)
 
 
 class LLMEngine:

@@ -178,7 +178,7 @@ class PairChannel:
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:  # "cuda" != "cuda:0" when comparing devices
             self.device = torch.device("cuda", torch.cuda.current_device())
-        self.backend = _backend_for(self.device)
+        self.backend = backend_for(self.device)
         self.staged = False  # a CUDA pair on one GPU: through host memory over gloo (see _same_gpu)
         self.timeout_s = timeout_s
         self.stats = stats if stats is not None else TransferStats()
@@ -192,7 +192,7 @@ class PairChannel:
             pair_store = dist.PrefixStore(self.prefix, store)
             if self.device.type == "cuda" and _same_gpu(pair_store, rank, self.device):
                 self.staged, self.backend = True, "gloo"
-            self._pg: dist.ProcessGroup | None = _new_group(pair_store, rank, timeout, self.backend)
+            self._pg: dist.ProcessGroup | None = new_process_group(pair_store, rank, 2, timeout, self.backend)
         except RuntimeError as e:
             raise self._as_transfer_error(e, deadline, "the rendezvous") from e
 
@@ -342,7 +342,8 @@ def _same_gpu(store: dist.Store, rank: int, device: torch.device) -> bool:
     return store.get(f"gpu/{1 - rank}").decode() == mine  # waits for the peer, up to the store's timeout
 
 
-def _backend_for(device: torch.device) -> str:
+def backend_for(device: torch.device) -> str:
+    """The collective backend for tensors on device: gloo on CPU, NCCL on CUDA."""
     if device.type == "cpu":
         return "gloo"
     if device.type == "cuda":
@@ -350,14 +351,16 @@ def _backend_for(device: torch.device) -> str:
     raise ValueError(f"no KV transfer backend for device type {device.type!r} (cpu: gloo, cuda: nccl)")
 
 
-def _new_group(store: dist.Store, rank: int, timeout: timedelta, backend: str) -> dist.ProcessGroup:
+def new_process_group(store: dist.Store, rank: int, size: int, timeout: timedelta, backend: str) -> dist.ProcessGroup:
+    """A process group of its own (no global world) on a store: a KV pair channel's two ranks, or a
+    tensor-parallel worker's ranks (pdserve.tp_runner)."""
     if backend == "gloo":
-        return dist.ProcessGroupGloo(store, rank, 2, timeout)
+        return dist.ProcessGroupGloo(store, rank, size, timeout)
     assert backend == "nccl", backend
-    # Untested on the CPU development machine. NCCL needs the two ranks on two different GPUs; its
-    # communicator is set up lazily by the first send/recv, which is a rendezvous as well.
+    # Untested on the CPU development machine. NCCL needs its ranks on different GPUs; its communicator
+    # is set up lazily by the first operation, which is a rendezvous as well.
     if not dist.is_nccl_available():
         raise RuntimeError("this torch build has no NCCL")
     options = dist.ProcessGroupNCCL.Options()
     options._timeout = timeout
-    return dist.ProcessGroupNCCL(store, rank, 2, options)
+    return dist.ProcessGroupNCCL(store, rank, size, options)

@@ -101,9 +101,7 @@ class ModelRunner:
             assert previous is not None, "a pending token needs the previous step's sampled tokens"
             dst, src = to_device(torch.tensor(list(zip(*pending))), self.device)
             input_ids[dst - 1] = previous[src]
-        spans = [(c.start, len(c.token_ids)) for c in chunks]
-        self.flops_total += step_flops(self.cfg, spans, sum(c.sample is not None for c in chunks))
-        self.bytes_total += step_bytes(self.cfg, spans, self._dtype_bytes, self._weight_bytes)
+        self._count_work(chunks)
         hidden = self.model(input_ids, positions, meta, self.kv_cache, layer_done)  # [tokens, hidden]
         last_row = [0] * len(chunks)  # row of each chunk's last token in the reordered batch
         row = 0
@@ -120,11 +118,15 @@ class ModelRunner:
                                     [chunks[i].output_index for i in sampling_chunks], device=self.device)
         return StepResult(sample(logits, batch), logits, sampling_chunks)
 
+    def _count_work(self, chunks: list[Chunk]) -> None:
+        """The step's analytic FLOPs and bytes (pdserve.utilization), the numerators of MFU and MBU."""
+        spans = [(c.start, len(c.token_ids)) for c in chunks]
+        self.flops_total += step_flops(self.cfg, spans, sum(c.sample is not None for c in chunks))
+        self.bytes_total += step_bytes(self.cfg, spans, self._dtype_bytes, self._weight_bytes)
+
     def _execute_graph(self, chunks: list[Chunk], previous: torch.Tensor | None) -> StepResult:
         """A decode-only step in its CUDA graph's bucket (padded; eager where no graph is captured)."""
-        spans = [(c.start, 1) for c in chunks]
-        self.flops_total += step_flops(self.cfg, spans, len(chunks))
-        self.bytes_total += step_bytes(self.cfg, spans, self._dtype_bytes, self._weight_bytes)
+        self._count_work(chunks)
         logits = self.graphs.run(chunks, previous)
         batch = SamplingBatch.build([c.sample for c in chunks], [c.seed for c in chunks],
                                     [c.output_index for c in chunks], device=self.device)

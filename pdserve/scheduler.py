@@ -295,10 +295,14 @@ class Scheduler:
         for req in launched.step.requests:
             if not req.finished and PENDING not in req.token_ids[max(req.num_computed_tokens - 2, 0):req.num_computed_tokens]:
                 self.kv.cache_computed_blocks(req)
-        for req in [r for r in self._free_after if not any(id(r) in s.members for s in self.launched)]:
+        for req in [r for r in self._free_after if not self._in_flight(r)]:
             self._free_after.remove(req)
             self.kv.free(req)
         return out
+
+    def _in_flight(self, req: Request) -> bool:
+        """Whether a launched step (pipelined decode) still uses req's blocks."""
+        return any(id(req) in step.members for step in self.launched)
 
     def abandon_launched(self) -> None:
         """A step failed: the launched steps will not resolve (their requests are being failed)."""
@@ -348,7 +352,7 @@ class Scheduler:
             assert req.status is RequestStatus.WAITING_FOR_KV, req.status
             del self.waiting_for_kv[req.request_id]
         del self.requests[req.request_id]
-        if any(id(req) in step.members for step in self.launched):
+        if self._in_flight(req):
             self._free_after.append(req)  # a launched step still writes its KV: freed when it resolves
         else:
             self.kv.free(req)
@@ -358,10 +362,9 @@ class Scheduler:
     def _reserve(self, req: Request) -> bool:
         """Blocks for a remote request's KV and its next token, if that leaves the configured headroom
         per running request (so that taking it in does not force a preemption at the very next step)."""
-        if not self._room_for(req):
+        while not self._room_for(req):
             if not self._drop_kept():
                 return False
-            return self._reserve(req)
         return self.kv.allocate_slots(req, req.num_tokens + 1)
 
     def _can_reserve(self) -> bool:

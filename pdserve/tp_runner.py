@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from pdserve.config import EngineConfig
+from pdserve.kv_transfer import backend_for, new_process_group
 from pdserve.runner import ModelRunner
 
 log = logging.getLogger(__name__)
@@ -28,12 +29,9 @@ GROUP_TIMEOUT_S = 120.0
 
 
 def _new_group(device: torch.device, store: dist.Store, rank: int, world: int) -> dist.ProcessGroup:
-    timeout = timedelta(seconds=GROUP_TIMEOUT_S)
-    if device.type == "cuda":  # never run here: one GPU cannot host two ranks
-        options = dist.ProcessGroupNCCL.Options()
-        options._timeout = timeout
-        return dist.ProcessGroupNCCL(store, rank, world, options)
-    return dist.ProcessGroupGloo(store, rank, world, timeout)
+    # NCCL on CUDA has never run here: one GPU cannot host two ranks.
+    return new_process_group(dist.PrefixStore("tp", store), rank, world, timedelta(seconds=GROUP_TIMEOUT_S),
+                             backend_for(device))
 
 
 def _broadcast(group: dist.ProcessGroup, chunks) -> None:
@@ -61,7 +59,7 @@ def _follower(config: EngineConfig, tp: int, rank: int, host: str, port: int, nu
     torch.set_num_threads(threads)
     store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=GROUP_TIMEOUT_S))
     device = torch.device(config.device)
-    group = _new_group(device, dist.PrefixStore("tp", store), rank, tp)
+    group = _new_group(device, store, rank, tp)
     loaded = load_shard(config, tp, rank)
     loaded.model.set_tensor_parallel(group)
     runner = ModelRunner(loaded.model, num_blocks, config.cache.block_size)
@@ -87,7 +85,7 @@ class TPRunner:
                                    name=f"tp-rank-{r}", daemon=True) for r in range(1, tp)]
         for p in self._ranks:
             p.start()
-        self.group = _new_group(runner.device, dist.PrefixStore("tp", self._store), 0, tp)
+        self.group = _new_group(runner.device, self._store, 0, tp)
         runner.model.set_tensor_parallel(self.group)
         self.group.barrier().wait()  # every rank has loaded its share
         self._closed = False

@@ -296,9 +296,7 @@ class Cluster:
                 if not self._pools.by_name["prefill"] or (e.target and not self._pools.by_name[e.target]):
                     empty_since = empty_since or now
                     if now - empty_since >= self.config.pool_wait_timeout_s:
-                        pool = e.target if self._pools.by_name["prefill"] else "prefill"
-                        raise _Retry(FailureReason.NO_WORKER, f"no {pool} worker is available (waited "
-                                                              f"{self.config.pool_wait_timeout_s:g} s for one)")
+                        raise self._no_worker(e.target if self._pools.by_name["prefill"] else "prefill")
                 else:
                     empty_since = None
                 deadlines = [d for d in (lane_deadline, empty_since and empty_since + self.config.pool_wait_timeout_s)
@@ -442,9 +440,12 @@ class Cluster:
     async def _alive(self, pool: str) -> list[Worker]:
         workers = await self._pools.alive(pool)
         if not workers:
-            raise _Retry(FailureReason.NO_WORKER, f"no {pool} worker is available (waited "
-                                                  f"{self.config.pool_wait_timeout_s:g} s for one)")
+            raise self._no_worker(pool)
         return workers
+
+    def _no_worker(self, pool: str) -> _Retry:
+        return _Retry(FailureReason.NO_WORKER, f"no {pool} worker is available (waited "
+                                               f"{self.config.pool_wait_timeout_s:g} s for one)")
 
 
 _LOST = {"prefill": FailureReason.PREFILL_LOST, "decode": FailureReason.DECODE_LOST, "fast": FailureReason.DECODE_LOST,
