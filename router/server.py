@@ -97,11 +97,10 @@ class GenerationService(pb_grpc.GenerationServicer):
         self._waiting: collections.Counter[ServiceTier] = collections.Counter()  # for admission, by tier
         self.serving = True
         # Autoscaled pools follow the demand seen here (the admission queue included).
-        self.autoscaler = AutoscaleLoop(cluster, lambda: self.admission.queued + self.flex_admission.queued) \
-            if cluster.config.ranges else None
+        self.autoscaler = AutoscaleLoop(cluster, lambda: self.admitting) if cluster.config.ranges else None
         if metrics is not None:
-            metrics.running.set_function(lambda: self.admission.running)
-            metrics.queued.set_function(lambda: self.admission.queued + self.flex_admission.queued)
+            metrics.running.set_function(lambda: self.admitted)
+            metrics.queued.set_function(lambda: self.admitting)
             metrics.tier_queued(self.queued)
 
     # -- Generate ---------------------------------------------------------------------------------
@@ -142,6 +141,16 @@ class GenerationService(pb_grpc.GenerationServicer):
             await abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
         except ValueError as e:  # the cluster's own checks (context length, duplicate request id, ...)
             await abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+
+    @property
+    def admitted(self) -> int:
+        """Requests admitted to the cluster, every tier's admission together."""
+        return self.admission.running + self.flex_admission.running
+
+    @property
+    def admitting(self) -> int:
+        """Requests waiting for admission, every tier's together."""
+        return self.admission.queued + self.flex_admission.queued
 
     def queued(self, tier: ServiceTier) -> int:
         """Requests of a tier waiting: for admission, or in the cluster's line for workers."""
@@ -224,8 +233,7 @@ class GenerationService(pb_grpc.GenerationServicer):
         stats = {s.worker_id: s for s in await self.cluster.stats()}
         pools = self.cluster.scaling
         out = pb.ClusterStatus(mode=self.cluster.config.mode,
-                               requests_running=self.admission.running + self.flex_admission.running,
-                               requests_queued=self.admission.queued + self.flex_admission.queued,
+                               requests_running=self.admitted, requests_queued=self.admitting,
                                queue_capacity=self.config.max_queued, serving=self.serving,
                                queued_by_service_tier={t.value: self.queued(t) for t in TIERS})
         for scale in self.pool_scale():
