@@ -8,7 +8,10 @@ cannot split; made here with transformers):
 - TP 1 (one process, all cores) and TP 2 (two processes, half the cores each, gloo): the time of one
   prefill step of --prompt-len tokens and of a decode step at --batch requests (median of --steps);
 - gloo's all-reduce of one decode step's activations ([batch, hidden] fp32) between two processes,
-  timed alone, times the 2 per layer a step makes.
+  timed alone, times the 2 per layer a step makes;
+- the LM head two ways, rank 0 holding the whole logits at the end: replicated (rank 0 alone computes
+  [batch, hidden] x [hidden, vocab]; the other ranks skip it) against vocab-parallel (each of 2 ranks
+  computes half the vocabulary, then the halves are all-gathered over gloo).
 A 2-core machine can show the protocol's cost, not a speed-up: TP 2 splits the same two cores that TP 1
 already uses, and adds the all-reduces.
 """
@@ -71,7 +74,7 @@ def time_engine(model: str | None, tp: int, prompt_len: int, batch: int, steps: 
             decode.append(time.perf_counter() - t0)
             assert len(out) == batch
         return dict(tp=tp, prefill_s=statistics.median(prefill[1:]), decode_s=statistics.median(decode[2:]),
-                    layers=core.model_config.num_layers, hidden=core.model_config.hidden_size)
+                    layers=core.model_config.num_layers, hidden=core.model_config.hidden_size, vocab=vocab)
     finally:
         core.close()
 
@@ -105,6 +108,49 @@ def time_allreduce(numel: int, reps: int = 200) -> float:
     return statistics.median(times)
 
 
+def _lm_head_peer(port: int, batch: int, hidden: int, vocab: int, reps: int) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))
+    group = dist.ProcessGroupGloo(store, 1, 2, timedelta(seconds=60))
+    x, w = torch.randn(batch, hidden), torch.randn(vocab // 2, hidden)
+    for _ in range(reps):
+        mine = x @ w.T
+        group.allgather([[torch.empty_like(mine), torch.empty_like(mine)]], [mine]).wait()
+
+
+def time_lm_head(batch: int, hidden: int, vocab: int, reps: int = 50) -> tuple[float, float]:
+    """(replicated, vocab-parallel): seconds until rank 0 holds the [batch, vocab] logits."""
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    x, w = torch.randn(batch, hidden), torch.randn(vocab, hidden)
+    replicated = []
+    for i in range(reps + 5):
+        t0 = time.perf_counter()
+        x @ w.T
+        if i >= 5:
+            replicated.append(time.perf_counter() - t0)
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
+    peer = mp.get_context("spawn").Process(target=_lm_head_peer, args=(store.port, batch, hidden, vocab, reps + 5))
+    peer.start()
+    group = dist.ProcessGroupGloo(store, 0, 2, timedelta(seconds=60))
+    half = w[: vocab // 2].contiguous()
+    split = []
+    for i in range(reps + 5):
+        t0 = time.perf_counter()
+        mine = x @ half.T
+        parts = [torch.empty_like(mine), torch.empty_like(mine)]
+        group.allgather([parts], [mine]).wait()
+        torch.cat(parts, dim=1)
+        if i >= 5:
+            split.append(time.perf_counter() - t0)
+    peer.join(60)
+    torch.set_num_threads(os.cpu_count() or 1)
+    return statistics.median(replicated), statistics.median(split)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="a checkpoint whose heads TP 2 can split (default: made here)")
@@ -125,6 +171,11 @@ def main() -> None:
           f"{rows[1]['decode_s'] / rows[0]['decode_s']:.2f}x")
     print(f"gloo all-reduce of [{args.batch}, {hidden}] fp32 between 2 processes: {one * 1e6:.0f} us; x {2 * layers} "
           f"per step = {per_step * 1e3:.2f} ms ({per_step / rows[1]['decode_s']:.0%} of the TP 2 decode step)")
+    vocab = rows[0]["vocab"]
+    for n in sorted({1, args.batch, 64}):  # rows that sample: one per request
+        rep, split = time_lm_head(n, hidden, vocab)
+        print(f"LM head [{n}, {hidden}] x [{hidden}, {vocab}], 1 thread per rank: replicated on rank 0 {rep * 1e3:.2f} ms, "
+              f"vocab-parallel over 2 ranks + all-gather {split * 1e3:.2f} ms ({split / rep:.2f}x)")
 
 
 if __name__ == "__main__":

@@ -23,11 +23,12 @@ from typing import Any
 import ray
 
 from pdserve.config import EngineConfig
-from pdserve.handoff import InboundTable, KVAnnounce, KVIntake, SecondsHistogram
-from pdserve.kv_transfer import RECEIVER_RANK, PairChannel, StoreServer, TransferStats
+from pdserve.handoff import InboundTable, KVAnnounce, KVIntake, PairLink, SecondsHistogram, open_shares
+from pdserve.kv_transfer import StoreServer, TransferStats
 from pdserve.messages import DecodeTask, Failure, FailureReason, StepOutput
 from pdserve.request import RequestStatus
 from pdserve.scheduler import Role
+from pdserve.tensor_parallel import pair_plan
 from pdserve.worker import StepRun, WorkerActor
 
 log = logging.getLogger(__name__)
@@ -40,8 +41,8 @@ class DecodeActor(WorkerActor):
     role = Role.DECODE
 
     def __init__(self, worker_id: str, config: EngineConfig, transfer_timeout_s: float,
-                 torch_threads: int | None = None, bind_host: str | None = None):
-        super().__init__(worker_id, config, torch_threads)
+                 torch_threads: int | None = None, bind_host: str | None = None, placement=None):
+        super().__init__(worker_id, config, torch_threads, placement=placement)
         self.transfer_timeout_s = transfer_timeout_s
         self.transfer_stats = TransferStats()
         self.handoff_seconds = SecondsHistogram()  # first token sampled -> KV usable here
@@ -83,18 +84,37 @@ class DecodeActor(WorkerActor):
         if announce.prefill_id not in self._lost_peers:
             self._intake(announce.prefill_id).announce(announce)
 
-    async def open_channel(self, prefill_id: str, generation: int) -> None:
-        """This side of a new pair channel; the prefill worker builds its side concurrently."""
+    async def open_channel(self, prefill_id: str, generation: int, prefill_tp: int = 1) -> None:
+        """This side of a new generation of the pair with a prefill worker of TP size prefill_tp: this
+        rank's channels and those of this worker's other ranks; the prefill worker builds its side
+        concurrently."""
         if prefill_id in self._lost_peers:
             raise ConnectionError(f"prefill worker {prefill_id} was lost; no channel to it")
-        channel = await asyncio.to_thread(
-            PairChannel, self.store.host, self.store.port, prefill_id, self.worker_id, RECEIVER_RANK,
-            self.transfer_timeout_s, self.core.runner.kv_cache.device, generation=generation,
-            stats=self.transfer_stats)
+        plan = pair_plan(self.core.model_config, prefill_tp, self.tp)
+        mine = [t for t in plan if t is None or t.dst_rank == 0]
+        theirs = sorted({t.dst_rank for t in plan if t is not None and t.dst_rank > 0})
+        ranks = [self.ranks.handles[r - 1] for r in theirs]
+        calls = [h.open_shares.remote(False, prefill_id, self.worker_id, self.store.host, self.store.port, generation,
+                                      [t for t in plan if t.dst_rank == r], self.transfer_timeout_s)
+                 for r, h in zip(theirs, ranks)]
+        try:
+            shares, *_ = await asyncio.gather(
+                asyncio.to_thread(open_shares, self.store.host, self.store.port, prefill_id, self.worker_id, False,
+                                  mine, self.transfer_timeout_s, self.core.runner.kv_cache.device, generation,
+                                  self.transfer_stats), *calls)
+        except BaseException:
+            for h in ranks:
+                h.drop.remote(prefill_id, generation)
+            raise
+        link = PairLink(shares)
+        if ranks:
+            link = PairLink(shares, others=lambda a, blocks: [h.recv_share.remote(prefill_id, generation, a, blocks).future()
+                                                              for h in ranks],
+                            drop=lambda: [h.drop.remote(prefill_id, generation) for h in ranks])
         if prefill_id in self._lost_peers:  # lost while the rendezvous ran
-            channel.close()
+            link.break_()
             raise ConnectionError(f"prefill worker {prefill_id} was lost; no channel to it")
-        self._intake(prefill_id).install(channel, generation)
+        self._intake(prefill_id).install(link, generation)
 
     async def kv_failed(self, prefill_id: str, request_ids: tuple[str, ...], error: str) -> None:
         """A prefill worker could not push these requests' KV: drop their reservations, report them failed."""
@@ -109,6 +129,8 @@ class DecodeActor(WorkerActor):
         intake = self._intakes.pop(worker_id, None)
         if intake is not None:
             intake.stop()
+        if self.ranks is not None:
+            self.ranks.call("peer_lost", worker_id)
 
     def _close(self) -> None:
         for intake in self._intakes.values():
@@ -174,7 +196,7 @@ class DecodeActor(WorkerActor):
             self._self_handle = ray.get_runtime_context().current_actor
         for prefill_id, rids in by_prefill.items():
             self._prefill[prefill_id].kv_ready.remote(self.worker_id, self._self_handle, self.store.host,
-                                                      self.store.port, tuple(rids))
+                                                      self.store.port, tuple(rids), self.tp)
 
     def _load(self) -> tuple[int, int, int]:
         s = self.core.scheduler

@@ -56,7 +56,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="int8: weight-only int8 linear layers, one scale per output channel (activations stay --dtype)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--tensor-parallel-size", type=int, default=1,
-                   help="split the model over this many processes, one per device (offline engine only, so far)")
+                   help="split the model over this many processes (ranks), one per device; for serve, every "
+                        "worker's, unless --prefill-/--decode-tensor-parallel-size say otherwise")
     p.add_argument("--enforce-eager", action="store_true",
                    help="no CUDA graphs for decode (on by default with --device cuda)")
     p.add_argument("--pipelined-decode", action=argparse.BooleanOptionalAction, default=None,

@@ -19,8 +19,8 @@ class ColocatedActor(WorkerActor):
     pool = "colocated"
     role = Role.COLOCATED
 
-    def __init__(self, worker_id: str, config: EngineConfig, torch_threads: int | None = None):
-        super().__init__(worker_id, config, torch_threads)
+    def __init__(self, worker_id: str, config: EngineConfig, torch_threads: int | None = None, placement=None):
+        super().__init__(worker_id, config, torch_threads, placement=placement)
         self._start()
 
     async def generate(self, task: PrefillTask) -> None:

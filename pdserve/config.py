@@ -219,8 +219,11 @@ class EngineConfig:
     # roles), off elsewhere; True on a CPU runs the same padded buckets eagerly (tests).
     cuda_graphs: bool | None = None
     # Tensor parallelism (pdserve.tensor_parallel, pdserve.tp_runner): the model split over this many
-    # processes, one per device; rank 0 schedules. The offline engine only, so far.
+    # processes, one per device; rank 0 schedules. In a cluster, each pool may set its own (PoolConfig).
     tensor_parallel_size: int = 1
+    # Every wait on the worker's ranks is bounded by this: a rank that dies or hangs takes the worker
+    # down within it (at once, for a rank whose process ends).
+    tensor_parallel_timeout_s: float = 60.0
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
@@ -234,6 +237,8 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.tensor_parallel_timeout_s <= 0:
+            raise ValueError(f"tensor_parallel_timeout_s must be positive, got {self.tensor_parallel_timeout_s}")
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -255,9 +260,14 @@ class PoolConfig:
     # knob: a pool either sets its own or takes the engine's, see ClusterConfig.engine_for).
     scheduler: SchedulerConfig | None = None
     cache: CacheConfig | None = None
-    torch_threads: int | None = None  # None: torch's default for the process
+    torch_threads: int | None = None  # None: torch's default for the process (per rank)
+    # Each worker of the pool is this many ranks (tensor parallelism), each taking num_cpus, num_gpus and
+    # resources, packed on one node by a placement group. None: the cluster engine's.
+    tensor_parallel_size: int | None = None
 
     def __post_init__(self) -> None:
+        if self.tensor_parallel_size is not None and self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.num_workers < 1:
             raise ValueError(f"a pool needs at least one worker, got {self.num_workers}")
         if self.max_workers is not None and self.max_workers < self.num_workers:
@@ -333,7 +343,9 @@ class ClusterConfig:
                 raise ValueError("the fast lane is a set of decode workers: it needs a disaggregated cluster")
             decode = self.engine_for(self.decode)
             lane = replace(decode.scheduler, max_num_seqs=self.tiers.fast_lane_max_running)
-            object.__setattr__(self, "fast", replace(self.fast, scheduler=lane, cache=self.fast.cache or decode.cache))
+            object.__setattr__(self, "fast", replace(self.fast, scheduler=lane, cache=self.fast.cache or decode.cache,
+                                                     tensor_parallel_size=self.fast.tensor_parallel_size
+                                                     or decode.tensor_parallel_size))
         if self.mode == "disaggregated":
             sizes = {name: self.engine_for(pool).cache.block_size for name, pool in self.pools.items()}
             if len(set(sizes.values())) > 1:  # KV moves between the pools block for block
@@ -370,4 +382,5 @@ class ClusterConfig:
         scheduler = pool.scheduler or self.engine.scheduler
         if scheduler.flex_min_share != self.tiers.flex_min_share:
             scheduler = replace(scheduler, flex_min_share=self.tiers.flex_min_share)
-        return replace(self.engine, scheduler=scheduler, cache=pool.cache or self.engine.cache)
+        return replace(self.engine, scheduler=scheduler, cache=pool.cache or self.engine.cache,
+                       tensor_parallel_size=pool.tensor_parallel_size or self.engine.tensor_parallel_size)

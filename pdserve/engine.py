@@ -38,7 +38,10 @@ class EngineCore:
     It deals in token ids only; text (detokenization, stop strings) is the caller's business.
     """
 
-    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None, role: Role = Role.COLOCATED):
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None, role: Role = Role.COLOCATED,
+                 ranks=None, on_fatal: Callable[[str], None] | None = None, threads: int | None = None):
+        """Tensor parallelism: ranks starts the other ranks (pdserve.tp_runner; None: processes of
+        their own), on_fatal(why) is called if they are lost, threads is each rank's torch threads."""
         self.config = config
         tp = config.tensor_parallel_size
         if tp > 1:
@@ -62,7 +65,7 @@ class EngineCore:
         if tp > 1:
             from pdserve.tp_runner import TPRunner
 
-            self.runner = TPRunner(config, self.runner, tp)
+            self.runner = TPRunner(config, self.runner, tp, ranks, on_fatal, threads)
         self.scheduler = Scheduler(config.scheduler, self.kv, self.eos_token_ids, self.max_model_len, role)
         on = config.pipelined_decode if config.pipelined_decode is not None else cuda
         self.pipelined = on and role is not Role.PREFILL and tp == 1

@@ -17,7 +17,13 @@ Request path (pdserve.request has the states):
    the first token of each request, when it was sampled and, if switched on, a checksum of the KV
    (`kv_checksum`). D writes each part straight into the reserved blocks and, after the trailer
    (a checksum that differs fails the transfer), hands each request to its scheduler (`kv_arrived`).
-5. Failure: every wait is bounded. A transfer that fails breaks its pair channel; every transfer of
+5. Tensor parallelism (pdserve.tensor_parallel): a pair of a TP A prefill worker and a TP B decode
+   worker is several channels, one per (prefill rank, decode rank) of `handoff_plan`, each carrying
+   the KV heads its decode rank holds, straight from a prefill rank that holds them (`PairLink`). Rank
+   0 of each side orders and announces as above; the other ranks' shares of each transfer are started
+   by a call from their rank 0 and run at the same time as its own. The channel of ranks (0, 0) carries
+   the trailer's first tokens.
+6. Failure: every wait is bounded. A transfer that fails breaks its pair channel; every transfer of
    that generation fails on both sides (P releases the KV, D frees the reservations and reports the
    requests failed, and the router retries them once elsewhere); the next transfer rebuilds the
    channel under the next generation. A request cancelled while its KV is being written into its
@@ -27,6 +33,7 @@ Request path (pdserve.request has the states):
 from __future__ import annotations
 
 import bisect
+import concurrent.futures
 import contextlib
 import heapq
 import itertools
@@ -40,7 +47,8 @@ from dataclasses import dataclass, field
 import torch
 
 from pdserve.faults import FaultPoints
-from pdserve.kv_transfer import PairChannel, TransferError, TransferTimeout
+from pdserve.kv_transfer import RECEIVER_RANK, SENDER_RANK, PairChannel, TransferError, TransferStats, TransferTimeout
+from pdserve.tensor_parallel import HeadTransfer
 
 log = logging.getLogger(__name__)
 
@@ -130,6 +138,171 @@ class SecondsHistogram:
             return {"buckets": list(self.buckets), "counts": list(self.counts), "sum": self.total}
 
 
+# --- one rank's share of a transfer ----------------------------------------------------------------
+
+def rank_name(worker_id: str, rank: int) -> str:
+    """A pair channel's name for one rank of a worker (rank 0 is the worker itself)."""
+    return worker_id if rank == 0 else f"{worker_id}#{rank}"
+
+
+@dataclass
+class PairLink:
+    """One generation of a (prefill worker, decode worker) pair as one rank holds it: its channels, each
+    with the heads it carries (None: every head; both workers are TP 1), and, on rank 0, how to start
+    the other ranks' shares of a transfer (`others`, returning futures) and make them give this
+    generation's channels up (`drop`)."""
+
+    shares: list[tuple[HeadTransfer | None, PairChannel]]
+    others: Callable[..., list[concurrent.futures.Future]] | None = None
+    drop: Callable[[], None] | None = None
+
+    @property
+    def timeout_s(self) -> float:
+        return self.shares[0][1].timeout_s
+
+    def break_(self) -> None:
+        for _, channel in self.shares:
+            channel.break_()
+        if self.drop is not None:
+            self.drop()
+
+    def close(self) -> None:
+        for _, channel in self.shares:
+            channel.close()
+
+
+def is_lead(transfer: HeadTransfer | None) -> bool:
+    """The channel of ranks (0, 0), which carries the trailer's first tokens."""
+    return transfer is None or (transfer.src_rank, transfer.dst_rank) == (0, 0)
+
+
+def share_heads(transfer: HeadTransfer | None, sender: bool, cache: torch.Tensor) -> torch.Tensor | None:
+    """Positions in this rank's cache of the heads a share carries (None: all of them, in order)."""
+    if transfer is None:
+        return None
+    index = list(transfer.src_index if sender else transfer.dst_index)
+    return None if index == list(range(cache.shape[2])) else torch.tensor(index, dtype=torch.int64, device=cache.device)
+
+
+def share_numel(cache: torch.Tensor, heads: torch.Tensor | None, num_blocks: int, trailer: int) -> int:
+    num_heads = cache.shape[2] if heads is None else heads.numel()
+    return cache.shape[0] * 2 * num_heads * num_blocks * cache.shape[4] * cache.shape[5] + trailer
+
+
+def trailer_len(num_requests: int, lead: bool, checksum: bool) -> int:
+    """The lead channel's trailer: each request's first token, when they were sampled, [checksum];
+    another channel's: [checksum]."""
+    return (num_requests + 1 if lead else 0) + checksum
+
+
+def run_concurrently(fns: Sequence[Callable[[], object]]) -> list[object]:
+    """Run each fn in a thread of its own (one inline), wait for all; the first error raises. A rank's
+    shares run side by side: one after the other could deadlock across ranks."""
+    if len(fns) == 1:
+        return [fns[0]()]
+    with concurrent.futures.ThreadPoolExecutor(len(fns)) as pool:
+        futures = [pool.submit(fn) for fn in fns]
+        return [f.result() for f in futures]
+
+
+def send_share(channel: PairChannel, seq: int, cache: torch.Tensor, index: torch.Tensor, heads: torch.Tensor | None,
+               spans: list[tuple[int, int]], wait_layers: Callable[[int], torch.cuda.Event | None],
+               trailer: Callable[[], list[int]] | None, num_trailer: int, checksum: bool,
+               faults: FaultPoints | None = None, stream: torch.cuda.Stream | None = None) -> None:
+    """One rank's share of transfer seq on one channel: for each span of layers, once wait_layers says it
+    is computed, the KV of blocks `index` (heads `heads`); then the trailer (trailer() gives its first
+    values; the checksum of the parts ends it)."""
+    faults = faults or FaultPoints()
+    wait_layers(spans[0][1])  # the receiver's clock starts with the header: send it once the first part can follow
+
+    def parts() -> Iterator[torch.Tensor]:
+        total = None
+        for i, (start, end) in enumerate(spans):
+            event = wait_layers(end)
+            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                if event is not None:
+                    stream.wait_event(event)
+                kv = cache[start:end] if heads is None else cache[start:end].index_select(2, heads)
+                part = kv.index_select(3, index)
+                if checksum:
+                    total = kv_checksum(part) if total is None else total + kv_checksum(part)
+                if faults.hit("corrupt"):
+                    part.view(-1)[:1].view(torch.uint8)[0] ^= 1  # one bit, after the checksum was taken
+                yield part
+            if i == 0:
+                faults.hit("mid_send")
+        if num_trailer:
+            values = torch.tensor(trailer() if trailer is not None else [], dtype=torch.int64, device=cache.device)
+            yield values if total is None else torch.cat([values, total.view(1)])
+
+    channel.send_parts(seq, parts(), share_numel(cache, heads, index.numel(), num_trailer))
+
+
+def receive_share(channel: PairChannel, seq: int, cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor,
+                  heads: torch.Tensor | None, total: int, spans: list[tuple[int, int]], num_trailer: int,
+                  checksum: bool, label: str, stream: torch.cuda.Stream | None = None) -> list[int]:
+    """One rank's share of transfer seq from one channel: rows `src` of the transfer's `total` blocks go
+    into this cache's blocks `dst` (heads `heads`); returns the trailer's values, the checksum checked
+    and taken off."""
+    num_heads = cache.shape[2] if heads is None else heads.numel()
+    trailer = torch.empty(num_trailer, dtype=torch.int64, device=cache.device)
+    # One staging buffer, reused by every part: each is scattered into the blocks before the next arrives.
+    staging = torch.empty((max(end - start for start, end in spans), 2, num_heads, total, *cache.shape[4:]),
+                          dtype=cache.dtype, device=cache.device)
+    buffers = [staging[: end - start] for start, end in spans]  # leading slices: contiguous
+    parts = channel.recv_parts(seq, [*buffers, *([trailer] if num_trailer else [])],
+                               share_numel(cache, heads, total, num_trailer))
+    head_list = heads.tolist() if heads is not None else None
+    sums = None
+    with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+        for (start, end), data in zip(spans, parts):
+            if checksum:
+                sums = kv_checksum(data) if sums is None else sums + kv_checksum(data)
+            if not dst.numel():
+                continue
+            if head_list is None:
+                cache[start:end].index_copy_(3, dst, data.index_select(3, src))
+            else:
+                for i, h in enumerate(head_list):
+                    cache[start:end, :, h].index_copy_(2, dst, data[:, :, i].index_select(2, src))
+        for _ in parts:  # the trailer, and the end of the transfer
+            pass
+        values = trailer.tolist()  # on a GPU this waits for the writes above as well
+    if sums is not None and int(sums) != values[-1]:
+        channel.stats.record_checksum_failure()
+        raise KVCorrupted(f"KV checksum mismatch on transfer {label}: sent {values[-1]}, received {int(sums)}")
+    return values[:-1] if checksum else values
+
+
+def open_shares(host: str, port: int, prefill_id: str, decode_id: str, sender: bool,
+                transfers: Sequence[HeadTransfer | None], timeout_s: float, device: torch.device, generation: int,
+                stats: TransferStats, before_send: Callable[[int], None] | None = None
+                ) -> list[tuple[HeadTransfer | None, PairChannel]]:
+    """One rank's channels of a generation of a pair, one per head transfer it sends or receives (None:
+    the one channel of two TP 1 workers), built side by side: each is a rendezvous with its peer rank."""
+    def one(t: HeadTransfer | None) -> tuple[HeadTransfer | None, PairChannel]:
+        src, dst = (0, 0) if t is None else (t.src_rank, t.dst_rank)
+        return t, PairChannel(host, port, rank_name(prefill_id, src), rank_name(decode_id, dst),
+                              SENDER_RANK if sender else RECEIVER_RANK, timeout_s, device, generation=generation,
+                              stats=stats, before_send=before_send if is_lead(t) else None)
+
+    return run_concurrently([lambda t=t: one(t) for t in transfers])  # type: ignore[return-value]
+
+
+def transfer_rows(num_blocks: Sequence[int], blocks: Sequence[Sequence[int] | None],
+                  device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Which of a transfer's blocks go where: (rows of the transfer, blocks of the cache), for the
+    requests still expected (blocks None: withdrawn; their KV arrives and goes nowhere)."""
+    for n, blk in zip(num_blocks, blocks):
+        if blk is not None and len(blk) != n:
+            raise TransferError(f"{n} blocks announced for a request that reserved {len(blk)}")
+    offsets = [0, *itertools.accumulate(num_blocks)]
+    keep = [(off, blk) for off, blk in zip(offsets, blocks) if blk is not None]
+    src = torch.tensor([o + j for o, blk in keep for j in range(len(blk))], dtype=torch.int64, device=device)
+    dst = torch.tensor([b for _, blk in keep for b in blk], dtype=torch.int64, device=device)
+    return src, dst
+
+
 # --- sender side (prefill worker) ------------------------------------------------------------------
 
 class KVCorrupted(TransferError):
@@ -150,9 +323,10 @@ class PushJob:
 
     def __init__(self, destination: str, request_ids: Sequence[str], block_ids: Sequence[Sequence[int]],
                  num_layers: int, layers_done: int = 0, tokens: Sequence[int] | None = None,
-                 sampled_at: float | None = None, tier: int = 1):
+                 sampled_at: float | None = None, tier: int = 1, step: int = 0):
         self.destination = destination
-        self.tier = tier  # the service tier's rank of its requests (pdserve.tiers): the pusher's order
+        self.tier = tier
+        self.step = step  # the engine step whose forward computes this KV (the other TP ranks wait for it)  # the service tier's rank of its requests (pdserve.tiers): the pusher's order
         self.request_ids = tuple(request_ids)
         self.block_ids = [list(b) for b in block_ids]
         self.num_layers = num_layers
@@ -236,7 +410,7 @@ class KVPusher:
         self._queued = threading.Condition(self._lock)
         self._generation = 1
         self._next_seq = 0
-        self._channel: PairChannel | None = None
+        self._channel: PairLink | None = None
         self._stopped = False
         self._jobs: list[tuple[int, int, PushJob]] = []  # a heap on (tier, queue order)
         self._order = itertools.count()
@@ -298,45 +472,35 @@ class KVPusher:
 
     def _send(self, a: KVAnnounce, job: PushJob) -> None:
         with self._lock:
-            channel = self._channel
-        if channel is None:
+            link = self._channel
+        if link is None:
             try:
-                channel = self._open_pair(a.generation)
+                link = as_link(self._open_pair(a.generation))
             except Exception as e:  # noqa: BLE001 - no channel: the peer is gone or unreachable
                 raise _NoPeer(f"no channel to {self.decode_id}: {e}") from e
             with self._lock:
-                self._channel = channel
+                self._channel = link
         cache = self.kv_cache
-        timeout = channel.timeout_s
+        timeout = link.timeout_s
         index = _block_index(job.block_ids, cache.device)
-        per_layer = cache[0].numel() // cache.shape[3] * index.numel()  # [2, kv_heads, n, block_size, head_dim]
         if self._stream is not None:
             self._stream.wait_stream(torch.cuda.current_stream())  # the index above was copied on it
         spans = layer_spans(job.num_layers, a.num_parts)
-        # The receiver's clock starts with the header: send it once the first part can follow.
-        job.wait_layers(spans[0][1], timeout)
+        others = link.others(a, job) if link.others is not None else []  # the other TP ranks' shares
 
-        def parts() -> Iterator[torch.Tensor]:
-            checksum = None
-            for i, (start, end) in enumerate(spans):
-                event = job.wait_layers(end, timeout)
-                with torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext():
-                    if event is not None:
-                        self._stream.wait_event(event)
-                    part = cache[start:end].index_select(3, index)
-                    if a.checksum:
-                        checksum = kv_checksum(part) if checksum is None else checksum + kv_checksum(part)
-                    if self.faults.hit("corrupt"):
-                        part.view(-1)[:1].view(torch.uint8)[0] ^= 1  # one bit, after the checksum was taken
-                    yield part
-                if i == 0:
-                    self.faults.hit("mid_send")
+        def trailer() -> list[int]:  # the first token of each request, when they were sampled (microseconds)
             tokens, sampled_at = job.wait_tokens(timeout)
-            # Trailer: the first token of each request, when they were sampled (microseconds), the checksum.
-            trailer = torch.tensor([*tokens, int(sampled_at * 1e6)], dtype=torch.int64, device=cache.device)
-            yield trailer if checksum is None else torch.cat([trailer, checksum.view(1)])
+            return [*tokens, int(sampled_at * 1e6)]
 
-        channel.send_parts(a.seq, parts(), per_layer * job.num_layers + _trailer_len(a))
+        def share(transfer: HeadTransfer | None, channel: PairChannel) -> None:
+            lead = is_lead(transfer)
+            send_share(channel, a.seq, cache, index, share_heads(transfer, True, cache), spans,
+                       lambda end: job.wait_layers(end, timeout), trailer if lead else None,
+                       trailer_len(len(a.request_ids), lead, a.checksum), a.checksum,
+                       self.faults if lead else None, self._stream)
+
+        run_concurrently([lambda t=t, c=c: share(t, c) for t, c in link.shares])
+        wait_all(others, 2 * timeout + 5.0, f"the other ranks' shares of transfer {a.generation}/{a.seq}")
 
     def _break(self, generation: int) -> None:
         with self._lock:
@@ -351,8 +515,16 @@ class KVPusher:
             self._next_seq = 0
 
 
-def _trailer_len(a: KVAnnounce) -> int:
-    return len(a.request_ids) + 1 + a.checksum
+def as_link(channel: PairChannel | PairLink) -> PairLink:
+    return channel if isinstance(channel, PairLink) else PairLink([(None, channel)])
+
+
+def wait_all(futures: Sequence[concurrent.futures.Future], timeout_s: float, what: str) -> list[object]:
+    """The results of futures (another rank's share), bounded: one that has not ended in time is a timeout."""
+    done, pending = concurrent.futures.wait(futures, timeout_s)
+    if pending:
+        raise TransferTimeout(f"{what} did not end within {timeout_s:g} s")
+    return [f.result() for f in futures]
 
 
 # --- receiver side (decode worker) -----------------------------------------------------------------
@@ -437,7 +609,7 @@ class KVIntake:
         self._landed, self._failed, self._cancelled = landed, failed, cancelled
         self._cond = threading.Condition()
         self._announced: dict[tuple[int, int], KVAnnounce] = {}
-        self._channel: PairChannel | None = None
+        self._channel: PairLink | None = None
         self._generation = 0  # of the channel installed last
         self._next_seq = 0  # within that generation
         self._dead_generation = 0  # transfers of this generation and older are void
@@ -451,8 +623,9 @@ class KVIntake:
             self._announced[a.order] = a
             self._cond.notify_all()
 
-    def install(self, channel: PairChannel, generation: int) -> None:
+    def install(self, channel: PairChannel | PairLink, generation: int) -> None:
         """A new channel with the sender (after a rendezvous it started); older transfers are void."""
+        channel = as_link(channel)
         with self._cond:
             if generation < self._generation or generation <= self._dead_generation:
                 channel.close()  # a rendezvous that finished too late: the sender has moved on
@@ -470,7 +643,7 @@ class KVIntake:
                 self._channel.close()
             self._cond.notify_all()
 
-    def _next(self) -> tuple[KVAnnounce, PairChannel | None, str | None] | None:
+    def _next(self) -> tuple[KVAnnounce, PairLink | None, str | None] | None:
         """The next transfer to take, with its channel; or one that is void, with why (None: drop it
         silently, its sender announces it again or reports it failed)."""
         with self._cond:
@@ -533,39 +706,21 @@ class KVIntake:
                 else:
                     self._landed(rid, tokens[i], sampled_at)
 
-    def _receive(self, a: KVAnnounce, channel: PairChannel,
+    def _receive(self, a: KVAnnounce, link: PairLink,
                  blocks: list[list[int] | None]) -> tuple[list[int], float]:
         cache = self.kv_cache
-        num_layers = cache.shape[0]
-        total = sum(a.num_blocks)
-        # Requests no longer expected still arrive (the order must hold); their KV goes nowhere.
-        offsets = [0, *itertools.accumulate(a.num_blocks)]  # of each request's blocks in the transfer
-        keep = [(off, blk) for off, blk in zip(offsets, blocks) if blk is not None]
-        for n, blk in zip(a.num_blocks, blocks):
-            if blk is not None and len(blk) != n:
-                raise TransferError(f"{n} blocks announced for a request that reserved {len(blk)}")
-        src = torch.tensor([o + j for o, blk in keep for j in range(len(blk))], dtype=torch.int64, device=cache.device)
-        dst = torch.tensor([b for _, blk in keep for b in blk], dtype=torch.int64, device=cache.device)
-        spans = layer_spans(num_layers, a.num_parts)
-        per_layer = cache[0].numel() // cache.shape[3] * total  # [2, kv_heads, total, block_size, head_dim]
-        trailer = torch.empty(_trailer_len(a), dtype=torch.int64, device=cache.device)
-        # One staging buffer, reused by every part: each is scattered into the blocks before the next arrives.
-        staging = torch.empty((max(end - start for start, end in spans), *cache.shape[1:3], total, *cache.shape[4:]),
-                              dtype=cache.dtype, device=cache.device)
-        buffers = [staging[: end - start] for start, end in spans]  # leading slices: contiguous
-        parts = channel.recv_parts(a.seq, [*buffers, trailer], per_layer * num_layers + trailer.numel())
-        checksum = None
-        with torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext():
-            for (start, end), data in zip(spans, parts):
-                if a.checksum:
-                    checksum = kv_checksum(data) if checksum is None else checksum + kv_checksum(data)
-                if dst.numel():
-                    cache[start:end].index_copy_(3, dst, data.index_select(3, src))
-            for _ in parts:  # the trailer, and the end of the transfer
-                pass
-            values = trailer.tolist()  # on a GPU this waits for the writes above as well
-        if checksum is not None and int(checksum) != values[-1]:
-            channel.stats.record_checksum_failure()
-            raise KVCorrupted(f"KV checksum mismatch on transfer {a.generation}/{a.seq} from {a.prefill_id}: "
-                              f"sent {values[-1]}, received {int(checksum)}")
+        src, dst = transfer_rows(a.num_blocks, blocks, cache.device)
+        spans = layer_spans(cache.shape[0], a.num_parts)
+        others = link.others(a, blocks) if link.others is not None else []  # the other TP ranks' shares
+        label = f"{a.generation}/{a.seq} from {a.prefill_id}"
+
+        def share(transfer: HeadTransfer | None, channel: PairChannel) -> list[int]:
+            lead = is_lead(transfer)
+            return receive_share(channel, a.seq, cache, src, dst, share_heads(transfer, False, cache), sum(a.num_blocks),
+                                 spans, trailer_len(len(a.request_ids), lead, a.checksum), a.checksum, label,
+                                 self._stream)
+
+        results = run_concurrently([lambda t=t, c=c: share(t, c) for t, c in link.shares])
+        wait_all(others, 2 * self.timeout_s + 5.0, f"the other ranks' shares of transfer {label}")
+        values = next(v for (t, _), v in zip(link.shares, results) if is_lead(t))
         return values[:len(a.request_ids)], values[len(a.request_ids)] / 1e6

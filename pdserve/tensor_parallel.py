@@ -104,6 +104,15 @@ def handoff_plan(prefill: TPLayout, decode: TPLayout) -> list[HeadTransfer]:
     return out
 
 
+def pair_plan(cfg: ModelConfig, prefill_tp: int, decode_tp: int) -> list[HeadTransfer | None]:
+    """The channels of a pair of workers (pdserve.handoff): [None], one channel of every head, when
+    both are TP 1; else handoff_plan's head transfers."""
+    if prefill_tp == decode_tp == 1:
+        return [None]
+    return list(handoff_plan(TPLayout(cfg.num_heads, cfg.num_kv_heads, prefill_tp),
+                             TPLayout(cfg.num_heads, cfg.num_kv_heads, decode_tp)))
+
+
 # --- a rank's share of the model ----------------------------------------------------------------------
 
 def rank_config(cfg: ModelConfig, tp: int) -> ModelConfig:

@@ -46,11 +46,21 @@ class WorkerActor:
     role: Role
 
     def __init__(self, worker_id: str, config: EngineConfig, torch_threads: int | None = None,
-                 loaded: LoadedModel | None = None):
+                 loaded: LoadedModel | None = None, placement=None):
+        """placement: a tensor-parallel worker's placement group (pdserve.tp_worker.TPPlacement); this
+        actor is rank 0 and starts the other ranks in it."""
         if torch_threads:
             torch.set_num_threads(torch_threads)
         self.worker_id = worker_id
-        self.core = EngineCore(config, loaded, self.role)
+        self.ranks = None  # a TP worker's other ranks (pdserve.tp_worker.RayRanks)
+        if config.tensor_parallel_size > 1:
+            from pdserve.tp_worker import RayRanks
+
+            if placement is None:
+                raise ValueError("a tensor-parallel worker needs its placement group")
+            self.ranks = RayRanks(worker_id, placement)
+        self.tp = config.tensor_parallel_size
+        self.core = EngineCore(config, loaded, self.role, self.ranks, self._rank_lost, torch_threads)
         self.peaks = device_peaks(self.core.runner.device, config.peak_flops, config.peak_bytes_per_second)
         self.busy_seconds = 0.0
         self.tier_seconds: collections.Counter[str] = collections.Counter()  # busy seconds by tier
@@ -91,6 +101,12 @@ class WorkerActor:
     async def shutdown(self) -> None:
         self.loop.stop()
         self._close()
+        self.core.close()  # a TP worker's other ranks
+
+    async def rank_pids(self) -> list[int]:
+        """The processes of this worker's ranks, rank 0 (this one) first."""
+        others = await asyncio.to_thread(self.ranks.pids) if self.ranks is not None else []
+        return [os.getpid(), *others]
 
     async def inject_fault(self, point: str, seconds: float = 0.0, count: int = 1, skip: int = 0) -> None:
         """Tests only: arm a fault point (pdserve.faults) for `count` hits after the next `skip`."""
@@ -99,6 +115,18 @@ class WorkerActor:
     async def fault_reached(self, point: str, timeout: float = 60.0) -> bool:
         """Tests only: wait until an armed fault point has been hit (False after the timeout)."""
         return await asyncio.to_thread(self.faults.wait_reached, point, timeout)
+
+    def _rank_lost(self, why: str) -> None:
+        """A rank of this TP worker died or hung (pdserve.tp_runner): the worker cannot step any more. It
+        ends at once, its ranks with it; the router sees it gone, replaces it, and its requests follow the
+        failure matrix (streams resume elsewhere, prompts are placed again)."""
+        log.error("%s: %s; the worker exits", self.worker_id, why)
+        try:
+            self.ranks.close()
+        finally:
+            for handler in logging.getLogger().handlers:
+                handler.flush()
+            os._exit(70)
 
     # -- step thread ------------------------------------------------------------------------------
     def _step(self) -> bool:

@@ -21,11 +21,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from pdserve.config import EngineConfig
-from pdserve.handoff import KVAnnounce, KVPusher, PushJob
-from pdserve.kv_transfer import SENDER_RANK, PairChannel, TransferError, TransferStats
+from pdserve.handoff import KVAnnounce, KVPusher, PairLink, PushJob, open_shares
+from pdserve.kv_transfer import TransferError, TransferStats
 from pdserve.messages import PrefillResult, PrefillTask
 from pdserve.request import Request
 from pdserve.scheduler import Role, ScheduledStep
+from pdserve.tensor_parallel import pair_plan
 from pdserve.worker import WorkerActor
 
 log = logging.getLogger(__name__)
@@ -38,6 +39,7 @@ class _Destination:
     handle: Any  # the decode worker's actor handle
     host: str  # its rendezvous store
     port: int
+    tp: int  # its tensor-parallel size: which channels the pair has (pdserve.tensor_parallel.pair_plan)
     pusher: KVPusher
 
 
@@ -49,6 +51,7 @@ class _HeldKV:
     token: int
     sampled_at: float
     tier: int  # its service tier's rank: pushes go by it
+    step: int  # the engine step that computed it (a TP worker's other ranks wait for it)
 
 
 class PrefillActor(WorkerActor):
@@ -58,10 +61,10 @@ class PrefillActor(WorkerActor):
     role = Role.PREFILL
 
     def __init__(self, worker_id: str, config: EngineConfig, transfer_timeout_s: float, torch_threads: int | None = None,
-                 push_layerwise: bool = True, kv_checksum: bool = False):
+                 push_layerwise: bool = True, kv_checksum: bool = False, placement=None):
         """push_layerwise=False sends a prompt's KV once its whole forward has run (to measure what the
         layer-by-layer push hides: bench/kv_transfer.py); kv_checksum=True adds a checksum to every transfer."""
-        super().__init__(worker_id, config, torch_threads)
+        super().__init__(worker_id, config, torch_threads, placement=placement)
         self.transfer_timeout_s = transfer_timeout_s
         self.kv_checksum = kv_checksum
         self.transfer_stats = TransferStats()
@@ -101,12 +104,14 @@ class PrefillActor(WorkerActor):
         finally:
             self._results.pop(task.request_id, None)
 
-    async def kv_ready(self, decode_id: str, handle: Any, host: str, port: int, request_ids: tuple[str, ...]) -> None:
-        """A decode worker has reserved room for these requests' KV: push what is already held, at once."""
+    async def kv_ready(self, decode_id: str, handle: Any, host: str, port: int, request_ids: tuple[str, ...],
+                       tp: int = 1) -> None:
+        """A decode worker (of TP size tp) has reserved room for these requests' KV: push what is already
+        held, at once."""
         with self._lock:
             if decode_id in self._lost_peers:
                 return  # a notice still on its way when the worker was lost; the router retries its requests
-            self._destination(decode_id, handle, host, port)  # the pusher the jobs below go to
+            self._destination(decode_id, handle, host, port, tp)  # the pusher the jobs below go to
             held = [(rid, self._held.pop(rid)) for rid in request_ids if rid in self._held]
             pushed_now = {rid for rid, _ in held}
             now = time.monotonic()
@@ -130,6 +135,8 @@ class PrefillActor(WorkerActor):
             d = self._destinations.pop(worker_id, None)
         if d is not None:
             d.pusher.stop()
+        if self.ranks is not None:
+            self.ranks.call("peer_lost", worker_id)
 
     def _close(self) -> None:
         with self._lock:
@@ -137,7 +144,7 @@ class PrefillActor(WorkerActor):
                 d.pusher.stop()
 
     # -- hand-off ---------------------------------------------------------------------------------
-    def _destination(self, decode_id: str, handle: Any, host: str, port: int) -> _Destination:
+    def _destination(self, decode_id: str, handle: Any, host: str, port: int, tp: int) -> _Destination:
         """The pusher to a decode worker (under _lock); a worker at a new address gets a new one."""
         d = self._destinations.get(decode_id)
         if d is None or (d.host, d.port) != (host, port):
@@ -147,33 +154,50 @@ class PrefillActor(WorkerActor):
                               open_pair=lambda gen, did=decode_id: self._open_pair(did, gen),
                               announce=lambda a, h=handle: self._announce(h, a),
                               done=self._pushed, checksum=self.kv_checksum, faults=self.faults)
-            d = self._destinations[decode_id] = _Destination(handle, host, port, pusher)
+            d = self._destinations[decode_id] = _Destination(handle, host, port, tp, pusher)
         return d
 
-    def _open_pair(self, decode_id: str, generation: int) -> PairChannel:
-        """Rendezvous with a decode worker for a new channel (on the pusher's thread)."""
+    def _open_pair(self, decode_id: str, generation: int) -> PairLink:
+        """Rendezvous with a decode worker for a new generation of the pair (on the pusher's thread): its
+        ranks, this worker's rank 0 and this worker's other ranks build their channels side by side."""
         with self._lock:
             d = self._destinations[decode_id]
-        peer = d.handle.open_channel.remote(self.worker_id, generation).future()
-        mine: Future[PairChannel] = Future()
+        plan = pair_plan(self.core.model_config, self.tp, d.tp)
+        mine = [t for t in plan if t is None or t.src_rank == 0]
+        theirs = sorted({t.src_rank for t in plan if t is not None and t.src_rank > 0})
+        calls = [d.handle.open_channel.remote(self.worker_id, generation, self.tp).future()]
+        calls += [self.ranks.handles[r - 1].open_shares.remote(
+            True, self.worker_id, decode_id, d.host, d.port, generation, [t for t in plan if t.src_rank == r],
+            self.transfer_timeout_s).future() for r in theirs]
+        own: Future[list] = Future()
 
         def build() -> None:
             try:
-                mine.set_result(PairChannel(d.host, d.port, self.worker_id, decode_id, SENDER_RANK,
-                                            self.transfer_timeout_s, self.core.runner.kv_cache.device,
-                                            generation=generation, stats=self.transfer_stats,
-                                            before_send=lambda _: self.faults.hit("send")))
+                own.set_result(open_shares(d.host, d.port, self.worker_id, decode_id, True, mine,
+                                           self.transfer_timeout_s, self.core.runner.kv_cache.device, generation,
+                                           self.transfer_stats, lambda _: self.faults.hit("send")))
             except BaseException as e:  # noqa: BLE001 - handed to the waiter below
-                mine.set_exception(e)
+                own.set_exception(e)
 
         threading.Thread(target=build, name=f"kv-rendezvous-{decode_id}", daemon=True).start()
         # A dead decode worker fails its call at once: do not wait out the rendezvous timeout for it.
-        wait([peer, mine], self.transfer_timeout_s, return_when=FIRST_EXCEPTION)
-        if peer.done() and peer.exception() is not None:
-            mine.add_done_callback(lambda f: f.exception() is None and f.result().close())
-            raise TransferError(f"decode worker {decode_id} cannot open a channel: {peer.exception()}")
-        peer.result(timeout=self.transfer_timeout_s)
-        return mine.result(timeout=self.transfer_timeout_s)
+        wait([*calls, own], self.transfer_timeout_s, return_when=FIRST_EXCEPTION)
+        failed = next((f for f in calls if f.done() and f.exception() is not None), None)
+        if failed is not None:
+            own.add_done_callback(lambda f: f.exception() is None and PairLink(f.result()).close())
+            for r in theirs:
+                self.ranks.handles[r - 1].drop.remote(decode_id, generation)
+            raise TransferError(f"no channel to decode worker {decode_id}: {failed.exception()}")
+        for f in calls:
+            f.result(timeout=self.transfer_timeout_s)
+        if not theirs:
+            return PairLink(own.result(timeout=self.transfer_timeout_s))
+        ranks = [self.ranks.handles[r - 1] for r in theirs]
+        return PairLink(own.result(timeout=self.transfer_timeout_s),
+                        others=lambda a, job: [h.send_share.remote(decode_id, a.generation, a.seq, job.block_ids,
+                                                                   job.step, a.num_parts, a.checksum).future()
+                                               for h in ranks],
+                        drop=lambda: [h.drop.remote(decode_id, generation) for h in ranks])
 
     @staticmethod
     def _announce(handle: Any, a: KVAnnounce) -> None:
@@ -224,7 +248,7 @@ class PrefillActor(WorkerActor):
                 self._forget(rid)
                 self.core.cancel(rid)  # nothing follows the first token
                 continue
-            held = _HeldKV(scheduler.kv_blocks(req), s.token, sampled_at, req.tier)
+            held = _HeldKV(scheduler.kv_blocks(req), s.token, sampled_at, req.tier, pushes.step)
             with self._lock:
                 if rid in self._ready:
                     del self._ready[rid]
@@ -254,7 +278,8 @@ class PrefillActor(WorkerActor):
         for tier in sorted({h.tier for _, h in items}):
             mine = [(rid, h) for rid, h in items if h.tier == tier]
             jobs.append(PushJob(destination, [rid for rid, _ in mine], [h.block_ids for _, h in mine], num_layers,
-                                num_layers, [h.token for _, h in mine], min(h.sampled_at for _, h in mine), tier))
+                                num_layers, [h.token for _, h in mine], min(h.sampled_at for _, h in mine), tier,
+                                max(h.step for _, h in mine)))
         return jobs
 
     def _cancel(self, request_id: str) -> bool:
@@ -314,6 +339,8 @@ class _StepPushes:
                                                    req.block_ids[: actor.core.kv.blocks_needed(req.num_tokens)])
         self.started: dict[str, PushJob] = {}
         self.jobs: list[PushJob] = []
+        # The engine step about to run (a TP worker's runner counts them; its other ranks wait for it).
+        self.step = getattr(actor.core.runner, "steps", -1) + 1
 
     def layer_done(self, layer: int) -> None:
         for job in self.jobs:  # the pushes under way may send this layer now
@@ -330,7 +357,8 @@ class _StepPushes:
                     a._pushing.add(rid)
                     groups.setdefault((tier, dest), []).append(rid)
         for (tier, dest), rids in sorted(groups.items()):
-            job = PushJob(dest, rids, [self.candidates[r][2] for r in rids], self.num_layers, layer + 1, tier=tier)
+            job = PushJob(dest, rids, [self.candidates[r][2] for r in rids], self.num_layers, layer + 1, tier=tier,
+                          step=self.step)
             self.jobs.append(job)
             self.started.update((r, job) for r in rids)
             a._push(job)

@@ -51,9 +51,18 @@ def add_serve_parser(sub: Any) -> argparse.ArgumentParser:
     serve.add_argument("--decode-workers", type=worker_range, default=(1, 1), metavar="N|MIN:MAX",
                        help="decode workers: N, fixed, or MIN:MAX, autoscaled")
     serve.add_argument("--colocated-workers", type=int, default=1, help="workers in colocated mode")
+    serve.add_argument("--prefill-tensor-parallel-size", type=int, default=None, metavar="A",
+                       help="ranks (devices) per prefill worker (default: --tensor-parallel-size)")
+    serve.add_argument("--decode-tensor-parallel-size", type=int, default=None, metavar="B",
+                       help="ranks (devices) per decode and fast-lane worker (default: --tensor-parallel-size); "
+                            "KV moves between any A and B the model's heads allow")
+    serve.add_argument("--tensor-parallel-timeout", type=float, default=60.0, metavar="SECONDS",
+                       help="a rank of a worker that has not answered its collective this long is given up, "
+                            "and its worker with it (one whose process ends is given up at once)")
     serve.add_argument("--worker-cpus", type=float, default=None,
-                       help="Ray CPUs per worker (default: 0.5 on CPU, 1 with --device cuda)")
-    serve.add_argument("--worker-gpus", type=float, default=None, help="Ray GPUs per worker (default: 1 with --device cuda)")
+                       help="Ray CPUs per worker, per rank of a TP worker (default: 0.5 on CPU, 1 with --device cuda)")
+    serve.add_argument("--worker-gpus", type=float, default=None,
+                       help="Ray GPUs per worker, per rank of a TP worker (default: 1 with --device cuda)")
     serve.add_argument("--prefill-resource", action="append", default=[], metavar="NAME=AMOUNT",
                        help="Ray custom resource every prefill worker needs (pins the pool to a node group)")
     serve.add_argument("--decode-resource", action="append", default=[], metavar="NAME=AMOUNT")
@@ -190,9 +199,11 @@ def cluster_config_from_args(args: argparse.Namespace):
     from pdserve.config import AutoscaleConfig, CacheConfig, ClusterConfig, EngineConfig, PoolConfig, SchedulerConfig
     from pdserve.tiers import TiersConfig, parse_tier_slos
 
-    if args.tensor_parallel_size != 1:
-        raise ValueError("--tensor-parallel-size: a cluster's workers are one device each so far (the offline "
-                         "engine, `pdserve generate --offline`, splits a model)")
+    tp = {"prefill": args.prefill_tensor_parallel_size or args.tensor_parallel_size,
+          "decode": args.decode_tensor_parallel_size or args.tensor_parallel_size,
+          "colocated": args.tensor_parallel_size}
+    if args.mode == "colocated" and (args.prefill_tensor_parallel_size or args.decode_tensor_parallel_size):
+        raise ValueError("a colocated worker has one size: --tensor-parallel-size")
     gpu = args.device.startswith("cuda")
     cpus = args.worker_cpus if args.worker_cpus is not None else (1.0 if gpu else 0.5)
     gpus = args.worker_gpus if args.worker_gpus is not None else (1.0 if gpu else 0.0)
@@ -201,14 +212,16 @@ def cluster_config_from_args(args: argparse.Namespace):
     if threads is None and not gpu and not args.ray_address:
         # A local CPU cluster: split the cores between the workers instead of oversubscribing them.
         # Autoscaled pools count at their largest.
-        workers = args.colocated_workers if args.mode == "colocated" else \
-            args.prefill_workers[1] + args.decode_workers[1] + args.fast_lane_workers[1]
-        threads = max(1, (os.cpu_count() or 1) // workers)
+        # Autoscaled pools count at their largest; a TP worker counts each of its ranks.
+        ranks = args.colocated_workers * tp["colocated"] if args.mode == "colocated" else \
+            args.prefill_workers[1] * tp["prefill"] + (args.decode_workers[1] + args.fast_lane_workers[1]) * tp["decode"]
+        threads = max(1, (os.cpu_count() or 1) // ranks)
 
-    def pool(n: int | tuple[int, int], scheduler: SchedulerConfig, resources: list[str]) -> PoolConfig:
+    def pool(n: int | tuple[int, int], scheduler: SchedulerConfig, resources: list[str], tp: int) -> PoolConfig:
         lo, hi = (n, n) if isinstance(n, int) else n
         return PoolConfig(num_workers=lo, max_workers=hi if hi > lo else None, num_cpus=cpus, num_gpus=gpus,
-                          resources=parse_resources(resources), scheduler=scheduler, cache=cache, torch_threads=threads)
+                          resources=parse_resources(resources), scheduler=scheduler, cache=cache, torch_threads=threads,
+                          tensor_parallel_size=tp)
 
     # Each role batches for its own bottleneck: prefill by prompt tokens, decode by running requests.
     prefill = SchedulerConfig(max_num_batched_tokens=args.prefill_token_budget)
@@ -219,14 +232,16 @@ def cluster_config_from_args(args: argparse.Namespace):
     engine = EngineConfig(model=args.model, load_format=args.load_format, dtype=args.dtype,
                           quantization=args.quantization, device=args.device,
                           cuda_graphs=False if args.enforce_eager else None, pipelined_decode=args.pipelined_decode,
-                          cache=cache, peak_flops=args.peak_flops, peak_bytes_per_second=args.peak_memory_bandwidth)
-    pools = dict(colocated=pool(args.colocated_workers, colocated, [])) if args.mode == "colocated" else \
-        dict(prefill=pool(args.prefill_workers, prefill, args.prefill_resource),
-             decode=pool(args.decode_workers, decode, args.decode_resource))
+                          cache=cache, peak_flops=args.peak_flops, peak_bytes_per_second=args.peak_memory_bandwidth,
+                          tensor_parallel_size=args.tensor_parallel_size,
+                          tensor_parallel_timeout_s=args.tensor_parallel_timeout)
+    pools = dict(colocated=pool(args.colocated_workers, colocated, [], tp["colocated"])) if args.mode == "colocated" \
+        else dict(prefill=pool(args.prefill_workers, prefill, args.prefill_resource, tp["prefill"]),
+                  decode=pool(args.decode_workers, decode, args.decode_resource, tp["decode"]))
     if args.fast_lane_workers[0]:
         if args.mode == "colocated":
             raise ValueError("the fast lane (--fast-lane-workers) is a set of decode workers: it needs disaggregated mode")
-        pools["fast"] = pool(args.fast_lane_workers, decode, args.decode_resource)
+        pools["fast"] = pool(args.fast_lane_workers, decode, args.decode_resource, tp["decode"])
     tiers = TiersConfig(fast_lane_max_running=args.fast_lane_max_running, fast_lane_when_full=args.fast_lane_when_full,
                         fast_lane_max_wait_s=args.fast_lane_max_wait, flex_max_queued=args.flex_max_queued,
                         flex_min_share=args.flex_min_share, slo=parse_tier_slos(args.tier_slo))

@@ -23,12 +23,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import ray
+from ray.util.placement_group import placement_group, remove_placement_group
 
 from decode_worker.actor import DecodeActor, FastLaneActor
 from pdserve.colocated import ColocatedActor
 from pdserve.config import ClusterConfig, PoolConfig
 from pdserve.loader import ModelInfo
 from pdserve.messages import StepOutput, WorkerStats
+from pdserve.tensor_parallel import rank_config
+from pdserve.tp_worker import TPPlacement, placement_bundles
 from prefill_worker.actor import PrefillActor
 from router.placement import PrefixIndex
 
@@ -58,6 +61,15 @@ class Worker:
     prefix: PrefixIndex = field(default_factory=lambda: PrefixIndex(0))  # prefill workers only
     alive: bool = True
     state: str = "starting"  # starting | ready | draining
+    placement_group: Any = None  # a tensor-parallel worker's: its ranks' bundles, removed when it leaves
+
+
+def _kill(w: Worker) -> None:
+    """End a worker's actor for good, and a TP worker's other ranks with its placement group."""
+    ray.kill(w.handle, no_restart=True)
+    if w.placement_group is not None:
+        remove_placement_group(w.placement_group)
+        w.placement_group = None
 
 
 # How often a draining worker is checked for its last request.
@@ -106,6 +118,12 @@ class Pools:
     async def start(self, info: ModelInfo) -> None:
         c = self.config
         self.info = info
+        for name, pool in c.pools.items():  # a TP size the model cannot take is an error now, not a failed start
+            tp = c.engine_for(pool).tensor_parallel_size
+            try:
+                rank_config(info.config, tp)
+            except ValueError as e:
+                raise ValueError(f"the {name} pool: {e}") from None
         sizes = {name: pool.num_workers for name, pool in c.pools.items()}
         t0 = time.monotonic()
         starting = [self._spawn(pool, slot, f"{pool}-{slot}") for pool, n in sizes.items() for slot in range(n)]
@@ -126,11 +144,16 @@ class Pools:
                       "decode": (DecodeActor, dict(transfer_timeout_s=c.transfer_timeout_s, bind_host=c.bind_host)),
                       "fast": (FastLaneActor, dict(transfer_timeout_s=c.transfer_timeout_s, bind_host=c.bind_host)),
                       "colocated": (ColocatedActor, {})}[pool]
-        actor = ray.remote(cls).options(num_cpus=pc.num_cpus, num_gpus=pc.num_gpus, resources=pc.resources,
-                                        max_restarts=0)
         engine = c.engine_for(pc)
-        handle = actor.remote(worker_id, engine, torch_threads=pc.torch_threads, **extra)
-        w = Worker(worker_id, handle, pool, slot)
+        options = dict(num_cpus=pc.num_cpus, num_gpus=pc.num_gpus, resources=pc.resources, max_restarts=0)
+        group = None
+        if engine.tensor_parallel_size > 1:  # its ranks packed on one node; this actor is rank 0, in bundle 0
+            bundles = placement_bundles(engine.tensor_parallel_size, pc.num_cpus, pc.num_gpus, pc.resources)
+            group = placement_group(bundles, strategy="STRICT_PACK", name=f"tp-{worker_id}")
+            extra = dict(extra, placement=TPPlacement(group, pc.num_cpus, pc.num_gpus, dict(pc.resources)))
+            options = extra["placement"].options(0)
+        handle = ray.remote(cls).options(**options).remote(worker_id, engine, torch_threads=pc.torch_threads, **extra)
+        w = Worker(worker_id, handle, pool, slot, placement_group=group)
         if pool == "prefill":
             w.prefix = PrefixIndex(engine.cache.resolve_num_blocks(self.info.config, engine.torch_dtype))
         return w
@@ -153,7 +176,7 @@ class Pools:
         await asyncio.gather(*tasks, return_exceptions=True)
         await asyncio.gather(*(w.handle.shutdown.remote() for w in self.workers), return_exceptions=True)
         for w in everyone:
-            ray.kill(w.handle)
+            _kill(w)
         self.by_name = {p: [] for p in self.by_name}
         self.starting = {p: [] for p in self.by_name}
         self.draining = []
@@ -193,7 +216,7 @@ class Pools:
         replace = w.state != "draining"
         log.warning("worker %s lost (%s)%s", w.worker_id, why, "; replacing it" if replace else " while draining")
         (self.by_name[w.pool] if replace else self.draining).remove(w)
-        ray.kill(w.handle, no_restart=True)  # a stuck actor must not come back and act on stale requests
+        _kill(w)  # a stuck actor must not come back and act on stale requests
         self._tell_peers(w)
         self._on_lost(w, why)
         self.notify()
@@ -234,13 +257,13 @@ class Pools:
             await asyncio.wait_for(w.handle.ready.remote(), self.config.worker_start_timeout_s)
         except Exception as e:  # noqa: BLE001 - a worker that cannot start is killed, never half-joined
             log.error("worker %s did not start: %s", w.worker_id, e)
-            ray.kill(w.handle)
+            _kill(w)
             self.start_failures[w.pool] += 1
             return False
         finally:
             self.starting[w.pool].remove(w)
         if self._closing:
-            ray.kill(w.handle)
+            _kill(w)
             return False
         self.start_seconds[w.pool].append(time.monotonic() - t0)
         w.state = "ready"
@@ -296,7 +319,7 @@ class Pools:
             await asyncio.wait_for(w.handle.shutdown.remote(), self.config.worker_timeout_s)
         except Exception as e:  # noqa: BLE001 - it is leaving either way
             log.warning("worker %s did not shut down cleanly: %s", w.worker_id, e)
-        ray.kill(w.handle)
+        _kill(w)
         log.info("worker %s drained in %.1f s and left the %s pool", w.worker_id, time.monotonic() - t0, w.pool)
 
     async def alive(self, pool: str) -> list[Worker]:

@@ -318,7 +318,8 @@ def test_parts_go_out_as_layers_finish_before_the_tokens_exist(pair):
 
 
 def test_a_prefill_step_tells_its_pushes_of_every_layer():
-    """The prefill worker's per-layer hook: a push started before the forward hears of each layer."""
+    """The prefill worker's per-layer hook: a push started before the forward hears of each layer, and
+    names the engine step about to run (a TP worker's other ranks wait for that step's layers)."""
     from types import SimpleNamespace
 
     from prefill_worker.actor import _StepPushes
@@ -330,7 +331,7 @@ def test_a_prefill_step_tells_its_pushes_of_every_layer():
     actor = SimpleNamespace(
         push_layerwise=True, _lock=threading.Lock(), _ready={"a": 0.0}, _pushing=set(),
         _destination_of={"a": "d0"}, _push=pushed.append,
-        core=SimpleNamespace(model_config=SimpleNamespace(num_layers=LAYERS),
+        core=SimpleNamespace(model_config=SimpleNamespace(num_layers=LAYERS), runner=SimpleNamespace(steps=6),
                              kv=SimpleNamespace(blocks_needed=lambda n: -(-n // BLOCK_SIZE))))
     req = Request("a", list(range(6)), SamplingParams(), 0)
     req.block_ids = [3, 4]
@@ -338,7 +339,7 @@ def test_a_prefill_step_tells_its_pushes_of_every_layer():
     pushes = _StepPushes(actor, step)
     pushes.layer_done(-1)
     (job,) = pushed
-    assert job.block_ids == [[3, 4]] and actor._pushing == {"a"} and actor._ready == {}
+    assert job.block_ids == [[3, 4]] and actor._pushing == {"a"} and actor._ready == {} and job.step == 7
     for layer in range(LAYERS):
         pushes.layer_done(layer)
         job.wait_layers(layer + 1, 0.01)  # reported at once: a layer not reported would time out here

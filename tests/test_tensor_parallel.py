@@ -186,8 +186,23 @@ def test_smollm2_at_tp3_equals_tp1():
     assert tokens == ref and used == 0
 
 
-def test_serve_refuses_tensor_parallelism_for_now():
+def test_serve_flags_and_config_keys_set_each_pools_tp(tmp_path):
     from router.cli import cluster_config_from_args, parse_args
 
-    with pytest.raises(ValueError, match="one device each so far"):
-        cluster_config_from_args(parse_args(["serve", "--tensor-parallel-size", "2"]))
+    c = cluster_config_from_args(parse_args(["serve", "--prefill-tensor-parallel-size", "4",
+                                             "--decode-tensor-parallel-size", "2", "--fast-lane-workers", "1",
+                                             "--tensor-parallel-timeout", "9"]))
+    assert [c.engine_for(p).tensor_parallel_size for p in (c.prefill, c.decode, c.fast)] == [4, 2, 2]
+    assert c.engine.tensor_parallel_timeout_s == 9.0
+    c = cluster_config_from_args(parse_args(["serve", "--tensor-parallel-size", "2", "--decode-tensor-parallel-size",
+                                             "1"]))
+    assert [c.engine_for(p).tensor_parallel_size for p in (c.prefill, c.decode)] == [2, 1]
+    f = tmp_path / "serve.yaml"
+    f.write_text("mode: colocated\ntensor-parallel-size: 2\n")
+    c = cluster_config_from_args(parse_args(["serve", "--config", str(f)]))
+    assert c.engine_for(c.colocated).tensor_parallel_size == 2
+    f.write_text("prefill-tensor-parallel-size: 2\ndecode_tensor_parallel_size: 4\n")
+    c = cluster_config_from_args(parse_args(["serve", "--config", str(f)]))
+    assert [c.engine_for(p).tensor_parallel_size for p in (c.prefill, c.decode)] == [2, 4]
+    with pytest.raises(ValueError, match="one size"):
+        cluster_config_from_args(parse_args(["serve", "--mode", "colocated", "--decode-tensor-parallel-size", "2"]))

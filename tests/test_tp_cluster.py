@@ -1,0 +1,206 @@
+"""Tensor-parallel workers on a real local Ray cluster: prefill and decode pools of different TP sizes,
+token-exact against the offline engine at TP 1, and a rank killed from outside.
+
+The checkpoint is built in the test: 8 attention heads over 2 KV heads, so TP 2 splits the KV heads and
+TP 4 replicates each on two ranks. Each rank is a Ray actor of its worker's placement group; KV moves
+between the ranks of the two workers over gloo, each decode rank receiving the heads it holds.
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+import pytest
+import ray
+import torch
+from conftest import wait_for
+from test_cluster import collect_all, mixed_params
+
+from pdserve.config import CacheConfig, ClusterConfig, EngineConfig, PoolConfig, SchedulerConfig
+from pdserve.engine import LLMEngine
+from pdserve.sampling import SamplingParams
+from router.cluster import Cluster
+
+LAYOUTS = [(1, 2), (2, 1), (2, 2), (4, 1), (1, 4)]
+LENS = [5, 40, 13, 70, 2, 33]  # 40 and 70 are longer than the token budget: chunked prefill
+NEW_TOKENS = 12
+TIMEOUT_S = 20.0
+
+
+@pytest.fixture(scope="module")
+def gqa(tmp_path_factory):
+    from conftest import build_tiny_checkpoint
+
+    return build_tiny_checkpoint(tmp_path_factory.mktemp("tp-cluster") / "gqa", "llama", num_attention_heads=8,
+                                 num_key_value_heads=2)
+
+
+def engine_config(path) -> EngineConfig:
+    return EngineConfig(model=str(path), cache=CacheConfig(block_size=4, num_blocks=256),
+                        scheduler=SchedulerConfig(max_num_batched_tokens=32, max_num_seqs=8),
+                        tensor_parallel_timeout_s=TIMEOUT_S)
+
+
+def cluster_config(path, prefill_tp: int, decode_tp: int, decode_workers: int = 1, mode: str = "disaggregated",
+                   **kw) -> ClusterConfig:
+    engine = engine_config(path)
+    pool = lambda n, tp: PoolConfig(n, num_cpus=0.1, tensor_parallel_size=tp, torch_threads=1)  # noqa: E731
+    pools = dict(colocated=pool(1, prefill_tp)) if mode == "colocated" else \
+        dict(prefill=pool(1, prefill_tp), decode=pool(decode_workers, decode_tp))
+    return ClusterConfig(engine=engine, mode=mode, transfer_timeout_s=TIMEOUT_S, **pools, **kw)
+
+
+def prompts() -> list[list[int]]:
+    g = torch.Generator().manual_seed(5)
+    return [torch.randint(1, 320, (n,), generator=g).tolist() for n in LENS]
+
+
+@pytest.fixture(scope="module")
+def reference(gqa):
+    params = mixed_params(len(LENS), NEW_TOKENS)
+    with LLMEngine(engine_config(gqa)) as engine:
+        return params, [o.token_ids for o in engine.generate(prompts(), params)]
+
+
+def rank_pids(aloop, worker) -> list[int]:
+    return ray.get(worker.handle.rank_pids.remote(), timeout=60)
+
+
+def used_blocks(aloop, cluster) -> int:
+    return sum(s.kv_blocks_used for s in aloop.run(cluster.stats()))
+
+
+@pytest.mark.parametrize("prefill_tp, decode_tp", LAYOUTS)
+def test_tp_pair_is_token_exact(ray_local, aloop, gqa, reference, prefill_tp, decode_tp):
+    """Prefill of TP A, decode of TP B: every request's tokens (greedy and seeded sampling) equal the
+    offline engine's at TP 1, each worker runs as A or B processes, and no KV block is left used. The
+    block allocator is rank 0's alone and every rank's block tables are rank 0's, so rank 0's count is
+    every rank's."""
+    params, expected = reference
+    cluster = Cluster(cluster_config(gqa, prefill_tp, decode_tp))
+    aloop.run(cluster.start(), timeout=600)
+    try:
+        outs = aloop.run(collect_all(cluster, prompts(), params), timeout=300)
+        assert [o[0] for o in outs] == expected
+        for pool, tp in (("prefill", prefill_tp), ("decode", decode_tp)):
+            pids = rank_pids(aloop, cluster.pools[pool][0])
+            assert len(set(pids)) == tp, (pool, pids)
+        wait_for(lambda: used_blocks(aloop, cluster) == 0, timeout=30, what="zero used KV blocks")
+        transfers = [s.transfer["transfers"] for s in aloop.run(cluster.stats()) if s.pool == "decode"]
+        assert transfers[0] >= 1
+    finally:
+        aloop.run(cluster.shutdown())
+
+
+def test_colocated_tp2_is_token_exact(ray_local, aloop, gqa, reference):
+    params, expected = reference
+    cluster = Cluster(cluster_config(gqa, 2, 2, mode="colocated"))
+    aloop.run(cluster.start(), timeout=600)
+    try:
+        outs = aloop.run(collect_all(cluster, prompts(), params), timeout=300)
+        assert [o[0] for o in outs] == expected
+        assert len(set(rank_pids(aloop, cluster.pools["colocated"][0]))) == 2
+        wait_for(lambda: used_blocks(aloop, cluster) == 0, timeout=30, what="zero used KV blocks")
+    finally:
+        aloop.run(cluster.shutdown())
+
+
+def test_a_tp_size_the_model_cannot_take_fails_the_start(ray_local, aloop, gqa):
+    cluster = Cluster(cluster_config(gqa, 1, 3))
+    with pytest.raises(ValueError, match="the decode pool: tensor-parallel size 3 does not divide the model's 8"):
+        aloop.run(cluster.start(), timeout=120)
+    aloop.run(cluster.shutdown())
+
+
+# -- a rank lost mid-stream ------------------------------------------------------------------------------
+
+FAULT_TIMEOUT_S = 8.0  # the ranks' collective timeout in the fault tests: a hung rank is given up after it
+RESUME_BOUND_S = 45.0  # every stream ends within this of the fault (the failure matrix's resume row)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().split(") ")[1][0] != "Z"  # a zombie is gone
+
+
+@pytest.fixture(scope="module")
+def tp_fault_engine(gqa):
+    return EngineConfig(model=str(gqa), cache=CacheConfig(block_size=4, num_blocks=256),
+                        scheduler=SchedulerConfig(max_num_batched_tokens=32, max_num_seqs=8),
+                        tensor_parallel_timeout_s=FAULT_TIMEOUT_S)
+
+
+def test_the_rank_rows_are_in_docs_faults():
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parent.parent / "docs" / "faults.md").read_text()
+    assert "`tp-decode-rank-killed`" in text and "`tp-decode-rank-stuck`" in text
+
+
+@pytest.mark.parametrize("how", ["SIGKILL", "SIGSTOP"])
+def test_a_decode_rank_lost_mid_stream(ray_local, aloop, gqa, tp_fault_engine, how):
+    """One prefill worker, two decode workers of TP 2. Rank 1 of a decode worker that is streaming is
+    killed (SIGKILL) or stopped (SIGSTOP) from outside: its worker goes down, every one of its ranks
+    with it, each of its streams resumes on the other decode worker and ends token-exact within the
+    bound, a replacement joins, and no KV block is left used."""
+    pool = lambda n, tp: PoolConfig(n, num_cpus=0.1, tensor_parallel_size=tp, torch_threads=1)  # noqa: E731
+    config = ClusterConfig(engine=tp_fault_engine, prefill=pool(1, 1), decode=pool(2, 2), transfer_timeout_s=TIMEOUT_S,
+                           stats_interval_s=0.5, worker_timeout_s=30.0)
+    batch = prompts()
+    greedy = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
+    with LLMEngine(engine_config(gqa)) as engine:
+        expected = [o.token_ids for o in engine.generate(batch, greedy)]
+    cluster = Cluster(config)
+    aloop.run(cluster.start(), timeout=600)
+    victim = cluster.pools["decode"][0]
+    pids = rank_pids(aloop, victim)
+    got: list[list[int]] = [[] for _ in batch]
+    t_fault: list[float] = []
+    lost: list[float] = []  # seconds from the fault to the worker out of its pool
+    ended: list[float] = []  # to the last stream's end
+
+    async def stream(i: int) -> str | None:
+        async for out in cluster.generate(batch[i], greedy):
+            got[i] += out.new_token_ids
+            if out.error is not None:
+                return out.error
+        return None
+
+    async def run() -> list[str | None]:
+        tasks = [asyncio.create_task(stream(i)) for i in range(len(batch))]
+        deadline = time.monotonic() + 120
+        while not (victim.requests and all(len(g) >= 4 for g in got)):  # mid-stream, some on the victim
+            assert time.monotonic() < deadline, "the streams never got going"
+            await asyncio.sleep(0.01)
+        t_fault.append(time.monotonic())
+        os.kill(pids[1], signal.SIGKILL if how == "SIGKILL" else signal.SIGSTOP)
+        while victim.alive:
+            await asyncio.sleep(0.01)
+        lost.append(time.monotonic() - t_fault[0])
+        out = await asyncio.wait_for(asyncio.gather(*tasks), RESUME_BOUND_S)
+        ended.append(time.monotonic() - t_fault[0])
+        return out
+
+    try:
+        errors = aloop.run(run(), timeout=RESUME_BOUND_S + 180)
+        assert errors == [None] * len(batch)
+        assert got == expected
+        print(f"{how} of a decode rank: worker lost after {lost[0]:.2f} s, every stream ended after {ended[0]:.2f} s")
+        # A killed rank is seen at once (its rank 0 watches it); a stopped one when a collective times out.
+        assert lost[0] < (5.0 if how == "SIGKILL" else FAULT_TIMEOUT_S + 5.0)
+        wait_for(lambda: not any(_alive(p) for p in pids), timeout=30, what="every rank of the lost worker to end")
+        wait_for(lambda: len(cluster.pools["decode"]) == 2 and victim not in cluster.pools["decode"], timeout=120,
+                 what="a replacement decode worker")
+        assert cluster.restarts["decode"] == 1
+        wait_for(lambda: used_blocks(aloop, cluster) == 0, timeout=30, what="zero used KV blocks")
+    finally:
+        for p in pids:
+            if _alive(p):
+                os.kill(p, signal.SIGCONT)
+        aloop.run(cluster.shutdown())
