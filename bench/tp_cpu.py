@@ -169,7 +169,7 @@ def main() -> None:
         print(f"{r['tp']:>3} {r['prefill_s'] * 1e3:>11.1f} {r['decode_s'] * 1e3:>15.2f}")
     print(f"TP 2 / TP 1: prefill {rows[1]['prefill_s'] / rows[0]['prefill_s']:.2f}x, decode "
           f"{rows[1]['decode_s'] / rows[0]['decode_s']:.2f}x")
-    print(f"gloo all-reduce of [{args.batch}, {hidden}] fp32 between 2 processes: {one * 1e6:.0f} us; x {2 * layers} "
+    print(f"gloo all-reduce of [{args.batch}, {hidden}] fp32 between 2 processes: {one * 1e6:.0f} us; x {2 * layers} "  # + the embedding's
           f"per step = {per_step * 1e3:.2f} ms ({per_step / rows[1]['decode_s']:.0%} of the TP 2 decode step)")
     vocab = rows[0]["vocab"]
     for n in sorted({1, args.batch, 64}):  # rows that sample: one per request

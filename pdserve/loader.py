@@ -109,6 +109,7 @@ def load_shard(config: EngineConfig, tp: int, rank: int) -> LoadedModel:
     path, fmt = resolve_format(config.model, config.load_format)
     info = load_info(config)
     model = _empty_model(rank_config(info.config, tp), config)
+    model.vocab_start, model.vocab_size = rank * model.cfg.vocab_size, info.config.vocab_size
     if fmt == "dummy":
         _init_dummy(model, config.seed + rank)
     else:

@@ -126,6 +126,10 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        # Tensor parallelism: this rank's embedding and LM head rows are the whole vocabulary's
+        # [vocab_start, vocab_start + cfg.vocab_size); vocab_size is the whole vocabulary's size.
+        self.tp_group = None
+        self.vocab_start, self.vocab_size = 0, cfg.vocab_size
         self.tie_weights()
         self.register_buffer("rope_cos", torch.empty(cfg.max_position_embeddings, cfg.head_dim // 2), persistent=False)
         self.register_buffer("rope_sin", torch.empty(cfg.max_position_embeddings, cfg.head_dim // 2), persistent=False)
@@ -143,10 +147,21 @@ class LlamaModel(nn.Module):
 
     def set_tensor_parallel(self, group) -> None:
         """This model is one rank's share (pdserve.tensor_parallel): all-reduce the row-parallel layers
-        (o_proj, down_proj) over group, a process group of the worker's ranks."""
+        (o_proj, down_proj) and the vocab-parallel embedding over group, a process group of the worker's
+        ranks, and all-gather the vocab-parallel LM head's logits."""
+        self.tp_group = group
         for layer in self.layers:
             layer.self_attn.tp_group = group
             layer.mlp.tp_group = group
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp_group is None:
+            return self.embed_tokens(input_ids)
+        # Vocab-parallel: each rank looks up the ids in its rows (zeros for the others'), then one all-reduce.
+        local = input_ids - self.vocab_start
+        mine = (local >= 0) & (local < self.cfg.vocab_size)
+        h = self.embed_tokens(local.clamp(0, self.cfg.vocab_size - 1)) * mine.unsqueeze(1).to(self.embed_tokens.weight.dtype)
+        return all_reduce(h, self.tp_group)
 
     def tie_weights(self) -> None:
         if self.cfg.tie_word_embeddings:
@@ -159,7 +174,7 @@ class LlamaModel(nn.Module):
         layer_done(i) is called after layer i (its KV is written): a prefill worker starts sending that
         layer's KV while the next layers compute.
         """
-        h = self.embed_tokens(input_ids)  # [tokens, hidden]
+        h = self.embed(input_ids)  # [tokens, hidden]
         residual = None
         rope = (self.rope_cos, self.rope_sin)
         for i, (layer, kv_layer) in enumerate(zip(self.layers, kv_cache)):
@@ -169,8 +184,14 @@ class LlamaModel(nn.Module):
         return self.norm(h, residual)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden: [rows, hidden] -> fp32 logits [rows, vocab]."""
-        return self.lm_head(hidden).float()
+        """hidden: [rows, hidden] -> fp32 logits [rows, vocab] (with tensor parallelism: on every rank,
+        each rank's vocabulary slice all-gathered)."""
+        logits = self.lm_head(hidden).float()
+        if self.tp_group is None:
+            return logits
+        parts = [torch.empty_like(logits) for _ in range(self.tp_group.size())]
+        self.tp_group.allgather([parts], [logits]).wait()
+        return torch.cat(parts, dim=1)[:, : self.vocab_size]
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

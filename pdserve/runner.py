@@ -83,7 +83,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, chunks: list[Chunk], layer_done: Callable[[int], None] | None = None,
-                previous: torch.Tensor | None = None) -> StepResult:
+                previous: torch.Tensor | None = None, sample_tokens: bool = True) -> StepResult:
         """layer_done(i), if given, is called as soon as layer i has written this step's KV (on a GPU:
         once its kernels are queued; the callee orders its own reads after them). previous: the sampled
         tokens of the step before (pipelined decode), which chunks with a pending_row read on the device.
@@ -113,6 +113,8 @@ class ModelRunner:
             return StepResult(torch.empty(0, dtype=torch.int64), torch.empty(0, self.cfg.vocab_size), [])
         rows = to_device(torch.tensor([last_row[i] for i in sampling_chunks]), self.device)
         logits = self.model.compute_logits(hidden[rows])  # [sampling chunks, vocab]
+        if not sample_tokens:
+            return StepResult(torch.empty(0, dtype=torch.int64), logits, sampling_chunks)
         batch = SamplingBatch.build([chunks[i].sample for i in sampling_chunks],
                                     [chunks[i].seed for i in sampling_chunks],
                                     [chunks[i].output_index for i in sampling_chunks], device=self.device)

@@ -115,22 +115,28 @@ def pair_plan(cfg: ModelConfig, prefill_tp: int, decode_tp: int) -> list[HeadTra
 
 # --- a rank's share of the model ----------------------------------------------------------------------
 
+def vocab_rows(vocab_size: int, tp: int) -> int:
+    """Rows of the embedding and LM head each rank holds (vocab-parallel; the last rank's are padded)."""
+    return -(-vocab_size // tp)
+
+
 def rank_config(cfg: ModelConfig, tp: int) -> ModelConfig:
-    """The shape of one rank's share: its attention heads, its KV heads and its slice of the MLP; the
-    hidden size, vocabulary (embedding and LM head are replicated) and everything else unchanged."""
+    """The shape of one rank's share: its attention heads, its KV heads, its slice of the MLP and of the
+    vocabulary (vocab_size is its rows of the embedding and LM head); the hidden size and everything else
+    unchanged."""
     layout = TPLayout(cfg.num_heads, cfg.num_kv_heads, tp)
     if cfg.intermediate_size % tp:
         raise ValueError(f"tensor-parallel size {tp} does not divide the model's MLP size {cfg.intermediate_size}")
     return replace(cfg, num_heads=layout.heads_per_rank, num_kv_heads=layout.kv_heads_per_rank,
-                   intermediate_size=cfg.intermediate_size // tp)
+                   intermediate_size=cfg.intermediate_size // tp, vocab_size=vocab_rows(cfg.vocab_size, tp))
 
 
 def shard_weights(weights: Iterable[tuple[str, torch.Tensor]], cfg: ModelConfig, tp: int,
                   rank: int) -> Iterator[tuple[str, torch.Tensor]]:
     """Hugging Face-named tensors cut to one rank's share (Megatron-style), one tensor at a time, so a
     rank never holds the whole model: q/k/v and gate/up by output rows (column-parallel), o_proj and
-    down_proj by input columns (row-parallel: their outputs are partial sums, all-reduced); norms,
-    embedding and LM head whole."""
+    down_proj by input columns (row-parallel: their outputs are partial sums, all-reduced); embedding and
+    LM head by vocabulary rows (vocab-parallel, the last rank's padded with zeros); norms whole."""
     layout = TPLayout(cfg.num_heads, cfg.num_kv_heads, tp)
     d, inter = cfg.head_dim, cfg.intermediate_size // tp
     q_rows = torch.arange(layout.q_heads(rank).start * d, layout.q_heads(rank).stop * d)
@@ -138,10 +144,16 @@ def shard_weights(weights: Iterable[tuple[str, torch.Tensor]], cfg: ModelConfig,
     mlp = torch.arange(rank * inter, (rank + 1) * inter)
     cut = {"q_proj": (0, q_rows), "k_proj": (0, kv_rows), "v_proj": (0, kv_rows), "o_proj": (1, q_rows),
            "gate_proj": (0, mlp), "up_proj": (0, mlp), "down_proj": (1, mlp)}
+    rows = vocab_rows(cfg.vocab_size, tp)
     for name, tensor in weights:
         parts = name.split(".")
         kind = parts[-2] if len(parts) >= 2 else ""
-        if kind in cut:
+        if kind in ("embed_tokens", "lm_head"):
+            tensor = tensor[rank * rows:(rank + 1) * rows]
+            if tensor.shape[0] < rows:
+                tensor = torch.cat([tensor, tensor.new_zeros(rows - tensor.shape[0], *tensor.shape[1:])])
+            tensor = tensor.contiguous()
+        elif kind in cut:
             dim, index = cut[kind]
             if tensor.dim() == 1 and dim == 1:  # a row-parallel layer's bias: added once, on rank 0
                 tensor = tensor if rank == 0 else torch.zeros_like(tensor)

@@ -5,8 +5,9 @@ holds the engine (scheduler, block pool, sampling) and its share of the model; r
 (`RankShare`) hold only their shares and caches. Each step rank 0 broadcasts the step's chunks (their
 tokens, positions and block tables: the block tables rank 0's scheduler decided, identical on every
 rank) on the worker's own process group, and every rank runs the forward; the row-parallel layers
-all-reduce over the same group (pdserve.model). Rank 0 alone computes the LM head and samples: the
-others' forward ends at the last layer (docs/benchmarks.md has why the LM head is not split).
+all-reduce over the same group, and so does the vocab-parallel embedding; the vocab-parallel LM head's
+logits are all-gathered (pdserve.model). Rank 0 alone samples. (Splitting the LM head over 2 ranks
+took 0.57-0.78x the time of rank 0 computing all of it, gather included: docs/benchmarks.md.)
 
 Where the other ranks live is the launcher's business: processes of their own for the offline engine
 (`ProcessRanks`), Ray actors in the worker's placement group for a cluster (pdserve.tp_worker).
@@ -103,8 +104,8 @@ class RankShare:
                     continue
                 with self._cond:
                     self._step, self._layers, self._events = self._step + 1, 0, {}
-                # Rank 0 samples: the other ranks' forward stops before the LM head.
-                self.runner.execute([c._replace(sample=None) for c in chunks], self._layer_done)
+                # Every rank computes its slice of the LM head (vocab-parallel); rank 0 alone samples.
+                self.runner.execute(chunks, self._layer_done, sample_tokens=False)
                 self._layer_done(self.num_layers - 1)
         except BaseException as e:
             with self._cond:

@@ -127,16 +127,19 @@ def tp_checkpoints(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("tp")
     return {"gqa": build_tiny_checkpoint(root / "gqa", "llama", num_attention_heads=8, num_key_value_heads=2),
-            "mqa": build_tiny_checkpoint(root / "mqa", "qwen2", num_attention_heads=8, num_key_value_heads=1)}
+            "mqa": build_tiny_checkpoint(root / "mqa", "qwen2", num_attention_heads=8, num_key_value_heads=1),
+            # 318 rows: TP 4 holds 80 each, the last rank 78 and 2 rows of padding.
+            "odd-vocab": build_tiny_checkpoint(root / "odd", "llama", num_attention_heads=8, num_key_value_heads=2,
+                                               vocab_size=318)}
 
 
-@pytest.mark.parametrize("kind, sizes", [("gqa", (2, 4)), ("mqa", (2, 4))])
+@pytest.mark.parametrize("kind, sizes", [("gqa", (2, 4)), ("mqa", (2, 4)), ("odd-vocab", (4,))])
 def test_tp_greedy_tokens_equal_tp1_and_transformers(tp_checkpoints, kind, sizes):
     """8 attention heads over 2 KV heads (TP 2 splits them, TP 4 replicates them) and over 1 (MQA, with
-    q/k/v biases): the same greedy tokens at every TP size as at TP 1 and as transformers; no block left
-    used on rank 0."""
+    q/k/v biases), and a vocabulary TP 4 does not divide: the same greedy tokens at every TP size as at
+    TP 1 and as transformers; no block left used on rank 0."""
     path = tp_checkpoints[kind]
-    batch = tp_prompts(320)
+    batch = tp_prompts(318)
     ref, _ = greedy_tokens(tp_config(path, 1), batch)
     assert ref == hf_greedy(path, batch)
     for tp in sizes:
@@ -147,7 +150,7 @@ def test_tp_greedy_tokens_equal_tp1_and_transformers(tp_checkpoints, kind, sizes
 
 def test_a_rank_holds_its_share_only(tp_checkpoints):
     """Rank r of TP 4 over 8 heads / 2 KV heads: 2 query heads, 1 KV head (replicated), a quarter of
-    the MLP; the embedding and LM head whole."""
+    the MLP, a quarter of the vocabulary's embedding and LM head rows."""
     from pdserve.loader import load_shard
 
     cfg = tp_config(tp_checkpoints["gqa"], 4)
@@ -163,7 +166,9 @@ def test_a_rank_holds_its_share_only(tp_checkpoints):
         k = m.layers[0].self_attn.qkv_proj.weight[2 * d: 3 * d]
         kv = rank // 2  # TP 4 over 2 KV heads: ranks 0-1 hold head 0, ranks 2-3 head 1
         assert torch.equal(k, full.layers[0].self_attn.qkv_proj.weight[8 * d + kv * d: 8 * d + (kv + 1) * d])
-        assert torch.equal(m.lm_head.weight, full.lm_head.weight)
+        assert m.lm_head.weight.shape == (80, 64) and (m.vocab_start, m.vocab_size) == (80 * rank, 320)
+        assert torch.equal(m.lm_head.weight, full.lm_head.weight[80 * rank:80 * (rank + 1)])
+        assert torch.equal(m.embed_tokens.weight, full.embed_tokens.weight[80 * rank:80 * (rank + 1)])
 
 
 def test_a_tp_size_the_heads_cannot_take_is_an_error_at_start(tp_checkpoints):
