@@ -8,7 +8,7 @@ cannot split; made here with transformers):
 - TP 1 (one process, all cores) and TP 2 (two processes, half the cores each, gloo): the time of one
   prefill step of --prompt-len tokens and of a decode step at --batch requests (median of --steps);
 - gloo's all-reduce of one decode step's activations ([batch, hidden] fp32) between two processes,
-  timed alone, times the 2 per layer a step makes;
+  timed alone, times the 2 per layer and 1 for the embedding a step makes;
 - the LM head two ways, rank 0 holding the whole logits at the end: replicated (rank 0 alone computes
   [batch, hidden] x [hidden, vocab]; the other ranks skip it) against vocab-parallel (each of 2 ranks
   computes half the vocabulary, then the halves are all-gathered over gloo).
@@ -163,14 +163,15 @@ def main() -> None:
     rows = [time_engine(model, tp, args.prompt_len, args.batch, args.steps) for tp in (1, 2)]
     layers, hidden = rows[0]["layers"], rows[0]["hidden"]
     one = time_allreduce(args.batch * hidden)
-    per_step = 2 * layers * one
+    per_step = (2 * layers + 1) * one  # o_proj and down_proj in each layer, and the vocab-parallel embedding
     print(f"\n{'TP':>3} {'prefill ms':>11} {'decode step ms':>15}")
     for r in rows:
         print(f"{r['tp']:>3} {r['prefill_s'] * 1e3:>11.1f} {r['decode_s'] * 1e3:>15.2f}")
     print(f"TP 2 / TP 1: prefill {rows[1]['prefill_s'] / rows[0]['prefill_s']:.2f}x, decode "
           f"{rows[1]['decode_s'] / rows[0]['decode_s']:.2f}x")
-    print(f"gloo all-reduce of [{args.batch}, {hidden}] fp32 between 2 processes: {one * 1e6:.0f} us; x {2 * layers} "  # + the embedding's
-          f"per step = {per_step * 1e3:.2f} ms ({per_step / rows[1]['decode_s']:.0%} of the TP 2 decode step)")
+    print(f"gloo all-reduce of [{args.batch}, {hidden}] fp32 between 2 processes: {one * 1e6:.0f} us; x {2 * layers + 1} "
+          f"per step = {per_step * 1e3:.2f} ms ({per_step / rows[1]['decode_s']:.0%} of the TP 2 decode step), "
+          f"and one all-gather of the logits (below)")
     vocab = rows[0]["vocab"]
     for n in sorted({1, args.batch, 64}):  # rows that sample: one per request
         rep, split = time_lm_head(n, hidden, vocab)
