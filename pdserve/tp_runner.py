@@ -229,10 +229,12 @@ class TPRunner:
                 self._lock.release()
 
     def _fatal(self, why: str) -> None:
+        if self._closed.is_set():
+            return  # the ranks were told to stop: their ending is no fault
         if self.failed is None:
             self.failed = why
             log.error("tensor-parallel worker lost a rank: %s", why)
-            if self._on_fatal is not None and not self._closed.is_set():
+            if self._on_fatal is not None:
                 self._on_fatal(why)
 
     def close(self) -> None:

@@ -17,6 +17,7 @@ import asyncio
 import collections
 import itertools
 import logging
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -64,12 +65,28 @@ class Worker:
     placement_group: Any = None  # a tensor-parallel worker's: its ranks' bundles, removed when it leaves
 
 
-def _kill(w: Worker) -> None:
-    """End a worker's actor for good, and a TP worker's other ranks with its placement group."""
+# Placement groups of workers that left, being removed (a call to Ray's GCS, off the event loop); the
+# pools' shutdown waits this long for them, at most.
+REMOVE_GROUPS_TIMEOUT_S = 5.0
+
+
+def _kill(w: Worker) -> threading.Thread | None:
+    """End a worker's actor for good, and a TP worker's other ranks with its placement group (removed
+    on a thread of its own: it is a blocking call to Ray's GCS); the thread, if any."""
     ray.kill(w.handle, no_restart=True)
-    if w.placement_group is not None:
-        remove_placement_group(w.placement_group)
-        w.placement_group = None
+    group, w.placement_group = w.placement_group, None
+    if group is None:
+        return None
+
+    def remove() -> None:
+        try:
+            remove_placement_group(group)
+        except Exception as e:  # noqa: BLE001 - Ray is going away; its groups go with it
+            log.warning("placement group of %s not removed: %s", w.worker_id, e)
+
+    t = threading.Thread(target=remove, name=f"remove-group-{w.worker_id}", daemon=True)
+    t.start()
+    return t
 
 
 # How often a draining worker is checked for its last request.
@@ -175,8 +192,10 @@ class Pools:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         await asyncio.gather(*(w.handle.shutdown.remote() for w in self.workers), return_exceptions=True)
-        for w in everyone:
-            _kill(w)
+        removals = [t for t in map(_kill, everyone) if t is not None]
+        deadline = time.monotonic() + REMOVE_GROUPS_TIMEOUT_S
+        for t in removals:
+            await asyncio.to_thread(t.join, max(deadline - time.monotonic(), 0))
         self.by_name = {p: [] for p in self.by_name}
         self.starting = {p: [] for p in self.by_name}
         self.draining = []
