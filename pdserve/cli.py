@@ -182,7 +182,8 @@ def cmd_status(args: argparse.Namespace) -> int:
     print(f"mode {st.mode}  serving {st.serving}  running {st.requests_running}  "
           f"queued {st.requests_queued}/{st.queue_capacity}")
     for pool in st.pools:
-        print(f"{pool.name} pool: {pool.current_workers} workers, desired {pool.desired_workers} "
+        ranks = f" of TP {pool.tensor_parallel_size}" if pool.tensor_parallel_size > 1 else ""
+        print(f"{pool.name} pool: {pool.current_workers} workers{ranks}, desired {pool.desired_workers} "
               f"(range {pool.min_workers}:{pool.max_workers})")
     header = (f"{'pool':10} {'worker':14} {'state':9} {'waiting':>8} {'wait tok':>9} {'running':>8} {'KV used':>14} "
               f"{'busy':>6} {'steps':>8} {'tokens':>10}")

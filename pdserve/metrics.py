@@ -40,6 +40,7 @@ class PoolScale:
     max_workers: int
     start_seconds: tuple[float, ...]  # how long each worker started so far took to be ready
     events: dict[tuple[str, str], int]  # (up|down, reason) -> scale events so far
+    tensor_parallel_size: int = 1  # ranks (devices) per worker
 
 
 class RouterMetrics:
@@ -283,6 +284,8 @@ class ScaleCollector(Collector):
                                     labels=["pool"])
         lo = GaugeMetricFamily("pdserve_pool_min_workers", "The pool's smallest size", labels=["pool"])
         hi = GaugeMetricFamily("pdserve_pool_max_workers", "The pool's largest size", labels=["pool"])
+        tp = GaugeMetricFamily("pdserve_pool_tensor_parallel_size",
+                               "Ranks (devices) per worker of the pool: its devices are workers x this", labels=["pool"])
         events = CounterMetricFamily("pdserve_scale_events", "Workers started (up) or drained (down) by the autoscaler, "
                                      "by the reason of the decision", labels=["pool", "direction", "reason"])
         start = SummaryMetricFamily("pdserve_worker_start_seconds", "From a worker's start to ready (model load included)",
@@ -293,10 +296,11 @@ class ScaleCollector(Collector):
             desired.add_metric([p.pool], p.desired)
             lo.add_metric([p.pool], p.min_workers)
             hi.add_metric([p.pool], p.max_workers)
+            tp.add_metric([p.pool], p.tensor_parallel_size)
             counts = dict(p.events)
             if p.max_workers > p.min_workers:  # an autoscaled pool: every series exists from the start
                 counts = {**{(d, r): 0 for d in ("up", "down") for r in REASONS}, **counts}
             for (direction, reason), n in sorted(counts.items()):
                 events.add_metric([p.pool, direction, reason], n)
             start.add_metric([p.pool], len(p.start_seconds), sum(p.start_seconds))
-        yield from (workers, desired, lo, hi, events, start)
+        yield from (workers, desired, lo, hi, tp, events, start)

@@ -226,7 +226,8 @@ class GenerationService(pb_grpc.GenerationServicer):
             out.append(PoolScale(name, len(pools.by_name[name]), len(pools.starting[name]),
                                  sum(w.pool == name for w in pools.draining),
                                  desired if desired is not None else pools.size(name) if lo < hi else lo,
-                                 lo, hi, tuple(pools.start_seconds[name]), events))
+                                 lo, hi, tuple(pools.start_seconds[name]), events,
+                                 self.cluster.config.engine_for(pc).tensor_parallel_size))
         return out
 
     async def GetClusterStatus(self, request, context) -> pb.ClusterStatus:
@@ -257,7 +258,8 @@ class GenerationService(pb_grpc.GenerationServicer):
                                            busy_fraction=sum(s.busy_fraction for s in ws) / len(ws) if ws else 0.0,
                                            current_workers=scale.ready + scale.starting,
                                            desired_workers=scale.desired, min_workers=scale.min_workers,
-                                           max_workers=scale.max_workers))
+                                           max_workers=scale.max_workers,
+                                           tensor_parallel_size=scale.tensor_parallel_size))
         return out
 
 

@@ -11,6 +11,7 @@ import asyncio
 import os
 import signal
 import time
+import urllib.request
 
 import pytest
 import ray
@@ -94,17 +95,27 @@ def test_tp_pair_is_token_exact(ray_local, aloop, gqa, reference, prefill_tp, de
         aloop.run(cluster.shutdown())
 
 
-def test_colocated_tp2_is_token_exact(ray_local, aloop, gqa, reference):
+def test_colocated_tp2_is_token_exact_and_reported(ray_local, aloop, gqa, reference):
+    """A colocated worker of TP 2 behind the gRPC router: token-exact, two processes, and the cluster
+    status says TP 2."""
+    from served import Served
+
+    from pdserve.client import Client
+    from router.server import RouterConfig
+
     params, expected = reference
-    cluster = Cluster(cluster_config(gqa, 2, 2, mode="colocated"))
-    aloop.run(cluster.start(), timeout=600)
+    s = Served(aloop, cluster_config(gqa, 2, 2, mode="colocated"), RouterConfig(port=0, metrics_port=0))
     try:
-        outs = aloop.run(collect_all(cluster, prompts(), params), timeout=300)
+        outs = aloop.run(collect_all(s.cluster, prompts(), params), timeout=300)
         assert [o[0] for o in outs] == expected
-        assert len(set(rank_pids(aloop, cluster.pools["colocated"][0]))) == 2
-        wait_for(lambda: used_blocks(aloop, cluster) == 0, timeout=30, what="zero used KV blocks")
+        assert len(set(rank_pids(aloop, s.cluster.pools["colocated"][0]))) == 2
+        (pool,) = Client(s.target).cluster_status().pools
+        assert (pool.name, pool.tensor_parallel_size, pool.current_workers) == ("colocated", 2, 1)
+        body = urllib.request.urlopen(f"http://127.0.0.1:{s.router.metrics_port}/metrics", timeout=10).read().decode()
+        assert 'pdserve_pool_tensor_parallel_size{pool="colocated"} 2.0' in body
+        wait_for(lambda: used_blocks(aloop, s.cluster) == 0, timeout=30, what="zero used KV blocks")
     finally:
-        aloop.run(cluster.shutdown())
+        s.close()
 
 
 def test_a_tp_size_the_model_cannot_take_fails_the_start(ray_local, aloop, gqa):

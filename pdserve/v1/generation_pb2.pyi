@@ -181,7 +181,7 @@ class WorkerStatus(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., pool: _Optional[str] = ..., waiting_requests: _Optional[int] = ..., waiting_tokens: _Optional[int] = ..., running_requests: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., busy_fraction: _Optional[float] = ..., steps: _Optional[int] = ..., tokens_processed: _Optional[int] = ..., state: _Optional[str] = ...) -> None: ...
 
 class PoolStatus(_message.Message):
-    __slots__ = ("name", "workers", "waiting_requests", "kv_usage", "busy_fraction", "current_workers", "desired_workers", "min_workers", "max_workers")
+    __slots__ = ("name", "workers", "waiting_requests", "kv_usage", "busy_fraction", "current_workers", "desired_workers", "min_workers", "max_workers", "tensor_parallel_size")
     NAME_FIELD_NUMBER: _ClassVar[int]
     WORKERS_FIELD_NUMBER: _ClassVar[int]
     WAITING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
@@ -191,6 +191,7 @@ class PoolStatus(_message.Message):
     DESIRED_WORKERS_FIELD_NUMBER: _ClassVar[int]
     MIN_WORKERS_FIELD_NUMBER: _ClassVar[int]
     MAX_WORKERS_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
     name: str
     workers: _containers.RepeatedCompositeFieldContainer[WorkerStatus]
     waiting_requests: int
@@ -200,7 +201,8 @@ class PoolStatus(_message.Message):
     desired_workers: int
     min_workers: int
     max_workers: int
-    def __init__(self, name: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., waiting_requests: _Optional[int] = ..., kv_usage: _Optional[float] = ..., busy_fraction: _Optional[float] = ..., current_workers: _Optional[int] = ..., desired_workers: _Optional[int] = ..., min_workers: _Optional[int] = ..., max_workers: _Optional[int] = ...) -> None: ...
+    tensor_parallel_size: int
+    def __init__(self, name: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., waiting_requests: _Optional[int] = ..., kv_usage: _Optional[float] = ..., busy_fraction: _Optional[float] = ..., current_workers: _Optional[int] = ..., desired_workers: _Optional[int] = ..., min_workers: _Optional[int] = ..., max_workers: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ...) -> None: ...
 
 class ClusterStatus(_message.Message):
     __slots__ = ("mode", "pools", "requests_running", "requests_queued", "queue_capacity", "serving", "queued_by_service_tier")
