@@ -155,9 +155,15 @@ class CacheConfig:
         if self.memory_bytes < 1:
             raise ValueError(f"memory_bytes must be >= 1, got {self.memory_bytes}")
 
-    def resolve_num_blocks(self, model: ModelConfig, dtype: torch.dtype) -> int:
+    def resolve_num_blocks(self, model: ModelConfig, dtype: torch.dtype, tp: int = 1) -> int:
+        """Blocks of the cache: num_blocks, or as many as memory_bytes holds on each rank of a worker of
+        TP size tp (a rank holds its KV heads of every block; pdserve.tensor_parallel)."""
         if self.num_blocks is not None:
             return self.num_blocks
+        if tp > 1:
+            from pdserve.tensor_parallel import rank_config
+
+            model = rank_config(model, tp)
         per_block = kv_bytes_per_token(model, dtype) * self.block_size
         n = self.memory_bytes // per_block
         if n < 1:

@@ -53,7 +53,7 @@ class EngineCore:
         self.tokenizer = loaded.info.tokenizer
         self.max_model_len = loaded.info.max_model_len
         self.eos_token_ids = loaded.info.eos_token_ids
-        num_blocks = config.cache.resolve_num_blocks(self.model_config, config.torch_dtype)
+        num_blocks = config.cache.resolve_num_blocks(self.model_config, config.torch_dtype, tp)
         self.pool = BlockPool(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
         self.kv = KVCacheManager(self.pool)
         cuda = torch.device(config.device).type == "cuda"

@@ -160,6 +160,13 @@ class PairLink:
     def timeout_s(self) -> float:
         return self.shares[0][1].timeout_s
 
+    def record_others(self, results: Sequence[Sequence[tuple[int, float]]]) -> None:
+        """Count the other ranks' channels (their shares' (bytes, seconds)) in this worker's statistics."""
+        stats = self.shares[0][1].stats
+        for per_rank in results:
+            for nbytes, seconds in per_rank:
+                stats.record(nbytes, seconds)
+
     def break_(self) -> None:
         for _, channel in self.shares:
             channel.break_()
@@ -500,7 +507,8 @@ class KVPusher:
                        self.faults if lead else None, self._stream)
 
         run_concurrently([lambda t=t, c=c: share(t, c) for t, c in link.shares])
-        wait_all(others, 2 * timeout + 5.0, f"the other ranks' shares of transfer {a.generation}/{a.seq}")
+        link.record_others(wait_all(others, 2 * timeout + 5.0,
+                                    f"the other ranks' shares of transfer {a.generation}/{a.seq}"))
 
     def _break(self, generation: int) -> None:
         with self._lock:
@@ -721,6 +729,6 @@ class KVIntake:
                                  self._stream)
 
         results = run_concurrently([lambda t=t, c=c: share(t, c) for t, c in link.shares])
-        wait_all(others, 2 * self.timeout_s + 5.0, f"the other ranks' shares of transfer {label}")
+        link.record_others(wait_all(others, 2 * self.timeout_s + 5.0, f"the other ranks' shares of transfer {label}"))
         values = next(v for (t, _), v in zip(link.shares, results) if is_lead(t))
         return values[:len(a.request_ids)], values[len(a.request_ids)] / 1e6

@@ -59,7 +59,6 @@ class RankActor:
         torch.set_num_threads(threads)
         self.worker_id, self.rank = worker_id, rank
         self.share = RankShare(config, tp, rank, host, port, num_blocks, timeout_s)
-        self.transfer_stats = TransferStats()
         self._lock = threading.Lock()
         self._links: dict[str, tuple[int, PairLink]] = {}  # peer worker -> (generation, this rank's channels)
         self._lost: set[str] = set()
@@ -78,7 +77,7 @@ class RankActor:
         if peer in self._lost:
             raise ConnectionError(f"{peer} was lost; no channel to it")
         shares = open_shares(host, port, prefill_id, decode_id, sender, transfers, timeout_s,
-                             self.share.kv_cache.device, generation, self.transfer_stats)
+                             self.share.kv_cache.device, generation, TransferStats())
         with self._lock:
             old = self._links.get(peer)
             if peer in self._lost or (old is not None and old[0] >= generation):
@@ -89,29 +88,31 @@ class RankActor:
             old[1].close()
 
     def send_share(self, decode_id: str, generation: int, seq: int, block_ids: list[list[int]], step: int,
-                   num_parts: int, checksum: bool) -> None:
+                   num_parts: int, checksum: bool) -> list[tuple[int, float]]:
         """This rank's share of a prefill worker's transfer: its heads of the blocks, once its own forward
-        of engine step `step` has computed them."""
+        of engine step `step` has computed them; (bytes, seconds) of each of its channels."""
         link = self._link(decode_id, generation)
         cache = self.share.kv_cache
         index = torch.tensor([b for ids in block_ids for b in ids], dtype=torch.int64, device=cache.device)
         spans = layer_spans(cache.shape[0], num_parts)
         timeout = link.timeout_s
-        self._run(decode_id, generation, [
+        return self._run(decode_id, generation, link, [
             lambda t=t, c=c: send_share(c, seq, cache, index, share_heads(t, True, cache), spans,
                                         lambda end: self.share.wait_computed(step, end, timeout), None,
                                         trailer_len(0, False, checksum), checksum)
             for t, c in link.shares])
 
-    def recv_share(self, prefill_id: str, generation: int, a: KVAnnounce, blocks: list[list[int] | None]) -> None:
-        """This rank's share of a decode worker's transfer, into the blocks its rank 0 reserved."""
+    def recv_share(self, prefill_id: str, generation: int, a: KVAnnounce,
+                   blocks: list[list[int] | None]) -> list[tuple[int, float]]:
+        """This rank's share of a decode worker's transfer, into the blocks its rank 0 reserved; (bytes,
+        seconds) of each of its channels."""
         link = self._link(prefill_id, generation)
         cache = self.share.kv_cache
         src, dst = transfer_rows(a.num_blocks, blocks, cache.device)
         spans = layer_spans(cache.shape[0], a.num_parts)
         label = f"{a.generation}/{a.seq} from {a.prefill_id} (rank {self.rank})"
         assert not any(is_lead(t) for t, _ in link.shares)
-        self._run(prefill_id, generation, [
+        return self._run(prefill_id, generation, link, [
             lambda t=t, c=c: receive_share(c, a.seq, cache, src, dst, share_heads(t, False, cache), sum(a.num_blocks),
                                            spans, trailer_len(0, False, a.checksum), a.checksum, label)
             for t, c in link.shares])
@@ -140,12 +141,19 @@ class RankActor:
                                 f"to {peer}")
         return held[1]
 
-    def _run(self, peer: str, generation: int, shares: list[Callable[[], object]]) -> None:
+    def _run(self, peer: str, generation: int, link: PairLink,
+             shares: list[Callable[[], object]]) -> list[tuple[int, float]]:
+        # One transfer at a time per link (its rank 0 waits for each): each channel counts this one apart,
+        # and the counts go back to rank 0, which reports the worker's.
+        counts = [TransferStats() for _ in link.shares]
+        for (_, channel), stats in zip(link.shares, counts):
+            channel.stats = stats
         try:
             run_concurrently(shares)
         except BaseException:
             self.drop(peer, generation)  # a failed transfer breaks its generation on every rank
             raise
+        return [(c.bytes, c.seconds) for c in counts]
 
 
 class RayRanks:

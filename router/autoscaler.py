@@ -26,8 +26,9 @@ log = logging.getLogger(__name__)
 STARTUP_GUESS_S = 30.0
 
 
-def cluster_costs(cluster: Cluster) -> StepCosts:
-    """The cost model the autoscaler sizes with: the configured profile, or the configured GPU's roofline."""
+def cluster_costs(cluster: Cluster, tp: int = 1) -> StepCosts:
+    """The cost model the autoscaler sizes a pool of TP size tp with: the configured profile, or the
+    configured GPU's roofline for a worker of tp such GPUs."""
     a, info = cluster.config.autoscale, cluster.info
     if a.profile is not None:
         from pdserve.planner.profile import read_profile
@@ -35,10 +36,12 @@ def cluster_costs(cluster: Cluster) -> StepCosts:
         costs, model, _, _ = read_profile(a.profile)
         if model.get("vocab_size") != info.config.vocab_size or model.get("num_params") not in (None, info.config.num_params):
             raise ValueError(f"{a.profile} profiles {model.get('name')!r}, not the served model {info.path!r}")
+        if tp != 1:
+            raise ValueError(f"{a.profile} profiles one device; a pool of TP {tp} autoscales from a GPU's roofline (--gpu)")
         return costs
     from pdserve.planner.hardware import gpu, roofline
 
-    return roofline(info.config, gpu(a.gpu), cluster.config.engine.torch_dtype.itemsize)
+    return roofline(info.config, gpu(a.gpu), cluster.config.engine.torch_dtype.itemsize, tp)
 
 
 class AutoscaleLoop:
@@ -50,11 +53,13 @@ class AutoscaleLoop:
         limits = {}
         for name in c.ranges:
             engine = c.engine_for(c.pools[name])
-            limits[name] = PoolLimits(engine.cache.resolve_num_blocks(cluster.info.config, engine.torch_dtype),
+            limits[name] = PoolLimits(engine.cache.resolve_num_blocks(cluster.info.config, engine.torch_dtype,
+                                                                       engine.tensor_parallel_size),
                                       engine.cache.block_size, engine.scheduler.max_num_seqs,
                                       engine.scheduler.max_num_batched_tokens)
         a = c.autoscale
-        self.policy = Autoscaler(cluster_costs(cluster), limits, c.ranges, a.ttft_target_s, a.tpot_target_s,
+        costs = {name: cluster_costs(cluster, c.engine_for(c.pools[name]).tensor_parallel_size) for name in c.ranges}
+        self.policy = Autoscaler(costs, limits, c.ranges, a.ttft_target_s, a.tpot_target_s,
                                  a.scale_down_delay_s, cluster.scaling.last_start_seconds() or STARTUP_GUESS_S,
                                  c.tiers.slo_of(ServiceTier.PRIORITY).tpot_s)
         self.decisions: dict[str, Decision] = {}

@@ -66,7 +66,8 @@ def add_serve_parser(sub: Any) -> argparse.ArgumentParser:
     serve.add_argument("--prefill-resource", action="append", default=[], metavar="NAME=AMOUNT",
                        help="Ray custom resource every prefill worker needs (pins the pool to a node group)")
     serve.add_argument("--decode-resource", action="append", default=[], metavar="NAME=AMOUNT")
-    serve.add_argument("--kv-cache-mib", type=int, default=1024, help="KV cache per worker, MiB")
+    serve.add_argument("--kv-cache-mib", type=int, default=1024,
+                       help="KV cache per worker, MiB (per rank of a TP worker: each holds its KV heads)")
     serve.add_argument("--block-size", type=int, default=16)
     serve.add_argument("--prefill-token-budget", type=int, default=2048,
                        help="prompt tokens per prefill step (and per colocated step)")

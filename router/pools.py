@@ -172,7 +172,8 @@ class Pools:
         handle = ray.remote(cls).options(**options).remote(worker_id, engine, torch_threads=pc.torch_threads, **extra)
         w = Worker(worker_id, handle, pool, slot, placement_group=group)
         if pool == "prefill":
-            w.prefix = PrefixIndex(engine.cache.resolve_num_blocks(self.info.config, engine.torch_dtype))
+            w.prefix = PrefixIndex(engine.cache.resolve_num_blocks(self.info.config, engine.torch_dtype,
+                                                                   engine.tensor_parallel_size))
         return w
 
     def _task(self, coro) -> None:

@@ -317,7 +317,7 @@ def test_the_loop_scales_the_fast_lane_by_priority_demand(with_tier_demand):
     cluster = _loop_cluster(with_tier_demand)
     loop = AutoscaleLoop(cluster)
     assert loop.policy.fast_tpot_s == 0.0125 and loop.policy.limits["fast"].max_num_seqs == 6
-    loop.policy.costs = costs()  # the hand-made model, for exact numbers
+    loop.policy.costs = dict.fromkeys(loop.policy.ranges, costs())  # the hand-made model, for exact numbers
     for name in ("decode", "fast"):
         loop.policy.limits[name] = LIMITS if name == "decode" else LANE
     lane = loop.fast_demand(10.0)
@@ -331,3 +331,35 @@ def test_the_loop_scales_the_fast_lane_by_priority_demand(with_tier_demand):
     else:  # no per-tier windows (older clusters): the lane keeps what its requests need, 4 over b = 3
         assert lane.arrival_rate == 0.0
         assert (decisions["fast"].desired, decisions["fast"].reason) == (2, "running")
+
+
+def test_each_pool_is_sized_with_its_own_costs():
+    """Pools of different tensor-parallel sizes have different step costs: the autoscaler takes one cost
+    model per pool, and a decode pool whose steps cost half sizes with half the workers."""
+    slow, fast = costs(decode=(0.02, 0.146)), costs()
+    shared = Autoscaler(slow, {"prefill": LIMITS, "decode": LIMITS}, {"prefill": (1, 8), "decode": (1, 8)}, 1.0, 0.030,
+                        10, 5)
+    per_pool = Autoscaler({"prefill": slow, "decode": fast}, {"prefill": LIMITS, "decode": LIMITS},
+                          {"prefill": (1, 8), "decode": (1, 8)}, 1.0, 0.030, 10, 5)
+    d = demand(rate=40)
+    assert shared.need("prefill", d) == per_pool.need("prefill", d)
+    assert per_pool.need("decode", d) == decode_need(fast, LIMITS, d, tpot_s=0.030) == Need(4, "rate")
+    assert shared.need("decode", d).workers > per_pool.need("decode", d).workers
+
+
+def test_a_tp_pool_is_priced_as_a_worker_of_tp_gpus():
+    """The autoscaler prices a pool of TP 4 with the roofline of a worker of 4 GPUs; a profile (measured
+    on one device) cannot price it."""
+    from types import SimpleNamespace
+
+    from pdserve.config import AutoscaleConfig, EngineConfig
+    from pdserve.planner.hardware import resolve_model
+    from router.autoscaler import cluster_costs
+
+    _, cfg = resolve_model("llama-3-70b")
+    cluster = SimpleNamespace(config=SimpleNamespace(autoscale=AutoscaleConfig(gpu="H100"),
+                                                     engine=EngineConfig(dtype="bfloat16")),
+                              info=SimpleNamespace(config=cfg))
+    one, four = cluster_costs(cluster, 1), cluster_costs(cluster, 4)
+    assert (one.tp, four.tp) == (1, 4)
+    assert four.step_time(0, 0, 0, 32, 32 * 1024) < one.step_time(0, 0, 0, 32, 32 * 1024)

@@ -211,3 +211,17 @@ def test_serve_flags_and_config_keys_set_each_pools_tp(tmp_path):
     assert [c.engine_for(p).tensor_parallel_size for p in (c.prefill, c.decode)] == [2, 4]
     with pytest.raises(ValueError, match="one size"):
         cluster_config_from_args(parse_args(["serve", "--mode", "colocated", "--decode-tensor-parallel-size", "2"]))
+
+
+def test_a_kv_budget_is_per_rank():
+    """--kv-cache-mib is each rank's: a rank holds its KV heads of every block, so TP 2 over 2 KV heads
+    holds twice TP 1's blocks, and TP 4 (each KV head on two ranks) no more than TP 2."""
+    from pdserve.config import ModelConfig
+
+    cfg = ModelConfig(architecture="llama", vocab_size=320, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=8,
+                      num_kv_heads=2, head_dim=8, max_position_embeddings=128)
+    cache = CacheConfig(block_size=4, memory_bytes=1 << 20)
+    blocks = [cache.resolve_num_blocks(cfg, torch.float32, tp) for tp in (1, 2, 4)]
+    per_block = 2 * 2 * 2 * 8 * 4 * 4  # K and V, layers, KV heads, head_dim, block_size, fp32
+    assert blocks == [(1 << 20) // per_block, (1 << 20) // (per_block // 2), (1 << 20) // (per_block // 2)]
+    assert CacheConfig(num_blocks=7).resolve_num_blocks(cfg, torch.float32, 4) == 7

@@ -189,10 +189,11 @@ def _largest(terms: dict[str, float]) -> Need:
 class Autoscaler:
     """Decides each autoscaled pool's size at each call; keeps the history the hysteresis needs."""
 
-    def __init__(self, costs: StepCosts, limits: dict[str, PoolLimits], ranges: dict[str, tuple[int, int]],
-                 ttft_s: float, tpot_s: float, scale_down_delay_s: float, startup_s: float,
-                 fast_tpot_s: float | None = None):
-        """fast_tpot_s: the priority tier's TPOT target, which sizes the fast lane (needed when it autoscales)."""
+    def __init__(self, costs: StepCosts | dict[str, StepCosts], limits: dict[str, PoolLimits],
+                 ranges: dict[str, tuple[int, int]], ttft_s: float, tpot_s: float, scale_down_delay_s: float,
+                 startup_s: float, fast_tpot_s: float | None = None):
+        """costs: one worker's step costs, or each pool's (pools of different tensor-parallel sizes);
+        fast_tpot_s: the priority tier's TPOT target, which sizes the fast lane (needed when it autoscales)."""
         unknown = set(ranges) - {"prefill", "decode", "fast"}
         if unknown:
             raise ValueError(f"only the prefill, decode and fast pools autoscale, not {sorted(unknown)}")
@@ -203,7 +204,8 @@ class Autoscaler:
                 raise ValueError(f"{pool}: a range MIN:MAX needs 1 <= MIN <= MAX, got {lo}:{hi}")
         if min(ttft_s, tpot_s) <= 0 or scale_down_delay_s < 0:
             raise ValueError("the TTFT and TPOT targets must be positive and the scale-down delay >= 0")
-        self.costs, self.limits, self.ranges = costs, limits, ranges
+        self.costs = costs if isinstance(costs, dict) else dict.fromkeys(ranges, costs)
+        self.limits, self.ranges = limits, ranges
         self.ttft_s, self.tpot_s, self.scale_down_delay_s = ttft_s, tpot_s, scale_down_delay_s
         self.fast_tpot_s = fast_tpot_s
         self.startup_s = startup_s  # how long a new worker takes to be ready: the latest measured
@@ -212,11 +214,11 @@ class Autoscaler:
     def need(self, pool: str, demand: Demand) -> Need:
         """What the pool needs now, within its range."""
         if pool == "prefill":
-            need = prefill_need(self.costs, self.limits[pool], demand, self.ttft_s, self.startup_s)
+            need = prefill_need(self.costs[pool], self.limits[pool], demand, self.ttft_s, self.startup_s)
         elif pool == "fast":
-            need = decode_need(self.costs, self.limits[pool], demand, self.fast_tpot_s)
+            need = decode_need(self.costs[pool], self.limits[pool], demand, self.fast_tpot_s)
         else:
-            need = decode_need(self.costs, self.limits[pool], demand, self.tpot_s)
+            need = decode_need(self.costs[pool], self.limits[pool], demand, self.tpot_s)
         lo, hi = self.ranges[pool]
         if need.workers < lo:
             return Need(lo, "minimum")
