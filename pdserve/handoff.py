@@ -227,8 +227,10 @@ def send_share(channel: PairChannel, seq: int, cache: torch.Tensor, index: torch
         for i, (start, end) in enumerate(spans):
             event = wait_layers(end)
             with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-                if event is not None:
+                if event is not None and stream is not None:
                     stream.wait_event(event)
+                elif event is not None:
+                    torch.cuda.current_stream().wait_event(event)
                 kv = cache[start:end] if heads is None else cache[start:end].index_select(2, heads)
                 part = kv.index_select(3, index)
                 if checksum:

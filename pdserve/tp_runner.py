@@ -4,7 +4,7 @@ A worker of TP n is n processes, one per device (gloo on CPU, NCCL on CUDA: the 
 holds the engine (scheduler, block pool, sampling) and its share of the model; ranks 1..n-1
 (`RankShare`) hold only their shares and caches. Each step rank 0 broadcasts the step's chunks (their
 tokens, positions and block tables: the block tables rank 0's scheduler decided, identical on every
-rank) on the worker's own process group, and every rank runs the forward; the row-parallel layers
+rank) on the worker's own gloo group, and every rank runs the forward; the row-parallel layers
 all-reduce over the same group, and so does the vocab-parallel embedding; the vocab-parallel LM head's
 logits are all-gathered (pdserve.model). Rank 0 alone samples. (Splitting the LM head over 2 ranks
 took 0.57-0.78x the time of rank 0 computing all of it, gather included: docs/benchmarks.md.)
@@ -45,10 +45,17 @@ class TPGroupError(RuntimeError):
     """A collective of the worker's ranks failed or timed out: the worker cannot go on."""
 
 
-def _new_group(device: torch.device, store: dist.Store, rank: int, world: int, timeout_s: float) -> dist.ProcessGroup:
-    # NCCL on CUDA has never run here: one GPU cannot host two ranks.
-    return new_process_group(dist.PrefixStore("tp", store), rank, world, timedelta(seconds=timeout_s),
-                             backend_for(device))
+def _new_groups(device: torch.device, store: dist.Store, rank: int, world: int,
+                timeout_s: float) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
+    """The worker's groups: one on the device's backend for the model's collectives, and one of gloo for
+    the steps' inputs and the heartbeat (pickled host data; NCCL carries device tensors only). On a CPU
+    they are one group. (NCCL on CUDA has never run here: one GPU cannot host two ranks.)"""
+    timeout = timedelta(seconds=timeout_s)
+    backend = backend_for(device)
+    group = new_process_group(dist.PrefixStore("tp", store), rank, world, timeout, backend)
+    if backend == "gloo":
+        return group, group
+    return group, new_process_group(dist.PrefixStore("tp-control", store), rank, world, timeout, "gloo")
 
 
 def _broadcast(group: dist.ProcessGroup, chunks, control: int = 0) -> None:
@@ -81,7 +88,7 @@ class RankShare:
         self.rank, self.timeout_s = rank, timeout_s
         store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s))
         self.device = torch.device(config.device)
-        self.group = _new_group(self.device, store, rank, tp, timeout_s)
+        self.group, self.control = _new_groups(self.device, store, rank, tp, timeout_s)
         loaded = load_shard(config, tp, rank)
         loaded.model.set_tensor_parallel(self.group)
         self.runner = ModelRunner(loaded.model, num_blocks, config.cache.block_size)
@@ -90,7 +97,7 @@ class RankShare:
         self._step, self._layers = 0, 0  # the step running (or last run), and its layers done
         self._events: dict[int, torch.cuda.Event] = {}
         self.failed: str | None = None
-        self.group.barrier().wait()  # rank 0 waits for every rank to have loaded its share
+        self.control.barrier().wait()  # rank 0 waits for every rank to have loaded its share
 
     @property
     def kv_cache(self) -> torch.Tensor:
@@ -99,7 +106,7 @@ class RankShare:
     def serve(self) -> None:
         """Run every step rank 0 broadcasts, until it says stop; raises if the group fails (rank 0 gone)."""
         try:
-            while (chunks := _receive(self.group)) != _STOP:
+            while (chunks := _receive(self.control)) != _STOP:
                 if chunks == _PING:
                     continue
                 with self._cond:
@@ -164,6 +171,8 @@ class ProcessRanks:
 def _process_rank(config: EngineConfig, tp: int, rank: int, host: str, port: int, num_blocks: int, threads: int,
                   timeout_s: float) -> None:
     torch.set_num_threads(threads)
+    if torch.device(config.device).type == "cuda":
+        torch.cuda.set_device(rank)  # one GPU per rank: rank r of an offline engine takes GPU r
     RankShare(config, tp, rank, host, port, num_blocks, timeout_s).serve()
 
 
@@ -185,9 +194,9 @@ class TPRunner:
             if runner.device.type == "cpu":
                 torch.set_num_threads(threads)  # this process is rank 0: the cores are split between the ranks
         self.ranks.start(config, tp, "127.0.0.1", self._store.port, runner.num_blocks, threads, self.timeout_s)
-        self.group = _new_group(runner.device, self._store, 0, tp, self.timeout_s)
+        self.group, self.control = _new_groups(runner.device, self._store, 0, tp, self.timeout_s)
         runner.model.set_tensor_parallel(self.group)
-        self.group.barrier().wait()  # every rank has loaded its share
+        self.control.barrier().wait()  # every rank has loaded its share
         self.steps = 0
         self.failed: str | None = None
         self._lock = threading.Lock()  # one collective sequence at a time: a step or a heartbeat
@@ -202,7 +211,7 @@ class TPRunner:
             self._check()
             try:
                 self.steps += 1
-                _broadcast(self.group, chunks)
+                _broadcast(self.control, chunks)
                 return self.runner.execute(chunks, layer_done)
             except Exception as e:  # the ranks may now disagree on where they are: the worker is done for
                 self._fatal(f"step {self.steps} failed: {type(e).__name__}: {e}")
@@ -221,7 +230,7 @@ class TPRunner:
                 continue
             try:
                 if self.failed is None and not self._closed.is_set():
-                    _broadcast(self.group, None, _PING)
+                    _broadcast(self.control, None, _PING)
                     self._last = time.monotonic()
             except Exception as e:  # noqa: BLE001 - a rank is gone or stuck
                 self._fatal(f"heartbeat failed: {type(e).__name__}: {e}")
@@ -245,7 +254,7 @@ class TPRunner:
         with self._lock:
             try:
                 if self.failed is None:
-                    _broadcast(self.group, None, _STOP)
+                    _broadcast(self.control, None, _STOP)
             except Exception as e:  # noqa: BLE001 - a rank already gone: the others still end below
                 log.warning("tensor-parallel shutdown: %s", e)
         self.ranks.close()

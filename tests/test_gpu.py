@@ -351,3 +351,20 @@ def test_cuda_dispatch_uses_the_triton_kernels(monkeypatch):
     monkeypatch.setenv(attention.GPU_ENV_VAR, "torch")
     assert torch.equal(attention._decode_attention(q, kv, tables, lens, 0.125), ref)  # forced off: the torch path
     assert len(calls) == 2
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL needs a GPU per rank: two GPUs")
+def test_tp2_over_nccl_gives_the_cpu_tokens(tmp_path):
+    """Tensor parallelism on CUDA: two ranks on two GPUs, NCCL for the model's collectives and a gloo
+    group beside it for each step's inputs: the same greedy tokens as one rank on the CPU. (Never run:
+    no machine with two GPUs has been lent.)"""
+    from conftest import build_tiny_checkpoint
+
+    path = build_tiny_checkpoint(tmp_path / "gqa", "llama", num_attention_heads=8, num_key_value_heads=2)
+    config = lambda device, tp: EngineConfig(model=str(path), device=device, tensor_parallel_size=tp,  # noqa: E731
+                                             cache=CacheConfig(block_size=4, num_blocks=128),
+                                             scheduler=SchedulerConfig(max_num_batched_tokens=32))
+    batch = prompts(320)
+    greedy = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    with LLMEngine(config("cpu", 1)) as cpu, LLMEngine(config("cuda", 2)) as gpu:
+        assert [c.token_ids for c in gpu.generate(batch, greedy)] == [c.token_ids for c in cpu.generate(batch, greedy)]
