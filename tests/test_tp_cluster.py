@@ -77,11 +77,12 @@ def used_blocks(aloop, cluster) -> int:
 @pytest.mark.parametrize("prefill_tp, decode_tp", LAYOUTS)
 def test_tp_pair_is_token_exact(ray_local, aloop, gqa, reference, prefill_tp, decode_tp):
     """Prefill of TP A, decode of TP B: every request's tokens (greedy and seeded sampling) equal the
-    offline engine's at TP 1, each worker runs as A or B processes, and no KV block is left used. The
-    block allocator is rank 0's alone and every rank's block tables are rank 0's, so rank 0's count is
-    every rank's."""
+    offline engine's at TP 1, each worker runs as A or B processes, each decode rank received exactly
+    its KV heads, and no KV block is left used. The block allocator is rank 0's alone and every rank's
+    block tables are rank 0's, so rank 0's count is every rank's."""
     params, expected = reference
-    cluster = Cluster(cluster_config(gqa, prefill_tp, decode_tp))
+    checksum = (prefill_tp, decode_tp) in ((2, 2), (1, 4))  # every rank's channel checks its own KV
+    cluster = Cluster(cluster_config(gqa, prefill_tp, decode_tp, kv_checksum=checksum))
     aloop.run(cluster.start(), timeout=600)
     try:
         outs = aloop.run(collect_all(cluster, prompts(), params), timeout=300)
@@ -96,7 +97,8 @@ def test_tp_pair_is_token_exact(ray_local, aloop, gqa, reference, prefill_tp, de
         layout = TPLayout(8, 2, decode_tp)
         heads = sum(len(layout.kv_heads(r)) for r in range(decode_tp))
         kv = sum(-(-n // 4) for n in LENS) * 2 * 2 * 4 * 8 * 4 * heads  # blocks x K,V x layers x block x dim x fp32
-        assert kv <= decode["bytes"] <= kv + 8 * (len(LENS) + 1) * decode["transfers"], (decode, kv)
+        assert kv <= decode["bytes"] <= kv + 8 * (len(LENS) + 2) * decode["transfers"], (decode, kv)
+        assert decode["failures"] == 0
     finally:
         aloop.run(cluster.shutdown())
 
@@ -157,7 +159,7 @@ def test_the_rank_rows_are_in_docs_faults():
     from pathlib import Path
 
     text = (Path(__file__).resolve().parent.parent / "docs" / "faults.md").read_text()
-    assert "`tp-decode-rank-killed`" in text and "`tp-decode-rank-stuck`" in text
+    assert all(f"`{row}`" in text for row in ("tp-decode-rank-killed", "tp-decode-rank-stuck", "tp-prefill-rank-killed"))
 
 
 @pytest.mark.parametrize("how", ["SIGKILL", "SIGSTOP"])
@@ -221,3 +223,47 @@ def test_a_decode_rank_lost_mid_stream(ray_local, aloop, gqa, tp_fault_engine, h
             if _alive(p):
                 os.kill(p, signal.SIGCONT)
         aloop.run(cluster.shutdown())
+
+
+def test_a_prefill_rank_killed_mid_prefill(ray_local, aloop, gqa, tp_fault_engine):
+    """Rank 1 of a TP 2 prefill worker is killed (SIGKILL) while its rank 0 is inside a step with
+    prompts queued: the worker goes down with all its ranks, its prompts are placed again on the
+    replacement, and every stream ends token-exact."""
+    pool = lambda tp: PoolConfig(1, num_cpus=0.1, tensor_parallel_size=tp, torch_threads=1)  # noqa: E731
+    config = ClusterConfig(engine=tp_fault_engine, prefill=pool(2), decode=pool(1), transfer_timeout_s=TIMEOUT_S,
+                           stats_interval_s=0.5, worker_timeout_s=30.0)
+    batch = prompts()
+    greedy = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    with LLMEngine(engine_config(gqa)) as engine:
+        expected = [o.token_ids for o in engine.generate(batch, greedy)]
+    cluster = Cluster(config)
+    aloop.run(cluster.start(), timeout=600)
+    victim = cluster.pools["prefill"][0]
+    pids = rank_pids(aloop, victim)
+    try:
+        ray.get(victim.handle.inject_fault.remote("step", 30.0), timeout=30)  # the next step stalls, inside
+
+        async def run():
+            tasks = [asyncio.create_task(collect_tokens(cluster, p, greedy)) for p in batch]
+            assert await asyncio.to_thread(ray.get, victim.handle.fault_reached.remote("step", 60), timeout=90)
+            t0 = time.monotonic()
+            os.kill(pids[1], signal.SIGKILL)
+            out = await asyncio.wait_for(asyncio.gather(*tasks), RESUME_BOUND_S)
+            return out, time.monotonic() - t0
+
+        outs, took = aloop.run(run(), timeout=RESUME_BOUND_S + 120)
+        assert outs == expected
+        print(f"SIGKILL of a prefill rank mid-step: every stream ended after {took:.2f} s")
+        wait_for(lambda: not any(_alive(p) for p in pids), timeout=30, what="every rank of the lost worker to end")
+        assert cluster.restarts["prefill"] == 1
+        wait_for(lambda: used_blocks(aloop, cluster) == 0, timeout=60, what="zero used KV blocks")
+    finally:
+        aloop.run(cluster.shutdown())
+
+
+async def collect_tokens(cluster, prompt, params) -> list[int]:
+    tokens = []
+    async for out in cluster.generate(prompt, params):
+        assert out.error is None, out.error
+        tokens += out.new_token_ids
+    return tokens
