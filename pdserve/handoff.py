@@ -38,7 +38,6 @@ import contextlib
 import heapq
 import itertools
 import logging
-import queue
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence

@@ -155,6 +155,22 @@ def tp_fault_engine(gqa):
                         tensor_parallel_timeout_s=FAULT_TIMEOUT_S)
 
 
+def greedy_reference(path, max_tokens: int):
+    """The prompts, greedy parameters and the offline engine's tokens for them at TP 1."""
+    batch = prompts()
+    greedy = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    with LLMEngine(engine_config(path)) as engine:
+        return batch, greedy, [o.token_ids for o in engine.generate(batch, greedy)]
+
+
+def fault_cluster(aloop, engine: EngineConfig, prefill_tp: int, decode_workers: int, decode_tp: int) -> Cluster:
+    pool = lambda n, tp: PoolConfig(n, num_cpus=0.1, tensor_parallel_size=tp, torch_threads=1)  # noqa: E731
+    cluster = Cluster(ClusterConfig(engine=engine, prefill=pool(1, prefill_tp), decode=pool(decode_workers, decode_tp),
+                                    transfer_timeout_s=TIMEOUT_S, stats_interval_s=0.5, worker_timeout_s=30.0))
+    aloop.run(cluster.start(), timeout=600)
+    return cluster
+
+
 def test_the_rank_rows_are_in_docs_faults():
     from pathlib import Path
 
@@ -168,15 +184,8 @@ def test_a_decode_rank_lost_mid_stream(ray_local, aloop, gqa, tp_fault_engine, h
     killed (SIGKILL) or stopped (SIGSTOP) from outside: its worker goes down, every one of its ranks
     with it, each of its streams resumes on the other decode worker and ends token-exact within the
     bound, a replacement joins, and no KV block is left used."""
-    pool = lambda n, tp: PoolConfig(n, num_cpus=0.1, tensor_parallel_size=tp, torch_threads=1)  # noqa: E731
-    config = ClusterConfig(engine=tp_fault_engine, prefill=pool(1, 1), decode=pool(2, 2), transfer_timeout_s=TIMEOUT_S,
-                           stats_interval_s=0.5, worker_timeout_s=30.0)
-    batch = prompts()
-    greedy = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
-    with LLMEngine(engine_config(gqa)) as engine:
-        expected = [o.token_ids for o in engine.generate(batch, greedy)]
-    cluster = Cluster(config)
-    aloop.run(cluster.start(), timeout=600)
+    batch, greedy, expected = greedy_reference(gqa, 64)
+    cluster = fault_cluster(aloop, tp_fault_engine, prefill_tp=1, decode_workers=2, decode_tp=2)
     victim = cluster.pools["decode"][0]
     pids = rank_pids(aloop, victim)
     got: list[list[int]] = [[] for _ in batch]
@@ -229,15 +238,8 @@ def test_a_prefill_rank_killed_mid_prefill(ray_local, aloop, gqa, tp_fault_engin
     """Rank 1 of a TP 2 prefill worker is killed (SIGKILL) while its rank 0 is inside a step with
     prompts queued: the worker goes down with all its ranks, its prompts are placed again on the
     replacement, and every stream ends token-exact."""
-    pool = lambda tp: PoolConfig(1, num_cpus=0.1, tensor_parallel_size=tp, torch_threads=1)  # noqa: E731
-    config = ClusterConfig(engine=tp_fault_engine, prefill=pool(2), decode=pool(1), transfer_timeout_s=TIMEOUT_S,
-                           stats_interval_s=0.5, worker_timeout_s=30.0)
-    batch = prompts()
-    greedy = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
-    with LLMEngine(engine_config(gqa)) as engine:
-        expected = [o.token_ids for o in engine.generate(batch, greedy)]
-    cluster = Cluster(config)
-    aloop.run(cluster.start(), timeout=600)
+    batch, greedy, expected = greedy_reference(gqa, 16)
+    cluster = fault_cluster(aloop, tp_fault_engine, prefill_tp=2, decode_workers=1, decode_tp=1)
     victim = cluster.pools["prefill"][0]
     pids = rank_pids(aloop, victim)
     try:
