@@ -168,8 +168,21 @@ def test_plan_command_with_tensor_parallel_sizes(tmp_path, capsys):
     assert plan["candidates"][0]["kv_cache_bytes"] == (72 * 10**9 - 70_555_025_408) // (163_840 * 16) * 163_840 * 16
 
 
+def test_plan_compares_tp_sizes_itself_when_the_model_does_not_fit_one_gpu(capsys):
+    """`pdserve plan --gpu H100 --model llama-3-70b` alone says which TP sizes fit and which wins."""
+    from pdserve.cli import main
+
+    assert main(["plan", "--gpu", "H100", "--model", "llama-3-70b", "--input-len", "1024", "--output-len", "256",
+                 "--num-prompts", "20", "--request-rate", "2", "--max-workers", "1", "--slo-ttft-ms", "2000",
+                 "--slo-tpot-ms", "100"]) == 0
+    printed = capsys.readouterr().out
+    assert "llama-3-70b does not fit one H100: comparing tensor-parallel sizes 1,2,4,8" in printed
+    assert [ln.split()[:2] for ln in printed.splitlines() if ln[:3].strip() in {"1", "2", "4", "8"}][:4] == [
+        ["1", "no"], ["2", "yes"], ["4", "yes"], ["8", "yes"]]
+    assert "prefill: TP 8 wins" in printed and "decode: TP 4 wins" in printed
+
+
 @pytest.mark.parametrize("argv, message", [
-    (["--gpu", "H100", "--model", "llama-3-70b"], "split them over GPUs with --tensor-parallel-sizes"),
     (["--gpu", "H100", "--model", "llama-3-70b", "--tensor-parallel-sizes", "2,3"],
      "tensor-parallel size 3 does not divide the model's 64 attention heads"),
     (["--gpu", "L4", "--model", "llama-3-70b", "--tensor-parallel-sizes", "1,2"], "no tensor-parallel size of [1, 2]"),

@@ -56,8 +56,8 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     src.add_argument("--gpu", default=None, help="a roofline of this GPU's datasheet: H100, H200, A100, L40S, L4")
     src.add_argument("--model", default=None,
                      help="with --gpu: a preset (llama-3-8b, llama-3-70b, smollm2-135m), config.json, HF directory or "
-                          ".gguf; one worker is one GPU unless --tensor-parallel-sizes splits it (llama-3-70b in bf16 "
-                          "fits no single GPU)")
+                          ".gguf; one worker is one GPU unless --tensor-parallel-sizes splits it (a model that fits no "
+                          "single GPU, like llama-3-70b in bf16, is compared at TP 1, 2, 4 and 8 by itself)")
     src.add_argument("--dtype-bytes", type=int, default=2, help="with --gpu: bytes per weight and KV value (2: bf16)")
     src.add_argument("--tensor-parallel-sizes", type=_sizes, default=None, metavar="1,2,4,8",
                      help="with --gpu: compare these tensor-parallel sizes (which fit, prefill time, decode tokens/s "
@@ -132,6 +132,33 @@ def _costs_and_model(args: argparse.Namespace, tp: int = 1) -> tuple[Any, dict[s
     return costs, model, kv_budget_bytes(device, costs.resident_weight_bytes), args.block_size or 16
 
 
+# The sizes compared when a model's weights do not fit one GPU and no --tensor-parallel-sizes is given.
+AUTO_TP_SIZES = (1, 2, 4, 8)
+
+
+def _auto_tp_sizes(args: argparse.Namespace) -> list[int] | None:
+    """With --gpu and --model and no --tensor-parallel-sizes: None if the weights fit one GPU, else the
+    sizes of AUTO_TP_SIZES the model's heads and MLP allow."""
+    from pdserve.planner.hardware import gpu, kv_budget_bytes, resolve_model, roofline
+    from pdserve.tensor_parallel import rank_config
+
+    device = gpu(args.gpu)
+    _, cfg = resolve_model(args.model)
+    try:
+        kv_budget_bytes(device, roofline(cfg, device, args.dtype_bytes).resident_weight_bytes)
+        return None
+    except ValueError:
+        pass
+    sizes = []
+    for tp in AUTO_TP_SIZES:
+        try:
+            rank_config(cfg, tp)
+            sizes.append(tp)
+        except ValueError:
+            pass
+    return sizes
+
+
 def _compare_tp(args: argparse.Namespace) -> dict[str, Any]:
     """--tensor-parallel-sizes compared on the workload's lengths: its mean prompt for prefill, the decode pool's
     batch cap at the mean context (prompt + half the output) for decode, its longest request for the fit."""
@@ -199,6 +226,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
         # bench ends such a run by its clock, which a simulation does not have before it runs
         raise ValueError("pdserve plan needs --num-prompts with --concurrency or --arrival closed")
     tp, tp_table = 1, None
+    if not args.tensor_parallel_sizes and args.gpu and args.model:
+        args.tensor_parallel_sizes = _auto_tp_sizes(args)
+        if args.tensor_parallel_sizes:
+            print(f"{args.model} does not fit one {args.gpu}: comparing tensor-parallel sizes "
+                  f"{','.join(map(str, args.tensor_parallel_sizes))} (--tensor-parallel-sizes chooses)\n")
     if args.tensor_parallel_sizes:
         tp_table = _compare_tp(args)
         tp = tp_table["fitting"][0]
