@@ -31,6 +31,7 @@ KUSTOMIZATIONS = {
     "base": DEPLOY / "kubernetes",
     "dev": DEPLOY / "overlays" / "dev",
     "production": DEPLOY / "overlays" / "production",
+    "large-model": DEPLOY / "overlays" / "large-model",
 }
 # The shared/ checkout sits beside the project root ("../shared/schemas/..." from it).
 SCHEMAS = ROOT.parent / "shared" / "schemas"
@@ -594,6 +595,8 @@ def test_pools_are_pinned_to_their_groups_by_ray_resources(name, tmp_path):
     assert not set(ray_resources(head["rayStartParams"])) & {*wanted["prefill"], *wanted["decode"]}
     assert GPU not in ray_container(head["template"]).get("resources", {}).get("limits", {})
     workers = {"prefill": args.prefill_workers, "decode": args.decode_workers}  # (MIN, MAX)
+    tp = {"prefill": args.prefill_tensor_parallel_size or args.tensor_parallel_size,  # ranks per worker
+          "decode": args.decode_tensor_parallel_size or args.tensor_parallel_size}
     autoscaling = rc["spec"].get("enableInTreeAutoscaling", False)
     # Autoscaled pools and the Ray autoscaler go together: the router asks for workers, the Ray
     # autoscaler brings the pods that place them.
@@ -602,11 +605,12 @@ def test_pools_are_pinned_to_their_groups_by_ray_resources(name, tmp_path):
         other = "decode" if pool == "prefill" else "prefill"
         offered = ray_resources(group["rayStartParams"])
         assert not set(offered) & set(wanted[other]), f"{pool} pods would accept {other} actors"
-        per_pod = [math.floor(offered.get(r, 0) / amount) for r, amount in wanted[pool].items()]
+        # Each rank of a worker takes the pool's resource and worker-gpus; its ranks share one pod.
+        per_pod = [math.floor(offered.get(r, 0) / (amount * tp[pool])) for r, amount in wanted[pool].items()]
         resources = ray_container(group["template"])["resources"]
         assert resources["requests"][GPU] == resources["limits"][GPU], f"{pool}: GPU requests != limits"
         gpus = int(resources["limits"][GPU])
-        per_pod.append(math.floor(gpus / args.worker_gpus))
+        per_pod.append(math.floor(gpus / (args.worker_gpus * tp[pool])))
         actors_per_pod = min(per_pod)
         assert actors_per_pod >= 1, f"a {pool} pod cannot host one {pool} actor"
         assert 0 <= group["minReplicas"] <= group["replicas"] <= group["maxReplicas"]
@@ -663,6 +667,27 @@ def test_production_overlay_separates_pools_and_autoscales():
             assert any(t.get("key") == key and t.get("value") == value and t.get("effect") == "NoSchedule"
                        for t in spec["tolerations"]), f"{pool}: no toleration for {key}={value}"
     assert selectors["prefill"] != selectors["decode"]
+
+
+def test_large_model_overlay_packs_whole_tp_workers_on_pods_the_planner_fits(tmp_path):
+    """Llama-3-70B: one prefill worker of TP 8 fills an 8-GPU pod; two decode workers of TP 4 share one;
+    each pod's Ray resource is one unit per rank; the planner's roofline says both sizes fit an H100."""
+    from pdserve.planner.hardware import gpu, resolve_model
+    from pdserve.planner.parallel import compare_tp
+
+    objs = rendered("large-model")
+    args = serve_args(objs, tmp_path)
+    assert (args.prefill_tensor_parallel_size, args.decode_tensor_parallel_size) == (8, 4)
+    groups_ = groups(one(objs, "RayCluster"))
+    for pool, tp, workers in (("prefill", 8, 1), ("decode", 4, 2)):
+        group = groups_[pool]
+        gpus = int(ray_container(group["template"])["resources"]["limits"][GPU])
+        assert gpus == tp * workers and ray_resources(group["rayStartParams"]) == {pool: tp * workers}, pool
+        assert group["replicas"] == 1
+    assert args.model.startswith("/mnt/models/")  # the weights come from the claim
+    _, cfg = resolve_model("llama-3-70b")
+    table = compare_tp(cfg, gpu("H100"), [4, 8], 1024, 8192, 64, 1152, 1280, 2)
+    assert table["fitting"] == [4, 8]
 
 
 def _peers(rule: dict) -> list[dict]:
