@@ -199,7 +199,8 @@ class WorkerCollector(Collector):
                      lambda s: s.prefix_query_blocks)
         moving = [s for s in stats if s.transfer]
         for kind, name, doc, key in (
-                (CounterMetricFamily, "pdserve_kv_transfers", "KV transfers completed (one per channel: a transfer between TP workers counts each rank pair)", "transfers"),
+                (CounterMetricFamily, "pdserve_kv_transfers",
+                 "KV transfers completed (one per channel: one between TP workers counts each pair of ranks)", "transfers"),
                 (CounterMetricFamily, "pdserve_kv_transfer_bytes", "KV bytes transferred", "bytes"),
                 (CounterMetricFamily, "pdserve_kv_transfer_failures", "KV transfers that failed or timed out", "failures"),
                 (CounterMetricFamily, "pdserve_kv_transfer_checksum_failures",
