@@ -108,8 +108,9 @@ class DecodeActor(WorkerActor):
             raise
         link = PairLink(shares)
         if ranks:
-            link = PairLink(shares, others=lambda a, blocks: [h.recv_share.remote(prefill_id, generation, a, blocks).future()
-                                                              for h in ranks],
+            link = PairLink(shares,
+                            others=lambda a, blocks: [h.recv_share.remote(prefill_id, generation, a, blocks).future()
+                                                      for h in ranks],
                             drop=lambda: [h.drop.remote(prefill_id, generation) for h in ranks])
         if prefill_id in self._lost_peers:  # lost while the rendezvous ran
             link.break_()

@@ -333,8 +333,8 @@ class PushJob:
                  num_layers: int, layers_done: int = 0, tokens: Sequence[int] | None = None,
                  sampled_at: float | None = None, tier: int = 1, step: int = 0):
         self.destination = destination
-        self.tier = tier
-        self.step = step  # the engine step whose forward computes this KV (the other TP ranks wait for it)  # the service tier's rank of its requests (pdserve.tiers): the pusher's order
+        self.tier = tier  # the service tier's rank of its requests (pdserve.tiers): the pusher's order
+        self.step = step  # the engine step whose forward computes this KV (the other TP ranks wait for it)
         self.request_ids = tuple(request_ids)
         self.block_ids = [list(b) for b in block_ids]
         self.num_layers = num_layers

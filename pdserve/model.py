@@ -160,7 +160,8 @@ class LlamaModel(nn.Module):
         # Vocab-parallel: each rank looks up the ids in its rows (zeros for the others'), then one all-reduce.
         local = input_ids - self.vocab_start
         mine = (local >= 0) & (local < self.cfg.vocab_size)
-        h = self.embed_tokens(local.clamp(0, self.cfg.vocab_size - 1)) * mine.unsqueeze(1).to(self.embed_tokens.weight.dtype)
+        h = self.embed_tokens(local.clamp(0, self.cfg.vocab_size - 1))
+        h = h * mine.unsqueeze(1).to(h.dtype)
         return all_reduce(h, self.tp_group)
 
     def tie_weights(self) -> None:

@@ -153,8 +153,9 @@ class ProcessRanks:
     def start(self, config: EngineConfig, tp: int, host: str, port: int, num_blocks: int, threads: int,
               timeout_s: float) -> None:
         ctx = mp.get_context("spawn")
-        self._procs = [ctx.Process(target=_process_rank, args=(config, tp, r, host, port, num_blocks, threads, timeout_s),
-                                   name=f"tp-rank-{r}", daemon=True) for r in range(1, tp)]
+        self._procs = [ctx.Process(target=_process_rank, name=f"tp-rank-{r}", daemon=True,
+                                   args=(config, tp, r, host, port, num_blocks, threads, timeout_s))
+                       for r in range(1, tp)]
         for p in self._procs:
             p.start()
 

@@ -175,7 +175,8 @@ def test_the_rank_rows_are_in_docs_faults():
     from pathlib import Path
 
     text = (Path(__file__).resolve().parent.parent / "docs" / "faults.md").read_text()
-    assert all(f"`{row}`" in text for row in ("tp-decode-rank-killed", "tp-decode-rank-stuck", "tp-prefill-rank-killed"))
+    rows = ("tp-decode-rank-killed", "tp-decode-rank-stuck", "tp-prefill-rank-killed")
+    assert all(f"`{row}`" in text for row in rows)
 
 
 @pytest.mark.parametrize("how", ["SIGKILL", "SIGSTOP"])
