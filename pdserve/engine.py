@@ -14,7 +14,7 @@ import torch
 from pdserve.block_pool import BlockPool
 from pdserve.config import EngineConfig
 from pdserve.kv_cache import KVCacheManager
-from pdserve.loader import LoadedModel, load, load_shard
+from pdserve.loader import LoadedModel, load, load_info, load_shard
 from pdserve.output import RequestOutput, TextOutput, token_output
 from pdserve.request import FinishReason, Request, validate_prompt
 from pdserve.runner import ModelRunner, StepResult
@@ -44,9 +44,19 @@ class EngineCore:
         their own), on_fatal(why) is called if they are lost, threads is each rank's torch threads."""
         self.config = config
         tp = config.tensor_parallel_size
+        tp_runner = None
         if tp > 1:
+            from pdserve.tp_runner import TPRunner
+
             assert loaded is None, "a tensor-parallel engine loads its ranks' shares itself"
-            loaded = load_shard(config, tp, 0)
+            info = load_info(config)
+            blocks = config.cache.resolve_num_blocks(info.config, config.torch_dtype, tp)
+            tp_runner = TPRunner(config, tp, blocks, ranks, on_fatal, threads)  # the others load meanwhile
+            try:
+                loaded = load_shard(config, tp, 0)
+            except BaseException:
+                tp_runner.close()
+                raise
         loaded = loaded or load(config)
         self.info = loaded.info
         self.model_config = loaded.info.config
@@ -62,10 +72,12 @@ class EngineCore:
             and tp == 1
         self.runner = ModelRunner(loaded.model, num_blocks, config.cache.block_size, cuda_graphs=graphs,
                                   max_num_seqs=config.scheduler.max_num_seqs, max_model_len=self.max_model_len)
-        if tp > 1:
-            from pdserve.tp_runner import TPRunner
-
-            self.runner = TPRunner(config, self.runner, tp, ranks, on_fatal, threads)
+        if tp_runner is not None:
+            try:
+                self.runner = tp_runner.attach(self.runner)
+            except BaseException:
+                tp_runner.close()
+                raise
         self.scheduler = Scheduler(config.scheduler, self.kv, self.eos_token_ids, self.max_model_len, role)
         on = config.pipelined_decode if config.pipelined_decode is not None else cuda
         self.pipelined = on and role is not Role.PREFILL and tp == 1

@@ -38,6 +38,7 @@ import contextlib
 import heapq
 import itertools
 import logging
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -275,7 +276,9 @@ def receive_share(channel: PairChannel, seq: int, cache: torch.Tensor, src: torc
                     cache[start:end, :, h].index_copy_(2, dst, data[:, :, i].index_select(2, src))
         for _ in parts:  # the trailer, and the end of the transfer
             pass
-        values = trailer.tolist()  # on a GPU this waits for the writes above as well
+        values = trailer.tolist()
+    if stream is not None:  # the writes (and the staging buffer's reads) are done before the KV counts as here
+        stream.synchronize()
     if sums is not None and int(sums) != values[-1]:
         channel.stats.record_checksum_failure()
         raise KVCorrupted(f"KV checksum mismatch on transfer {label}: sent {values[-1]}, received {int(sums)}")
@@ -507,9 +510,10 @@ class KVPusher:
                        trailer_len(len(a.request_ids), lead, a.checksum), a.checksum,
                        self.faults if lead else None, self._stream)
 
-        run_concurrently([lambda t=t, c=c: share(t, c) for t, c in link.shares])
-        link.record_others(wait_all(others, 2 * timeout + 5.0,
-                                    f"the other ranks' shares of transfer {a.generation}/{a.seq}"))
+        what = f"the other ranks' shares of transfer {a.generation}/{a.seq}"
+        with settling(link, others, 2 * timeout + 5.0, what):
+            run_concurrently([lambda t=t, c=c: share(t, c) for t, c in link.shares])
+        link.record_others(wait_all(others, 2 * timeout + 5.0, what))
 
     def _break(self, generation: int) -> None:
         with self._lock:
@@ -526,6 +530,23 @@ class KVPusher:
 
 def as_link(channel: PairChannel | PairLink) -> PairLink:
     return channel if isinstance(channel, PairLink) else PairLink([(None, channel)])
+
+
+@contextlib.contextmanager
+def settling(link: PairLink, others: Sequence[concurrent.futures.Future], timeout_s: float, what: str) -> Iterator[None]:
+    """Rank 0's own shares of a transfer run inside: if they fail, the other ranks' shares are ended
+    (the generation broken, unless all of rank 0's share arrived and only its checksum differed) and
+    waited for, bounded, before the error goes on: no block is freed while another rank still reads or
+    writes it, and no rank starts the next transfer on a channel still busy with this one."""
+    try:
+        yield
+    except BaseException:
+        if others:
+            if not isinstance(sys.exc_info()[1], KVCorrupted):
+                link.break_()
+            if concurrent.futures.wait(others, timeout_s).not_done:
+                log.warning("%s did not end within %g s", what, timeout_s)
+        raise
 
 
 def wait_all(futures: Sequence[concurrent.futures.Future], timeout_s: float, what: str) -> list[object]:
@@ -729,7 +750,9 @@ class KVIntake:
                                  spans, trailer_len(len(a.request_ids), lead, a.checksum), a.checksum, label,
                                  self._stream)
 
-        results = run_concurrently([lambda t=t, c=c: share(t, c) for t, c in link.shares])
-        link.record_others(wait_all(others, 2 * self.timeout_s + 5.0, f"the other ranks' shares of transfer {label}"))
+        what = f"the other ranks' shares of transfer {label}"
+        with settling(link, others, 2 * self.timeout_s + 5.0, what):
+            results = run_concurrently([lambda t=t, c=c: share(t, c) for t, c in link.shares])
+        link.record_others(wait_all(others, 2 * self.timeout_s + 5.0, what))
         values = next(v for (t, _), v in zip(link.shares, results) if is_lead(t))
         return values[:len(a.request_ids)], values[len(a.request_ids)] / 1e6

@@ -39,10 +39,19 @@ from pdserve.runner import ModelRunner
 log = logging.getLogger(__name__)
 
 _STOP, _PING = -1, -2  # control messages in place of a step's size
+# Every rank loads its share at once, then they meet on the store, within this (a large checkpoint on
+# slow storage takes minutes); the collectives after that are bounded by the worker's fault timeout.
+START_TIMEOUT_S = 1800.0
 
 
 class TPGroupError(RuntimeError):
     """A collective of the worker's ranks failed or timed out: the worker cannot go on."""
+
+
+def _loaded(store: dist.Store, rank: int, world: int) -> None:
+    """Say this rank has loaded its share; wait (bounded by START_TIMEOUT_S) until every rank has."""
+    store.set(f"loaded/{rank}", "1")
+    store.wait([f"loaded/{r}" for r in range(world)], timedelta(seconds=START_TIMEOUT_S))
 
 
 def _new_groups(device: torch.device, store: dist.Store, rank: int, world: int,
@@ -86,10 +95,11 @@ class RankShare:
         from pdserve.loader import load_shard
 
         self.rank, self.timeout_s = rank, timeout_s
-        store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s))
+        store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=START_TIMEOUT_S))
         self.device = torch.device(config.device)
-        self.group, self.control = _new_groups(self.device, store, rank, tp, timeout_s)
         loaded = load_shard(config, tp, rank)
+        _loaded(store, rank, tp)
+        self.group, self.control = _new_groups(self.device, store, rank, tp, timeout_s)
         loaded.model.set_tensor_parallel(self.group)
         self.runner = ModelRunner(loaded.model, num_blocks, config.cache.block_size)
         self.num_layers = loaded.model.cfg.num_layers
@@ -97,7 +107,7 @@ class RankShare:
         self._step, self._layers = 0, 0  # the step running (or last run), and its layers done
         self._events: dict[int, torch.cuda.Event] = {}
         self.failed: str | None = None
-        self.control.barrier().wait()  # rank 0 waits for every rank to have loaded its share
+        self.control.barrier().wait()  # every rank is ready to serve
 
     @property
     def kv_cache(self) -> torch.Tensor:
@@ -182,29 +192,38 @@ class TPRunner:
     rank 0's: its cache holds its KV heads). `steps` counts the steps broadcast: the other ranks count
     the same, so a KV push names the step that computes it (RankShare.wait_computed)."""
 
-    def __init__(self, config: EngineConfig, runner: ModelRunner, tp: int, ranks=None,
+    def __init__(self, config: EngineConfig, tp: int, num_blocks: int, ranks=None,
                  on_fatal: Callable[[str], None] | None = None, threads: int | None = None):
-        self.runner, self.tp = runner, tp
+        """Start the other ranks: they load their shares while this process loads rank 0's, then
+        `attach` its runner."""
+        self.tp = tp
+        self.runner: ModelRunner | None = None
         self.timeout_s = config.tensor_parallel_timeout_s
         self.ranks = ranks if ranks is not None else ProcessRanks()
         self._on_fatal = on_fatal
-        self._store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                                    timeout=timedelta(seconds=self.timeout_s))
-        if threads is None:
-            threads = max(1, (os.cpu_count() or 1) // tp)
-            if runner.device.type == "cpu":
-                torch.set_num_threads(threads)  # this process is rank 0: the cores are split between the ranks
-        self.ranks.start(config, tp, "127.0.0.1", self._store.port, runner.num_blocks, threads, self.timeout_s)
-        self.group, self.control = _new_groups(runner.device, self._store, 0, tp, self.timeout_s)
-        runner.model.set_tensor_parallel(self.group)
-        self.control.barrier().wait()  # every rank has loaded its share
         self.steps = 0
         self.failed: str | None = None
         self._lock = threading.Lock()  # one collective sequence at a time: a step or a heartbeat
-        self._last = time.monotonic()
         self._closed = threading.Event()
-        self.ranks.watch(self._fatal)
+        self._store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                                    timeout=timedelta(seconds=START_TIMEOUT_S))
+        if threads is None:
+            threads = max(1, (os.cpu_count() or 1) // tp)
+            if torch.device(config.device).type == "cpu":
+                torch.set_num_threads(threads)  # this process is rank 0: the cores are split between the ranks
+        self.ranks.start(config, tp, "127.0.0.1", self._store.port, num_blocks, threads, self.timeout_s)
+        self.ranks.watch(self._fatal)  # a rank that dies while loading fails the start at once
+
+    def attach(self, runner: ModelRunner) -> TPRunner:
+        """Rank 0's share is loaded: wait for the others', make the worker's groups, start serving."""
+        self.runner = runner
+        _loaded(self._store, 0, self.tp)
+        self.group, self.control = _new_groups(runner.device, self._store, 0, self.tp, self.timeout_s)
+        runner.model.set_tensor_parallel(self.group)
+        self.control.barrier().wait()  # every rank is ready to serve
+        self._last = time.monotonic()
         threading.Thread(target=self._heartbeat, name="tp-heartbeat", daemon=True).start()
+        return self
 
     def execute(self, chunks, layer_done=None, previous=None):
         assert previous is None, "a tensor-parallel engine does not pipeline its decode"
@@ -254,11 +273,13 @@ class TPRunner:
         self._closed.set()
         with self._lock:
             try:
-                if self.failed is None:
+                if self.failed is None and self.runner is not None:
                     _broadcast(self.control, None, _STOP)
             except Exception as e:  # noqa: BLE001 - a rank already gone: the others still end below
                 log.warning("tensor-parallel shutdown: %s", e)
         self.ranks.close()
 
     def __getattr__(self, name: str):
+        if name == "runner":
+            raise AttributeError(name)
         return getattr(self.runner, name)

@@ -22,7 +22,7 @@ import torch
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from pdserve.config import EngineConfig
-from pdserve.handoff import (KVAnnounce, PairLink, is_lead, layer_spans, open_shares, receive_share, run_concurrently,
+from pdserve.handoff import (KVAnnounce, KVCorrupted, PairLink, is_lead, layer_spans, open_shares, receive_share, run_concurrently,
                              send_share, share_heads, trailer_len, transfer_rows)
 from pdserve.kv_transfer import TransferError, TransferStats
 from pdserve.tensor_parallel import HeadTransfer
@@ -61,6 +61,7 @@ class RankActor:
         self.share = RankShare(config, tp, rank, host, port, num_blocks, timeout_s)
         self._lock = threading.Lock()
         self._links: dict[str, tuple[int, PairLink]] = {}  # peer worker -> (generation, this rank's channels)
+        self._dropped: dict[str, int] = {}  # peer worker -> the newest generation given up
         self._lost: set[str] = set()
 
     def serve(self) -> None:
@@ -80,7 +81,8 @@ class RankActor:
                              self.share.kv_cache.device, generation, TransferStats())
         with self._lock:
             old = self._links.get(peer)
-            if peer in self._lost or (old is not None and old[0] >= generation):
+            if peer in self._lost or (old is not None and old[0] >= generation) \
+                    or self._dropped.get(peer, 0) >= generation:  # given up while its rendezvous ran
                 PairLink(shares).close()
                 return
             self._links[peer] = (generation, PairLink(shares))
@@ -120,6 +122,7 @@ class RankActor:
     def drop(self, peer: str, generation: int) -> None:
         """Rank 0 gave this generation of the pair up: so does this rank (its peers' waits end at once)."""
         with self._lock:
+            self._dropped[peer] = max(self._dropped.get(peer, 0), generation)
             held = self._links.get(peer)
             if held is None or held[0] != generation:
                 return
@@ -150,8 +153,11 @@ class RankActor:
             channel.stats = stats
         try:
             run_concurrently(shares)
-        except BaseException:
-            self.drop(peer, generation)  # a failed transfer breaks its generation on every rank
+        except BaseException as e:
+            # A failed transfer breaks its generation on every rank; one that arrived whole with a checksum
+            # that differs does not (the order held): its rank 0 decides alike.
+            if not isinstance(e, KVCorrupted):
+                self.drop(peer, generation)
             raise
         return [(c.bytes, c.seconds) for c in counts]
 

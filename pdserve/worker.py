@@ -13,6 +13,7 @@ import collections
 import logging
 import os
 import queue
+import threading
 import time
 from collections.abc import Callable
 from typing import NamedTuple
@@ -101,7 +102,7 @@ class WorkerActor:
     async def shutdown(self) -> None:
         self.loop.stop()
         self._close()
-        self.core.close()  # a TP worker's other ranks
+        await asyncio.to_thread(self.core.close)  # a TP worker's other ranks (collectives: off the event loop)
 
     async def rank_pids(self) -> list[int]:
         """The processes of this worker's ranks, rank 0 (this one) first."""
@@ -121,12 +122,14 @@ class WorkerActor:
         ends at once, its ranks with it; the router sees it gone, replaces it, and its requests follow the
         failure matrix (streams resume elsewhere, prompts are placed again)."""
         log.error("%s: %s; the worker exits", self.worker_id, why)
-        try:
-            self.ranks.close()
-        finally:
-            for handler in logging.getLogger().handlers:
-                handler.flush()
-            os._exit(70)
+        # Its ranks are its children (they end with it) and the router removes their placement group; the
+        # kill below only makes it sooner, and must not hold the exit up (it is a call to Ray's GCS).
+        killer = threading.Thread(target=self.ranks.close, daemon=True)
+        killer.start()
+        killer.join(2.0)
+        for handler in logging.getLogger().handlers:
+            handler.flush()
+        os._exit(70)
 
     # -- step thread ------------------------------------------------------------------------------
     def _step(self) -> bool:

@@ -181,19 +181,20 @@ class PrefillActor(WorkerActor):
 
         threading.Thread(target=build, name=f"kv-rendezvous-{decode_id}", daemon=True).start()
         # A dead decode worker fails its call at once: do not wait out the rendezvous timeout for it.
+        deadline = time.monotonic() + self.transfer_timeout_s
         wait([*calls, own], self.transfer_timeout_s, return_when=FIRST_EXCEPTION)
-        failed = next((f for f in calls if f.done() and f.exception() is not None), None)
-        if failed is not None:
+        try:
+            for f in (*calls, own):
+                f.result(timeout=max(deadline - time.monotonic(), 0.0))
+        except BaseException as e:  # every rank gives this generation up
             own.add_done_callback(lambda f: f.exception() is None and PairLink(f.result()).close())
             for r in theirs:
                 self.ranks.handles[r - 1].drop.remote(decode_id, generation)
-            raise TransferError(f"no channel to decode worker {decode_id}: {failed.exception()}")
-        for f in calls:
-            f.result(timeout=self.transfer_timeout_s)
+            raise TransferError(f"no channel to decode worker {decode_id}: {e or type(e).__name__}") from e
         if not theirs:
-            return PairLink(own.result(timeout=self.transfer_timeout_s))
+            return PairLink(own.result())
         ranks = [self.ranks.handles[r - 1] for r in theirs]
-        return PairLink(own.result(timeout=self.transfer_timeout_s),
+        return PairLink(own.result(),
                         others=lambda a, job: [h.send_share.remote(decode_id, a.generation, a.seq, job.block_ids,
                                                                    job.step, a.num_parts, a.checksum).future()
                                                for h in ranks],

@@ -270,3 +270,36 @@ async def collect_tokens(cluster, prompt, params) -> list[int]:
         assert out.error is None, out.error
         tokens += out.new_token_ids
     return tokens
+
+
+def test_a_failed_share_is_retried_and_every_rank_settles(ray_local, aloop, gqa, tp_fault_engine):
+    """Prefill TP 1 to decode TP 2 with checksums: the lead channel's share is corrupted once (the other
+    rank's share arrives whole), then a transfer stalls past the transfer timeout once. Each failed
+    transfer is retried and every stream is token-exact; the corrupted one keeps the channels (all of it
+    arrived, in order), the stalled one breaks them on every rank; no KV block is left used."""
+    batch, greedy, expected = greedy_reference(gqa, 12)
+    engine = tp_fault_engine
+    pool = lambda tp: PoolConfig(1, num_cpus=0.1, tensor_parallel_size=tp, torch_threads=1)  # noqa: E731
+    cluster = Cluster(ClusterConfig(engine=engine, prefill=pool(1), decode=pool(2), transfer_timeout_s=3.0,
+                                    kv_checksum=True, stats_interval_s=0.5))
+    aloop.run(cluster.start(), timeout=600)
+    prefill = cluster.pools["prefill"][0]
+
+    def decode_transfer() -> dict:
+        return next(s.transfer for s in aloop.run(cluster.stats()) if s.pool == "decode")
+
+    async def run(prompts_):
+        return await asyncio.gather(*(collect_tokens(cluster, p, greedy) for p in prompts_))
+
+    try:
+        ray.get(prefill.handle.inject_fault.remote("corrupt"), timeout=30)
+        assert aloop.run(run(batch[:3]), timeout=120) == expected[:3]
+        after_corrupt = decode_transfer()
+        assert after_corrupt["checksum_failures"] == 1
+        ray.get(prefill.handle.inject_fault.remote("send", 5.0), timeout=30)  # past the 3 s transfer timeout
+        assert aloop.run(run(batch[3:]), timeout=120) == expected[3:]
+        assert decode_transfer()["failures"] > after_corrupt["failures"]
+        assert cluster.restarts == {}  # no worker was lost: the transfers failed, not the workers
+        wait_for(lambda: used_blocks(aloop, cluster) == 0, timeout=30, what="zero used KV blocks")
+    finally:
+        aloop.run(cluster.shutdown())
