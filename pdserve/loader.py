@@ -6,6 +6,7 @@ import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -113,7 +114,7 @@ def load_shard(config: EngineConfig, tp: int, rank: int) -> LoadedModel:
     if fmt == "dummy":
         _init_dummy(model, config.seed + rank)
     else:
-        model.load_weights(shard_weights(_safetensors_weights(_weights_dir(path, fmt)), info.config, tp, rank))
+        model.load_weights(shard_weights(_safetensors_slices(_weights_dir(path, fmt)), info.config, tp, rank))
     if config.quantization:
         quantize(model, config.quantization)
     return LoadedModel(model, info)
@@ -150,6 +151,19 @@ def _safetensors_weights(directory: Path) -> Iterator[tuple[str, torch.Tensor]]:
         with safe_open(str(f), framework="pt") as sf:
             for name in sf.keys():
                 yield name, sf.get_tensor(name)
+
+
+def _safetensors_slices(directory: Path) -> Iterator[tuple[str, Any]]:
+    """Each tensor of the checkpoint as a lazy slice: indexing it reads only the bytes asked for."""
+    from safetensors import safe_open
+
+    files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no .safetensors files in {directory}")
+    for f in files:
+        with safe_open(str(f), framework="pt") as sf:
+            for name in sf.keys():
+                yield name, sf.get_slice(name)
 
 
 def _dequantized_gguf_dir(gguf_path: Path) -> Path:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 
@@ -131,32 +132,54 @@ def rank_config(cfg: ModelConfig, tp: int) -> ModelConfig:
                    intermediate_size=cfg.intermediate_size // tp, vocab_size=vocab_rows(cfg.vocab_size, tp))
 
 
-def shard_weights(weights: Iterable[tuple[str, torch.Tensor]], cfg: ModelConfig, tp: int,
+def shard_weights(weights: Iterable[tuple[str, Any]], cfg: ModelConfig, tp: int,
                   rank: int) -> Iterator[tuple[str, torch.Tensor]]:
-    """Hugging Face-named tensors cut to one rank's share (Megatron-style), one tensor at a time, so a
+    """Hugging Face-named weights cut to one rank's share (Megatron-style), one tensor at a time, so a
     rank never holds the whole model: q/k/v and gate/up by output rows (column-parallel), o_proj and
     down_proj by input columns (row-parallel: their outputs are partial sums, all-reduced); embedding and
-    LM head by vocabulary rows (vocab-parallel, the last rank's padded with zeros); norms whole."""
+    LM head by vocabulary rows (vocab-parallel, the last rank's padded with zeros); norms whole.
+
+    Each weight is a tensor or a lazy slice of a file (safetensors' get_slice): every cut is one
+    contiguous range (a rank's heads, MLP columns and vocabulary rows are consecutive), so from a file
+    a rank reads its share's bytes only."""
     layout = TPLayout(cfg.num_heads, cfg.num_kv_heads, tp)
     d, inter = cfg.head_dim, cfg.intermediate_size // tp
-    q_rows = torch.arange(layout.q_heads(rank).start * d, layout.q_heads(rank).stop * d)
-    kv_rows = torch.tensor([h * d + j for h in layout.kv_heads(rank) for j in range(d)])
-    mlp = torch.arange(rank * inter, (rank + 1) * inter)
-    cut = {"q_proj": (0, q_rows), "k_proj": (0, kv_rows), "v_proj": (0, kv_rows), "o_proj": (1, q_rows),
+    q = layout.q_heads(rank)
+    kv = layout.kv_heads(rank)  # consecutive
+    mlp = (rank * inter, (rank + 1) * inter)
+    cut = {"q_proj": (0, (q.start * d, q.stop * d)), "k_proj": (0, (kv[0] * d, (kv[-1] + 1) * d)),
+           "v_proj": (0, (kv[0] * d, (kv[-1] + 1) * d)), "o_proj": (1, (q.start * d, q.stop * d)),
            "gate_proj": (0, mlp), "up_proj": (0, mlp), "down_proj": (1, mlp)}
     rows = vocab_rows(cfg.vocab_size, tp)
-    for name, tensor in weights:
+    for name, weight in weights:
         parts = name.split(".")
         kind = parts[-2] if len(parts) >= 2 else ""
         if kind in ("embed_tokens", "lm_head"):
-            tensor = tensor[rank * rows:(rank + 1) * rows]
+            start = min(rank * rows, cfg.vocab_size)
+            tensor = _read(weight, 0, start, min(start + rows, cfg.vocab_size))
             if tensor.shape[0] < rows:
                 tensor = torch.cat([tensor, tensor.new_zeros(rows - tensor.shape[0], *tensor.shape[1:])])
-            tensor = tensor.contiguous()
         elif kind in cut:
-            dim, index = cut[kind]
-            if tensor.dim() == 1 and dim == 1:  # a row-parallel layer's bias: added once, on rank 0
+            dim, (start, stop) = cut[kind]
+            if len(_shape(weight)) == 1 and dim == 1:  # a row-parallel layer's bias: added once, on rank 0
+                tensor = _read(weight)
                 tensor = tensor if rank == 0 else torch.zeros_like(tensor)
             else:
-                tensor = tensor.index_select(dim if tensor.dim() > 1 else 0, index).contiguous()
+                tensor = _read(weight, dim if len(_shape(weight)) > 1 else 0, start, stop)
+        else:
+            tensor = _read(weight)
         yield name, tensor
+
+
+def _shape(weight) -> tuple[int, ...]:
+    return tuple(weight.shape) if isinstance(weight, torch.Tensor) else tuple(weight.get_shape())
+
+
+def _read(weight, dim: int = 0, start: int | None = None, stop: int | None = None) -> torch.Tensor:
+    """weight[start:stop] along dim (all of it without a range), as a contiguous tensor; from a lazy
+    file slice, only those bytes are read."""
+    if start is None:
+        return weight if isinstance(weight, torch.Tensor) else weight[:]
+    if isinstance(weight, torch.Tensor):
+        return weight.narrow(dim, start, stop - start).contiguous()
+    return weight[(slice(None),) * dim + (slice(start, stop),)].contiguous()

@@ -225,3 +225,39 @@ def test_a_kv_budget_is_per_rank():
     per_block = 2 * 2 * 2 * 8 * 4 * 4  # K and V, layers, KV heads, head_dim, block_size, fp32
     assert blocks == [(1 << 20) // per_block, (1 << 20) // (per_block // 2), (1 << 20) // (per_block // 2)]
     assert CacheConfig(num_blocks=7).resolve_num_blocks(cfg, torch.float32, 4) == 7
+
+
+def test_a_rank_reads_only_its_share_of_the_checkpoint(tp_checkpoints):
+    """From the file each rank reads its share's bytes only (lazy slices), and the share is the same as
+    cutting the whole tensors: at TP 4 over 2 KV heads a rank reads a quarter of the weights (half of k
+    and v, whose heads it shares with one other rank), not the checkpoint."""
+    from safetensors import safe_open
+
+    from pdserve.loader import load_info
+    from pdserve.tensor_parallel import shard_weights
+
+    path = tp_checkpoints["gqa"]
+    cfg = load_info(tp_config(path, 4)).config
+    (file,) = path.glob("*.safetensors")
+
+    class Counted:
+        def __init__(self, inner, tally):
+            self.inner, self.tally = inner, tally
+
+        def get_shape(self):
+            return self.inner.get_shape()
+
+        def __getitem__(self, index):
+            out = self.inner[index]
+            self.tally.append(out.numel())
+            return out
+
+    with safe_open(str(file), framework="pt") as f:
+        whole = {name: f.get_tensor(name) for name in f.keys()}
+        total = sum(t.numel() for t in whole.values())
+        for rank in range(4):
+            tally: list[int] = []
+            lazy = dict(shard_weights(((n, Counted(f.get_slice(n), tally)) for n in f.keys()), cfg, 4, rank))
+            eager = dict(shard_weights(whole.items(), cfg, 4, rank))
+            assert lazy.keys() == eager.keys() and all(torch.equal(lazy[n], eager[n]) for n in lazy)
+            assert sum(tally) < 0.3 * total, (rank, sum(tally), total)
