@@ -59,6 +59,10 @@ class RankActor:
         torch.set_num_threads(threads)
         self.worker_id, self.rank = worker_id, rank
         self.share = RankShare(config, tp, rank, host, port, num_blocks, timeout_s)
+        # On a GPU, its KV is read for sending on a stream of its own, after each layer's event: the sends
+        # overlap the forward, as rank 0's pusher's do (the default stream has the whole forward queued).
+        device = self.share.kv_cache.device
+        self._send_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._lock = threading.Lock()
         self._links: dict[str, tuple[int, PairLink]] = {}  # peer worker -> (generation, this rank's channels)
         self._dropped: dict[str, int] = {}  # peer worker -> the newest generation given up
@@ -101,7 +105,7 @@ class RankActor:
         return self._run(decode_id, generation, link, [
             lambda t=t, c=c: send_share(c, seq, cache, index, share_heads(t, True, cache), spans,
                                         lambda end: self.share.wait_computed(step, end, timeout), None,
-                                        trailer_len(0, False, checksum), checksum)
+                                        trailer_len(0, False, checksum), checksum, stream=self._send_stream)
             for t, c in link.shares])
 
     def recv_share(self, prefill_id: str, generation: int, a: KVAnnounce,
