@@ -151,7 +151,11 @@ class RankShare:
                                    f"within {timeout_s:g} s")
             if not done():
                 raise RuntimeError(f"rank {self.rank} failed: {self.failed}")
-            return self._events.get(layers - 1) if self._step == step else None
+            event = self._events.get(layers - 1) if self._step == step else None
+        if event is None and self.device.type == "cuda":  # an earlier step's: after all queued so far
+            event = torch.cuda.Event()
+            event.record(torch.cuda.default_stream(self.device))
+        return event
 
 
 class ProcessRanks:
