@@ -428,7 +428,7 @@ def test_plan_command_roofline(tmp_path):
     (["--gpu", "H100"], "--gpu needs --model"),
     (["--gpu", "H100", "--model", "llama-3-8b", "--slo-ttft-ms", "-1"], "SLO ttft_ms must be > 0"),
     (["--gpu", "H100", "--model", "llama-3-8b", "--max-running", "0"], "--max-running must be >= 1"),
-    (["--gpu", "L4", "--model", "llama-3-70b"], "do not fit"),
+    (["--gpu", "L4", "--model", "llama-3-70b", "--tensor-parallel-sizes", "1"], "no tensor-parallel size of [1] fits"),
     (["--profile", "/nonexistent.json"], "not a pdserve profile"),
 ])
 def test_plan_command_errors(argv, message, capsys):

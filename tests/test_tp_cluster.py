@@ -303,3 +303,32 @@ def test_a_failed_share_is_retried_and_every_rank_settles(ray_local, aloop, gqa,
         wait_for(lambda: used_blocks(aloop, cluster) == 0, timeout=30, what="zero used KV blocks")
     finally:
         aloop.run(cluster.shutdown())
+
+
+def test_a_drained_tp_worker_leaves_no_rank_behind(ray_local, aloop, gqa, tp_fault_engine):
+    """Scaling a pool of TP 2 decode workers down drains one: its ranks stop, its processes end and its
+    placement group is removed, and the other worker goes on serving token-exact."""
+    from ray.util import placement_group_table
+
+    batch, greedy, expected = greedy_reference(gqa, 8)
+    cluster = fault_cluster(aloop, tp_fault_engine, prefill_tp=1, decode_workers=2, decode_tp=2)
+    try:
+        leaving = cluster.pools["decode"][1]
+        pids = rank_pids(aloop, leaving)
+        group_id = leaving.placement_group.id.hex()
+
+        async def drain() -> None:  # on the cluster's event loop, as the autoscaler does it
+            cluster.scaling.drain_worker(leaving, "test")
+
+        aloop.run(drain())
+        wait_for(lambda: not any(_alive(p) for p in pids), timeout=60, what="every rank of the drained worker to end")
+        wait_for(lambda: placement_group_table().get(group_id, {}).get("state") == "REMOVED", timeout=30,
+                 what="the drained worker's placement group to be removed")
+
+        async def run() -> list[list[int]]:
+            return await asyncio.gather(*(collect_tokens(cluster, p, greedy) for p in batch))
+
+        assert aloop.run(run(), timeout=120) == expected
+        wait_for(lambda: used_blocks(aloop, cluster) == 0, timeout=30, what="zero used KV blocks")
+    finally:
+        aloop.run(cluster.shutdown())
