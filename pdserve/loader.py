@@ -114,7 +114,8 @@ def load_shard(config: EngineConfig, tp: int, rank: int) -> LoadedModel:
     if fmt == "dummy":
         _init_dummy(model, config.seed + rank)
     else:
-        model.load_weights(shard_weights(_safetensors_slices(_weights_dir(path, fmt)), info.config, tp, rank))
+        lazy = _safetensors_weights(_weights_dir(path, fmt), lazy=True)  # a rank reads its share's bytes only
+        model.load_weights(shard_weights(lazy, info.config, tp, rank))
     if config.quantization:
         quantize(model, config.quantization)
     return LoadedModel(model, info)
@@ -141,7 +142,8 @@ def _empty_model(cfg: ModelConfig, config: EngineConfig) -> LlamaModel:
     return model.eval().requires_grad_(False)
 
 
-def _safetensors_weights(directory: Path) -> Iterator[tuple[str, torch.Tensor]]:
+def _safetensors_weights(directory: Path, lazy: bool = False) -> Iterator[tuple[str, Any]]:
+    """Each tensor of the checkpoint, whole; lazy: as a slice that reads only the bytes it is indexed for."""
     from safetensors import safe_open
 
     files = sorted(directory.glob("*.safetensors"))
@@ -150,20 +152,7 @@ def _safetensors_weights(directory: Path) -> Iterator[tuple[str, torch.Tensor]]:
     for f in files:
         with safe_open(str(f), framework="pt") as sf:
             for name in sf.keys():
-                yield name, sf.get_tensor(name)
-
-
-def _safetensors_slices(directory: Path) -> Iterator[tuple[str, Any]]:
-    """Each tensor of the checkpoint as a lazy slice: indexing it reads only the bytes asked for."""
-    from safetensors import safe_open
-
-    files = sorted(directory.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no .safetensors files in {directory}")
-    for f in files:
-        with safe_open(str(f), framework="pt") as sf:
-            for name in sf.keys():
-                yield name, sf.get_slice(name)
+                yield name, sf.get_slice(name) if lazy else sf.get_tensor(name)
 
 
 def _dequantized_gguf_dir(gguf_path: Path) -> Path:
