@@ -175,16 +175,16 @@ def test_the_rank_rows_are_in_docs_faults():
     from pathlib import Path
 
     text = (Path(__file__).resolve().parent.parent / "docs" / "faults.md").read_text()
-    rows = ("tp-decode-rank-killed", "tp-decode-rank-stuck", "tp-prefill-rank-killed")
+    rows = ("tp-decode-rank-killed", "tp-decode-rank-stuck", "tp-decode-rank0-killed", "tp-prefill-rank-killed")
     assert all(f"`{row}`" in text for row in rows)
 
 
-@pytest.mark.parametrize("how", ["SIGKILL", "SIGSTOP"])
-def test_a_decode_rank_lost_mid_stream(ray_local, aloop, gqa, tp_fault_engine, how):
+@pytest.mark.parametrize("rank, how", [(1, "SIGKILL"), (1, "SIGSTOP"), (0, "SIGKILL")])
+def test_a_decode_rank_lost_mid_stream(ray_local, aloop, gqa, tp_fault_engine, rank, how):
     """One prefill worker, two decode workers of TP 2. Rank 1 of a decode worker that is streaming is
-    killed (SIGKILL) or stopped (SIGSTOP) from outside: its worker goes down, every one of its ranks
-    with it, each of its streams resumes on the other decode worker and ends token-exact within the
-    bound, a replacement joins, and no KV block is left used."""
+    killed (SIGKILL) or stopped (SIGSTOP) from outside, or its rank 0 is killed: its worker goes down,
+    every one of its ranks with it, each of its streams resumes on the other decode worker and ends
+    token-exact within the bound, a replacement joins, and no KV block is left used."""
     batch, greedy, expected = greedy_reference(gqa, 64)
     cluster = fault_cluster(aloop, tp_fault_engine, prefill_tp=1, decode_workers=2, decode_tp=2)
     victim = cluster.pools["decode"][0]
@@ -208,7 +208,7 @@ def test_a_decode_rank_lost_mid_stream(ray_local, aloop, gqa, tp_fault_engine, h
             assert time.monotonic() < deadline, "the streams never got going"
             await asyncio.sleep(0.01)
         t_fault.append(time.monotonic())
-        os.kill(pids[1], signal.SIGKILL if how == "SIGKILL" else signal.SIGSTOP)
+        os.kill(pids[rank], signal.SIGKILL if how == "SIGKILL" else signal.SIGSTOP)
         while victim.alive:
             await asyncio.sleep(0.01)
         lost.append(time.monotonic() - t_fault[0])
@@ -220,7 +220,8 @@ def test_a_decode_rank_lost_mid_stream(ray_local, aloop, gqa, tp_fault_engine, h
         errors = aloop.run(run(), timeout=RESUME_BOUND_S + 180)
         assert errors == [None] * len(batch)
         assert got == expected
-        print(f"{how} of a decode rank: worker lost after {lost[0]:.2f} s, every stream ended after {ended[0]:.2f} s")
+        print(f"{how} of decode rank {rank}: worker lost after {lost[0]:.2f} s, every stream ended after "
+              f"{ended[0]:.2f} s")
         # A killed rank is seen at once (its rank 0 watches it); a stopped one when a collective times out.
         assert lost[0] < (5.0 if how == "SIGKILL" else FAULT_TIMEOUT_S + 5.0)
         wait_for(lambda: not any(_alive(p) for p in pids), timeout=30, what="every rank of the lost worker to end")
