@@ -129,6 +129,36 @@ def _dot_options(q: torch.Tensor) -> dict:
 # Offsets that scale with the cache are int64: one layer's cache can pass 2**31 elements.
 
 @triton.jit
+def _attend(q, q_pos, kv_ptr, k_base, table, kv_end, d, scale_log2, stride_kv, stride_kvb, stride_kvt,
+            ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+            TILE: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Online-softmax attention of q [ROWS, HEAD_DIM_PAD] over the keys at positions [0, kv_end) of one
+    KV head (k_base) through a block table, row r seeing the positions up to q_pos[r] (causal); the
+    [ROWS, HEAD_DIM_PAD] output. Every row must see position 0 (it is in the first tile)."""
+    m = tl.full([ROWS], float("-inf"), tl.float32)  # running max of the scaled scores
+    l = tl.zeros([ROWS], tl.float32)  # running sum of exp2(score - m)
+    acc = tl.zeros([ROWS, HEAD_DIM_PAD], tl.float32)
+    for start in range(0, kv_end, TILE):
+        pos = start + tl.arange(0, TILE)  # [TILE] key positions
+        valid = pos < kv_end
+        block = tl.load(table + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+        offs = block * stride_kvb + (pos % BLOCK_SIZE) * stride_kvt  # [TILE]
+        kv_mask = valid[:, None] & (d[None, :] < HEAD_DIM)
+        k = tl.load(k_base + offs[:, None] + d[None, :], mask=kv_mask, other=0.0).to(DOT_DTYPE)  # [TILE, HEAD_DIM_PAD]
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2  # [ROWS, TILE]
+        s = tl.where(valid[None, :] & (pos[None, :] <= q_pos[:, None]), s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1))  # finite: every row sees position 0, in the first tile
+        alpha = tl.exp2(m - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l = l * alpha + tl.sum(p, 1)
+        v = tl.load(k_base + stride_kv + offs[:, None] + d[None, :], mask=kv_mask, other=0.0).to(DOT_DTYPE)
+        p = p.to(kv_ptr.dtype.element_ty).to(DOT_DTYPE)  # rounded to the cache's dtype, as the torch path does
+        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=DOT_PRECISION)
+        m = m_new
+    return acc / l[:, None]
+
+
+@triton.jit
 def _decode_kernel(
     q_ptr, kv_ptr, block_tables_ptr, context_lens_ptr, out_ptr,
     scale_log2,  # softmax scale * log2(e): exp2 below is exp of the scaled scores
@@ -155,29 +185,11 @@ def _decode_kernel(
     q = tl.load(q_ptr + row * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=q_mask, other=0.0)
     q = q.to(DOT_DTYPE)
 
-    k_base = kv_ptr + kv_head * stride_kvh
-    table = block_tables_ptr + row * stride_btb
-    m = tl.full([GROUP_PAD], float("-inf"), tl.float32)  # running max of the scaled scores
-    l = tl.zeros([GROUP_PAD], tl.float32)  # running sum of exp2(score - m)
-    acc = tl.zeros([GROUP_PAD, HEAD_DIM_PAD], tl.float32)
-    for start in range(0, ctx_len, TILE):
-        pos = start + tl.arange(0, TILE)  # [TILE] token positions
-        valid = pos < ctx_len
-        block = tl.load(table + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
-        offs = block * stride_kvb + (pos % BLOCK_SIZE) * stride_kvt  # [TILE]
-        kv_mask = valid[:, None] & (d[None, :] < HEAD_DIM)
-        k = tl.load(k_base + offs[:, None] + d[None, :], mask=kv_mask, other=0.0).to(DOT_DTYPE)  # [TILE, HEAD_DIM_PAD]
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2  # [GROUP_PAD, TILE]
-        s = tl.where(valid[None, :], s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, 1))  # finite: position 0 is in the first tile (ctx_len >= 1)
-        alpha = tl.exp2(m - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l = l * alpha + tl.sum(p, 1)
-        v = tl.load(k_base + stride_kv + offs[:, None] + d[None, :], mask=kv_mask, other=0.0).to(DOT_DTYPE)
-        p = p.to(kv_ptr.dtype.element_ty).to(DOT_DTYPE)  # rounded to the cache's dtype, as the torch path does
-        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=DOT_PRECISION)
-        m = m_new
-    o = acc / l[:, None]
+    # One query position per row, the last: every key of the context.
+    q_pos = tl.zeros([GROUP_PAD], tl.int64) + (ctx_len - 1)
+    o = _attend(q, q_pos, kv_ptr, kv_ptr + kv_head * stride_kvh, block_tables_ptr + row * stride_btb, ctx_len, d,
+                scale_log2, stride_kv, stride_kvb, stride_kvt, GROUP_PAD, HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, TILE,
+                DOT_DTYPE, DOT_PRECISION)
     tl.store(out_ptr + row * stride_ob + heads[:, None] * stride_oh + d[None, :],
              o.to(out_ptr.dtype.element_ty), mask=q_mask)
 
@@ -208,29 +220,9 @@ def _prefill_kernel(
     q = tl.load(q_ptr + i[:, None].to(tl.int64) * stride_qt + head * stride_qh + d[None, :], mask=q_mask, other=0.0)
     q = q.to(DOT_DTYPE)
 
-    k_base = kv_ptr + kv_head * stride_kvh
-    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
     # Causal: no query of this tile sees past its last row's position.
     kv_end = tl.minimum(ctx_len, ctx_len - q_len + (tl.program_id(0) + 1) * BLOCK_M)
-    for start in range(0, kv_end, TILE):
-        pos = start + tl.arange(0, TILE)  # [TILE] key positions
-        valid = pos < kv_end
-        block = tl.load(blocks_ptr + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
-        offs = block * stride_kvb + (pos % BLOCK_SIZE) * stride_kvt
-        kv_mask = valid[:, None] & (d[None, :] < HEAD_DIM)
-        k = tl.load(k_base + offs[:, None] + d[None, :], mask=kv_mask, other=0.0).to(DOT_DTYPE)  # [TILE, HEAD_DIM_PAD]
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2  # [BLOCK_M, TILE]
-        s = tl.where(valid[None, :] & (pos[None, :] <= q_pos[:, None]), s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, 1))  # finite: every query sees position 0, in the first tile
-        alpha = tl.exp2(m - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l = l * alpha + tl.sum(p, 1)
-        v = tl.load(k_base + stride_kv + offs[:, None] + d[None, :], mask=kv_mask, other=0.0).to(DOT_DTYPE)
-        p = p.to(kv_ptr.dtype.element_ty).to(DOT_DTYPE)  # rounded to the cache's dtype, as the torch path does
-        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=DOT_PRECISION)
-        m = m_new
-    o = acc / l[:, None]
+    o = _attend(q, q_pos, kv_ptr, kv_ptr + kv_head * stride_kvh, blocks_ptr, kv_end, d, scale_log2, stride_kv,
+                stride_kvb, stride_kvt, BLOCK_M, HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, TILE, DOT_DTYPE, DOT_PRECISION)
     tl.store(out_ptr + i[:, None].to(tl.int64) * stride_ot + head * stride_oh + d[None, :],
              o.to(out_ptr.dtype.element_ty), mask=q_mask)
