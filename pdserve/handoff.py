@@ -38,7 +38,6 @@ import contextlib
 import heapq
 import itertools
 import logging
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -107,7 +106,8 @@ def _cuda_active() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_initialized()
 
 
-def _block_index(block_ids: Sequence[Sequence[int]], device: torch.device) -> torch.Tensor:
+def block_index(block_ids: Sequence[Sequence[int]], device: torch.device) -> torch.Tensor:
+    """The blocks of a push's requests, in order, as one index tensor."""
     return torch.tensor([b for ids in block_ids for b in ids], dtype=torch.int64, device=device)
 
 
@@ -227,10 +227,8 @@ def send_share(channel: PairChannel, seq: int, cache: torch.Tensor, index: torch
         for i, (start, end) in enumerate(spans):
             event = wait_layers(end)
             with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-                if event is not None and stream is not None:
+                if event is not None:  # a GPU's: every caller there reads on a stream of its own
                     stream.wait_event(event)
-                elif event is not None:
-                    torch.cuda.current_stream().wait_event(event)
                 kv = cache[start:end] if heads is None else cache[start:end].index_select(2, heads)
                 part = kv.index_select(3, index)
                 if checksum:
@@ -493,7 +491,7 @@ class KVPusher:
                 self._channel = link
         cache = self.kv_cache
         timeout = link.timeout_s
-        index = _block_index(job.block_ids, cache.device)
+        index = block_index(job.block_ids, cache.device)
         if self._stream is not None:
             self._stream.wait_stream(torch.cuda.current_stream())  # the index above was copied on it
         spans = layer_spans(job.num_layers, a.num_parts)
@@ -510,10 +508,8 @@ class KVPusher:
                        trailer_len(len(a.request_ids), lead, a.checksum), a.checksum,
                        self.faults if lead else None, self._stream)
 
-        what = f"the other ranks' shares of transfer {a.generation}/{a.seq}"
-        with settling(link, others, 2 * timeout + 5.0, what):
-            run_concurrently([lambda t=t, c=c: share(t, c) for t, c in link.shares])
-        link.record_others(wait_all(others, 2 * timeout + 5.0, what))
+        run_shares(link, others, [lambda t=t, c=c: share(t, c) for t, c in link.shares], timeout,
+                   f"the other ranks' shares of transfer {a.generation}/{a.seq}")
 
     def _break(self, generation: int) -> None:
         with self._lock:
@@ -532,21 +528,26 @@ def as_link(channel: PairChannel | PairLink) -> PairLink:
     return channel if isinstance(channel, PairLink) else PairLink([(None, channel)])
 
 
-@contextlib.contextmanager
-def settling(link: PairLink, others: Sequence[concurrent.futures.Future], timeout_s: float, what: str) -> Iterator[None]:
-    """Rank 0's own shares of a transfer run inside: if they fail, the other ranks' shares are ended
-    (the generation broken, unless all of rank 0's share arrived and only its checksum differed) and
-    waited for, bounded, before the error goes on: no block is freed while another rank still reads or
-    writes it, and no rank starts the next transfer on a channel still busy with this one."""
+def run_shares(link: PairLink, others: Sequence[concurrent.futures.Future], shares: Sequence[Callable[[], object]],
+               timeout_s: float, what: str) -> list[object]:
+    """Rank 0's shares of a transfer, side by side, with the other ranks' (already started: `others`);
+    the results of rank 0's. The other ranks' are waited for, bounded, whatever happens: if rank 0's
+    fail, the others are ended first (the generation broken, unless all of rank 0's share arrived and
+    only its checksum differed), so no block is freed while another rank still reads or writes it, and
+    no rank starts the next transfer on a channel still busy with this one. Their traffic is counted
+    in this worker's statistics."""
+    bound = 2 * timeout_s + 5.0  # another rank's share waits for its layers, then sends or receives
     try:
-        yield
-    except BaseException:
+        results = run_concurrently(shares)
+    except BaseException as e:
         if others:
-            if not isinstance(sys.exc_info()[1], KVCorrupted):
+            if not isinstance(e, KVCorrupted):
                 link.break_()
-            if concurrent.futures.wait(others, timeout_s).not_done:
-                log.warning("%s did not end within %g s", what, timeout_s)
+            if concurrent.futures.wait(others, bound).not_done:
+                log.warning("%s did not end within %g s", what, bound)
         raise
+    link.record_others(wait_all(others, bound, what))
+    return results
 
 
 def wait_all(futures: Sequence[concurrent.futures.Future], timeout_s: float, what: str) -> list[object]:
@@ -750,9 +751,7 @@ class KVIntake:
                                  spans, trailer_len(len(a.request_ids), lead, a.checksum), a.checksum, label,
                                  self._stream)
 
-        what = f"the other ranks' shares of transfer {label}"
-        with settling(link, others, 2 * self.timeout_s + 5.0, what):
-            results = run_concurrently([lambda t=t, c=c: share(t, c) for t, c in link.shares])
-        link.record_others(wait_all(others, 2 * self.timeout_s + 5.0, what))
+        results = run_shares(link, others, [lambda t=t, c=c: share(t, c) for t, c in link.shares], self.timeout_s,
+                             f"the other ranks' shares of transfer {label}")
         values = next(v for (t, _), v in zip(link.shares, results) if is_lead(t))
         return values[:len(a.request_ids)], values[len(a.request_ids)] / 1e6

@@ -22,8 +22,8 @@ import torch
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from pdserve.config import EngineConfig
-from pdserve.handoff import (KVAnnounce, KVCorrupted, PairLink, is_lead, layer_spans, open_shares, receive_share, run_concurrently,
-                             send_share, share_heads, trailer_len, transfer_rows)
+from pdserve.handoff import (KVAnnounce, KVCorrupted, PairLink, block_index, is_lead, layer_spans, open_shares,
+                             receive_share, run_concurrently, send_share, share_heads, trailer_len, transfer_rows)
 from pdserve.kv_transfer import TransferError, TransferStats
 from pdserve.tensor_parallel import HeadTransfer
 from pdserve.tp_runner import RankShare
@@ -99,7 +99,7 @@ class RankActor:
         of engine step `step` has computed them; (bytes, seconds) of each of its channels."""
         link = self._link(decode_id, generation)
         cache = self.share.kv_cache
-        index = torch.tensor([b for ids in block_ids for b in ids], dtype=torch.int64, device=cache.device)
+        index = block_index(block_ids, cache.device)
         spans = layer_spans(cache.shape[0], num_parts)
         timeout = link.timeout_s
         return self._run(decode_id, generation, link, [
