@@ -28,7 +28,7 @@ from pdserve.kv_transfer import StoreServer, TransferStats
 from pdserve.messages import DecodeTask, Failure, FailureReason, StepOutput
 from pdserve.request import RequestStatus
 from pdserve.scheduler import Role
-from pdserve.tensor_parallel import pair_plan
+from pdserve.tensor_parallel import pair_plan, shares_by_rank
 from pdserve.worker import StepRun, WorkerActor
 
 log = logging.getLogger(__name__)
@@ -90,28 +90,21 @@ class DecodeActor(WorkerActor):
         concurrently."""
         if prefill_id in self._lost_peers:
             raise ConnectionError(f"prefill worker {prefill_id} was lost; no channel to it")
-        plan = pair_plan(self.core.model_config, prefill_tp, self.tp)
-        mine = [t for t in plan if t is None or t.dst_rank == 0]
-        theirs = sorted({t.dst_rank for t in plan if t is not None and t.dst_rank > 0})
-        ranks = [self.ranks.handles[r - 1] for r in theirs]
-        calls = [h.open_shares.remote(False, prefill_id, self.worker_id, self.store.host, self.store.port, generation,
-                                      [t for t in plan if t.dst_rank == r], self.transfer_timeout_s)
-                 for r, h in zip(theirs, ranks)]
+        by_rank = shares_by_rank(pair_plan(self.core.model_config, prefill_tp, self.tp), sender=False)
+        mine, theirs = by_rank.pop(0), sorted(by_rank)
+        calls = [self.ranks.handles[r - 1].open_shares.remote(False, prefill_id, self.worker_id, self.store.host,
+                                                              self.store.port, generation, by_rank[r],
+                                                              self.transfer_timeout_s) for r in theirs]
         try:
             shares, *_ = await asyncio.gather(
                 asyncio.to_thread(open_shares, self.store.host, self.store.port, prefill_id, self.worker_id, False,
                                   mine, self.transfer_timeout_s, self.core.runner.kv_cache.device, generation,
                                   self.transfer_stats), *calls)
         except BaseException:
-            for h in ranks:
-                h.drop.remote(prefill_id, generation)
+            if theirs:
+                self.ranks.drop(theirs, prefill_id, generation)
             raise
-        link = PairLink(shares)
-        if ranks:
-            link = PairLink(shares,
-                            others=lambda a, blocks: [h.recv_share.remote(prefill_id, generation, a, blocks).future()
-                                                      for h in ranks],
-                            drop=lambda: [h.drop.remote(prefill_id, generation) for h in ranks])
+        link = self.ranks.link(shares, prefill_id, generation, theirs, "recv_share") if theirs else PairLink(shares)
         if prefill_id in self._lost_peers:  # lost while the rendezvous ran
             link.break_()
             raise ConnectionError(f"prefill worker {prefill_id} was lost; no channel to it")

@@ -495,7 +495,7 @@ class KVPusher:
         if self._stream is not None:
             self._stream.wait_stream(torch.cuda.current_stream())  # the index above was copied on it
         spans = layer_spans(job.num_layers, a.num_parts)
-        others = link.others(a, job) if link.others is not None else []  # the other TP ranks' shares
+        others = link.others(a, job.block_ids, job.step) if link.others is not None else []  # the other TP ranks
 
         def trailer() -> list[int]:  # the first token of each request, when they were sampled (microseconds)
             tokens, sampled_at = job.wait_tokens(timeout)

@@ -114,6 +114,15 @@ def pair_plan(cfg: ModelConfig, prefill_tp: int, decode_tp: int) -> list[HeadTra
                              TPLayout(cfg.num_heads, cfg.num_kv_heads, decode_tp)))
 
 
+def shares_by_rank(plan: list[HeadTransfer | None], sender: bool) -> dict[int, list[HeadTransfer | None]]:
+    """A pair's channels by the rank of one side that holds them (the source rank on the prefill side, the
+    destination rank on the decode side); rank 0 always holds one (the (0, 0) channel)."""
+    out: dict[int, list[HeadTransfer | None]] = {}
+    for t in plan:
+        out.setdefault(0 if t is None else t.src_rank if sender else t.dst_rank, []).append(t)
+    return out
+
+
 # --- a rank's share of the model ----------------------------------------------------------------------
 
 def vocab_rows(vocab_size: int, tp: int) -> int:

@@ -93,32 +93,31 @@ class RankActor:
         if old is not None:
             old[1].close()
 
-    def send_share(self, decode_id: str, generation: int, seq: int, block_ids: list[list[int]], step: int,
-                   num_parts: int, checksum: bool) -> list[tuple[int, float]]:
+    def send_share(self, decode_id: str, a: KVAnnounce, block_ids: list[list[int]],
+                   step: int) -> list[tuple[int, float]]:
         """This rank's share of a prefill worker's transfer: its heads of the blocks, once its own forward
         of engine step `step` has computed them; (bytes, seconds) of each of its channels."""
-        link = self._link(decode_id, generation)
+        link = self._link(decode_id, a.generation)
         cache = self.share.kv_cache
         index = block_index(block_ids, cache.device)
-        spans = layer_spans(cache.shape[0], num_parts)
+        spans = layer_spans(cache.shape[0], a.num_parts)
         timeout = link.timeout_s
-        return self._run(decode_id, generation, link, [
-            lambda t=t, c=c: send_share(c, seq, cache, index, share_heads(t, True, cache), spans,
+        return self._run(decode_id, a.generation, link, [
+            lambda t=t, c=c: send_share(c, a.seq, cache, index, share_heads(t, True, cache), spans,
                                         lambda end: self.share.wait_computed(step, end, timeout), None,
-                                        trailer_len(0, False, checksum), checksum, stream=self._send_stream)
+                                        trailer_len(0, False, a.checksum), a.checksum, stream=self._send_stream)
             for t, c in link.shares])
 
-    def recv_share(self, prefill_id: str, generation: int, a: KVAnnounce,
-                   blocks: list[list[int] | None]) -> list[tuple[int, float]]:
+    def recv_share(self, prefill_id: str, a: KVAnnounce, blocks: list[list[int] | None]) -> list[tuple[int, float]]:
         """This rank's share of a decode worker's transfer, into the blocks its rank 0 reserved; (bytes,
         seconds) of each of its channels."""
-        link = self._link(prefill_id, generation)
+        link = self._link(prefill_id, a.generation)
         cache = self.share.kv_cache
         src, dst = transfer_rows(a.num_blocks, blocks, cache.device)
         spans = layer_spans(cache.shape[0], a.num_parts)
         label = f"{a.generation}/{a.seq} from {a.prefill_id} (rank {self.rank})"
         assert not any(is_lead(t) for t, _ in link.shares)
-        return self._run(prefill_id, generation, link, [
+        return self._run(prefill_id, a.generation, link, [
             lambda t=t, c=c: receive_share(c, a.seq, cache, src, dst, share_heads(t, False, cache), sum(a.num_blocks),
                                            spans, trailer_len(0, False, a.checksum), a.checksum, label)
             for t, c in link.shares])
@@ -196,6 +195,20 @@ class RayRanks:
             on_lost(f"rank {refs[ready[0]]} of {self.worker_id} ended: {why}")
 
         threading.Thread(target=run, name=f"tp-watch-{self.worker_id}", daemon=True).start()
+
+    def link(self, shares: list, peer: str, generation: int, ranks: list[int], method: str) -> PairLink:
+        """Rank 0's channels of a generation of the pair with `peer`; the other ranks holding channels
+        (`ranks`) take their shares of each transfer through RankActor.`method` (send_share or
+        recv_share, called with the peer, the transfer's announcement and what follows it)."""
+        handles = [self.handles[r - 1] for r in ranks]
+        return PairLink(shares, others=lambda a, *rest: [getattr(h, method).remote(peer, a, *rest).future()
+                                                         for h in handles],
+                        drop=lambda: self.drop(ranks, peer, generation))
+
+    def drop(self, ranks: list[int], peer: str, generation: int) -> None:
+        """These ranks give a generation of the pair with `peer` up (not waiting)."""
+        for r in ranks:
+            self.handles[r - 1].drop.remote(peer, generation)
 
     def pids(self) -> list[int]:
         return ray.get([h.pid.remote() for h in self.handles], timeout=30)

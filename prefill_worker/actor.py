@@ -26,7 +26,7 @@ from pdserve.kv_transfer import TransferError, TransferStats
 from pdserve.messages import PrefillResult, PrefillTask
 from pdserve.request import Request
 from pdserve.scheduler import Role, ScheduledStep
-from pdserve.tensor_parallel import pair_plan
+from pdserve.tensor_parallel import pair_plan, shares_by_rank
 from pdserve.worker import WorkerActor
 
 log = logging.getLogger(__name__)
@@ -162,13 +162,12 @@ class PrefillActor(WorkerActor):
         ranks, this worker's rank 0 and this worker's other ranks build their channels side by side."""
         with self._lock:
             d = self._destinations[decode_id]
-        plan = pair_plan(self.core.model_config, self.tp, d.tp)
-        mine = [t for t in plan if t is None or t.src_rank == 0]
-        theirs = sorted({t.src_rank for t in plan if t is not None and t.src_rank > 0})
+        by_rank = shares_by_rank(pair_plan(self.core.model_config, self.tp, d.tp), sender=True)
+        mine, theirs = by_rank.pop(0), sorted(by_rank)
         calls = [d.handle.open_channel.remote(self.worker_id, generation, self.tp).future()]
-        calls += [self.ranks.handles[r - 1].open_shares.remote(
-            True, self.worker_id, decode_id, d.host, d.port, generation, [t for t in plan if t.src_rank == r],
-            self.transfer_timeout_s).future() for r in theirs]
+        calls += [self.ranks.handles[r - 1].open_shares.remote(True, self.worker_id, decode_id, d.host, d.port,
+                                                               generation, by_rank[r], self.transfer_timeout_s).future()
+                  for r in theirs]
         own: Future[list] = Future()
 
         def build() -> None:
@@ -188,17 +187,11 @@ class PrefillActor(WorkerActor):
                 f.result(timeout=max(deadline - time.monotonic(), 0.0))
         except BaseException as e:  # every rank gives this generation up
             own.add_done_callback(lambda f: f.exception() is None and PairLink(f.result()).close())
-            for r in theirs:
-                self.ranks.handles[r - 1].drop.remote(decode_id, generation)
+            if theirs:
+                self.ranks.drop(theirs, decode_id, generation)
             raise TransferError(f"no channel to decode worker {decode_id}: {e or type(e).__name__}") from e
-        if not theirs:
-            return PairLink(own.result())
-        ranks = [self.ranks.handles[r - 1] for r in theirs]
-        return PairLink(own.result(),
-                        others=lambda a, job: [h.send_share.remote(decode_id, a.generation, a.seq, job.block_ids,
-                                                                   job.step, a.num_parts, a.checksum).future()
-                                               for h in ranks],
-                        drop=lambda: [h.drop.remote(decode_id, generation) for h in ranks])
+        return self.ranks.link(own.result(), decode_id, generation, theirs, "send_share") if theirs \
+            else PairLink(own.result())
 
     @staticmethod
     def _announce(handle: Any, a: KVAnnounce) -> None:
