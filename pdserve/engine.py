@@ -53,7 +53,7 @@ class EngineCore:
             blocks = config.cache.resolve_num_blocks(info.config, config.torch_dtype, tp)
             tp_runner = TPRunner(config, tp, blocks, ranks, on_fatal, threads)  # the others load meanwhile
             try:
-                loaded = load_shard(config, tp, 0)
+                loaded = load_shard(config, tp, 0, info)
             except BaseException:
                 tp_runner.close()
                 raise

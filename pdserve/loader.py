@@ -102,13 +102,13 @@ def load(config: EngineConfig) -> LoadedModel:
     return LoadedModel(model, info)
 
 
-def load_shard(config: EngineConfig, tp: int, rank: int) -> LoadedModel:
+def load_shard(config: EngineConfig, tp: int, rank: int, info: ModelInfo | None = None) -> LoadedModel:
     """One tensor-parallel rank's share of the model (pdserve.tensor_parallel), read tensor by tensor:
-    no rank holds the whole model. ModelInfo is the whole model's."""
+    no rank holds the whole model. ModelInfo is the whole model's (info: already read by the caller)."""
     from pdserve.tensor_parallel import rank_config, shard_weights
 
     path, fmt = resolve_format(config.model, config.load_format)
-    info = load_info(config)
+    info = info or load_info(config)
     model = _empty_model(rank_config(info.config, tp), config)
     model.vocab_start, model.vocab_size = rank * model.cfg.vocab_size, info.config.vocab_size
     if fmt == "dummy":
