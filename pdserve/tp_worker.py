@@ -19,6 +19,7 @@ from typing import Any
 
 import ray
 import torch
+from ray.util.placement_group import placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from pdserve.config import EngineConfig
@@ -40,15 +41,17 @@ class TPPlacement:
     num_gpus: float
     resources: dict[str, float] = field(default_factory=dict)
 
+    @classmethod
+    def create(cls, name: str, tp: int, num_cpus: float, num_gpus: float,
+               resources: dict[str, float]) -> TPPlacement:
+        """A new placement group of tp bundles, each what one rank takes, packed on one node."""
+        bundle = {"CPU": num_cpus, **({"GPU": num_gpus} if num_gpus else {}), **resources}
+        group = placement_group([dict(bundle) for _ in range(tp)], strategy="STRICT_PACK", name=name)
+        return cls(group, num_cpus, num_gpus, dict(resources))
+
     def options(self, rank: int) -> dict:
         return dict(num_cpus=self.num_cpus, num_gpus=self.num_gpus, resources=self.resources, max_restarts=0,
                     scheduling_strategy=PlacementGroupSchedulingStrategy(self.group, placement_group_bundle_index=rank))
-
-
-def placement_bundles(tp: int, num_cpus: float, num_gpus: float, resources: dict[str, float]) -> list[dict[str, float]]:
-    """One bundle per rank: what one rank takes."""
-    bundle = {"CPU": num_cpus, **({"GPU": num_gpus} if num_gpus else {}), **resources}
-    return [dict(bundle) for _ in range(tp)]
 
 
 class RankActor:

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import ray
-from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.placement_group import remove_placement_group
 
 from decode_worker.actor import DecodeActor, FastLaneActor
 from pdserve.colocated import ColocatedActor
@@ -32,7 +32,7 @@ from pdserve.config import ClusterConfig, PoolConfig
 from pdserve.loader import ModelInfo
 from pdserve.messages import StepOutput, WorkerStats
 from pdserve.tensor_parallel import rank_config
-from pdserve.tp_worker import TPPlacement, placement_bundles
+from pdserve.tp_worker import TPPlacement
 from prefill_worker.actor import PrefillActor
 from router.placement import PrefixIndex
 
@@ -165,10 +165,9 @@ class Pools:
         options = dict(num_cpus=pc.num_cpus, num_gpus=pc.num_gpus, resources=pc.resources, max_restarts=0)
         group = None
         if engine.tensor_parallel_size > 1:  # its ranks packed on one node; this actor is rank 0, in bundle 0
-            bundles = placement_bundles(engine.tensor_parallel_size, pc.num_cpus, pc.num_gpus, pc.resources)
-            group = placement_group(bundles, strategy="STRICT_PACK", name=f"tp-{worker_id}")
-            extra = dict(extra, placement=TPPlacement(group, pc.num_cpus, pc.num_gpus, dict(pc.resources)))
-            options = extra["placement"].options(0)
+            placement = TPPlacement.create(f"tp-{worker_id}", engine.tensor_parallel_size, pc.num_cpus, pc.num_gpus,
+                                           pc.resources)
+            extra, options, group = dict(extra, placement=placement), placement.options(0), placement.group
         handle = ray.remote(cls).options(**options).remote(worker_id, engine, torch_threads=pc.torch_threads, **extra)
         w = Worker(worker_id, handle, pool, slot, placement_group=group)
         if pool == "prefill":
