@@ -38,7 +38,7 @@ def main() -> None:
     from pdserve.client import AsyncClient
     from pdserve.config import CacheConfig, ClusterConfig, EngineConfig, PoolConfig, SchedulerConfig
     from pdserve.engine import LLMEngine
-    from pdserve.sampling import SamplingParams
+    from pdserve.engine.sampling import SamplingParams
     from router.cluster import Cluster
     from router.pools import init_local_ray
     from router.server import Router, RouterConfig

@@ -1,4 +1,4 @@
-"""CPU decode attention: the torch path vs the C++ kernel (pdserve.cpu_attention), per layer and per step.
+"""CPU decode attention: the torch path vs the C++ kernel (pdserve.kernels.cpu_attention), per layer and per step.
 
     .venv/bin/python bench/decode_attention.py [--reps 300] [--steps 24] [--seed 0] [--skip-engine]
 
@@ -26,9 +26,9 @@ import time
 
 import torch
 
-from pdserve import cpu_attention
-from pdserve.attention import _decode_attention
-from pdserve.runner import group_by_length
+from pdserve.engine.runner import group_by_length
+from pdserve.kernels import cpu_attention
+from pdserve.model.attention import _decode_attention
 
 LAYERS, HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 30, 9, 3, 64, 16  # SmolLM2-135M
 SCALE = HEAD_DIM ** -0.5
@@ -109,7 +109,7 @@ def bench_layers(reps: int, seed: int) -> None:
 def bench_engine(steps: int, seed: int) -> None:
     from pdserve.config import EngineConfig
     from pdserve.engine import LLMEngine
-    from pdserve.sampling import SamplingParams
+    from pdserve.engine.sampling import SamplingParams
 
     engine = LLMEngine(EngineConfig())
     vocab = engine.model_config.vocab_size

@@ -25,7 +25,7 @@ busy     At batch 64: the same decode loop under torch.profiler. GPU busy = unio
          so a second figure divides the per-step kernel time by the unprofiled step time).
 prefill  One 4096-token prompt, SchedulerConfig(max_num_batched_tokens=4096), prefix caching off,
          one step per prompt (fresh random prompts), median of --prefill-reps steps.
-         MFU = step_flops (pdserve.utilization) / step time / measured bf16 matmul FLOP/s.
+         MFU = step_flops (pdserve.engine.utilization) / step time / measured bf16 matmul FLOP/s.
 offline  pdserve LLMEngine vs transformers generate() on the same GPU, bf16, same random HF
          checkpoint of SmolLM2-135M's shape made here by transformers (random weights, seeded).
          64 prompts of 128-512 tokens, 128 output tokens each, greedy, EOS ignored (the checkpoint has
@@ -37,7 +37,7 @@ experiments  What fixes would give, by monkeypatching in this process only (pdse
          x2 the chunked-prefill attention (second chunk: 3904 queries over 8000 keys, one layer) with
          torch's causal_lower_right bias instead of the dense boolean mask, timed and compared.
 cluster  The one-GPU 1P1D check (needs Ray). Both workers share the GPU (num_gpus 0.4 each), so their
-         KV pair channel stages through host memory over gloo (pdserve.kv_transfer, NCCL refuses two
+         KV pair channel stages through host memory over gloo (pdserve.transfer.channel, NCCL refuses two
          ranks on one GPU). (1) Tiny random checkpoint, fp32, 4 prompts (5-100 tokens, greedy and
          seeded sampling, 12 tokens): colocated, then disaggregated; tokens compared with the offline
          engine; for disaggregated also the decode worker's hand-off histogram (WorkerStats.handoff:
@@ -176,8 +176,8 @@ def make_core(args, device: torch.device, max_batched: int, prefix_caching: bool
 
 
 def add_requests(core, n: int, length: int, max_tokens: int, rng: random.Random) -> list:
-    from pdserve.request import Request
-    from pdserve.sampling import SamplingParams
+    from pdserve.engine.request import Request
+    from pdserve.engine.sampling import SamplingParams
 
     vocab = core.model_config.vocab_size
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
@@ -224,7 +224,7 @@ def kernel_stats(prof, top: int = 8) -> dict:
 @section("decode")
 def bench_decode(args, device: torch.device, peaks: dict | None) -> dict:
     from pdserve.config import kv_bytes_per_token
-    from pdserve.utilization import weight_bytes
+    from pdserve.engine.utilization import weight_bytes
 
     core = make_core(args, device, max_batched=args.prefill_tokens, prefix_caching=False)
     args._core = core  # reused by the prefill section
@@ -358,7 +358,7 @@ def profile_decode(core, device: torch.device, steps: int, unprofiled_step_s: fl
 
 @section("prefill")
 def bench_prefill(args, device: torch.device, peaks: dict | None) -> dict:
-    from pdserve.utilization import step_flops
+    from pdserve.engine.utilization import step_flops
 
     core = getattr(args, "_core", None) or make_core(args, device, args.prefill_tokens, prefix_caching=False)
     cfg = core.model_config
@@ -469,7 +469,7 @@ def hf_generate(model, prompts: list[list[int]], new_tokens: int, device: torch.
 @torch.inference_mode()
 def pdserve_last_logits(eng, prompt: list[int]) -> torch.Tensor:
     """fp32 logits of a prompt's last position, through pdserve's own scheduler and runner."""
-    from pdserve.sampling import SamplingParams
+    from pdserve.engine.sampling import SamplingParams
 
     eng.add_request(prompt, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
     while True:
@@ -491,7 +491,7 @@ def first_divergence(a: list[int], b: list[int]) -> int | None:
 def bench_offline(args, device: torch.device) -> dict:
     from pdserve.config import CacheConfig, EngineConfig, SchedulerConfig
     from pdserve.engine import LLMEngine
-    from pdserve.sampling import SamplingParams
+    from pdserve.engine.sampling import SamplingParams
 
     tmp = Path(tempfile.mkdtemp(prefix="pdserve-hf-"))
     t = time.perf_counter()
@@ -634,7 +634,7 @@ def _cluster_tokens(args, device: torch.device) -> dict:
 
     from pdserve.config import CacheConfig, ClusterConfig, EngineConfig, PoolConfig, SchedulerConfig
     from pdserve.engine import LLMEngine
-    from pdserve.sampling import SamplingParams
+    from pdserve.engine.sampling import SamplingParams
     from router.cluster import Cluster
 
     tmp = Path(tempfile.mkdtemp(prefix="pdserve-tiny-"))
@@ -694,7 +694,7 @@ def _cluster_handoff(args, device: torch.device) -> dict:
     import asyncio
 
     from pdserve.config import CacheConfig, ClusterConfig, EngineConfig, PoolConfig, SchedulerConfig
-    from pdserve.sampling import SamplingParams
+    from pdserve.engine.sampling import SamplingParams
     from router.cluster import Cluster
 
     tmp = Path(tempfile.mkdtemp(prefix="pdserve-hf-"))
@@ -783,9 +783,9 @@ def _lower_right_prefill_attention(orig):
 
 @section("checksum")
 def bench_checksum(args, device: torch.device) -> dict:
-    """The KV checksum (pdserve.handoff.kv_checksum, --kv-checksum) against moving the same bytes: a
+    """The KV checksum (pdserve.transfer.handoff.kv_checksum, --kv-checksum) against moving the same bytes: a
     transfer computes it on both ends, so the cost is twice one sum. Default off unless this is < 5 %."""
-    from pdserve.handoff import kv_checksum
+    from pdserve.transfer.handoff import kv_checksum
 
     layers, kv_heads, head_dim, block = (30, 3, 64, 16) if args.small else (32, 8, 128, 16)
     out = {}
@@ -808,7 +808,7 @@ def bench_checksum(args, device: torch.device) -> dict:
 
 @section("experiments")
 def experiments(args, device: torch.device, peaks: dict | None) -> dict:
-    import pdserve.attention as A
+    import pdserve.model.attention as A
 
     res: dict = {}
     core = getattr(args, "_core", None) or make_core(args, device, args.prefill_tokens, prefix_caching=False)
@@ -1057,7 +1057,7 @@ def main() -> None:
     if "checksum" in wanted:
         bench_checksum(args, device)
     # The CPU kernels must not have been built or loaded by a CUDA run.
-    from pdserve import cpu_kernels
+    from pdserve.kernels import cpu_kernels
     env["cpu_attention_loaded"] = cpu_kernels._loaded or cpu_kernels._failed
     if device.type == "cuda":
         env["max_memory_allocated_gib"] = torch.cuda.max_memory_allocated(device) / GiB

@@ -27,7 +27,7 @@ if str(ROOT) not in sys.path:  # run as a script from a checkout
 
 import grpc  # noqa: E402
 
-from pdserve.client import Client  # noqa: E402
+from pdserve.client.grpc_client import Client  # noqa: E402
 
 
 def decode_pids() -> list[int]:

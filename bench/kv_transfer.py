@@ -10,7 +10,7 @@ cluster bound to 127.0.0.1 runs two actors: the decode side (StoreServer, rank 1
 prefill side (rank 0, sends). A transfer's time is what the receiver waits for one recv_into, header
 included; the baseline is `dst.copy_(src)` into a preallocated tensor inside the receiving actor.
 Each figure is the median of --reps repetitions, after a sweep of --warmup unrecorded ones per
-payload. The checksum column is pdserve.handoff.kv_checksum of the payload in the receiving actor; a
+payload. The checksum column is pdserve.transfer.handoff.kv_checksum of the payload in the receiving actor; a
 transfer computes it on both ends, so its cost is twice that, shown as a share of the gloo time.
 Prints one table.
 
@@ -32,7 +32,7 @@ import time
 import ray
 import torch
 
-from pdserve.kv_transfer import PairChannel, StoreServer
+from pdserve.transfer.channel import PairChannel, StoreServer
 
 LAYERS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 30, 3, 64, 16  # SmolLM2-135M
 TIMEOUT_S = 120.0
@@ -81,7 +81,7 @@ class Endpoint:
         return seconds
 
     def checksum(self, shape: tuple[int, ...], count: int) -> list[float]:
-        from pdserve.handoff import kv_checksum
+        from pdserve.transfer.handoff import kv_checksum
 
         data = torch.randn(shape)
         if data.dim() != 6:  # a flat payload, seen as blocks of SmolLM2's shape
@@ -121,8 +121,8 @@ def payloads(tokens: list[int], extra_mb: int) -> list[tuple[str, tuple[int, ...
 def handoff_table(lengths: list[int], reps: int) -> None:
     from decode_worker.actor import DecodeActor
     from pdserve.config import CacheConfig, EngineConfig, SchedulerConfig
-    from pdserve.messages import DecodeTask, PrefillTask
-    from pdserve.sampling import SamplingParams
+    from pdserve.engine.sampling import SamplingParams
+    from pdserve.serving.messages import DecodeTask, PrefillTask
     from prefill_worker.actor import PrefillActor
 
     config = EngineConfig(cache=CacheConfig(memory_bytes=512 << 20),

@@ -32,8 +32,8 @@ def main() -> None:
 
     from pdserve.config import EngineConfig, SchedulerConfig
     from pdserve.engine import LLMEngine
-    from pdserve.loader import resolve_format
-    from pdserve.sampling import SamplingParams
+    from pdserve.engine.sampling import SamplingParams
+    from pdserve.model.loader import resolve_format
 
     path, fmt = resolve_format(args.model, "auto")
     engine = LLMEngine(EngineConfig(model=path, scheduler=SchedulerConfig(max_num_seqs=max(64, args.num_prompts))))

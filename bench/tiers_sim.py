@@ -39,7 +39,7 @@ from pdserve.planner.autoscale import Autoscaler, PoolLimits  # noqa: E402
 from pdserve.planner.hardware import gpu, kv_budget_bytes, resolve_model, roofline  # noqa: E402
 from pdserve.planner.pricing import format_prices, tier_prices  # noqa: E402
 from pdserve.planner.simulator import ClusterShape, PoolShape, simulate  # noqa: E402
-from pdserve.tiers import TIERS, ServiceTier, TierSLO, TiersConfig  # noqa: E402
+from pdserve.tiers import TIERS, ServiceTier, TiersConfig, TierSLO  # noqa: E402
 
 
 def trace(args: argparse.Namespace, max_len: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:

@@ -49,8 +49,8 @@ def smollm2_sized_checkpoint(directory: Path) -> Path:
 def time_engine(model: str | None, tp: int, prompt_len: int, batch: int, steps: int) -> dict:
     from pdserve.config import CacheConfig, EngineConfig, SchedulerConfig
     from pdserve.engine import EngineCore
-    from pdserve.request import Request
-    from pdserve.sampling import SamplingParams
+    from pdserve.engine.request import Request
+    from pdserve.engine.sampling import SamplingParams
 
     if tp == 1:
         torch.set_num_threads(os.cpu_count() or 1)

@@ -34,7 +34,7 @@ from bench.tp_cpu import smollm2_sized_checkpoint  # noqa: E402
 
 async def run_layout(model: str, a: int, b: int, prompts: list[list[int]]) -> dict:
     from pdserve.config import CacheConfig, ClusterConfig, EngineConfig, PoolConfig, SchedulerConfig
-    from pdserve.sampling import SamplingParams
+    from pdserve.engine.sampling import SamplingParams
     from router.cluster import Cluster
 
     engine = EngineConfig(model=model, cache=CacheConfig(block_size=16, num_blocks=512),

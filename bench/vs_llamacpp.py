@@ -101,7 +101,7 @@ def run_pdserve(path: Path, dtype: str, quantization: str | None, load: dict, re
 
     from pdserve.config import CacheConfig, EngineConfig, SchedulerConfig
     from pdserve.engine import LLMEngine
-    from pdserve.sampling import SamplingParams
+    from pdserve.engine.sampling import SamplingParams
 
     t0 = time.perf_counter()
     engine = LLMEngine(EngineConfig(model=str(path), dtype=dtype, quantization=quantization,
@@ -280,7 +280,7 @@ def main() -> None:
     import torch
 
     from pdserve.cache import cache_root
-    from pdserve.loader import default_model_path
+    from pdserve.model.loader import default_model_path
 
     torch.set_num_threads(args.threads)
     probe = subprocess.run([args.llamacpp_python, "-c", "import llama_cpp"], capture_output=True)
@@ -291,7 +291,7 @@ def main() -> None:
     source = default_model_path()
     bandwidth = read_bandwidth(args.threads)
     from pdserve.config import EngineConfig
-    from pdserve.loader import load_info
+    from pdserve.model.loader import load_info
 
     # Batch-1 decode starts from a real question (its greedy tokens are worth comparing; random ids
     # give near-ties), the other prompts are random ids.

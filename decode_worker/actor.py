@@ -1,15 +1,15 @@
 """The decode worker as a Ray actor: reserves room for KV pushed by prefill workers, streams one output per step.
 
-It runs the shared EngineCore in the DECODE role (pdserve.scheduler). The router calls `reserve` when
+It runs the shared EngineCore in the DECODE role (pdserve.engine.scheduler). The router calls `reserve` when
 it places a request, while the prefill worker computes the prompt: the scheduler reserves blocks as
 soon as there is room (backpressure: the request waits, it is never dropped), and this worker tells
 the prefill worker that the destination is ready, one call per step for all the requests reserved for
 it. Prefill workers announce their transfers (`kv_incoming`) and push the KV; one intake thread per
-prefill worker writes it into the reserved blocks (pdserve.handoff), and the request joins the running
+prefill worker writes it into the reserved blocks (pdserve.transfer.handoff), and the request joins the running
 batch at the next step. Each step decodes one token for every running request; the router consumes
 `stream()`, a Ray streaming generator with one StepOutput per step.
 
-Threads: the step thread owns the engine (pdserve.step_loop); Ray's event loop answers calls; intake
+Threads: the step thread owns the engine (pdserve.engine.step_loop); Ray's event loop answers calls; intake
 threads receive KV. The blocks an intake writes into are published in an InboundTable, so a request
 cancelled during its transfer keeps them until the write is over.
 """
@@ -23,13 +23,13 @@ from typing import Any
 import ray
 
 from pdserve.config import EngineConfig
-from pdserve.handoff import InboundTable, KVAnnounce, KVIntake, PairLink, SecondsHistogram, open_shares
-from pdserve.kv_transfer import StoreServer, TransferStats
-from pdserve.messages import DecodeTask, Failure, FailureReason, StepOutput
-from pdserve.request import RequestStatus
-from pdserve.scheduler import Role
-from pdserve.tensor_parallel import pair_plan, shares_by_rank
-from pdserve.worker import StepRun, WorkerActor
+from pdserve.engine.request import RequestStatus
+from pdserve.engine.scheduler import Role
+from pdserve.parallel.layout import pair_plan, shares_by_rank
+from pdserve.serving.messages import DecodeTask, Failure, FailureReason, StepOutput
+from pdserve.serving.worker import StepRun, WorkerActor
+from pdserve.transfer.channel import StoreServer, TransferStats
+from pdserve.transfer.handoff import InboundTable, KVAnnounce, KVIntake, PairLink, SecondsHistogram, open_shares
 
 log = logging.getLogger(__name__)
 

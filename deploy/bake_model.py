@@ -26,7 +26,7 @@ def bake(model: str, dest: Path) -> Path | None:
     if not model:
         return None
     if model == DEFAULT:
-        from pdserve.loader import default_model_path
+        from pdserve.model.loader import default_model_path
 
         source = default_model_path()  # raises with the install hint when the package is missing
         target = dest / source.name

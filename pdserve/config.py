@@ -157,13 +157,11 @@ class CacheConfig:
 
     def resolve_num_blocks(self, model: ModelConfig, dtype: torch.dtype, tp: int = 1) -> int:
         """Blocks of the cache: num_blocks, or as many as memory_bytes holds on each rank of a worker of
-        TP size tp (a rank holds its KV heads of every block; pdserve.tensor_parallel)."""
+        TP size tp (a rank holds its KV heads of every block; pdserve.parallel.layout)."""
         if self.num_blocks is not None:
             return self.num_blocks
-        if tp > 1:
-            from pdserve.tensor_parallel import rank_config
-
-            model = rank_config(model, tp)
+        if tp > 1:  # a rank's KV heads: its share, or one replicated head (pdserve.parallel.layout.TPLayout)
+            model = replace(model, num_kv_heads=max(1, model.num_kv_heads // tp))
         per_block = kv_bytes_per_token(model, dtype) * self.block_size
         n = self.memory_bytes // per_block
         if n < 1:
@@ -178,7 +176,7 @@ def kv_bytes_per_token(model: ModelConfig, dtype: torch.dtype) -> int:
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    """Batching limits of one engine step, and the knobs of each role (pdserve.scheduler.Role).
+    """Batching limits of one engine step, and the knobs of each role (pdserve.engine.scheduler.Role).
 
     Prefill role: max_num_batched_tokens (prompt tokens a step), enable_chunked_prefill.
     Decode role: max_num_seqs (running requests, and those whose KV is on its way), reservation_headroom_blocks.
@@ -218,13 +216,13 @@ class EngineConfig:
     # The device's peaks for utilization metrics; None: a known GPU's datasheet figures, else measured.
     peak_flops: float | None = None
     peak_bytes_per_second: float | None = None
-    # Pipelined decode (pdserve.engine.EngineCore): step t+1 is scheduled and launched before step t's
+    # Pipelined decode (pdserve.engine.llm_engine.EngineCore): step t+1 is scheduled and launched before step t's
     # sampled tokens reach the host. None: on for CUDA, off elsewhere (a CPU step does not overlap the host).
     pipelined_decode: bool | None = None
-    # CUDA graphs for decode-only steps (pdserve.cuda_graphs). None: on for CUDA (decode and colocated
+    # CUDA graphs for decode-only steps (pdserve.engine.cuda_graphs). None: on for CUDA (decode and colocated
     # roles), off elsewhere; True on a CPU runs the same padded buckets eagerly (tests).
     cuda_graphs: bool | None = None
-    # Tensor parallelism (pdserve.tensor_parallel, pdserve.tp_runner): the model split over this many
+    # Tensor parallelism (pdserve.parallel.layout, pdserve.engine.tp_runner): the model split over this many
     # processes, one per device; rank 0 schedules. In a cluster, each pool may set its own (PoolConfig).
     tensor_parallel_size: int = 1
     # Every wait on the worker's ranks is bounded by this: a rank that dies or hangs takes the worker

@@ -1,6 +1,6 @@
 """Fault points: named places in a worker's code where a test can make it stall or tamper with data.
 
-The failure matrix (tests/test_failure_matrix.py, docs/faults.md) needs a worker to be caught at an
+The failure matrix (tests/serving/test_failure_matrix.py, docs/faults.md) needs a worker to be caught at an
 exact moment (inside a step, between two parts of a KV transfer) while the test kills it from outside,
 or a transfer to arrive corrupted. A point does nothing unless a test armed it through the worker's
 `inject_fault` actor method; `fault_reached` lets the test wait, without sleeping, until the worker

@@ -1,12 +1,12 @@
 """The prefill worker as a Ray actor: prompts in, first tokens out, each prompt's KV pushed to its decode worker.
 
-It runs the shared EngineCore in the PREFILL role (pdserve.scheduler): prompts are batched up to a
+It runs the shared EngineCore in the PREFILL role (pdserve.engine.scheduler): prompts are batched up to a
 token budget and chunked; a prompt whose last chunk has run is HELD until its KV has been sent. The
-KV is pushed (pdserve.handoff): during the forward that completes a prompt, layer by layer, if its
+KV is pushed (pdserve.transfer.handoff): during the forward that completes a prompt, layer by layer, if its
 decode worker has already reserved room; otherwise from the held blocks as soon as the reservation is
 announced (`kv_ready`), from the thread that hears of it, without waiting for a step.
 
-Threads: the step thread owns the engine (pdserve.step_loop); Ray's event loop answers calls; one
+Threads: the step thread owns the engine (pdserve.engine.step_loop); Ray's event loop answers calls; one
 pusher thread per decode worker sends. The hand-off's shared state (which destinations are ready,
 held KV not yet sent, pushes in flight) is guarded by one lock; blocks are freed on the step thread.
 """
@@ -21,13 +21,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from pdserve.config import EngineConfig
-from pdserve.handoff import KVAnnounce, KVPusher, PairLink, PushJob, open_shares
-from pdserve.kv_transfer import TransferError, TransferStats
-from pdserve.messages import PrefillResult, PrefillTask
-from pdserve.request import Request
-from pdserve.scheduler import Role, ScheduledStep
-from pdserve.tensor_parallel import pair_plan, shares_by_rank
-from pdserve.worker import WorkerActor
+from pdserve.engine.request import Request
+from pdserve.engine.scheduler import Role, ScheduledStep
+from pdserve.parallel.layout import pair_plan, shares_by_rank
+from pdserve.serving.messages import PrefillResult, PrefillTask
+from pdserve.serving.worker import WorkerActor
+from pdserve.transfer.channel import TransferError, TransferStats
+from pdserve.transfer.handoff import KVAnnounce, KVPusher, PairLink, PushJob, open_shares
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +39,7 @@ class _Destination:
     handle: Any  # the decode worker's actor handle
     host: str  # its rendezvous store
     port: int
-    tp: int  # its tensor-parallel size: which channels the pair has (pdserve.tensor_parallel.pair_plan)
+    tp: int  # its tensor-parallel size: which channels the pair has (pdserve.parallel.layout.pair_plan)
     pusher: KVPusher
 
 

@@ -9,11 +9,15 @@ from dataclasses import dataclass
 
 from google.protobuf.message import DecodeError
 
-from pdserve.loader import ModelInfo
-from pdserve.sampling import SamplingParams
+from pdserve.engine.sampling import SamplingParams
+from pdserve.model.loader import ModelInfo
 from pdserve.v1 import generation_pb2 as pb
 
 DEFAULT_MAX_TOKENS = 16
+
+
+class RequestFailed(Exception):
+    """The workers failed a request, retries included: UNAVAILABLE (gRPC) or 503 (HTTP)."""
 
 
 class Overloaded(Exception):

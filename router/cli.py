@@ -11,8 +11,8 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from pdserve.cli import add_model_args
-from pdserve.client import API_KEY_ENV, read_api_key
+from pdserve.client.grpc_client import API_KEY_ENV, read_api_key
+from pdserve.engine.args import add_model_args
 
 
 def add_serve_parser(sub: Any) -> argparse.ArgumentParser:

@@ -2,7 +2,7 @@
 
 Disaggregated path: the request is placed on a prefill worker and, if a token will follow the first,
 a decode worker, both at once: the decode worker reserves room for the prompt's KV while the prefill
-worker computes it, and the prefill worker pushes the KV there as it is computed (pdserve.handoff).
+worker computes it, and the prefill worker pushes the KV there as it is computed (pdserve.transfer.handoff).
 The first token comes straight back from the prefill worker (TTFT does not wait for the KV); the
 decode worker's per-step outputs arrive on its stream, which one task here fans out to the requests.
 Colocated path: one worker does both phases and streams all tokens. Text (detokenization, stop
@@ -30,14 +30,22 @@ from typing import Any
 
 import ray
 
-from pdserve.block_pool import hash_prompt_blocks
 from pdserve.config import ClusterConfig
-from pdserve.loader import ModelInfo, load_info
-from pdserve.messages import DecodeTask, Failure, FailureReason, PrefillTask, StepOutput, TokenEvent, WorkerStats
-from pdserve.output import RequestOutput, TextOutput, token_output
+from pdserve.engine.block_pool import hash_prompt_blocks
+from pdserve.engine.output import RequestOutput, TextOutput, token_output
+from pdserve.engine.request import FinishReason, Request, token_stop_reason, validate_prompt
+from pdserve.engine.sampling import SamplingParams
+from pdserve.model.loader import ModelInfo, load_info
 from pdserve.planner.autoscale import Demand, DemandWindow
-from pdserve.request import FinishReason, Request, token_stop_reason, validate_prompt
-from pdserve.sampling import SamplingParams
+from pdserve.serving.messages import (
+    DecodeTask,
+    Failure,
+    FailureReason,
+    PrefillTask,
+    StepOutput,
+    TokenEvent,
+    WorkerStats,
+)
 from pdserve.tiers import TIERS, ServiceTier, flex_floor
 from router.line import Entry, Line
 from router.placement import DecodeLoad, PrefillLoad, pick_decode, pick_prefill
@@ -405,7 +413,7 @@ class Cluster:
         will take (or nothing on it at all: it takes whatever fits its cache). Stats come with every
         decode step, so requests sent between two of them may still have to wait there for room.
         A request of a higher tier than flex also finds room where flex requests run above flex's floor:
-        the decode worker preempts them for it (pdserve.scheduler)."""
+        the decode worker preempts them for it (pdserve.engine.scheduler)."""
         seqs = self._seqs[w.pool]
         if tier is not ServiceTier.FLEX and w.flex:  # every slot but those flex's floor holds
             return len(w.requests) - len(w.flex) < seqs - min(len(w.flex), flex_floor(self.config.tiers.flex_min_share, seqs))

@@ -25,11 +25,10 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict
 
-from pdserve.output import RequestOutput
-from pdserve.request import FinishReason
+from pdserve.engine.output import RequestOutput
+from pdserve.engine.request import FinishReason
 from pdserve.tiers import ServiceTier, parse_tier
-from router.admission import DEFAULT_MAX_TOKENS, Overloaded, prepare
-from router.server import RequestFailed
+from router.admission import DEFAULT_MAX_TOKENS, Overloaded, RequestFailed, prepare
 from router.tracking import Timeline
 
 _FINISH = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length"}

@@ -27,12 +27,12 @@ import ray
 from ray.util.placement_group import remove_placement_group
 
 from decode_worker.actor import DecodeActor, FastLaneActor
-from pdserve.colocated import ColocatedActor
 from pdserve.config import ClusterConfig, PoolConfig
-from pdserve.loader import ModelInfo
-from pdserve.messages import StepOutput, WorkerStats
-from pdserve.tensor_parallel import rank_config
-from pdserve.tp_worker import TPPlacement
+from pdserve.model.loader import ModelInfo
+from pdserve.parallel.layout import rank_config
+from pdserve.serving.colocated import ColocatedActor
+from pdserve.serving.messages import StepOutput, WorkerStats
+from pdserve.serving.tp_ranks import TPPlacement
 from prefill_worker.actor import PrefillActor
 from router.placement import PrefixIndex
 

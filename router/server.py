@@ -24,13 +24,13 @@ from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
 
 from pdserve.config import ClusterConfig
-from pdserve.metrics import PoolScale, RouterMetrics
-from pdserve.output import RequestOutput
-from pdserve.request import FinishReason
+from pdserve.engine.output import RequestOutput
+from pdserve.engine.request import FinishReason
+from pdserve.serving.metrics import PoolScale, RouterMetrics
 from pdserve.tiers import TIERS, ServiceTier, parse_tier
 from pdserve.v1 import generation_pb2 as pb
 from pdserve.v1 import generation_pb2_grpc as pb_grpc
-from router.admission import Admission, Malformed, Overloaded, parse_request, parse_wire
+from router.admission import Admission, Malformed, Overloaded, RequestFailed, parse_request, parse_wire
 from router.autoscaler import AutoscaleLoop
 from router.cluster import Cluster
 from router.security import ApiKeyInterceptor, server_credentials
@@ -80,10 +80,6 @@ class RouterConfig:
     @property
     def tls(self) -> bool:
         return self.ssl_certfile is not None
-
-
-class RequestFailed(Exception):
-    """The workers failed a request, retries included: UNAVAILABLE (gRPC) or 503 (HTTP)."""
 
 
 class GenerationService(pb_grpc.GenerationServicer):

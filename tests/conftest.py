@@ -9,7 +9,7 @@ import torch
 # Keep the suite's tokenizer cache out of the user's home and shared across the session.
 os.environ.setdefault("PDSERVE_CACHE_DIR", str(Path(__file__).resolve().parent.parent / ".pytest_cache" / "pdserve"))
 
-# Without CUDA, Triton's interpreter runs the GPU kernels' tests (tests/test_triton_attention.py) on CPU tensors.
+# Without CUDA, Triton's interpreter runs the GPU kernels' tests (tests/kernels/test_triton_attention.py) on CPU tensors.
 # Triton reads TRITON_INTERPRET once, when triton.language is first imported in the process, so it is set here,
 # before any test module can import triton. With CUDA the kernels are compiled and those tests run on the GPU.
 if not torch.cuda.is_available():
@@ -118,7 +118,7 @@ def cpu_kernels_built():
     build, elsewhere the module is skipped with the reason."""
     import shutil
 
-    from pdserve import cpu_kernels
+    from pdserve.kernels import cpu_kernels
 
     if cpu_kernels.available():
         return

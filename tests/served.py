@@ -8,14 +8,15 @@ from dataclasses import dataclass
 
 import grpc
 import torch
-from conftest import wait_for
 
 from pdserve.client import AsyncClient
 from pdserve.config import ClusterConfig
 from pdserve.engine import LLMEngine
-from pdserve.sampling import SamplingParams
+from pdserve.engine.sampling import SamplingParams
 from router.cluster import Cluster
 from router.server import Router, RouterConfig
+
+from conftest import wait_for
 
 
 class Served:
@@ -112,3 +113,22 @@ def assert_exact(outcomes: list[Outcome], reference: list[list[int]]) -> None:
     assert [o.tokens for o in outcomes] == reference  # nothing lost, repeated or skipped
 
 
+def mixed_params(n, max_tokens):
+    """Half greedy, half seeded sampling."""
+    return [SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True) if i % 2 == 0 else
+            SamplingParams(max_tokens=max_tokens, temperature=0.9, top_p=0.95, top_k=40, seed=1000 + i, ignore_eos=True)
+            for i in range(n)]
+
+
+async def collect(cluster: Cluster, prompt, params, request_id=None):
+    tokens, text, last = [], [], None
+    async for out in cluster.generate(prompt, params, request_id):
+        tokens += out.new_token_ids
+        text.append(out.new_text)
+        last = out
+    assert last.error is None, last.error
+    return tokens, "".join(text), last.finish_reason
+
+
+async def collect_all(cluster, prompts, params):
+    return await asyncio.gather(*(collect(cluster, p, sp) for p, sp in zip(prompts, params)))

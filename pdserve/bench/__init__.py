@@ -2,7 +2,9 @@
 
 workload.py  length distributions, arrival schedules, JSONL traces (pure, seeded)
 stats.py     per-request records and the aggregate report (pure functions)
-runner.py    the asyncio driver over pdserve.client.AsyncClient
+runner.py    the asyncio driver over pdserve.client.grpc_client.AsyncClient
 plot.py      latency CDFs and the throughput timeline (matplotlib, optional `bench` extra)
 cli.py       `pdserve bench` flags and the printed summary
+
+May import pdserve.client and pdserve.tiers: a load generator needs no torch.
 """

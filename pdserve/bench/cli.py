@@ -21,10 +21,21 @@ from pathlib import Path
 from typing import Any
 
 from pdserve.bench.stats import Slo
-from pdserve.bench.workload import (ARRIVALS, LENGTH_DISTS, BenchRequest, LengthSpec, TokenSampler,
-                                    bursty_arrivals, closed_arrivals, load_trace, poisson_arrivals,
-                                    synthetic_requests, trace_arrivals, with_tiers)
-from pdserve.client import add_connection_args
+from pdserve.bench.workload import (
+    ARRIVALS,
+    LENGTH_DISTS,
+    BenchRequest,
+    LengthSpec,
+    TokenSampler,
+    bursty_arrivals,
+    closed_arrivals,
+    load_trace,
+    poisson_arrivals,
+    synthetic_requests,
+    trace_arrivals,
+    with_tiers,
+)
+from pdserve.client.grpc_client import add_connection_args
 from pdserve.tiers import TIERS, ServiceTier, parse_mix, parse_tier
 
 DEFAULT_NUM_PROMPTS = 100
@@ -258,7 +269,7 @@ def build_workload(args: argparse.Namespace, vocab_size: int, eos_ids: list[int]
 async def run_bench(args: argparse.Namespace, slo, tier_slos: dict | None = None) -> dict[str, Any]:
     from pdserve.bench.runner import Progress, RunConfig, run_workload, warm_up
     from pdserve.bench.stats import build_report
-    from pdserve.client import AsyncClient, connection_from_args
+    from pdserve.client.grpc_client import AsyncClient, connection_from_args
 
     conn = connection_from_args(args)
     async with AsyncClient(conn) as client:

@@ -22,7 +22,7 @@ import grpc
 
 from pdserve.bench.stats import RequestRecord
 from pdserve.bench.workload import BenchRequest
-from pdserve.client import FINISH_REASONS, AsyncClient, Connection
+from pdserve.client.grpc_client import FINISH_REASONS, AsyncClient, Connection
 
 
 @dataclass(frozen=True)

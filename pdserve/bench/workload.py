@@ -91,7 +91,7 @@ class BenchRequest:
         return len(self.token_ids) if self.token_ids is not None else None
 
     def client_kwargs(self) -> dict[str, Any]:
-        """Keyword arguments for pdserve.client (build_request / AsyncClient.generate)."""
+        """Keyword arguments for pdserve.client.grpc_client (build_request / AsyncClient.generate)."""
         kw: dict[str, Any] = {"max_tokens": self.max_tokens, "ignore_eos": self.ignore_eos}
         if self.token_ids is not None:
             kw["token_ids"] = list(self.token_ids)

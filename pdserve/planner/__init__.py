@@ -8,4 +8,7 @@ simulator.py  a discrete-event simulator of the cluster (router, prefill, hand-o
 parallel.py   tensor-parallel sizes compared: which fit a GPU, which wins for prefill and for decode
 plan.py       candidate configurations, their predicted serving statistics, the ranking and the plot
 cli.py        the `profile` and `plan` commands
+
+May import pdserve.config, pdserve.tiers, pdserve.parallel, pdserve.model, pdserve.transfer, pdserve.engine
+(what a step and a hand-off cost, measured or modelled) and pdserve.bench (the workloads it plans for).
 """

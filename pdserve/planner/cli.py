@@ -8,7 +8,7 @@ from typing import Any
 
 
 def add_profile_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    from pdserve.cli import add_model_args
+    from pdserve.engine.args import add_model_args
 
     p = sub.add_parser("profile", help="measure step times and KV transfers on this device for `pdserve plan`",
                        description="Measure prefill and decode step times and KV transfers on this device with "
@@ -139,8 +139,8 @@ AUTO_TP_SIZES = (1, 2, 4, 8)
 def _auto_tp_sizes(args: argparse.Namespace) -> list[int] | None:
     """With --gpu and --model and no --tensor-parallel-sizes: None if the weights fit one GPU, else the
     sizes of AUTO_TP_SIZES the model's heads and MLP allow."""
+    from pdserve.parallel.layout import rank_config
     from pdserve.planner.hardware import gpu, kv_budget_bytes, resolve_model, roofline
-    from pdserve.tensor_parallel import rank_config
 
     device = gpu(args.gpu)
     _, cfg = resolve_model(args.model)
@@ -186,7 +186,8 @@ def _compare_tp(args: argparse.Namespace) -> dict[str, Any]:
 
 def parse_tier_slos(items: list[str]) -> dict[str, Any]:
     """--tier-slo TIER=TTFT_MS:TPOT_MS, repeatable -> every tier's SLO (TiersConfig's defaults for the rest)."""
-    from pdserve.tiers import TiersConfig, parse_tier_slos as parse
+    from pdserve.tiers import TiersConfig
+    from pdserve.tiers import parse_tier_slos as parse
 
     return TiersConfig(slo=parse(items)).slo
 
@@ -195,8 +196,16 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from pdserve.bench.cli import check_args
     from pdserve.bench.stats import Slo
     from pdserve.planner.parallel import format_tp
-    from pdserve.planner.plan import (FIRST_TOKEN_LATENCY_S, TOKEN_LATENCY_S, PoolSettings, candidates,
-                                      format_plan, make_plan, plot_plan, workload_from_args)
+    from pdserve.planner.plan import (
+        FIRST_TOKEN_LATENCY_S,
+        TOKEN_LATENCY_S,
+        PoolSettings,
+        candidates,
+        format_plan,
+        make_plan,
+        plot_plan,
+        workload_from_args,
+    )
     from pdserve.tiers import ServiceTier, parse_mix
 
     mix = parse_mix(args.tier_mix) if args.tier_mix else None
@@ -237,7 +246,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     costs, model, kv_default, block_size = _costs_and_model(args, tp)
     tokenizer = None
     if args.trace and model.get("path"):
-        from pdserve.tokenizer import Tokenizer
+        from pdserve.model.tokenizer import Tokenizer
 
         try:
             tokenizer = Tokenizer.from_pretrained(model["path"])

@@ -24,8 +24,8 @@ from typing import Any, Protocol
 import numpy as np
 
 from pdserve.config import ModelConfig
-from pdserve.handoff import MIN_PART_BYTES
-from pdserve.tensor_parallel import TPLayout
+from pdserve.parallel.layout import TPLayout
+from pdserve.transfer.handoff import MIN_PART_BYTES
 
 
 def attention_pairs(start: int, n: int) -> int:
@@ -183,7 +183,7 @@ def fit_measured(prefill_rows: list[dict[str, float]], decode_rows: list[dict[st
 
 
 def kv_heads_per_rank(model: ModelConfig, tp: int) -> int:
-    """KV heads each of tp tensor-parallel ranks holds (pdserve.tensor_parallel.TPLayout: split when tp
+    """KV heads each of tp tensor-parallel ranks holds (pdserve.parallel.layout.TPLayout: split when tp
     divides them, one per rank, replicated, when tp is a multiple of them); ValueError for a tp the
     heads cannot be laid out over."""
     return TPLayout(model.num_heads, model.num_kv_heads, tp).kv_heads_per_rank
@@ -200,7 +200,7 @@ class RooflineCosts:
 
         step = overhead_s + max(FLOPs / (peak_flops * mfu), bytes / (peak_bandwidth * mbu)) + all-reduces
 
-    FLOPs: the matmuls of every new token (pdserve.utilization), attention over the pairs each chunk
+    FLOPs: the matmuls of every new token (pdserve.engine.utilization), attention over the pairs each chunk
     computes and over each decoding request's context, the LM head of every sampled row. Bytes: every
     weight once, the KV that decoding requests read, the KV the step writes. Efficiencies <= 1 and a
     non-negative overhead keep every prediction at or above the physical floor.
@@ -269,7 +269,7 @@ class RooflineCosts:
     def flops(self, prefill_tokens: int, prefill_pairs: int, prefill_seqs: int, decode_seqs: int,
               decode_context: int) -> float:
         m = self.model
-        linear = 2 * m.num_layers * self._linear_params_per_layer()  # at tp 1: pdserve.utilization's
+        linear = 2 * m.num_layers * self._linear_params_per_layer()  # at tp 1: pdserve.engine.utilization's
         lm_head = 2 * m.hidden_size * _shard(m.vocab_size, self.tp)
         attn_per_pair = 2 * 2 * (m.q_size // self.tp) * m.num_layers  # QK^T and PV
         return ((prefill_tokens + decode_seqs) * linear

@@ -94,10 +94,10 @@ def _key(name: str) -> str:
 
 
 def resolve_model(name_or_path: str) -> tuple[str, ModelConfig]:
-    """(name, shape) from a preset name (pdserve.loader.DUMMY_PRESETS: smollm2-135m, llama-3-8b,
+    """(name, shape) from a preset name (pdserve.model.loader.DUMMY_PRESETS: smollm2-135m, llama-3-8b,
     llama-3-70b; dashes and case do not matter), a config.json, a Hugging Face directory or a .gguf."""
-    from pdserve.loader import DUMMY_PRESETS, load_info
     from pdserve.config import EngineConfig
+    from pdserve.model.loader import DUMMY_PRESETS, load_info
 
     for preset, cfg in DUMMY_PRESETS.items():
         if _key(preset) == _key(name_or_path):

@@ -216,7 +216,7 @@ def make_plan(costs: StepCosts, workload: Workload, slo: Slo, max_workers: int, 
               settings: PoolSettings, min_attainment: float = 0.9) -> dict[str, Any]:
     if not slo.given:
         raise ValueError("give at least one SLO (--slo-ttft-ms, --slo-tpot-ms, --slo-e2el-ms): goodput ranks the plan")
-    # A worker refuses a request its whole KV cache could not hold (pdserve.scheduler.Scheduler.add).
+    # A worker refuses a request its whole KV cache could not hold (pdserve.engine.scheduler.Scheduler.add).
     blocks = settings.kv_cache_bytes // (costs.kv_bytes_per_token * settings.block_size)
     longest = int((workload.input_len + 1).max())
     if -(-longest // settings.block_size) > blocks:

@@ -1,12 +1,12 @@
 """`pdserve profile`: what a step and a KV transfer cost on this device, measured, and a cost model fitted to it.
 
-Measured in this process, on the engine every worker runs (pdserve.engine.EngineCore: scheduling,
+Measured in this process, on the engine every worker runs (pdserve.engine.llm_engine.EngineCore: scheduling,
 the forward, sampling and the step's bookkeeping), with the torch threads one worker gets:
 - prefill steps against prompt tokens (16 to 2048 in one chunk), chunked prompts (the attention over
   earlier chunks) and several prompts in one step;
 - decode steps against batch size (1 to 64) and context length (64 to 2048 tokens), as far as the KV
   cache holds them;
-- KV transfers between two processes over the transport the workers use (pdserve.kv_transfer's
+- KV transfers between two processes over the transport the workers use (pdserve.transfer.channel's
   PairChannel: gloo on CPU, NCCL between GPUs), from one block to a 2048-token prompt's KV: the time
   from the sender's start to the receiver's end, on the machine's one monotonic clock.
 
@@ -37,10 +37,10 @@ import numpy as np
 import torch
 
 from pdserve.config import CacheConfig, EngineConfig, SchedulerConfig, kv_bytes_per_token
+from pdserve.engine.request import Request, RequestStatus
+from pdserve.engine.sampling import SamplingParams
+from pdserve.engine.utilization import weight_bytes
 from pdserve.planner.costs import MeasuredCosts, Transport, attention_pairs, fit_measured, fit_nonnegative
-from pdserve.request import Request, RequestStatus
-from pdserve.sampling import SamplingParams
-from pdserve.utilization import weight_bytes
 
 PREFILL_TOKENS = (16, 64, 256, 512, 1024, 2048)
 CHUNKED = (2048, 512)  # a prompt of 2048 tokens in chunks of 512: chunks attend to earlier ones
@@ -110,7 +110,7 @@ class _Bench:
     """Drives one EngineCore through chosen steps."""
 
     def __init__(self, config: EngineConfig):
-        from pdserve.engine import EngineCore
+        from pdserve.engine.llm_engine import EngineCore
 
         self.core = EngineCore(config)
         self.config = config
@@ -125,7 +125,7 @@ class _Bench:
                                                                  ignore_eos=True), seed=0)
 
     def _budget(self, tokens: int) -> None:
-        from pdserve.scheduler import Scheduler
+        from pdserve.engine.scheduler import Scheduler
 
         old = self.core.scheduler
         cfg = replace(self.config.scheduler, max_num_batched_tokens=tokens, max_num_seqs=max(64, old.config.max_num_seqs))
@@ -191,7 +191,7 @@ class _Bench:
 
 def _receiver(port: int, sizes: list[int], reps: int, device: str, conn: Any) -> None:
     """The decode side of the transfer measurement (a child process): receive each payload, report when."""
-    from pdserve.kv_transfer import PairChannel
+    from pdserve.transfer.channel import PairChannel
 
     if device.startswith("cuda"):
         torch.cuda.set_device(torch.device(device))
@@ -212,7 +212,7 @@ def _receiver(port: int, sizes: list[int], reps: int, device: str, conn: Any) ->
 def measure_transfers(kv_bytes_per_token_: int, block_size: int, device: torch.device, reps: int = 5
                       ) -> list[dict[str, float]]:
     """One-way time of a KV payload of each TRANSFER_TOKENS between two processes over PairChannel."""
-    from pdserve.kv_transfer import PairChannel, StoreServer
+    from pdserve.transfer.channel import PairChannel, StoreServer
 
     sizes = []
     for tokens in TRANSFER_TOKENS:

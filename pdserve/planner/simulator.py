@@ -21,7 +21,7 @@ the request path that decide latency, with each step's duration from a cost mode
 - a decode worker: continuous batching, one token per running request a step; a landed request
   joins at the next step, whose end is its 2nd token;
 - a colocated worker: one scheduler for both phases, decodes first, then prompt chunks in the rest of
-  the token budget, as pdserve.scheduler does.
+  the token budget, as pdserve.engine.scheduler does.
 
 What it leaves out, and why that is safe for sizing: prefix caching (synthetic prompts share none),
 stop strings and EOS (benchmarks set ignore_eos), preemption (a step whose KV would overflow the

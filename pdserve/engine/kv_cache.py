@@ -1,0 +1,73 @@
+"""Requests onto blocks: admission with prefix reuse, slot allocation, caching of full blocks, freeing.
+
+Only this module and the block pool touch block ownership; the schedulers ask it for room.
+"""
+from __future__ import annotations
+
+import torch
+
+from pdserve.config import ModelConfig
+from pdserve.engine.block_pool import BlockPool, OutOfBlocks, hash_block
+from pdserve.engine.request import Request
+
+
+def allocate_kv_cache(model: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
+                      device: torch.device | str) -> torch.Tensor:
+    """[layers, 2, kv_heads, blocks, block_size, head_dim], zero-filled (see pdserve.model.attention)."""
+    return torch.zeros(model.num_layers, 2, model.num_kv_heads, num_blocks, block_size, model.head_dim,
+                       dtype=dtype, device=device)
+
+
+class KVCacheManager:
+    def __init__(self, pool: BlockPool):
+        self.pool = pool
+        self.block_size = pool.block_size
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def admit_cached_prefix(self, req: Request) -> int:
+        """Give a request with no blocks the longest cached prefix of its tokens; returns tokens reused.
+
+        At least one token is always left to compute: its logits are needed to sample.
+        """
+        assert not req.block_ids and req.num_computed_tokens == 0
+        full = (req.num_tokens - 1) // self.block_size
+        self._extend_hashes(req, full)
+        hits = self.pool.get_cached_prefix(req.block_hashes[:full])
+        req.block_ids = list(hits)
+        req.num_registered_blocks = len(hits)
+        req.num_computed_tokens = req.num_cached_tokens = len(hits) * self.block_size
+        return req.num_computed_tokens
+
+    def allocate_slots(self, req: Request, num_new_tokens: int) -> bool:
+        """Make room for num_new_tokens more tokens; False (and nothing changed) if the pool is short."""
+        need = self.blocks_needed(req.num_computed_tokens + num_new_tokens) - len(req.block_ids)
+        if need <= 0:
+            return True
+        try:
+            req.block_ids.extend(self.pool.allocate(need))
+        except OutOfBlocks:
+            return False
+        return True
+
+    def cache_computed_blocks(self, req: Request) -> None:
+        """Register every block of the request that is full and computed, for reuse by later requests."""
+        full = req.num_computed_tokens // self.block_size
+        self._extend_hashes(req, full)
+        for i in range(req.num_registered_blocks, full):
+            self.pool.cache_block(req.block_ids[i], req.block_hashes[i])
+        req.num_registered_blocks = max(req.num_registered_blocks, full)
+
+    def free(self, req: Request) -> None:
+        """Release the request's blocks, tail first so that shared prefixes are evicted last."""
+        self.pool.free(req.block_ids[::-1])
+        req.block_ids = []
+        req.num_registered_blocks = 0
+        req.num_computed_tokens = 0
+
+    def _extend_hashes(self, req: Request, num_full_blocks: int) -> None:
+        bs = self.block_size
+        for i in range(len(req.block_hashes), num_full_blocks):
+            parent = req.block_hashes[i - 1] if i else None
+            req.block_hashes.append(hash_block(parent, req.token_ids[i * bs:(i + 1) * bs]))

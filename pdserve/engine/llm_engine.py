@@ -1,0 +1,247 @@
+"""The offline engine: one process, no Ray, no gRPC. Continuous batching over the paged cache.
+
+It is the reference that the disaggregated cluster must match token for token.
+"""
+from __future__ import annotations
+
+import itertools
+import random
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from pdserve.config import EngineConfig
+from pdserve.engine.block_pool import BlockPool
+from pdserve.engine.kv_cache import KVCacheManager
+from pdserve.engine.output import RequestOutput, TextOutput, token_output
+from pdserve.engine.request import FinishReason, Request, validate_prompt
+from pdserve.engine.runner import ModelRunner, StepResult
+from pdserve.engine.sampling import SamplingParams
+from pdserve.engine.scheduler import Role, SampledToken, ScheduledStep, Scheduler
+from pdserve.model.loader import LoadedModel, load, load_info, load_shard
+
+
+@dataclass
+class Completion:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: FinishReason
+
+
+class EngineCore:
+    """Model, paged cache and continuous-batching scheduler: what every worker and the offline engine run.
+
+    The role (pdserve.engine.scheduler.Role) is the scheduler's policy; the rest is the same on every worker.
+    It deals in token ids only; text (detokenization, stop strings) is the caller's business.
+    """
+
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None, role: Role = Role.COLOCATED,
+                 ranks=None, on_fatal: Callable[[str], None] | None = None, threads: int | None = None):
+        """Tensor parallelism: ranks starts the other ranks (pdserve.engine.tp_runner; None: processes of
+        their own), on_fatal(why) is called if they are lost, threads is each rank's torch threads."""
+        self.config = config
+        tp = config.tensor_parallel_size
+        tp_runner = None
+        if tp > 1:
+            from pdserve.engine.tp_runner import TPRunner
+
+            assert loaded is None, "a tensor-parallel engine loads its ranks' shares itself"
+            info = load_info(config)
+            blocks = config.cache.resolve_num_blocks(info.config, config.torch_dtype, tp)
+            tp_runner = TPRunner(config, tp, blocks, ranks, on_fatal, threads)  # the others load meanwhile
+            try:
+                loaded = load_shard(config, tp, 0, info)
+            except BaseException:
+                tp_runner.close()
+                raise
+        loaded = loaded or load(config)
+        self.info = loaded.info
+        self.model_config = loaded.info.config
+        self.tokenizer = loaded.info.tokenizer
+        self.max_model_len = loaded.info.max_model_len
+        self.eos_token_ids = loaded.info.eos_token_ids
+        num_blocks = config.cache.resolve_num_blocks(self.model_config, config.torch_dtype, tp)
+        self.pool = BlockPool(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
+        self.kv = KVCacheManager(self.pool)
+        cuda = torch.device(config.device).type == "cuda"
+        # The fast path's graphs and pipelining are one process's: a tensor-parallel engine runs without them.
+        graphs = (config.cuda_graphs if config.cuda_graphs is not None else cuda) and role is not Role.PREFILL \
+            and tp == 1
+        self.runner = ModelRunner(loaded.model, num_blocks, config.cache.block_size, cuda_graphs=graphs,
+                                  max_num_seqs=config.scheduler.max_num_seqs, max_model_len=self.max_model_len)
+        if tp_runner is not None:
+            try:
+                self.runner = tp_runner.attach(self.runner)
+            except BaseException:
+                tp_runner.close()
+                raise
+        self.scheduler = Scheduler(config.scheduler, self.kv, self.eos_token_ids, self.max_model_len, role)
+        on = config.pipelined_decode if config.pipelined_decode is not None else cuda
+        self.pipelined = on and role is not Role.PREFILL and tp == 1
+        self.steps = 0
+        self.tokens_processed = 0
+
+    def validate_prompt(self, prompt: Sequence[int]) -> None:
+        validate_prompt(prompt, self.model_config.vocab_size, self.max_model_len)
+
+    def close(self) -> None:
+        """Release what lives beyond this process (a tensor-parallel engine's other ranks)."""
+        close = getattr(self.runner, "close", None)
+        if close is not None:
+            close()
+
+    def cancel(self, request_id: str) -> bool:
+        """End an unfinished request, wherever it stands, and free its blocks."""
+        req = self.scheduler.requests.get(request_id)
+        if req is None:
+            return False
+        self.scheduler.finish(req, FinishReason.CANCELLED)
+        return True
+
+    def cancel_all(self) -> list[str]:
+        """End every queued and running request (a step failed: their state is suspect); their ids.
+
+        Requests with no part in a step (HELD, WAITING_FOR_KV) are their owner's to end.
+        """
+        ids = [r.request_id for r in (*self.scheduler.running, *self.scheduler.ending, *self.scheduler.waiting)]
+        for rid in ids:
+            self.cancel(rid)
+        return ids
+
+    @property
+    def has_work(self) -> bool:
+        """A step would compute something, or a launched step is still to resolve."""
+        return self.scheduler.has_work or bool(self.scheduler.launched)
+
+    def step(self) -> list[SampledToken]:
+        """One step: the tokens it sampled (pipelined: those of the step launched before it)."""
+        if self.pipelined:
+            return self.step_pipelined()
+        step = self.scheduler.schedule()
+        if not step.chunks:
+            return []
+        return self.account(step, self.execute(step))
+
+    def step_pipelined(self) -> list[SampledToken]:
+        return self.run_pipelined(self.scheduler.schedule())
+
+    def run_pipelined(self, step: ScheduledStep, layer_done: Callable[[int], None] | None = None) -> list[SampledToken]:
+        """Launch a scheduled step (its pending tokens read on the device from the step launched before
+        it), then resolve that earlier step: on a GPU the host's work for step t+1 overlaps step t's.
+        With no chunks, the launched step is resolved (the pipeline drains)."""
+        launched = self.scheduler.launched
+        if step.chunks:
+            previous = launched[-1].result.sampled if launched else None
+            self._count(step)
+            self.scheduler.launch(step, self.runner.execute(step.chunks, layer_done, previous))
+        if len(launched) > 1 or (launched and not step.chunks):
+            return self.scheduler.resolve(launched[0])
+        return []
+
+    def execute(self, step: ScheduledStep, layer_done: Callable[[int], None] | None = None) -> StepResult:
+        """Run a scheduled step's forward and sampling; layer_done(i) is called once layer i's KV is written."""
+        return self.runner.execute(step.chunks, layer_done)
+
+    def account(self, step: ScheduledStep, result: StepResult) -> list[SampledToken]:
+        self._count(step)
+        return self.scheduler.update(step, result)
+
+    def _count(self, step: ScheduledStep) -> None:
+        self.steps += 1
+        self.tokens_processed += sum(len(c.token_ids) for c in step.chunks)
+
+
+class LLMEngine:
+    """The offline engine: requests in, text and tokens out, all in this process (with tensor
+    parallelism, rank 0 here and the other ranks in processes of their own: close() stops them)."""
+
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None):
+        self.core = EngineCore(config, loaded)
+        self._requests: dict[str, Request] = {}
+        self._text: dict[str, TextOutput] = {}
+        self._ids = itertools.count()
+        self._seed_rng = random.Random(config.seed)
+
+    def close(self) -> None:
+        """Stop a tensor-parallel engine's other ranks (nothing to do otherwise)."""
+        self.core.close()
+
+    def __enter__(self) -> LLMEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # The core's parts, for inspection.
+    model_config = property(lambda self: self.core.model_config)
+    tokenizer = property(lambda self: self.core.tokenizer)
+    eos_token_ids = property(lambda self: self.core.eos_token_ids)
+    pool = property(lambda self: self.core.pool)
+    runner = property(lambda self: self.core.runner)
+    scheduler = property(lambda self: self.core.scheduler)
+
+    # -- requests ---------------------------------------------------------------------------------
+    def add_request(self, prompt_token_ids: Sequence[int], params: SamplingParams,
+                    request_id: str | None = None) -> str:
+        prompt = list(prompt_token_ids)
+        self.core.validate_prompt(prompt)
+        rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if rid in self._requests:
+            raise ValueError(f"request id {rid!r} is already in use")
+        seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
+        req = Request(rid, prompt, params, seed)
+        text = TextOutput(self.tokenizer, prompt, params.stop)
+        self.scheduler.add(req)
+        self._requests[rid] = req
+        self._text[rid] = text
+        return rid
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        req = self._requests.pop(request_id, None)
+        if req is None:
+            return None
+        self._text.pop(request_id)
+        self.scheduler.finish(req, FinishReason.CANCELLED)
+        return RequestOutput(request_id, [], "", FinishReason.CANCELLED, req.num_prompt_tokens, req.num_output_tokens)
+
+    @property
+    def has_unfinished(self) -> bool:
+        return self.core.has_work
+
+    # -- stepping ---------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        return self.process(self.core.step())
+
+    def process(self, sampled: list[SampledToken]) -> list[RequestOutput]:
+        """Text, stop strings and outputs for the tokens a core step sampled."""
+        outputs = []
+        for s in sampled:
+            rid = s.request.request_id
+            out = token_output(s.request, self._text[rid], s.token, s.finish_reason, s.num_output_tokens)
+            if out.finish_reason is not None:
+                self.scheduler.finish(s.request, out.finish_reason)  # no-op if the token rules ended it
+                del self._requests[rid], self._text[rid]
+            outputs.append(out)
+        return outputs
+
+    # -- convenience ------------------------------------------------------------------------------
+    def stream(self) -> Iterator[RequestOutput]:
+        """Step until every request has finished, yielding outputs as they come."""
+        while self.has_unfinished:
+            yield from self.step()
+
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams]) -> list[Completion]:
+        plist = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+        rids = [self.add_request(p, sp) for p, sp in zip(prompts, plist)]
+        acc = {rid: ([], []) for rid in rids}
+        reasons: dict[str, FinishReason] = {}
+        for out in self.stream():
+            ids, text = acc[out.request_id]
+            ids.extend(out.new_token_ids)
+            text.append(out.new_text)
+            if out.finish_reason is not None:
+                reasons[out.request_id] = out.finish_reason
+        return [Completion(rid, list(p), acc[rid][0], "".join(acc[rid][1]), reasons[rid]) for rid, p in zip(rids, prompts)]

@@ -1,0 +1,89 @@
+"""Per-request text output: incremental detokenization and stop strings.
+
+Text that could still turn out to be the start of a stop string is held back, so a client never
+receives characters that a later token retracts. When a stop string completes, the text is cut where
+it begins (the stop string is not returned) and the request finishes with reason STOP.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pdserve.engine.request import FinishReason, Request
+from pdserve.model.tokenizer import IncrementalDetokenizer, Tokenizer
+
+
+@dataclass
+class RequestOutput:
+    """What one step produced for one request."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    finish_reason: FinishReason | None
+    num_prompt_tokens: int
+    num_output_tokens: int
+    error: str | None = None  # with finish_reason ERROR
+    num_cached_tokens: int = 0  # prompt tokens the prefix cache served
+    placement: tuple[str, ...] = ()  # workers that ran the request (prefill, decode), on the last output
+    service_tier: str = "default"  # the tier it is served at (pdserve.tiers): lower than asked if downgraded
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class TextDelta:
+    text: str
+    stopped: bool  # a stop string completed: the request must finish with FinishReason.STOP
+
+
+class TextOutput:
+    def __init__(self, tokenizer: Tokenizer | None, prompt_token_ids: list[int], stop: tuple[str, ...]):
+        if stop and tokenizer is None:
+            raise ValueError("stop strings need a tokenizer; this model was loaded without one")
+        self._detok = IncrementalDetokenizer(tokenizer, prompt_token_ids) if tokenizer is not None else None
+        self._stop = stop
+        self._hold = max((len(s) for s in stop), default=1) - 1
+        self._text = ""
+        self._emitted = 0
+
+    @property
+    def text(self) -> str:
+        return self._text
+
+    def add(self, token_ids: list[int], finish_reason: FinishReason | None) -> TextDelta:
+        """Feed newly generated tokens; finish_reason says if the request ends with them."""
+        if self._detok is None:
+            return TextDelta("", False)
+        searched_from = max(0, len(self._text) - self._hold)
+        self._text += self._detok.add(token_ids)
+        if finish_reason is not None:
+            self._text += self._detok.flush()
+        stopped = False
+        for s in self._stop:
+            at = self._text.find(s, searched_from)
+            if at != -1:
+                self._text = self._text[:at]
+                stopped = True
+                searched_from = min(searched_from, at)
+        end = len(self._text) if (stopped or finish_reason is not None) else max(self._emitted, len(self._text) - self._hold)
+        delta = self._text[self._emitted:end]
+        self._emitted = end
+        return TextDelta(delta, stopped)
+
+
+def token_output(req: Request, text: TextOutput, token: int, reason: FinishReason | None,
+                 num_output_tokens: int | None = None) -> RequestOutput:
+    """The output for a token just appended to req; reason is what the token-level rules said;
+    num_output_tokens: the output's length with this token (default: req's, which pipelined decode may
+    already have extended with tokens in flight).
+
+    EOS and stop ids end the stream but are not text. A completed stop string turns the reason into
+    STOP: the caller must then end the request if it is still running.
+    """
+    delta = text.add([] if reason is FinishReason.STOP else [token], reason)
+    if delta.stopped:
+        reason = FinishReason.STOP
+    return RequestOutput(req.request_id, [token], delta.text, reason, req.num_prompt_tokens,
+                         req.num_output_tokens if num_output_tokens is None else num_output_tokens)

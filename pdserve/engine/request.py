@@ -1,0 +1,118 @@
+"""A request's state as the schedulers see it, and the token-level stop rules."""
+from __future__ import annotations
+
+import enum
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from pdserve.engine.sampling import SamplingParams
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # eos, a stop token id or a stop string
+    LENGTH = "length"  # max_tokens or the model's context
+    CANCELLED = "cancelled"
+    ERROR = "error"
+
+
+class RequestStatus(enum.Enum):
+    """Where a request stands in one worker's scheduler.
+
+    WAITING -> RUNNING -> FINISHED on every worker. The role adds one state on each side of the hand-off:
+    a prefill worker moves a request whose prompt is computed to HELD (its KV kept until it has been sent
+    to the decode worker); a decode worker reserves blocks for a request whose KV is computed elsewhere
+    and keeps it WAITING_FOR_KV until the KV has landed, when it joins the running batch.
+    """
+
+    WAITING = "waiting"  # queued: for compute, or (remote KV) for room to reserve
+    RUNNING = "running"
+    HELD = "held"  # prefill: prompt computed, first token sampled, KV kept for its decode worker
+    WAITING_FOR_KV = "waiting_for_kv"  # decode: blocks reserved, KV arriving from a prefill worker
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seed: int  # the client's seed, or one assigned on arrival: every request samples reproducibly
+    arrival_time: float = field(default_factory=time.monotonic)
+    # Prompt then output tokens, one list: prefill, recompute after preemption and block hashing all
+    # walk it without concatenating.
+    token_ids: list[int] = field(init=False)
+    num_prompt_tokens: int = field(init=False)
+    num_computed_tokens: int = 0  # tokens whose K/V are in this worker's cache
+    num_cached_tokens: int = 0  # of those, tokens served by the prefix cache at admission
+    block_ids: list[int] = field(default_factory=list)  # append-only while the request holds blocks
+    block_hashes: list[bytes] = field(default_factory=list)  # of full blocks of token_ids, in order
+    num_registered_blocks: int = 0  # leading blocks of block_ids offered to the prefix cache
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: FinishReason | None = None
+    # Decode side of a hand-off: the KV of token_ids comes from a prefill worker, with the next token.
+    remote_kv: bool = False
+    # Its service tier's rank (pdserve.tiers: 0 priority, 1 default, 2 flex): every queue orders by
+    # (tier, queue_seq), queue_seq being the order the scheduler took it in.
+    tier: int = 1
+    queue_seq: int = 0
+    # Preempted for another tier with its KV kept in its blocks: it resumes without recomputing.
+    kept_kv: bool = False
+    # Pipelined decode (pdserve.engine.scheduler.Scheduler.launch): tokens appended as PENDING whose values are
+    # still on the device, and the row of the launched step's sampled tensor that holds the last one.
+    unresolved: int = 0
+    pending_row: int = -1
+
+    def __post_init__(self) -> None:
+        self.token_ids = list(self.prompt_token_ids)
+        self.num_prompt_tokens = len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+
+PENDING = -1  # a sampled token whose value has not reached the host yet (pipelined decode)
+
+
+def token_stop_reason(req: Request, eos_token_ids: tuple[int, ...], max_model_len: int,
+                      end: int | None = None) -> FinishReason | None:
+    """Whether the request must stop after its token at index end - 1 (default: its last appended
+    token); stop strings are checked on text."""
+    end = req.num_tokens if end is None else end
+    last = req.token_ids[end - 1]
+    if (not req.params.ignore_eos and last in eos_token_ids) or last in req.params.stop_token_ids:
+        return FinishReason.STOP
+    return length_stop(req, max_model_len, end)
+
+
+def length_stop(req: Request, max_model_len: int, end: int | None = None) -> FinishReason | None:
+    """LENGTH if the request has no room for a token after its first `end` tokens (whatever their values)."""
+    end = req.num_tokens if end is None else end
+    if end - req.num_prompt_tokens >= req.params.max_tokens or end >= max_model_len:
+        return FinishReason.LENGTH
+    return None
+
+
+def validate_prompt(prompt: Sequence[int], vocab_size: int, max_model_len: int) -> None:
+    """Raise ValueError saying what is wrong with a prompt of token ids."""
+    if not prompt:
+        raise ValueError("prompt is empty")
+    bad = [t for t in prompt if not (0 <= t < vocab_size)]
+    if bad:
+        raise ValueError(f"prompt has token ids outside the vocabulary [0, {vocab_size}): {bad[:5]}")
+    if len(prompt) >= max_model_len:
+        raise ValueError(f"prompt has {len(prompt)} tokens; the model's context is {max_model_len}, "
+                         "which must also hold at least one generated token")

@@ -1,0 +1,190 @@
+"""One forward step over a batch of scheduled chunks: tensors in, sampled tokens out.
+
+The runner knows chunks, not requests: a chunk is some consecutive tokens of one sequence, where they
+start, the sequence's block table and, if its last token is the sequence's last known one, how to
+sample the next. Prefill workers, decode workers and the offline engine share it.
+"""
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from pdserve.config import ModelConfig
+from pdserve.engine.chunk import Chunk
+from pdserve.engine.cuda_graphs import DecodeGraphs, batch_buckets
+from pdserve.engine.kv_cache import allocate_kv_cache
+from pdserve.engine.sampling import SamplingBatch, SamplingParams, sample, to_device
+from pdserve.engine.utilization import step_bytes, step_flops
+from pdserve.kernels import cpu_attention, cpu_kernels
+from pdserve.model.attention import AttentionMetadata, DecodeGroup
+from pdserve.model import attention
+from pdserve.model.llama import LlamaModel
+
+
+@dataclass
+class StepResult:
+    sampled: torch.Tensor  # [sampling chunks] int64, in the order of the chunks that sample
+    logits: torch.Tensor  # [sampling chunks, vocab] fp32
+    sampling_chunks: list[int]  # index into the step's chunks of each sampled row
+
+
+# Decode steps replayed from CUDA graphs serve contexts up to this many tokens (the graphs' block tables
+# are this long); longer ones run eagerly. The torch attention path reads a graph's whole block table
+# every step, so without the in-place GPU kernel the graphs' tables are kept short.
+GRAPH_MAX_CONTEXT = 16384
+GRAPH_MAX_CONTEXT_TORCH_ATTENTION = 2048
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaModel, num_blocks: int, block_size: int, cuda_graphs: bool = False,
+                 max_num_seqs: int = 64, max_model_len: int | None = None):
+        """cuda_graphs: decode-only steps of up to max_num_seqs requests replay CUDA graphs
+        (pdserve.engine.cuda_graphs); the cache then holds one more block than the pool hands out, the graphs'
+        scratch block."""
+        self.model = model
+        self.cfg: ModelConfig = model.cfg
+        self.device = next(model.parameters()).device
+        self.dtype = next(model.parameters()).dtype
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.kv_cache = allocate_kv_cache(self.cfg, num_blocks + cuda_graphs, block_size, self.dtype, self.device)
+        self.graphs: DecodeGraphs | None = None
+        if cuda_graphs:
+            in_place = self.device.type != "cuda" or attention.gpu_decode_in_place()
+            cap = GRAPH_MAX_CONTEXT if in_place else GRAPH_MAX_CONTEXT_TORCH_ATTENTION
+            context = min(max_model_len or self.cfg.max_position_embeddings, cap)
+            self.graphs = DecodeGraphs(model, self.kv_cache, block_size, scratch_block=num_blocks,
+                                       max_blocks=-(-context // block_size), buckets=batch_buckets(max_num_seqs))
+            if self.device.type == "cuda":
+                self.graphs.capture()
+        self._dtype_bytes = self.kv_cache.element_size()
+        self._weight_bytes = model.lm_head.weight.element_size()  # 1 for int8 weights
+        if self.device.type == "cpu":
+            # Build (first time on a machine, ~30 s) or load the CPU kernels (attention, linear) now, at
+            # start-up, rather than inside the first request's step.
+            cpu_kernels.available()
+        # Analytic work done so far (pdserve.engine.utilization): the numerators of MFU and MBU.
+        self.flops_total = 0
+        self.bytes_total = 0
+
+    @torch.inference_mode()
+    def execute(self, chunks: list[Chunk], layer_done: Callable[[int], None] | None = None,
+                previous: torch.Tensor | None = None, sample_tokens: bool = True) -> StepResult:
+        """layer_done(i), if given, is called as soon as layer i has written this step's KV (on a GPU:
+        once its kernels are queued; the callee orders its own reads after them). previous: the sampled
+        tokens of the step before (pipelined decode), which chunks with a pending_row read on the device.
+        The sampled tokens are returned on the device: nothing here waits for them."""
+        assert chunks, "empty step"
+        if self.graphs is not None and self.graphs.bucket_for(chunks, layer_done) is not None:
+            return self._execute_graph(chunks, previous)
+        # Single-token chunks take the batched decode path; they come first, by context length.
+        order = sorted(range(len(chunks)), key=lambda i: (len(chunks[i].token_ids) != 1, chunks[i].start))
+        ordered = [chunks[i] for i in order]
+        input_ids, positions, meta = self._prepare(ordered)
+        pending = [(row, c.pending_row) for row, c in zip(itertools.accumulate(len(c.token_ids) for c in ordered),
+                                                          ordered) if c.pending_row is not None]
+        if pending:
+            assert previous is not None, "a pending token needs the previous step's sampled tokens"
+            dst, src = to_device(torch.tensor(list(zip(*pending))), self.device)
+            input_ids[dst - 1] = previous[src]
+        self._count_work(chunks)
+        hidden = self.model(input_ids, positions, meta, self.kv_cache, layer_done)  # [tokens, hidden]
+        last_row = [0] * len(chunks)  # row of each chunk's last token in the reordered batch
+        row = 0
+        for i, c in zip(order, ordered):
+            row += len(c.token_ids)
+            last_row[i] = row - 1
+        sampling_chunks = [i for i, c in enumerate(chunks) if c.sample is not None]
+        if not sampling_chunks:
+            return StepResult(torch.empty(0, dtype=torch.int64), torch.empty(0, self.cfg.vocab_size), [])
+        rows = to_device(torch.tensor([last_row[i] for i in sampling_chunks]), self.device)
+        logits = self.model.compute_logits(hidden[rows])  # [sampling chunks, vocab]
+        if not sample_tokens:
+            return StepResult(torch.empty(0, dtype=torch.int64), logits, sampling_chunks)
+        batch = SamplingBatch.build([chunks[i].sample for i in sampling_chunks],
+                                    [chunks[i].seed for i in sampling_chunks],
+                                    [chunks[i].output_index for i in sampling_chunks], device=self.device)
+        return StepResult(sample(logits, batch), logits, sampling_chunks)
+
+    def _count_work(self, chunks: list[Chunk]) -> None:
+        """The step's analytic FLOPs and bytes (pdserve.engine.utilization), the numerators of MFU and MBU."""
+        spans = [(c.start, len(c.token_ids)) for c in chunks]
+        self.flops_total += step_flops(self.cfg, spans, sum(c.sample is not None for c in chunks))
+        self.bytes_total += step_bytes(self.cfg, spans, self._dtype_bytes, self._weight_bytes)
+
+    def _execute_graph(self, chunks: list[Chunk], previous: torch.Tensor | None) -> StepResult:
+        """A decode-only step in its CUDA graph's bucket (padded; eager where no graph is captured)."""
+        self._count_work(chunks)
+        logits = self.graphs.run(chunks, previous)
+        batch = SamplingBatch.build([c.sample for c in chunks], [c.seed for c in chunks],
+                                    [c.output_index for c in chunks], device=self.device)
+        return StepResult(sample(logits, batch), logits, list(range(len(chunks))))
+
+    def _prepare(self, chunks: list[Chunk]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        bs = self.block_size
+        ids: list[int] = []
+        pos: list[torch.Tensor] = []
+        slots: list[torch.Tensor] = []
+        num_decodes = 0
+        decode_tables: list[list[int]] = []
+        decode_lens: list[int] = []
+        p_q, p_ctx, p_tables = [], [], []
+        for c in chunks:
+            n = len(c.token_ids)
+            end = c.start + n
+            assert len(c.block_ids) * bs >= end, "block table too short for the chunk"
+            ids.extend(c.token_ids)
+            p = torch.arange(c.start, end)
+            table = torch.tensor(c.block_ids, dtype=torch.int64)
+            pos.append(p)
+            slots.append(table[p // bs] * bs + p % bs)
+            if n == 1:
+                num_decodes += 1
+                decode_tables.append(c.block_ids[: -(-end // bs)])
+                decode_lens.append(end)
+            else:
+                p_q.append(n)
+                p_ctx.append(end)
+                p_tables.append(to_device(table, self.device))
+        meta = AttentionMetadata(
+            slot_mapping=to_device(torch.cat(slots), self.device),
+            num_decodes=num_decodes,
+            decode_groups=[self._decode_group(decode_tables[a:b], decode_lens[a:b])
+                           for a, b in group_by_length([len(t) for t in decode_tables], self._max_padding())],
+            prefill_query_lens=p_q,
+            prefill_context_lens=p_ctx,
+            prefill_block_tables=p_tables,
+        )
+        input_ids = to_device(torch.tensor(ids, dtype=torch.int64), self.device)
+        return input_ids, to_device(torch.cat(pos), self.device), meta
+
+    def _max_padding(self) -> float:
+        """Padding the decode groups may carry: the CPU kernel never reads it (one group is fastest);
+        the torch path reads all of it (groups of similar length)."""
+        kernel = self.device.type == "cpu" and self.dtype in cpu_attention.DTYPES and cpu_attention.enabled() \
+            and cpu_attention.available()
+        return float("inf") if kernel else 0.25
+
+    def _decode_group(self, tables: list[list[int]], lens: list[int]) -> DecodeGroup:
+        bt = torch.zeros(len(tables), len(tables[-1]), dtype=torch.int64)  # rows ascend: the last is longest
+        for i, t in enumerate(tables):
+            bt[i, : len(t)] = torch.tensor(t, dtype=torch.int64)
+        return DecodeGroup(to_device(bt, self.device), to_device(torch.tensor(lens, dtype=torch.int64), self.device))
+
+
+def group_by_length(num_blocks: list[int], max_padding: float = 0.25) -> list[tuple[int, int]]:
+    """Split rows sorted by ascending length into [start, end) groups whose padding to the group's
+    longest row stays within max_padding of the real work."""
+    groups: list[tuple[int, int]] = []
+    start, total = 0, 0
+    for i, n in enumerate(num_blocks):
+        if i > start and n * (i - start + 1) > (1 + max_padding) * (total + n):
+            groups.append((start, i))
+            start, total = i, 0
+        total += n
+    if num_blocks:
+        groups.append((start, len(num_blocks)))
+    return groups

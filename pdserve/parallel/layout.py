@@ -1,0 +1,194 @@
+"""How a model's attention heads are laid out over the ranks of a tensor-parallel worker, and how KV moves
+between a prefill worker of TP A and a decode worker of TP B.
+
+Megatron-style sharding splits the query heads evenly over the ranks: rank r of TP t holds query heads
+[r * h/t, (r + 1) * h/t). Its KV heads are those its query heads attend to (GQA: query head q reads
+KV head q // (h / kv)):
+
+- TP divides the KV heads (t <= kv): each rank holds kv/t KV heads of its own;
+- TP exceeds them (t > kv, t a multiple of kv): each KV head is replicated on t/kv consecutive ranks, and
+  each rank holds exactly one.
+
+Anything else cannot be laid out: a clear error at start-up. Each rank's paged KV cache holds its own
+KV heads, in the order `kv_heads` lists them; block tables are the same on every rank.
+
+The hand-off (`handoff_plan`): every decode rank receives exactly the KV heads it holds, each from one
+prefill rank that holds it, directly (nothing goes through rank 0). Where the prefill side replicates a
+head, the sources are spread over its replicas; where the decode side replicates one, it is sent once to
+each decode rank that holds it.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+
+from pdserve.config import ModelConfig
+
+
+@dataclass(frozen=True)
+class TPLayout:
+    num_heads: int
+    num_kv_heads: int
+    tp: int
+
+    def __post_init__(self) -> None:
+        h, kv, t = self.num_heads, self.num_kv_heads, self.tp
+        if t < 1:
+            raise ValueError(f"tensor-parallel size must be >= 1, got {t}")
+        if h % t:
+            raise ValueError(f"tensor-parallel size {t} does not divide the model's {h} attention heads")
+        if kv % t and t % kv:
+            raise ValueError(f"tensor-parallel size {t} neither divides the model's {kv} KV heads nor is a "
+                             f"multiple of them: its ranks' KV heads cannot be laid out")
+
+    @property
+    def heads_per_rank(self) -> int:
+        return self.num_heads // self.tp
+
+    @property
+    def kv_heads_per_rank(self) -> int:
+        return max(self.num_kv_heads // self.tp, 1)
+
+    @property
+    def replication(self) -> int:
+        """How many ranks hold each KV head (1: split, no copies)."""
+        return max(self.tp // self.num_kv_heads, 1)
+
+    def q_heads(self, rank: int) -> range:
+        n = self.heads_per_rank
+        return range(rank * n, (rank + 1) * n)
+
+    def kv_heads(self, rank: int) -> list[int]:
+        """The global KV heads rank holds, in its cache's order."""
+        self._check(rank)
+        group = self.num_heads // self.num_kv_heads  # query heads per KV head
+        return sorted({q // group for q in self.q_heads(rank)})
+
+    def holders(self, kv_head: int) -> list[int]:
+        """The ranks that hold a KV head."""
+        return [r for r in range(self.tp) if kv_head in self.kv_heads(r)]
+
+    def _check(self, rank: int) -> None:
+        if not 0 <= rank < self.tp:
+            raise ValueError(f"rank {rank} of a TP {self.tp} worker")
+
+
+@dataclass(frozen=True)
+class HeadTransfer:
+    """KV heads one prefill rank sends to one decode rank: global ids, and where they sit in each cache."""
+
+    src_rank: int
+    dst_rank: int
+    kv_heads: tuple[int, ...]
+    src_index: tuple[int, ...]  # positions in the prefill rank's cache (its kv_heads order)
+    dst_index: tuple[int, ...]  # positions in the decode rank's cache
+
+
+def handoff_plan(prefill: TPLayout, decode: TPLayout) -> list[HeadTransfer]:
+    """The transfers of one hand-off from a TP prefill.tp worker to a TP decode.tp one, by (dst, src)."""
+    if (prefill.num_heads, prefill.num_kv_heads) != (decode.num_heads, decode.num_kv_heads):
+        raise ValueError("the prefill and decode workers must serve the same model")
+    by_pair: dict[tuple[int, int], list[int]] = {}
+    for dst in range(decode.tp):
+        for head in decode.kv_heads(dst):
+            holders = prefill.holders(head)
+            src = holders[dst % len(holders)]  # replicas on the prefill side share the sending
+            by_pair.setdefault((dst, src), []).append(head)
+    out = []
+    for (dst, src), heads in sorted(by_pair.items()):
+        src_heads, dst_heads = prefill.kv_heads(src), decode.kv_heads(dst)
+        out.append(HeadTransfer(src, dst, tuple(heads), tuple(src_heads.index(h) for h in heads),
+                                tuple(dst_heads.index(h) for h in heads)))
+    return out
+
+
+def pair_plan(cfg: ModelConfig, prefill_tp: int, decode_tp: int) -> list[HeadTransfer | None]:
+    """The channels of a pair of workers (pdserve.transfer.handoff): [None], one channel of every head, when
+    both are TP 1; else handoff_plan's head transfers."""
+    if prefill_tp == decode_tp == 1:
+        return [None]
+    return list(handoff_plan(TPLayout(cfg.num_heads, cfg.num_kv_heads, prefill_tp),
+                             TPLayout(cfg.num_heads, cfg.num_kv_heads, decode_tp)))
+
+
+def shares_by_rank(plan: list[HeadTransfer | None], sender: bool) -> dict[int, list[HeadTransfer | None]]:
+    """A pair's channels by the rank of one side that holds them (the source rank on the prefill side, the
+    destination rank on the decode side); rank 0 always holds one (the (0, 0) channel)."""
+    out: dict[int, list[HeadTransfer | None]] = {}
+    for t in plan:
+        out.setdefault(0 if t is None else t.src_rank if sender else t.dst_rank, []).append(t)
+    return out
+
+
+# --- a rank's share of the model ----------------------------------------------------------------------
+
+def vocab_rows(vocab_size: int, tp: int) -> int:
+    """Rows of the embedding and LM head each rank holds (vocab-parallel; the last rank's are padded)."""
+    return -(-vocab_size // tp)
+
+
+def rank_config(cfg: ModelConfig, tp: int) -> ModelConfig:
+    """The shape of one rank's share: its attention heads, its KV heads, its slice of the MLP and of the
+    vocabulary (vocab_size is its rows of the embedding and LM head); the hidden size and everything else
+    unchanged."""
+    layout = TPLayout(cfg.num_heads, cfg.num_kv_heads, tp)
+    if cfg.intermediate_size % tp:
+        raise ValueError(f"tensor-parallel size {tp} does not divide the model's MLP size {cfg.intermediate_size}")
+    return replace(cfg, num_heads=layout.heads_per_rank, num_kv_heads=layout.kv_heads_per_rank,
+                   intermediate_size=cfg.intermediate_size // tp, vocab_size=vocab_rows(cfg.vocab_size, tp))
+
+
+def shard_weights(weights: Iterable[tuple[str, Any]], cfg: ModelConfig, tp: int,
+                  rank: int) -> Iterator[tuple[str, torch.Tensor]]:
+    """Hugging Face-named weights cut to one rank's share (Megatron-style), one tensor at a time, so a
+    rank never holds the whole model: q/k/v and gate/up by output rows (column-parallel), o_proj and
+    down_proj by input columns (row-parallel: their outputs are partial sums, all-reduced); embedding and
+    LM head by vocabulary rows (vocab-parallel, the last rank's padded with zeros); norms whole.
+
+    Each weight is a tensor or a lazy slice of a file (safetensors' get_slice): every cut is one
+    contiguous range (a rank's heads, MLP columns and vocabulary rows are consecutive), so from a file
+    a rank reads its share's bytes only."""
+    layout = TPLayout(cfg.num_heads, cfg.num_kv_heads, tp)
+    d, inter = cfg.head_dim, cfg.intermediate_size // tp
+    q = layout.q_heads(rank)
+    kv = layout.kv_heads(rank)  # consecutive
+    mlp = (rank * inter, (rank + 1) * inter)
+    cut = {"q_proj": (0, (q.start * d, q.stop * d)), "k_proj": (0, (kv[0] * d, (kv[-1] + 1) * d)),
+           "v_proj": (0, (kv[0] * d, (kv[-1] + 1) * d)), "o_proj": (1, (q.start * d, q.stop * d)),
+           "gate_proj": (0, mlp), "up_proj": (0, mlp), "down_proj": (1, mlp)}
+    rows = vocab_rows(cfg.vocab_size, tp)
+    for name, weight in weights:
+        parts = name.split(".")
+        kind = parts[-2] if len(parts) >= 2 else ""
+        if kind in ("embed_tokens", "lm_head"):
+            start = min(rank * rows, cfg.vocab_size)
+            tensor = _read(weight, 0, start, min(start + rows, cfg.vocab_size))
+            if tensor.shape[0] < rows:
+                tensor = torch.cat([tensor, tensor.new_zeros(rows - tensor.shape[0], *tensor.shape[1:])])
+        elif kind in cut:
+            dim, (start, stop) = cut[kind]
+            if len(_shape(weight)) == 1 and dim == 1:  # a row-parallel layer's bias: added once, on rank 0
+                tensor = _read(weight)
+                tensor = tensor if rank == 0 else torch.zeros_like(tensor)
+            else:
+                tensor = _read(weight, dim if len(_shape(weight)) > 1 else 0, start, stop)
+        else:
+            tensor = _read(weight)
+        yield name, tensor
+
+
+def _shape(weight) -> tuple[int, ...]:
+    return tuple(weight.shape) if isinstance(weight, torch.Tensor) else tuple(weight.get_shape())
+
+
+def _read(weight, dim: int = 0, start: int | None = None, stop: int | None = None) -> torch.Tensor:
+    """weight[start:stop] along dim (all of it without a range), as a contiguous tensor; from a lazy
+    file slice, only those bytes are read."""
+    if start is None:
+        return weight if isinstance(weight, torch.Tensor) else weight[:]
+    if isinstance(weight, torch.Tensor):
+        return weight.narrow(dim, start, stop - start).contiguous()
+    return weight[(slice(None),) * dim + (slice(start, stop),)].contiguous()

@@ -1,0 +1,12 @@
+"""What runs inside a worker actor of the cluster, and what crosses between it and the router.
+
+worker.py      the worker-actor base: the engine in its role, the step thread, stats, failure
+colocated.py   the colocated worker (one engine, both phases)
+tp_ranks.py    ranks 1..n-1 of a tensor-parallel worker as Ray actors in the worker's placement group
+messages.py    the plain dataclasses router and workers exchange through Ray calls
+metrics.py     every metric pdserve exports, defined once
+
+The prefill and decode actors (prefill_worker/, decode_worker/) build on worker.py. May import every
+package before it (pdserve.engine, pdserve.transfer, pdserve.model, pdserve.parallel, pdserve.planner's
+autoscaling reasons); never router/ or a worker package.
+"""

@@ -1,0 +1,41 @@
+"""A colocated worker: one engine does both phases (prefill chunks share steps with decodes).
+
+It is neither role of the disaggregated pair: it runs the same requests as a prefill/decode pair and
+streams the same StepOutputs, so the router can compare the two architectures on the same hardware.
+"""
+from __future__ import annotations
+
+import asyncio
+
+from pdserve.config import EngineConfig
+from pdserve.engine.scheduler import Role
+from pdserve.serving.messages import PrefillTask
+from pdserve.serving.worker import WorkerActor
+
+
+class ColocatedActor(WorkerActor):
+    """Wrapped with ray.remote by the router's pool (which sets its resources)."""
+
+    pool = "colocated"
+    role = Role.COLOCATED
+
+    def __init__(self, worker_id: str, config: EngineConfig, torch_threads: int | None = None, placement=None):
+        super().__init__(worker_id, config, torch_threads, placement=placement)
+        self._start()
+
+    async def generate(self, task: PrefillTask) -> None:
+        """Queue a whole request; its tokens (the first one included) arrive on stream()."""
+        req = task.new_request()
+
+        def add() -> None:
+            if not self._cancelled_already(task.request_id):  # else its attempt is over
+                self.core.scheduler.add(req)
+
+        await asyncio.wrap_future(self.loop.call(add))
+
+    def _step(self) -> bool:
+        step = self.core.scheduler.schedule()
+        if not step.chunks and not self.core.scheduler.launched:
+            return False
+        self._publish(self._run(step))
+        return True

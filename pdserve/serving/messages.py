@@ -1,0 +1,148 @@
+"""The small dataclasses the router and the workers exchange through Ray actor calls.
+
+Only plain values cross process boundaries: token ids, parameters, ids and counters, never requests
+or tensors (KV moves over the transfer channels, not through Ray).
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from pdserve.engine.request import FinishReason, Request
+from pdserve.engine.sampling import SamplingParams
+
+
+class _Task:
+    """What a task needs to become a worker's Request: prompt, the output so far, sampling, seed."""
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    output_token_ids: tuple[int, ...]
+    params: SamplingParams
+    seed: int
+    tier: int  # its service tier's rank (pdserve.tiers): every queue orders by it
+
+    def new_request(self) -> Request:
+        req = Request(self.request_id, list(self.prompt_token_ids), self.params, self.seed, tier=self.tier)
+        req.token_ids.extend(self.output_token_ids)
+        return req
+
+
+@dataclass(frozen=True)
+class PrefillTask(_Task):
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    params: SamplingParams
+    seed: int
+    # Tokens already streamed to the client by an earlier attempt (a resumed request): they are
+    # ingested with the prompt, and sampling continues at their count, so nothing repeats or skips.
+    output_token_ids: tuple[int, ...] = ()
+    # The decode worker that reserves room for this prompt's KV, or None if nothing follows the first
+    # token (max_tokens reached with it): then the KV is freed as soon as the token is sampled.
+    kv_destination: str | None = None
+    tier: int = 1
+
+
+@dataclass(frozen=True)
+class PrefillResult:
+    request_id: str
+    first_token: int
+    num_cached_tokens: int  # prompt tokens served by the prefix cache
+
+
+@dataclass(frozen=True)
+class DecodeTask(_Task):
+    """A request whose KV a prefill worker computes: the decode worker reserves room for it at once."""
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    output_token_ids: tuple[int, ...]  # tokens streamed before this attempt; the prefill worker samples the next
+    params: SamplingParams
+    seed: int
+    prefill_worker: str  # id of the prefill worker that computes and pushes the KV
+    tier: int = 1
+
+    def new_request(self) -> Request:
+        req = super().new_request()
+        req.remote_kv = True
+        return req
+
+
+class FailureReason(str, enum.Enum):
+    """Why an attempt of a request failed; the router's retry policy is keyed on it."""
+
+    TRANSFER_FAILED = "transfer_failed"  # its KV did not reach the decode worker
+    STEP_FAILED = "step_failed"  # a worker's step raised: the batch it was in was failed
+    REJECTED = "rejected"  # a worker refused it (e.g. an id already in use there)
+    PREFILL_LOST = "prefill_lost"  # its prefill worker died or hung
+    DECODE_LOST = "decode_lost"  # its decode worker died or hung: the streamed tokens survive at the router
+    COLOCATED_LOST = "colocated_lost"
+    NO_WORKER = "no_worker"  # a pool stayed empty past pool_wait_timeout_s
+
+    @property
+    def loses_the_stream(self) -> bool:
+        """The worker that was generating the request's tokens is gone (a resume, or UNAVAILABLE)."""
+        return self in (FailureReason.DECODE_LOST, FailureReason.COLOCATED_LOST)
+
+
+@dataclass(frozen=True)
+class Failure:
+    request_id: str  # the worker-side id of the attempt
+    reason: FailureReason
+    detail: str
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    request_id: str
+    token: int
+    finish_reason: FinishReason | None
+
+
+@dataclass(frozen=True)
+class WorkerStats:
+    worker_id: str
+    pool: str  # "prefill", "decode" or "colocated"
+    waiting: int  # requests queued (prefill: prompts; decode: KV not yet received)
+    waiting_tokens: int
+    running: int
+    kv_blocks_used: int
+    kv_blocks_total: int
+    steps: int = 0
+    tokens_processed: int = 0
+    busy_seconds: float = 0.0  # wall time spent in model steps
+    uptime_seconds: float = 0.0
+    flops: int = 0  # model FLOPs executed (pdserve.engine.utilization)
+    bytes_read: int = 0  # weight and KV bytes read by steps
+    peak_flops: float = 0.0  # the device's, and where the figure comes from
+    peak_bytes_per_second: float = 0.0
+    peak_source: str = ""
+    prefix_hit_blocks: int = 0
+    prefix_query_blocks: int = 0
+    transfer: dict = field(default_factory=dict)  # TransferStats snapshot
+    # SecondsHistogram snapshots (decode workers): first token sampled -> KV usable here, and time a
+    # request waited for room to reserve.
+    handoff: dict = field(default_factory=dict)
+    reservation_wait: dict = field(default_factory=dict)
+    pid: int = 0  # the worker's process (operators and fault tests signal it)
+    preemptions: int = 0  # running requests sent back to the queue for lack of KV blocks (recomputed)
+    kv_peers: int = 0  # workers of the other pool this one holds a KV pusher or intake for
+    # Service tiers (pdserve.tiers), cumulative: step seconds attributed to each tier (a step's time is
+    # shared by its requests in proportion to the tokens each computed in it), and preemptions by
+    # "TIER/kept" or "TIER/recomputed".
+    tier_seconds: dict = field(default_factory=dict)
+    tier_preemptions: dict = field(default_factory=dict)
+
+    @property
+    def busy_fraction(self) -> float:
+        return self.busy_seconds / self.uptime_seconds if self.uptime_seconds > 0 else 0.0
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    """Everything one decode step produced, for all of the worker's running requests at once."""
+
+    worker_id: str
+    events: tuple[TokenEvent, ...]
+    failed: tuple[Failure, ...] = ()  # requests the worker had to drop
+    stats: WorkerStats | None = None

@@ -1,0 +1,214 @@
+"""What every worker actor shares: the engine in its role, the step thread, timing, stats, and failure.
+
+A worker actor (prefill, decode, colocated) is a Ray actor around one EngineCore. The step thread
+(pdserve.engine.step_loop) owns the engine; actor methods hand it functions. This base holds the skeleton:
+ready / stats / cancel / shutdown, the timed step with its fail-the-batch path, the outputs stream of
+workers that stream, and the stats report. A subclass says what differs: its role and pool name, its
+step, and how it counts waiting and running requests.
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import os
+import queue
+import threading
+import time
+from collections.abc import Callable
+from typing import NamedTuple
+
+import torch
+
+from pdserve.config import EngineConfig
+from pdserve.engine.llm_engine import EngineCore
+from pdserve.engine.scheduler import Role, SampledToken, ScheduledStep
+from pdserve.engine.step_loop import StepLoop, StepLoopStopped
+from pdserve.engine.utilization import device_peaks
+from pdserve.faults import FaultPoints
+from pdserve.model.loader import LoadedModel
+from pdserve.serving.messages import Failure, FailureReason, StepOutput, TokenEvent, WorkerStats
+from pdserve.tiers import ServiceTier
+
+log = logging.getLogger(__name__)
+
+TOMBSTONE_TTL_S = 60.0  # the race it covers lasts milliseconds
+
+
+class StepRun(NamedTuple):
+    sampled: list[SampledToken]
+    failed: list[Failure]  # the whole queue and batch, if the step raised
+
+
+class WorkerActor:
+    """Subclasses set `pool` and `role`, implement `_step`, and call `_start()` last in __init__."""
+
+    pool: str
+    role: Role
+
+    def __init__(self, worker_id: str, config: EngineConfig, torch_threads: int | None = None,
+                 loaded: LoadedModel | None = None, placement=None):
+        """placement: a tensor-parallel worker's placement group (pdserve.serving.tp_ranks.TPPlacement); this
+        actor is rank 0 and starts the other ranks in it."""
+        if torch_threads:
+            torch.set_num_threads(torch_threads)
+        self.worker_id = worker_id
+        self.ranks = None  # a TP worker's other ranks (pdserve.serving.tp_ranks.RayRanks)
+        if config.tensor_parallel_size > 1:
+            from pdserve.serving.tp_ranks import RayRanks
+
+            if placement is None:
+                raise ValueError("a tensor-parallel worker needs its placement group")
+            self.ranks = RayRanks(worker_id, placement)
+        self.tp = config.tensor_parallel_size
+        self.core = EngineCore(config, loaded, self.role, self.ranks, self._rank_lost, torch_threads)
+        self.peaks = device_peaks(self.core.runner.device, config.peak_flops, config.peak_bytes_per_second)
+        self.busy_seconds = 0.0
+        self.tier_seconds: collections.Counter[str] = collections.Counter()  # busy seconds by tier
+        self.started = time.monotonic()
+        self._outputs: queue.SimpleQueue[StepOutput] = queue.SimpleQueue()
+        # Ids cancelled before their request arrived here (Ray may run a cancel ahead of the call that
+        # adds the request): the add then refuses them. Step thread; expire after TOMBSTONE_TTL_S.
+        self._tombstones: collections.OrderedDict[str, float] = collections.OrderedDict()
+        self.faults = FaultPoints()  # inert unless a test arms one (pdserve.faults)
+        self.loop: StepLoop | None = None
+
+    def _start(self) -> None:
+        """Start the step thread: once the subclass's own state exists."""
+        self.loop = StepLoop(self._step, name=f"{self.pool}-{self.worker_id}")
+
+    # -- actor methods ----------------------------------------------------------------------------
+    async def ready(self) -> str:
+        return self.worker_id
+
+    async def stats(self) -> WorkerStats:
+        return await asyncio.wrap_future(self.loop.call(self._stats))
+
+    async def cancel(self, request_id: str) -> bool:
+        """End a request here wherever it stands and free its KV (False: this worker does not have it)."""
+        try:
+            return await asyncio.wrap_future(self.loop.call(lambda: self._cancel_or_remember(request_id)))
+        except StepLoopStopped:  # shutting down: nothing left to free
+            return False
+
+    async def stream(self):
+        """One StepOutput per step that produced anything, forever (the router holds one per worker)."""
+        while True:
+            yield await asyncio.to_thread(self._outputs.get)
+
+    async def peer_lost(self, worker_id: str) -> None:
+        """A worker of another pool has left its pool (dead or stuck): drop what this one holds for it."""
+
+    async def shutdown(self) -> None:
+        self.loop.stop()
+        self._close()
+        await asyncio.to_thread(self.core.close)  # a TP worker's other ranks (collectives: off the event loop)
+
+    async def rank_pids(self) -> list[int]:
+        """The processes of this worker's ranks, rank 0 (this one) first."""
+        others = await asyncio.to_thread(self.ranks.pids) if self.ranks is not None else []
+        return [os.getpid(), *others]
+
+    async def inject_fault(self, point: str, seconds: float = 0.0, count: int = 1, skip: int = 0) -> None:
+        """Tests only: arm a fault point (pdserve.faults) for `count` hits after the next `skip`."""
+        self.faults.arm(point, seconds, count, skip)
+
+    async def fault_reached(self, point: str, timeout: float = 60.0) -> bool:
+        """Tests only: wait until an armed fault point has been hit (False after the timeout)."""
+        return await asyncio.to_thread(self.faults.wait_reached, point, timeout)
+
+    def _rank_lost(self, why: str) -> None:
+        """A rank of this TP worker died or hung (pdserve.engine.tp_runner): the worker cannot step any more. It
+        ends at once, its ranks with it; the router sees it gone, replaces it, and its requests follow the
+        failure matrix (streams resume elsewhere, prompts are placed again)."""
+        log.error("%s: %s; the worker exits", self.worker_id, why)
+        # Its ranks are its children (they end with it) and the router removes their placement group; the
+        # kill below only makes it sooner, and must not hold the exit up (it is a call to Ray's GCS).
+        killer = threading.Thread(target=self.ranks.close, daemon=True)
+        killer.start()
+        killer.join(2.0)
+        for handler in logging.getLogger().handlers:
+            handler.flush()
+        os._exit(70)
+
+    # -- step thread ------------------------------------------------------------------------------
+    def _step(self) -> bool:
+        """One unit of work; whether there was any (pdserve.engine.step_loop)."""
+        raise NotImplementedError
+
+    def _cancel(self, request_id: str) -> bool:
+        return self.core.cancel(request_id)
+
+    def _cancel_or_remember(self, request_id: str) -> bool:
+        if self._cancel(request_id):
+            return True
+        now = time.monotonic()
+        while self._tombstones and now - next(iter(self._tombstones.values())) > TOMBSTONE_TTL_S:
+            self._tombstones.popitem(last=False)
+        self._tombstones[request_id] = now
+        return False
+
+    def _cancelled_already(self, request_id: str) -> bool:
+        """On the step thread, as a request is added: whether its cancel came first (it must not run)."""
+        return self._tombstones.pop(request_id, None) is not None
+
+    def _close(self) -> None:
+        """Release what the subclass holds besides the step thread (channels, stores)."""
+
+    def _run(self, step: ScheduledStep, layer_done: Callable[[int], None] | None = None) -> StepRun:
+        """Run a scheduled step, timed. If it raises, every queued and running request is failed (their
+        state is suspect) and reported; the worker keeps serving.
+
+        Pipelined decode (EngineCore.pipelined): the step (if it has chunks) is launched, and the step
+        launched before it is resolved: the tokens returned are that one's."""
+        self.faults.hit("step")
+        t0 = time.perf_counter()
+        tokens = [(ServiceTier.of_rank(r.tier).value, len(c.token_ids)) for r, c in zip(step.requests, step.chunks)]
+        core = self.core
+        try:
+            if core.pipelined:
+                return StepRun(core.run_pipelined(step, layer_done), [])
+            return StepRun(core.account(step, core.execute(step, layer_done)), [])
+        except Exception as e:  # noqa: BLE001 - the batch fails, not the worker
+            log.exception("%s step failed on %s", self.pool, self.worker_id)
+            core.scheduler.abandon_launched()
+            return StepRun([], [Failure(rid, FailureReason.STEP_FAILED, f"{self.pool} step failed: {e}")
+                                for rid in core.cancel_all()])
+        finally:
+            dt = time.perf_counter() - t0
+            self.busy_seconds += dt
+            total = sum(n for _, n in tokens)
+            for tier, n in tokens:  # each request's share of the step, by the tokens it computed
+                self.tier_seconds[tier] += dt * n / total
+
+    def _publish(self, run: StepRun, extra_failed: tuple[Failure, ...] = ()) -> None:
+        """Put one StepOutput with every request's new token (and the failures), if there is any."""
+        events = tuple(TokenEvent(s.request.request_id, s.token, s.finish_reason) for s in run.sampled)
+        failed = (*run.failed, *extra_failed)
+        if events or failed:
+            self._outputs.put(StepOutput(self.worker_id, events, failed, self._stats()))
+
+    # -- stats ------------------------------------------------------------------------------------
+    def _load(self) -> tuple[int, int, int]:
+        """(requests waiting, their tokens, requests running), as this role counts them."""
+        s = self.core.scheduler
+        return len(s.waiting), sum(r.num_tokens - r.num_computed_tokens for r in s.waiting), len(s.running)
+
+    def _extra_stats(self) -> dict:
+        """WorkerStats fields only this kind of worker reports (transfer, hand-off histograms)."""
+        return {}
+
+    def _stats(self) -> WorkerStats:
+        c = self.core
+        pool, runner = c.pool, c.runner
+        waiting, waiting_tokens, running = self._load()
+        return WorkerStats(
+            worker_id=self.worker_id, pool=self.pool, waiting=waiting, waiting_tokens=waiting_tokens,
+            running=running, kv_blocks_used=pool.num_used_blocks, kv_blocks_total=pool.num_blocks, steps=c.steps,
+            tokens_processed=c.tokens_processed, busy_seconds=self.busy_seconds,
+            uptime_seconds=time.monotonic() - self.started, flops=runner.flops_total, bytes_read=runner.bytes_total,
+            peak_flops=self.peaks.flops_per_second, peak_bytes_per_second=self.peaks.bytes_per_second,
+            peak_source=self.peaks.source, prefix_hit_blocks=pool.prefix_hits, prefix_query_blocks=pool.prefix_queries,
+            pid=os.getpid(), preemptions=c.scheduler.num_preemptions, tier_seconds=dict(self.tier_seconds),
+            tier_preemptions={f"{t}/{kind}": n for (t, kind), n in c.scheduler.preemptions.items()},
+            **self._extra_stats())

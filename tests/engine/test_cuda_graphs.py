@@ -1,0 +1,264 @@
+"""Decode steps padded to fixed buckets (pdserve.engine.cuda_graphs): buckets, padding, fallbacks, isolation.
+
+The padded computation runs eagerly on CPU against the unpadded runner on a tiny checkpoint, with the
+CPU kernels and with the torch ops a CUDA device runs. Capture and replay need CUDA (marked gpu).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pdserve.config import EngineConfig
+from pdserve.engine.chunk import Chunk
+from pdserve.engine.cuda_graphs import (
+    DecodeGraphs,
+    batch_buckets,
+    is_decode_only,
+    pad_inputs,
+    select_bucket,
+    split_inputs,
+)
+from pdserve.engine.runner import ModelRunner
+from pdserve.engine.sampling import SamplingParams
+from pdserve.model.loader import load
+
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+BS = 4
+NUM_BLOCKS = 24  # blocks requests may own: 0..23; the cache has one more, the scratch block
+SCRATCH = NUM_BLOCKS
+MAX_BLOCKS = 6
+# Prompts and their (deliberately scattered) block tables; a table may hold more blocks than are used.
+PROMPTS = [[11, 42, 7, 99, 3], [5] * 9, [250, 1], [17, 18, 19, 20], list(range(30, 43))]
+TABLES = [[3, 0, 20], [5, 1, 7], [2, 10], [9, 4], [12, 13, 14, 15]]
+
+
+def decode(token: int, start: int, blocks: list[int], pending_row: int | None = None) -> Chunk:
+    return Chunk([token], start, blocks, GREEDY, pending_row=pending_row)
+
+
+# --- buckets and fallbacks ------------------------------------------------------------------------
+
+def test_batch_buckets():
+    assert batch_buckets(1) == [1]
+    assert batch_buckets(3) == [1, 2, 3]
+    assert batch_buckets(8) == [1, 2, 4, 8]
+    assert batch_buckets(16) == [1, 2, 4, 8, 16]
+    assert batch_buckets(64) == [1, 2, 4, 8, 16, 32, 48, 64]
+    assert batch_buckets(100) == [1, 2, 4, 8, 16, 32, 48, 64, 80, 96, 100]
+    with pytest.raises(ValueError):
+        batch_buckets(0)
+
+
+def test_select_bucket():
+    buckets = [1, 2, 4, 8, 16, 32, 48, 64]
+    assert [select_bucket(buckets, n) for n in (1, 2, 3, 4, 5, 8, 9, 17, 33, 48, 49, 64)] == \
+        [1, 2, 4, 4, 8, 8, 16, 32, 48, 48, 64, 64]
+    assert select_bucket(buckets, 65) is None
+
+
+def test_fallback_decisions():
+    graphs = DecodeGraphs(None, torch.zeros(1, 2, 1, NUM_BLOCKS + 1, BS, 2), BS, SCRATCH, MAX_BLOCKS, [1, 2, 4])
+    d = decode(1, 5, [0, 1])
+    assert graphs.bucket_for([d]) == 1
+    assert graphs.bucket_for([d] * 3) == 4
+    assert graphs.bucket_for([d] * 4) == 4
+    assert graphs.bucket_for([d] * 5) is None  # more rows than the largest bucket
+    assert graphs.bucket_for([]) is None
+    prefill = Chunk([1, 2, 3], 0, [0], GREEDY)
+    assert graphs.bucket_for([d, prefill]) is None
+    one_token_prefill = Chunk([1], 0, [0], None)  # a chunk that ends short of its sequence's end
+    assert not is_decode_only([d, one_token_prefill]) and is_decode_only([d, d])
+    assert graphs.bucket_for([d, one_token_prefill]) is None
+    assert graphs.bucket_for([d], layer_done=lambda i: None) is None
+    last = MAX_BLOCKS * BS - 1  # the last position the table covers
+    assert graphs.bucket_for([decode(1, last, list(range(MAX_BLOCKS)))]) == 1
+    assert graphs.bucket_for([d, decode(1, last + 1, list(range(MAX_BLOCKS + 1)))]) is None
+
+
+# --- padding ---------------------------------------------------------------------------------------
+
+def test_pad_inputs_exact():
+    chunks = [decode(7, 5, [3, 0, 20]), decode(8, 0, [2, 9]), decode(9, 11, [5, 1, 7, 6])]
+    flat = pad_inputs(chunks, 4, 5, BS, SCRATCH)
+    ids, pos, slots, ctx, tables = split_inputs(flat, 4, 5)
+    s = SCRATCH
+    assert ids.tolist() == [7, 8, 9, 0]
+    assert pos.tolist() == [5, 0, 11, 0]
+    assert slots.tolist() == [0 * BS + 1, 2 * BS + 0, 7 * BS + 3, s * BS]
+    assert ctx.tolist() == [6, 1, 12, 1]
+    assert tables.tolist() == [[3, 0, s, s, s], [2, s, s, s, s], [5, 1, 7, s, s], [s] * 5]
+    assert flat.dtype == torch.int64 and flat.shape == (4 * (4 + 5),)
+    assert all(t.is_contiguous() for t in (ids, pos, slots, ctx, tables))
+    assert pad_inputs([], 2, 3, BS, s).tolist() == [0, 0, 0, 0, s * BS, s * BS, 1, 1] + [s] * 6
+
+
+def test_prepare_rewrites_the_whole_bucket_and_reads_pending_tokens():
+    graphs = DecodeGraphs(None, torch.zeros(1, 2, 1, NUM_BLOCKS + 1, BS, 2), BS, SCRATCH, MAX_BLOCKS, [1, 2, 4])
+    full = [decode(10 + i, 3 * i + 1, [i, i + 4, i + 8]) for i in range(4)]
+    buf = graphs.prepare(full)
+    assert buf.bucket == 4 and buf.input_ids.tolist() == [10, 11, 12, 13]
+    # Three rows in the same bucket: the fourth becomes padding again; rows 0 and 2 read the previous
+    # step's sampled rows 5 and 1 on the device (their token_ids hold a placeholder).
+    previous = torch.tensor([100, 101, 102, 103, 104, 105])
+    step = [decode(-1, 2, [6], pending_row=5), decode(21, 3, [7]), decode(-1, 6, [8, 9], pending_row=1)]
+    buf = graphs.prepare(step, previous)
+    assert buf is graphs.buffers[4]
+    want = pad_inputs(step, 4, MAX_BLOCKS, BS, SCRATCH)
+    want[[0, 2]] = torch.tensor([105, 101])
+    assert torch.equal(buf.flat, want)
+    assert buf.meta.decode_groups[0].block_tables.data_ptr() == buf.block_tables.data_ptr()
+    assert buf.meta.slot_mapping.data_ptr() == buf.slot_mapping.data_ptr()
+    with pytest.raises(AssertionError, match="previous"):
+        graphs.prepare(step)
+
+
+# --- the padded step on a tiny model ---------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def model(tiny_checkpoints):
+    return load(EngineConfig(model=str(tiny_checkpoints["llama"]))).model
+
+
+def prefilled(model) -> tuple[ModelRunner, list[Chunk]]:
+    """A runner whose cache holds the prompts' KV, and each prompt's first decode chunk."""
+    runner = ModelRunner(model, NUM_BLOCKS + 1, BS)  # the last block is the scratch block
+    firsts = []
+    for prompt, table in zip(PROMPTS, TABLES):
+        res = runner.execute([Chunk(prompt, 0, table, GREEDY)])
+        firsts.append(decode(int(res.sampled[0]), len(prompt), table))
+    return runner, firsts
+
+
+@pytest.fixture(params=["cpu-kernels", "torch-ops"])
+def ops(request, monkeypatch):
+    """The CPU kernels, or the torch ops everywhere (what a CUDA device runs)."""
+    if request.param == "torch-ops":
+        monkeypatch.setenv("PDSERVE_CPU_KERNELS", "torch")
+    return request.param
+
+
+def changed_slots(before: torch.Tensor, after: torch.Tensor) -> set[int]:
+    """Slots (block * BS + offset) whose K or V differs in any layer or head."""
+    diff = (before != after).any(-1).any(2).any(1).any(0)  # [blocks, block_size]
+    return set(diff.flatten().nonzero().flatten().tolist())
+
+
+@pytest.mark.parametrize("rows", [3, 5])  # buckets 4 and 8: one and three padding rows
+def test_padded_step_gives_the_unpadded_logits(model, ops, rows):
+    runner, steps = prefilled(model)
+    chunks = steps[:rows]
+    graphs = DecodeGraphs(model, runner.kv_cache, BS, SCRATCH, MAX_BLOCKS, batch_buckets(8))
+    assert graphs.bucket_for(chunks) == {3: 4, 5: 8}[rows]
+    start = runner.kv_cache.clone()
+    want = runner.execute(chunks)
+    unpadded_cache = runner.kv_cache.clone()
+    runner.kv_cache.copy_(start)
+    got = graphs.run(chunks)
+    assert got.shape == (rows, model.cfg.vocab_size)
+    torch.testing.assert_close(got, want.logits, rtol=1e-5, atol=1e-4)
+    assert torch.equal(got.argmax(-1), want.sampled)
+    # The real rows wrote the same K/V as unpadded; nothing else outside the scratch block changed.
+    real = runner.kv_cache[:, :, :, :NUM_BLOCKS]
+    torch.testing.assert_close(real, unpadded_cache[:, :, :, :NUM_BLOCKS], rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 5])
+def test_padding_rows_touch_only_the_scratch_slot(model, ops, rows):
+    runner, steps = prefilled(model)
+    chunks = steps[:rows]
+    graphs = DecodeGraphs(model, runner.kv_cache, BS, SCRATCH, MAX_BLOCKS, [1, 2, 4, 8])
+    before = runner.kv_cache.clone()
+    assert not before[:, :, :, SCRATCH].any()
+    logits = graphs.forward(graphs.prepare(chunks))  # every row, padding included
+    real = {c.block_ids[c.start // BS] * BS + c.start % BS for c in chunks}
+    padding = {SCRATCH * BS} if graphs.bucket_for(chunks) > rows else set()
+    assert changed_slots(before, runner.kv_cache) == real | padding
+    assert torch.isfinite(logits).all()
+
+
+def test_padding_rows_are_a_one_token_sequence(model, ops):
+    """A padding row's logits are those of token 0 alone at position 0: it attends to nothing else."""
+    runner, steps = prefilled(model)
+    graphs = DecodeGraphs(model, runner.kv_cache, BS, SCRATCH, MAX_BLOCKS, [4])
+    logits = graphs.forward(graphs.prepare(steps[:2]))
+    alone = runner.execute([Chunk([0], 0, [23], GREEDY)]).logits[0]
+    torch.testing.assert_close(logits[2], alone, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(logits[3], alone, rtol=1e-5, atol=1e-4)
+
+
+def test_successive_steps_reuse_the_buffers(model, ops):
+    """Three decode steps through the padded path give the runner's tokens (buffers refilled each step)."""
+    runner, steps = prefilled(model)
+    ref_runner, ref_steps = prefilled(model)
+    graphs = DecodeGraphs(model, runner.kv_cache, BS, SCRATCH, MAX_BLOCKS, [2, 4, 8])
+    chunks, ref_chunks = steps[:3], ref_steps[:3]
+    for _ in range(3):
+        got = graphs.run(chunks).argmax(-1).tolist()
+        want = ref_runner.execute(ref_chunks).sampled.tolist()
+        assert got == want
+        chunks = [decode(t, c.start + 1, c.block_ids) for t, c in zip(got, chunks)]
+        ref_chunks = [decode(t, c.start + 1, c.block_ids) for t, c in zip(want, ref_chunks)]
+
+
+def test_capture_needs_cuda(model):
+    runner, _ = prefilled(model)
+    graphs = DecodeGraphs(model, runner.kv_cache, BS, SCRATCH, MAX_BLOCKS, [1, 2])
+    if runner.kv_cache.is_cuda:
+        pytest.skip("the cache is on CUDA")
+    with pytest.raises(RuntimeError, match="CUDA"):
+        graphs.capture()
+    assert graphs.captured == []
+
+
+# --- CUDA: capture and replay ----------------------------------------------------------------------
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@pytest.fixture(scope="module")
+def cuda_model(tiny_checkpoints):
+    return load(EngineConfig(model=str(tiny_checkpoints["llama"]), device="cuda")).model
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("rows", [1, 3, 5])
+def test_cuda_replay_equals_eager_padded_and_unpadded(cuda_model, rows):
+    runner, steps = prefilled(cuda_model)
+    assert runner.kv_cache.is_cuda
+    graphs = DecodeGraphs(cuda_model, runner.kv_cache, BS, SCRATCH, MAX_BLOCKS, [1, 2, 4, 8])
+    start = runner.kv_cache.clone()
+    graphs.capture()
+    assert graphs.captured == [1, 2, 4, 8]
+    # Capture wrote nothing outside the scratch block.
+    assert changed_slots(start, runner.kv_cache) <= {SCRATCH * BS}
+    runner.kv_cache.copy_(start)
+    chunks = steps[:rows]
+    eager = graphs.forward(graphs.prepare(chunks))[:rows].clone()
+    eager_cache = runner.kv_cache.clone()
+    runner.kv_cache.copy_(start)
+    replayed = graphs.run(chunks).clone()
+    torch.testing.assert_close(replayed, eager, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(runner.kv_cache, eager_cache, rtol=1e-5, atol=1e-4)
+    runner.kv_cache.copy_(start)
+    unpadded = runner.execute(chunks)
+    torch.testing.assert_close(replayed, unpadded.logits, rtol=1e-4, atol=1e-4)
+    assert torch.equal(replayed.argmax(-1), unpadded.sampled)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_cuda_replays_follow_new_inputs(cuda_model):
+    """Successive replays read the refilled buffers: the graph's tokens equal the runner's for 4 steps,
+    rows joining the batch (other buckets) on the way."""
+    runner, steps = prefilled(cuda_model)
+    ref_runner, ref_steps = prefilled(cuda_model)
+    graphs = DecodeGraphs(cuda_model, runner.kv_cache, BS, SCRATCH, MAX_BLOCKS, [1, 2, 4, 8])
+    graphs.capture()
+    chunks, ref_chunks = steps[:1], ref_steps[:1]
+    for step in range(1, 5):  # 1, 2, 3, 4 rows: buckets 1, 2, 4, 4
+        got = graphs.run(chunks).argmax(-1).tolist()
+        want = ref_runner.execute(ref_chunks).sampled.tolist()
+        assert got == want, f"step {step}"
+        chunks = [decode(t, c.start + 1, c.block_ids) for t, c in zip(got, chunks)] + steps[step:step + 1]
+        ref_chunks = [decode(t, c.start + 1, c.block_ids) for t, c in zip(want, ref_chunks)] + ref_steps[step:step + 1]

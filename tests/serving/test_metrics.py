@@ -1,0 +1,346 @@
+"""Metrics: utilization arithmetic by hand, the exported series, and a real Prometheus server scraping them."""
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import shutil
+import socket
+import subprocess
+import threading
+import urllib.parse
+import urllib.request
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import yaml
+
+from pdserve.config import (
+    AutoscaleConfig,
+    CacheConfig,
+    ClusterConfig,
+    EngineConfig,
+    ModelConfig,
+    PoolConfig,
+    SchedulerConfig,
+)
+from pdserve.engine.utilization import (
+    attention_flops,
+    device_peaks,
+    linear_flops_per_token,
+    lm_head_flops,
+    step_bytes,
+    step_flops,
+    weight_bytes,
+)
+from pdserve.serving.messages import WorkerStats
+from pdserve.serving.metrics import RouterMetrics
+from pdserve.transfer.channel import TRANSFER_SECONDS_BUCKETS
+
+from conftest import wait_for
+
+ROOT = Path(__file__).resolve().parents[2]
+DASHBOARD = ROOT / "deploy" / "grafana" / "pdserve-dashboard.json"
+RULES = ROOT / "deploy" / "prometheus" / "rules.yaml"
+
+TINY = ModelConfig(architecture="llama", vocab_size=1000, hidden_size=64, intermediate_size=128, num_layers=2,
+                   num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=128)
+
+
+# -- utilization arithmetic -------------------------------------------------------------------------
+def test_flops_by_hand():
+    # q 64, k/v 32 each, o 64x64, MLP 3 x 64x128; 2 FLOPs per multiply-add; 2 layers.
+    per_layer = 2 * 64 * (64 + 32 + 32) + 2 * 64 * 64 + 2 * 3 * 64 * 128
+    assert per_layer == 73728
+    assert linear_flops_per_token(TINY) == 2 * 73728
+    assert attention_flops(TINY, 10) == 2 * 2 * 2 * 64 * 10  # layers x (QK + PV) x 2 x q_size x context
+    assert lm_head_flops(TINY) == 2 * 64 * 1000
+    # A 3-token prompt from position 0, sampled once: tokens attend to 1, 2 and 3 positions.
+    assert step_flops(TINY, [(0, 3)], 1) == 3 * 147456 + 512 * (1 + 2 + 3) + 128000 == 573440
+    # A decode at position 10 plus a 2-token chunk at position 5 (attending 6 and 7), both sampled.
+    assert step_flops(TINY, [(10, 1), (5, 2)], 2) == 3 * 147456 + 512 * (11 + 6 + 7) + 2 * 128000
+
+
+def test_bytes_by_hand():
+    weights = (147456 // 2 + 64 * 1000) * 4  # fp32 matmul weights incl. the lm_head
+    assert weight_bytes(TINY, 4) == weights == 550912
+    kv_per_token = 2 * 2 * 32 * 4  # K and V, 2 layers, 2 heads x 16, fp32
+    # Two decodes at positions 10 and 20 read 11 and 21 tokens of KV each.
+    assert step_bytes(TINY, [(10, 1), (20, 1)], 4) == weights + (11 + 21) * kv_per_token
+
+
+def test_weight_count_matches_the_model_parameter_count():
+    smol = ModelConfig(architecture="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30,
+                       num_heads=9, num_kv_heads=3, head_dim=64, max_position_embeddings=8192, tie_word_embeddings=True)
+    norms = 576 * (2 * 30 + 1)
+    assert weight_bytes(smol, 1) == smol.num_params - norms  # tied: the embedding is the lm_head
+
+
+def test_peaks_configured_or_measured():
+    import torch
+
+    assert device_peaks(torch.device("cpu"), 1e12, 1e11).source == "configured"
+    p = device_peaks(torch.device("cpu"))
+    assert p.source == "measured" and p.flops_per_second > 1e8 and p.bytes_per_second > 1e8
+
+
+# -- exported series --------------------------------------------------------------------------------
+def stats(pool, worker, **kw) -> WorkerStats:
+    base = dict(worker_id=worker, pool=pool, waiting=1, waiting_tokens=7, running=2, kv_blocks_used=3,
+                kv_blocks_total=10, steps=5, tokens_processed=40, busy_seconds=1.5, uptime_seconds=10.0, flops=1000,
+                bytes_read=2000, peak_flops=1e6, peak_bytes_per_second=1e7, peak_source="measured")
+    base.update(kw)
+    return WorkerStats(**base)
+
+
+def test_request_metrics_tpot_and_itl():
+    m = RouterMetrics(lambda: [])
+    # Arrival at 0; tokens at 1.0, 1.2, 1.5, 2.0: TTFT 1.0, e2e 2.0, TPOT (2.0 - 1.0) / 3, ITL 0.2, 0.3, 0.5.
+    m.observe_request(finish_reason="length", code="OK", queue_s=0.1, ttft_s=1.0, e2e_s=2.0,
+                      token_times=[1.0, 1.2, 1.5, 2.0], prompt_tokens=9, output_tokens=4)
+    def g(name, labels=None):
+        return m.registry.get_sample_value(name, {"protocol": "grpc", "service_tier": "default", **(labels or {})})
+
+    assert g("pdserve_request_time_per_output_token_seconds_sum") == pytest.approx(1 / 3)
+    assert g("pdserve_request_inter_token_latency_seconds_count") == 3
+    assert g("pdserve_request_inter_token_latency_seconds_sum") == pytest.approx(1.0)
+    assert g("pdserve_request_inter_token_latency_seconds_bucket", {"le": "0.2"}) == 1
+    assert g("pdserve_request_time_to_first_token_seconds_sum") == 1.0
+    assert g("pdserve_requests_total", {"finish_reason": "length", "code": "OK"}) == 1
+    assert g("pdserve_request_generation_tokens_total") == 4
+    # One token: no TPOT, no ITL.
+    m.observe_request(finish_reason="stop", code="OK", queue_s=0.0, ttft_s=0.5, e2e_s=0.5, token_times=[0.5],
+                      prompt_tokens=3, output_tokens=1)
+    assert g("pdserve_request_time_per_output_token_seconds_count") == 1
+    # The same request over HTTP is counted under its own protocol.
+    m.observe_request(finish_reason="stop", code="OK", queue_s=0.0, ttft_s=0.5, e2e_s=0.5, token_times=[0.5],
+                      prompt_tokens=3, output_tokens=1, protocol="http")
+    assert m.registry.get_sample_value("pdserve_requests_total", {"protocol": "http", "service_tier": "default",
+                                                                  "finish_reason": "stop", "code": "OK"}) == 1
+    assert g("pdserve_requests_total", {"finish_reason": "stop", "code": "OK"}) == 1
+
+
+def test_tier_metrics_judge_each_request_by_its_tiers_slo():
+    """SLO attainment and goodput tokens per tier (by the tier asked for), the tier served, queue depth and
+    downgrades; the worker-side cost and preemption series by tier."""
+    from pdserve.tiers import ServiceTier, TierSLO
+
+    slos = {"priority": TierSLO(1.0, 0.05), "default": TierSLO(4.0, 0.15), "flex": TierSLO(60.0, 1.0)}
+    m = RouterMetrics(lambda: [stats("decode", "decode-0", tier_seconds={"default": 2.5, "flex": 0.5},
+                                     tier_preemptions={"flex/kept": 3, "flex/recomputed": 1})],
+                      slos=slos, downgrades=lambda: 2)
+    m.tier_queued(lambda t: {ServiceTier.FLEX: 5}.get(t, 0))
+
+    def one(tier, ttft, e2e, n=5, served=None, code="OK", reason="length"):
+        m.observe_request(finish_reason=reason, code=code, queue_s=0.0, ttft_s=ttft, e2e_s=e2e,
+                          token_times=[ttft + (e2e - ttft) * i / (n - 1) for i in range(n)], prompt_tokens=3,
+                          output_tokens=n, service_tier=tier, served_tier=served)
+
+    one("priority", 0.5, 0.5 + 4 * 0.04)  # TPOT 40 ms: met
+    one("priority", 0.5, 0.5 + 4 * 0.10, served="default")  # TPOT 100 ms: missed (priority's 50 ms)
+    one("default", 0.5, 0.5 + 4 * 0.10)  # the same timings meet default's 150 ms
+    one("flex", 30.0, 34.0, code="CANCELLED", reason="cancelled")  # not finished: not judged
+
+    def v(name, **labels):
+        return m.registry.get_sample_value(name, labels)
+
+    assert v("pdserve_tier_slo_requests_total", service_tier="priority", met="true") == 1
+    assert v("pdserve_tier_slo_requests_total", service_tier="priority", met="false") == 1
+    assert v("pdserve_tier_slo_requests_total", service_tier="default", met="true") == 1
+    assert v("pdserve_tier_slo_requests_total", service_tier="flex", met="false") == 0
+    assert v("pdserve_tier_slo_output_tokens_total", service_tier="priority", met="true") == 5
+    assert v("pdserve_tier_served_requests_total", service_tier="priority", served_tier="default") == 1
+    assert v("pdserve_request_time_per_output_token_seconds_count", protocol="grpc", service_tier="priority") == 2
+    assert v("pdserve_tier_requests_queued", service_tier="flex") == 5
+    assert v("pdserve_tier_requests_queued", service_tier="priority") == 0
+    assert v("pdserve_tier_downgrades_total") == 2
+    assert v("pdserve_tier_device_seconds_total", pool="decode", worker="decode-0", service_tier="default") == 2.5
+    assert v("pdserve_tier_device_seconds_total", pool="decode", worker="decode-0", service_tier="priority") == 0
+    assert v("pdserve_tier_preemptions_total", pool="decode", worker="decode-0", service_tier="flex",
+             outcome="kept") == 3
+
+
+def test_worker_series_and_transfer_histogram():
+    buckets = [0] * (len(TRANSFER_SECONDS_BUCKETS) + 1)
+    buckets[0], buckets[3], buckets[-1] = 2, 1, 1
+    workers = [stats("prefill", "prefill-0"),
+               stats("decode", "decode-0", preemptions=3,
+                     transfer={"transfers": 4, "bytes": 4096, "seconds": 12.5, "failures": 1,
+                               "bucket_counts": buckets})]
+    g = RouterMetrics(lambda: workers).registry.get_sample_value
+    assert g("pdserve_worker_busy_seconds_total", {"pool": "decode", "worker": "decode-0"}) == 1.5
+    assert g("pdserve_worker_peak_flops", {"pool": "prefill", "worker": "prefill-0", "source": "measured"}) == 1e6
+    assert g("pdserve_worker_kv_blocks", {"pool": "prefill", "worker": "prefill-0"}) == 10
+    assert g("pdserve_worker_preemptions_total", {"pool": "decode", "worker": "decode-0"}) == 3
+    assert g("pdserve_kv_transfer_failures_total", {"pool": "decode", "worker": "decode-0"}) == 1
+    assert g("pdserve_kv_transfers_total", {"pool": "prefill", "worker": "prefill-0"}) is None  # no transfer stats
+    lab = {"pool": "decode", "worker": "decode-0"}
+    assert g("pdserve_kv_transfer_seconds_bucket", {**lab, "le": str(TRANSFER_SECONDS_BUCKETS[0])}) == 2
+    assert g("pdserve_kv_transfer_seconds_bucket", {**lab, "le": str(TRANSFER_SECONDS_BUCKETS[3])}) == 3
+    assert g("pdserve_kv_transfer_seconds_bucket", {**lab, "le": "+Inf"}) == 4
+    assert g("pdserve_kv_transfer_seconds_sum", lab) == 12.5
+
+
+def test_handoff_and_reservation_wait_histograms():
+    from pdserve.transfer.handoff import SecondsHistogram
+
+    handoff, wait = SecondsHistogram(), SecondsHistogram(buckets=(0.1, 1.0))
+    for v in (0.004, 0.02, 0.02, 3.0):
+        handoff.observe(v)
+    wait.observe(0.5)
+    workers = [stats("prefill", "prefill-0"),
+               stats("decode", "decode-0", handoff=handoff.snapshot(), reservation_wait=wait.snapshot())]
+    g = RouterMetrics(lambda: workers).registry.get_sample_value
+    lab = {"pool": "decode", "worker": "decode-0"}
+    assert g("pdserve_kv_handoff_seconds_bucket", {**lab, "le": "0.005"}) == 1
+    assert g("pdserve_kv_handoff_seconds_bucket", {**lab, "le": "0.025"}) == 3
+    assert g("pdserve_kv_handoff_seconds_bucket", {**lab, "le": "+Inf"}) == 4
+    assert g("pdserve_kv_handoff_seconds_sum", lab) == pytest.approx(3.044)
+    assert g("pdserve_kv_reservation_wait_seconds_bucket", {**lab, "le": "0.1"}) == 0
+    assert g("pdserve_kv_reservation_wait_seconds_bucket", {**lab, "le": "1.0"}) == 1
+    assert g("pdserve_kv_handoff_seconds_count", {"pool": "prefill", "worker": "prefill-0"}) is None
+
+
+# -- PromQL expressions ------------------------------------------------------------------------------
+def dashboard_queries() -> list[str]:
+    d = json.loads(DASHBOARD.read_text())
+    return [t["expr"] for p in d["panels"] for t in p.get("targets", [])]
+
+
+def rule_queries() -> list[str]:
+    out = []
+    for group in yaml.safe_load(RULES.read_text())["groups"]:
+        for r in group["rules"]:
+            if "record" in r:
+                out += [r["expr"], r["record"]]  # the expression, and the series Prometheus recorded from it
+            else:
+                # An alert's expression is empty unless it fires: `A > N` as `A > bool N` still returns A's series.
+                out.append(re.sub(r"\s(>|<|>=|<=|==|!=)\s", r" \1 bool ", r["expr"], count=1))
+    return out
+
+
+def test_dashboard_is_grafana_shaped():
+    d = json.loads(DASHBOARD.read_text())
+    assert d["templating"]["list"][0]["type"] == "datasource"
+    rows = [p["title"] for p in d["panels"] if p["type"] == "row"]
+    assert rows == ["Prefill pool", "Decode pool", "Latency", "KV transfer", "Pool sizes (autoscaling)", "Service tiers"]
+    for p in d["panels"]:
+        if p["type"] != "row":
+            assert p["datasource"]["uid"] == "${datasource}" and p["targets"]
+    assert len(dashboard_queries()) > 30
+
+
+def test_promtool_accepts_rules_and_config():
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        pytest.skip("promtool is not installed (Debian package prometheus; `make setup` installs it where it can)")
+    subprocess.run([promtool, "check", "rules", str(RULES)], check=True, capture_output=True)
+    subprocess.run([promtool, "check", "config", str(ROOT / "deploy" / "prometheus" / "prometheus.yaml")], check=True,
+                   capture_output=True)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def prom_query(port: int, expr: str) -> list:
+    url = f"http://127.0.0.1:{port}/api/v1/query?" + urllib.parse.urlencode({"query": expr})
+    body = json.loads(urllib.request.urlopen(url, timeout=10).read())
+    assert body["status"] == "success", body
+    return body["data"]["result"]
+
+
+def _ready(port: int) -> bool:
+    try:
+        return urllib.request.urlopen(f"http://127.0.0.1:{port}/-/ready", timeout=2).status == 200
+    except OSError:
+        return False
+
+
+@pytest.fixture
+def prometheus(tmp_path):
+    binary = shutil.which("prometheus")
+    if binary is None:
+        pytest.skip("the prometheus server is not installed (Debian package prometheus; `make setup` installs it where it can)")
+    procs = []
+
+    def start(target_port: int) -> int:
+        port = free_port()
+        cfg = tmp_path / "prometheus.yaml"
+        cfg.write_text(yaml.safe_dump({
+            "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+            "rule_files": [str(RULES)],
+            "scrape_configs": [{"job_name": "pdserve", "static_configs": [{"targets": [f"127.0.0.1:{target_port}"]}]}],
+        }))
+        procs.append(subprocess.Popen([binary, f"--config.file={cfg}", f"--storage.tsdb.path={tmp_path / 'data'}",
+                                       f"--web.listen-address=127.0.0.1:{port}", "--log.level=warn"],
+                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        wait_for(lambda: _ready(port), timeout=60, what="Prometheus to be ready")
+        return port
+
+    yield start
+    for p in procs:
+        p.terminate()
+        p.wait(30)
+
+
+def test_prometheus_scrapes_every_dashboard_and_rule_expression(ray_local, aloop, tiny_checkpoints, prometheus):
+    from pdserve.client import AsyncClient
+    from router.cluster import Cluster
+    from router.server import Router, RouterConfig
+
+    cache = CacheConfig(block_size=4, num_blocks=256)
+    engine = EngineConfig(model=str(tiny_checkpoints["llama"]), cache=cache)
+    pool = PoolConfig(1, num_cpus=0.25, cache=cache, scheduler=SchedulerConfig(max_num_batched_tokens=64))
+    # The prefill pool autoscaled (1:2; an H100's roofline finds one worker plenty for the tiny model,
+    # so it stays at 1) so that the pool-size panels have their series.
+    cluster = Cluster(ClusterConfig(engine=engine, prefill=replace(pool, max_workers=2), decode=pool,
+                                    stats_interval_s=0.5, autoscale=AutoscaleConfig(gpu="H100")))
+    aloop.run(cluster.start(), timeout=600)
+    router = Router(cluster, RouterConfig(port=0, metrics_port=0))
+    aloop.run(router.start())
+    try:
+        prom_port = prometheus(router.metrics_port)
+        stop = threading.Event()
+
+        async def load():
+            async with AsyncClient(f"127.0.0.1:{router.port}") as c:
+                n = 0
+                while not stop.is_set():
+                    prompts = [[(n + i) % 300 + 1] * (5 + 7 * i) for i in range(6)]
+                    await asyncio.gather(*(c.complete(token_ids=p, max_tokens=12, temperature=0.0, ignore_eos=True)
+                                           for p in prompts))
+                    n += 1
+                try:  # one failing request, so the error series exist too
+                    await c.complete(token_ids=[10**6], max_tokens=2)
+                except Exception:  # noqa: BLE001 - INVALID_ARGUMENT is the point
+                    pass
+
+        loader = threading.Thread(target=lambda: asyncio.run(load()))
+        loader.start()
+        # Under load until rate() over 1m windows has several samples of finished requests and of workers.
+        def samples(expr: str) -> float:
+            result = prom_query(prom_port, f"min(count_over_time({expr}[1m]))")
+            return float(result[0]["value"][1]) if result else 0.0
+
+        wait_for(lambda: samples('pdserve_requests_total{code="OK"}') >= 4
+                 and samples("pdserve_worker_busy_seconds_total") >= 4,
+                 timeout=180, interval=0.5, what="Prometheus to have scraped the router under load")
+        stop.set()
+        loader.join(60)
+        wait_for(lambda: prom_query(prom_port, "pdserve_requests_total{code='INVALID_ARGUMENT'}"), timeout=30,
+                 interval=0.5, what="the failed request to be scraped")
+        exprs = [e.replace("$__rate_interval", "1m") for e in dashboard_queries()] + rule_queries()
+        empty = [e for e in exprs if not prom_query(prom_port, e)]
+        assert not empty, f"{len(empty)} of {len(exprs)} expressions returned no data: {empty}"
+        # The utilization series are real numbers, not just present.
+        mfu = prom_query(prom_port, 'pdserve:worker_mfu:ratio_rate1m{pool="prefill"}')
+        assert 0 < float(mfu[0]["value"][1]) < 1
+        source = prom_query(prom_port, "pdserve_worker_peak_flops")[0]["metric"]["source"]
+        assert source == "measured"
+    finally:
+        aloop.run(router.stop(grace=5))
+        aloop.run(cluster.shutdown())
