@@ -1,7 +1,7 @@
 """The CPU kernels of pdserve: one C++ extension (pdserve/kernels/csrc/*.cpp), built once per machine and cached.
 
 It defines the torch ops ``torch.ops.pdserve.paged_decode_attention_out`` (pdserve.kernels.cpu_attention) and
-``torch.ops.pdserve.model.linear`` (pdserve.model.linear). Each caller checks ``available()`` and keeps a torch
+``torch.ops.pdserve.linear`` (pdserve.model.linear). Each caller checks ``available()`` and keeps a torch
 path for when the build fails or the inputs do not fit.
 
 Build: compiled on first use with torch.utils.cpp_extension (needs a C++ compiler and ninja) into

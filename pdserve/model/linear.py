@@ -1,7 +1,7 @@
 """Linear layers whose weights are stored as the model's dtype or as int8 (weight-only quantisation).
 
 At decode a linear layer is a matrix-vector product: its cost is reading the weight once. On CPU
-``forward`` runs ``torch.ops.pdserve.model.linear`` (pdserve/kernels/csrc/linear.cpp, built by pdserve.kernels.cpu_kernels),
+``forward`` runs ``torch.ops.pdserve.linear`` (pdserve/kernels/csrc/linear.cpp, built by pdserve.kernels.cpu_kernels),
 which streams fp32, bf16 or int8 weights at close to the memory bandwidth; elsewhere, or when the kernel
 is unavailable or forced off, it runs ``F.linear`` (dequantising int8 weights on the fly).
 
@@ -34,7 +34,7 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [tokens, in] -> [tokens, out]
         if x.dim() == 2 and self.weight.dtype in (torch.float32, torch.bfloat16, torch.int8) \
                 and cpu_kernels.applies(x):
-            return torch.ops.pdserve.model.linear(x, self.weight, self.scale, self.bias)
+            return torch.ops.pdserve.linear(x, self.weight, self.scale, self.bias)
         return F.linear(x, self.dequantized(x.dtype), self.bias)
 
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:

@@ -38,27 +38,27 @@ def test_linear_matches_reference(m, k, n, wdtype, bias):
     else:
         w = w.to(wdtype)
         ref = F.linear(x, w.float(), b)
-    out = torch.ops.pdserve.model.linear(x, w, scale, b)
+    out = torch.ops.pdserve.linear(x, w, scale, b)
     assert out.shape == (m, n) and out.dtype == torch.float32
     assert rel_err(out, ref) < 1e-5
     # bf16 activations: computed in fp32, rounded once at the end.
-    out16 = torch.ops.pdserve.model.linear(x.bfloat16(), w, scale, b)
+    out16 = torch.ops.pdserve.linear(x.bfloat16(), w, scale, b)
     assert out16.dtype == torch.bfloat16
-    assert rel_err(out16, torch.ops.pdserve.model.linear(x.bfloat16().float(), w, scale, b)) < 1e-2
+    assert rel_err(out16, torch.ops.pdserve.linear(x.bfloat16().float(), w, scale, b)) < 1e-2
 
 
 def test_linear_rejects_bad_inputs():
     x, w = torch.randn(2, 8), torch.randn(4, 8)
     with pytest.raises(RuntimeError, match="weight \\[N, K\\]"):
-        torch.ops.pdserve.model.linear(x, torch.randn(4, 9), None, None)
+        torch.ops.pdserve.linear(x, torch.randn(4, 9), None, None)
     with pytest.raises(RuntimeError, match="per-channel scale"):
-        torch.ops.pdserve.model.linear(x, w.to(torch.int8), None, None)
+        torch.ops.pdserve.linear(x, w.to(torch.int8), None, None)
     with pytest.raises(RuntimeError, match="per-channel scale"):
-        torch.ops.pdserve.model.linear(x, w, torch.ones(4), None)
+        torch.ops.pdserve.linear(x, w, torch.ones(4), None)
     with pytest.raises(RuntimeError, match="one value per output channel"):
-        torch.ops.pdserve.model.linear(x, w, None, torch.ones(3))
+        torch.ops.pdserve.linear(x, w, None, torch.ones(3))
     with pytest.raises(RuntimeError, match="fp32 or bf16"):
-        torch.ops.pdserve.model.linear(x.double(), w, None, None)
+        torch.ops.pdserve.linear(x.double(), w, None, None)
 
 
 def test_quantize_int8_per_channel():
@@ -85,7 +85,7 @@ def test_linear_takes_kernel_unless_forced_off(monkeypatch):
     with torch.no_grad():
         lin.weight.normal_()
     x = torch.randn(2, 576)
-    kernel, reference = torch.ops.pdserve.model.linear(x, lin.weight, None, None), F.linear(x, lin.weight)
+    kernel, reference = torch.ops.pdserve.linear(x, lin.weight, None, None), F.linear(x, lin.weight)
     assert not torch.equal(kernel, reference)  # summation orders differ: the two paths can be told apart
     monkeypatch.setenv(cpu_kernels.ENV_VAR, "torch")
     with torch.no_grad():
