@@ -783,9 +783,9 @@ def _lower_right_prefill_attention(orig):
 
 @section("checksum")
 def bench_checksum(args, device: torch.device) -> dict:
-    """The KV checksum (pdserve.transfer.handoff.kv_checksum, --kv-checksum) against moving the same bytes: a
+    """The KV checksum (pdserve.transfer.protocol.kv_checksum, --kv-checksum) against moving the same bytes: a
     transfer computes it on both ends, so the cost is twice one sum. Default off unless this is < 5 %."""
-    from pdserve.transfer.handoff import kv_checksum
+    from pdserve.transfer.protocol import kv_checksum
 
     layers, kv_heads, head_dim, block = (30, 3, 64, 16) if args.small else (32, 8, 128, 16)
     out = {}

@@ -5,7 +5,7 @@ it places a request, while the prefill worker computes the prompt: the scheduler
 soon as there is room (backpressure: the request waits, it is never dropped), and this worker tells
 the prefill worker that the destination is ready, one call per step for all the requests reserved for
 it. Prefill workers announce their transfers (`kv_incoming`) and push the KV; one intake thread per
-prefill worker writes it into the reserved blocks (pdserve.transfer.handoff), and the request joins the running
+prefill worker writes it into the reserved blocks (pdserve.transfer.receiver), and the request joins the running
 batch at the next step. Each step decodes one token for every running request; the router consumes
 `stream()`, a Ray streaming generator with one StepOutput per step.
 
@@ -29,7 +29,9 @@ from pdserve.parallel.layout import pair_plan, shares_by_rank
 from pdserve.serving.messages import DecodeTask, Failure, FailureReason, StepOutput
 from pdserve.serving.worker import StepRun, WorkerActor
 from pdserve.transfer.channel import StoreServer, TransferStats
-from pdserve.transfer.handoff import InboundTable, KVAnnounce, KVIntake, PairLink, SecondsHistogram, open_shares
+from pdserve.transfer.protocol import KVAnnounce, SecondsHistogram
+from pdserve.transfer.receiver import InboundTable, KVIntake
+from pdserve.transfer.shares import PairLink, open_shares
 
 log = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 
 It runs the shared EngineCore in the PREFILL role (pdserve.engine.scheduler): prompts are batched up to a
 token budget and chunked; a prompt whose last chunk has run is HELD until its KV has been sent. The
-KV is pushed (pdserve.transfer.handoff): during the forward that completes a prompt, layer by layer, if its
+KV is pushed (pdserve.transfer.sender): during the forward that completes a prompt, layer by layer, if its
 decode worker has already reserved room; otherwise from the held blocks as soon as the reservation is
 announced (`kv_ready`), from the thread that hears of it, without waiting for a step.
 
@@ -27,7 +27,9 @@ from pdserve.parallel.layout import pair_plan, shares_by_rank
 from pdserve.serving.messages import PrefillResult, PrefillTask
 from pdserve.serving.worker import WorkerActor
 from pdserve.transfer.channel import TransferError, TransferStats
-from pdserve.transfer.handoff import KVAnnounce, KVPusher, PairLink, PushJob, open_shares
+from pdserve.transfer.protocol import KVAnnounce
+from pdserve.transfer.sender import KVPusher, PushJob
+from pdserve.transfer.shares import PairLink, open_shares
 
 log = logging.getLogger(__name__)
 

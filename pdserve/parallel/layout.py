@@ -106,7 +106,7 @@ def handoff_plan(prefill: TPLayout, decode: TPLayout) -> list[HeadTransfer]:
 
 
 def pair_plan(cfg: ModelConfig, prefill_tp: int, decode_tp: int) -> list[HeadTransfer | None]:
-    """The channels of a pair of workers (pdserve.transfer.handoff): [None], one channel of every head, when
+    """The channels of a pair of workers (pdserve.transfer.shares): [None], one channel of every head, when
     both are TP 1; else handoff_plan's head transfers."""
     if prefill_tp == decode_tp == 1:
         return [None]

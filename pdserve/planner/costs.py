@@ -25,7 +25,7 @@ import numpy as np
 
 from pdserve.config import ModelConfig
 from pdserve.parallel.layout import TPLayout
-from pdserve.transfer.handoff import MIN_PART_BYTES
+from pdserve.transfer.protocol import MIN_PART_BYTES
 
 
 def attention_pairs(start: int, n: int) -> int:

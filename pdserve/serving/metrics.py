@@ -228,7 +228,7 @@ class WorkerCollector(Collector):
 def _histogram(name: str, doc: str, labels: list[str], stats: list[WorkerStats],
                snapshot: Callable[[WorkerStats], dict]) -> HistogramMetricFamily:
     """A histogram family from per-worker snapshots: {"buckets": upper bounds, "counts": per bucket and
-    +Inf, not cumulative, "sum": seconds} (pdserve.transfer.handoff.SecondsHistogram's shape)."""
+    +Inf, not cumulative, "sum": seconds} (pdserve.transfer.protocol.SecondsHistogram's shape)."""
     h = HistogramMetricFamily(name, doc, labels=labels)
     for s in stats:
         snap = snapshot(s)

@@ -5,7 +5,7 @@ rank on CUDA, the pool's CPUs per rank on CPU), and starts rank 0 (the worker ac
 0 starts the other ranks in the other bundles (`RayRanks`); they are its children, so they die with it.
 Each rank (`RankActor`) runs the steps rank 0 broadcasts (pdserve.engine.tp_runner.RankShare) on one thread
 and, on others, its share of every KV transfer of the worker: the channels to the ranks of the peer
-workers that its heads travel to or from (pdserve.transfer.handoff), started by a call from its rank 0 for each
+workers that its heads travel to or from (pdserve.transfer.shares), started by a call from its rank 0 for each
 transfer. Rank 0 watches every rank: one that ends (killed, crashed) takes the worker down at once.
 """
 from __future__ import annotations
@@ -26,20 +26,15 @@ from pdserve.config import EngineConfig
 from pdserve.engine.tp_runner import RankShare
 from pdserve.parallel.layout import HeadTransfer
 from pdserve.transfer.channel import TransferError, TransferStats
-from pdserve.transfer.handoff import (
-    KVAnnounce,
-    KVCorrupted,
+from pdserve.transfer.protocol import KVAnnounce, KVCorrupted, block_index, layer_spans, trailer_len, transfer_rows
+from pdserve.transfer.shares import (
     PairLink,
-    block_index,
     is_lead,
-    layer_spans,
     open_shares,
     receive_share,
     run_concurrently,
     send_share,
     share_heads,
-    trailer_len,
-    transfer_rows,
 )
 
 log = logging.getLogger(__name__)

@@ -15,7 +15,7 @@ and removed: docs/benchmarks.md has the staged path's hand-off times on one GPU.
 
 Ordering: NCCL matches sends and receives between two ranks by order, not by tag, so one side must
 decide the order of transfers and the other follow it: the sender (the prefill worker, which knows when
-KV is ready) orders them and announces the order in a small control message (pdserve.transfer.handoff). Every
+KV is ready) orders them and announces the order in a small control message (pdserve.transfer.protocol). Every
 transfer starts with a small header ``[transfer_id, numel]`` that the receiver checks, so a disagreement
 is an error, not corrupted KV. A transfer may be made of several tensors (one per layer, sent while the
 next layers compute).

@@ -246,7 +246,7 @@ def test_cuda_same_gpu_pair_channel_stages_through_host_between_processes():
     staged_round_trip("cuda:0")
 
 
-# --- the hand-off (pdserve.transfer.handoff) with CUDA caches, both ranks in this process on one GPU --------
+# --- the hand-off (pdserve.transfer.sender, .receiver) with CUDA caches, both ranks in this process on one GPU
 
 def handoff_round_trip(device: str) -> None:
     """A KVPusher and a KVIntake joined as two workers would be (tests/transfer/test_handoff.py's Pair, on a GPU):
@@ -255,7 +255,8 @@ def handoff_round_trip(device: str) -> None:
     from concurrent.futures import ThreadPoolExecutor
 
     from pdserve.transfer.channel import RECEIVER_RANK, SENDER_RANK, PairChannel, StoreServer
-    from pdserve.transfer.handoff import InboundTable, KVIntake, KVPusher, PushJob
+    from pdserve.transfer.receiver import InboundTable, KVIntake
+    from pdserve.transfer.sender import KVPusher, PushJob
 
     from conftest import wait_for
 

@@ -183,7 +183,7 @@ def test_worker_series_and_transfer_histogram():
 
 
 def test_handoff_and_reservation_wait_histograms():
-    from pdserve.transfer.handoff import SecondsHistogram
+    from pdserve.transfer.protocol import SecondsHistogram
 
     handoff, wait = SecondsHistogram(), SecondsHistogram(buckets=(0.1, 1.0))
     for v in (0.004, 0.02, 0.02, 3.0):

@@ -1,4 +1,5 @@
-"""The hand-off protocol (pdserve.transfer.handoff) over a real gloo pair: a pusher and an intake in one process.
+"""The hand-off protocol (pdserve.transfer.protocol, .sender, .receiver) over a real gloo pair: a pusher
+and an intake in one process.
 
 The sender's and the receiver's channels are two ranks of one two-rank gloo group, built by two threads
 of this process at once (as two workers would); announcements go through a hook that may reorder or
@@ -14,16 +15,9 @@ import torch
 
 from pdserve.faults import FaultPoints
 from pdserve.transfer.channel import RECEIVER_RANK, SENDER_RANK, PairChannel, StoreServer
-from pdserve.transfer.handoff import (
-    InboundTable,
-    KVAnnounce,
-    KVIntake,
-    KVPusher,
-    PushJob,
-    kv_checksum,
-    layer_spans,
-    num_parts_for,
-)
+from pdserve.transfer.protocol import KVAnnounce, kv_checksum, layer_spans, num_parts_for
+from pdserve.transfer.receiver import InboundTable, KVIntake
+from pdserve.transfer.sender import KVPusher, PushJob
 
 from conftest import wait_for
 

@@ -1,0 +1,164 @@
+"""The prefill -> decode hand-off: KV pushed by the prefill worker as it is computed, in an order it announces.
+
+This module holds what both ends of a pair agree on: the announcement (`KVAnnounce`), how a transfer is cut
+into parts (`layer_spans`, `num_parts_for`), the order of its blocks (`block_index` on the sender,
+`transfer_rows` on the receiver), its trailer (`trailer_len`) and checksum (`kv_checksum`, `KVCorrupted`),
+the channels' names (`rank_name`) and the hand-off's duration histogram (`SecondsHistogram`). The rest:
+
+sender.py    the prefill side: `PushJob`, `KVPusher`
+receiver.py  the decode side: `InboundTable`, `KVIntake`
+shares.py    one rank's share of a transfer on one channel, and tensor-parallel shares rank to rank (`PairLink`)
+
+Request path (pdserve.engine.request has the states):
+1. The router places a request on a prefill worker P and a decode worker D at once. D reserves blocks
+   for the prompt's KV (WAITING_FOR_KV) while P computes, and tells P that the destination is ready
+   (one `kv_ready` call per D step, for all the requests it reserved for P).
+2. P pushes. A request whose prompt completes in a step and whose destination is ready is sent layer
+   by layer during that step's forward (layer i travels while layer i+1 computes); one whose
+   destination became ready later is sent at once from its HELD blocks. The requests of one step bound
+   for the same D travel as one transfer. Nothing waits for another step or a per-request call.
+3. Ordering: per (P, D) pair, P's `KVPusher` takes queued transfers by service tier, then queue order,
+   numbers each (generation, seq) as its turn comes and announces it (`KVAnnounce`, a small Ray call to
+   D) before sending it; D's `KVIntake` receives them strictly in that order, whatever order the
+   announcements arrive in. NCCL matches operations by order alone, so the sender orders and the
+   receiver follows.
+4. Each transfer is: a header, the KV (one part per layer, or one part for all), and a trailer with
+   the first token of each request, when it was sampled and, if switched on, a checksum of the KV
+   (`kv_checksum`). D writes each part straight into the reserved blocks and, after the trailer
+   (a checksum that differs fails the transfer), hands each request to its scheduler (`kv_arrived`).
+5. Tensor parallelism (pdserve.parallel.layout): a pair of a TP A prefill worker and a TP B decode
+   worker is several channels, one per (prefill rank, decode rank) of `handoff_plan`, each carrying
+   the KV heads its decode rank holds, straight from a prefill rank that holds them (`PairLink`). Rank
+   0 of each side orders and announces as above; the other ranks' shares of each transfer are started
+   by a call from their rank 0 and run at the same time as its own. The channel of ranks (0, 0) carries
+   the trailer's first tokens.
+6. Failure: every wait is bounded. A transfer that fails breaks its pair channel; every transfer of
+   that generation fails on both sides (P releases the KV, D frees the reservations and reports the
+   requests failed, and the router retries them once elsewhere); the next transfer rebuilds the
+   channel under the next generation. A request cancelled while its KV is being written into its
+   blocks keeps those blocks until the write has finished (`InboundTable`), so a late write can never
+   land in blocks that another request owns.
+"""
+from __future__ import annotations
+
+import bisect
+import itertools
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from pdserve.transfer.channel import TransferError
+
+# --- control message and layout --------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class KVAnnounce:
+    """What transfer (generation, seq) of a pair carries: the requests' KV, in this order."""
+
+    prefill_id: str
+    generation: int
+    seq: int
+    request_ids: tuple[str, ...]
+    num_blocks: tuple[int, ...]  # per request: blocks of KV sent
+    num_parts: int  # KV parts, each a run of whole layers (layer_spans): 1 sends all layers at once
+    checksum: bool = False  # the trailer ends with kv_checksum of the parts
+
+    @property
+    def order(self) -> tuple[int, int]:
+        return self.generation, self.seq
+
+
+# A part of a layer-wise push carries at least this much KV (whole layers): small parts cost more in
+# per-message latency than sending them early saves.
+MIN_PART_BYTES = 1 << 20
+
+
+def layer_spans(num_layers: int, num_parts: int) -> list[tuple[int, int]]:
+    """[start, end) layers of each part of a transfer: num_parts contiguous runs of near-equal length."""
+    assert 1 <= num_parts <= num_layers, (num_parts, num_layers)
+    bounds = [num_layers * i // num_parts for i in range(num_parts + 1)]
+    return list(zip(bounds, bounds[1:]))
+
+
+def num_parts_for(num_layers: int, layer_bytes: int, min_part_bytes: int = MIN_PART_BYTES) -> int:
+    """How many parts a layer-wise push of layers of layer_bytes each is cut into."""
+    per_part = max(1, -(-min_part_bytes // max(layer_bytes, 1)))  # layers
+    return max(1, num_layers // per_part)
+
+
+def kv_checksum(part: torch.Tensor) -> torch.Tensor:
+    """A checksum of a KV part [layers, 2, kv_heads, blocks, block_size, head_dim], as a 0-dim int64
+    tensor on the part's device (no host sync): the 64-bit words of each (layer, k/v, head, block) row
+    are summed, and the row sums added with weights 1, 2, 3, ... A changed word or a row in the wrong
+    place changes it. Arithmetic wraps on overflow, the same way on both ends. (Summing int64 words
+    runs at memory speed; widening int32 words to int64 first is 25x slower on a CPU.)"""
+    rows = part.reshape(-1, part[0, 0, 0, 0].numel())
+    row_bytes = rows.shape[1] * rows.element_size()
+    words = rows.view(torch.int64) if row_bytes % 8 == 0 else rows.view(torch.uint8).to(torch.int64)
+    sums = words.sum(dim=1)
+    return (sums * torch.arange(1, sums.numel() + 1, dtype=torch.int64, device=sums.device)).sum()
+
+
+def block_index(block_ids: Sequence[Sequence[int]], device: torch.device) -> torch.Tensor:
+    """The blocks of a push's requests, in order, as one index tensor."""
+    return torch.tensor([b for ids in block_ids for b in ids], dtype=torch.int64, device=device)
+
+
+# --- statistics ------------------------------------------------------------------------------------
+
+HANDOFF_SECONDS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+
+@dataclass
+class SecondsHistogram:
+    """A thread-safe histogram of durations, shipped to the router as a snapshot (pdserve.serving.metrics)."""
+
+    buckets: tuple[float, ...] = HANDOFF_SECONDS_BUCKETS
+    counts: list[int] = field(default_factory=list)  # per bucket and +Inf, not cumulative
+    total: float = 0.0
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        self.counts = self.counts or [0] * (len(self.buckets) + 1)
+
+    def observe(self, seconds: float) -> None:
+        with self._lock:
+            self.counts[bisect.bisect_left(self.buckets, seconds)] += 1
+            self.total += seconds
+
+    def snapshot(self) -> dict:
+        with self._lock:
+            return {"buckets": list(self.buckets), "counts": list(self.counts), "sum": self.total}
+
+
+# --- channels, trailer, rows ----------------------------------------------------------------------
+
+def rank_name(worker_id: str, rank: int) -> str:
+    """A pair channel's name for one rank of a worker (rank 0 is the worker itself)."""
+    return worker_id if rank == 0 else f"{worker_id}#{rank}"
+
+
+def trailer_len(num_requests: int, lead: bool, checksum: bool) -> int:
+    """The lead channel's trailer: each request's first token, when they were sampled, [checksum];
+    another channel's: [checksum]."""
+    return (num_requests + 1 if lead else 0) + checksum
+
+
+def transfer_rows(num_blocks: Sequence[int], blocks: Sequence[Sequence[int] | None],
+                  device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Which of a transfer's blocks go where: (rows of the transfer, blocks of the cache), for the
+    requests still expected (blocks None: withdrawn; their KV arrives and goes nowhere)."""
+    for n, blk in zip(num_blocks, blocks):
+        if blk is not None and len(blk) != n:
+            raise TransferError(f"{n} blocks announced for a request that reserved {len(blk)}")
+    offsets = [0, *itertools.accumulate(num_blocks)]
+    keep = [(off, blk) for off, blk in zip(offsets, blocks) if blk is not None]
+    src = torch.tensor([o + j for o, blk in keep for j in range(len(blk))], dtype=torch.int64, device=device)
+    dst = torch.tensor([b for _, blk in keep for b in blk], dtype=torch.int64, device=device)
+    return src, dst
+
+
+class KVCorrupted(TransferError):
+    """The KV received differs from the KV sent (its checksum): the transfer failed."""
