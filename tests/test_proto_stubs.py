@@ -16,7 +16,7 @@ def test_stubs_match_proto_sources(tmp_path):
     for name in GENERATED:
         fresh = (tmp_path / "pdserve" / "v1" / name).read_text()
         committed = (ROOT / "pdserve" / "v1" / name).read_text()
-        assert committed == fresh, f"pdserve/v1/{name} is stale: regenerate it (see README, 'API')"
+        assert committed == fresh, f"pdserve/v1/{name} is stale: regenerate it (see docs/serving.md, 'The gRPC API')"
 
 
 def test_proto_package_and_service():
