@@ -24,7 +24,7 @@ import ray
 
 from pdserve.config import EngineConfig
 from pdserve.engine.request import RequestStatus
-from pdserve.engine.scheduler import Role
+from pdserve.engine.scheduler_types import Role
 from pdserve.parallel.layout import pair_plan, shares_by_rank
 from pdserve.serving.messages import DecodeTask, Failure, FailureReason, StepOutput
 from pdserve.serving.worker import StepRun, WorkerActor

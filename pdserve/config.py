@@ -176,7 +176,7 @@ def kv_bytes_per_token(model: ModelConfig, dtype: torch.dtype) -> int:
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    """Batching limits of one engine step, and the knobs of each role (pdserve.engine.scheduler.Role).
+    """Batching limits of one engine step, and the knobs of each role (pdserve.engine.scheduler_types.Role).
 
     Prefill role: max_num_batched_tokens (prompt tokens a step), enable_chunked_prefill.
     Decode role: max_num_seqs (running requests, and those whose KV is on its way), reservation_headroom_blocks.

@@ -22,7 +22,7 @@ from typing import Any
 
 from pdserve.config import EngineConfig
 from pdserve.engine.request import Request
-from pdserve.engine.scheduler import Role, ScheduledStep
+from pdserve.engine.scheduler_types import Role, ScheduledStep
 from pdserve.parallel.layout import pair_plan, shares_by_rank
 from pdserve.serving.messages import PrefillResult, PrefillTask
 from pdserve.serving.worker import WorkerActor

@@ -5,6 +5,8 @@ sampling.py     sampling parameters and the batched sampler (seeded per token)
 block_pool.py   the KV cache's block ids: ref counts, free queue, prefix cache
 kv_cache.py     requests onto blocks: admission with prefix reuse, slots, freeing
 scheduler.py    continuous batching in a role: prefill (HELD), decode (WAITING_FOR_KV), colocated
+scheduler_types.py  the role, a scheduled step, a sampled token, a request's next chunk
+pipelined.py    pipelined decode: steps launched before the last resolved (a base of Scheduler)
 chunk.py        one sequence's part of a step
 runner.py       a step on the model: inputs, forward, sampling; CUDA graphs (cuda_graphs.py) for decode
 tp_runner.py    a tensor-parallel engine's ranks: rank 0 schedules, every rank runs the forward

@@ -18,7 +18,8 @@ from pdserve.engine.output import RequestOutput, TextOutput, token_output
 from pdserve.engine.request import FinishReason, Request, validate_prompt
 from pdserve.engine.runner import ModelRunner, StepResult
 from pdserve.engine.sampling import SamplingParams
-from pdserve.engine.scheduler import Role, SampledToken, ScheduledStep, Scheduler
+from pdserve.engine.scheduler import Scheduler
+from pdserve.engine.scheduler_types import Role, SampledToken, ScheduledStep
 from pdserve.model.loader import LoadedModel, load, load_info, load_shard
 
 
@@ -34,7 +35,7 @@ class Completion:
 class EngineCore:
     """Model, paged cache and continuous-batching scheduler: what every worker and the offline engine run.
 
-    The role (pdserve.engine.scheduler.Role) is the scheduler's policy; the rest is the same on every worker.
+    The role (pdserve.engine.scheduler_types.Role) is the scheduler's policy; the rest is the same on every worker.
     It deals in token ids only; text (detokenization, stop strings) is the caller's business.
     """
 

@@ -24,58 +24,26 @@ Roles (see pdserve.engine.request.RequestStatus for the states):
   reserves blocks for its KV and next token and reports it in `ScheduledStep.reserved` (WAITING_FOR_KV).
   When the KV has landed (`kv_arrived`, with the token the prefill worker sampled), it joins the
   running batch at the next step. Requests preempted here are recomputed here.
+
+The step's records and the role are in pdserve.engine.scheduler_types; pipelined decode (launch, resolve)
+is in pdserve.engine.pipelined, a base of Scheduler.
 """
 from __future__ import annotations
 
 import bisect
 import collections
-import enum
 import itertools
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 
 from pdserve.config import SchedulerConfig
-from pdserve.engine.chunk import Chunk
 from pdserve.engine.kv_cache import KVCacheManager
-from pdserve.engine.request import PENDING, FinishReason, Request, RequestStatus, length_stop, token_stop_reason
+from pdserve.engine.pipelined import LaunchedStep, PipelinedDecode
+from pdserve.engine.request import FinishReason, Request, RequestStatus, token_stop_reason
 from pdserve.engine.runner import StepResult
+from pdserve.engine.scheduler_types import Role, SampledToken, ScheduledStep, chunk_of
 from pdserve.tiers import ServiceTier, flex_floor
 
 FLEX = ServiceTier.FLEX.rank
-
-
-class Role(str, enum.Enum):
-    COLOCATED = "colocated"
-    PREFILL = "prefill"
-    DECODE = "decode"
-
-
-@dataclass
-class ScheduledStep:
-    requests: list[Request]
-    chunks: list[Chunk]
-    # Decode role: requests that got their KV blocks this step (now WAITING_FOR_KV); their prefill
-    # workers are to be told that the destination is ready.
-    reserved: list[Request] = field(default_factory=list)
-
-
-@dataclass
-class SampledToken:
-    request: Request
-    token: int
-    finish_reason: FinishReason | None  # set when a token-level rule ended the request
-    num_output_tokens: int = 0  # the request's output with this token (pipelined: more may be in flight)
-
-
-@dataclass
-class LaunchedStep:
-    """A step whose forward and sampling are launched and whose sampled tokens are still on the device
-    (pipelined decode): each sampled row's request and the index of its PENDING token."""
-
-    step: ScheduledStep
-    result: StepResult
-    rows: list[tuple[Request, int]]
-    members: set[int]  # id() of every request in the step: its blocks are in use until it resolves
 
 
 class WaitingQueue:
@@ -107,7 +75,7 @@ def _queue_key(req: Request) -> tuple[int, int]:
     return req.tier, req.queue_seq
 
 
-class Scheduler:
+class Scheduler(PipelinedDecode):
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager, eos_token_ids: tuple[int, ...],
                  max_model_len: int, role: Role = Role.COLOCATED):
         self.config = config
@@ -250,68 +218,6 @@ class Scheduler:
             out.append(SampledToken(req, token, reason, req.num_output_tokens))
         return out
 
-    def launch(self, step: ScheduledStep, result: StepResult) -> LaunchedStep:
-        """Pipelined decode: account a step whose sampled tokens are still on the device. Its tokens count
-        as computed and each sampled token is appended as PENDING, so the next step can be scheduled (and
-        launched, taking that token from the device) before this one resolves. A request whose PENDING
-        token is its last by length leaves the batch now; one that a token rule ends (EOS, a stop id)
-        is known only at resolve: it rides the next step, whose output for it is dropped, and its
-        blocks are freed once that step resolves too."""
-        assert self.role is not Role.PREFILL, "a prefill worker hands its requests off: it does not pipeline"
-        for req, chunk in zip(step.requests, step.chunks):
-            req.num_computed_tokens += len(chunk.token_ids)
-        rows = []
-        for row, i in enumerate(result.sampling_chunks):
-            req = step.requests[i]
-            req.token_ids.append(PENDING)
-            req.unresolved += 1
-            req.pending_row = row
-            rows.append((req, req.num_tokens - 1))
-            if length_stop(req, self.max_model_len) is not None and req in self.running:
-                self.running.remove(req)
-                self.ending.append(req)
-        launched = LaunchedStep(step, result, rows, {id(r) for r in step.requests})
-        self.launched.append(launched)
-        return launched
-
-    def resolve(self, launched: LaunchedStep) -> list[SampledToken]:
-        """Pipelined decode: a launched step's sampled tokens, now on the host (this waits for them), in
-        place of its PENDING tokens; token-level stops; the blocks of requests that ended meanwhile."""
-        assert self.launched and self.launched[0] is launched, "steps resolve in launch order"
-        tokens = launched.result.sampled.tolist()
-        self.launched.pop(0)
-        out = []
-        for (req, idx), token in zip(launched.rows, tokens):
-            if req.finished:
-                continue  # ended meanwhile (cancelled, a stop string, a stop in the step before): dropped
-            req.token_ids[idx] = token
-            req.unresolved -= 1
-            reason = token_stop_reason(req, self.eos_token_ids, self.max_model_len, end=idx + 1)
-            if reason is not None:
-                del req.token_ids[idx + 1:]  # what was launched after its last token
-                req.unresolved = 0
-            out.append(SampledToken(req, token, reason, idx + 1 - req.num_prompt_tokens))
-            if reason is not None:
-                self.finish(req, reason)
-        for req in launched.step.requests:
-            if not req.finished and PENDING not in req.token_ids[max(req.num_computed_tokens - 2, 0):req.num_computed_tokens]:
-                self.kv.cache_computed_blocks(req)
-        for req in [r for r in self._free_after if not self._in_flight(r)]:
-            self._free_after.remove(req)
-            self.kv.free(req)
-        return out
-
-    def _in_flight(self, req: Request) -> bool:
-        """Whether a launched step (pipelined decode) still uses req's blocks."""
-        return any(id(req) in step.members for step in self.launched)
-
-    def abandon_launched(self) -> None:
-        """A step failed: the launched steps will not resolve (their requests are being failed)."""
-        self.launched.clear()
-        for req in self._free_after:
-            self.kv.free(req)
-        self._free_after.clear()
-
     def kv_arrived(self, request_id: str, token: int) -> SampledToken | None:
         """The KV of a WAITING_FOR_KV request has landed in its blocks, with the token sampled after it.
 
@@ -422,20 +328,3 @@ class Scheduler:
             victim = self.running.pop(flex[-1])
             self._preempt(victim, keep_kv=not no_room)
             self.num_preemptions += 1
-
-
-def chunk_of(req: Request, n: int) -> Chunk:
-    """The next n uncomputed tokens of a request; it samples if they reach its last known token. A
-    PENDING last token (pipelined decode) is read on the device from the launched step's row."""
-    start = req.num_computed_tokens
-    end = start + n
-    pending = req.unresolved > 0 and end == req.num_tokens and req.token_ids[-1] == PENDING
-    return Chunk(
-        token_ids=req.token_ids[start:end],
-        start=start,
-        block_ids=req.block_ids,
-        sample=req.params if end == req.num_tokens else None,
-        seed=req.seed,
-        output_index=req.num_output_tokens,
-        pending_row=req.pending_row if pending else None,
-    )

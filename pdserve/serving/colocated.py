@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 
 from pdserve.config import EngineConfig
-from pdserve.engine.scheduler import Role
+from pdserve.engine.scheduler_types import Role
 from pdserve.serving.messages import PrefillTask
 from pdserve.serving.worker import WorkerActor
 

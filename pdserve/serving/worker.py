@@ -22,7 +22,7 @@ import torch
 
 from pdserve.config import EngineConfig
 from pdserve.engine.llm_engine import EngineCore
-from pdserve.engine.scheduler import Role, SampledToken, ScheduledStep
+from pdserve.engine.scheduler_types import Role, SampledToken, ScheduledStep
 from pdserve.engine.step_loop import StepLoop, StepLoopStopped
 from pdserve.engine.utilization import device_peaks
 from pdserve.faults import FaultPoints

@@ -11,7 +11,7 @@ import torch
 from pdserve.config import CacheConfig, ClusterConfig, EngineConfig, PoolConfig, SchedulerConfig
 from pdserve.engine import EngineCore, LLMEngine
 from pdserve.engine.sampling import SamplingParams
-from pdserve.engine.scheduler import Role
+from pdserve.engine.scheduler_types import Role
 from pdserve.model.loader import load
 from pdserve.serving.messages import DecodeTask, PrefillTask
 from pdserve.tiers import ServiceTier, TiersConfig, TierSLO, flex_floor, parse_mix, parse_tier

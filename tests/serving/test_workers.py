@@ -16,7 +16,7 @@ from pdserve.config import CacheConfig, EngineConfig, SchedulerConfig
 from pdserve.engine import EngineCore, LLMEngine
 from pdserve.engine.request import FinishReason, RequestStatus, token_stop_reason
 from pdserve.engine.sampling import SamplingParams
-from pdserve.engine.scheduler import Role
+from pdserve.engine.scheduler_types import Role
 from pdserve.model.loader import load
 from pdserve.serving.messages import DecodeTask, PrefillTask
 from pdserve.transfer.channel import extract_blocks, insert_blocks

@@ -1,0 +1,107 @@
+"""Pipelined decode, the scheduler's half that runs one step ahead of the host (pdserve.engine.scheduler).
+
+A step is launched (its forward and sampling queued on the device) before the step before it has
+resolved (its sampled tokens read back to the host): `launch` accounts a step whose sampled tokens are
+still on the device, appending each as PENDING; `resolve` puts the tokens in, in launch order, and applies
+the token-level stops; `abandon_launched` drops the launched steps when a step failed. A request's blocks
+stay in use while a launched step holds it (`_in_flight`): a request that ends meanwhile is freed when
+that step resolves.
+
+PipelinedDecode is a base of Scheduler, which owns the state named below (set in Scheduler.__init__).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pdserve.engine.kv_cache import KVCacheManager
+from pdserve.engine.request import PENDING, Request, length_stop, token_stop_reason
+from pdserve.engine.runner import StepResult
+from pdserve.engine.scheduler_types import Role, SampledToken, ScheduledStep
+
+
+@dataclass
+class LaunchedStep:
+    """A step whose forward and sampling are launched and whose sampled tokens are still on the device
+    (pipelined decode): each sampled row's request and the index of its PENDING token."""
+
+    step: ScheduledStep
+    result: StepResult
+    rows: list[tuple[Request, int]]
+    members: set[int]  # id() of every request in the step: its blocks are in use until it resolves
+
+
+class PipelinedDecode:
+    """launch, resolve and abandon_launched of Scheduler: its steps whose sampled tokens are still on the
+    device."""
+
+    # The scheduler's state this half reads and writes (Scheduler.__init__ sets it).
+    role: Role
+    kv: KVCacheManager
+    eos_token_ids: tuple[int, ...]
+    max_model_len: int
+    running: list[Request]
+    launched: list[LaunchedStep]
+    ending: list[Request]
+    _free_after: list[Request]
+
+    def launch(self, step: ScheduledStep, result: StepResult) -> LaunchedStep:
+        """Pipelined decode: account a step whose sampled tokens are still on the device. Its tokens count
+        as computed and each sampled token is appended as PENDING, so the next step can be scheduled (and
+        launched, taking that token from the device) before this one resolves. A request whose PENDING
+        token is its last by length leaves the batch now; one that a token rule ends (EOS, a stop id)
+        is known only at resolve: it rides the next step, whose output for it is dropped, and its
+        blocks are freed once that step resolves too."""
+        assert self.role is not Role.PREFILL, "a prefill worker hands its requests off: it does not pipeline"
+        for req, chunk in zip(step.requests, step.chunks):
+            req.num_computed_tokens += len(chunk.token_ids)
+        rows = []
+        for row, i in enumerate(result.sampling_chunks):
+            req = step.requests[i]
+            req.token_ids.append(PENDING)
+            req.unresolved += 1
+            req.pending_row = row
+            rows.append((req, req.num_tokens - 1))
+            if length_stop(req, self.max_model_len) is not None and req in self.running:
+                self.running.remove(req)
+                self.ending.append(req)
+        launched = LaunchedStep(step, result, rows, {id(r) for r in step.requests})
+        self.launched.append(launched)
+        return launched
+
+    def resolve(self, launched: LaunchedStep) -> list[SampledToken]:
+        """Pipelined decode: a launched step's sampled tokens, now on the host (this waits for them), in
+        place of its PENDING tokens; token-level stops; the blocks of requests that ended meanwhile."""
+        assert self.launched and self.launched[0] is launched, "steps resolve in launch order"
+        tokens = launched.result.sampled.tolist()
+        self.launched.pop(0)
+        out = []
+        for (req, idx), token in zip(launched.rows, tokens):
+            if req.finished:
+                continue  # ended meanwhile (cancelled, a stop string, a stop in the step before): dropped
+            req.token_ids[idx] = token
+            req.unresolved -= 1
+            reason = token_stop_reason(req, self.eos_token_ids, self.max_model_len, end=idx + 1)
+            if reason is not None:
+                del req.token_ids[idx + 1:]  # what was launched after its last token
+                req.unresolved = 0
+            out.append(SampledToken(req, token, reason, idx + 1 - req.num_prompt_tokens))
+            if reason is not None:
+                self.finish(req, reason)
+        for req in launched.step.requests:
+            if not req.finished and PENDING not in req.token_ids[max(req.num_computed_tokens - 2, 0):req.num_computed_tokens]:
+                self.kv.cache_computed_blocks(req)
+        for req in [r for r in self._free_after if not self._in_flight(r)]:
+            self._free_after.remove(req)
+            self.kv.free(req)
+        return out
+
+    def _in_flight(self, req: Request) -> bool:
+        """Whether a launched step (pipelined decode) still uses req's blocks."""
+        return any(id(req) in step.members for step in self.launched)
+
+    def abandon_launched(self) -> None:
+        """A step failed: the launched steps will not resolve (their requests are being failed)."""
+        self.launched.clear()
+        for req in self._free_after:
+            self.kv.free(req)
+        self._free_after.clear()

@@ -1,0 +1,54 @@
+"""The scheduler's vocabulary: a worker's role, a scheduled step and what it samples, a request's next chunk.
+
+Role picks the scheduler's policy (pdserve.engine.scheduler); ScheduledStep is what one `schedule()` hands
+the runner (requests, their chunks, and on a decode worker the requests whose KV blocks it reserved);
+SampledToken is what accounting a step hands back, one per sampled token; chunk_of cuts a request's next
+uncomputed tokens into a Chunk.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from pdserve.engine.chunk import Chunk
+from pdserve.engine.request import PENDING, FinishReason, Request
+
+
+class Role(str, enum.Enum):
+    COLOCATED = "colocated"
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+
+@dataclass
+class ScheduledStep:
+    requests: list[Request]
+    chunks: list[Chunk]
+    # Decode role: requests that got their KV blocks this step (now WAITING_FOR_KV); their prefill
+    # workers are to be told that the destination is ready.
+    reserved: list[Request] = field(default_factory=list)
+
+
+@dataclass
+class SampledToken:
+    request: Request
+    token: int
+    finish_reason: FinishReason | None  # set when a token-level rule ended the request
+    num_output_tokens: int = 0  # the request's output with this token (pipelined: more may be in flight)
+
+
+def chunk_of(req: Request, n: int) -> Chunk:
+    """The next n uncomputed tokens of a request; it samples if they reach its last known token. A
+    PENDING last token (pipelined decode) is read on the device from the launched step's row."""
+    start = req.num_computed_tokens
+    end = start + n
+    pending = req.unresolved > 0 and end == req.num_tokens and req.token_ids[-1] == PENDING
+    return Chunk(
+        token_ids=req.token_ids[start:end],
+        start=start,
+        block_ids=req.block_ids,
+        sample=req.params if end == req.num_tokens else None,
+        seed=req.seed,
+        output_index=req.num_output_tokens,
+        pending_row=req.pending_row if pending else None,
+    )
