@@ -146,7 +146,7 @@ def handoff_table(lengths: list[int], reps: int) -> None:
                 prompt = tuple(100 + (k * 7919 + i) % 20000 for i in range(n))  # no prefix-cache hits
                 before_p, before_d = ray.get([prefill.stats.remote(), decode.stats.remote()])
                 ray.get(decode.reserve.remote(DecodeTask(rid, prompt, (), params, 0, pid), prefill))
-                ray.get(prefill.prefill.remote(PrefillTask(rid, prompt, params, 0, kv_destination="decode-0"), decode))
+                ray.get(prefill.prefill.remote(PrefillTask(rid, prompt, params, 0, hand_off=True)))
                 deadline = time.monotonic() + TIMEOUT_S
                 # Stats are read on the decode worker's step thread: the request has run by then.
                 while (after_d := ray.get(decode.stats.remote())).handoff["counts"] == before_d.handoff["counts"]:

@@ -114,8 +114,9 @@ class TiersConfig:
     # Decode workers beside the decode pool serving priority only, each with this running-batch cap.
     fast_lane_workers: int = 0
     fast_lane_max_running: int = 4
-    # A priority request that finds every fast-lane worker full: "wait" up to fast_lane_max_wait_s for
-    # room, then is served as default; "downgrade": served as default at once.
+    # A priority request that finds every fast-lane worker full (its prefill goes first either way, its
+    # KV held meanwhile: router.dispatch): "wait" up to fast_lane_max_wait_s for room, then is served as
+    # default; "downgrade": served as default at once.
     fast_lane_when_full: str = "wait"
     fast_lane_max_wait_s: float = 5.0
     # flex requests waiting (for admission or for a worker) beyond this are refused: RESOURCE_EXHAUSTED.

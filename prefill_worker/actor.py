@@ -72,20 +72,22 @@ class PrefillActor(WorkerActor):
         self.transfer_stats = TransferStats()
         self.push_layerwise = push_layerwise
         self._results: dict[str, Future[PrefillResult]] = {}
-        self._destination_of: dict[str, str] = {}  # step thread: request -> its decode worker
+        self._hand_off: set[str] = set()  # step thread: requests whose KV goes to a decode worker
         # The hand-off's shared state, under _lock.
         self._lock = threading.Lock()
         self._destinations: dict[str, _Destination] = {}
         self._lost_peers: set[str] = set()  # decode workers the router has given up on (ids are never reused)
-        # Requests whose decode worker has reserved room, and when it said so. A notice can come for a
-        # request that already ended here (or before it arrived): unclaimed ones expire after READY_TTL_S.
-        self._ready: dict[str, float] = {}
+        # Requests whose decode worker has reserved room: when it said so, and which worker it is. A notice
+        # can come for a request that already ended here (or before it arrived): unclaimed ones expire
+        # after READY_TTL_S.
+        self._ready: dict[str, tuple[float, str]] = {}
         self._held: dict[str, _HeldKV] = {}  # computed, waiting for their reservation
         self._pushing: set[str] = set()  # in a push job not yet done
         self._start()
 
-    async def prefill(self, task: PrefillTask, decode: Any = None) -> PrefillResult:
-        """Ingest the prompt; returns as soon as the first token is sampled (the KV goes on to `decode`)."""
+    async def prefill(self, task: PrefillTask) -> PrefillResult:
+        """Ingest the prompt; returns as soon as the first token is sampled (the KV goes on to the decode
+        worker that reserves room for it, `kv_ready`)."""
         req = task.new_request()
         if self.core.kv.blocks_needed(req.num_tokens) > self.core.pool.num_blocks:
             raise ValueError(f"prompt of {req.num_tokens} tokens does not fit this worker's KV cache "
@@ -97,8 +99,8 @@ class PrefillActor(WorkerActor):
             if self._cancelled_already(task.request_id):
                 raise asyncio.CancelledError(f"request {task.request_id} was cancelled before it arrived")
             self.core.scheduler.add(req)
-            if task.kv_destination is not None:
-                self._destination_of[task.request_id] = task.kv_destination
+            if task.hand_off:
+                self._hand_off.add(task.request_id)
 
         self.loop.call(add).add_done_callback(lambda f: f.exception() and self._fail(task.request_id, f.exception()))
         try:
@@ -119,8 +121,8 @@ class PrefillActor(WorkerActor):
             now = time.monotonic()
             for rid in request_ids:
                 if rid not in pushed_now:
-                    self._ready[rid] = now
-            for rid in [r for r, t in self._ready.items() if now - t > READY_TTL_S]:
+                    self._ready[rid] = (now, decode_id)
+            for rid in [r for r, (t, _) in self._ready.items() if now - t > READY_TTL_S]:
                 del self._ready[rid]
             self._pushing.update(pushed_now)
         for job in self._held_jobs(decode_id, held):
@@ -236,18 +238,19 @@ class PrefillActor(WorkerActor):
         late: dict[str, list[tuple[str, _HeldKV]]] = {}
         for s in sampled:
             req, rid = s.request, s.request.request_id
-            dest = self._destination_of.pop(rid, None)
+            hand_off = rid in self._hand_off
+            self._hand_off.discard(rid)
             self._resolve(req, s.token)
             if rid in pushes.started:
                 continue  # freed when its push ends
-            if dest is None or s.finish_reason is not None:
+            if not hand_off or s.finish_reason is not None:
                 self._forget(rid)
                 self.core.cancel(rid)  # nothing follows the first token
                 continue
             held = _HeldKV(scheduler.kv_blocks(req), s.token, sampled_at, req.tier, pushes.step)
             with self._lock:
                 if rid in self._ready:
-                    del self._ready[rid]
+                    dest = self._ready.pop(rid)[1]
                     self._pushing.add(rid)
                     late.setdefault(dest, []).append((rid, held))
                 else:
@@ -285,7 +288,7 @@ class PrefillActor(WorkerActor):
 
     def _forget(self, request_id: str) -> bool:
         """Drop a request's hand-off state (it ended here); whether a push of its KV is still under way."""
-        self._destination_of.pop(request_id, None)
+        self._hand_off.discard(request_id)
         with self._lock:
             self._ready.pop(request_id, None)
             self._held.pop(request_id, None)
@@ -326,12 +329,11 @@ class _StepPushes:
     def __init__(self, actor: PrefillActor, step: ScheduledStep):
         self.actor = actor
         self.num_layers = actor.core.model_config.num_layers
-        # request -> (decode worker, its service tier's rank, its KV blocks)
-        self.candidates: dict[str, tuple[str, int, list[int]]] = {}
+        # request -> (its service tier's rank, its KV blocks): those whose KV goes to a decode worker
+        self.candidates: dict[str, tuple[int, list[int]]] = {}
         for req, chunk in zip(step.requests, step.chunks):
-            dest = actor._destination_of.get(req.request_id)
-            if chunk.sample is not None and dest is not None:
-                self.candidates[req.request_id] = (dest, req.tier,
+            if chunk.sample is not None and req.request_id in actor._hand_off:
+                self.candidates[req.request_id] = (req.tier,
                                                    req.block_ids[: actor.core.kv.blocks_needed(req.num_tokens)])
         self.started: dict[str, PushJob] = {}
         self.jobs: list[PushJob] = []
@@ -347,13 +349,13 @@ class _StepPushes:
         a = self.actor
         groups: dict[tuple[int, str], list[str]] = {}  # one job per (tier, decode worker), highest tier first
         with a._lock:
-            for rid, (dest, tier, _) in self.candidates.items():
+            for rid, (tier, _) in self.candidates.items():
                 if rid not in self.started and rid in a._ready:
-                    del a._ready[rid]
+                    dest = a._ready.pop(rid)[1]  # the decode worker that reserved its room
                     a._pushing.add(rid)
                     groups.setdefault((tier, dest), []).append(rid)
         for (tier, dest), rids in sorted(groups.items()):
-            job = PushJob(dest, rids, [self.candidates[r][2] for r in rids], self.num_layers, layer + 1, tier=tier,
+            job = PushJob(dest, rids, [self.candidates[r][1] for r in rids], self.num_layers, layer + 1, tier=tier,
                           step=self.step)
             self.jobs.append(job)
             self.started.update((r, job) for r in rids)

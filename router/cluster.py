@@ -212,7 +212,7 @@ class Cluster:
                            tier=req.tier)
         placed: list[Worker] = []
         finished = False
-        in_flight: ServiceTier | None = None  # the tier it was placed at, counted in dispatch.in_flight
+        later: asyncio.Future[Worker] | None = None  # its decode worker, when chosen while it is prefilled
         try:
             if self.config.mode == "colocated":
                 pool = prefer(await self._alive("colocated"), avoid)
@@ -225,22 +225,21 @@ class Cluster:
                 # is on the fast lane, if the cluster has one.
                 follows = req.params.max_tokens - req.num_output_tokens > 1 and req.num_tokens + 1 < info.max_model_len
                 lane = self.config.fast is not None and req.tier == ServiceTier.PRIORITY.rank
+                target = ("fast" if lane else "decode") if follows else None
                 try:
-                    p, streamer = await self.dispatch.place(req, wrid, ("fast" if lane else "decode") if follows
-                                                            else None, avoid)
+                    p, streamer = await self.dispatch.place(req, wrid, target, avoid)
                 except PoolEmpty as e:
                     raise self._no_worker(e.pool) from None
-                in_flight = ServiceTier.of_rank(req.tier)
                 placed += [p] + ([streamer] if streamer else [])
-                # Both at once: the decode worker reserves room while the prefill worker computes.
-                reserved = None
-                if streamer is not None:
-                    reserved = streamer.handle.reserve.remote(
-                        DecodeTask(wrid, tuple(req.prompt_token_ids), tuple(req.output_token_ids), req.params,
-                                   req.seed, p.worker_id, tier=req.tier), p.handle)
-                task = replace(task, kv_destination=streamer.worker_id if streamer else None, tier=req.tier)
+                # Both at once: the decode worker reserves room while the prefill worker computes. A priority
+                # prompt whose decode pool had no room is computed first, its KV held until one has.
+                reserved = self._reserve(streamer, task, req.tier, p) if streamer is not None else None
+                if target is not None and streamer is None:
+                    later = asyncio.ensure_future(self.dispatch.place_kv(req, wrid, p, target, avoid))
+                # Its prefill at the tier it asked for, even when the fast lane's wait serves it as default.
+                task = replace(task, hand_off=target is not None)
                 try:
-                    prefilled = p.handle.prefill.remote(task, streamer.handle if streamer else None)
+                    prefilled = p.handle.prefill.remote(task)
                     if reserved is not None:
                         await self._call(streamer, reserved)
                     result = await self._call(p, prefilled)
@@ -255,13 +254,18 @@ class Cluster:
                 finished = out.finished
                 if finished:
                     p.requests.discard(wrid)
-                    if streamer is not None:  # e.g. a stop string in the first token: release both sides
-                        streamer.requests.discard(wrid)
-                        streamer.handle.cancel.remote(wrid)
+                    if target is not None:  # e.g. a stop string in the first token: release both sides
+                        if streamer is not None:
+                            streamer.requests.discard(wrid)
+                            streamer.handle.cancel.remote(wrid)
                         p.handle.cancel.remote(wrid)
                 else:
-                    assert streamer is not None, "a request with no decode worker ends with its first token"
+                    assert target is not None, "a request with no decode worker ends with its first token"
                 yield self._annotate(out, req, placed if finished else [])
+                if not finished and later is not None:
+                    streamer = await self._kv_destination(later, q, wrid, placed)
+                    placed.append(streamer)
+                    await self._call(streamer, self._reserve(streamer, task, req.tier, p))
             first_decode = True
             while not finished:
                 ev = await q.get()
@@ -282,8 +286,12 @@ class Cluster:
                 yield self._annotate(out, req, placed if finished else [])
         finally:
             self._owner.pop(wrid, None)
-            if in_flight is not None:
-                self.dispatch.released(in_flight)
+            if later is not None and not later.done():
+                later.cancel()  # its place in line is given up (Dispatch._wait)
+            elif later is not None and not later.cancelled() and later.exception() is None \
+                    and later.result() not in placed:
+                later.result().requests.discard(wrid)  # chosen as the attempt ended: nothing reserved there
+            self.dispatch.released(wrid)
             for w in placed:
                 w.requests.discard(wrid)
                 w.flex.discard(wrid)
@@ -291,6 +299,31 @@ class Cluster:
                     w.handle.cancel.remote(wrid)  # a retry, the client went away, or an error: free its KV
             if placed:
                 self._pools.notify()  # room on its workers
+
+    @staticmethod
+    def _reserve(streamer: Worker, task: PrefillTask, tier: int, p: Worker) -> Any:
+        """The decode worker's reservation of the KV that prefill worker p computes for `task` (pushed as
+        soon as the reservation reaches it): the same prompt and tokens, whenever it is made."""
+        return streamer.handle.reserve.remote(DecodeTask(task.request_id, task.prompt_token_ids, task.output_token_ids,
+                                                         task.params, task.seed, p.worker_id, tier=tier), p.handle)
+
+    async def _kv_destination(self, later: asyncio.Future[Worker], q: asyncio.Queue, wrid: str,
+                              placed: list[Worker]) -> Worker:
+        """The decode worker place_kv finds, unless the attempt fails first (its prefill worker lost)."""
+        while not later.done():
+            getter = asyncio.ensure_future(q.get())
+            await asyncio.wait([later, getter], return_when=asyncio.FIRST_COMPLETED)
+            if not getter.done():
+                getter.cancel()
+                break
+            ev = getter.result()
+            if isinstance(ev, Failure) and ev.request_id == wrid:
+                raise _Retry(ev.reason, ev.detail, [w.worker_id for w in placed])
+            # anything else belongs to an earlier attempt: no token comes before the reservation
+        try:
+            return later.result()
+        except PoolEmpty as e:
+            raise self._no_worker(e.pool) from None
 
     async def _call(self, w: Worker, ref: Any) -> Any:
         """Await a worker call; a dead worker makes the attempt retry (and the worker be replaced)."""

@@ -52,46 +52,67 @@ class Dispatch:
         self.waiting_prompt_tokens = 0
         self.in_flight: collections.Counter[ServiceTier] = collections.Counter()  # placed, by tier served
         self.downgrades = 0  # priority requests served as default (the fast lane was full)
+        self._counted: dict[str, ServiceTier] = {}  # placed attempts, by the tier in_flight counts them at
         self._seqs = {name: config.engine_for(pc).scheduler.max_num_seqs for name, pc in config.pools.items()}
         if config.mode == "disaggregated":
             budget = config.engine_for(config.prefill).scheduler.max_num_batched_tokens
             self._prefill_room = PREFILL_QUEUE_STEPS * budget
             pools.listeners.append(self.dispatch)
 
-    def released(self, tier: ServiceTier) -> None:
-        """A placed request's attempt ended."""
-        self.in_flight[tier] -= 1
+    def released(self, wrid: str) -> None:
+        """A placed attempt ended: it is no longer in flight."""
+        tier = self._counted.pop(wrid, None)
+        if tier is not None:
+            self.in_flight[tier] -= 1
 
 
 
 
     async def place(self, req: Request, wrid: str, target: str | None,
-                     avoid: tuple[str, ...]) -> tuple[Worker, Worker | None]:
-        """Wait in line (router.line) until a prefill worker has room for the prompt and, if a token follows
-        the first, a worker of its decode pool (`target`) has room for its KV; returns both, the request
-        already counted on them. A priority request bound for a full fast lane waits up to
-        fast_lane_max_wait_s, or not at all (fast_lane_when_full), then is served as default."""
-        tiers, loop = self.config.tiers, asyncio.get_running_loop()
+                    avoid: tuple[str, ...]) -> tuple[Worker, Worker | None]:
+        """Wait in line until a prefill worker has room for the prompt and, if a token follows the first,
+        a worker of its decode pool (`target`) has room for its KV; returns both, the request counted on
+        them. A priority prompt needs prefill room only: it goes to a prefill worker at the head of the
+        line at once, and when no worker of its decode pool has room then, its decode worker is None:
+        the caller finds one with `place_kv` while the prompt is computed (the KV held meanwhile)."""
         e = Entry(wrid, req.num_tokens, target, avoid, hash_prompt_blocks(req.token_ids, self.block_size),
                   ServiceTier.of_rank(req.tier))
+        if target == "fast" and self.config.tiers.fast_lane_when_full == "downgrade" \
+                and not any(self.decode_room(w, e.tokens) for w in self._pools.by_name["fast"]):
+            self.downgrade(req, e)
+        self.waiting_prompt_tokens += e.tokens
+        try:
+            return await self._wait(e, req, lane_deadline=None)
+        finally:
+            self.waiting_prompt_tokens -= e.tokens
+
+    async def place_kv(self, req: Request, wrid: str, prefill: Worker, target: str,
+                       avoid: tuple[str, ...]) -> Worker:
+        """A decode worker for a prompt already placed on `prefill` (place returned no decode worker): the
+        first of the target pool with room. A prompt bound for the fast lane waits for it up to
+        fast_lane_max_wait_s, then is served as default, on the decode pool; it keeps its place in line,
+        ahead of the prompts that arrived after it."""
+        e = Entry(wrid, req.num_tokens, target, avoid, [], ServiceTier.of_rank(req.tier), prefill=prefill)
         lane_deadline = None
         if target == "fast":
-            if tiers.fast_lane_when_full == "downgrade" \
-                    and not any(self.decode_room(w, e.tokens) for w in self._pools.by_name["fast"]):
-                self.downgrade(req, e)
-            else:
-                lane_deadline = loop.time() + tiers.fast_lane_max_wait_s
+            lane_deadline = asyncio.get_running_loop().time() + self.config.tiers.fast_lane_max_wait_s
+        return (await self._wait(e, req, lane_deadline))[1]
+
+    async def _wait(self, e: Entry, req: Request, lane_deadline: float | None) -> tuple[Worker, Worker | None]:
+        """In line until placed (dispatch), an empty pool's wait runs out (PoolEmpty), or the caller leaves."""
+        loop = asyncio.get_running_loop()
         self.line.add(e)
-        self.waiting_prompt_tokens += e.tokens
         empty_since = None
         try:
             self.dispatch()
             while not e.placed.done():
                 now = loop.time()
-                if not self._pools.by_name["prefill"] or (e.target and not self._pools.by_name[e.target]):
+                needs = ([] if e.prefill is not None else ["prefill"]) + ([e.target] if e.target else [])
+                empty = [pool for pool in needs if not self._pools.by_name[pool]]
+                if empty:
                     empty_since = empty_since or now
                     if now - empty_since >= self.config.pool_wait_timeout_s:
-                        raise PoolEmpty(e.target if self._pools.by_name["prefill"] else "prefill")
+                        raise PoolEmpty(empty[0])
                 else:
                     empty_since = None
                 deadlines = [d for d in (lane_deadline, empty_since and empty_since + self.config.pool_wait_timeout_s)
@@ -110,65 +131,77 @@ class Dispatch:
             self.line.remove(e)
             self.dispatch()  # it may have held others back
             raise
-        finally:
-            self.waiting_prompt_tokens -= e.tokens
 
     def downgrade(self, req: Request, e: Entry) -> None:
-        """The fast lane is full: the request is served as default, on the decode pool."""
+        """The fast lane is full: the request is served as default, on the decode pool. It keeps its place
+        in line (its prefill goes first; its KV waits ahead of those that arrived after it)."""
         log.info("request %s: the fast lane is full; served as default", e.wrid)
         req.tier = ServiceTier.DEFAULT.rank
         e.target = "decode"
+        e.served = ServiceTier.DEFAULT
         self.downgrades += 1
-        if e in self.line:
-            self.line.move(e, ServiceTier.DEFAULT)
-        else:
-            e.tier = ServiceTier.DEFAULT
+        if self._counted.get(e.wrid) is not None:  # placed on its prefill worker already: counted as served
+            self.in_flight[self._counted[e.wrid]] -= 1
+            self._counted[e.wrid] = ServiceTier.DEFAULT
+            self.in_flight[ServiceTier.DEFAULT] += 1
 
     def dispatch(self) -> None:
         """Place every prompt in line whose workers have room, in the line's order (router.line)."""
-        prefill_ready = self._pools.by_name["prefill"]
-        if not len(self.line) or not prefill_ready:
+        if not len(self.line):
             return
+        prefill_ready = self._pools.by_name["prefill"]
+        prefill_full = not prefill_ready  # then only prompts already computed can be placed
         decode_slots = len(self._pools.by_name["decode"]) * self._seqs.get("decode", 0)
         slack = flex_floor(self.config.tiers.flex_min_share, decode_slots) - self.in_flight[ServiceTier.FLEX]
         blocked: set[tuple[str, bool]] = set()  # (decode pool, flex?) with no room for the first in line bound there
         for e in self.line.order(slack):
             if e.placed.done():
                 continue
-            prefill = [w for w in prefer(prefill_ready, e.avoid) if w.queued_tokens < self._prefill_room]
-            if not prefill:
-                return  # every prompt behind it needs a prefill worker too
+            prefill: list[Worker] = []
+            if e.prefill is None:
+                if prefill_full:
+                    continue
+                prefill = [w for w in prefer(prefill_ready, e.avoid) if w.queued_tokens < self._prefill_room]
+                if not prefill:
+                    prefill_full = True  # every prompt behind it that needs a prefill worker waits too
+                    continue
             flex = e.tier is ServiceTier.FLEX
-            if (e.target, False) in blocked or (e.target, flex) in blocked:
-                continue  # one before it, bound for the same pool, waits (flex waiting holds back only flex)
             decode: list[Worker] = []
             if e.target is not None:
-                decode = [w for w in prefer(self._pools.by_name[e.target], e.avoid)
-                          if self.decode_room(w, e.tokens, e.tier)]
+                if (e.target, False) not in blocked and (e.target, flex) not in blocked:
+                    decode = [w for w in prefer(self._pools.by_name[e.target], e.avoid)
+                              if self.decode_room(w, e.tokens, e.tier)]
                 if not decode:
-                    blocked.add((e.target, flex))
-                    continue
-            p = prefill[pick_prefill([PrefillLoad(x.queued_tokens, x.prefix.match(e.hashes) * self.block_size)
-                                      for x in prefill])]
+                    blocked.add((e.target, flex))  # the ones behind it bound there wait (flex holds back only flex)
+                    if e.prefill is not None or e.tier is not ServiceTier.PRIORITY:
+                        continue
+                    # priority: to its prefill worker now, its KV's destination later (place_kv)
             d = decode[pick_decode([self.decode_load(x) for x in decode])] if decode else None
-            p.prefix.add(e.hashes)
-            p.queued_tokens += e.tokens
-            p.requests.add(e.wrid)  # until its KV has reached the decode worker (the first decode token)
+            if e.prefill is None:
+                p = prefill[pick_prefill([PrefillLoad(x.queued_tokens, x.prefix.match(e.hashes) * self.block_size)
+                                          for x in prefill])]
+                p.prefix.add(e.hashes)
+                p.queued_tokens += e.tokens
+                p.requests.add(e.wrid)  # until its KV has reached the decode worker (the first decode token)
+                self._counted[e.wrid] = e.served or e.tier
+                self.in_flight[e.served or e.tier] += 1
+            else:
+                p = e.prefill
             if d is not None:
                 d.requests.add(e.wrid)
                 if e.tier is ServiceTier.FLEX:
                     d.flex.add(e.wrid)
-            self.in_flight[e.tier] += 1
             self.line.remove(e)
             e.placed.set_result((p, d))
 
     def unplace(self, e: Entry, p: Worker, d: Worker | None) -> None:
-        p.queued_tokens -= e.tokens
-        p.requests.discard(e.wrid)
         if d is not None:
             d.requests.discard(e.wrid)
             d.flex.discard(e.wrid)
-        self.in_flight[e.tier] -= 1
+        if e.prefill is None:
+            p.queued_tokens -= e.tokens
+            p.requests.discard(e.wrid)
+            self.released(e.wrid)
 
     def decode_room(self, w: Worker, prompt_tokens: int, tier: ServiceTier = ServiceTier.DEFAULT) -> bool:
         """Whether a decode worker can take another request's KV now, by its latest stats: fewer

@@ -1,10 +1,12 @@
 """The router's line: prompts waiting for a prefill worker with room (and a decode worker with room for
 their KV), in the order they go, by service tier (pdserve.tiers) then arrival.
 
-router.cluster walks the line whenever the pools change and places every prompt whose workers have room,
-in order: a prompt that finds no prefill room stops the walk (every prompt behind it needs one too); one
+router.dispatch walks the line whenever the pools change and places every prompt whose workers have room,
+in order: a prompt that finds no prefill room holds back every prompt behind it that needs one too; one
 that finds its decode pool full only holds back the prompts behind it bound for the same pool, so a
-priority prompt waiting for the fast lane never blocks a default one bound for the decode pool.
+priority prompt waiting for the fast lane never blocks a default one bound for the decode pool. A
+priority prompt needs prefill room only: when its decode pool is full it goes to a prefill worker at
+once and comes back into line, already computed, for its KV's destination (Entry.prefill).
 
 flex's floor: while fewer flex requests are in flight than flex's floor, the first flex prompts in line
 go as if they were default (by arrival among the defaults), so flex never starves behind a steady
@@ -13,7 +15,6 @@ default load.
 from __future__ import annotations
 
 import asyncio
-import bisect
 import heapq
 import itertools
 from collections.abc import Iterator
@@ -32,7 +33,9 @@ class Entry:
     target: str | None  # its decode pool ("decode" or "fast"), or None if no token follows the first
     avoid: tuple[str, ...]  # workers it prefers not to use (a retry's previous ones)
     hashes: list[bytes]  # its prompt's block hashes (prefix-aware placement)
-    tier: ServiceTier  # the tier it is served at (downgraded: no longer the one it asked for)
+    tier: ServiceTier  # its place in line: the tier it asked for
+    served: ServiceTier | None = None  # the tier it is served at (downgraded: default); None: its tier
+    prefill: Any = None  # a prompt already on this prefill worker, its KV held there: it needs decode room only
     seq: int = 0
     placed: asyncio.Future[Any] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
 
@@ -50,12 +53,6 @@ class Line:
         entries = self._by_tier[e.tier]
         if e in entries:
             entries.remove(e)
-
-    def move(self, e: Entry, tier: ServiceTier) -> None:
-        """Serve it at another tier (a downgrade): it keeps its arrival order there."""
-        self.remove(e)
-        e.tier = tier
-        bisect.insort(self._by_tier[tier], e, key=lambda x: x.seq)
 
     def __contains__(self, e: Entry) -> bool:
         return e in self._by_tier[e.tier]

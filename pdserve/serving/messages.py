@@ -37,9 +37,10 @@ class PrefillTask(_Task):
     # Tokens already streamed to the client by an earlier attempt (a resumed request): they are
     # ingested with the prompt, and sampling continues at their count, so nothing repeats or skips.
     output_token_ids: tuple[int, ...] = ()
-    # The decode worker that reserves room for this prompt's KV, or None if nothing follows the first
-    # token (max_tokens reached with it): then the KV is freed as soon as the token is sampled.
-    kv_destination: str | None = None
+    # Whether a decode worker will reserve room for this prompt's KV: the reservation names it (kv_ready),
+    # before the prompt is computed or after (then the KV is held until it comes). False if nothing follows
+    # the first token (max_tokens reached with it): the KV is freed as soon as the token is sampled.
+    hand_off: bool = False
     tier: int = 1
 
 

@@ -110,7 +110,7 @@ def disaggregated(loaded, path, batches, decode_blocks=256, seqs=2, flex_share=0
     while pending or prefill.scheduler.has_work or decode.scheduler.has_work or prefill.scheduler.held:
         if pending and (steps % 4 == 0):
             for rid, p, tier, params in pending.pop(0):
-                prefill.scheduler.add(PrefillTask(rid, tuple(p), params, 7, kv_destination="d", tier=tier).new_request())
+                prefill.scheduler.add(PrefillTask(rid, tuple(p), params, 7, hand_off=True, tier=tier).new_request())
                 decode.scheduler.add(DecodeTask(rid, tuple(p), (), params, 7, "p", tier=tier).new_request())
         for s in prefill.step():
             out[s.request.request_id] = [s.token]

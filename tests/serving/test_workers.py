@@ -50,7 +50,7 @@ def run_disaggregated(prefill: EngineCore, decode: EngineCore, batch, params, se
     out: dict[str, list[int]] = {}
     first: dict[str, int] = {}
     for i, p in enumerate(batch):
-        prefill.scheduler.add(PrefillTask(f"r{i}", tuple(p), params[i], seeds[i], kv_destination="d").new_request())
+        prefill.scheduler.add(PrefillTask(f"r{i}", tuple(p), params[i], seeds[i], hand_off=True).new_request())
         decode.scheduler.add(DecodeTask(f"r{i}", tuple(p), (), params[i], seeds[i], "p").new_request())
     while prefill.scheduler.has_work or decode.scheduler.has_work or first:
         for s in prefill.step():
@@ -246,7 +246,7 @@ def test_resumed_request_continues_exactly(tiny, params):
     prefill = EngineCore(config(path), loaded, Role.PREFILL)
     decode = EngineCore(config(path), loaded, Role.DECODE)
     streamed = ref[:5]  # what the client got before the decode worker was lost
-    prefill.scheduler.add(PrefillTask("r", tuple(p), params, 9, tuple(streamed), kv_destination="d").new_request())
+    prefill.scheduler.add(PrefillTask("r", tuple(p), params, 9, tuple(streamed), hand_off=True).new_request())
     decode.scheduler.add(DecodeTask("r", tuple(p), tuple(streamed), params, 9, "p").new_request())
     (s,) = [x for _ in range(5) for x in prefill.step()]
     assert s.token == ref[5]

@@ -332,8 +332,8 @@ def test_a_prefill_step_tells_its_pushes_of_every_layer():
 
     pushed: list[PushJob] = []
     actor = SimpleNamespace(
-        push_layerwise=True, _lock=threading.Lock(), _ready={"a": 0.0}, _pushing=set(),
-        _destination_of={"a": "d0"}, _push=pushed.append,
+        push_layerwise=True, _lock=threading.Lock(), _ready={"a": (0.0, "d0")}, _pushing=set(),
+        _hand_off={"a"}, _push=pushed.append,
         core=SimpleNamespace(model_config=SimpleNamespace(num_layers=LAYERS), runner=SimpleNamespace(steps=6),
                              kv=SimpleNamespace(blocks_needed=lambda n: -(-n // BLOCK_SIZE))))
     req = Request("a", list(range(6)), SamplingParams(), 0)
@@ -343,6 +343,7 @@ def test_a_prefill_step_tells_its_pushes_of_every_layer():
     pushes.layer_done(-1)
     (job,) = pushed
     assert job.block_ids == [[3, 4]] and actor._pushing == {"a"} and actor._ready == {} and job.step == 7
+    assert job.destination == "d0"  # the decode worker that reserved its room
     for layer in range(LAYERS):
         pushes.layer_done(layer)
         job.wait_layers(layer + 1, 0.01)  # reported at once: a layer not reported would time out here
