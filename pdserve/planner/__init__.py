@@ -4,7 +4,12 @@ costs.py      what a step and a KV hand-off cost: fitted to a measured profile, 
               parallelism included: per-rank weights, KV and FLOPs, the all-reduces)
 hardware.py   datasheet peaks of the GPUs the roofline knows, and the efficiency factors it assumes
 profile.py    `pdserve profile`: step times and KV transfers measured on this device
-simulator.py  a discrete-event simulator of the cluster (router, prefill, hand-off, decode, colocated)
+simulator.py  a discrete-event simulator of the cluster (router, prefill, hand-off, decode, colocated, tiers,
+              autoscaling): simulate() and its clock; its parts in sim/ (shapes, result, the workers' records,
+              and the router, prefill, decode, colocated and scaling parts; sim/__init__.py lists them)
+autoscale.py  how many workers each pool needs now, by the cost model: the policy the router and the
+              simulator both run
+pricing.py    what each service tier costs: the fast lane's size and batch cap, device time per token
 parallel.py   tensor-parallel sizes compared: which fit a GPU, which wins for prefill and for decode
 plan.py       candidate configurations, their predicted serving statistics, the ranking and the plot
 cli.py        the `profile` and `plan` commands
