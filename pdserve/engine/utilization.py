@@ -9,7 +9,7 @@ included, embedding lookup and element-wise ops excluded.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -95,6 +95,17 @@ def device_peaks(device: torch.device, flops: float | None = None, bandwidth: fl
     return DevicePeaks(flops or mf, bandwidth or mb, "measured")
 
 
+def synced_seconds(fn: Callable[[], object], device: torch.device) -> float:
+    """Seconds of one call of fn, the device's queued work finished before and after it."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    t = time.perf_counter()
+    fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - t
+
+
 def measure_peaks(device: torch.device, seconds: float = 0.3) -> tuple[float, float]:
     """Best observed fp32 matmul FLOP/s and copy bandwidth (read + write) on this device, in ~2*seconds."""
     a = torch.randn(1024, 1024, device=device)
@@ -106,13 +117,7 @@ def measure_peaks(device: torch.device, seconds: float = 0.3) -> tuple[float, fl
         fn()
         end = time.perf_counter() + seconds
         while time.perf_counter() < end:
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            t = time.perf_counter()
-            fn()
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            rate = work / (time.perf_counter() - t)
+            rate = work / synced_seconds(fn, device)
             if kind == "f":
                 best_f = max(best_f, rate)
             else:

@@ -39,7 +39,7 @@ import torch
 from pdserve.config import CacheConfig, EngineConfig, SchedulerConfig, kv_bytes_per_token
 from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.sampling import SamplingParams
-from pdserve.engine.utilization import weight_bytes
+from pdserve.engine.utilization import synced_seconds, weight_bytes
 from pdserve.planner.costs import MeasuredCosts, Transport, attention_pairs, fit_measured, fit_nonnegative
 
 PREFILL_TOKENS = (16, 64, 256, 512, 1024, 2048)
@@ -93,17 +93,8 @@ def device_name(device: torch.device) -> str:
 
 def _timed(fn: Callable[[], Any], device: torch.device, reps: int) -> float:
     """Median seconds of fn over reps calls, after one unrecorded call."""
-    times = []
-    for i in range(reps + 1):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        t = time.perf_counter()
-        fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        if i:
-            times.append(time.perf_counter() - t)
-    return statistics.median(times)
+    fn()
+    return statistics.median(synced_seconds(fn, device) for _ in range(reps))
 
 
 class _Bench:
