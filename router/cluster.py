@@ -267,8 +267,9 @@ class Cluster:
                     placed.append(streamer)
                     await self._call(streamer, self._reserve(streamer, task, req.tier, p))
             first_decode = True
+            pending: collections.deque[TokenEvent | Failure] = collections.deque()  # taken, not yet handled
             while not finished:
-                ev = await q.get()
+                ev = pending.popleft() if pending else await q.get()
                 if isinstance(ev, Failure):
                     if ev.request_id == wrid:
                         raise _Retry(ev.reason, ev.detail, [w.worker_id for w in placed])
@@ -279,9 +280,19 @@ class Cluster:
                     placed[0].requests.discard(wrid)  # the KV has landed: the prefill worker's part is over
                 first_decode = False
                 req.token_ids.append(ev.token)
-                out = token_output(req, text, ev.token, ev.finish_reason)
+                out, last = token_output(req, text, ev.token, ev.finish_reason), ev
+                # The tokens already here go out together, in one message: when the client (or this loop)
+                # lags behind the decode steps, a message's cost is paid once for all of them.
+                while not out.finished and (pending or not q.empty()):
+                    nxt = pending.popleft() if pending else q.get_nowait()
+                    if isinstance(nxt, TokenEvent) and nxt.request_id == wrid:
+                        req.token_ids.append(nxt.token)
+                        out, last = out.then(token_output(req, text, nxt.token, nxt.finish_reason)), nxt
+                    elif isinstance(nxt, Failure) and nxt.request_id == wrid:
+                        pending.append(nxt)  # after the tokens that came before it
+                        break
                 finished = out.finished
-                if finished and ev.finish_reason is None:
+                if finished and last.finish_reason is None:
                     streamer.handle.cancel.remote(wrid)  # a stop string ended it; the worker would go on
                 yield self._annotate(out, req, placed if finished else [])
         finally:

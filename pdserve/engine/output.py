@@ -31,6 +31,13 @@ class RequestOutput:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
+    def then(self, later: RequestOutput) -> RequestOutput:
+        """This output and the next one of the same request as one (sent together, in one message)."""
+        assert later.request_id == self.request_id and not self.finished
+        return RequestOutput(self.request_id, self.new_token_ids + later.new_token_ids, self.new_text + later.new_text,
+                             later.finish_reason, later.num_prompt_tokens, later.num_output_tokens, later.error,
+                             later.num_cached_tokens, later.placement, later.service_tier)
+
 
 @dataclass
 class TextDelta:

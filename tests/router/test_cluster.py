@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import time
 
 import pytest
 import torch
@@ -216,3 +218,36 @@ def test_tiny_prefix_affinity_routes_repeats_to_the_cached_worker(aloop, tiny_cl
         again = aloop.run(last_output())
         assert again.placement[0] == first.placement[0]
         assert again.num_cached_tokens == 68
+
+
+@pytest.mark.slow
+def test_smol_lagging_client_gets_the_waiting_tokens_in_one_message(aloop, smol_cluster, smol_reference):
+    """A client that lags behind the decode steps gets the tokens already at the router together, in one
+    message: the same tokens, text, stop-string cut and finish reason as the offline engine, with the stop
+    string inside such a message."""
+    eng, prompts, _, _ = smol_reference
+    cluster = smol_cluster.cluster
+    base = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    free = eng.generate([prompts[1]], base)[0]
+    words = free.text.split()
+    stop = words[2 * len(words) // 3]  # a stop string well after the lag began
+    for params in (base, SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, stop=(stop,))):
+        ref = eng.generate([prompts[1]], params)[0]
+
+        async def lagging():
+            outs = []
+            async with contextlib.aclosing(cluster.generate(prompts[1], params, "lagging")) as gen:
+                async for out in gen:
+                    outs.append(out)
+                    if len(outs) == 2:  # lag until the decode worker's tokens up to max_tokens wait here
+                        deadline = time.monotonic() + 60
+                        while cluster._streams["lagging"].qsize() < 38 and time.monotonic() < deadline:
+                            await asyncio.sleep(0.01)
+            return outs
+
+        outs = aloop.run(lagging())
+        assert [t for o in outs for t in o.new_token_ids] == ref.token_ids
+        assert "".join(o.new_text for o in outs) == ref.text
+        assert outs[-1].finish_reason is (FinishReason.STOP if params.stop else FinishReason.LENGTH)
+        assert len(outs) == 3  # the first token, the first decoded one, then all the rest at once
+    assert_no_leaks(aloop, cluster)
