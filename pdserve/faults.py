@@ -5,7 +5,10 @@ exact moment (inside a step, between two parts of a KV transfer) while the test 
 or a transfer to arrive corrupted. A point does nothing unless a test armed it through the worker's
 `inject_fault` actor method; `fault_reached` lets the test wait, without sleeping, until the worker
 is there. A point can let its first hits pass (`skip`), so a test catches a worker at, say, its fourth
-step with work: a moment that comes after the streams began and before any of them can end.
+step with work: a moment that comes after the streams began and before any of them can end. Armed with
+seconds=math.inf, a hit is held there until the test releases it (`release_fault`) or kills the worker:
+the moment is the test's to end, whatever the machine's speed. A stall of fixed seconds is for what is
+about time (a transfer that outlasts its timeout).
 
 Points: "step" (a step with work, before it runs), "send" (a KV transfer, before its header),
 "mid_send" (a KV transfer, after its first part), "corrupt" (a KV transfer: one of its parts is
@@ -13,10 +16,16 @@ altered after its checksum was taken).
 """
 from __future__ import annotations
 
+import logging
+import math
 import threading
 import time
 
 POINTS = ("step", "send", "mid_send", "corrupt")
+# A hit armed with seconds=math.inf is held until the test releases it (or the process dies); a test
+# that never does (it failed first) lets it go after this long, so no worker is kept forever.
+HOLD_LIMIT_S = 600.0
+log = logging.getLogger(__name__)
 
 
 class FaultPoints:
@@ -26,9 +35,11 @@ class FaultPoints:
         self._lock = threading.Lock()
         self._armed: dict[str, list[float | None]] = {}  # point -> each coming hit: its stall, None to pass
         self._reached: dict[str, threading.Event] = {p: threading.Event() for p in POINTS}
+        self._released: dict[str, threading.Event] = {p: threading.Event() for p in POINTS}
 
     def arm(self, point: str, seconds: float = 0.0, count: int = 1, skip: int = 0) -> None:
-        """The `count` hits after the next `skip` ones stall `seconds` each (and act, for "corrupt")."""
+        """The `count` hits after the next `skip` ones stall `seconds` each (and act, for "corrupt");
+        math.inf holds each until `release`."""
         if point not in POINTS:
             raise ValueError(f"unknown fault point {point!r}; the points are {', '.join(POINTS)}")
         if count < 1 or skip < 0:
@@ -36,6 +47,7 @@ class FaultPoints:
         with self._lock:
             self._armed[point] = [seconds] * count + [None] * skip  # popped from the end
             self._reached[point].clear()
+            self._released[point].clear()
 
     def hit(self, point: str) -> bool:
         """At the point: whether it was armed (and stall as armed, after saying it was reached)."""
@@ -51,9 +63,16 @@ class FaultPoints:
             if seconds is None:  # a hit let through
                 return False
             self._reached[point].set()
-        if seconds > 0:
+        if seconds == math.inf:
+            if not self._released[point].wait(HOLD_LIMIT_S):
+                log.warning("fault point %r held %.0f s and never released: going on", point, HOLD_LIMIT_S)
+        elif seconds > 0:
             time.sleep(seconds)
         return True
+
+    def release(self, point: str) -> None:
+        """Let a held hit of the point go on (and any later one armed with the same hold)."""
+        self._released[point].set()
 
     def wait_reached(self, point: str, timeout: float) -> bool:
         return self._reached[point].wait(timeout)

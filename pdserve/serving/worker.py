@@ -113,6 +113,10 @@ class WorkerActor:
         """Tests only: arm a fault point (pdserve.faults) for `count` hits after the next `skip`."""
         self.faults.arm(point, seconds, count, skip)
 
+    async def release_fault(self, point: str) -> None:
+        """Tests only: let a fault point armed with seconds=math.inf go on."""
+        self.faults.release(point)
+
     async def fault_reached(self, point: str, timeout: float = 60.0) -> bool:
         """Tests only: wait until an armed fault point has been hit (False after the timeout)."""
         return await asyncio.to_thread(self.faults.wait_reached, point, timeout)

@@ -7,6 +7,7 @@ hold them, where a cluster sends them as Ray calls.
 """
 from __future__ import annotations
 
+import math
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -364,3 +365,26 @@ def test_fault_points_let_the_first_hits_pass():
         faults.arm("nowhere")
     with pytest.raises(ValueError, match="count"):
         faults.arm("step", count=0)
+
+
+def test_a_held_fault_point_waits_for_its_release():
+    """Armed with math.inf, a hit stays at the point until the test releases it: reached, not passed."""
+    faults = FaultPoints()
+    faults.arm("step", math.inf)
+    hit = threading.Thread(target=faults.hit, args=("step",))
+    hit.start()
+    assert faults.wait_reached("step", 30)
+    hit.join(0.2)
+    assert hit.is_alive()  # held there, however long the test takes
+    faults.release("step")
+    hit.join(30)
+    assert not hit.is_alive()
+    faults.arm("step", math.inf)  # armed again: held again (the last release does not carry over)
+    hit = threading.Thread(target=faults.hit, args=("step",))
+    hit.start()
+    assert faults.wait_reached("step", 30)
+    hit.join(0.2)
+    assert hit.is_alive()
+    faults.release("step")
+    hit.join(30)
+    assert not hit.is_alive()
