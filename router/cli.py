@@ -134,6 +134,14 @@ def add_serve_parser(sub: Any) -> argparse.ArgumentParser:
     serve.add_argument("--max-running", type=int, default=256, help="requests on the workers at once")
     serve.add_argument("--max-queued", type=int, default=1024, help="requests waiting; more get RESOURCE_EXHAUSTED")
     serve.add_argument("--drain-timeout", type=float, default=30.0, help="seconds in-flight requests get on shutdown")
+    serve.add_argument("--max-request-body-bytes", type=int, default=None, metavar="BYTES",
+                       help="the most bytes of one request: an HTTP body (past it 413, before reading on) or a gRPC "
+                            "message (RESOURCE_EXHAUSTED); default: what the largest valid request takes in each "
+                            "door's encoding, from the 1 Mi-character text limit and the model's context "
+                            "(13.25 MiB of JSON, 5.06 MiB of protobuf with an 8k context)")
+    serve.add_argument("--request-body-budget-bytes", type=int, default=None, metavar="BYTES",
+                       help="the most bytes of HTTP request bodies held at once (being read, or read and not yet "
+                            "answered); a request that would pass it gets 503 at once (default: 16 of the largest)")
     serve.set_defaults(func=cmd_serve)
     return serve
 
@@ -174,7 +182,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
                                  ssl_certfile=args.ssl_certfile, ssl_keyfile=args.ssl_keyfile,
                                  ssl_ca_certs=args.ssl_ca_certs, api_key=read_api_key(args.api_key, args.api_key_file),
                                  metrics_tls=args.metrics_tls, health_port=args.health_port,
-                                 http_port=args.http_port or None, served_model_name=args.served_model_name)
+                                 http_port=args.http_port or None, served_model_name=args.served_model_name,
+                                 max_request_body_bytes=args.max_request_body_bytes,
+                                 request_body_budget_bytes=args.request_body_budget_bytes)
     if args.ray_address:
         ray.init(address=args.ray_address, log_to_driver=False)
     else:

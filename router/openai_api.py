@@ -6,10 +6,14 @@ same metrics (labelled protocol="http"), the same API key and TLS. Streams are s
 (`data: {json}` ... `data: [DONE]`); a client that goes away cancels its request on every worker.
 
 What OpenAI's API has and pdserve does not (n > 1, logprobs, echo, suffix, tools, penalties, logit
-bias, JSON mode) is a 400 that names the field. Errors use OpenAI's shape,
-{"error": {"message", "type", "param", "code"}}: 400 bad input, 401 missing or wrong key, 404 unknown
-model, 429 admission queue full, 503 draining or the workers failed the request. The request bodies and
-the error are in router.openai_schema.
+bias, JSON mode) is a 400 that names the field. Every error uses OpenAI's shape,
+{"error": {"message", "type", "param", "code"}}: 400 bad input (a body that is not a JSON object
+included), 401 missing or wrong key, 404 unknown model or path, 405 wrong method, 413 a body over
+the bound, 429 admission queue full, 503 draining, the workers failed the request, or the door holds
+its budget of request bodies. The request bodies and the error are in router.openai_schema.
+
+Request bodies are bounded while they are read (_BodyLimit), so bad input cannot take the router's
+memory: RouterConfig.max_request_body_bytes for one body, request_body_budget_bytes for all of them.
 """
 from __future__ import annotations
 
@@ -24,6 +28,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pdserve.engine.output import RequestOutput
 from pdserve.engine.request import FinishReason
@@ -36,10 +41,14 @@ _FINISH = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length"}
 DISCONNECT_POLL_S = 0.25  # how often a non-streamed request checks that its client is still there
 
 
-def build_app(service, model_name: str, api_key: str | None) -> FastAPI:
-    """service: the router's GenerationService (cluster, admission, metrics, serving flag, limits)."""
+def build_app(service, model_name: str, api_key: str | None, max_body_bytes: int, body_budget_bytes: int) -> FastAPI:
+    """service: the router's GenerationService (cluster, admission, metrics, serving flag, limits).
+    max_body_bytes: the most one request body may have; body_budget_bytes: the most all the bodies the
+    door holds at once may have (app.state.bodies counts them)."""
     app = FastAPI(title="pdserve (OpenAI-compatible)", docs_url=None, redoc_url=None, openapi_url=None)
-    if api_key:
+    app.state.bodies = BodyBudget(max_body_bytes, body_budget_bytes)
+    app.add_middleware(_BodyLimit, bodies=app.state.bodies, metrics=service.metrics)
+    if api_key:  # added last, so it runs first: a request without the key reads nothing of its body
         app.add_middleware(_ApiKey, expected=f"Bearer {api_key}".encode())
     info = service.cluster.info
     names = {model_name, info.path}
@@ -52,8 +61,29 @@ def build_app(service, model_name: str, api_key: str | None) -> FastAPI:
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, e: RequestValidationError) -> JSONResponse:
         first = e.errors()[0] if e.errors() else {}
+        if first.get("type") == "json_invalid":
+            why = (first.get("ctx") or {}).get("error", "JSON decode error")
+            return HTTPError(400, f"the body is not valid JSON: {why} at position {first['loc'][-1]}").response()
         where = ".".join(str(x) for x in first.get("loc", ()) if x != "body")
-        return HTTPError(400, f"{where or 'body'}: {first.get('msg', 'invalid request')}", param=where or None).response()
+        if not where and first.get("type") in ("model_attributes_type", "dict_type", "model_type"):
+            return HTTPError(400, "the body must be a JSON object, sent with Content-Type: application/json").response()
+        return HTTPError(400, f"{where or 'body'}: {first.get('msg', 'invalid request')}",
+                         param=where or None).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, e: StarletteHTTPException) -> JSONResponse:
+        # FastAPI's own: a body it could not read (not UTF-8), no such path, a method the path does not take.
+        message = {400: f"the body could not be read as JSON in UTF-8 ({e.detail})",
+                   404: f"invalid URL ({request.method} {request.url.path}): this server has /v1/models, "
+                        "/v1/completions, /v1/chat/completions and /health",
+                   405: f"{request.method} is not allowed on {request.url.path}"}.get(e.status_code, str(e.detail))
+        kind = "invalid_request_error" if e.status_code < 500 else "server_error"
+        return HTTPError(e.status_code, message, kind=kind, headers=getattr(e, "headers", None)).response()
+
+    @app.exception_handler(Exception)
+    async def _crash(request: Request, e: Exception) -> JSONResponse:  # logged by the server as well
+        return HTTPError(500, f"internal error: {type(e).__name__}", kind="server_error",
+                         grpc_code="INTERNAL").response()
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -147,6 +177,88 @@ class _ApiKey:
                 await error.response()(scope, receive, send)
                 return
         await self.app(scope, receive, send)
+
+
+class BodyBudget:
+    """The HTTP door's bounds on request bodies, and the bytes of them it holds now."""
+
+    def __init__(self, limit: int, total: int):
+        self.limit, self.total = limit, total
+        self.held = 0  # bytes of bodies being read, or read and their request not yet answered
+
+    def check(self, size: int, more: int) -> HTTPError | None:
+        """The answer to a request whose body has reached `size` bytes (or says it will) and needs `more`
+        of the budget now; None: go on."""
+        if size > self.limit:
+            return HTTPError(413, f"the request body has more than {self.limit} bytes, the most this server reads "
+                                  "(--max-request-body-bytes)", code="request_too_large",
+                             grpc_code="RESOURCE_EXHAUSTED")
+        if self.held + more > self.total:
+            return HTTPError(503, f"the server holds {self.held} bytes of request bodies and this one would pass its "
+                                  f"budget of {self.total} (--request-body-budget-bytes); retry shortly",
+                             kind="server_error", code="server_busy", grpc_code="UNAVAILABLE",
+                             headers={"Retry-After": "1"})
+        return None
+
+
+class _BodyLimit:
+    """Request bodies bounded while they are read (plain ASGI, as _ApiKey). A Content-Length over the
+    bound is answered 413 before a byte of the body is read; a body without one (chunked) is counted as
+    it arrives and answered 413 the moment it passes the bound, what was read of it dropped at once. The
+    bodies the door holds at once (being read, or read and their request not yet answered) have a budget
+    in bytes: a request that would pass it is answered 503 at once (Retry-After: 1), never kept waiting.
+    Behind a refusal the server (uvicorn) reads the rest of the body and drops it, so a client that sends
+    its whole body before it reads gets the answer too, and nothing of it stays in memory.
+
+    The body is read here, whole, before the app runs (FastAPI reads it whole anyway): one message is
+    handed on as it came, several are joined once (the join Starlette would do), so a normal body is not
+    copied again; later receives pass through (disconnects)."""
+
+    def __init__(self, app, bodies: BodyBudget, metrics):
+        self.app, self.bodies, self.metrics = app, bodies, metrics
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        bodies, held, chunks = self.bodies, 0, []
+        try:
+            length = next((v for k, v in scope["headers"] if k == b"content-length"), None)
+            error = bodies.check(int(length), int(length)) if length is not None and length.isdigit() else None
+            while error is None:
+                message = await receive()
+                if message["type"] != "http.request":
+                    return  # the client went away before its body was whole: nobody to answer
+                chunk = message.get("body", b"")
+                error = bodies.check(held + len(chunk), len(chunk))
+                if error is None:
+                    bodies.held += len(chunk)
+                    held += len(chunk)
+                    chunks.append(chunk)
+                    if not message.get("more_body", False):
+                        break
+            if error is not None:
+                chunks.clear()
+                bodies.held -= held
+                held = 0
+                t = Timeline("http")
+                t.code = error.grpc_code
+                t.record(self.metrics)
+                await error.response()(scope, receive, send)
+                return
+            body: bytes | None = b"".join(chunks)  # one chunk: that very object, no copy
+            chunks.clear()
+
+            async def replay():
+                nonlocal body
+                if body is None:
+                    return await receive()
+                message, body = {"type": "http.request", "body": body, "more_body": False}, None
+                return message
+
+            await self.app(scope, replay, send)
+        finally:
+            bodies.held -= held
 
 
 def _model_card(name: str, created: int, info) -> dict:
@@ -303,7 +415,9 @@ async def _sse(run: _Run, first: RequestOutput | None, kind: str, rid: str, mode
                 break
             out = await run.next()
         if include_usage:
-            yield f"data: {json.dumps({'id': rid, 'object': obj, 'created': created, 'model': model, 'choices': [], 'usage': run.usage(), 'service_tier': run.t.served_tier})}\n\n"
+            last = {'id': rid, 'object': obj, 'created': created, 'model': model, 'choices': [], 'usage': run.usage(),
+                    'service_tier': run.t.served_tier}
+            yield f"data: {json.dumps(last)}\n\n"
         yield "data: [DONE]\n\n"
         code, reason = "OK", None
     except HTTPError as e:  # the workers failed it mid-stream: the status line is long gone, say so in the stream

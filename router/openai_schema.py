@@ -18,13 +18,14 @@ from pydantic import BaseModel, ConfigDict
 
 class HTTPError(Exception):
     def __init__(self, status: int, message: str, kind: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None, grpc_code: str = "INVALID_ARGUMENT"):
+                 code: str | None = None, grpc_code: str = "INVALID_ARGUMENT", headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status, self.kind, self.param, self.code, self.grpc_code = status, kind, param, code, grpc_code
+        self.headers = headers
 
     def response(self) -> JSONResponse:
         return JSONResponse({"error": {"message": str(self), "type": self.kind, "param": self.param,
-                                       "code": self.code}}, status_code=self.status)
+                                       "code": self.code}}, status_code=self.status, headers=self.headers)
 
 
 # -- request bodies -------------------------------------------------------------------------------------

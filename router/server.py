@@ -43,6 +43,31 @@ _FINISH = {FinishReason.STOP: pb.FINISH_REASON_STOP, FinishReason.LENGTH: pb.FIN
            FinishReason.CANCELLED: pb.FINISH_REASON_CANCELLED, FinishReason.ERROR: pb.FINISH_REASON_ERROR}
 
 
+# What the largest valid request can take on the wire, from the limits the router checks a request against
+# (router.admission.prepare), so that the doors refuse what no valid request can be before reading it:
+# - text: max_input_chars characters of prompt or messages. JSON writes a character as at most 12 bytes (one
+#   outside the BMP escaped as a surrogate pair, "\ud83d\ude00", which clients that escape non-ASCII send:
+#   Python's json and requests among them); protobuf as at most 4 (UTF-8).
+# - per token of the context (max_model_len): a token id as JSON is at most 8 digits and ", " (10 bytes); a
+#   chat message, each of which takes at least one token of the template, adds {"role": "", "content": ""},
+#   (29 bytes) beside its characters: 32 bytes a token in JSON; in protobuf a varint id or a message's tags
+#   and lengths, 8.
+# - 1 MiB for every other field (sampling, stop strings, names).
+# With the defaults (1 Mi characters) and SmolLM2's 8,192-token context: HTTP 12 MiB + 256 KiB + 1 MiB =
+# 13,893,632 bytes; gRPC 4 MiB + 64 KiB + 1 MiB = 5,308,416 (gRPC's own default, 4 MiB, refused a valid
+# 1 Mi-character prompt of 4-byte characters). A 128k-token context adds 4 MiB to HTTP's, 1 MiB to gRPC's.
+JSON_BYTES_PER_CHAR, JSON_BYTES_PER_TOKEN = 12, 32
+PROTO_BYTES_PER_CHAR, PROTO_BYTES_PER_TOKEN = 4, 8
+REQUEST_HEADROOM_BYTES = 1 << 20
+BODY_BUDGET_REQUESTS = 16  # the HTTP door holds at most this many of the largest bodies at once, by default
+
+
+def request_size_bounds(max_input_chars: int, max_model_len: int) -> tuple[int, int]:
+    """(HTTP body, gRPC message): the bytes the largest valid request can take in each door's encoding."""
+    return (JSON_BYTES_PER_CHAR * max_input_chars + JSON_BYTES_PER_TOKEN * max_model_len + REQUEST_HEADROOM_BYTES,
+            PROTO_BYTES_PER_CHAR * max_input_chars + PROTO_BYTES_PER_TOKEN * max_model_len + REQUEST_HEADROOM_BYTES)
+
+
 @dataclass(frozen=True)
 class RouterConfig:
     host: str = "127.0.0.1"
@@ -63,10 +88,22 @@ class RouterConfig:
     health_port: int | None = None  # grpc.health.v1 alone, plaintext, on this port too (for probes)
     http_port: int | None = None  # the OpenAI-compatible HTTP API (router.openai_api) on host:http_port
     served_model_name: str | None = None  # the model's name in the HTTP API; None: its file or directory name
+    # The bytes of one request either door reads, an HTTP body or a gRPC message: past it HTTP answers 413
+    # before reading on, gRPC RESOURCE_EXHAUSTED. None: what the largest valid request can take in that door's
+    # encoding (request_size_bounds).
+    max_request_body_bytes: int | None = None
+    # The bytes of HTTP request bodies the door holds at once (being read, or read and not yet answered); a
+    # request that would pass it is answered 503 at once. None: BODY_BUDGET_REQUESTS of the largest.
+    request_body_budget_bytes: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_running < 1 or self.max_queued < 0:
             raise ValueError("max_running must be >= 1 and max_queued >= 0")
+        if any(n is not None and n < 1 for n in (self.max_request_body_bytes, self.request_body_budget_bytes)):
+            raise ValueError("max_request_body_bytes and request_body_budget_bytes must be >= 1")
+        if None not in (self.max_request_body_bytes, self.request_body_budget_bytes) \
+                and self.request_body_budget_bytes < self.max_request_body_bytes:
+            raise ValueError("request_body_budget_bytes must be >= max_request_body_bytes (one body must fit)")
         if bool(self.ssl_certfile) != bool(self.ssl_keyfile):
             raise ValueError("TLS needs both a certificate (--ssl-certfile) and its key (--ssl-keyfile)")
         if (self.ssl_ca_certs or self.metrics_tls) and not self.ssl_certfile:
@@ -80,6 +117,16 @@ class RouterConfig:
     @property
     def tls(self) -> bool:
         return self.ssl_certfile is not None
+
+    def request_bounds(self, max_model_len: int) -> tuple[int, int, int]:
+        """(HTTP body, gRPC message, HTTP bodies held at once) in bytes, for a model of this context."""
+        http, grpc_ = request_size_bounds(self.max_input_chars, max_model_len)
+        if self.max_request_body_bytes is not None:
+            http = grpc_ = self.max_request_body_bytes
+        budget = self.request_body_budget_bytes or BODY_BUDGET_REQUESTS * http
+        if budget < http:
+            raise ValueError(f"request_body_budget_bytes ({budget}) is below one request body's bound ({http})")
+        return http, grpc_, budget
 
 
 class GenerationService(pb_grpc.GenerationServicer):
@@ -277,12 +324,20 @@ class Router:
         self._metrics_server = None
         self._health_server: grpc.aio.Server | None = None
         self.http_port: int | None = None
+        self.http_app = None
         self._http_server = None
         self._http_task: asyncio.Task | None = None
+        # Request bytes each door reads (RouterConfig.max_request_body_bytes) and the HTTP door's budget; at start.
+        self.max_request_body_bytes = self.grpc_max_receive_bytes = self.request_body_budget_bytes = 0
 
     async def start(self) -> int:
         c = self.config
-        server = grpc.aio.server(interceptors=[ApiKeyInterceptor(c.api_key)] if c.api_key else None)
+        self.max_request_body_bytes, self.grpc_max_receive_bytes, self.request_body_budget_bytes = \
+            c.request_bounds(self.cluster.info.max_model_len)
+        # A gRPC message over the bound is refused by grpc itself (RESOURCE_EXHAUSTED), from its length
+        # prefix, before it is read.
+        server = grpc.aio.server(interceptors=[ApiKeyInterceptor(c.api_key)] if c.api_key else None,
+                                 options=[("grpc.max_receive_message_length", self.grpc_max_receive_bytes)])
         handlers = {
             "Generate": grpc.unary_stream_rpc_method_handler(
                 self.service.Generate, request_deserializer=parse_wire,
@@ -336,7 +391,8 @@ class Router:
 
         c = self.config
         name = c.served_model_name or Path(self.cluster.info.path).name
-        app = build_app(self.service, name, c.api_key)
+        app = build_app(self.service, name, c.api_key, self.max_request_body_bytes, self.request_body_budget_bytes)
+        self.http_app = app
         tls = {}
         if c.tls:
             tls = dict(ssl_certfile=c.ssl_certfile, ssl_keyfile=c.ssl_keyfile, ssl_ca_certs=c.ssl_ca_certs,

@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+import select
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 
+import grpc
 import httpx
 import openai
 import pytest
@@ -12,7 +18,7 @@ import pytest
 from pdserve.client import Client
 from pdserve.config import CacheConfig, ClusterConfig, EngineConfig, PoolConfig, SchedulerConfig
 from router.cluster import Cluster
-from router.server import Router, RouterConfig
+from router.server import Router, RouterConfig, request_size_bounds
 
 from conftest import wait_for
 
@@ -232,3 +238,171 @@ def test_drain_lets_http_streams_finish(aloop, cluster):
     assert events[-1] == "[DONE]"
     assert json.loads(events[-2])["usage"]["completion_tokens"] == 30  # the whole answer, not cut by the drain
     assert not r.service.serving
+
+
+# -- bad input at the edge (#37): request bodies bounded while they are read ------------------------------------------
+
+MiB = 1 << 20
+
+
+def read_answer(s: socket.socket) -> tuple[int, dict]:
+    """The status and JSON body of the HTTP response on `s`."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        more = s.recv(1 << 16)
+        assert more, f"the connection closed before an answer: {data!r}"
+        data += more
+    head, _, body = data.partition(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    length = int(next(v for k, _, v in (x.partition(":") for x in lines[1:]) if k.lower() == "content-length"))
+    while len(body) < length:
+        body += s.recv(1 << 16)
+    return int(lines[0].split()[1]), json.loads(body[:length])
+
+
+def post_big(port: int, size: int, *, chunked: bool, declared: int | None = None, stop_at: int | None = None,
+             piece: int = 1 << 16):
+    """POST a body of `size` bytes to /v1/completions over a raw socket, never held whole (one 64 KiB piece
+    sent again and again), with a Content-Length (`declared`, default `size`) or chunked, and stop sending
+    as soon as an answer comes, as curl does. (status, error body, seconds from the headers to the answer,
+    body bytes sent). stop_at: send that many bytes, then return the open socket without an answer."""
+    framing = "Transfer-Encoding: chunked" if chunked else f"Content-Length: {size if declared is None else declared}"
+    head = (f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {KEY}\r\n"
+            f"Content-Type: application/json\r\n{framing}\r\n\r\n")
+    frame = b"%x\r\n" % piece + b"x" * piece + b"\r\n" if chunked else b"x" * piece
+    s = socket.create_connection(("127.0.0.1", port), timeout=60)
+    s.sendall(head.encode())
+    t0, sent = time.monotonic(), 0
+    try:
+        while sent < min(size, stop_at or size) and not select.select([s], [], [], 0)[0]:
+            s.sendall(frame)
+            sent += piece
+        if stop_at is not None:
+            return s
+        if chunked and sent >= size:
+            s.sendall(b"0\r\n\r\n")
+    except (BrokenPipeError, ConnectionResetError):
+        pass  # the server may close once it has answered: the answer is still there to read
+    with s:
+        status, body = read_answer(s)
+    return status, body, time.monotonic() - t0, sent
+
+
+def rss() -> int:
+    """This process's resident memory in bytes: the router runs in it (the workers are Ray's processes)."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) << 10 for line in f if line.startswith("VmRSS:"))
+
+
+class PeakRSS:
+    """The highest rss() seen while the block runs, sampled every 2 ms."""
+
+    def __enter__(self):
+        self.peak, self._stop = rss(), threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def _sample(self):
+        while not self._stop.wait(0.002):
+            self.peak = max(self.peak, rss())
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, rss())
+
+
+def test_bounds_default_to_what_a_valid_request_can_need(cluster, router, grpc_client):
+    """One body bound for HTTP, one message bound for gRPC, from the text limit and the context (server.py
+    says the arithmetic); an oversized body is refused before it is read, and a body under the bound
+    reaches the checks that name the real limit."""
+    max_chars, context = RouterConfig().max_input_chars, cluster.info.max_model_len
+    http_bound, grpc_bound = request_size_bounds(max_chars, context)
+    assert http_bound == 12 * max_chars + 32 * context + MiB and grpc_bound == 4 * max_chars + 8 * context + MiB
+    assert (router.max_request_body_bytes, router.grpc_max_receive_bytes) == (http_bound, grpc_bound)
+    assert router.request_body_budget_bytes == 16 * http_bound
+    status, body, seconds, sent = post_big(router.http_port, 200 * MiB, chunked=False)
+    assert status == 413 and f"more than {http_bound} bytes" in body["error"]["message"]
+    assert body["error"]["code"] == "request_too_large" and sent < 16 * MiB and seconds < 5
+    r = httpx.post(f"http://127.0.0.1:{router.http_port}/v1/completions", headers={"Authorization": f"Bearer {KEY}"},
+                   json=dict(model=MODEL, prompt="x" * (2 * max_chars), max_tokens=2), timeout=60)
+    assert r.status_code == 400 and f"the limit is {max_chars}" in r.json()["error"]["message"]
+    with pytest.raises(grpc.RpcError) as e:  # over the gRPC bound: grpc refuses it from its length prefix
+        grpc_client.complete("x" * (grpc_bound + MiB), max_tokens=2, timeout=60)
+    assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    with pytest.raises(grpc.RpcError) as e:  # over gRPC's own 4 MiB default, under the bound: the text limit answers
+        grpc_client.complete("x" * (4 * MiB + 100_000), max_tokens=2, timeout=60)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and f"the limit is {max_chars}" in e.value.details()
+
+
+@pytest.mark.parametrize("request_kw, status, message", [
+    (dict(method="POST", url="/v1/completions", content=b'{"model": "smollm2", "prompt": ',
+          headers={"Content-Type": "application/json"}), 400, "not valid JSON"),
+    (dict(method="POST", url="/v1/chat/completions", content=b'{"model": "\xff"}',
+          headers={"Content-Type": "application/json"}), 400, "UTF-8"),
+    (dict(method="POST", url="/v1/completions", content=b'{"model": "smollm2", "prompt": "Hi"}',
+          headers={"Content-Type": "text/plain"}), 400, "Content-Type: application/json"),
+    (dict(method="POST", url="/v1/completions", json=[1, 2]), 400, "a JSON object"),
+    (dict(method="POST", url="/v1/embeddings", json={}), 404, "invalid URL (POST /v1/embeddings)"),
+    (dict(method="GET", url="/v1/completions"), 405, "GET is not allowed"),
+], ids=["malformed-json", "not-utf8", "wrong-content-type", "not-an-object", "unknown-path", "wrong-method"])
+def test_every_error_has_openais_shape(router, request_kw, status, message):
+    kw = dict(request_kw)
+    kw["headers"] = {**kw.get("headers", {}), "Authorization": f"Bearer {KEY}"}
+    kw["url"] = f"http://127.0.0.1:{router.http_port}{kw['url']}"
+    r = httpx.request(**kw, timeout=30)
+    assert r.status_code == status
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["type"] == "invalid_request_error"
+    assert message in error["message"], error
+
+
+def test_oversized_bodies_are_cut_off_and_their_memory_is_not_kept(aloop, cluster):
+    """A 200 MB body with a Content-Length, a 200 MB chunked one and four concurrent 128 MB chunked ones,
+    against a 4 MiB bound and a 16 MiB budget: each is answered 413 as soon as it passes the bound, the
+    router's memory grows by less than twice the budget (reading any one body whole would pass that), and
+    the same request before and after gets the same tokens."""
+    bound, budget = 4 * MiB, 16 * MiB
+    r = start(aloop, cluster, max_request_body_bytes=bound, request_body_budget_bytes=budget)
+    try:
+        port, bodies = r.http_port, r.http_app.state.bodies
+        sdk = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=120)
+        ask = dict(model=MODEL, prompt="The capital of France is", max_tokens=12, temperature=0.0,
+                   extra_body={"ignore_eos": True})
+        before = sdk.completions.create(**ask).choices[0].text
+        rss_before = rss()
+        with PeakRSS() as peak:
+            declared = post_big(port, 200 * MiB, chunked=False)
+            chunked = post_big(port, 200 * MiB, chunked=True)
+            with ThreadPoolExecutor(4) as pool:  # four at once
+                burst = list(pool.map(lambda _: post_big(port, 128 * MiB, chunked=True), range(4)))
+        wait_for(lambda: bodies.held == 0, 10, what="the door to hold no body")
+        rss_after = rss()
+        for status, body, seconds, sent in [declared, chunked, *burst]:
+            assert status == 413 and body["error"]["code"] == "request_too_large", body
+            # Cut off at the bound, not read to the end: the client sent the bound and what the kernel's socket
+            # buffers on both sides took (a few MiB on loopback) before the answer came.
+            assert seconds < 10 and sent < bound + 32 * MiB
+        growth = peak.peak - rss_before
+        print(f"\nRSS before {rss_before / MiB:.0f} MiB, peak {peak.peak / MiB:.0f} MiB (+{growth / MiB:.1f}), "
+              f"after {rss_after / MiB:.0f} MiB; to 413: Content-Length {declared[2] * 1000:.0f} ms, chunked "
+              f"{chunked[2] * 1000:.0f} ms, burst of 4 {max(b[2] for b in burst) * 1000:.0f} ms at most; "
+              f"sent {declared[3] / MiB:.1f}/{chunked[3] / MiB:.1f}/{max(b[3] for b in burst) / MiB:.1f} MiB")
+        assert growth < 2 * budget, f"the router grew by {growth / MiB:.0f} MiB"
+        assert rss_after - rss_before < 2 * budget
+
+        # The budget: four bodies being read hold 15 MiB of the 16; a fifth that would pass it is 503 at once.
+        held = [post_big(port, bound, chunked=False, stop_at=bound - MiB // 4) for _ in range(4)]
+        wait_for(lambda: bodies.held == 4 * (bound - MiB // 4), 30, what="four bodies held")
+        status, body, seconds, _ = post_big(port, 2 * MiB, chunked=False)
+        assert status == 503 and body["error"]["code"] == "server_busy" and seconds < 5
+        for s in held:  # their clients go away: what they held is given back
+            s.close()
+        wait_for(lambda: bodies.held == 0, 10, what="the held bodies to be dropped")
+
+        assert sdk.completions.create(**ask).choices[0].text == before  # token-exact after all of it
+        text = httpx.get(f"http://127.0.0.1:{r.metrics_port}/metrics").text
+        assert 'code="RESOURCE_EXHAUSTED"' in text and 'code="UNAVAILABLE"' in text
+    finally:
+        aloop.run(r.stop(grace=5))
