@@ -20,20 +20,15 @@ workers buy here is batching room and queues, not compute; on GPUs each worker i
 """
 from __future__ import annotations
 
-import argparse
 import asyncio
-import json
 import logging
 import os
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+from common import Table, bench_report, local_cluster, local_router, parser, pdserve_bench, pdserve_profile, write_json
 
 BENCH_ARGS = ["--num-prompts", "48", "--arrival", "bursty", "--burst-size", "24", "--burst-interval", "60",
               "--lengths", "uniform", "--input-len", "128", "--output-len", "96", "--range-ratio", "0.25",
@@ -55,7 +50,7 @@ class Lines(logging.Handler):
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = parser(__doc__)
     ap.add_argument("--profile", default=None, help="a `pdserve profile` JSON (default: profile now)")
     ap.add_argument("--max-workers", type=int, default=2, help="each pool's MAX (and the fixed cluster's size)")
     ap.add_argument("--scale-down-delay", type=float, default=15.0)
@@ -67,17 +62,14 @@ def main() -> int:
     args, extra = ap.parse_known_args()
 
     from pdserve.config import AutoscaleConfig, CacheConfig, ClusterConfig, EngineConfig, PoolConfig, SchedulerConfig
-    from router.cluster import Cluster
     from router.pools import init_local_ray
-    from router.server import Router, RouterConfig
 
     tmp = Path(tempfile.mkdtemp(prefix="pdserve-autoscale-"))
     profile = args.profile
     if profile is None:
         profile = str(tmp / "profile.json")
         t = time.perf_counter()
-        subprocess.run([sys.executable, "-m", "pdserve.cli", "profile", "--threads", "1", "--output", profile],
-                       check=True, cwd=str(ROOT))
+        pdserve_profile(profile)
         print(f"profiled in {time.perf_counter() - t:.0f} s", flush=True)
     bench_args = [*BENCH_ARGS, "--slo-ttft-ms", str(args.slo_ttft_ms), "--slo-tpot-ms", str(args.slo_tpot_ms), *extra]
     n = args.max_workers
@@ -102,40 +94,31 @@ def main() -> int:
 
     async def run(name: str, config: ClusterConfig) -> dict:
         t = time.perf_counter()
-        cluster = Cluster(config)
-        await cluster.start()
-        router = Router(cluster, RouterConfig(port=0))
-        port = await router.start()
-        print(f"\n## {name}: started in {time.perf_counter() - t:.0f} s", flush=True)
-        pools = cluster.scaling
-        t0 = time.monotonic()
-        lines = Lines(t0)
-        logging.getLogger("router").addHandler(lines)
-        samples: list[tuple[float, int, int, int]] = []  # (s, prefill, decode, all workers with an actor)
-
-        async def sample() -> None:
-            while True:
-                size = {p: len(pools.by_name[p]) + len(pools.starting[p]) for p in ("prefill", "decode")}
-                samples.append((time.monotonic() - t0, size["prefill"], size["decode"],
-                                sum(size.values()) + len(pools.draining)))
-                await asyncio.sleep(SAMPLE_S)
-
-        sampler = asyncio.create_task(sample())
         out = tmp / f"{name.split()[0]}.json"
-        try:
-            proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "pdserve.cli", "bench", "--target", f"127.0.0.1:{port}", *bench_args,
-                "--label", name, "--output", str(out), cwd=str(ROOT))
-            rc = await proc.wait()
-        finally:
-            sampler.cancel()
-            logging.getLogger("router").removeHandler(lines)
-            await router.stop(grace=5)
-            await cluster.shutdown()
-        if rc != 0 or not out.exists():
-            raise SystemExit(f"pdserve bench failed for {name} (exit {rc})")
+        async with local_cluster(config) as cluster, local_router(cluster) as router:
+            print(f"\n## {name}: started in {time.perf_counter() - t:.0f} s", flush=True)
+            pools = cluster.scaling
+            t0 = time.monotonic()
+            lines = Lines(t0)
+            logging.getLogger("router").addHandler(lines)
+            samples: list[tuple[float, int, int, int]] = []  # (s, prefill, decode, all workers with an actor)
+
+            async def sample() -> None:
+                while True:
+                    size = {p: len(pools.by_name[p]) + len(pools.starting[p]) for p in ("prefill", "decode")}
+                    samples.append((time.monotonic() - t0, size["prefill"], size["decode"],
+                                    sum(size.values()) + len(pools.draining)))
+                    await asyncio.sleep(SAMPLE_S)
+
+            sampler = asyncio.create_task(sample())
+            try:
+                rc = await pdserve_bench(router.port, bench_args, name, out)
+            finally:
+                sampler.cancel()
+                logging.getLogger("router").removeHandler(lines)
+        report = bench_report(out, rc, f"pdserve bench failed for {name}")
         worker_s = sum(w * (b[0] - a[0]) for a, b in zip(samples, samples[1:]) for w in [a[3]])
-        return {"report": json.loads(out.read_text()), "samples": samples, "log": lines.lines,
+        return {"report": report, "samples": samples, "log": lines.lines,
                 "worker_seconds": worker_s, "seconds": samples[-1][0],
                 "start_seconds": {p: list(v) for p, v in pools.start_seconds.items() if v}}
 
@@ -144,13 +127,14 @@ def main() -> int:
     (na, a), (nb, b) = results.items()
     keys = [("completed", "d"), ("failed", "d"), ("slo_attainment", "pct"), ("median_ttft_ms", ".0f"),
             ("p99_ttft_ms", ".0f"), ("median_tpot_ms", ".1f"), ("p99_tpot_ms", ".1f")]
-    print(f"{'':26}{na:>24}{nb:>24}")
+    t = Table(("", 26, "<"), (na, 24, ""), (nb, 24, ""), sep="")
+    print(t.header())
     for key, spec in keys:
         va, vb = a["report"][key], b["report"][key]
         f = (lambda v: f"{100 * v:.1f} %") if spec == "pct" else (lambda v: format(v, spec))
-        print(f"{key:26}{f(va):>24}{f(vb):>24}")
-    print(f"{'run (s)':26}{a['seconds']:>24.0f}{b['seconds']:>24.0f}")
-    print(f"{'worker-seconds':26}{a['worker_seconds']:>24.0f}{b['worker_seconds']:>24.0f}")
+        print(t.row(key, f(va), f(vb)))
+    print(t.row("run (s)", f"{a['seconds']:.0f}", f"{b['seconds']:.0f}"))
+    print(t.row("worker-seconds", f"{a['worker_seconds']:.0f}", f"{b['worker_seconds']:.0f}"))
     print(f"worker-seconds ratio (autoscaled / fixed): {a['worker_seconds'] / b['worker_seconds']:.2f}")
     s = a["samples"]
     second = 60.0  # the second burst's send time, from the bench's first request
@@ -168,8 +152,7 @@ def main() -> int:
     for line in a["log"]:
         print("   ", line)
     if args.output:
-        Path(args.output).write_text(json.dumps({"args": vars(args), "bench_args": bench_args,
-                                                 "results": results}, indent=1) + "\n")
+        write_json(args.output, {"args": vars(args), "bench_args": bench_args, "results": results})
     return 0
 
 

@@ -19,33 +19,22 @@ median and p99 TTFT and TPOT, each wave's makespan (first arrival to last token)
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
+from common import BLOCK, lognormal, roofline_of, write_json
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from pdserve.planner.autoscale import Autoscaler, PoolLimits  # noqa: E402
-from pdserve.planner.hardware import gpu, kv_budget_bytes, resolve_model, roofline  # noqa: E402
-from pdserve.planner.simulator import ClusterShape, PoolShape, simulate  # noqa: E402
+from pdserve.planner.autoscale import Autoscaler, PoolLimits
+from pdserve.planner.simulator import ClusterShape, PoolShape, simulate
 
 
 def rl_trace(waves: int, per_wave: int, burst_s: float, period_s: float, input_mean: float, output_mean: float,
              max_len: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     g = np.random.default_rng(seed)
     arrival = np.concatenate([w * period_s + np.sort(g.uniform(0, burst_s, per_wave)) for w in range(waves)])
-    n = len(arrival)
-
-    def lognormal(mean: float, sigma: float, lo: int, hi: int) -> np.ndarray:
-        return np.clip(g.lognormal(np.log(mean) - sigma**2 / 2, sigma, n), lo, hi).astype(int)
-
-    inputs = lognormal(input_mean, 0.5, 32, max_len // 4)
-    outputs = lognormal(output_mean, 0.8, 16, max_len - max_len // 4)
+    inputs = lognormal(g, len(arrival), input_mean, 0.5, 32, max_len // 4)
+    outputs = lognormal(g, len(arrival), output_mean, 0.8, 16, max_len - max_len // 4)
     return arrival, inputs, outputs
 
 
@@ -74,20 +63,16 @@ def main() -> int:
     p.add_argument("--output", default=None, metavar="FILE.json")
     args = p.parse_args()
 
-    device = gpu(args.gpu)
-    name, cfg = resolve_model(args.model)
-    costs = roofline(cfg, device)
-    block = 16
-    kv_blocks = kv_budget_bytes(device, costs.weight_bytes) // (costs.kv_bytes_per_token * block)
+    device, name, cfg, costs, kv_blocks = roofline_of(args.gpu, args.model)
     arrival, inputs, outputs = rl_trace(args.waves, args.requests_per_wave, args.burst, args.period,
                                         args.input_mean, args.output_mean, cfg.max_position_embeddings)
-    print(f"{name} on {device.name} (roofline), {kv_blocks} KV blocks of {block} per GPU; {len(arrival)} requests in "
+    print(f"{name} on {device.name} (roofline), {kv_blocks} KV blocks of {BLOCK} per GPU; {len(arrival)} requests in "
           f"{args.waves} waves of {args.requests_per_wave} within {args.burst:g} s every {args.period:g} s; prompts "
           f"mean {inputs.mean():.0f}, outputs mean {outputs.mean():.0f} (max {outputs.max()}) tokens; SLO TTFT "
           f"{args.slo_ttft_ms:g} ms, TPOT {args.slo_tpot_ms:g} ms")
 
     def pool(n: int) -> PoolShape:
-        return PoolShape(n, kv_blocks, block, args.max_num_seqs, args.token_budget)
+        return PoolShape(n, kv_blocks, BLOCK, args.max_num_seqs, args.token_budget)
 
     def report(label: str, res, seconds: float) -> dict:
         ok = res.ok
@@ -112,7 +97,7 @@ def main() -> int:
     fixed = report(f"fixed {args.max_prefill}P{args.max_decode}D", simulate(shape, costs, arrival, inputs, outputs),
                    time.perf_counter() - t0)
     rows = [fixed]
-    limits = PoolLimits(kv_blocks, block, args.max_num_seqs, args.token_budget)
+    limits = PoolLimits(kv_blocks, BLOCK, args.max_num_seqs, args.token_budget)
     for startup in args.startup:
         scaler = Autoscaler(costs, {"prefill": limits, "decode": limits},
                             {"prefill": (args.min_prefill, args.max_prefill), "decode": (args.min_decode, args.max_decode)},
@@ -131,7 +116,7 @@ def main() -> int:
               f"{row['max_sizes'][0]}P {row['max_sizes'][1]}D")
         rows.append(row)
     if args.output:
-        Path(args.output).write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1) + "\n")
+        write_json(args.output, {"args": vars(args), "rows": rows})
     return 0
 
 

@@ -13,7 +13,6 @@ After one untimed batch through the cluster (the workers' first steps), the clus
 """
 from __future__ import annotations
 
-import argparse
 import asyncio
 import os
 import random
@@ -21,14 +20,12 @@ import statistics
 import time
 import urllib.request
 
+from common import Table, add_prompt_args, local_cluster, local_router, parser
+
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default=None)
-    ap.add_argument("--num-prompts", type=int, default=32)
-    ap.add_argument("--min-len", type=int, default=16)
-    ap.add_argument("--max-len", type=int, default=256)
-    ap.add_argument("--output-len", type=int, default=64)
+    ap = parser(__doc__)
+    add_prompt_args(ap, max_len=256, output_len=64)
     ap.add_argument("--prefill-workers", type=int, default=1)
     ap.add_argument("--decode-workers", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
@@ -39,9 +36,7 @@ def main() -> None:
     from pdserve.config import CacheConfig, ClusterConfig, EngineConfig, PoolConfig, SchedulerConfig
     from pdserve.engine import LLMEngine
     from pdserve.engine.sampling import SamplingParams
-    from router.cluster import Cluster
     from router.pools import init_local_ray
-    from router.server import Router, RouterConfig
 
     sched = SchedulerConfig(max_num_seqs=max(64, args.num_prompts), max_num_batched_tokens=2048)
     engine_cfg = EngineConfig(model=args.model, scheduler=sched, cache=CacheConfig(memory_bytes=512 << 20))
@@ -78,31 +73,24 @@ def main() -> None:
             await asyncio.sleep(1.0)
 
     async def serve_and_run() -> dict[bool, list[float]]:
-        cluster = Cluster(ClusterConfig(engine=engine_cfg, prefill=pool(args.prefill_workers),
-                                        decode=pool(args.decode_workers)))
-        await cluster.start()
         times: dict[bool, list[float]] = {False: [], True: []}
-        try:
-            warm = Router(cluster, RouterConfig(port=0))  # one untimed batch: the workers' first steps
-            await run_batch(await warm.start())
-            await warm.stop(grace=5)
+        async with local_cluster(ClusterConfig(engine=engine_cfg, prefill=pool(args.prefill_workers),
+                                               decode=pool(args.decode_workers))) as cluster:
+            async with local_router(cluster) as warm:  # one untimed batch: the workers' first steps
+                await run_batch(warm.port)
             for _ in range(args.repeats):
                 for metrics in (False, True):
-                    router = Router(cluster, RouterConfig(port=0, metrics_port=0 if metrics else None))
-                    port = await router.start()
-                    stop = asyncio.Event()
-                    scraper = asyncio.create_task(scrape(router.metrics_port, stop)) if metrics else None
-                    try:
-                        outs, seconds = await run_batch(port)
-                    finally:
-                        stop.set()
-                        if scraper:
-                            await scraper
-                        await router.stop(grace=5)
+                    async with local_router(cluster, metrics_port=0 if metrics else None) as router:
+                        stop = asyncio.Event()
+                        scraper = asyncio.create_task(scrape(router.metrics_port, stop)) if metrics else None
+                        try:
+                            outs, seconds = await run_batch(router.port)
+                        finally:
+                            stop.set()
+                            if scraper:
+                                await scraper
                     assert [o.token_ids for o in outs] == ref, "the cluster's tokens differ from the offline engine's"
                     times[metrics].append(seconds)
-        finally:
-            await cluster.shutdown()
         return times
 
     times = asyncio.run(serve_and_run())
@@ -110,10 +98,11 @@ def main() -> None:
     print(f"{args.num_prompts} prompts of {args.min_len}-{args.max_len} tokens, {args.output_len} output tokens each; "
           f"cluster {args.prefill_workers}P{args.decode_workers}D with {threads} torch thread(s) per worker; "
           f"outputs identical; cluster runs: median of {args.repeats}")
-    print(f"{'':40}{'wall s':>9}{'output tok/s':>14}")
-    print(f"{'offline engine (in process)':40}{offline_s:9.2f}{out_tokens / offline_s:14.1f}")
-    print(f"{'gRPC + router + Ray workers, metrics off':40}{off:9.2f}{out_tokens / off:14.1f}")
-    print(f"{'gRPC + router + Ray workers, metrics on':40}{on:9.2f}{out_tokens / on:14.1f}")
+    t = Table(("", 40, "<"), ("wall s", 9, ".2f"), ("output tok/s", 14, ".1f"), sep="")
+    print(t.header())
+    print(t.row("offline engine (in process)", offline_s, out_tokens / offline_s))
+    print(t.row("gRPC + router + Ray workers, metrics off", off, out_tokens / off))
+    print(t.row("gRPC + router + Ray workers, metrics on", on, out_tokens / on))
     print(f"cluster (metrics off) / offline throughput: {offline_s / off:.2f}")
     print(f"metrics on / off throughput: {off / on:.3f}")
 

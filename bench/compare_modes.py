@@ -16,18 +16,13 @@ Flags this script does not know go to `pdserve bench` after its defaults (DEFAUL
 """
 from __future__ import annotations
 
-import argparse
 import asyncio
-import json
 import os
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:  # run as a script from a checkout
-    sys.path.insert(0, str(ROOT))
+from common import Table, bench_report, local_cluster, local_router, parser, pdserve_bench, write_json
 
 # 32 requests at 0.3/s: about 2 minutes a mode on 2 cores with SmolLM2, both modes below saturation.
 # Prompts of 384-640 tokens make each prefill (~2 s on one thread) long enough to stall the decodes
@@ -67,19 +62,20 @@ def fmt(v, spec: str) -> str:
 
 def table(names: tuple[str, str], a: dict, b: dict) -> str:
     w = max(len(n) for n in names) + 2
-    lines = [f"{'':30}{names[0]:>{w}}{names[1]:>{w}}{'ratio':>9}", "-" * (30 + 2 * w + 9)]
+    t = Table(("", 30, "<"), (names[0], w, ""), (names[1], w, ""), ("ratio", 9, ""), sep="")
+    lines = [t.header(), "-" * t.width]
     for label, key, spec, _ in ROWS:
         if key is None:
             va, vb, ratio = f"{a['completed']} / {a['failed']}", f"{b['completed']} / {b['failed']}", ""
         else:
             va, vb = fmt(a[key], spec), fmt(b[key], spec)
             ratio = f"{a[key] / b[key]:.2f}" if a[key] is not None and b[key] else "n/a"
-        lines.append(f"{label:30}{va:>{w}}{vb:>{w}}{ratio:>9}")
+        lines.append(t.row(label, va, vb, ratio))
     return "\n".join(lines)
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = parser(__doc__)
     ap.add_argument("--model", default=None, help="default: SmolLM2-135M-Instruct")
     ap.add_argument("--prefill-workers", type=int, default=1)
     ap.add_argument("--decode-workers", type=int, default=1)
@@ -94,9 +90,7 @@ def main() -> None:
     args, bench_args = ap.parse_known_args()
 
     from pdserve.config import CacheConfig, ClusterConfig, EngineConfig, PoolConfig, SchedulerConfig
-    from router.cluster import Cluster
     from router.pools import init_local_ray
-    from router.server import Router, RouterConfig
 
     workers = args.prefill_workers + args.decode_workers
     cores = os.cpu_count() or 1
@@ -124,24 +118,11 @@ def main() -> None:
 
     async def run_mode(name: str, config: ClusterConfig) -> dict:
         t = time.perf_counter()
-        cluster = Cluster(config)
-        await cluster.start()
-        router = Router(cluster, RouterConfig(port=0))
-        port = await router.start()
-        print(f"\n## {name}: started in {time.perf_counter() - t:.0f}s on 127.0.0.1:{port}", flush=True)
         out = tmp / f"{name.split()[0]}.json"
-        try:
-            # A separate process: the client's work must not run on the router's event loop.
-            proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "pdserve.cli", "bench", "--target", f"127.0.0.1:{port}", *cmd_args,
-                "--label", name, "--output", str(out), cwd=str(ROOT))
-            rc = await proc.wait()
-        finally:
-            await router.stop(grace=5)
-            await cluster.shutdown()
-        if rc != 0 or not out.exists():
-            raise SystemExit(f"pdserve bench failed in {name} mode (exit {rc})")
-        return json.loads(out.read_text())
+        async with local_cluster(config) as cluster, local_router(cluster) as router:
+            print(f"\n## {name}: started in {time.perf_counter() - t:.0f}s on 127.0.0.1:{router.port}", flush=True)
+            rc = await pdserve_bench(router.port, cmd_args, name, out)
+        return bench_report(out, rc, f"pdserve bench failed in {name} mode")
 
     reports = {name: asyncio.run(run_mode(name, cfg)) for name, cfg in modes.items()
                if args.only is None or name.startswith(args.only)}
@@ -152,8 +133,7 @@ def main() -> None:
           + ", ".join(f"{k[:-3].upper()} <= {v:g} ms" for k, v in a["slo"].items() if v is not None))
     print(table((na, nb), a, b))
     if args.output:
-        Path(args.output).write_text(json.dumps(
-            {"bench_args": cmd_args, "torch_threads": threads, "cores": cores, "reports": reports}, indent=1) + "\n")
+        write_json(args.output, {"bench_args": cmd_args, "torch_threads": threads, "cores": cores, "reports": reports})
         print(f"reports: {args.output}")
     if args.plot:
         from pdserve.bench.plot import plot_reports

@@ -25,9 +25,10 @@ import statistics
 import time
 
 import torch
+from common import Table
 
 from pdserve.engine.runner import group_by_length
-from pdserve.kernels import cpu_attention
+from pdserve.kernels import cpu_attention, cpu_kernels
 from pdserve.model.attention import _decode_attention
 
 LAYERS, HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 30, 9, 3, 64, 16  # SmolLM2-135M
@@ -76,8 +77,9 @@ def bench_layers(reps: int, seed: int) -> None:
     torch.manual_seed(seed)
     print(f"## Part 1: one layer of decode attention (SmolLM2 shapes, contexts uniform 100-600, "
           f"{torch.get_num_threads()} threads), median us over {reps} calls")
-    print(f"{'batch':>5} {'groups':>6} {'torch':>9} {'kernel':>9} {'speedup':>7} | "
-          f"{'torch 1grp':>10} {'kernel 1grp':>11} {'max|diff|':>9}")
+    table = Table(("batch", 5, ""), ("groups", 6, ""), ("torch", 9, ".1f"), ("kernel", 9, ".1f"), ("speedup", 7, ""),
+                  ("|", 1, ""), ("torch 1grp", 10, ".1f"), ("kernel 1grp", 11, ".1f"), ("max|diff|", 9, ".1e"))
+    print(table.header())
     for batch in (1, 8, 32):
         q, cache, grouped, single, _ = make_batch(batch, rng)
         variants = {("torch", "g"): grouped, ("kernel", "g"): grouped,
@@ -101,9 +103,9 @@ def bench_layers(reps: int, seed: int) -> None:
             out[path] = o
         med = {k: statistics.median(v) * 1e6 for k, v in times.items()}
         diff = (out["torch"] - out["kernel"]).abs().max().item()
-        print(f"{batch:>5} {len(grouped):>6} {med['torch', 'g']:>9.1f} {med['kernel', 'g']:>9.1f} "
-              f"{med['torch', 'g'] / med['kernel', 'g']:>6.2f}x | {med['torch', '1']:>10.1f} "
-              f"{med['kernel', '1']:>11.1f} {diff:>9.1e}")
+        speedup = f"{med['torch', 'g'] / med['kernel', 'g']:>6.2f}x"
+        print(table.row(batch, len(grouped), med["torch", "g"], med["kernel", "g"], speedup, "|", med["torch", "1"],
+                        med["kernel", "1"], diff))
 
 
 def bench_engine(steps: int, seed: int) -> None:
@@ -115,7 +117,9 @@ def bench_engine(steps: int, seed: int) -> None:
     vocab = engine.model_config.vocab_size
     print(f"\n## Part 2: engine decode step, default model, {torch.get_num_threads()} threads, "
           f"median ms over {steps} steps per path")
-    print(f"{'batch':>5} {'mean ctx':>8} {'groups':>6} {'torch ms':>9} {'kernel ms':>9} {'speedup':>7}")
+    table = Table(("batch", 5, ""), ("mean ctx", 8, ".0f"), ("groups", 6, ""), ("torch ms", 9, ".1f"),
+                  ("kernel ms", 9, ".1f"), ("speedup", 7, ""))
+    print(table.header())
     rng = random.Random(seed)
     for batch in (1, 32):
         params = SamplingParams(max_tokens=2 * steps + 8, temperature=0.0, ignore_eos=True)
@@ -132,7 +136,7 @@ def bench_engine(steps: int, seed: int) -> None:
             use_kernel(on)
             t = time.perf_counter()
             result = engine.runner.execute(step.chunks)
-            engine.process(step, result)
+            engine.process(engine.core.account(step, result))
             dt = time.perf_counter() - t
             if decode:
                 i += 1
@@ -143,7 +147,7 @@ def bench_engine(steps: int, seed: int) -> None:
         for rid in rids:
             engine.abort(rid)
         t_torch, t_kernel = (statistics.median(timed[k]) * 1e3 for k in (False, True))
-        print(f"{batch:>5} {ctx:>8.0f} {groups:>6} {t_torch:>9.1f} {t_kernel:>9.1f} {t_torch / t_kernel:>6.2f}x")
+        print(table.row(batch, ctx, groups, t_torch, t_kernel, f"{t_torch / t_kernel:>6.2f}x"))
 
 
 def main() -> None:
@@ -156,7 +160,7 @@ def main() -> None:
     t = time.perf_counter()
     if not cpu_attention.available():
         raise SystemExit("the CPU attention kernel did not build; see the warning above")
-    print(f"kernel ready in {time.perf_counter() - t:.1f} s (build or load), cache {cpu_attention.build_directory()}")
+    print(f"kernel ready in {time.perf_counter() - t:.1f} s (build or load), cache {cpu_kernels.build_directory()}")
     bench_layers(args.reps, args.seed)
     if not args.skip_engine:
         bench_engine(args.steps, args.seed)

@@ -21,13 +21,10 @@ import threading
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:  # run as a script from a checkout
-    sys.path.insert(0, str(ROOT))
+import grpc
+from common import ROOT
 
-import grpc  # noqa: E402
-
-from pdserve.client.grpc_client import Client  # noqa: E402
+from pdserve.client.grpc_client import Client
 
 
 def decode_pids() -> list[int]:

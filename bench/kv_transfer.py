@@ -25,12 +25,12 @@ for the request. Medians of --handoff-reps requests after one warm-up each.
 """
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 
 import ray
 import torch
+from common import Table, parser
 
 from pdserve.transfer.channel import PairChannel, StoreServer
 
@@ -131,7 +131,9 @@ def handoff_table(lengths: list[int], reps: int) -> None:
     ray.get(decode.ready.remote())
     params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
     print("\nhand-off, prefill worker -> decode worker (SmolLM2, fp32, 1 torch thread each)")
-    print(f"{'prompt':>8} {'push':>20} {'prefill step ms':>16} {'hand-off ms':>12} {'hand-off/step':>14}")
+    table = Table(("prompt", 8, ""), ("push", 20, ""), ("prefill step ms", 16, ".1f"), ("hand-off ms", 12, ".1f"),
+                  ("hand-off/step", 14, ".3f"))
+    print(table.header())
     ids = iter(range(10**6))
     for n_variant, (layerwise, checksum) in enumerate(((True, False), (True, True), (False, False))):
         pid = f"prefill-{n_variant}"
@@ -158,14 +160,14 @@ def handoff_table(lengths: list[int], reps: int) -> None:
                     handoffs.append(after_d.handoff["sum"] - before_d.handoff["sum"])
             step, handoff = statistics.median(steps), statistics.median(handoffs)
             name = ("layer-wise" if layerwise else "end of step") + (", checksum" if checksum else "")
-            print(f"{n:>8} {name:>20} {step * 1e3:16.1f} {handoff * 1e3:12.1f} {handoff / step:14.3f}")
+            print(table.row(n, name, step * 1e3, handoff * 1e3, handoff / step))
         ray.get(prefill.shutdown.remote())
         ray.kill(prefill)
     ray.get(decode.shutdown.remote())
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = parser(__doc__)
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--tokens", type=int, nargs="+", default=[16, 256, 2048])
@@ -175,8 +177,9 @@ def main() -> None:
     ap.add_argument("--no-handoff", action="store_true", help="only the channel table")
     args = ap.parse_args()
 
-    ray.init(address="local", num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1",
-             object_store_memory=100 * 2**20, log_to_driver=False)
+    from router.pools import init_local_ray
+
+    init_local_ray(num_cpus=2, object_store_bytes=100 * 2**20)
     try:
         decode, prefill = Endpoint.remote(), Endpoint.remote()
         port = ray.get(decode.serve_store.remote())
@@ -184,8 +187,10 @@ def main() -> None:
         setup = ray.get([decode.open.remote(port, 1), prefill.open.remote(port, 0)])
         print(f"pair setup (rendezvous) {max(setup) * 1e3:.0f} ms; torch threads per actor: "
               f"{ray.get(decode.threads.remote())}")
-        print(f"{'payload':>16} {'MB':>8} {'gloo ms':>9} {'gloo GB/s':>10} {'copy GB/s':>10} {'gloo/copy':>10} "
-              f"{'checksum ms':>12} {'2 sums/gloo':>12}")
+        table = Table(("payload", 16, ""), ("MB", 8, ".2f"), ("gloo ms", 9, ".2f"), ("gloo GB/s", 10, ".2f"),
+                      ("copy GB/s", 10, ".2f"), ("gloo/copy", 10, ".3f"), ("checksum ms", 12, ".2f"),
+                      ("2 sums/gloo", 12, ".1%"))
+        print(table.header())
         sizes = payloads(args.tokens, args.extra_mb)
         # The warm-up is a whole unrecorded sweep: a fresh cluster keeps the 2 cores busy for a few
         # seconds (workers starting), which would otherwise land on the first payload alone.
@@ -199,8 +204,7 @@ def main() -> None:
             gloo_s = statistics.median(recv_s)
             sum_s = statistics.median(ray.get(decode.checksum.remote(shape, args.reps)))
             gloo, copy = nbytes / gloo_s / 1e9, nbytes / statistics.median(copy_s) / 1e9
-            print(f"{name:>16} {nbytes / 1e6:8.2f} {gloo_s * 1e3:9.2f} {gloo:10.2f} {copy:10.2f} {gloo / copy:10.3f} "
-                  f"{sum_s * 1e3:12.2f} {2 * sum_s / gloo_s:12.1%}")
+            print(table.row(name, nbytes / 1e6, gloo_s * 1e3, gloo, copy, gloo / copy, sum_s * 1e3, 2 * sum_s / gloo_s))
         ray.get([decode.close.remote(), prefill.close.remote()])
         if not args.no_handoff:
             handoff_table(args.handoff_tokens, args.handoff_reps)

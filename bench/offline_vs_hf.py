@@ -10,22 +10,18 @@ for both. Prints one table and the ratios.
 """
 from __future__ import annotations
 
-import argparse
 import os
 import random
 import time
 import warnings
 
 import torch
+from common import Table, add_prompt_args, parser
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default=None, help="GGUF file or HF directory (default: SmolLM2-135M-Instruct)")
-    ap.add_argument("--num-prompts", type=int, default=32)
-    ap.add_argument("--min-len", type=int, default=16)
-    ap.add_argument("--max-len", type=int, default=512)
-    ap.add_argument("--output-len", type=int, default=128)
+    ap = parser(__doc__)
+    add_prompt_args(ap, max_len=512, output_len=128)
     ap.add_argument("--decode-steps", type=int, default=64, help="tokens timed for the batch-1 step time")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
@@ -69,10 +65,11 @@ def main() -> None:
     in_tokens = sum(map(len, prompts))
     print(f"model: {hf_name}  fp32  threads={torch.get_num_threads()}  prompts={args.num_prompts} "
           f"(lengths {args.min_len}-{args.max_len}, {in_tokens} prompt tokens)  output_len={args.output_len}")
-    print(f"{'':28}{'pdserve':>12}{'transformers':>14}{'ratio':>8}")
-    print(f"{'batch wall time (s)':28}{ours_s:12.2f}{hf_s:14.2f}{hf_s / ours_s:8.2f}")
-    print(f"{'output tokens/s':28}{out_tokens / ours_s:12.1f}{out_tokens / hf_s:14.1f}{hf_s / ours_s:8.2f}")
-    print(f"{'batch-1 decode step (ms)':28}{ours_step * 1e3:12.1f}{hf_step * 1e3:14.1f}{hf_step / ours_step:8.2f}")
+    t = Table(("", 28, "<"), ("pdserve", 12, ".1f"), ("transformers", 14, ".1f"), ("ratio", 8, ".2f"), sep="")
+    print(t.header())
+    print(t.row("batch wall time (s)", f"{ours_s:.2f}", f"{hf_s:.2f}", hf_s / ours_s))
+    print(t.row("output tokens/s", out_tokens / ours_s, out_tokens / hf_s, hf_s / ours_s))
+    print(t.row("batch-1 decode step (ms)", ours_step * 1e3, hf_step * 1e3, hf_step / ours_step))
 
 
 def timed(fn) -> float:

@@ -25,11 +25,8 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from compare_modes import DEFAULT_BENCH_ARGS  # noqa: E402  (bench/ is this script's directory)
+from common import ROOT, parser, pdserve_profile, write_json
+from compare_modes import DEFAULT_BENCH_ARGS
 
 KEYS = (("median_ttft_ms", 0.25), ("p99_ttft_ms", 0.5), ("median_tpot_ms", 0.25), ("p99_tpot_ms", 0.5))
 TIE = 0.1
@@ -68,7 +65,7 @@ def fmt(v: float | None) -> str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = parser(__doc__)
     ap.add_argument("--profile", default=None, help="a pdserve profile (default: measure one now)")
     ap.add_argument("--rates", type=float, nargs="+", default=[0.15, 0.3])
     ap.add_argument("--output", default=None, metavar="FILE.json")
@@ -78,8 +75,7 @@ def main() -> None:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     prof_path = Path(args.profile) if args.profile else tmp / "profile.json"
     if not args.profile:
-        subprocess.run([py, "-m", "pdserve.cli", "profile", "--threads", "1", "--output", str(prof_path)],
-                       check=True, cwd=ROOT, env=env)
+        pdserve_profile(prof_path)
     profile = json.loads(prof_path.read_text())
 
     from pdserve.planner.plan import format_plan
@@ -131,8 +127,8 @@ def main() -> None:
             for rep in r["measured"].values():
                 rep.pop("requests", None)
                 rep.pop("timeline", None)
-        Path(args.output).write_text(json.dumps({"profile": str(prof_path), "simulator_seconds":
-                                                 speed["simulation_seconds"], "results": results}, indent=1) + "\n")
+        write_json(args.output, {"profile": str(prof_path), "simulator_seconds": speed["simulation_seconds"],
+                                 "results": results})
         print(f"results: {args.output}")
 
 

@@ -13,18 +13,12 @@ Flags this script does not know go to `pdserve bench` after its defaults (DEFAUL
 """
 from __future__ import annotations
 
-import argparse
 import asyncio
-import json
 import os
-import sys
 import tempfile
-import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:  # run as a script from a checkout
-    sys.path.insert(0, str(ROOT))
+from common import bench_report, local_cluster, local_router, parser, pdserve_bench, write_json
 
 # Poisson at 1.5 req/s, 100 requests of 24-40 prompt and 144-240 output tokens: decode is the
 # bottleneck, the default pool (32 running) stays full and a line forms at the router; priority is 10 %,
@@ -39,7 +33,7 @@ DEFAULT_BENCH_ARGS = ["--num-prompts", "100", "--request-rate", "1.5", "--length
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = parser(__doc__)
     ap.add_argument("--decode-max-running", type=int, default=32, help="running requests on the default decode worker")
     ap.add_argument("--fast-lane-max-running", type=int, default=2)
     ap.add_argument("--flex-max-queued", type=int, default=8)
@@ -50,9 +44,7 @@ def main() -> None:
     from pdserve.client import AsyncClient
     from pdserve.config import CacheConfig, ClusterConfig, EngineConfig, PoolConfig, SchedulerConfig
     from pdserve.tiers import ServiceTier, TiersConfig
-    from router.cluster import Cluster
     from router.pools import init_local_ray
-    from router.server import Router, RouterConfig
 
     cores = os.cpu_count() or 1
     cache = CacheConfig(memory_bytes=args.kv_cache_mib << 20)
@@ -74,11 +66,8 @@ def main() -> None:
     out = Path(tempfile.mkdtemp(prefix="pdserve-tiers-")) / "bench.json"
 
     async def run() -> tuple[dict, dict, int, list]:
-        cluster = Cluster(config)
-        await cluster.start()
-        router = Router(cluster, RouterConfig(port=0))
-        port = await router.start()
-        try:
+        async with local_cluster(config) as cluster, local_router(cluster) as router:
+            port = router.port
             # The same tokens for the same seed, whatever the tier (sampled, temperature 1).
             seen = {}
             async with AsyncClient(f"127.0.0.1:{port}") as c:
@@ -96,10 +85,7 @@ def main() -> None:
                     await asyncio.sleep(0.02)
 
             sampler = asyncio.create_task(sample())
-            proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "pdserve.cli", "bench", "--target", f"127.0.0.1:{port}", *cmd_args,
-                "--label", "tiers", "--output", str(out), cwd=str(ROOT))
-            rc = await proc.wait()
+            rc = await pdserve_bench(port, cmd_args, "tiers", out)
             stop.set()
             await sampler
             stats = await cluster.stats()
@@ -108,12 +94,8 @@ def main() -> None:
                 for tier, v in s.tier_seconds.items():
                     seconds[tier] = seconds.get(tier, 0.0) + v - before.get(s.worker_id, {}).get(tier, 0.0)
             preempt = {k: sum(s.tier_preemptions.get(k, 0) for s in stats) for k in ("flex/kept", "flex/recomputed")}
-        finally:
-            await router.stop(grace=5)
-            await cluster.shutdown()
-        if rc != 0 or not out.exists():
-            raise SystemExit(f"pdserve bench failed (exit {rc})")
-        return seen, {"seconds": seconds, "preemptions": preempt}, depth[0], json.loads(out.read_text())
+        report = bench_report(out, rc, "pdserve bench failed")
+        return seen, {"seconds": seconds, "preemptions": preempt}, depth[0], report
 
     seen, workers, depth, report = asyncio.run(run())
     same = len({tuple(v[0]) for v in seen.values()}) == 1
@@ -136,9 +118,8 @@ def main() -> None:
           f"{per_token['priority'] / per_token['default']:.2f}x")
     print(f"flex: most waiting at once {depth} (bound {args.flex_max_queued}); preemptions {workers['preemptions']}")
     if args.output:
-        Path(args.output).write_text(json.dumps({"bench_args": cmd_args, "same_tokens": same, "seen": seen,
-                                                 "workers": workers, "max_flex_queued": depth, "report": report},
-                                                indent=1) + "\n")
+        write_json(args.output, {"bench_args": cmd_args, "same_tokens": same, "seen": seen, "workers": workers,
+                                 "max_flex_queued": depth, "report": report})
 
 
 if __name__ == "__main__":

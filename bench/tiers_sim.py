@@ -24,22 +24,16 @@ roofline (pdserve.planner.hardware), never checked against a GPU.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
+from common import BLOCK, lognormal, roofline_of, write_json
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from pdserve.planner.autoscale import Autoscaler, PoolLimits  # noqa: E402
-from pdserve.planner.hardware import gpu, kv_budget_bytes, resolve_model, roofline  # noqa: E402
-from pdserve.planner.pricing import format_prices, tier_prices  # noqa: E402
-from pdserve.planner.simulator import ClusterShape, PoolShape, simulate  # noqa: E402
-from pdserve.tiers import TIERS, ServiceTier, TiersConfig, TierSLO  # noqa: E402
+from pdserve.planner.autoscale import Autoscaler, PoolLimits
+from pdserve.planner.pricing import format_prices, tier_prices
+from pdserve.planner.simulator import ClusterShape, PoolShape, simulate
+from pdserve.tiers import TIERS, ServiceTier, TiersConfig, TierSLO
 
 
 def trace(args: argparse.Namespace, max_len: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -51,9 +45,6 @@ def trace(args: argparse.Namespace, max_len: int) -> tuple[np.ndarray, np.ndarra
         times = np.cumsum(g.exponential(1 / rate, int(rate * horizon * 1.2) + 10))
         return times[times < horizon]
 
-    def lognormal(n: int, mean: float, sigma: float, lo: int, hi: int) -> np.ndarray:
-        return np.clip(g.lognormal(np.log(mean) - sigma**2 / 2, sigma, n), lo, hi).astype(int)
-
     parts = []
     for rank, arr, in_mean, out_mean in (
             (0, poisson(args.priority_rate), args.input_mean, args.output_mean),
@@ -62,8 +53,8 @@ def trace(args: argparse.Namespace, max_len: int) -> tuple[np.ndarray, np.ndarra
                                 for w in range(int(horizon // args.flex_period))]), args.flex_input_mean,
              args.flex_output_mean)):
         n = len(arr)
-        parts.append((arr, lognormal(n, in_mean, 0.5, 32, max_len // 4),
-                      lognormal(n, out_mean, 0.8, 16, max_len - max_len // 4), np.full(n, rank)))
+        parts.append((arr, lognormal(g, n, in_mean, 0.5, 32, max_len // 4),
+                      lognormal(g, n, out_mean, 0.8, 16, max_len - max_len // 4), np.full(n, rank)))
     arrival, ins, outs, tier = (np.concatenate([p[i] for p in parts]) for i in range(4))
     order = np.argsort(arrival, kind="stable")
     return arrival[order], ins[order], outs[order], tier[order]
@@ -96,16 +87,12 @@ def main() -> int:
     p.add_argument("--output", default=None, metavar="FILE.json")
     args = p.parse_args()
 
-    device = gpu(args.gpu)
-    name, cfg = resolve_model(args.model)
-    costs = roofline(cfg, device)
-    block = 16
-    kv_blocks = kv_budget_bytes(device, costs.weight_bytes) // (costs.kv_bytes_per_token * block)
+    device, name, cfg, costs, kv_blocks = roofline_of(args.gpu, args.model)
     slo = {"priority": TierSLO(1.0, args.priority_tpot_ms / 1e3)}
     flex_rate = args.flex_wave / args.flex_period  # the mean over the run: the mix's shares are of requests
     rate = args.priority_rate + args.default_rate + flex_rate
     base = TiersConfig(slo=slo)
-    lane_cap_prices = tier_prices(costs, PoolLimits(kv_blocks, block, args.max_num_seqs, args.token_budget),
+    lane_cap_prices = tier_prices(costs, PoolLimits(kv_blocks, BLOCK, args.max_num_seqs, args.token_budget),
                                   args.input_mean, args.output_mean, {t: base.slo_of(t) for t in TIERS},
                                   {ServiceTier.PRIORITY: args.priority_rate / rate, ServiceTier.DEFAULT: args.default_rate / rate,
                                    ServiceTier.FLEX: flex_rate / rate}, rate)
@@ -113,17 +100,17 @@ def main() -> int:
     tiers = TiersConfig(fast_lane_max_running=lane_cap, flex_max_queued=10**9, slo=slo)
     arrival, ins, outs, tier = trace(args, cfg.max_position_embeddings)
     counts = {t.value: int((tier == t.rank).sum()) for t in TIERS}
-    print(f"{name} on {device.name} (roofline), {kv_blocks} KV blocks of {block} per GPU; {len(arrival)} requests over "
+    print(f"{name} on {device.name} (roofline), {kv_blocks} KV blocks of {BLOCK} per GPU; {len(arrival)} requests over "
           f"{args.minutes:g} min: {counts}; default {args.default_rate:g} req/s and priority {args.priority_rate:g} req/s "
           f"steady, flex {args.flex_wave} within {args.flex_burst:g} s every {args.flex_period:g} s")
     print(format_prices(lane_cap_prices))
     print()
 
     def pool(n: int, cap: int | None = None) -> PoolShape:
-        return PoolShape(n, kv_blocks, block, cap or args.max_num_seqs, args.token_budget)
+        return PoolShape(n, kv_blocks, BLOCK, cap or args.max_num_seqs, args.token_budget)
 
-    limits = PoolLimits(kv_blocks, block, args.max_num_seqs, args.token_budget)
-    lane_limits = PoolLimits(kv_blocks, block, lane_cap, args.token_budget)
+    limits = PoolLimits(kv_blocks, BLOCK, args.max_num_seqs, args.token_budget)
+    lane_limits = PoolLimits(kv_blocks, BLOCK, lane_cap, args.token_budget)
 
     def run(label: str, sel: np.ndarray, target: ServiceTier, lane: bool) -> dict:
         ranges = {"prefill": (1, args.max_prefill), "decode": (1, args.max_decode)}
@@ -171,8 +158,8 @@ def main() -> int:
     print(f"\nshared / separate GPU-hours: {rows[2]['gpu_hours'] / separate:.2f}; fast lane: max running {lane_cap}, "
           f"a priority token costs {lane_cap_prices['fast_lane']['price_multiplier']:.2f}x a default one")
     if args.output:
-        Path(args.output).write_text(json.dumps({"args": vars(args), "prices": lane_cap_prices, "rows": rows,
-                                                 "separate_gpu_hours": separate}, indent=1) + "\n")
+        write_json(args.output, {"args": vars(args), "prices": lane_cap_prices, "rows": rows,
+                                 "separate_gpu_hours": separate})
     return 0
 
 

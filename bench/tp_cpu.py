@@ -17,21 +17,16 @@ already uses, and adds the all-reduces.
 """
 from __future__ import annotations
 
-import argparse
 import multiprocessing as mp
 import os
 import statistics
-import sys
 import tempfile
 import time
 from datetime import timedelta
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-import torch  # noqa: E402
+import torch
+from common import Table, parser
 
 
 def smollm2_sized_checkpoint(directory: Path) -> Path:
@@ -152,7 +147,7 @@ def time_lm_head(batch: int, hidden: int, vocab: int, reps: int = 50) -> tuple[f
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = parser(__doc__)
     ap.add_argument("--model", default=None, help="a checkpoint whose heads TP 2 can split (default: made here)")
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--batch", type=int, default=8)
@@ -164,9 +159,10 @@ def main() -> None:
     layers, hidden = rows[0]["layers"], rows[0]["hidden"]
     one = time_allreduce(args.batch * hidden)
     per_step = (2 * layers + 1) * one  # o_proj and down_proj in each layer, and the vocab-parallel embedding
-    print(f"\n{'TP':>3} {'prefill ms':>11} {'decode step ms':>15}")
+    t = Table(("TP", 3, ""), ("prefill ms", 11, ".1f"), ("decode step ms", 15, ".2f"))
+    print("\n" + t.header())
     for r in rows:
-        print(f"{r['tp']:>3} {r['prefill_s'] * 1e3:>11.1f} {r['decode_s'] * 1e3:>15.2f}")
+        print(t.row(r["tp"], r["prefill_s"] * 1e3, r["decode_s"] * 1e3))
     print(f"TP 2 / TP 1: prefill {rows[1]['prefill_s'] / rows[0]['prefill_s']:.2f}x, decode "
           f"{rows[1]['decode_s'] / rows[0]['decode_s']:.2f}x")
     print(f"gloo all-reduce of [{args.batch}, {hidden}] fp32 between 2 processes: {one * 1e6:.0f} us; x {2 * layers + 1} "

@@ -15,7 +15,6 @@ channels, a Ray call per other rank per transfer), not what more devices buy.
 """
 from __future__ import annotations
 
-import argparse
 import asyncio
 import statistics
 import sys
@@ -23,29 +22,22 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-import torch  # noqa: E402
-
-from bench.tp_cpu import smollm2_sized_checkpoint  # noqa: E402
+import torch
+from common import Table, local_cluster, parser
+from tp_cpu import smollm2_sized_checkpoint
 
 
 async def run_layout(model: str, a: int, b: int, prompts: list[list[int]]) -> dict:
     from pdserve.config import CacheConfig, ClusterConfig, EngineConfig, PoolConfig, SchedulerConfig
     from pdserve.engine.sampling import SamplingParams
-    from router.cluster import Cluster
 
     engine = EngineConfig(model=model, cache=CacheConfig(block_size=16, num_blocks=512),
                           scheduler=SchedulerConfig(max_num_batched_tokens=1024, max_num_seqs=8))
     threads = lambda tp: max(1, 2 // tp)  # noqa: E731 - one worker's ranks split the 2 cores
-    cluster = Cluster(ClusterConfig(engine=engine, prefill=PoolConfig(1, num_cpus=0.1, tensor_parallel_size=a,
-                                                                      torch_threads=threads(a)),
-                                    decode=PoolConfig(1, num_cpus=0.1, tensor_parallel_size=b,
-                                                      torch_threads=threads(b))))
-    await cluster.start()
-    try:
+    config = ClusterConfig(engine=engine, prefill=PoolConfig(1, num_cpus=0.1, tensor_parallel_size=a,
+                                                             torch_threads=threads(a)),
+                           decode=PoolConfig(1, num_cpus=0.1, tensor_parallel_size=b, torch_threads=threads(b)))
+    async with local_cluster(config) as cluster:
         greedy = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
         ttft, gap, tokens = [], [], []
         for i, prompt in enumerate(prompts):
@@ -64,12 +56,10 @@ async def run_layout(model: str, a: int, b: int, prompts: list[list[int]]) -> di
         return dict(layout=f"{a}:{b}", ttft=statistics.median(ttft), gap=statistics.median(gap),
                     handoff=h["sum"] / max(sum(h["counts"]), 1), bytes=decode.transfer["bytes"],
                     channels=decode.transfer["transfers"], tokens=tokens)
-    finally:
-        await cluster.shutdown()
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = parser(__doc__)
     ap.add_argument("--model", default=None, help="a checkpoint whose heads the layouts can split (default: made here)")
     ap.add_argument("--layouts", default="1:1,2:1,1:2,2:2")
     ap.add_argument("--prompt-len", type=int, default=512)
@@ -89,10 +79,12 @@ def main() -> None:
     same = all(r["tokens"] == rows[0]["tokens"] for r in rows)
     print(f"\nprompt {args.prompt_len} tokens, {args.requests} requests one at a time (medians of the last "
           f"{args.requests - 2}); tokens equal across layouts: {same}")
-    print(f"{'A:B':>5} {'TTFT ms':>9} {'1st->2nd ms':>12} {'hand-off ms':>12} {'KV MiB received':>16} {'channel transfers':>18}")
+    t = Table(("A:B", 5, ""), ("TTFT ms", 9, ".1f"), ("1st->2nd ms", 12, ".1f"), ("hand-off ms", 12, ".1f"),
+              ("KV MiB received", 16, ".1f"), ("channel transfers", 18, ""))
+    print(t.header())
     for r in rows:
-        print(f"{r['layout']:>5} {r['ttft'] * 1e3:>9.1f} {r['gap'] * 1e3:>12.1f} {r['handoff'] * 1e3:>12.1f} "
-              f"{r['bytes'] / 2**20:>16.1f} {r['channels']:>18}")
+        print(t.row(r["layout"], r["ttft"] * 1e3, r["gap"] * 1e3, r["handoff"] * 1e3, r["bytes"] / 2**20,
+                    r["channels"]))
     if not same:
         sys.exit("tokens differ between layouts")
 

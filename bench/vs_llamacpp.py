@@ -34,6 +34,8 @@ import sys
 import time
 from pathlib import Path
 
+from common import parser
+
 DECODE_TOKENS = 64
 PREFILL = 512
 BATCH_OUT = 128
@@ -63,7 +65,7 @@ def variant_file(source: Path, name: str, cache: Path) -> Path:
     if name == "q4_1":
         return source
     import numpy as np
-    from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
+    from gguf import GGUFReader, GGUFValueType, GGUFWriter
     from gguf.quants import dequantize
 
     out = cache / f"{source.stem}.{name}.gguf"
@@ -131,8 +133,6 @@ def run_pdserve(path: Path, dtype: str, quantization: str | None, load: dict, re
 
 # -- llama.cpp (runs in its own process: `--llamacpp-worker`) -------------------------------------------
 def llamacpp_worker(path: str, load: dict, repeats: int, threads: int, batch: int, n_batch: int) -> dict:
-    import ctypes
-
     import llama_cpp
     import numpy as np
 
@@ -161,7 +161,7 @@ def llamacpp_worker(path: str, load: dict, repeats: int, threads: int, batch: in
     prefill = [PREFILL / eval_timed(p, 1)[0] for p in load["prefill"][:repeats]]
     greedy = eval_timed(load["decode"], 16)[1]
     file_bytes = os.path.getsize(path)
-    del llm
+    llm = None  # frees the model before the batch run loads it again (eval_timed holds the name, not the model)
 
     # Batch: llama-server's scheme with `batch` slots.
     prompts = load["batch"]
@@ -223,7 +223,6 @@ def run_llamacpp(python: str, path: Path, load: dict, args) -> dict | str:
 
 # -- transformers ---------------------------------------------------------------------------------
 def run_hf(path: Path, load: dict) -> float:
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
     from offline_vs_hf import hf_generate, load_hf
 
     model, _ = load_hf(str(path), "gguf")
@@ -258,7 +257,7 @@ def machine() -> str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = parser(__doc__)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--variants", default="f32,f16,q4_1")
     ap.add_argument("--repeats", type=int, default=3)
