@@ -312,9 +312,10 @@ class Router:
     def __init__(self, cluster: Cluster, config: RouterConfig):
         self.cluster = cluster
         self.config = config
+        doors = ("grpc", "http") if config.http_port is not None else ("grpc",)  # their series exist from the start
         self.metrics = RouterMetrics(cluster.worker_stats, lambda: (dict(cluster.restarts), dict(cluster.retries)),
                                      lambda: self.service.pool_scale(), cluster.config.tiers.slo,
-                                     lambda: cluster.downgrades) if config.metrics_port is not None else None
+                                     lambda: cluster.downgrades, doors) if config.metrics_port is not None else None
         self.service = GenerationService(cluster, config, self.metrics)
         self.health = health.aio.HealthServicer()
         self.server: grpc.aio.Server | None = None

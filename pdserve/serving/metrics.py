@@ -54,10 +54,12 @@ class RouterMetrics:
     def __init__(self, worker_stats: Callable[[], Iterable[WorkerStats]],
                  faults: Callable[[], tuple[dict[str, int], dict[str, int]]] = lambda: ({}, {}),
                  scale: Callable[[], Iterable[PoolScale]] = lambda: (),
-                 slos: dict[str, TierSLO] | None = None, downgrades: Callable[[], int] = lambda: 0):
+                 slos: dict[str, TierSLO] | None = None, downgrades: Callable[[], int] = lambda: 0,
+                 protocols: Iterable[str] = ("grpc",)):
         """worker_stats: the workers' latest stats; faults: (restarts by pool, retries by reason), cumulative;
         scale: each pool's size, target and scale events; slos: each tier's targets (pdserve.tiers);
-        downgrades: priority requests served as default so far."""
+        downgrades: priority requests served as default so far; protocols: the doors requests come in by
+        ("grpc", and "http" where the OpenAI API is served), whose request series exist from the start."""
         r = self.registry = CollectorRegistry()
         self.slos = slos if slos is not None else TiersConfig().slo
         # Every request metric is labelled by the protocol it came in on, "grpc" or "http" (OpenAI API),
@@ -89,14 +91,23 @@ class RouterMetrics:
         self.served = Counter("pdserve_tier_served_requests", "Finished requests by the tier asked for and the tier "
                               "served (lower when a priority request found the fast lane full)",
                               ["service_tier", "served_tier"], registry=r)
-        for t in TIERS:  # the series a dashboard divides by exist from the start
-            for met in ("true", "false"):
-                self.slo_requests.labels(t.value, met)
-                self.slo_tokens.labels(t.value, met)
         self.prompt_tokens = Counter("pdserve_request_prompt_tokens", "Prompt tokens of finished requests", p,
                                      registry=r)
         self.generation_tokens = Counter("pdserve_request_generation_tokens", "Tokens streamed to clients", p,
                                          registry=r)
+        # Every series a dashboard queries exists from the start, at 0 (a panel reads 0, not "no data", before
+        # the first request of a tier), for the label values known up front: doors, tiers, and the finish
+        # reasons every door and tier ends requests with (stop or length, OK).
+        for t in TIERS:
+            for met in ("true", "false"):
+                self.slo_requests.labels(t.value, met)
+                self.slo_tokens.labels(t.value, met)
+            for protocol in protocols:
+                for family in (self.ttft, self.tpot, self.itl, self.e2e, self.queue, self.prompt_tokens,
+                               self.generation_tokens):
+                    family.labels(protocol, t.value)
+                for finish_reason in ("stop", "length"):
+                    self.requests.labels(protocol, t.value, finish_reason, "OK")
         self.running = Gauge("pdserve_router_requests_running", "Requests admitted to the workers", registry=r)
         self.queued = Gauge("pdserve_router_requests_queued", "Requests waiting for admission", registry=r)
         self._tier_queued: Callable[[ServiceTier], int] = lambda t: 0
@@ -175,12 +186,14 @@ class WorkerCollector(Collector):
         yield family(GaugeMetricFamily, "pdserve_worker_waiting_requests",
                      "Requests queued (prefill: prompts not yet ingested; decode: KV not yet received)",
                      lambda s: s.waiting)
-        yield family(GaugeMetricFamily, "pdserve_worker_waiting_tokens", "Prompt tokens queued", lambda s: s.waiting_tokens)
+        yield family(GaugeMetricFamily, "pdserve_worker_waiting_tokens", "Prompt tokens queued",
+                     lambda s: s.waiting_tokens)
         yield family(GaugeMetricFamily, "pdserve_worker_running_requests",
                      "Running batch (prefill: prompts whose KV is held for transfer)", lambda s: s.running)
         yield family(GaugeMetricFamily, "pdserve_worker_kv_blocks_used", "KV cache blocks in use",
                      lambda s: s.kv_blocks_used)
-        yield family(GaugeMetricFamily, "pdserve_worker_kv_blocks", "KV cache blocks in all", lambda s: s.kv_blocks_total)
+        yield family(GaugeMetricFamily, "pdserve_worker_kv_blocks", "KV cache blocks in all",
+                     lambda s: s.kv_blocks_total)
         yield family(CounterMetricFamily, "pdserve_worker_preemptions",
                      "Running requests sent back to the queue for lack of KV blocks (their KV is recomputed)",
                      lambda s: s.preemptions)
@@ -198,16 +211,18 @@ class WorkerCollector(Collector):
                 for k in keys:
                     f.add_metric([s.pool, s.worker_id, *k.split("/")], values.get(k, 0))
             yield f
-        yield family(CounterMetricFamily, "pdserve_worker_prefix_cache_hit_blocks", "Prompt blocks served by the prefix cache",
-                     lambda s: s.prefix_hit_blocks)
-        yield family(CounterMetricFamily, "pdserve_worker_prefix_cache_query_blocks", "Prompt blocks looked up in the prefix cache",
-                     lambda s: s.prefix_query_blocks)
+        yield family(CounterMetricFamily, "pdserve_worker_prefix_cache_hit_blocks",
+                     "Prompt blocks served by the prefix cache", lambda s: s.prefix_hit_blocks)
+        yield family(CounterMetricFamily, "pdserve_worker_prefix_cache_query_blocks",
+                     "Prompt blocks looked up in the prefix cache", lambda s: s.prefix_query_blocks)
         moving = [s for s in stats if s.transfer]
         for kind, name, doc, key in (
                 (CounterMetricFamily, "pdserve_kv_transfers",
-                 "KV transfers completed (one per channel: one between TP workers counts each pair of ranks)", "transfers"),
+                 "KV transfers completed (one per channel: one between TP workers counts each pair of ranks)",
+                 "transfers"),
                 (CounterMetricFamily, "pdserve_kv_transfer_bytes", "KV bytes transferred", "bytes"),
-                (CounterMetricFamily, "pdserve_kv_transfer_failures", "KV transfers that failed or timed out", "failures"),
+                (CounterMetricFamily, "pdserve_kv_transfer_failures", "KV transfers that failed or timed out",
+                 "failures"),
                 (CounterMetricFamily, "pdserve_kv_transfer_checksum_failures",
                  "KV transfers that arrived but differed from what was sent (checksum)", "checksum_failures")):
             f = kind(name, doc, labels=labels)
@@ -268,8 +283,8 @@ class FaultCollector(Collector):
         for pool in ("prefill", "decode", "fast", "colocated"):
             f.add_metric([pool], restarts.get(pool, 0))
         yield f
-        f = CounterMetricFamily("pdserve_request_retries", "Requests placed again after a lost worker or failed transfer",
-                                labels=["reason"])
+        f = CounterMetricFamily("pdserve_request_retries",
+                                "Requests placed again after a lost worker or failed transfer", labels=["reason"])
         for reason, n in sorted(retries.items()):
             f.add_metric([reason], n)
         yield f
@@ -291,11 +306,13 @@ class ScaleCollector(Collector):
         lo = GaugeMetricFamily("pdserve_pool_min_workers", "The pool's smallest size", labels=["pool"])
         hi = GaugeMetricFamily("pdserve_pool_max_workers", "The pool's largest size", labels=["pool"])
         tp = GaugeMetricFamily("pdserve_pool_tensor_parallel_size",
-                               "Ranks (devices) per worker of the pool: its devices are workers x this", labels=["pool"])
-        events = CounterMetricFamily("pdserve_scale_events", "Workers started (up) or drained (down) by the autoscaler, "
-                                     "by the reason of the decision", labels=["pool", "direction", "reason"])
-        start = SummaryMetricFamily("pdserve_worker_start_seconds", "From a worker's start to ready (model load included)",
-                                    labels=["pool"])
+                               "Ranks (devices) per worker of the pool: its devices are workers x this",
+                               labels=["pool"])
+        events = CounterMetricFamily("pdserve_scale_events", "Workers started (up) or drained (down) by the "
+                                     "autoscaler, by the reason of the decision",
+                                     labels=["pool", "direction", "reason"])
+        start = SummaryMetricFamily("pdserve_worker_start_seconds",
+                                    "From a worker's start to ready (model load included)", labels=["pool"])
         for p in pools:
             for state in ("starting", "ready", "draining"):
                 workers.add_metric([p.pool, state], getattr(p, state))
@@ -303,9 +320,8 @@ class ScaleCollector(Collector):
             lo.add_metric([p.pool], p.min_workers)
             hi.add_metric([p.pool], p.max_workers)
             tp.add_metric([p.pool], p.tensor_parallel_size)
-            counts = dict(p.events)
-            if p.max_workers > p.min_workers:  # an autoscaled pool: every series exists from the start
-                counts = {**{(d, r): 0 for d in ("up", "down") for r in REASONS}, **counts}
+            # Every series exists from the start, in a fixed pool too (its panel reads 0 events, not "no data").
+            counts = {**{(d, r): 0 for d in ("up", "down") for r in REASONS}, **p.events}
             for (direction, reason), n in sorted(counts.items()):
                 events.add_metric([p.pool, direction, reason], n)
             start.add_metric([p.pool], len(p.start_seconds), sum(p.start_seconds))

@@ -2,8 +2,8 @@
 
 Rendering uses `kubectl kustomize` (what `kubectl apply -k` runs); without kubectl, a small renderer below
 that handles exactly the kustomize features deploy/ uses (a test keeps the two in agreement where both
-exist). Checks: RayCluster against KubeRay's CRD schema (from the shared/ checkout beside the project),
-core kinds against Kubernetes' schemas (kubernetes-validate), the Prometheus Operator monitors by
+exist). Checks: RayCluster against KubeRay's CRD schema (committed in tests/deploy/schemas/ with its source
+and licence), core kinds against Kubernetes' schemas (kubernetes-validate), the Prometheus Operator monitors by
 structure, the head's command against pdserve's own CLI parser, the probes against the port the router
 serves grpc.health.v1 on, the Ray resources that pin each pool to its worker group, and the dashboard
 ConfigMap against deploy/grafana.
@@ -33,8 +33,8 @@ KUSTOMIZATIONS = {
     "production": DEPLOY / "overlays" / "production",
     "large-model": DEPLOY / "overlays" / "large-model",
 }
-# The shared/ checkout sits beside the project root ("../shared/schemas/..." from it).
-SCHEMAS = ROOT.parent / "shared" / "schemas"
+# Committed with the tests (source, version and licence in schemas/README.md): a plain clone runs every check.
+SCHEMAS = Path(__file__).resolve().parent / "schemas"
 RAYCLUSTER_CRD = SCHEMAS / "kuberay" / "ray.io_rayclusters.yaml"
 DASHBOARD = DEPLOY / "grafana" / "pdserve-dashboard.json"
 DOCKERFILE = DEPLOY / "Dockerfile"
@@ -327,9 +327,6 @@ def _strict(schema: Any) -> Any:
 def raycluster_validator():
     import jsonschema
 
-    if not RAYCLUSTER_CRD.is_file():
-        pytest.skip(f"KubeRay's RayCluster CRD is not at {RAYCLUSTER_CRD}: the schemas come with the shared/ "
-                    "checkout beside the project root (../shared/schemas/kuberay/)")
     crd = yaml.safe_load(RAYCLUSTER_CRD.read_text())
     assert crd["spec"]["group"] == "ray.io" and crd["spec"]["names"]["kind"] == "RayCluster"
     (version,) = [v for v in crd["spec"]["versions"] if v["name"] == "v1"]
@@ -849,3 +846,15 @@ def test_fallback_renderer_agrees_with_kubectl(name):
         return {(o["kind"], o["metadata"]["name"]): o for o in objs}
 
     assert keyed(python_render(KUSTOMIZATIONS[name])) == keyed(kubectl_render(KUSTOMIZATIONS[name]))
+
+
+def test_committed_crd_is_the_one_its_readme_names():
+    """The schema is KubeRay's file unchanged: its checksum is the one schemas/README.md records with the
+    source commit and licence (an updated file must update its provenance too)."""
+    import hashlib
+
+    readme = (SCHEMAS / "README.md").read_text()
+    digest = hashlib.sha256(RAYCLUSTER_CRD.read_bytes()).hexdigest()
+    assert f"sha256: `{digest}`" in readme
+    assert "Apache License 2.0" in readme and (SCHEMAS / "kuberay" / "LICENSE").read_text().lstrip().startswith(
+        "Apache License")

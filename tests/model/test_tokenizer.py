@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import NamedTuple
@@ -192,31 +191,55 @@ def test_missing_paths(tmp_path: Path) -> None:
 
 class Loaded(NamedTuple):
     tokenizer: Tokenizer
-    first_load_s: float
     cached: Tokenizer
-    cached_load_s: float
     cache_dir: Path
+    first_calls: list[dict]  # the keyword arguments of each AutoTokenizer.from_pretrained call, per load
+    cached_calls: list[dict]
+    built_ns: int  # the converted directory's marker file's mtime after the first load
+    reused_ns: int  # and after the cached load
 
 
 @pytest.fixture(scope="module")
 def smollm2(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Loaded]:
+    """Loads the GGUF's tokenizer twice into an empty cache, recording what each load asked transformers
+    for: the first converts the GGUF (from_pretrained with gguf_file=), the second must only read the
+    converted directory."""
+    from transformers import AutoTokenizer
+
     if not SMOLLM2.is_file():
         pytest.skip(f"SmolLM2 GGUF not installed at {SMOLLM2}")
     cache_dir = tmp_path_factory.mktemp("pdserve-cache")
+    calls: list[dict] = []
+    original = AutoTokenizer.from_pretrained
+
+    def recorded(*args, **kwargs):
+        calls.append(kwargs)
+        return original(*args, **kwargs)
+
+    def marker_ns() -> int:
+        (converted,) = (cache_dir / "tokenizers").iterdir()
+        return (converted / "tokenizer_config.json").stat().st_mtime_ns
+
     with pytest.MonkeyPatch.context() as env:
         env.setenv("PDSERVE_CACHE_DIR", str(cache_dir))
-        start = time.perf_counter()
+        env.setattr(AutoTokenizer, "from_pretrained", recorded)
         first = Tokenizer.from_pretrained(SMOLLM2)
-        middle = time.perf_counter()
+        first_calls, built_ns = list(calls), marker_ns()
+        calls.clear()
         cached = Tokenizer.from_pretrained(SMOLLM2)
-        end = time.perf_counter()
-    yield Loaded(first, middle - start, cached, end - middle, cache_dir)
+        cached_calls, reused_ns = list(calls), marker_ns()
+    yield Loaded(first, cached, cache_dir, first_calls, cached_calls, built_ns, reused_ns)
 
 
 @pytest.mark.slow
 def test_smollm2_cache(smollm2: Loaded) -> None:
+    """The GGUF's tokenizer is converted once (seconds) and cached: a second load reads the converted
+    directory (milliseconds), rebuilding nothing, and gives the same tokenizer."""
     assert len(list((smollm2.cache_dir / "tokenizers").iterdir())) == 1
-    assert smollm2.cached_load_s < smollm2.first_load_s / 2
+    # The first load converted the GGUF, then loaded the result; the cached load only loaded the result.
+    assert [bool(c.get("gguf_file")) for c in smollm2.first_calls] == [True, False]
+    assert [bool(c.get("gguf_file")) for c in smollm2.cached_calls] == [False]
+    assert smollm2.reused_ns == smollm2.built_ns  # the converted directory was not written again
     for text in TEXTS:
         assert smollm2.cached.encode(text) == smollm2.tokenizer.encode(text)
     assert smollm2.cached.eos_token_ids == smollm2.tokenizer.eos_token_ids

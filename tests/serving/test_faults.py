@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import random
 
 import grpc
@@ -50,12 +51,16 @@ def settle(aloop, cluster: Cluster, sizes: dict[str, int]) -> None:
              what="zero used KV blocks in both pools")
 
 
-def test_decode_killed_fail_policy_ends_with_unavailable(ray_local, aloop, tiny_checkpoints):
+def test_decode_killed_fail_policy_ends_with_unavailable(ray_local, aloop, tiny_checkpoints, caplog):
+    """A decode worker killed under 16 streams, with `--on-decode-failure fail`: every stream ends with
+    UNAVAILABLE naming the decode side, before its own deadline; the loss is seen at once (the worker's
+    calls fail), not when the heartbeat times out; the pool is whole again and no KV block is left used."""
     from pdserve.client import AsyncClient
     from router.server import Router, RouterConfig
 
     _, config = configs(tiny_checkpoints["llama"], on_decode_failure="fail")
     cluster = start(aloop, config)
+    caplog.set_level(logging.WARNING, logger="router.pools")  # "worker <id> lost (<why>)": how the router saw it
     router = Router(cluster, RouterConfig(port=0))
     aloop.run(router.start())
     try:
@@ -75,6 +80,7 @@ def test_decode_killed_fail_policy_ends_with_unavailable(ray_local, aloop, tiny_
                 # The decode worker stops inside its fourth step and stays there until it is killed: every
                 # stream has begun (its first token comes from the prefill worker) and none can end first.
                 victim = cluster.pools["decode"][0]
+                victims.append(victim.worker_id)
                 await victim.handle.inject_fault.remote("step", 60.0, skip=3)
                 tasks = [asyncio.create_task(one(i, p)) for i, p in enumerate(prompts())]
                 assert await victim.handle.fault_reached.remote("step", 60), "the decode worker never stepped"
@@ -87,10 +93,17 @@ def test_decode_killed_fail_policy_ends_with_unavailable(ray_local, aloop, tiny_
                 out = await asyncio.gather(*tasks)
                 return out, asyncio.get_running_loop().time() - t0
 
+        victims: list[str] = []
         results, elapsed = asyncio.run(run())
+        print(f"every stream ended {elapsed:.2f} s after the kill")
+        # Bounded: each stream ended with the router's UNAVAILABLE, none at its 60 s deadline (that would be
+        # DEADLINE_EXCEEDED) ...
         assert all(code == grpc.StatusCode.UNAVAILABLE for code, _ in results), results
         assert all("decode" in detail for _, detail in results)
-        assert elapsed < 30  # bounded: the loss is seen at once, not at a timeout
+        # ... and the loss was seen at once, from the worker's failed calls, not at a timeout: the heartbeat
+        # (worker_timeout_s) did not have to declare it stuck. (No wall-clock bound: a loaded machine decides it.)
+        losses = [r.args[:2] for r in caplog.records if r.msg.startswith("worker %s lost")]
+        assert [w for w, _ in losses] == victims and not losses[0][1].startswith("stuck"), losses
         settle(aloop, cluster, {"prefill": 1, "decode": 1})
     finally:
         aloop.run(router.stop(grace=5))

@@ -8,16 +8,15 @@ import shutil
 import socket
 import subprocess
 import threading
+import time
 import urllib.parse
 import urllib.request
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import yaml
 
 from pdserve.config import (
-    AutoscaleConfig,
     CacheConfig,
     ClusterConfig,
     EngineConfig,
@@ -34,6 +33,7 @@ from pdserve.engine.utilization import (
     step_flops,
     weight_bytes,
 )
+from pdserve.planner.autoscale import REASONS
 from pdserve.serving.messages import WorkerStats
 from pdserve.serving.metrics import RouterMetrics
 from pdserve.transfer.channel import TRANSFER_SECONDS_BUCKETS
@@ -220,11 +220,67 @@ def rule_queries() -> list[str]:
     return out
 
 
+_SELECTOR = re.compile(r"\b(pdserve_[a-z0-9_]+)(?:\{([^}]*)\})?")
+_OR_ZERO = re.compile(r"(\[\w+\])?\)*\s*or vector\(0\)")  # what follows a selector the expression lets be absent
+_MATCHER = re.compile(r'(\w+)\s*(=~|!~|!=|=)\s*"([^"]*)"')
+
+
+def _matches(labels: dict[str, str], matchers: str) -> bool:
+    for name, op, value in _MATCHER.findall(matchers or ""):
+        have = labels.get(name, "")
+        ok = {"=": have == value, "!=": have != value, "=~": re.fullmatch(value, have) is not None,
+              "!~": re.fullmatch(value, have) is None}[op]
+        if not ok:
+            return False
+    return True
+
+
+def test_every_queried_series_exists_at_zero_from_the_start():
+    """A router just started with default flags (fixed pools, nothing served, no transfer yet): every series
+    a dashboard panel or a rule selects is there, so a panel reads 0 rather than "no data"; the counters of
+    what has not happened (requests, scale events, failures) read 0."""
+    from pdserve.serving.metrics import PoolScale
+    from pdserve.transfer.channel import TransferStats
+    from pdserve.transfer.protocol import SecondsHistogram
+
+    zeros = dict(steps=0, tokens_processed=0, busy_seconds=0.0, flops=0, bytes_read=0, waiting=0, waiting_tokens=0,
+                 running=0, kv_blocks_used=0, transfer=TransferStats().snapshot())
+    workers = [stats("prefill", "prefill-0", **zeros),
+               stats("decode", "decode-0", **zeros, handoff=SecondsHistogram().snapshot(),
+                     reservation_wait=SecondsHistogram().snapshot())]
+    pools = [PoolScale(p, 1, 0, 0, 1, 1, 1, (4.0,), {}) for p in ("prefill", "decode")]  # fixed: 1:1
+    m = RouterMetrics(lambda: workers, scale=lambda: pools)
+    exposed = [(s.name, s.labels, s.value) for f in m.registry.collect() for s in f.samples]
+    missing = []
+    for expr in dashboard_queries() + rule_queries():
+        for sel in _SELECTOR.finditer(expr):
+            name, matchers = sel.groups()
+            if _OR_ZERO.match(expr, sel.end()):  # `(... failed requests ...) or vector(0)`: none failed yet
+                continue
+            if not any(n == name and _matches(labels, matchers) for n, labels, _ in exposed):
+                missing.append(f"{name}{{{matchers or ''}}} in {expr}")
+    assert not missing, missing
+    for name in ("pdserve_requests_total", "pdserve_scale_events_total", "pdserve_kv_transfer_failures_total",
+                 "pdserve_request_time_to_first_token_seconds_count", "pdserve_tier_slo_requests_total"):
+        values = [v for n, _, v in exposed if n == name]
+        assert values and not any(values), name
+    # Only label values that can happen: the gRPC door (HTTP is off), every tier, requests that ended OK.
+    requests = {tuple(sorted(labels.items())) for n, labels, _ in exposed if n == "pdserve_requests_total"}
+    assert requests == {(("code", "OK"), ("finish_reason", r), ("protocol", "grpc"), ("service_tier", t))
+                        for r in ("stop", "length") for t in ("priority", "default", "flex")}
+    with_http = RouterMetrics(lambda: [], protocols=("grpc", "http")).registry.get_sample_value
+    assert with_http("pdserve_request_e2e_seconds_count", {"protocol": "http", "service_tier": "flex"}) == 0
+    # A fixed pool's scale events: each direction and reason at 0, as an autoscaled pool's.
+    events = [labels for n, labels, _ in exposed if n == "pdserve_scale_events_total" and labels["pool"] == "decode"]
+    assert len(events) == 2 * len(REASONS)
+
+
 def test_dashboard_is_grafana_shaped():
     d = json.loads(DASHBOARD.read_text())
     assert d["templating"]["list"][0]["type"] == "datasource"
     rows = [p["title"] for p in d["panels"] if p["type"] == "row"]
-    assert rows == ["Prefill pool", "Decode pool", "Latency", "KV transfer", "Pool sizes (autoscaling)", "Service tiers"]
+    assert rows == ["Prefill pool", "Decode pool", "Latency", "KV transfer", "Pool sizes (autoscaling)",
+                    "Service tiers"]
     for p in d["panels"]:
         if p["type"] != "row":
             assert p["datasource"]["uid"] == "${datasource}" and p["targets"]
@@ -264,7 +320,8 @@ def _ready(port: int) -> bool:
 def prometheus(tmp_path):
     binary = shutil.which("prometheus")
     if binary is None:
-        pytest.skip("the prometheus server is not installed (Debian package prometheus; `make setup` installs it where it can)")
+        pytest.skip("the prometheus server is not installed (Debian package prometheus; `make setup` installs it "
+                    "where it can)")
     procs = []
 
     def start(target_port: int) -> int:
@@ -295,15 +352,36 @@ def test_prometheus_scrapes_every_dashboard_and_rule_expression(ray_local, aloop
     cache = CacheConfig(block_size=4, num_blocks=256)
     engine = EngineConfig(model=str(tiny_checkpoints["llama"]), cache=cache)
     pool = PoolConfig(1, num_cpus=0.25, cache=cache, scheduler=SchedulerConfig(max_num_batched_tokens=64))
-    # The prefill pool autoscaled (1:2; an H100's roofline finds one worker plenty for the tiny model,
-    # so it stays at 1) so that the pool-size panels have their series.
-    cluster = Cluster(ClusterConfig(engine=engine, prefill=replace(pool, max_workers=2), decode=pool,
-                                    stats_interval_s=0.5, autoscale=AutoscaleConfig(gpu="H100")))
+    # Default flags: fixed pools, no autoscaling, no fast lane, no HTTP door. Every panel must still read
+    # a number (a zero included), never "no data": the series of features that are off exist at 0.
+    cluster = Cluster(ClusterConfig(engine=engine, prefill=pool, decode=pool, stats_interval_s=0.5))
     aloop.run(cluster.start(), timeout=600)
     router = Router(cluster, RouterConfig(port=0, metrics_port=0))
     aloop.run(router.start())
     try:
         prom_port = prometheus(router.metrics_port)
+        exprs = [e.replace("$__rate_interval", "1m") for e in dashboard_queries()] + rule_queries()
+
+        def empty() -> list[str]:
+            return [e for e in exprs if not prom_query(prom_port, e)]
+
+        def samples(expr: str) -> float:
+            result = prom_query(prom_port, f"min(count_over_time({expr}[1m]))")
+            return float(result[0]["value"][1]) if result else 0.0
+
+        # From the start, before any request: every panel and rule has its series (zeros, or NaN for a
+        # quantile or ratio of zero rates), once rate() has two scrapes and the rules an evaluation.
+        wait_for(lambda: samples("pdserve_worker_busy_seconds_total") >= 3, timeout=60, interval=0.5,
+                 what="Prometheus to have scraped the idle router")
+        missing = empty()
+        for _ in range(10):  # a rule evaluated before the second scrape has its series a second later
+            if not missing:
+                break
+            time.sleep(1)
+            missing = empty()
+        assert not missing, f"idle, {len(missing)} of {len(exprs)} expressions returned no data: {missing}"
+        assert prom_query(prom_port, "sum(pdserve_requests_total)")[0]["value"][1] == "0"  # nothing served yet
+
         stop = threading.Event()
 
         async def load():
@@ -321,21 +399,22 @@ def test_prometheus_scrapes_every_dashboard_and_rule_expression(ray_local, aloop
 
         loader = threading.Thread(target=lambda: asyncio.run(load()))
         loader.start()
-        # Under load until rate() over 1m windows has several samples of finished requests and of workers.
-        def samples(expr: str) -> float:
-            result = prom_query(prom_port, f"min(count_over_time({expr}[1m]))")
+
+        # Under load until rate() over 1m windows has several scrapes of finished requests (two rounds at
+        # least: the zero series exist from the start) and of workers.
+        def served() -> float:
+            result = prom_query(prom_port, 'sum(pdserve_requests_total{code="OK"})')
             return float(result[0]["value"][1]) if result else 0.0
 
-        wait_for(lambda: samples('pdserve_requests_total{code="OK"}') >= 4
+        wait_for(lambda: served() >= 12 and samples('pdserve_requests_total{code="OK"}') >= 4
                  and samples("pdserve_worker_busy_seconds_total") >= 4,
                  timeout=180, interval=0.5, what="Prometheus to have scraped the router under load")
         stop.set()
         loader.join(60)
         wait_for(lambda: prom_query(prom_port, "pdserve_requests_total{code='INVALID_ARGUMENT'}"), timeout=30,
                  interval=0.5, what="the failed request to be scraped")
-        exprs = [e.replace("$__rate_interval", "1m") for e in dashboard_queries()] + rule_queries()
-        empty = [e for e in exprs if not prom_query(prom_port, e)]
-        assert not empty, f"{len(empty)} of {len(exprs)} expressions returned no data: {empty}"
+        missing = empty()
+        assert not missing, f"under load, {len(missing)} of {len(exprs)} expressions returned no data: {missing}"
         # The utilization series are real numbers, not just present.
         mfu = prom_query(prom_port, 'pdserve:worker_mfu:ratio_rate1m{pool="prefill"}')
         assert 0 < float(mfu[0]["value"][1]) < 1
