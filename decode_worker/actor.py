@@ -107,6 +107,7 @@ class DecodeActor(WorkerActor):
                 self.ranks.drop(theirs, prefill_id, generation)
             raise
         link = self.ranks.link(shares, prefill_id, generation, theirs, "recv_share") if theirs else PairLink(shares)
+        self.transfer_stats.record_channel()  # every rank's channels of this generation
         if prefill_id in self._lost_peers:  # lost while the rendezvous ran
             link.break_()
             raise ConnectionError(f"prefill worker {prefill_id} was lost; no channel to it")

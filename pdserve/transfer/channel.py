@@ -102,6 +102,7 @@ class TransferStats:
     seconds: float = 0.0
     failures: int = 0
     checksum_failures: int = 0  # transfers that arrived whole but differed from what was sent
+    channels_opened: int = 0  # generations of a pair's channels this side built (a broken one is replaced)
     # Per bucket of TRANSFER_SECONDS_BUCKETS (and +Inf): transfers that took at most that long, not cumulative.
     bucket_counts: list[int] = field(default_factory=lambda: [0] * (len(TRANSFER_SECONDS_BUCKETS) + 1))
     # Several channels may share one stats object and run in different threads.
@@ -118,6 +119,10 @@ class TransferStats:
         with self._lock:
             self.failures += 1
 
+    def record_channel(self) -> None:
+        with self._lock:
+            self.channels_opened += 1
+
     def record_checksum_failure(self) -> None:
         with self._lock:
             self.failures += 1
@@ -127,7 +132,8 @@ class TransferStats:
         with self._lock:
             return {"transfers": self.transfers, "bytes": self.bytes, "seconds": self.seconds,
                     "failures": self.failures,
-                    "checksum_failures": self.checksum_failures, "bucket_counts": list(self.bucket_counts)}
+                    "checksum_failures": self.checksum_failures, "channels_opened": self.channels_opened,
+                    "bucket_counts": list(self.bucket_counts)}
 
 
 # --- rendezvous store and pair channel ------------------------------------------------------------

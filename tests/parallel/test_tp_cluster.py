@@ -310,9 +310,14 @@ def test_a_failed_share_is_retried_and_every_rank_settles(ray_local, aloop, gqa,
         assert aloop.run(run(batch[:3]), timeout=120) == expected[:3]
         after_corrupt = decode_transfer()
         assert after_corrupt["checksum_failures"] == 1
+        assert after_corrupt["channels_opened"] == 1  # the corrupted share kept the pair's channels
         ray.get(prefill.handle.inject_fault.remote("send", 5.0), timeout=30)  # past the 3 s transfer timeout
         assert aloop.run(run(batch[3:]), timeout=120) == expected[3:]
-        assert decode_transfer()["failures"] > after_corrupt["failures"]
+        after_stall = decode_transfer()
+        assert after_stall["failures"] > after_corrupt["failures"]
+        assert after_stall["checksum_failures"] == 1  # the stall is not a checksum failure
+        # The stalled transfer broke the channels: the next generation was built, every rank's channels in it.
+        assert after_stall["channels_opened"] == 2
         assert cluster.restarts == {}  # no worker was lost: the transfers failed, not the workers
         wait_for(lambda: used_blocks(aloop, cluster) == 0, timeout=30, what="zero used KV blocks")
     finally:
