@@ -7,12 +7,14 @@ import time
 from dataclasses import dataclass
 
 import grpc
+import ray
 import torch
 
 from pdserve.client import AsyncClient
 from pdserve.config import ClusterConfig
 from pdserve.engine import LLMEngine
 from pdserve.engine.sampling import SamplingParams
+from pdserve.serving.messages import CancelRecord, WorkerStats
 from router.cluster import Cluster
 from router.server import Router, RouterConfig
 
@@ -42,8 +44,13 @@ class Served:
     def stats(self):
         return self.aloop.run(self.cluster.stats())
 
+    @staticmethod
+    def stats_of(worker) -> WorkerStats:
+        """One worker's stats (those of the others are not waited for: one may be held at a fault point)."""
+        return ray.get(worker.handle.stats.remote(), timeout=30)
+
     def pid(self, worker) -> int:
-        return next(s.pid for s in self.stats() if s.worker_id == worker.worker_id)
+        return self.stats_of(worker).pid
 
     def settle(self) -> None:
         """Pools back to size, no KV block used anywhere, no KV channel kept to a worker that is gone."""
@@ -111,6 +118,58 @@ class Streams:
 def assert_exact(outcomes: list[Outcome], reference: list[list[int]]) -> None:
     assert [(o.code, o.details) for o in outcomes] == [(grpc.StatusCode.OK, "")] * len(outcomes)
     assert [o.tokens for o in outcomes] == reference  # nothing lost, repeated or skipped
+
+
+# How many steps a worker may take between a client's cancel and the request leaving its batch, while the
+# router hears of the cancel and calls the worker (measured here: 0 to 2 steps, both models): about 0.1 s of
+# the tiny model's steps (~5 ms each on 2 cores), 0.1 to 0.25 s of SmolLM2's (30 to 60 ms).
+CANCEL_WITHIN_STEPS = 24
+CANCEL_WITHIN_STEPS_SMOL = 4
+
+
+class CancelWatch:
+    """Whether a client's cancel reached a worker, and when, from the worker's own record of what the cancel
+    did (WorkerActor.recent_cancels): not from the client's status, nor from KV freed within a wait that
+    the request's own end would fit in. Its methods are coroutines (any loop); make it before the client
+    cancels."""
+
+    def __init__(self, worker, cancelled: int, seen: set[str]):
+        self.worker, self.cancelled, self.seen = worker, cancelled, seen
+        self.step_at_cancel: int | None = None
+
+    @classmethod
+    async def of(cls, worker) -> CancelWatch:
+        """worker: a router.pools.Worker."""
+        stats, recent = await asyncio.gather(worker.handle.stats.remote(), worker.handle.recent_cancels.remote())
+        return cls(worker, stats.cancelled, {r.request_id for r in recent})
+
+    async def client_cancelled(self) -> None:
+        """Read the worker's step count: call it right after the client's cancel."""
+        self.step_at_cancel = (await self.worker.handle.stats.remote()).steps
+
+    async def arrived(self, max_tokens: int, request_id: str | None = None, within_steps: int = CANCEL_WITHIN_STEPS,
+                      timeout: float = 30.0) -> CancelRecord:
+        """The record of the cancel that ended a request here (the attempt `request_id`, worker-side, if given;
+        else the one new record), asserting that the worker counted it, that the request left its batch
+        within `within_steps` steps of the client's cancel, and that it had produced well under the
+        `max_tokens` it asked for (so it did not simply run to its end)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            new = [r for r in await self.worker.handle.recent_cancels.remote()
+                   if r.request_id not in self.seen and (request_id is None or r.request_id == request_id)]
+            if new:
+                break
+            assert time.monotonic() < deadline, \
+                f"{self.worker.worker_id} recorded no cancel of {request_id or 'a request'} in {timeout:g} s"
+            await asyncio.sleep(0.05)
+        assert len(new) == 1, new
+        record = new[0]
+        assert (await self.worker.handle.stats.remote()).cancelled > self.cancelled
+        assert record.output_tokens < max_tokens // 4, f"{record}: it was not cancelled, it ran ({max_tokens} asked)"
+        assert self.step_at_cancel is not None, "client_cancelled() was not called"
+        late = record.step - self.step_at_cancel
+        assert late <= within_steps, f"{record}: left {late} steps after the client's cancel (at {self.step_at_cancel})"
+        return record
 
 
 def mixed_params(n, max_tokens):

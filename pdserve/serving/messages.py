@@ -133,10 +133,23 @@ class WorkerStats:
     # "TIER/kept" or "TIER/recomputed".
     tier_seconds: dict = field(default_factory=dict)
     tier_preemptions: dict = field(default_factory=dict)
+    cancelled: int = 0  # requests a cancel ended here (their records: WorkerActor.recent_cancels)
 
     @property
     def busy_fraction(self) -> float:
         return self.busy_seconds / self.uptime_seconds if self.uptime_seconds > 0 else 0.0
+
+
+@dataclass(frozen=True)
+class CancelRecord:
+    """What a cancel did on a worker that had the request: when it left, and what it had produced."""
+
+    request_id: str  # the worker-side id of the attempt
+    step: int  # the worker's step count when it left: no step after that one computed it
+    output_tokens: int  # its output tokens then (those streamed by earlier attempts included)
+    # Where it stood: a pdserve.engine.request.RequestStatus value (waiting, running, held, waiting_for_kv), or
+    # "pushing" (a prefill worker whose push of its KV was under way, the request itself gone).
+    status: str
 
 
 @dataclass(frozen=True)

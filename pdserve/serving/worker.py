@@ -2,7 +2,8 @@
 
 A worker actor (prefill, decode, colocated) is a Ray actor around one EngineCore. The step thread
 (pdserve.engine.step_loop) owns the engine; actor methods hand it functions. This base holds the skeleton:
-ready / stats / cancel / shutdown, the timed step with its fail-the-batch path, the outputs stream of
+ready / stats / cancel (and the record of what cancels did) / shutdown, the timed step with its
+fail-the-batch path, the outputs stream of
 workers that stream, and the stats report. A subclass says what differs: its role and pool name, its
 step, and how it counts waiting and running requests.
 """
@@ -27,12 +28,13 @@ from pdserve.engine.step_loop import StepLoop, StepLoopStopped
 from pdserve.engine.utilization import device_peaks
 from pdserve.faults import FaultPoints
 from pdserve.model.loader import LoadedModel
-from pdserve.serving.messages import Failure, FailureReason, StepOutput, TokenEvent, WorkerStats
+from pdserve.serving.messages import CancelRecord, Failure, FailureReason, StepOutput, TokenEvent, WorkerStats
 from pdserve.tiers import ServiceTier
 
 log = logging.getLogger(__name__)
 
 TOMBSTONE_TTL_S = 60.0  # the race it covers lasts milliseconds
+CANCELS_KEPT = 64  # the recent cancels a worker can tell (recent_cancels)
 
 
 class StepRun(NamedTuple):
@@ -70,6 +72,9 @@ class WorkerActor:
         # Ids cancelled before their request arrived here (Ray may run a cancel ahead of the call that
         # adds the request): the add then refuses them. Step thread; expire after TOMBSTONE_TTL_S.
         self._tombstones: collections.OrderedDict[str, float] = collections.OrderedDict()
+        # What cancels did here (step thread): how many ended a request, and the latest ones' records.
+        self.cancelled = 0
+        self._cancels: collections.deque[CancelRecord] = collections.deque(maxlen=CANCELS_KEPT)
         self.faults = FaultPoints()  # inert unless a test arms one (pdserve.faults)
         self.loop: StepLoop | None = None
 
@@ -90,6 +95,10 @@ class WorkerActor:
             return await asyncio.wrap_future(self.loop.call(lambda: self._cancel_or_remember(request_id)))
         except StepLoopStopped:  # shutting down: nothing left to free
             return False
+
+    async def recent_cancels(self) -> list[CancelRecord]:
+        """The last CANCELS_KEPT cancels that ended a request here, oldest first: a cancel's arrival, checkable."""
+        return await asyncio.wrap_future(self.loop.call(lambda: list(self._cancels)))
 
     async def stream(self):
         """One StepOutput per step that produced anything, forever (the router holds one per worker)."""
@@ -144,7 +153,13 @@ class WorkerActor:
         return self.core.cancel(request_id)
 
     def _cancel_or_remember(self, request_id: str) -> bool:
+        req = self.core.scheduler.requests.get(request_id)
+        # As it stands before the cancel ends it (a request whose push is under way may have left already).
+        record = CancelRecord(request_id, self.core.steps, req.num_output_tokens if req else 0,
+                              req.status.value if req else "pushing")
         if self._cancel(request_id):
+            self.cancelled += 1
+            self._cancels.append(record)
             return True
         now = time.monotonic()
         while self._tombstones and now - next(iter(self._tombstones.values())) > TOMBSTONE_TTL_S:
@@ -215,4 +230,5 @@ class WorkerActor:
             peak_source=self.peaks.source, prefix_hit_blocks=pool.prefix_hits, prefix_query_blocks=pool.prefix_queries,
             pid=os.getpid(), preemptions=c.scheduler.num_preemptions, tier_seconds=dict(self.tier_seconds),
             tier_preemptions={f"{t}/{kind}": n for (t, kind), n in c.scheduler.preemptions.items()},
+            cancelled=self.cancelled,
             **self._extra_stats())

@@ -1,7 +1,12 @@
 """Decode steps padded to fixed buckets (pdserve.engine.cuda_graphs): buckets, padding, fallbacks, isolation.
 
-The padded computation runs eagerly on CPU against the unpadded runner on a tiny checkpoint, with the
-CPU kernels and with the torch ops a CUDA device runs. Capture and replay need CUDA (marked gpu).
+The padded computation runs eagerly on CPU (the stand-in for a graph: the same buffers and padding, no
+capture) against the unpadded runner on a tiny checkpoint, with decode attention three ways: the CPU
+kernels; the torch path (PDSERVE_CPU_KERNELS=torch: what a CUDA device runs only when
+PDSERVE_GPU_ATTENTION=torch forces it); and the Triton kernel, which is what a CUDA device runs by
+default (pdserve.model.attention), here in Triton's interpreter on CPU tensors (tests/conftest.py sets
+TRITON_INTERPRET=1 before triton's first import). None of them is a captured graph: capture and replay
+need CUDA (marked gpu), and so does the compiled Triton kernel.
 """
 from __future__ import annotations
 
@@ -129,12 +134,37 @@ def prefilled(model) -> tuple[ModelRunner, list[Chunk]]:
     return runner, firsts
 
 
-@pytest.fixture(params=["cpu-kernels", "torch-ops"])
+@pytest.fixture(params=["cpu-kernels", "torch-ops", "triton"])
 def ops(request, monkeypatch):
-    """The CPU kernels, or the torch ops everywhere (what a CUDA device runs)."""
-    if request.param == "torch-ops":
+    """Decode attention by the CPU kernels; by the torch ops everywhere; or by the Triton kernel (as on CUDA)."""
+    if request.param != "cpu-kernels":
         monkeypatch.setenv("PDSERVE_CPU_KERNELS", "torch")
+    if request.param == "triton":
+        triton_decode(monkeypatch)
     return request.param
+
+
+def triton_decode(monkeypatch) -> list[tuple[int, int]]:
+    """Send attention on these CPU tensors to the Triton kernels, in Triton's interpreter, as
+    pdserve.model.attention sends CUDA tensors to them; every decode call's (rows, block table width) is
+    appended to the list returned."""
+    from pdserve.kernels import triton_attention  # imports triton: only the tests that use it pay for it
+    from pdserve.model import attention
+
+    if not triton_attention.INTERPRETER:
+        pytest.skip("triton was imported without its interpreter (a CUDA machine): the compiled kernel "
+                    "runs in the gpu tests' replays")
+    calls: list[tuple[int, int]] = []
+    kernel = triton_attention.paged_decode_attention
+
+    def counted(q, kv_layer, block_tables, context_lens, scale, out=None):
+        calls.append(tuple(block_tables.shape))
+        return kernel(q, kv_layer, block_tables, context_lens, scale, out=out)
+
+    monkeypatch.setattr(triton_attention, "paged_decode_attention", counted)
+    monkeypatch.setattr(attention, "_gpu_kernels",
+                        lambda q, kv_layer: triton_attention if triton_attention.supports(q, kv_layer) else None)
+    return calls
 
 
 def changed_slots(before: torch.Tensor, after: torch.Tensor) -> set[int]:
@@ -198,6 +228,38 @@ def test_successive_steps_reuse_the_buffers(model, ops):
         assert got == want
         chunks = [decode(t, c.start + 1, c.block_ids) for t, c in zip(got, chunks)]
         ref_chunks = [decode(t, c.start + 1, c.block_ids) for t, c in zip(want, ref_chunks)]
+
+
+def test_padded_buckets_with_the_triton_kernel_are_token_exact(model, monkeypatch):
+    """The padded buckets with decode attention in the Triton kernel (the pairing a CUDA device runs by
+    default), step by step as rows join (1, 2, 3, then 5 rows: buckets 1, 2, 4, 8, with one, then three
+    padding rows), give the unpadded eager runner's tokens on the torch path; every decode call was the
+    kernel's, on the whole padded bucket."""
+    monkeypatch.setenv("PDSERVE_CPU_KERNELS", "torch")
+
+    def tokens(step_fn, firsts: list[Chunk]) -> list[list[int]]:
+        out, chunks, joined = [], [], 0
+        for n in (1, 1, 1, 2):  # rows joining at each step (the tables leave room for these steps only)
+            chunks += firsts[joined:joined + n]
+            joined += n
+            out.append(step_fn(chunks))
+            chunks = [decode(t, c.start + 1, c.block_ids) for t, c in zip(out[-1], chunks)]
+        return out
+
+    ref_runner, ref_steps = prefilled(model)  # the reference: unpadded, eager, torch attention
+    want = tokens(lambda chunks: ref_runner.execute(chunks).sampled.tolist(), ref_steps)
+    runner, steps = prefilled(model)
+    calls = triton_decode(monkeypatch)
+    graphs = DecodeGraphs(model, runner.kv_cache, BS, SCRATCH, MAX_BLOCKS, [1, 2, 4, 8])
+    buckets = []
+
+    def padded(chunks: list[Chunk]) -> list[int]:
+        buckets.append(graphs.bucket_for(chunks))
+        return graphs.run(chunks).argmax(-1).tolist()
+
+    assert tokens(padded, steps) == want
+    assert buckets == [1, 2, 4, 8]
+    assert calls == [(b, MAX_BLOCKS) for b in buckets for _ in range(model.cfg.num_layers)]
 
 
 def test_capture_needs_cuda(model):

@@ -20,6 +20,7 @@ from router.cluster import Cluster
 from router.server import SERVICE_NAME, Router, RouterConfig
 
 from conftest import wait_for
+from served import CANCEL_WITHIN_STEPS_SMOL, CancelWatch
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
@@ -151,19 +152,41 @@ def test_queue_bound_answers_resource_exhausted_at_once(aloop, cluster):
         aloop.run(small.stop(grace=5))
 
 
-def test_cancel_mid_stream_frees_blocks(client):
-    stream = client.stub.Generate(build_request("Tell me a long story", max_tokens=500, ignore_eos=True))
+def whole_context(cluster, offline, text: str) -> tuple[list[int], int]:
+    """A prompt and the max_tokens that fill the context: minutes of SmolLM2 tokens here, so a request's
+    end can never explain what a cancel did."""
+    prompt = offline.tokenizer.encode(text)
+    return prompt, cluster.info.max_model_len - len(prompt)
+
+
+def test_cancel_mid_stream_frees_blocks(aloop, cluster, client, offline):
+    """The client's cancel reaches the decode worker: by its record, the request left its batch within a
+    few steps of the cancel, long before its end; then every block is free."""
+    prompt, max_tokens = whole_context(cluster, offline, "Tell me a long story")
+    watch = aloop.run(CancelWatch.of(cluster.pools["decode"][0]))
+    stream = client.stub.Generate(build_request(token_ids=prompt, max_tokens=max_tokens, ignore_eos=True,
+                                                request_id="cancelled-mid-stream"))
     got = [next(stream) for _ in range(3)]
     assert all(r.token_ids for r in got)
     assert used_blocks(client) > 0
     stream.cancel()
+    aloop.run(watch.client_cancelled())
+    # By its first attempt's worker-side id (router.cluster: <id>#<attempt>).
+    record = aloop.run(watch.arrived(max_tokens, "cancelled-mid-stream#0", CANCEL_WITHIN_STEPS_SMOL))
+    assert record.status == "running"
     wait_for(lambda: used_blocks(client) == 0, what="blocks freed after a client cancel")
 
 
-def test_deadline_exceeded_frees_blocks(client):
+def test_deadline_exceeded_frees_blocks(aloop, cluster, client, offline):
+    """A deadline cancels the request on the decode worker as a client's cancel does."""
+    prompt, max_tokens = whole_context(cluster, offline, "Tell me a long story")
+    watch = aloop.run(CancelWatch.of(cluster.pools["decode"][0]))
     with pytest.raises(grpc.RpcError) as e:
-        client.complete("Tell me a long story", max_tokens=500, ignore_eos=True, timeout=1.0)
+        client.complete(token_ids=prompt, max_tokens=max_tokens, ignore_eos=True, timeout=1.0,
+                        request_id="past-its-deadline")
+    aloop.run(watch.client_cancelled())
     assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    aloop.run(watch.arrived(max_tokens, "past-its-deadline#0", CANCEL_WITHIN_STEPS_SMOL))
     wait_for(lambda: used_blocks(client) == 0, what="blocks freed after a deadline")
     assert client.complete("Hi", max_tokens=2).finish_reason in ("length", "stop")
 
@@ -225,7 +248,8 @@ def test_invalid_utf8_is_invalid_argument(client, router):
     # Field 1 (prompt) with bytes that are not UTF-8: a client library would refuse to build this.
     raw = b"\x0a\x03\xff\xfe\xfd"
     call = grpc.insecure_channel(f"127.0.0.1:{router.port}").unary_stream(
-        f"/{SERVICE_NAME}/Generate", request_serializer=lambda b: b, response_deserializer=pb.GenerateResponse.FromString)
+        f"/{SERVICE_NAME}/Generate", request_serializer=lambda b: b,
+        response_deserializer=pb.GenerateResponse.FromString)
     with pytest.raises(grpc.RpcError) as e:
         list(call(raw, timeout=30))
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT

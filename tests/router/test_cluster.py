@@ -15,7 +15,7 @@ from pdserve.engine.sampling import SamplingParams
 from router.cluster import Cluster
 
 from conftest import wait_for
-from served import collect, collect_all, mixed_params
+from served import CANCEL_WITHIN_STEPS, CancelWatch, collect, collect_all, mixed_params
 
 # 16 prompts; the 200-token one is longer than the prefill token budget (below) and is chunked.
 TINY_LENS = [5, 40, 13, 70, 2, 33, 9, 21, 200, 17, 3, 55, 8, 26, 11, 64]
@@ -35,7 +35,8 @@ def smol_prompts(tok):
               "lighthouses"]
     ps = [tok.apply_chat_template([{"role": "user", "content": f"Tell me about {t}." + " Please be brief." * (i % 4)}])
           for i, t in enumerate(topics)]
-    long = "Summarise the following notes. " + " ".join(f"Note {i}: the value of item {i} is {i * 7}." for i in range(40))
+    long = "Summarise the following notes. " + " ".join(f"Note {i}: the value of item {i} is {i * 7}."
+                                                         for i in range(40))
     ps.append(tok.apply_chat_template([{"role": "user", "content": long}]))
     assert max(map(len, ps)) > SMOL_BUDGET
     return ps
@@ -106,24 +107,34 @@ def test_tiny_matches_offline_engine(aloop, tiny_cluster, tiny_reference):
 
 
 def test_tiny_cancel_midway_frees_blocks(aloop, tiny_cluster):
+    """Six requests, each asking for the whole context, closed after 1 to 3 outputs: each close reaches the
+    worker that streams the request (its record of the cancel: the request left its batch within a few
+    steps, long before its end), and every block is freed."""
     cluster = tiny_cluster.cluster
     prompts = tiny_prompts()[:6]
+    streaming = "colocated" if cluster.config.mode == "colocated" else "decode"
 
-    async def cancel_after(prompt, n):
-        gen = cluster.generate(prompt, SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True))
+    async def cancel_after(i, prompt, n):
+        rid, max_tokens = f"midway-{i}", cluster.info.max_model_len - len(prompt)
+        gen = cluster.generate(prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True), rid)
         got = 0
         async for _ in gen:
             got += 1
             if got == n:
                 break
+        wrid = f"{rid}#0"  # the worker-side id of its first attempt (router.cluster)
+        (worker,) = [w for w in cluster.pools[streaming] if wrid in w.requests]
+        watch = await CancelWatch.of(worker)
         await gen.aclose()
-        return got
+        await watch.client_cancelled()
+        return got, await watch.arrived(max_tokens, wrid)
 
     async def all_of_them():
-        return await asyncio.gather(*(cancel_after(p, 1 + i % 3) for i, p in enumerate(prompts)))
+        return await asyncio.gather(*(cancel_after(i, p, 1 + i % 3) for i, p in enumerate(prompts)))
 
     got = aloop.run(all_of_them())
-    assert got == [1 + i % 3 for i in range(6)]
+    assert [n for n, _ in got] == [1 + i % 3 for i in range(6)]
+    assert all(r.output_tokens <= n + CANCEL_WITHIN_STEPS for n, r in got), got
     assert_no_leaks(aloop, cluster)
     transfers = [s.transfer.get("transfers", 0) for s in aloop.run(cluster.stats()) if s.pool == "decode"]
     if cluster.config.mode == "disaggregated":

@@ -21,6 +21,7 @@ from router.cluster import Cluster
 from router.server import Router, RouterConfig, request_size_bounds
 
 from conftest import wait_for
+from served import CANCEL_WITHIN_STEPS_SMOL, CancelWatch
 
 pytestmark = pytest.mark.slow
 KEY = "test-key"
@@ -167,22 +168,33 @@ def test_admission_full_is_429(aloop, cluster):
 
 @pytest.mark.parametrize("streamed", [True, False], ids=["streamed", "whole"])
 def test_client_disconnect_cancels_and_frees_kv(aloop, cluster, router, streamed):
+    """A client that goes away mid-answer cancels its request on the decode worker: by the worker's record,
+    the request, which asks for the whole context (minutes of tokens), left its batch within a few steps
+    of the disconnect (a non-streamed request notices it by polling, every DISCONNECT_POLL_S = 0.25 s: about
+    8 SmolLM2 steps more)."""
     url = f"http://127.0.0.1:{router.http_port}/v1/completions"
-    body = dict(model=MODEL, prompt="Once upon a time", max_tokens=400, temperature=0.0, ignore_eos=True,
+    prompt = cluster.info.tokenizer.encode("Once upon a time")
+    max_tokens = cluster.info.max_model_len - len(prompt)
+    body = dict(model=MODEL, prompt=prompt, max_tokens=max_tokens, temperature=0.0, ignore_eos=True,
                 stream=streamed)
     headers = {"Authorization": f"Bearer {KEY}"}
 
     async def go():
+        watch = await CancelWatch.of(cluster.pools["decode"][0])
+        rid = None  # the response's id is the request's: a non-streamed one goes away before it has one
         async with httpx.AsyncClient(timeout=120) as client:
             if streamed:
                 async with client.stream("POST", url, json=body, headers=headers) as resp:
                     assert resp.status_code == 200
                     seen = 0
                     async for line in resp.aiter_lines():
-                        if line.startswith("data: ") and json.loads(line[6:])["choices"][0]["text"]:
-                            seen += 1
+                        if line.startswith("data: "):
+                            chunk = json.loads(line[6:])
+                            rid = chunk["id"]
+                            seen += bool(chunk["choices"][0]["text"])
                         if seen >= 3:
                             break  # leaving the block closes the connection mid-stream
+                await watch.client_cancelled()
             else:
                 task = asyncio.create_task(client.post(url, json=body, headers=headers))
                 await asyncio.sleep(0)
@@ -193,9 +205,12 @@ def test_client_disconnect_cancels_and_frees_kv(aloop, cluster, router, streamed
                 task.cancel()  # the client gives up before the answer: the connection closes
                 with pytest.raises(asyncio.CancelledError):
                     await task
+                await watch.client_cancelled()
+        within = CANCEL_WITHIN_STEPS_SMOL + (0 if streamed else 8)
+        return await watch.arrived(max_tokens, rid and f"{rid}#0", within)
 
-    asyncio.run(go())
-    # The router noticed, cancelled it on both workers, and freed the KV long before 400 tokens were done.
+    record = asyncio.run(go())
+    assert record.status == "running" or not streamed, record
     wait_for(lambda: router.service.admission.running == 0, 10, what="the request to leave admission")
     wait_for(lambda: used_blocks(aloop, cluster) == 0, 30, what="zero used KV blocks")
 
