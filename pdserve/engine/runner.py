@@ -16,7 +16,7 @@ from pdserve.config import ModelConfig
 from pdserve.engine.chunk import Chunk
 from pdserve.engine.cuda_graphs import DecodeGraphs, batch_buckets
 from pdserve.engine.kv_cache import allocate_kv_cache
-from pdserve.engine.sampling import SamplingBatch, SamplingParams, sample, to_device
+from pdserve.engine.sampling import SamplingBatch, sample, to_device
 from pdserve.engine.utilization import step_bytes, step_flops
 from pdserve.kernels import cpu_attention, cpu_kernels
 from pdserve.model.attention import AttentionMetadata, DecodeGroup
