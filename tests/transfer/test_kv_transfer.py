@@ -169,13 +169,14 @@ def test_stats_count_and_snapshot():
     stats.record(1, 99.0)  # past the last bound: the +Inf bucket
     stats.record_failure()
     stats.record_checksum_failure()
+    stats.record_channel()
     buckets = [0] * (len(TRANSFER_SECONDS_BUCKETS) + 1)
     buckets[TRANSFER_SECONDS_BUCKETS.index(0.5)] = 1
     buckets[TRANSFER_SECONDS_BUCKETS.index(0.25)] = 1
     buckets[TRANSFER_SECONDS_BUCKETS.index(0.0025)] = 1
     buckets[-1] = 1
     assert stats.snapshot() == {"transfers": 4, "bytes": 130, "seconds": 99.7525, "failures": 2,
-                                "checksum_failures": 1, "bucket_counts": buckets}
+                                "checksum_failures": 1, "channels_opened": 1, "bucket_counts": buckets}
 
 
 def test_channel_arguments_are_checked_before_any_rendezvous():
