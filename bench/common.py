@@ -125,7 +125,7 @@ BLOCK = 16  # KV block size of the simulated workers
 
 
 class Roofline(NamedTuple):
-    device: Any  # pdserve.planner.hardware.Gpu
+    device: Any  # pdserve.perf.hardware.Gpu
     name: str  # the model's
     config: Any  # its ModelConfig
     costs: Any  # RooflineCosts of the model on one such GPU
@@ -134,7 +134,7 @@ class Roofline(NamedTuple):
 
 def roofline_of(gpu_name: str, model: str) -> Roofline:
     """The model on one GPU by the planner's roofline (datasheet peaks, assumed efficiencies)."""
-    from pdserve.planner.hardware import gpu, kv_budget_bytes, resolve_model, roofline
+    from pdserve.perf.hardware import gpu, kv_budget_bytes, resolve_model, roofline
 
     device = gpu(gpu_name)
     name, cfg = resolve_model(model)

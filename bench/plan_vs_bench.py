@@ -43,7 +43,7 @@ def plan_for(profile: dict, rate: float, num_prompts: int | None = None, max_wor
              caps: tuple[int, ...] = (64,)) -> dict:
     from pdserve.bench.cli import add_workload_args
     from pdserve.bench.stats import Slo
-    from pdserve.planner.costs import MeasuredCosts
+    from pdserve.perf.costs import MeasuredCosts
     from pdserve.planner.plan import PoolSettings, make_plan, workload_from_args
 
     p = argparse.ArgumentParser()

@@ -19,7 +19,7 @@ Every pool of every cluster is autoscaled from 1 worker (the fast lane too, from
 new worker placeable --startup seconds after it is asked for. Each tier's SLO attainment is judged by its
 own SLO (TiersConfig's defaults, priority's TPOT set by --priority-tpot-ms). flex's queue is unbounded
 here (flex_max_queued: a rollout trainer does not retry). One GPU per worker; the costs are the GPU's
-roofline (pdserve.planner.hardware), never checked against a GPU.
+roofline (pdserve.perf.hardware), never checked against a GPU.
 """
 from __future__ import annotations
 

@@ -15,8 +15,8 @@ import logging
 import time
 from collections.abc import Callable
 
+from pdserve.perf.costs import StepCosts
 from pdserve.planner.autoscale import Autoscaler, Decision, Demand, PoolLimits
-from pdserve.planner.costs import StepCosts
 from pdserve.tiers import ServiceTier
 from router.cluster import Cluster
 
@@ -39,7 +39,7 @@ def cluster_costs(cluster: Cluster, tp: int = 1) -> StepCosts:
         if tp != 1:
             raise ValueError(f"{a.profile} profiles one device; a pool of TP {tp} autoscales from a GPU's roofline (--gpu)")
         return costs
-    from pdserve.planner.hardware import gpu, roofline
+    from pdserve.perf.hardware import gpu, roofline
 
     return roofline(info.config, gpu(a.gpu), cluster.config.engine.torch_dtype.itemsize, tp)
 

@@ -1,8 +1,5 @@
 """Sizing the pools: `pdserve profile` and `pdserve plan`.
 
-costs.py      what a step and a KV hand-off cost: fitted to a measured profile, or a roofline (tensor
-              parallelism included: per-rank weights, KV and FLOPs, the all-reduces)
-hardware.py   datasheet peaks of the GPUs the roofline knows, and the efficiency factors it assumes
 profile.py    `pdserve profile`: step times and KV transfers measured on this device
 simulator.py  a discrete-event simulator of the cluster (router, prefill, hand-off, decode, colocated, tiers,
               autoscaling): simulate() and its clock; its parts in sim/ (shapes, result, the workers' records,
@@ -14,6 +11,9 @@ parallel.py   tensor-parallel sizes compared: which fit a GPU, which wins for pr
 plan.py       candidate configurations, their predicted serving statistics, the ranking and the plot
 cli.py        the `profile` and `plan` commands
 
-May import pdserve.config, pdserve.tiers, pdserve.parallel, pdserve.model, pdserve.transfer, pdserve.engine
+The cost model it plans with (what a step and a KV hand-off cost, and the GPUs the roofline knows) is
+pdserve.perf.costs and pdserve.perf.hardware: the simulated engine runs on it too.
+
+May import pdserve.config, pdserve.tiers, pdserve.parallel, pdserve.model, pdserve.transfer, pdserve.perf, pdserve.engine
 (what a step and a hand-off cost, measured or modelled) and pdserve.bench (the workloads it plans for).
 """

@@ -3,7 +3,7 @@
 The live cluster (router.autoscaler) and the simulator (pdserve.planner.simulator) ask the same
 Autoscaler, so what the simulator says of the policy over a long trace is what the cluster does.
 
-Each pool is sized from what it must sustain, through the cost model (pdserve.planner.costs), not by
+Each pool is sized from what it must sustain, through the cost model (pdserve.perf.costs), not by
 one threshold on one signal:
 
 - prefill: the prompt tokens arriving per second over what one worker computes per second with its
@@ -30,7 +30,7 @@ import math
 from collections import deque
 from dataclasses import dataclass
 
-from pdserve.planner.costs import StepCosts, attention_pairs
+from pdserve.perf.costs import StepCosts, attention_pairs
 
 # The share of a worker's throughput the sizing plans for at most: the rest absorbs variation in
 # arrivals and lengths that the mean does not show.

@@ -13,7 +13,7 @@ def add_profile_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentPars
     p = sub.add_parser("profile", help="measure step times and KV transfers on this device for `pdserve plan`",
                        description="Measure prefill and decode step times and KV transfers on this device with "
                                    "the threads one worker gets, fit the cost model, and write it as JSON.")
-    add_model_args(p)
+    add_model_args(p, simulated=False)
     p.add_argument("--threads", type=int, default=None,
                    help="torch threads (default: half the cores, what each of two workers gets from pdserve serve)")
     p.add_argument("--neighbours", type=int, default=None,
@@ -120,7 +120,7 @@ def _costs_and_model(args: argparse.Namespace, tp: int = 1) -> tuple[Any, dict[s
         if args.model:
             raise ValueError("--model goes with --gpu; a profile names its own model")
         return read_profile(args.profile)
-    from pdserve.planner.hardware import gpu, kv_budget_bytes, resolve_model, roofline
+    from pdserve.perf.hardware import gpu, kv_budget_bytes, resolve_model, roofline
 
     if not args.model:
         raise ValueError("--gpu needs --model (a preset, config.json, HF directory or .gguf)")
@@ -139,8 +139,8 @@ AUTO_TP_SIZES = (1, 2, 4, 8)
 def _auto_tp_sizes(args: argparse.Namespace) -> list[int] | None:
     """With --gpu and --model and no --tensor-parallel-sizes: None if the weights fit one GPU, else the
     sizes of AUTO_TP_SIZES the model's heads and MLP allow."""
+    from pdserve.perf.hardware import gpu, kv_budget_bytes, resolve_model, roofline
     from pdserve.parallel.layout import rank_config
-    from pdserve.planner.hardware import gpu, kv_budget_bytes, resolve_model, roofline
 
     device = gpu(args.gpu)
     _, cfg = resolve_model(args.model)
@@ -162,7 +162,7 @@ def _auto_tp_sizes(args: argparse.Namespace) -> list[int] | None:
 def _compare_tp(args: argparse.Namespace) -> dict[str, Any]:
     """--tensor-parallel-sizes compared on the workload's lengths: its mean prompt for prefill, the decode pool's
     batch cap at the mean context (prompt + half the output) for decode, its longest request for the fit."""
-    from pdserve.planner.hardware import gpu, resolve_model
+    from pdserve.perf.hardware import gpu, resolve_model
     from pdserve.planner.parallel import compare_tp
     from pdserve.planner.plan import workload_from_args
 

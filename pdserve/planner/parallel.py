@@ -12,8 +12,8 @@ from __future__ import annotations
 from typing import Any
 
 from pdserve.config import ModelConfig
-from pdserve.planner.costs import RooflineCosts, attention_pairs
-from pdserve.planner.hardware import GB, MEMORY_UTILIZATION, Gpu, roofline
+from pdserve.perf.costs import RooflineCosts, attention_pairs
+from pdserve.perf.hardware import GB, MEMORY_UTILIZATION, Gpu, roofline
 
 
 def prefill_time(costs: RooflineCosts, prompt: int, token_budget: int) -> float:

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from pdserve.bench.stats import Slo
-from pdserve.planner.costs import StepCosts
+from pdserve.perf.costs import StepCosts
 from pdserve.planner.simulator import ClusterShape, PoolShape, SimResult, simulate
 
 # Ray and gRPC hops a token takes from a worker to the client, added to the simulated step ends:

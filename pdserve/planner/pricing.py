@@ -18,8 +18,8 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
+from pdserve.perf.costs import StepCosts
 from pdserve.planner.autoscale import Demand, PoolLimits, decode_batch, decode_need
-from pdserve.planner.costs import StepCosts
 from pdserve.tiers import TIERS, ServiceTier, TierSLO
 
 FLEX_ASSUMPTION = ("flex is decoded in the default pool's batches on slots default leaves idle: its tokens cost "

@@ -37,10 +37,10 @@ import numpy as np
 import torch
 
 from pdserve.config import CacheConfig, EngineConfig, SchedulerConfig, kv_bytes_per_token
+from pdserve.perf.costs import MeasuredCosts, Transport, attention_pairs, fit_measured, fit_nonnegative
 from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.sampling import SamplingParams
 from pdserve.engine.utilization import synced_seconds, weight_bytes
-from pdserve.planner.costs import MeasuredCosts, Transport, attention_pairs, fit_measured, fit_nonnegative
 
 PREFILL_TOKENS = (16, 64, 256, 512, 1024, 2048)
 CHUNKED = (2048, 512)  # a prompt of 2048 tokens in chunks of 512: chunks attend to earlier ones

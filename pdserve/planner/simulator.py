@@ -2,7 +2,7 @@
 
 It replays a workload (arrival time, prompt and output length of each request) through the parts of
 the request path that decide latency, with each step's duration from a cost model
-(pdserve.planner.costs):
+(pdserve.perf.costs):
 
 - the router: admission (max_running on the workers, max_queued waiting, the rest refused) and
   placement (pdserve router.placement's rules: the prefill worker with the fewest queued prompt tokens,
@@ -64,8 +64,8 @@ from collections import deque
 
 import numpy as np
 
+from pdserve.perf.costs import StepCosts
 from pdserve.planner.autoscale import Autoscaler, DemandWindow
-from pdserve.planner.costs import StepCosts
 from pdserve.planner.sim.colocated import Colocating
 from pdserve.planner.sim.decode import Decoding
 from pdserve.planner.sim.prefill import Prefilling

@@ -669,7 +669,7 @@ def test_production_overlay_separates_pools_and_autoscales():
 def test_large_model_overlay_packs_whole_tp_workers_on_pods_the_planner_fits(tmp_path):
     """Llama-3-70B: one prefill worker of TP 8 fills an 8-GPU pod; two decode workers of TP 4 share one;
     each pod's Ray resource is one unit per rank; the planner's roofline says both sizes fit an H100."""
-    from pdserve.planner.hardware import gpu, resolve_model
+    from pdserve.perf.hardware import gpu, resolve_model
     from pdserve.planner.parallel import compare_tp
 
     objs = rendered("large-model")

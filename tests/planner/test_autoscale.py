@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from pdserve.config import AutoscaleConfig, ClusterConfig, PoolConfig
+from pdserve.perf.costs import MeasuredCosts, Transport
 from pdserve.planner.autoscale import (
     Autoscaler,
     Demand,
@@ -18,7 +19,6 @@ from pdserve.planner.autoscale import (
     decode_need,
     prefill_need,
 )
-from pdserve.planner.costs import MeasuredCosts, Transport
 from pdserve.planner.simulator import ClusterShape, PoolShape, simulate
 
 LINK = Transport(latency_s=0.001, bytes_per_s=1e15)
@@ -298,7 +298,7 @@ class _Scaling:
 def _loop_cluster(with_tier_demand: bool):
     from types import SimpleNamespace
 
-    from pdserve.planner.hardware import resolve_model
+    from pdserve.perf.hardware import resolve_model
     from pdserve.tiers import ServiceTier, TiersConfig, TierSLO
 
     config = ClusterConfig(prefill=PoolConfig(1), decode=PoolConfig(1, max_workers=8), fast=PoolConfig(1, max_workers=8),
@@ -361,7 +361,7 @@ def test_a_tp_pool_is_priced_as_a_worker_of_tp_gpus():
     from types import SimpleNamespace
 
     from pdserve.config import AutoscaleConfig, EngineConfig
-    from pdserve.planner.hardware import resolve_model
+    from pdserve.perf.hardware import resolve_model
     from router.autoscaler import cluster_costs
 
     _, cfg = resolve_model("llama-3-70b")

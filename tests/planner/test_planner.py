@@ -15,9 +15,8 @@ import pytest
 
 from pdserve.bench.stats import Slo
 from pdserve.config import ModelConfig
-from pdserve.engine.utilization import step_bytes, step_flops, weight_bytes
-from pdserve.planner.costs import MeasuredCosts, RooflineCosts, Transport, attention_pairs, fit_measured
-from pdserve.planner.hardware import (
+from pdserve.perf.costs import MeasuredCosts, RooflineCosts, Transport, attention_pairs, fit_measured
+from pdserve.perf.hardware import (
     DECODE_MBU,
     GPUS,
     PREFILL_MFU,
@@ -27,6 +26,7 @@ from pdserve.planner.hardware import (
     resolve_model,
     roofline,
 )
+from pdserve.engine.utilization import step_bytes, step_flops, weight_bytes
 from pdserve.planner.plan import PoolSettings, candidates, format_plan, make_plan, recommend, report, workload_from_args
 from pdserve.planner.simulator import ClusterShape, PoolShape, simulate
 

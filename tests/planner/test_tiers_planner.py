@@ -8,8 +8,8 @@ import json
 import numpy as np
 import pytest
 
+from pdserve.perf.costs import MeasuredCosts, Transport
 from pdserve.planner.autoscale import PoolLimits
-from pdserve.planner.costs import MeasuredCosts, Transport
 from pdserve.planner.pricing import format_prices, tier_prices
 from pdserve.planner.simulator import ClusterShape, PoolShape, simulate
 from pdserve.tiers import ServiceTier, TiersConfig, TierSLO

@@ -11,8 +11,8 @@ import json
 import pytest
 
 from pdserve.config import ModelConfig
-from pdserve.planner.costs import RooflineCosts, Transport, kv_heads_per_rank
-from pdserve.planner.hardware import (
+from pdserve.perf.costs import RooflineCosts, Transport, kv_heads_per_rank
+from pdserve.perf.hardware import (
     ALLREDUCE_LATENCY_S,
     DECODE_MBU,
     LINK_EFFICIENCY,

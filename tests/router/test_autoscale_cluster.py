@@ -23,8 +23,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve.client import AsyncClient
 from pdserve.config import AutoscaleConfig, CacheConfig, ClusterConfig, EngineConfig, PoolConfig, SchedulerConfig
+from pdserve.perf.costs import MeasuredCosts, Transport
 from pdserve.model.loader import load_info
-from pdserve.planner.costs import MeasuredCosts, Transport
 from router.server import RouterConfig
 
 from conftest import wait_for

@@ -6,7 +6,7 @@ from __future__ import annotations
 import heapq
 import math
 
-from pdserve.planner.costs import attention_pairs
+from pdserve.perf.costs import attention_pairs
 from pdserve.planner.sim.state import DECODE_END, WAKE, Decode
 
 

@@ -7,7 +7,7 @@ import itertools
 import math
 from collections import deque
 
-from pdserve.planner.costs import attention_pairs
+from pdserve.perf.costs import attention_pairs
 from pdserve.planner.sim.shapes import PoolShape
 
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pdserve.config import ModelConfig
-from pdserve.planner.costs import RooflineCosts, Transport
+from pdserve.perf.costs import RooflineCosts, Transport
 
 
 @dataclass(frozen=True)

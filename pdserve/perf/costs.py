@@ -1,4 +1,5 @@
-"""What a worker's step and a KV hand-off cost, as the simulator asks for them.
+"""What a worker's step and a KV hand-off cost, as the planner's simulator and the simulated engine
+(pdserve.engine.sim_runner) ask for them.
 
 A step is described by five numbers, whatever the worker's role:
   prefill_tokens   prompt tokens computed in the step (all chunks)
@@ -12,7 +13,7 @@ worker's step mixes both.
 
 Two models answer: `MeasuredCosts`, fitted to what `pdserve profile` measured on a device (least squares,
 each term non-negative), and `RooflineCosts`, from the model's FLOPs and bytes against a GPU's
-datasheet peaks (pdserve.planner.hardware). Both describe the KV hand-off the same way: a latency and
+datasheet peaks (pdserve.perf.hardware). Both describe the KV hand-off the same way: a latency and
 a bandwidth of the transport between two workers.
 """
 from __future__ import annotations
