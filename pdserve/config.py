@@ -207,7 +207,7 @@ class EngineConfig:
     """What the offline engine (and each worker) needs to load and run a model."""
 
     model: str | None = None  # HF directory, .gguf file, or None for the default model
-    load_format: str = "auto"  # auto | hf | gguf | dummy
+    load_format: str = "auto"  # auto | hf | gguf | dummy | sim
     dtype: str = "float32"  # weights, activations and KV cache
     quantization: str | None = None  # "int8": weight-only int8 linear layers (activations stay `dtype`)
     device: str = "cpu"
@@ -228,6 +228,13 @@ class EngineConfig:
     # Every wait on the worker's ranks is bounded by this: a rank that dies or hangs takes the worker
     # down within it (at once, for a rank whose process ends).
     tensor_parallel_timeout_s: float = 60.0
+    # A simulated engine (load_format "sim", pdserve.engine.sim_runner): no weights, `model` names the shape (a
+    # preset of pdserve.model.loader.DUMMY_PRESETS or a config.json). A step sleeps the time sim_gpu's roofline
+    # (pdserve.perf.hardware) gives for its chunks, times sim_time_scale; the cache has the blocks that GPU's
+    # KV budget holds, each token's KV held sim_kv_scale times smaller than the real model's.
+    sim_gpu: str = "H100"
+    sim_kv_scale: int = 1024
+    sim_time_scale: float = 1.0
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
@@ -235,14 +242,33 @@ class EngineConfig:
         torch_dtype(self.dtype)
         if self.quantization not in (None, "int8"):
             raise ValueError(f"quantization must be int8 or unset, got {self.quantization!r}")
-        if self.load_format not in ("auto", "hf", "gguf", "dummy"):
-            raise ValueError(f"load_format must be auto, hf, gguf or dummy, got {self.load_format!r}")
+        if self.load_format not in ("auto", "hf", "gguf", "dummy", "sim"):
+            raise ValueError(f"load_format must be auto, hf, gguf, dummy or sim, got {self.load_format!r}")
+        if not isinstance(self.sim_kv_scale, int) or self.sim_kv_scale < 1:
+            raise ValueError(f"sim_kv_scale must be an integer >= 1, got {self.sim_kv_scale!r}")
+        if not self.sim_time_scale > 0:
+            raise ValueError(f"sim_time_scale must be positive, got {self.sim_time_scale!r}")
+        if self.load_format == "sim":
+            self._check_simulated()
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.tensor_parallel_timeout_s <= 0:
             raise ValueError(f"tensor_parallel_timeout_s must be positive, got {self.tensor_parallel_timeout_s}")
+
+    def _check_simulated(self) -> None:
+        """A simulated engine is one CPU process standing for one GPU that runs the model in 16 bits."""
+        if self.dtype == "float32":
+            raise ValueError("a simulated GPU runs the model in 16 bits (the roofline's peaks are 16-bit tensor-core "
+                             "figures): give dtype bfloat16 or float16 with load_format sim")
+        if torch.device(self.device).type != "cpu":
+            raise ValueError(f"a simulated engine holds its KV in host memory: device must be cpu, got {self.device!r}")
+        if self.tensor_parallel_size != 1:
+            raise ValueError("a simulated engine stands for one GPU: tensor_parallel_size must be 1, "
+                             f"got {self.tensor_parallel_size}")
+        if self.quantization is not None or self.cuda_graphs:
+            raise ValueError("a simulated engine has no weights to quantize and no CUDA graphs")
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -286,7 +312,7 @@ class AutoscaleConfig:
     (pdserve.planner.autoscale), from a measured profile or a GPU's roofline, towards SLO targets."""
 
     profile: str | None = None  # `pdserve profile` output for this model and device
-    gpu: str | None = None  # or the roofline of this GPU (pdserve.planner.hardware.GPUS)
+    gpu: str | None = None  # or the roofline of this GPU (pdserve.perf.hardware.GPUS)
     ttft_target_s: float = 1.0  # the sizing keeps a prompt's wait + compute within this
     tpot_target_s: float = 0.1  # and a decode step within this
     interval_s: float = 2.0  # how often the pools' sizes are decided

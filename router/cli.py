@@ -240,12 +240,26 @@ def cluster_config_from_args(args: argparse.Namespace):
                              reservation_headroom_blocks=args.reservation_headroom_blocks)
     colocated = SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.prefill_token_budget)
 
+    peaks = (args.peak_flops, args.peak_memory_bandwidth)
+    if args.load_format == "sim":  # MFU and MBU against the GPU a simulated worker stands for, unless given
+        from pdserve.perf.hardware import gpu
+
+        device = gpu(args.sim_gpu)
+        peaks = (peaks[0] or device.flops, peaks[1] or device.bytes_per_s)
     engine = EngineConfig(model=args.model, load_format=args.load_format, dtype=args.dtype,
                           quantization=args.quantization, device=args.device,
                           cuda_graphs=False if args.enforce_eager else None, pipelined_decode=args.pipelined_decode,
-                          cache=cache, peak_flops=args.peak_flops, peak_bytes_per_second=args.peak_memory_bandwidth,
+                          cache=cache, peak_flops=peaks[0], peak_bytes_per_second=peaks[1],
                           tensor_parallel_size=args.tensor_parallel_size,
-                          tensor_parallel_timeout_s=args.tensor_parallel_timeout)
+                          tensor_parallel_timeout_s=args.tensor_parallel_timeout,
+                          sim_gpu=args.sim_gpu, sim_kv_scale=args.sim_kv_scale, sim_time_scale=args.sim_time_scale)
+    if engine.load_format == "sim":
+        import logging
+
+        from pdserve.engine.sim_runner import sim_plan
+        from pdserve.model.loader import load_info
+
+        logging.getLogger(__name__).info("every worker is a %s", sim_plan(engine, load_info(engine)).describe())
     pools = dict(colocated=pool(args.colocated_workers, colocated, [], tp["colocated"])) if args.mode == "colocated" \
         else dict(prefill=pool(args.prefill_workers, prefill, args.prefill_resource, tp["prefill"]),
                   decode=pool(args.decode_workers, decode, args.decode_resource, tp["decode"]))

@@ -10,14 +10,16 @@ pipelined.py    pipelined decode: steps launched before the last resolved (a bas
 chunk.py        one sequence's part of a step
 runner.py       a step on the model: inputs, forward, sampling; CUDA graphs (cuda_graphs.py) for decode
 tp_runner.py    a tensor-parallel engine's ranks: rank 0 schedules, every rank runs the forward
+sim_runner.py   the simulated engine's runner (load_format "sim"): a step sleeps the cost model's time for
+                it (pdserve.perf)
 llm_engine.py   EngineCore (a worker's engine) and LLMEngine (the offline engine, the cluster's reference)
 step_loop.py    the one thread that owns a worker's engine
 output.py       per-request text: incremental detokenization and stop strings
 utilization.py  model FLOPs and bytes per step, device peaks (MFU and MBU)
 args.py         the engine's command-line flags
 
-May import pdserve.config, pdserve.tiers, pdserve.model, pdserve.kernels, pdserve.parallel and
-pdserve.transfer (the TP ranks' groups). `LLMEngine` is re-exported here, loaded on first use.
+May import pdserve.config, pdserve.tiers, pdserve.model, pdserve.kernels, pdserve.parallel,
+pdserve.transfer (the TP ranks' groups) and pdserve.perf (the simulated runner's clock). `LLMEngine` is re-exported here, loaded on first use.
 """
 from __future__ import annotations
 

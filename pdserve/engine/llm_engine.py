@@ -20,7 +20,8 @@ from pdserve.engine.runner import ModelRunner, StepResult
 from pdserve.engine.sampling import SamplingParams
 from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.scheduler_types import Role, SampledToken, ScheduledStep
-from pdserve.model.loader import LoadedModel, load, load_info, load_shard
+from pdserve.engine.sim_runner import SimRunner
+from pdserve.model.loader import LoadedModel, ModelInfo, load, load_info, load_shard
 
 
 @dataclass
@@ -45,6 +46,30 @@ class EngineCore:
         their own), on_fatal(why) is called if they are lost, threads is each rank's torch threads."""
         self.config = config
         tp = config.tensor_parallel_size
+        cuda = torch.device(config.device).type == "cuda"
+        if config.load_format == "sim":  # no model: a step takes the cost model's time (pdserve.engine.sim_runner)
+            assert loaded is None, "a simulated engine has no model to be given"
+            self.runner = SimRunner(config)
+            self.info = self.runner.info
+        else:
+            self.info, self.runner = self._model_runner(config, loaded, role, ranks, on_fatal, threads)
+        self.model_config = self.info.config
+        self.tokenizer = self.info.tokenizer
+        self.max_model_len = self.info.max_model_len
+        self.eos_token_ids = self.info.eos_token_ids
+        self.pool = BlockPool(self.runner.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
+        self.kv = KVCacheManager(self.pool)
+        self.scheduler = Scheduler(config.scheduler, self.kv, self.eos_token_ids, self.max_model_len, role)
+        on = config.pipelined_decode if config.pipelined_decode is not None else cuda
+        self.pipelined = on and role is not Role.PREFILL and tp == 1
+        self.steps = 0
+        self.tokens_processed = 0
+
+    @staticmethod
+    def _model_runner(config: EngineConfig, loaded: LoadedModel | None, role: Role, ranks,
+                      on_fatal: Callable[[str], None] | None, threads: int | None) -> tuple[ModelInfo, ModelRunner]:
+        """The model (loaded here unless given) and its runner; with tensor parallelism, rank 0's."""
+        tp = config.tensor_parallel_size
         tp_runner = None
         if tp > 1:
             from pdserve.engine.tp_runner import TPRunner
@@ -59,31 +84,20 @@ class EngineCore:
                 tp_runner.close()
                 raise
         loaded = loaded or load(config)
-        self.info = loaded.info
-        self.model_config = loaded.info.config
-        self.tokenizer = loaded.info.tokenizer
-        self.max_model_len = loaded.info.max_model_len
-        self.eos_token_ids = loaded.info.eos_token_ids
-        num_blocks = config.cache.resolve_num_blocks(self.model_config, config.torch_dtype, tp)
-        self.pool = BlockPool(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
-        self.kv = KVCacheManager(self.pool)
+        num_blocks = config.cache.resolve_num_blocks(loaded.info.config, config.torch_dtype, tp)
         cuda = torch.device(config.device).type == "cuda"
         # The fast path's graphs and pipelining are one process's: a tensor-parallel engine runs without them.
         graphs = (config.cuda_graphs if config.cuda_graphs is not None else cuda) and role is not Role.PREFILL \
             and tp == 1
-        self.runner = ModelRunner(loaded.model, num_blocks, config.cache.block_size, cuda_graphs=graphs,
-                                  max_num_seqs=config.scheduler.max_num_seqs, max_model_len=self.max_model_len)
+        runner = ModelRunner(loaded.model, num_blocks, config.cache.block_size, cuda_graphs=graphs,
+                             max_num_seqs=config.scheduler.max_num_seqs, max_model_len=loaded.info.max_model_len)
         if tp_runner is not None:
             try:
-                self.runner = tp_runner.attach(self.runner)
+                runner = tp_runner.attach(runner)
             except BaseException:
                 tp_runner.close()
                 raise
-        self.scheduler = Scheduler(config.scheduler, self.kv, self.eos_token_ids, self.max_model_len, role)
-        on = config.pipelined_decode if config.pipelined_decode is not None else cuda
-        self.pipelined = on and role is not Role.PREFILL and tp == 1
-        self.steps = 0
-        self.tokens_processed = 0
+        return loaded.info, runner
 
     def validate_prompt(self, prompt: Sequence[int]) -> None:
         validate_prompt(prompt, self.model_config.vocab_size, self.max_model_len)

