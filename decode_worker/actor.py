@@ -23,6 +23,7 @@ from typing import Any
 import ray
 
 from pdserve.config import EngineConfig
+from pdserve.engine.output import token_text
 from pdserve.engine.request import RequestStatus
 from pdserve.engine.scheduler_types import Role
 from pdserve.parallel.layout import pair_plan, shares_by_rank
@@ -61,7 +62,7 @@ class DecodeActor(WorkerActor):
 
     async def reserve(self, task: DecodeTask, prefill: Any) -> None:
         """Take a request whose KV `prefill` (an actor handle) computes; returns once it is queued."""
-        req = task.new_request()
+        req = task.new_request(self.core.tokenizer)
         if self.core.kv.blocks_needed(req.num_tokens + 1) > self.core.pool.num_blocks:
             raise ValueError(f"request {task.request_id} needs more KV blocks than this decode worker has")
         self._prefill[task.prefill_worker] = prefill
@@ -146,7 +147,10 @@ class DecodeActor(WorkerActor):
         return intake
 
     def _landed(self, request_id: str, token: int, sampled_at: float) -> None:
-        if self.core.scheduler.kv_arrived(request_id, token) is not None:
+        first = self.core.scheduler.kv_arrived(request_id, token)
+        if first is not None:
+            if first.request.text is not None:  # its text was the prefill worker's to send: taken in, not sent
+                token_text(first.request.text, token, first.finish_reason)
             self.handoff_seconds.observe(max(time.time() - sampled_at, 0.0))
             self._source.pop(request_id, None)
 

@@ -357,6 +357,10 @@ class ClusterConfig:
     kv_checksum: bool = False
     max_retries: int = 2  # attempts after the first for a request whose worker was lost
     on_decode_failure: str = "resume"  # or "fail": end the request with UNAVAILABLE
+    # Tokens of a request sent in one message (gRPC or SSE), the last ones excepted: each message costs the
+    # router about as much as its tokens' other work together (docs/benchmarks.md). The first token is
+    # never held back, and tokens already waiting always go out together, whatever this is.
+    stream_interval: int = 1
     autoscale: AutoscaleConfig = field(default_factory=AutoscaleConfig)  # for pools with max_workers
 
     def __post_init__(self) -> None:
@@ -382,6 +386,8 @@ class ClusterConfig:
                 raise ValueError(f"prefill and decode pools need one KV block size, got {sizes}")
         if self.transfer_timeout_s <= 0:
             raise ValueError(f"transfer_timeout_s must be positive, got {self.transfer_timeout_s}")
+        if self.stream_interval < 1:
+            raise ValueError(f"stream_interval must be >= 1, got {self.stream_interval}")
         if self.on_decode_failure not in ("resume", "fail"):
             raise ValueError(f"on_decode_failure must be resume or fail, got {self.on_decode_failure!r}")
         if self.ranges:

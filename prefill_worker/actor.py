@@ -21,8 +21,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from pdserve.config import EngineConfig
-from pdserve.engine.request import Request
-from pdserve.engine.scheduler_types import Role, ScheduledStep
+from pdserve.engine.output import token_text
+from pdserve.engine.request import FinishReason, Request
+from pdserve.engine.scheduler_types import Role, SampledToken, ScheduledStep
 from pdserve.parallel.layout import pair_plan, shares_by_rank
 from pdserve.serving.messages import PrefillResult, PrefillTask
 from pdserve.serving.worker import WorkerActor
@@ -88,7 +89,7 @@ class PrefillActor(WorkerActor):
     async def prefill(self, task: PrefillTask) -> PrefillResult:
         """Ingest the prompt; returns as soon as the first token is sampled (the KV goes on to the decode
         worker that reserves room for it, `kv_ready`)."""
-        req = task.new_request()
+        req = task.new_request(self.core.tokenizer)
         if self.core.kv.blocks_needed(req.num_tokens) > self.core.pool.num_blocks:
             raise ValueError(f"prompt of {req.num_tokens} tokens does not fit this worker's KV cache "
                              f"({self.core.pool.num_blocks} blocks of {self.core.pool.block_size})")
@@ -240,10 +241,10 @@ class PrefillActor(WorkerActor):
             req, rid = s.request, s.request.request_id
             hand_off = rid in self._hand_off
             self._hand_off.discard(rid)
-            self._resolve(req, s.token)
+            reason = self._resolve(req, s)
             if rid in pushes.started:
                 continue  # freed when its push ends
-            if not hand_off or s.finish_reason is not None:
+            if not hand_off or reason is not None:
                 self._forget(rid)
                 self.core.cancel(rid)  # nothing follows the first token
                 continue
@@ -294,13 +295,16 @@ class PrefillActor(WorkerActor):
             self._held.pop(request_id, None)
             return request_id in self._pushing
 
-    def _resolve(self, req: Request, token: int) -> None:
+    def _resolve(self, req: Request, s: SampledToken) -> FinishReason | None:
+        """Answer the prefill call with the first token and its text; whether that token ended the request."""
+        text, reason = ("", s.finish_reason) if req.text is None else token_text(req.text, s.token, s.finish_reason)
         fut = self._results.get(req.request_id)
         try:
             if fut is not None:
-                fut.set_result(PrefillResult(req.request_id, token, req.num_cached_tokens))
+                fut.set_result(PrefillResult(req.request_id, s.token, req.num_cached_tokens, text, reason))
         except InvalidStateError:  # cancelled meanwhile
             pass
+        return reason
 
     def _fail(self, request_id: str, error: BaseException) -> None:
         fut = self._results.get(request_id)

@@ -99,6 +99,9 @@ def add_serve_parser(sub: Any) -> argparse.ArgumentParser:
     serve.add_argument("--max-retries", type=int, default=2, help="re-placements of a request whose worker was lost")
     serve.add_argument("--on-decode-failure", choices=["resume", "fail"], default="resume",
                        help="a lost decode worker's requests resume elsewhere, or end with UNAVAILABLE")
+    serve.add_argument("--stream-interval", type=int, default=1, metavar="N",
+                       help="tokens a streamed message carries (the first and the last excepted): fewer messages "
+                            "cost the router less CPU per token; tokens already waiting always go together")
     scale = serve.add_argument_group("autoscaling (pools given as MIN:MAX)")
     scale.add_argument("--profile", default=None, metavar="PROFILE.json",
                        help="the cost model pools are sized by: `pdserve profile` of this model on this device")
@@ -275,6 +278,7 @@ def cluster_config_from_args(args: argparse.Namespace):
                          worker_timeout_s=args.worker_timeout, pool_wait_timeout_s=args.pool_wait_timeout,
                          kv_checksum=args.kv_checksum,
                          max_retries=args.max_retries, on_decode_failure=args.on_decode_failure,
+                         stream_interval=args.stream_interval,
                          autoscale=AutoscaleConfig(profile=args.profile, gpu=args.gpu,
                                                    ttft_target_s=args.slo_ttft_ms / 1000,
                                                    tpot_target_s=args.slo_tpot_ms / 1000,

@@ -6,7 +6,9 @@ worker computes it, and the prefill worker pushes the KV there as it is computed
 The first token comes straight back from the prefill worker (TTFT does not wait for the KV); the
 decode worker's per-step outputs arrive on its stream, which one task here fans out to the requests.
 Colocated path: one worker does both phases and streams all tokens. Text (detokenization, stop
-strings) is produced here, once, for both paths.
+strings) is made by the worker that samples the tokens (pdserve.serving.worker), so the router only
+forwards it: a request's events wait in its inbox, and the task streaming it takes all that have come
+in one go (one message for them, however many).
 
 Faults: when router.pools takes a dead or stuck worker out of its pool, its requests are tried again
 elsewhere. A request that lost its prefill worker or its KV transfer simply runs again;
@@ -31,8 +33,8 @@ from typing import Any
 import ray
 
 from pdserve.config import ClusterConfig
-from pdserve.engine.output import RequestOutput, TextOutput, token_output
-from pdserve.engine.request import FinishReason, Request, token_stop_reason, validate_prompt
+from pdserve.engine.output import RequestOutput
+from pdserve.engine.request import FinishReason, Request, validate_prompt
 from pdserve.engine.sampling import SamplingParams
 from pdserve.model.loader import ModelInfo, load_info
 from pdserve.planner.autoscale import Demand, DemandWindow
@@ -52,6 +54,50 @@ from router.pools import Pools, Worker
 
 log = logging.getLogger(__name__)
 
+class _Inbox:
+    """A request's events from its workers' streams, and the one task that streams the request.
+
+    The task sleeps until `min_tokens` tokens have come (the stream interval), or the last one, or a
+    failure: one wake-up and one message for all of them, not one per token."""
+
+    __slots__ = ("items", "tokens", "min_tokens", "waiter")
+
+    def __init__(self) -> None:
+        self.items: collections.deque[TokenEvent | Failure] = collections.deque()
+        self.tokens = 0  # token events in items that end nothing
+        self.min_tokens = 1
+        self.waiter: asyncio.Future[None] | None = None
+
+    def put(self, item: TokenEvent | Failure) -> None:
+        self.items.append(item)
+        if isinstance(item, TokenEvent) and item.finish_reason is None:
+            self.tokens += 1
+            if self.tokens < self.min_tokens:
+                return
+        if self.waiter is not None and not self.waiter.done():
+            self.waiter.set_result(None)
+
+    def take(self) -> TokenEvent | Failure:
+        item = self.items.popleft()
+        if isinstance(item, TokenEvent) and item.finish_reason is None:
+            self.tokens -= 1
+        return item
+
+    async def wait(self, min_tokens: int) -> None:
+        """Until min_tokens tokens, a last token or a failure are in (at once if they are)."""
+        self.min_tokens = min_tokens
+        while not self.items or (self.tokens == len(self.items) and self.tokens < min_tokens):
+            self.waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self.waiter
+            finally:
+                self.waiter = None
+
+    def clear(self) -> None:
+        self.items.clear()
+        self.tokens = 0
+
+
 class _Retry(Exception):
     def __init__(self, reason: FailureReason, detail: str, workers: Sequence[str] = ()):
         super().__init__(detail)
@@ -66,7 +112,7 @@ class Cluster:
         self.config = config
         self.info: ModelInfo | None = None
         self._pools = Pools(config, self._deliver, self._fail_requests)
-        self._streams: dict[str, asyncio.Queue[TokenEvent | Failure]] = {}
+        self._streams: dict[str, _Inbox] = {}
         self._owner: dict[str, str] = {}  # worker-side id of a live attempt -> its request
         self._seed_rng = random.Random(config.engine.seed)
         # Where requests start (prefill or colocated): their prompts' block hashes steer placement.
@@ -160,9 +206,11 @@ class Cluster:
         if rid in self._streams:
             raise ValueError(f"request id {rid!r} is already in use")
         seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
+        if params.stop and info.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer; this model was loaded without one")
         req = Request(rid, prompt, params, seed, tier=tier.rank)  # the router's view: tokens streamed so far
-        text = TextOutput(info.tokenizer, prompt, params.stop)
-        self._streams[rid] = asyncio.Queue()
+        self._streams[rid] = _Inbox()
+        sent = [0]  # characters of text streamed: a resumed attempt's workers continue the text from there
         self.demand.arrived(time.monotonic(), len(prompt), params.max_tokens)
         self.tier_demand[tier].arrived(time.monotonic(), len(prompt), params.max_tokens)
         failures: collections.Counter[FailureReason] = collections.Counter()
@@ -174,8 +222,9 @@ class Cluster:
                     # can touch the next.
                     # Closed explicitly (not left to the garbage collector): its cleanup cancels the
                     # attempt on its workers the moment the client goes away.
-                    async with contextlib.aclosing(self._attempt(req, text, f"{rid}#{attempt}", avoid)) as outs:
+                    async with contextlib.aclosing(self._attempt(req, sent[0], f"{rid}#{attempt}", avoid)) as outs:
                         async for out in outs:
+                            sent[0] += len(out.new_text)
                             if out.finish_reason in (FinishReason.STOP, FinishReason.LENGTH):
                                 self.demand.finished(time.monotonic(), out.num_output_tokens)
                                 self.tier_demand[tier].finished(time.monotonic(), out.num_output_tokens)
@@ -200,16 +249,16 @@ class Cluster:
         finally:
             del self._streams[rid]
 
-    async def _attempt(self, req: Request, text: TextOutput, wrid: str,
+    async def _attempt(self, req: Request, text_offset: int, wrid: str,
                        avoid: tuple[str, ...]) -> AsyncIterator[RequestOutput]:
-        """One placement of the request, continuing from the tokens already streamed."""
+        """One placement of the request, continuing from the tokens (and the text_offset characters of
+        text) already streamed."""
         info = self.info
         q = self._streams[req.request_id]
-        while not q.empty():  # failures meant for an earlier attempt
-            q.get_nowait()
+        q.clear()  # failures meant for an earlier attempt
         self._owner[wrid] = req.request_id  # until the attempt ends: later events of it go nowhere
         task = PrefillTask(wrid, tuple(req.prompt_token_ids), req.params, req.seed, tuple(req.output_token_ids),
-                           tier=req.tier)
+                           tier=req.tier, text_offset=text_offset)
         placed: list[Worker] = []
         finished = False
         later: asyncio.Future[Worker] | None = None  # its decode worker, when chosen while it is prefilled
@@ -249,8 +298,8 @@ class Cluster:
                 req.token_ids.append(result.first_token)
                 if req.num_output_tokens == 1:
                     req.num_cached_tokens = result.num_cached_tokens
-                out = token_output(req, text, result.first_token,
-                                   token_stop_reason(req, info.eos_token_ids, info.max_model_len))
+                out = RequestOutput(req.request_id, [result.first_token], result.text, result.finish_reason,
+                                    req.num_prompt_tokens, req.num_output_tokens)
                 finished = out.finished
                 if finished:
                     p.requests.discard(wrid)
@@ -267,33 +316,36 @@ class Cluster:
                     placed.append(streamer)
                     await self._call(streamer, self._reserve(streamer, task, req.tier, p))
             first_decode = True
-            pending: collections.deque[TokenEvent | Failure] = collections.deque()  # taken, not yet handled
+            interval = self.config.stream_interval
             while not finished:
-                ev = pending.popleft() if pending else await q.get()
-                if isinstance(ev, Failure):
-                    if ev.request_id == wrid:
+                # The first token at once (colocated: TTFT), then stream_interval tokens a message.
+                await q.wait(1 if req.num_output_tokens == 0 else interval)
+                # Every token already here goes out in one message: when the client (or this loop) lags
+                # behind the decode steps, a message's cost is paid once for all of them.
+                tokens: list[int] = []
+                texts: list[str] = []
+                reason: FinishReason | None = None
+                while q.items and reason is None:
+                    ev = q.take()
+                    if ev.request_id != wrid:
+                        continue  # an earlier attempt's
+                    if isinstance(ev, Failure):
+                        if tokens:  # after the tokens that came before it
+                            q.items.appendleft(ev)
+                            break
                         raise _Retry(ev.reason, ev.detail, [w.worker_id for w in placed])
-                    continue
-                if ev.request_id != wrid:
+                    tokens.append(ev.token)
+                    texts.append(ev.text)
+                    reason = ev.finish_reason
+                if not tokens:
                     continue
                 if first_decode and self.config.mode != "colocated":
                     placed[0].requests.discard(wrid)  # the KV has landed: the prefill worker's part is over
                 first_decode = False
-                req.token_ids.append(ev.token)
-                out, last = token_output(req, text, ev.token, ev.finish_reason), ev
-                # The tokens already here go out together, in one message: when the client (or this loop)
-                # lags behind the decode steps, a message's cost is paid once for all of them.
-                while not out.finished and (pending or not q.empty()):
-                    nxt = pending.popleft() if pending else q.get_nowait()
-                    if isinstance(nxt, TokenEvent) and nxt.request_id == wrid:
-                        req.token_ids.append(nxt.token)
-                        out, last = out.then(token_output(req, text, nxt.token, nxt.finish_reason)), nxt
-                    elif isinstance(nxt, Failure) and nxt.request_id == wrid:
-                        pending.append(nxt)  # after the tokens that came before it
-                        break
-                finished = out.finished
-                if finished and last.finish_reason is None:
-                    streamer.handle.cancel.remote(wrid)  # a stop string ended it; the worker would go on
+                req.token_ids += tokens
+                finished = reason is not None
+                out = RequestOutput(req.request_id, tokens, "".join(texts), reason, req.num_prompt_tokens,
+                                    req.num_output_tokens)
                 yield self._annotate(out, req, placed if finished else [])
         finally:
             self._owner.pop(wrid, None)
@@ -318,19 +370,20 @@ class Cluster:
         return streamer.handle.reserve.remote(DecodeTask(task.request_id, task.prompt_token_ids, task.output_token_ids,
                                                          task.params, task.seed, p.worker_id, tier=tier), p.handle)
 
-    async def _kv_destination(self, later: asyncio.Future[Worker], q: asyncio.Queue, wrid: str,
+    async def _kv_destination(self, later: asyncio.Future[Worker], q: _Inbox, wrid: str,
                               placed: list[Worker]) -> Worker:
         """The decode worker place_kv finds, unless the attempt fails first (its prefill worker lost)."""
         while not later.done():
-            getter = asyncio.ensure_future(q.get())
+            getter = asyncio.ensure_future(q.wait(1))
             await asyncio.wait([later, getter], return_when=asyncio.FIRST_COMPLETED)
             if not getter.done():
                 getter.cancel()
                 break
-            ev = getter.result()
-            if isinstance(ev, Failure) and ev.request_id == wrid:
-                raise _Retry(ev.reason, ev.detail, [w.worker_id for w in placed])
-            # anything else belongs to an earlier attempt: no token comes before the reservation
+            while q.items:
+                ev = q.take()
+                if isinstance(ev, Failure) and ev.request_id == wrid:
+                    raise _Retry(ev.reason, ev.detail, [w.worker_id for w in placed])
+                # anything else belongs to an earlier attempt: no token comes before the reservation
         try:
             return later.result()
         except PoolEmpty as e:
@@ -361,14 +414,14 @@ class Cluster:
         for item in (*out.events, *out.failed):
             q = self._streams.get(self._owner.get(item.request_id, ""))
             if q is not None:
-                q.put_nowait(item)
+                q.put(item)
 
     def _fail_requests(self, w: Worker, why: str) -> None:
         """A worker left its pool: every attempt routed to it fails over."""
         for wrid in list(w.requests):
             q = self._streams.get(self._owner.get(wrid, ""))
             if q is not None:
-                q.put_nowait(Failure(wrid, _LOST[w.pool], f"worker {w.worker_id} {why}"))
+                q.put(Failure(wrid, _LOST[w.pool], f"worker {w.worker_id} {why}"))
 
     async def _alive(self, pool: str) -> list[Worker]:
         workers = await self._pools.alive(pool)

@@ -31,13 +31,6 @@ class RequestOutput:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
-    def then(self, later: RequestOutput) -> RequestOutput:
-        """This output and the next one of the same request as one (sent together, in one message)."""
-        assert later.request_id == self.request_id and not self.finished
-        return RequestOutput(self.request_id, self.new_token_ids + later.new_token_ids, self.new_text + later.new_text,
-                             later.finish_reason, later.num_prompt_tokens, later.num_output_tokens, later.error,
-                             later.num_cached_tokens, later.placement, later.service_tier)
-
 
 @dataclass
 class TextDelta:
@@ -46,6 +39,9 @@ class TextDelta:
 
 
 class TextOutput:
+    """A request's output text, token by token. Whoever streams the tokens holds one: the worker that
+    samples them in a cluster (pdserve.serving.worker), the offline engine's loop otherwise."""
+
     def __init__(self, tokenizer: Tokenizer | None, prompt_token_ids: list[int], stop: tuple[str, ...]):
         if stop and tokenizer is None:
             raise ValueError("stop strings need a tokenizer; this model was loaded without one")
@@ -55,9 +51,27 @@ class TextOutput:
         self._text = ""
         self._emitted = 0
 
+    @classmethod
+    def resume(cls, tokenizer: Tokenizer | None, prompt_token_ids: list[int], output_token_ids: list[int],
+               stop: tuple[str, ...], emitted: int) -> TextOutput:
+        """The text of a request continued elsewhere: its output tokens so far are decoded without being
+        emitted, and `emitted` characters of their text count as already sent (the router's count). The
+        next add() returns what a TextOutput that had seen every token would have returned: text held
+        back there (a possible stop string's start, an incomplete character) comes out here."""
+        text = cls(tokenizer, prompt_token_ids, stop)
+        if output_token_ids and text._detok is not None:
+            text._text = text._detok.add(output_token_ids)
+        text._emitted = emitted
+        return text
+
     @property
     def text(self) -> str:
         return self._text
+
+    @property
+    def emitted(self) -> int:
+        """Characters of text returned so far (those counted as sent by resume() included)."""
+        return self._emitted
 
     def add(self, token_ids: list[int], finish_reason: FinishReason | None) -> TextDelta:
         """Feed newly generated tokens; finish_reason says if the request ends with them."""
@@ -80,6 +94,13 @@ class TextOutput:
         return TextDelta(delta, stopped)
 
 
+def token_text(text: TextOutput, token: int, reason: FinishReason | None) -> tuple[str, FinishReason | None]:
+    """A token's text and its finish reason, a completed stop string included (the caller must then end
+    the request if it is still running). EOS and stop ids end the stream but are not text."""
+    delta = text.add([] if reason is FinishReason.STOP else [token], reason)
+    return delta.text, FinishReason.STOP if delta.stopped else reason
+
+
 def token_output(req: Request, text: TextOutput, token: int, reason: FinishReason | None,
                  num_output_tokens: int | None = None) -> RequestOutput:
     """The output for a token just appended to req; reason is what the token-level rules said;
@@ -89,8 +110,6 @@ def token_output(req: Request, text: TextOutput, token: int, reason: FinishReaso
     EOS and stop ids end the stream but are not text. A completed stop string turns the reason into
     STOP: the caller must then end the request if it is still running.
     """
-    delta = text.add([] if reason is FinishReason.STOP else [token], reason)
-    if delta.stopped:
-        reason = FinishReason.STOP
-    return RequestOutput(req.request_id, [token], delta.text, reason, req.num_prompt_tokens,
+    new_text, reason = token_text(text, token, reason)
+    return RequestOutput(req.request_id, [token], new_text, reason, req.num_prompt_tokens,
                          req.num_output_tokens if num_output_tokens is None else num_output_tokens)

@@ -62,6 +62,9 @@ class Request:
     # still on the device, and the row of the launched step's sampled tensor that holds the last one.
     unresolved: int = 0
     pending_row: int = -1
+    # The worker's pdserve.engine.output.TextOutput, where this worker streams the request's tokens (their
+    # text and stop strings are made where they are sampled); None elsewhere.
+    text: object | None = None
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

@@ -25,7 +25,7 @@ class ColocatedActor(WorkerActor):
 
     async def generate(self, task: PrefillTask) -> None:
         """Queue a whole request; its tokens (the first one included) arrive on stream()."""
-        req = task.new_request()
+        req = task.new_request(self.core.tokenizer)
 
         def add() -> None:
             if not self._cancelled_already(task.request_id):  # else its attempt is over

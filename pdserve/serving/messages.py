@@ -8,8 +8,10 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from pdserve.engine.output import TextOutput
 from pdserve.engine.request import FinishReason, Request
 from pdserve.engine.sampling import SamplingParams
+from pdserve.model.tokenizer import Tokenizer
 
 
 class _Task:
@@ -21,10 +23,16 @@ class _Task:
     params: SamplingParams
     seed: int
     tier: int  # its service tier's rank (pdserve.tiers): every queue orders by it
+    text_offset: int  # characters of output text the client already has (a resumed request's)
 
-    def new_request(self) -> Request:
+    def new_request(self, tokenizer: Tokenizer | None = None) -> Request:
+        """Its Request on a worker; with the model's tokenizer, the request's text continues here too
+        (req.text: the worker that samples its tokens detokenizes them and applies its stop strings)."""
         req = Request(self.request_id, list(self.prompt_token_ids), self.params, self.seed, tier=self.tier)
         req.token_ids.extend(self.output_token_ids)
+        if tokenizer is not None:
+            req.text = TextOutput.resume(tokenizer, list(self.prompt_token_ids), list(self.output_token_ids),
+                                         self.params.stop, self.text_offset)
         return req
 
 
@@ -42,6 +50,7 @@ class PrefillTask(_Task):
     # the first token (max_tokens reached with it): the KV is freed as soon as the token is sampled.
     hand_off: bool = False
     tier: int = 1
+    text_offset: int = 0
 
 
 @dataclass(frozen=True)
@@ -49,6 +58,8 @@ class PrefillResult:
     request_id: str
     first_token: int
     num_cached_tokens: int  # prompt tokens served by the prefix cache
+    text: str = ""  # the first token's text (held back while it may begin a stop string)
+    finish_reason: FinishReason | None = None  # if the first token ended the request (a stop string included)
 
 
 @dataclass(frozen=True)
@@ -62,9 +73,10 @@ class DecodeTask(_Task):
     seed: int
     prefill_worker: str  # id of the prefill worker that computes and pushes the KV
     tier: int = 1
+    text_offset: int = 0  # before the prefill worker's first token (this worker adds that token's text unsent)
 
-    def new_request(self) -> Request:
-        req = super().new_request()
+    def new_request(self, tokenizer: Tokenizer | None = None) -> Request:
+        req = super().new_request(tokenizer)
         req.remote_kv = True
         return req
 
@@ -97,7 +109,8 @@ class Failure:
 class TokenEvent:
     request_id: str
     token: int
-    finish_reason: FinishReason | None
+    finish_reason: FinishReason | None  # STOP for a completed stop string too (the worker ended the request)
+    text: str = ""  # the token's text, detokenized on the worker (pdserve.engine.output.TextOutput)
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,7 @@ import torch
 
 from pdserve.config import EngineConfig
 from pdserve.engine.llm_engine import EngineCore
+from pdserve.engine.output import token_text
 from pdserve.engine.scheduler_types import Role, SampledToken, ScheduledStep
 from pdserve.engine.step_loop import StepLoop, StepLoopStopped
 from pdserve.engine.utilization import device_peaks
@@ -201,11 +202,22 @@ class WorkerActor:
                 self.tier_seconds[tier] += dt * n / total
 
     def _publish(self, run: StepRun, extra_failed: tuple[Failure, ...] = ()) -> None:
-        """Put one StepOutput with every request's new token (and the failures), if there is any."""
-        events = tuple(TokenEvent(s.request.request_id, s.token, s.finish_reason) for s in run.sampled)
+        """Put one StepOutput with every request's new token and its text (and the failures), if there is any."""
+        events = tuple(self._event(s) for s in run.sampled)
         failed = (*run.failed, *extra_failed)
         if events or failed:
             self._outputs.put(StepOutput(self.worker_id, events, failed, self._stats()))
+
+    def _event(self, s: SampledToken) -> TokenEvent:
+        """A sampled token with its text. Text is made here, where the tokens are sampled, not at the
+        router: the work is spread over the workers, and a completed stop string ends the request at once."""
+        req = s.request
+        if req.text is None:  # a model without a tokenizer: token ids only
+            return TokenEvent(req.request_id, s.token, s.finish_reason)
+        text, reason = token_text(req.text, s.token, s.finish_reason)
+        if reason is not s.finish_reason:  # a stop string completed: the request ends with this token
+            self.core.scheduler.finish(req, reason)
+        return TokenEvent(req.request_id, s.token, reason, text)
 
     # -- stats ------------------------------------------------------------------------------------
     def _load(self) -> tuple[int, int, int]:

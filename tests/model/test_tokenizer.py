@@ -14,6 +14,8 @@ from tokenizers import Tokenizer as RawTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
+from pdserve.engine.output import TextOutput
+from pdserve.engine.request import FinishReason
 from pdserve.model.tokenizer import IncrementalDetokenizer, Tokenizer
 
 SMOLLM2 = (
@@ -280,3 +282,41 @@ def test_smollm2_incremental_detokenizer(smollm2: Loaded, text: str) -> None:
     deltas = stream(detok, out_ids)
     assert "".join(deltas) == tok.decode(out_ids) == text == detok.text
     assert not any("\ufffd" in d for d in deltas)
+
+
+def _stream_text(text: TextOutput, ids: Sequence[int], last: bool) -> tuple[list[str], int | None]:
+    """Feed ids one at a time (the last one ends the request if `last`); the deltas, and the index of the
+    token a stop string ended the stream at (None if none did)."""
+    deltas = []
+    for i, t in enumerate(ids):
+        delta = text.add([t], FinishReason.LENGTH if last and i == len(ids) - 1 else None)
+        deltas.append(delta.text)
+        if delta.stopped:
+            return deltas, i
+    return deltas, None
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    prompt=st.text(st.characters(exclude_categories=("Cs",)), max_size=12),
+    output=st.text(st.characters(exclude_characters="\ufffd", exclude_categories=("Cs",)), min_size=1, max_size=30),
+    stop_at=st.integers(0, 30),
+    stop_len=st.integers(0, 4),
+    split=st.integers(0, 40),
+)
+def test_text_resumed_elsewhere_continues_exactly(byte_level: Tokenizer, prompt: str, output: str, stop_at: int,
+                                                  stop_len: int, split: int) -> None:
+    """A request's text continued by another worker (TextOutput.resume, given the tokens so far and the
+    characters already sent) streams exactly what one TextOutput would have: held-back text (a possible stop
+    string's start, part of a character) comes out there, and a stop string across the split still ends it."""
+    prompt_ids, ids = byte_level.encode(prompt), byte_level.encode(output)
+    stop = (output[stop_at:stop_at + stop_len],) if output[stop_at:stop_at + stop_len] else ()
+    whole, whole_stop = _stream_text(TextOutput(byte_level, prompt_ids, stop), ids, True)
+    k = min(split, len(ids) - 1 if whole_stop is None else whole_stop)  # a split the request lives to see
+    first = TextOutput(byte_level, prompt_ids, stop)
+    head, head_stop = _stream_text(first, ids[:k], False)
+    assert head_stop is None and "".join(head) == "".join(whole[:k])
+    rest, rest_stop = _stream_text(TextOutput.resume(byte_level, prompt_ids, ids[:k], stop, first.emitted), ids[k:],
+                                   True)
+    assert "".join(head + rest) == "".join(whole)
+    assert (None if rest_stop is None else k + rest_stop) == whole_stop

@@ -250,9 +250,9 @@ def test_smol_lagging_client_gets_the_waiting_tokens_in_one_message(aloop, smol_
             async with contextlib.aclosing(cluster.generate(prompts[1], params, "lagging")) as gen:
                 async for out in gen:
                     outs.append(out)
-                    if len(outs) == 2:  # lag until the decode worker's tokens up to max_tokens wait here
-                        deadline = time.monotonic() + 60
-                        while cluster._streams["lagging"].qsize() < 38 and time.monotonic() < deadline:
+                    if len(outs) == 2:  # lag until the decode worker's tokens up to the last one wait here
+                        inbox, deadline = cluster._streams["lagging"], time.monotonic() + 60
+                        while not any(e.finish_reason for e in inbox.items) and time.monotonic() < deadline:
                             await asyncio.sleep(0.01)
             return outs
 
