@@ -1,7 +1,8 @@
 """The worker pools on Ray: spawning, readiness, the heartbeat, losing a worker and replacing it,
 growing a pool and draining a worker out of it.
 
-A worker that dies is noticed at once (its calls and its stream raise); one that hangs is noticed when
+A worker that dies is noticed at once (its calls raise, its outputs' connection ends: the streaming
+workers send their step outputs over a connection of their own, pdserve.serving.outputs); one that hangs is noticed when
 the heartbeat's stats call times out, and is killed. Either way it leaves its pool, the request flow
 (router.cluster) is told so that its requests are tried again elsewhere, and a replacement (a new
 incarnation, under a new id) joins the pool once it is ready. Nothing here knows about requests
@@ -33,6 +34,7 @@ from pdserve.model.loader import ModelInfo
 from pdserve.parallel.layout import rank_config
 from pdserve.serving.colocated import ColocatedActor
 from pdserve.serving.messages import StepOutput, WorkerStats
+from pdserve.serving.outputs import OutputServer
 from pdserve.serving.tp_ranks import TPPlacement
 from prefill_worker.actor import PrefillActor
 from router.placement import PrefixIndex
@@ -131,6 +133,7 @@ class Pools:
         self.scale_events: collections.Counter[tuple[str, str, str]] = collections.Counter()
         self.start_seconds: dict[str, list[float]] = {p: [] for p in self.by_name}
         self._closing = False
+        self._outputs: OutputServer | None = None  # the streaming workers' step outputs come in here
 
     @property
     def workers(self) -> list[Worker]:
@@ -160,6 +163,10 @@ class Pools:
         log.info("starting %s (each loads the model)", ", ".join(
             f"{n} {name} worker{'s' * (n != 1)} of TP {c.engine_for(c.pools[name]).tensor_parallel_size}"
             for name, n in sizes.items()))
+        # Where the workers connect to send their step outputs: this node's address as Ray knows it (loopback
+        # on a local cluster, the pod's IP on Kubernetes).
+        self._outputs = OutputServer(ray.util.get_node_ip_address())
+        await self._outputs.start()
         starting = [self._spawn(pool, slot, f"{pool}-{slot}") for pool, n in sizes.items() for slot in range(n)]
 
         async def ready(w: Worker) -> None:
@@ -215,6 +222,8 @@ class Pools:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         await asyncio.gather(*(w.handle.shutdown.remote() for w in self.workers), return_exceptions=True)
+        if self._outputs is not None:
+            await self._outputs.close()
         removals = [t for t in map(_kill, everyone) if t is not None]
         deadline = time.monotonic() + REMOVE_GROUPS_TIMEOUT_S
         for t in removals:
@@ -378,16 +387,23 @@ class Pools:
         return self.by_name[pool]
 
     async def _consume(self, w: Worker) -> None:
-        """Hand one worker's step outputs to the request flow, in order."""
+        """Hand one worker's step outputs to the request flow, in order, until its connection ends."""
+
+        def take(out: StepOutput) -> None:
+            if out.stats is not None:
+                w.stats = out.stats
+            self._on_output(w, out)
+            if out.stats is not None:
+                self.notify()  # its room changed (router.cluster waits on it)
+
+        ended = self._outputs.expect(w.worker_id, take)
         try:
-            async for ref in w.handle.stream.remote():
-                out: StepOutput = await ref
-                if out.stats is not None:
-                    w.stats = out.stats
-                self._on_output(w, out)
-                if out.stats is not None:
-                    self.notify()  # its room changed (router.cluster waits on it)
+            await w.handle.stream_to.remote(self._outputs.host, self._outputs.port, self._outputs.token)
+            why = await ended
         except asyncio.CancelledError:
             raise
         except Exception as e:  # the worker is gone: no request of its may hang
-            self.lose(w, f"stream ended: {type(e).__name__}")
+            why = f"stream ended: {type(e).__name__}"
+        finally:
+            self._outputs.forget(w.worker_id)
+        self.lose(w, why)

@@ -30,6 +30,7 @@ from pdserve.engine.utilization import device_peaks
 from pdserve.faults import FaultPoints
 from pdserve.model.loader import LoadedModel
 from pdserve.serving.messages import CancelRecord, Failure, FailureReason, StepOutput, TokenEvent, WorkerStats
+from pdserve.serving.outputs import OutputSender
 from pdserve.tiers import ServiceTier
 
 log = logging.getLogger(__name__)
@@ -78,6 +79,7 @@ class WorkerActor:
         self._cancels: collections.deque[CancelRecord] = collections.deque(maxlen=CANCELS_KEPT)
         self.faults = FaultPoints()  # inert unless a test arms one (pdserve.faults)
         self.loop: StepLoop | None = None
+        self._sender: OutputSender | None = None  # the outputs' channel to the router, once it asks (stream_to)
 
     def _start(self) -> None:
         """Start the step thread: once the subclass's own state exists."""
@@ -101,16 +103,20 @@ class WorkerActor:
         """The last CANCELS_KEPT cancels that ended a request here, oldest first: a cancel's arrival, checkable."""
         return await asyncio.wrap_future(self.loop.call(lambda: list(self._cancels)))
 
-    async def stream(self):
-        """One StepOutput per step that produced anything, forever (the router holds one per worker)."""
-        while True:
-            yield await asyncio.to_thread(self._outputs.get)
+    async def stream_to(self, host: str, port: int, token: bytes) -> None:
+        """Send every step's output to the router at host:port from now on (pdserve.serving.outputs);
+        returns once connected."""
+        if self._sender is not None:
+            raise RuntimeError(f"{self.worker_id} already sends its outputs to the router")
+        self._sender = await asyncio.to_thread(OutputSender, self._outputs, host, port, token, self.worker_id)
 
     async def peer_lost(self, worker_id: str) -> None:
         """A worker of another pool has left its pool (dead or stuck): drop what this one holds for it."""
 
     async def shutdown(self) -> None:
         self.loop.stop()
+        if self._sender is not None:
+            await asyncio.to_thread(self._sender.close)
         self._close()
         await asyncio.to_thread(self.core.close)  # a TP worker's other ranks (collectives: off the event loop)
 
