@@ -1,0 +1,279 @@
+"""Router scale (issue #31): the streamed tokens/s and requests/s the router sustains against N simulated
+decode workers, the latency it adds (p50, p99), and its CPU per token and per request.
+
+    .venv/bin/python bench/router_scale.py [--prefill-workers 1] [--decode-workers 2 4] [--stream-interval 1 16]
+        [--concurrency 16 64 128] [--num-prompts 256] [--output-len 128] [--short-len 16] [--json FILE]
+        [other `pdserve serve` flags, passed through: --sim-time-scale 2, --max-num-seqs 128, ...]
+
+Per configuration (decode workers x stream interval): `pdserve serve --load-format sim` (llama3-8b on simulated
+H100s, each step sleeping the roofline's time; router on 127.0.0.1, /metrics on a free port, HTTP off), ready
+when every worker is; one 1-request warm-up run; the router's idle CPU over --idle-s; then per concurrency two
+closed-loop `pdserve bench` runs of --num-prompts fixed-length requests: --output-len tokens out, then --short-len.
+Measured around each run: the bench JSON (tokens/s, requests/s; TTFT and ITL p50/p99, ITL from the 2nd gap on
+since the 1st holds the KV hand-off, a message of k tokens counting as k gaps of 1/k its gap); the workers'
+counters on /metrics (step = the pool's busy seconds / its steps); the router process's CPU (utime + stime in
+/proc/PID/stat); the bench client's (getrusage of children, less the warm-up run's: its start-up). The client
+shares the cores: near 100 % of a core, it and not the router is the limit. Router core % is over the bench's
+own duration. All times in ms.
+Derived, and ESTIMATES (the workers report aggregates, no per-token timestamps):
+- +ITL = client ITL - mean decode step: all of a gap that is not the step (the worker's host work between steps,
+  Ray, the router, gRPC, the client), so an upper bound on the router's share; a mean step a bit above the
+  median gap makes it slightly negative.
+- +TTFT = client TTFT - mean prefill step: admission, placement, forwarding, and the wait at the prefill worker
+  (closed-loop fixed-length requests arrive in waves and queue there): an upper bound, often mostly that wait.
+- router CPU per token and per request: each run's router CPU less its idle rate x wall time, the long and short
+  runs solved for cpu = a x tokens + b x requests (as ../shared/tools/router-cpu does). It includes the
+  router's metrics (every gap into a histogram), on here for the workers' counters.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import resource
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from datetime import datetime, timezone
+from pathlib import Path
+
+from common import ROOT, parser, write_json
+
+TCK = os.sysconf("SC_CLK_TCK")
+COLUMNS = (("conc", "concurrency", "d"), ("tok/s", "tokens_per_s", ".0f"), ("req/s", "requests_per_s", ".2f"),
+           ("ITL p50", "itl_p50_ms", ".2f"), ("ITL p99", "itl_p99_ms", ".2f"), ("decode step", "decode_step_ms", ".2f"),
+           ("+ITL p50", "added_itl_p50_ms", ".2f"), ("+ITL p99", "added_itl_p99_ms", ".2f"),
+           ("TTFT p50", "ttft_p50_ms", ".1f"), ("TTFT p99", "ttft_p99_ms", ".1f"),
+           ("prefill step", "prefill_step_ms", ".1f"), ("+TTFT p50", "added_ttft_p50_ms", ".1f"),
+           ("+TTFT p99", "added_ttft_p99_ms", ".1f"), ("router core %", "router_core_pct", ".0f"),
+           ("router us/token", "router_us_per_token", ".1f"), ("router ms/request", "router_ms_per_request", ".2f"),
+           ("client core %", "client_core_pct", ".0f"), ("failed", "failed", "d"))
+
+
+# -- measurements ------------------------------------------------------------------------------------------
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def proc_cpu(pid: int) -> float:
+    """CPU seconds (user + system) of a process so far, from /proc (fields after the command's ')')."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / TCK
+
+
+def session_pids(sid: int) -> list[int]:
+    """Processes of session sid: the server's, Ray's (raylet, GCS, actors) included: they do not setsid."""
+    def session(d: Path) -> int | None:
+        try:
+            return int((d / "stat").read_text().rsplit(")", 1)[1].split()[3])
+        except (OSError, ValueError, IndexError):  # gone meanwhile
+            return None
+    return [int(d.name) for d in Path("/proc").iterdir() if d.name.isdigit() and session(d) == sid]
+
+
+def parse_worker_counters(text: str) -> dict[tuple[str, str], dict[str, float]]:
+    """{(pool, worker): {"busy": s, "steps": n}} from a /metrics page."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[tuple[str, str], dict[str, float]] = {}
+    keys = {"pdserve_worker_busy_seconds": "busy", "pdserve_worker_steps": "steps"}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples if fam.name in keys else ():
+            if s.name.endswith("_total"):
+                out.setdefault((s.labels["pool"], s.labels["worker"]), {})[keys[fam.name]] = s.value
+    return out
+
+
+def step_ms(before: dict, after: dict, pool: str) -> float | None:
+    """Mean step time of pool's workers between two scrapes: their busy seconds over their steps."""
+    both = [k for k in after if k[0] == pool and k in before]
+    steps = sum(after[k]["steps"] - before[k]["steps"] for k in both)
+    return 1e3 * sum(after[k]["busy"] - before[k]["busy"] for k in both) / steps if steps > 0 else None
+
+
+def solve_cpu(long: dict, short: dict, idle_cores: float) -> tuple[float | None, float | None]:
+    """(seconds per token, seconds per request) from two runs: cpu - idle = a x tokens + b x requests."""
+    net = [r["router_cpu_s"] - idle_cores * r["wall_s"] for r in (long, short)]
+    ta, tb = (r["report"]["total_output_tokens"] for r in (long, short))
+    rb = short["report"]["completed"]
+    if ta == tb or not rb:
+        return None, None
+    a = (net[0] - net[1]) / (ta - tb)
+    return a, (net[1] - a * tb) / rb
+
+
+def row_of(concurrency: int, long: dict, short: dict, idle_cores: float, client_base_s: float) -> dict:
+    """One table row from the long and short runs at one concurrency."""
+    rep, dstep, pstep = long["report"], long["decode_step_ms"], long["prefill_step_ms"]
+    minus = lambda v, s: None if v is None or s is None else v - s
+    per_tok, per_req = solve_cpu(long, short, idle_cores)
+    dur = rep["duration"] or long["wall_s"]
+    return {"concurrency": concurrency, "tokens_per_s": rep["output_throughput"],
+            "requests_per_s": rep["request_throughput"], "itl_p50_ms": rep["median_later_itl_ms"],
+            "itl_p99_ms": rep["p99_later_itl_ms"], "decode_step_ms": dstep,
+            "added_itl_p50_ms": minus(rep["median_later_itl_ms"], dstep),
+            "added_itl_p99_ms": minus(rep["p99_later_itl_ms"], dstep),
+            "ttft_p50_ms": rep["median_ttft_ms"], "ttft_p99_ms": rep["p99_ttft_ms"], "prefill_step_ms": pstep,
+            "added_ttft_p50_ms": minus(rep["median_ttft_ms"], pstep), "added_ttft_p99_ms": minus(rep["p99_ttft_ms"], pstep),
+            # the router's CPU while requests ran: less its idle rate over the client's start-up and exit
+            "router_core_pct": 100 * (long["router_cpu_s"] - idle_cores * (long["wall_s"] - dur)) / dur,
+            "router_us_per_token": None if per_tok is None else 1e6 * per_tok,
+            "router_ms_per_request": None if per_req is None else 1e3 * per_req,
+            "client_core_pct": 100 * max(0.0, long["client_cpu_s"] - client_base_s) / dur,
+            "failed": rep["failed"] + short["report"]["failed"]}
+
+
+def markdown(rows: list[dict]) -> str:
+    cell = lambda v, spec: "n/a" if v is None else format(v, spec)
+    lines = ["| " + " | ".join(t for t, _, _ in COLUMNS) + " |", "|" + "---:|" * len(COLUMNS)]
+    lines += ["| " + " | ".join(cell(r[k], spec) for _, k, spec in COLUMNS) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+# -- the server and the runs ---------------------------------------------------------------------------------
+class Server:
+    """`pdserve serve` in its own session; stop() sends SIGINT, waits, then kills whatever of the session is left."""
+
+    def __init__(self, argv: list[str], log: Path):
+        self.port, self.metrics_port = free_port(), free_port()
+        self.argv = [sys.executable, "-m", "router.cli", "serve", "--host", "127.0.0.1", "--port", str(self.port),
+                     "--metrics-host", "127.0.0.1", "--metrics-port", str(self.metrics_port), "--http-port", "0", *argv]
+        self.log = log
+        self.proc = subprocess.Popen(self.argv, cwd=ROOT, stdout=log.open("w"), stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+
+    def wait_ready(self, workers: int, timeout: float) -> None:
+        from pdserve.client.grpc_client import Client
+
+        deadline, last = time.monotonic() + timeout, None
+        with Client(f"127.0.0.1:{self.port}") as client:
+            while time.monotonic() < deadline:
+                if self.proc.poll() is not None:
+                    raise SystemExit(f"pdserve serve exited {self.proc.returncode}:\n{self.log.read_text()[-2000:]}")
+                try:
+                    st = client.cluster_status(timeout=5)
+                    if st.serving and sum(w.state == "ready" for p in st.pools for w in p.workers) >= workers:
+                        return
+                except Exception as e:  # noqa: BLE001 - not up yet
+                    last = e
+                time.sleep(2)
+        raise SystemExit(f"pdserve serve not ready in {timeout:.0f} s ({last}):\n{self.log.read_text()[-2000:]}")
+
+    def counters(self) -> dict:
+        url = f"http://127.0.0.1:{self.metrics_port}/metrics"
+        return parse_worker_counters(urllib.request.urlopen(url, timeout=10).read().decode())
+
+    def stop(self, timeout: float = 60) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                print(f"pdserve serve did not stop in {timeout:.0f} s: killing its session", file=sys.stderr)
+        deadline = time.monotonic() + 5  # Ray's processes end shortly after the driver; kill what is left
+        while (left := session_pids(self.proc.pid)) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        for pid in left:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        self.proc.wait(10)
+
+
+def run_bench(server: Server, args, concurrency: int, output_len: int, num_prompts: int, out: Path) -> dict:
+    """One `pdserve bench` run with the router's CPU, the client's and the workers' counters around it."""
+    cmd = [sys.executable, "-m", "pdserve.cli", "bench", "--target", f"127.0.0.1:{server.port}", "--arrival", "closed",
+           "--concurrency", str(concurrency), "--num-prompts", str(num_prompts), "--input-len", str(args.input_len),
+           "--output-len", str(output_len), "--lengths", "fixed", "--ignore-eos", "--seed", "5", "--warmup", "0",
+           "--output", str(out), "--no-progress"]
+    c0, k0, r0, t0 = server.counters(), proc_cpu(server.proc.pid), resource.getrusage(resource.RUSAGE_CHILDREN), time.monotonic()
+    rc = subprocess.run(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, timeout=args.run_timeout,
+                        check=False).returncode
+    wall, k1, r1, c1 = time.monotonic() - t0, proc_cpu(server.proc.pid), resource.getrusage(resource.RUSAGE_CHILDREN), server.counters()
+    if rc != 0 or not out.exists():
+        raise SystemExit(f"pdserve bench failed (exit {rc}): {shlex.join(cmd)}")
+    rep = {k: v for k, v in json.loads(out.read_text()).items() if k not in ("requests", "timeline")}
+    return {"concurrency": concurrency, "output_len": output_len, "wall_s": wall, "router_cpu_s": k1 - k0,
+            "client_cpu_s": (r1.ru_utime + r1.ru_stime) - (r0.ru_utime + r0.ru_stime),
+            "decode_step_ms": step_ms(c0, c1, "decode"), "prefill_step_ms": step_ms(c0, c1, "prefill"), "report": rep}
+
+
+def run_config(args, serve_extra: list[str], decode: int, interval: int, tmp: Path) -> dict:
+    flags = ["--load-format", "sim", "--model", args.model, "--dtype", "bfloat16", "--prefill-workers",
+             str(args.prefill_workers), "--decode-workers", str(decode), "--worker-cpus", str(args.worker_cpus),
+             "--stream-interval", str(interval), *serve_extra]
+    server = Server(flags, tmp / f"serve-{decode}-{interval}.log")
+    try:
+        t0 = time.monotonic()
+        server.wait_ready(args.prefill_workers + decode, args.start_timeout)
+        ready_s = time.monotonic() - t0
+        warm = run_bench(server, args, 1, 1, 1, tmp / "warm.json")  # client start-up CPU; first steps
+        cpu0 = proc_cpu(server.proc.pid)
+        time.sleep(args.idle_s)
+        idle = (proc_cpu(server.proc.pid) - cpu0) / args.idle_s
+        runs, rows = [], []
+        for c in args.concurrency:
+            long = run_bench(server, args, c, args.output_len, args.num_prompts, tmp / f"{decode}-{interval}-{c}-long.json")
+            short = run_bench(server, args, c, args.short_len, args.num_prompts, tmp / f"{decode}-{interval}-{c}-short.json")
+            runs += [long, short]
+            rows.append(row_of(c, long, short, idle, warm["client_cpu_s"]))
+    finally:
+        server.stop()
+    return {"prefill_workers": args.prefill_workers, "decode_workers": decode, "stream_interval": interval,
+            "serve_command": shlex.join(server.argv), "ready_s": ready_s, "router_idle_cores": idle,
+            "client_startup_cpu_s": warm["client_cpu_s"], "rows": rows, "runs": runs}
+
+
+def machine() -> str:
+    out = subprocess.run(["lscpu"], capture_output=True, text=True, check=False).stdout
+    model = next((ln.split(":", 1)[1].strip() for ln in out.splitlines() if ln.startswith("Model name")), "?")
+    return f"{model}, {os.cpu_count()} cores"
+
+
+def main() -> None:
+    ap = parser(__doc__)
+    for flag, default in (("--decode-workers", [2, 4]), ("--stream-interval", [1, 16]), ("--concurrency", [16, 64, 128])):
+        ap.add_argument(flag, type=int, nargs="+", default=default)
+    ap.add_argument("--prefill-workers", type=int, default=1)
+    ap.add_argument("--num-prompts", type=int, default=256, help="requests per run")
+    for flag in ("--input-len", "--output-len"):
+        ap.add_argument(flag, type=int, default=128)
+    ap.add_argument("--short-len", type=int, default=16, help="output tokens of the second run (CPU per request)")
+    ap.add_argument("--model", default="llama3-8b", help="the simulated shape")
+    ap.add_argument("--worker-cpus", type=float, default=0.0625)
+    ap.add_argument("--idle-s", type=float, default=3.0, help="seconds the router's idle CPU is read over")
+    ap.add_argument("--start-timeout", type=float, default=600.0)
+    ap.add_argument("--run-timeout", type=float, default=600.0, help="seconds one bench run may take")
+    ap.add_argument("--json", default=None, metavar="FILE")
+    args, serve_extra = ap.parse_known_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a killed run still stops its server (finally)
+    head = {"machine": machine(), "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "command": shlex.join([Path(sys.executable).name, *sys.argv]), "load_before": os.getloadavg()}
+    print(f"machine: {head['machine']}; date: {head['date']}; load average before: "
+          f"{' '.join(f'{x:.2f}' for x in head['load_before'])}\ncommand: {head['command']}", flush=True)
+    configs = []
+    with tempfile.TemporaryDirectory(prefix="pdserve-router-scale-") as tmp:
+        for decode in args.decode_workers:
+            for interval in args.stream_interval:
+                cfg = run_config(args, serve_extra, decode, interval, Path(tmp))
+                configs.append(cfg)
+                print(f"\n### {args.prefill_workers}P{decode}D, stream interval {interval}\n\n"
+                      f"{args.num_prompts} requests a run, {args.input_len} prompt tokens, {args.output_len} out "
+                      f"(CPU per token/request: against a run of {args.short_len}); router idle "
+                      f"{100 * cfg['router_idle_cores']:.1f} % of a core; ready in {cfg['ready_s']:.0f} s\n"
+                      f"serve: `{cfg['serve_command']}`\n\n{markdown(cfg['rows'])}", flush=True)
+                if any(r["failed"] for r in cfg["rows"]):
+                    print("WARNING: failed requests (see the JSON's runs[].report.errors)")
+    if args.json:
+        write_json(args.json, {**head, "args": vars(args), "serve_extra": serve_extra, "configs": configs})
+        print(f"\nresults: {args.json}")
+
+
+if __name__ == "__main__":
+    main()
