@@ -1,0 +1,132 @@
+"""What one message costs the router, with nothing of pdserve in the way: the floors under its hot path.
+
+    .venv/bin/python bench/router_floors.py [--messages 20000] [--items 1000]
+
+1. gRPC: an asyncio gRPC server streams `GenerateResponse` messages of k tokens each (k = 1, 4, 16) to 16
+   concurrent streams of a client in another process; the server's CPU per message and per token.
+2. Ray: an async actor yields StepOutputs of 16 token events from a streaming generator (one every 3 ms,
+   as a decode worker would) to an asyncio consumer; the consumer process's CPU per item. This is what
+   each step's output cost the router before pdserve/serving/outputs.py replaced the Ray stream.
+Both count the CPU of the measuring process (every thread: gRPC's and Ray's own included).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import queue
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import grpc
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from pdserve.v1 import generation_pb2 as pb  # noqa: E402
+from pdserve.v1 import generation_pb2_grpc as pb_grpc  # noqa: E402
+
+STREAMS = 16
+_CLIENT = """
+import asyncio, sys, grpc
+sys.path.insert(0, {root!r})
+from pdserve.v1 import generation_pb2 as pb, generation_pb2_grpc as pb_grpc
+async def main(port):
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{{port}}") as ch:
+        stub = pb_grpc.GenerationStub(ch)
+        async def one():
+            async for _ in stub.Generate(pb.GenerateRequest(prompt="x")):
+                pass
+        await asyncio.gather(*(one() for _ in range({streams})))
+asyncio.run(main(int(sys.argv[1])))
+"""
+
+
+async def grpc_floor(messages: int, k: int) -> float:
+    """Server CPU seconds for `messages` messages of k tokens over STREAMS streams."""
+
+    class Service(pb_grpc.GenerationServicer):
+        async def Generate(self, request, context):
+            for i in range(messages // STREAMS):
+                yield pb.GenerateResponse(request_id="req-0123456789abcdef", text=" token" * k, token_ids=[i] * k)
+
+    server = grpc.aio.server()
+    pb_grpc.add_GenerationServicer_to_server(Service(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    client = _CLIENT.format(root=str(Path(__file__).resolve().parents[1]), streams=STREAMS)
+    t0 = time.process_time()
+    proc = await asyncio.create_subprocess_exec(sys.executable, "-c", client, str(port))
+    await proc.wait()
+    cpu = time.process_time() - t0
+    await server.stop(None)
+    return cpu
+
+
+def ray_floor(items: int) -> float:
+    """Consumer CPU seconds for `items` StepOutputs of 16 events through a Ray streaming generator."""
+    import ray
+
+    from pdserve.serving.messages import StepOutput, TokenEvent, WorkerStats
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+
+    @ray.remote
+    class Streamer:
+        def __init__(self):
+            self.q: queue.SimpleQueue = queue.SimpleQueue()
+            stats = WorkerStats(worker_id="d", pool="decode", waiting=0, waiting_tokens=0, running=16,
+                                kv_blocks_used=1, kv_blocks_total=2)
+            self.item = StepOutput("d", tuple(TokenEvent(f"req-{i:032d}#0", 5, None, " token") for i in range(16)),
+                                   (), stats)
+
+        def produce(self, n: int, period: float) -> None:
+            def run():
+                for _ in range(n):
+                    self.q.put(self.item)
+                    time.sleep(period)
+            threading.Thread(target=run, daemon=True).start()
+
+        async def stream(self):
+            while True:
+                yield await asyncio.to_thread(self.q.get)
+
+    async def consume() -> float:
+        s = Streamer.remote()
+        gen = s.stream.remote()
+        await s.produce.remote(items, 0.003)
+        t0, n = time.process_time(), 0
+        async for ref in gen:
+            await ref
+            n += 1
+            if n == items:
+                break
+        return time.process_time() - t0
+
+    try:
+        return asyncio.run(consume())
+    finally:
+        ray.shutdown()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--messages", type=int, default=20000)
+    p.add_argument("--items", type=int, default=1000)
+    args = p.parse_args()
+    cpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+    model = next((line.split(":", 1)[1].strip() for line in cpu.splitlines() if line.startswith("Model name")), "?")
+    print(f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {model}")
+    print("| path | per message | per token |\n|---|---:|---:|")
+    for k in (1, 4, 16):
+        n = args.messages // k
+        secs = asyncio.run(grpc_floor(n, k))
+        print(f"| gRPC asyncio server stream, {k} token(s) a message | {1e6 * secs / n:.0f} us | "
+              f"{1e6 * secs / (n * k):.1f} us |")
+    secs = ray_floor(args.items)
+    print(f"| Ray streaming generator item (a step of 16 tokens) | {1e6 * secs / args.items:.0f} us | "
+          f"{1e6 * secs / (args.items * 16):.1f} us |")
+
+
+if __name__ == "__main__":
+    main()
