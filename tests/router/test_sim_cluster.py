@@ -23,6 +23,7 @@ SIM = EngineConfig(load_format="sim", model="llama3-8b", dtype="bfloat16", cache
                    peak_flops=H100.flops, peak_bytes_per_second=H100.bytes_per_s)
 BUDGET = 256  # prompt tokens a prefill step: the 400-token prompt is pushed in chunks
 LENS = [5, 40, 400, 13, 70, 2, 130, 21]
+STREAM_INTERVAL = 4  # tokens a message (the first and last excepted): every test here runs through it
 
 
 def sim_prompts():
@@ -33,7 +34,7 @@ def sim_prompts():
 def served(ray_local, aloop):
     pool = dict(num_cpus=0.2, scheduler=SchedulerConfig(max_num_batched_tokens=BUDGET))
     config = ClusterConfig(engine=SIM, prefill=PoolConfig(1, **pool), decode=PoolConfig(2, **pool),
-                           transfer_timeout_s=20.0, kv_checksum=True)
+                           transfer_timeout_s=20.0, kv_checksum=True, stream_interval=STREAM_INTERVAL)
     s = Served(aloop, config)
     yield s
     s.close()
@@ -106,3 +107,21 @@ def test_serve_flags_make_a_simulated_engine(caplog):
         assert (e.peak_flops, e.peak_bytes_per_second) == (gpu("A100").flops, gpu("A100").bytes_per_s)  # MFU, MBU
     assert "every worker is a simulated engine: an A100" in caplog.text
     assert "running llama3-8b" in caplog.text and "512 B held (scale 256" in caplog.text
+
+
+@pytest.mark.slow
+def test_stream_interval_sends_tokens_in_messages_of_n(served, aloop):
+    """With stream_interval 4 the first token comes alone (TTFT is not held back), every later message
+    but the last carries at least 4 tokens, and the tokens are those of the offline engine."""
+    prompt = sim_prompts()[1]
+
+    async def run():
+        async with AsyncClient(served.target) as client:
+            return [list(r.token_ids) async for r in client.generate(token_ids=prompt, max_tokens=30,
+                                                                     temperature=0.0, ignore_eos=True, timeout=120)]
+
+    messages = aloop.run(run())
+    assert len(messages[0]) == 1
+    assert all(len(m) >= STREAM_INTERVAL for m in messages[1:-1]), [len(m) for m in messages]
+    assert len(messages) <= 2 + 29 // STREAM_INTERVAL
+    assert [t for m in messages for t in m] == served.reference([prompt], 30)[0]
