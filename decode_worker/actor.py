@@ -60,12 +60,14 @@ class DecodeActor(WorkerActor):
         self._self_handle: Any = None
         self._start()
 
-    async def reserve(self, task: DecodeTask, prefill: Any) -> None:
-        """Take a request whose KV `prefill` (an actor handle) computes; returns once it is queued."""
+    async def reserve(self, task: DecodeTask, prefill: Any = None) -> None:
+        """Take a request whose KV the prefill worker task.prefill_worker computes; returns once it is
+        queued. `prefill` is that worker's actor handle, given with the first reservation for it only."""
+        if prefill is not None:
+            self._prefill[task.prefill_worker] = prefill
         req = task.new_request(self.core.tokenizer)
         if self.core.kv.blocks_needed(req.num_tokens + 1) > self.core.pool.num_blocks:
             raise ValueError(f"request {task.request_id} needs more KV blocks than this decode worker has")
-        self._prefill[task.prefill_worker] = prefill
         placed = time.monotonic()
 
         def add() -> None:

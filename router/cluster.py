@@ -367,8 +367,11 @@ class Cluster:
     def _reserve(streamer: Worker, task: PrefillTask, tier: int, p: Worker) -> Any:
         """The decode worker's reservation of the KV that prefill worker p computes for `task` (pushed as
         soon as the reservation reaches it): the same prompt and tokens, whenever it is made."""
+        known = p.worker_id in streamer.prefill_handles
+        streamer.prefill_handles.add(p.worker_id)
         return streamer.handle.reserve.remote(DecodeTask(task.request_id, task.prompt_token_ids, task.output_token_ids,
-                                                         task.params, task.seed, p.worker_id, tier=tier), p.handle)
+                                                         task.params, task.seed, p.worker_id, tier=tier,
+                                                         text_offset=task.text_offset), None if known else p.handle)
 
     async def _kv_destination(self, later: asyncio.Future[Worker], q: _Inbox, wrid: str,
                               placed: list[Worker]) -> Worker:

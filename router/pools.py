@@ -79,6 +79,9 @@ class Worker:
     alive: bool = True
     state: str = "starting"  # starting | ready | draining
     placement_group: Any = None  # a tensor-parallel worker's: its ranks' bundles, removed when it leaves
+    # Decode workers: the prefill workers whose handles it was given (a handle is sent once: pickling
+    # one is most of a reservation call's cost).
+    prefill_handles: set[str] = field(default_factory=set)
 
 
 # Placement groups of workers that left, being removed (a call to Ray's GCS, off the event loop); the

@@ -6,6 +6,7 @@ import contextlib
 import time
 
 import pytest
+import ray
 import torch
 
 from pdserve.config import CacheConfig, ClusterConfig, EngineConfig, PoolConfig, SchedulerConfig
@@ -262,3 +263,36 @@ def test_smol_lagging_client_gets_the_waiting_tokens_in_one_message(aloop, smol_
         assert outs[-1].finish_reason is (FinishReason.STOP if params.stop else FinishReason.LENGTH)
         assert len(outs) == 3  # the first token, the first decoded one, then all the rest at once
     assert_no_leaks(aloop, cluster)
+
+
+@pytest.mark.slow
+def test_smol_text_resumes_exactly_after_its_decode_worker_dies(aloop, smol_cluster, smol_reference):
+    """A stream resumed on another decode worker continues its text from the characters already sent (the
+    workers make the text): tokens, text and the cut of a stop string met after the resume equal the
+    offline engine's, nothing repeated or lost."""
+    cluster = smol_cluster.cluster
+    if len(cluster.pools["decode"]) < 2:
+        pytest.skip("needs two decode workers")
+    eng, prompts, _, _ = smol_reference
+    free = eng.generate([prompts[2]], SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True))[0]
+    stop = next(w for w in reversed(free.text.split()) if free.text.count(w) == 1)  # met late, once
+    params = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True, stop=(stop,))
+    ref = eng.generate([prompts[2]], params)[0]
+    assert len(ref.token_ids) > 12, "the stop string must come after the kill"
+    lost = cluster.retries["decode_lost"]
+
+    async def run():
+        tokens, text, reason, killed = [], "", None, False
+        async with contextlib.aclosing(cluster.generate(prompts[2], params, "resumed-text")) as gen:
+            async for out in gen:
+                tokens += out.new_token_ids
+                text += out.new_text
+                reason = out.finish_reason
+                if not killed and len(tokens) >= 6:
+                    victim = next(w for w in cluster.pools["decode"] if "resumed-text#0" in w.requests)
+                    ray.kill(victim.handle, no_restart=True)
+                    killed = True
+        return tokens, text, reason
+
+    assert aloop.run(run()) == (ref.token_ids, ref.text, FinishReason.STOP)
+    assert cluster.retries["decode_lost"] == lost + 1
