@@ -23,7 +23,6 @@ from typing import Any
 import ray
 
 from pdserve.config import EngineConfig
-from pdserve.engine.output import token_text
 from pdserve.engine.request import RequestStatus
 from pdserve.engine.scheduler_types import Role
 from pdserve.parallel.layout import pair_plan, shares_by_rank
@@ -151,8 +150,7 @@ class DecodeActor(WorkerActor):
     def _landed(self, request_id: str, token: int, sampled_at: float) -> None:
         first = self.core.scheduler.kv_arrived(request_id, token)
         if first is not None:
-            if first.request.text is not None:  # its text was the prefill worker's to send: taken in, not sent
-                token_text(first.request.text, token, first.finish_reason)
+            self._text(first)  # its text was the prefill worker's to send: taken in here, not sent
             self.handoff_seconds.observe(max(time.time() - sampled_at, 0.0))
             self._source.pop(request_id, None)
 

@@ -21,7 +21,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from pdserve.config import EngineConfig
-from pdserve.engine.output import token_text
 from pdserve.engine.request import FinishReason, Request
 from pdserve.engine.scheduler_types import Role, SampledToken, ScheduledStep
 from pdserve.parallel.layout import pair_plan, shares_by_rank
@@ -297,7 +296,7 @@ class PrefillActor(WorkerActor):
 
     def _resolve(self, req: Request, s: SampledToken) -> FinishReason | None:
         """Answer the prefill call with the first token and its text; whether that token ended the request."""
-        text, reason = ("", s.finish_reason) if req.text is None else token_text(req.text, s.token, s.finish_reason)
+        text, reason = self._text(s)
         fut = self._results.get(req.request_id)
         try:
             if fut is not None:

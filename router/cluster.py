@@ -210,7 +210,7 @@ class Cluster:
             raise ValueError("stop strings need a tokenizer; this model was loaded without one")
         req = Request(rid, prompt, params, seed, tier=tier.rank)  # the router's view: tokens streamed so far
         self._streams[rid] = _Inbox()
-        sent = [0]  # characters of text streamed: a resumed attempt's workers continue the text from there
+        sent = 0  # characters of text streamed: a resumed attempt's workers continue the text from there
         self.demand.arrived(time.monotonic(), len(prompt), params.max_tokens)
         self.tier_demand[tier].arrived(time.monotonic(), len(prompt), params.max_tokens)
         failures: collections.Counter[FailureReason] = collections.Counter()
@@ -222,9 +222,9 @@ class Cluster:
                     # can touch the next.
                     # Closed explicitly (not left to the garbage collector): its cleanup cancels the
                     # attempt on its workers the moment the client goes away.
-                    async with contextlib.aclosing(self._attempt(req, sent[0], f"{rid}#{attempt}", avoid)) as outs:
+                    async with contextlib.aclosing(self._attempt(req, sent, f"{rid}#{attempt}", avoid)) as outs:
                         async for out in outs:
-                            sent[0] += len(out.new_text)
+                            sent += len(out.new_text)
                             if out.finish_reason in (FinishReason.STOP, FinishReason.LENGTH):
                                 self.demand.finished(time.monotonic(), out.num_output_tokens)
                                 self.tier_demand[tier].finished(time.monotonic(), out.num_output_tokens)

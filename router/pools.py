@@ -1,9 +1,9 @@
 """The worker pools on Ray: spawning, readiness, the heartbeat, losing a worker and replacing it,
 growing a pool and draining a worker out of it.
 
-A worker that dies is noticed at once (its calls raise, its outputs' connection ends: the streaming
-workers send their step outputs over a connection of their own, pdserve.serving.outputs); one that hangs is noticed when
-the heartbeat's stats call times out, and is killed. Either way it leaves its pool, the request flow
+A worker that dies is noticed at once (its calls raise; the streaming workers' outputs connection,
+pdserve.serving.outputs, ends); one that hangs is noticed when the heartbeat's stats call times out,
+and is killed. Either way it leaves its pool, the request flow
 (router.cluster) is told so that its requests are tried again elsewhere, and a replacement (a new
 incarnation, under a new id) joins the pool once it is ready. Nothing here knows about requests
 beyond the worker-side ids routed to each worker.

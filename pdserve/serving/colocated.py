@@ -24,7 +24,7 @@ class ColocatedActor(WorkerActor):
         self._start()
 
     async def generate(self, task: PrefillTask) -> None:
-        """Queue a whole request; its tokens (the first one included) arrive on stream()."""
+        """Queue a whole request; its tokens (the first one included) go out with the step outputs (stream_to)."""
         req = task.new_request(self.core.tokenizer)
 
         def add() -> None:

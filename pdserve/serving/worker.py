@@ -24,6 +24,7 @@ import torch
 from pdserve.config import EngineConfig
 from pdserve.engine.llm_engine import EngineCore
 from pdserve.engine.output import token_text
+from pdserve.engine.request import FinishReason
 from pdserve.engine.scheduler_types import Role, SampledToken, ScheduledStep
 from pdserve.engine.step_loop import StepLoop, StepLoopStopped
 from pdserve.engine.utilization import device_peaks
@@ -214,16 +215,20 @@ class WorkerActor:
         if events or failed:
             self._outputs.put(StepOutput(self.worker_id, events, failed, self._stats()))
 
-    def _event(self, s: SampledToken) -> TokenEvent:
-        """A sampled token with its text. Text is made here, where the tokens are sampled, not at the
-        router: the work is spread over the workers, and a completed stop string ends the request at once."""
+    @staticmethod
+    def _text(s: SampledToken) -> tuple[str, FinishReason | None]:
+        """A sampled token's text and finish reason, a completed stop string's STOP included (no text for
+        a model without a tokenizer). Text is made where the tokens are sampled, not at the router: the
+        work is spread over the workers, and a stop string ends the request at once."""
         req = s.request
-        if req.text is None:  # a model without a tokenizer: token ids only
-            return TokenEvent(req.request_id, s.token, s.finish_reason)
-        text, reason = token_text(req.text, s.token, s.finish_reason)
-        if reason is not s.finish_reason:  # a stop string completed: the request ends with this token
-            self.core.scheduler.finish(req, reason)
-        return TokenEvent(req.request_id, s.token, reason, text)
+        return ("", s.finish_reason) if req.text is None else token_text(req.text, s.token, s.finish_reason)
+
+    def _event(self, s: SampledToken) -> TokenEvent:
+        """A sampled token with its text; a completed stop string ends the request here, with this token."""
+        text, reason = self._text(s)
+        if reason is not s.finish_reason:
+            self.core.scheduler.finish(s.request, reason)
+        return TokenEvent(s.request.request_id, s.token, reason, text)
 
     # -- stats ------------------------------------------------------------------------------------
     def _load(self) -> tuple[int, int, int]:
