@@ -86,7 +86,7 @@ class SimPlan:
 
     @property
     def held_kv_bytes_per_token(self) -> int:
-        return 2 * self.shape.num_layers * self.kv_width * _element_size(self.dtype)
+        return 2 * self.shape.num_layers * self.kv_width * self.dtype.itemsize
 
     @property
     def held_bytes(self) -> int:
@@ -126,11 +126,11 @@ def sim_plan(config: EngineConfig, info: ModelInfo) -> SimPlan:
     """The GPU, its roofline on the shape, and the cache a simulated worker holds for it."""
     shape, device = info.config, gpu(config.sim_gpu)
     dtype = config.torch_dtype
-    costs = roofline(shape, device, _element_size(dtype))
+    costs = roofline(shape, device, dtype.itemsize)
     bs = config.cache.block_size
     gpu_blocks = kv_budget_bytes(device, costs.resident_weight_bytes) // (costs.kv_bytes_per_token * bs)
     width = -(-shape.kv_size // config.sim_kv_scale)
-    held_block = 2 * shape.num_layers * width * _element_size(dtype) * bs
+    held_block = 2 * shape.num_layers * width * dtype.itemsize * bs
     if config.cache.num_blocks is not None:
         blocks, capped = config.cache.num_blocks, "num_blocks"
     else:
@@ -162,7 +162,7 @@ class SimRunner:
         self.vocab = min(self.cfg.vocab_size, tok.vocab_size) if tok is not None else self.cfg.vocab_size
         special = {int(i) for i, t in tok.hf_tokenizer.added_tokens_decoder.items() if t.special} if tok else set()
         self._skipped = sorted(i for i in {*self.info.eos_token_ids, *special} if i < self.vocab)
-        self._dtype_bytes = _element_size(self.dtype)
+        self._dtype_bytes = self.dtype.itemsize
         self.flops_total = 0
         self.bytes_total = 0
         self.late_steps = 0  # steps whose host work took longer than the simulated time
@@ -257,10 +257,6 @@ class SimRunner:
         spans = [(c.start, len(c.token_ids)) for c in chunks]
         self.flops_total += step_flops(self.cfg, spans, sum(c.sample is not None for c in chunks))
         self.bytes_total += step_bytes(self.cfg, spans, self._dtype_bytes, self._dtype_bytes)
-
-
-def _element_size(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
 
 
 def _sleep_until(deadline: float) -> None:
