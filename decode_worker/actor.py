@@ -154,12 +154,12 @@ class DecodeActor(WorkerActor):
             self.handoff_seconds.observe(max(time.time() - sampled_at, 0.0))
             self._source.pop(request_id, None)
 
-    def _transfer_failed(self, request_id: str, error: str) -> None:
+    def _transfer_failed(self, request_id: str, error: str,
+                         reason: FailureReason = FailureReason.TRANSFER_FAILED) -> None:
         req = self.core.scheduler.requests.get(request_id)
         if req is not None and req.status is RequestStatus.WAITING_FOR_KV and self.core.cancel(request_id):
             self._source.pop(request_id, None)
-            self._publish(StepRun([], []), (Failure(request_id, FailureReason.TRANSFER_FAILED,
-                                                    f"KV transfer failed: {error}"),))
+            self._publish(StepRun([], []), (Failure(request_id, reason, f"KV transfer failed: {error}"),))
 
     def _cancel(self, request_id: str) -> bool:
         req = self.core.scheduler.requests.get(request_id)
@@ -196,8 +196,14 @@ class DecodeActor(WorkerActor):
         if self._self_handle is None:
             self._self_handle = ray.get_runtime_context().current_actor
         for prefill_id, rids in by_prefill.items():
-            self._prefill[prefill_id].kv_ready.remote(self.worker_id, self._self_handle, self.store.host,
-                                                      self.store.port, tuple(rids), self.tp)
+            prefill = self._prefill.get(prefill_id)
+            if prefill is None:  # lost (peer_lost) while these waited for room: their KV never comes
+                for rid in rids:
+                    if self.inbound.expire(rid):
+                        self._transfer_failed(rid, f"prefill worker {prefill_id} was lost", FailureReason.PREFILL_LOST)
+                continue
+            prefill.kv_ready.remote(self.worker_id, self._self_handle, self.store.host, self.store.port, tuple(rids),
+                                    self.tp)
 
     def _load(self) -> tuple[int, int, int]:
         s = self.core.scheduler

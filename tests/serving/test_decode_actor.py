@@ -1,0 +1,94 @@
+"""The decode worker actor (decode_worker.actor) on a real local Ray cluster, driven by hand the way the
+router drives it: reservations, a prefill worker lost, cancels; its step outputs read on a real
+outputs connection (pdserve.serving.outputs).
+
+The prefill side is a recording actor, not a prefill worker: what is checked is the notice the decode
+worker sends it (kv_ready) when it has reserved room, which is all a prefill worker would act on.
+"""
+from __future__ import annotations
+
+import pytest
+import ray
+
+from decode_worker.actor import DecodeActor
+from pdserve.config import CacheConfig, EngineConfig, SchedulerConfig
+from pdserve.engine.sampling import SamplingParams
+from pdserve.serving.messages import DecodeTask, FailureReason, StepOutput
+from pdserve.serving.outputs import OutputServer
+
+from conftest import wait_for
+
+BLOCK = 4
+
+
+@ray.remote(num_cpus=0)
+class NoticeLog:
+    """Stands in for a prefill worker: records the decode worker's kv_ready notices."""
+
+    def __init__(self):
+        self.notices: list[tuple[str, ...]] = []
+
+    def kv_ready(self, decode_id, handle, host, port, request_ids, tp=1) -> None:
+        self.notices.append(tuple(request_ids))
+
+    def seen(self) -> list[tuple[str, ...]]:
+        return self.notices
+
+
+@pytest.fixture
+def decode(ray_local, aloop, tiny_checkpoints):
+    """A decode worker with 8 KV blocks of 4 tokens, its outputs collected here."""
+    config = EngineConfig(model=str(tiny_checkpoints["llama"]), cache=CacheConfig(block_size=BLOCK, num_blocks=8),
+                          scheduler=SchedulerConfig(max_num_batched_tokens=64))
+    handle = ray.remote(DecodeActor).options(num_cpus=0).remote("decode-t", config, 10.0, torch_threads=1,
+                                                                bind_host="127.0.0.1")
+    server = OutputServer("127.0.0.1")
+    outputs: list[StepOutput] = []
+
+    async def connect():
+        await server.start()
+        server.expect("decode-t", outputs.append)
+        await handle.stream_to.remote(server.host, server.port, server.token)
+
+    ray.get(handle.ready.remote(), timeout=120)
+    aloop.run(connect())
+    yield handle, outputs
+    ray.get(handle.shutdown.remote(), timeout=30)
+    ray.kill(handle)
+    aloop.run(server.close())
+
+
+def task(rid: str, prompt_len: int, prefill_id: str) -> DecodeTask:
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    return DecodeTask(rid, tuple(range(1, prompt_len + 1)), (), params, 0, prefill_id)
+
+
+def test_a_lost_prefill_workers_reservations_fail_and_the_others_notices_go_out(decode):
+    """Reservations for a prefill worker that was lost while they waited for room are failed (PREFILL_LOST)
+    when room comes, and the notice to another prefill worker reserved in the same step still goes out
+    (the decode worker holds a prefill worker's handle only until it hears the worker is lost)."""
+    handle, outputs = decode
+    lost, alive = NoticeLog.remote(), NoticeLog.remote()
+
+    def stats():
+        return ray.get(handle.stats.remote(), timeout=30)
+
+    # "hold" takes 6 of the 8 blocks (its KV never comes): a and b (3 blocks each) wait for room.
+    ray.get(handle.reserve.remote(task("hold", 20, "p-alive"), alive), timeout=30)
+    wait_for(lambda: ray.get(alive.seen.remote()) == [("hold",)], 30, what="the notice for 'hold'")
+    ray.get(handle.reserve.remote(task("a", 8, "p-lost"), lost), timeout=30)
+    ray.get(handle.reserve.remote(task("b", 8, "p-alive")), timeout=30)  # its handle was given with "hold"'s
+    wait_for(lambda: stats().waiting == 3, 30, what="a and b to wait for room")
+    assert stats().kv_blocks_used == 6
+
+    ray.get(handle.peer_lost.remote("p-lost"), timeout=30)
+    assert ray.get(handle.cancel.remote("hold"), timeout=30)  # room for both, in the same step
+
+    wait_for(lambda: ("b",) in ray.get(alive.seen.remote()), 30, what="the notice for 'b' to the live prefill worker")
+    failed = wait_for(lambda: [f for o in outputs for f in o.failed], 30, what="a's failure")
+    assert [(f.request_id, f.reason) for f in failed] == [("a", FailureReason.PREFILL_LOST)]
+    assert ray.get(lost.seen.remote()) == []
+    s = stats()
+    assert (s.waiting, s.kv_blocks_used) == (1, 3)  # b's reservation alone
+    assert ray.get(handle.cancel.remote("b"), timeout=30)
+    assert stats().kv_blocks_used == 0
