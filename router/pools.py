@@ -141,7 +141,7 @@ class Pools:
     @property
     def workers(self) -> list[Worker]:
         """Every worker with a live actor: ready and draining (starting ones are not answering yet)."""
-        return [w for pool in self.by_name.values() for w in pool] + self.draining
+        return [w for pool in self.by_name.values() for w in pool] + [w for w in self.draining if w.alive]
 
     def size(self, pool: str) -> int:
         """The pool's size as scaling counts it: ready and starting workers."""
@@ -366,14 +366,14 @@ class Pools:
             await asyncio.sleep(DRAIN_POLL_S)
         if not w.alive:  # lost while draining: its requests were failed over like any loss
             return
-        w.alive = False
-        self.draining.remove(w)
+        w.alive = False  # leaving: no longer counted among the workers, its outputs' end is not a loss
         self._tell_peers(w)
         try:
             await asyncio.wait_for(w.handle.shutdown.remote(), self.config.worker_timeout_s)
         except Exception as e:  # noqa: BLE001 - it is leaving either way
             log.warning("worker %s did not shut down cleanly: %s", w.worker_id, e)
         _kill(w)
+        self.draining.remove(w)  # it has left: its actor is gone
         log.info("worker %s drained in %.1f s and left the %s pool", w.worker_id, time.monotonic() - t0, w.pool)
 
     async def alive(self, pool: str) -> list[Worker]:
