@@ -5,8 +5,9 @@ forward is a clock. A step sleeps (never spins: dozens of simulated workers shar
 cost model gives for exactly its chunks: `RooflineCosts.step_time` of the GPU named by `sim_gpu`
 (pdserve.perf.hardware.roofline) on the real model's shape, times `sim_time_scale`. Single-token chunks
 count as decodes (reading their context), longer ones as prompt chunks, as ModelRunner batches them and as
-`pdserve profile` measures them. When the host's own work of a step takes longer than that, the step is
-late: counted (`late_steps`), never hidden.
+`pdserve profile` measures them. When the host's own work of a step takes longer than that (by more than
+PACE_S, a wake-up's slack), the step is late: counted (`late_steps`, the worker's metric
+pdserve_worker_late_steps), never hidden.
 
 The KV cache is real tensors (the hand-off moves them over gloo), sized down: each layer's K and V hold
 ceil(num_kv_heads * head_dim / sim_kv_scale) elements a token instead of num_kv_heads * head_dim, in one
@@ -38,6 +39,10 @@ import torch
 
 from pdserve.config import EngineConfig, ModelConfig
 from pdserve.engine.chunk import Chunk
+from pdserve.engine.runner import StepResult
+from pdserve.engine.sampling import token_seed
+from pdserve.engine.utilization import step_bytes, step_flops
+from pdserve.model.loader import ModelInfo, load_info
 from pdserve.perf.costs import RooflineCosts, attention_pairs
 from pdserve.perf.hardware import (
     DECODE_MBU,
@@ -50,10 +55,6 @@ from pdserve.perf.hardware import (
     kv_budget_bytes,
     roofline,
 )
-from pdserve.engine.runner import StepResult
-from pdserve.engine.sampling import token_seed
-from pdserve.engine.utilization import step_bytes, step_flops
-from pdserve.model.loader import ModelInfo, load_info
 
 log = logging.getLogger(__name__)
 
@@ -191,7 +192,7 @@ class SimRunner:
         sampling = [i for i, c in enumerate(chunks) if c.sample is not None]
         sampled = torch.tensor(self._tokens([chunks[i] for i in sampling]) if sample_tokens else [],
                                dtype=torch.int64)
-        if time.perf_counter() - t0 > duration:
+        if time.perf_counter() - t0 > duration + PACE_S:  # a layer-wise step sleeps to its end, then writes one layer
             self.late_steps += 1
             if self.late_steps == 1:
                 log.warning("a simulated step took %.1f ms of host work, more than its %.1f ms: steps run late "

@@ -140,6 +140,7 @@ class WorkerStats:
     reservation_wait: dict = field(default_factory=dict)
     pid: int = 0  # the worker's process (operators and fault tests signal it)
     preemptions: int = 0  # running requests sent back to the queue for lack of KV blocks (recomputed)
+    late_steps: int = 0  # simulated engine: steps whose host work outlasted their simulated time
     kv_peers: int = 0  # workers of the other pool this one holds a KV pusher or intake for
     # Service tiers (pdserve.tiers), cumulative: step seconds attributed to each tier (a step's time is
     # shared by its requests in proportion to the tokens each computed in it), and preemptions by

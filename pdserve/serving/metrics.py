@@ -197,6 +197,10 @@ class WorkerCollector(Collector):
         yield family(CounterMetricFamily, "pdserve_worker_preemptions",
                      "Running requests sent back to the queue for lack of KV blocks (their KV is recomputed)",
                      lambda s: s.preemptions)
+        yield family(CounterMetricFamily, "pdserve_worker_late_steps",
+                     "Simulated engine (load format sim): steps whose host work outlasted their simulated time, "
+                     "so the host did not keep up and the step ran late (0 for a real model)",
+                     lambda s: s.late_steps)
         for kind, name, doc, key, label in (
                 (CounterMetricFamily, "pdserve_tier_device_seconds", "Step seconds attributed to each service tier (a "
                  "step's time shared by its requests by the tokens each computed): the device cost of a tier",

@@ -253,5 +253,5 @@ class WorkerActor:
             peak_source=self.peaks.source, prefix_hit_blocks=pool.prefix_hits, prefix_query_blocks=pool.prefix_queries,
             pid=os.getpid(), preemptions=c.scheduler.num_preemptions, tier_seconds=dict(self.tier_seconds),
             tier_preemptions={f"{t}/{kind}": n for (t, kind), n in c.scheduler.preemptions.items()},
-            cancelled=self.cancelled,
+            cancelled=self.cancelled, late_steps=getattr(runner, "late_steps", 0),
             **self._extra_stats())

@@ -15,12 +15,12 @@ import torch
 
 from pdserve.config import CacheConfig, EngineConfig, SchedulerConfig, kv_bytes_per_token
 from pdserve.engine.chunk import Chunk
-from pdserve.perf.costs import attention_pairs
-from pdserve.perf.hardware import gpu, kv_budget_bytes, resolve_model, roofline
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.request import FinishReason
 from pdserve.engine.sampling import SamplingParams
 from pdserve.engine.sim_runner import PACE_S, SimRunner
+from pdserve.perf.costs import attention_pairs
+from pdserve.perf.hardware import gpu, kv_budget_bytes, resolve_model, roofline
 
 SIM = EngineConfig(load_format="sim", model="llama3-8b", dtype="bfloat16",
                    scheduler=SchedulerConfig(max_num_batched_tokens=512))
@@ -159,6 +159,17 @@ def test_layers_are_announced_as_the_step_goes():
         due = t0 + duration * (i + 1) / layers
         assert due - PACE_S <= t < due + 0.010, (i, t - t0, due - t0)
     assert duration <= end - t0 < duration + 0.010
+    assert runner.late_steps == 0  # on time (its last layer is written once the step's time has passed)
+
+
+def test_a_step_whose_host_work_outlasts_it_is_counted_late():
+    runner = SimRunner(replace(SIM, cache=CacheConfig(num_blocks=64)))
+    chunk = Chunk(list(range(1000, 1300)), 0, list(range(19)), SamplingParams(max_tokens=1), seed=1)
+    duration = predicted([chunk])
+    runner.execute([chunk], lambda i: time.sleep(2 * duration + PACE_S) if i == 0 else None)  # host work: 2 steps
+    assert runner.late_steps == 1
+    runner.execute([chunk])
+    assert runner.late_steps == 1
 
 
 def test_the_cache_has_the_gpus_blocks_at_a_fraction_of_the_bytes(engine):

@@ -165,7 +165,7 @@ def test_worker_series_and_transfer_histogram():
     buckets = [0] * (len(TRANSFER_SECONDS_BUCKETS) + 1)
     buckets[0], buckets[3], buckets[-1] = 2, 1, 1
     workers = [stats("prefill", "prefill-0"),
-               stats("decode", "decode-0", preemptions=3,
+               stats("decode", "decode-0", preemptions=3, late_steps=2,
                      transfer={"transfers": 4, "bytes": 4096, "seconds": 12.5, "failures": 1,
                                "bucket_counts": buckets})]
     g = RouterMetrics(lambda: workers).registry.get_sample_value
@@ -173,6 +173,8 @@ def test_worker_series_and_transfer_histogram():
     assert g("pdserve_worker_peak_flops", {"pool": "prefill", "worker": "prefill-0", "source": "measured"}) == 1e6
     assert g("pdserve_worker_kv_blocks", {"pool": "prefill", "worker": "prefill-0"}) == 10
     assert g("pdserve_worker_preemptions_total", {"pool": "decode", "worker": "decode-0"}) == 3
+    assert g("pdserve_worker_late_steps_total", {"pool": "decode", "worker": "decode-0"}) == 2
+    assert g("pdserve_worker_late_steps_total", {"pool": "prefill", "worker": "prefill-0"}) == 0
     assert g("pdserve_kv_transfer_failures_total", {"pool": "decode", "worker": "decode-0"}) == 1
     assert g("pdserve_kv_transfers_total", {"pool": "prefill", "worker": "prefill-0"}) is None  # no transfer stats
     lab = {"pool": "decode", "worker": "decode-0"}

@@ -1,0 +1,191 @@
+"""Dozens of simulated workers under an RL-like bursty trace, and the planner's simulator on the same trace
+and cluster, side by side in one run (issue #31).
+
+    .venv/bin/python bench/sim_scale.py [--prefill-workers 8] [--decode-workers 24] [--gpu H100]
+        [--model llama3-8b] [--waves 2] [--requests-per-wave 256] [--burst 5] [--period 40]
+        [--input-mean 512] [--output-mean 128] [--time-scale 8] [--json FILE]
+
+The trace is bench/autoscale_sim.py's (waves of rollouts arriving within --burst seconds, one every --period
+seconds; log-normal prompts and outputs, seeded), in the simulated GPU's time. The cluster: `pdserve serve
+--load-format sim` with --prefill-workers + --decode-workers simulated workers of the model on the GPU (each
+step sleeps the roofline's time x --time-scale, its KV held --sim-kv-scale times smaller), driven by `pdserve
+bench` replaying the trace with its timestamps x --time-scale. Measured TTFT and TPOT are divided by the time
+scale back into the GPU's time. The planner's simulator (pdserve.planner.simulator) runs the same trace on the
+same cluster shape (pools, KV blocks, token budget, running cap) with the same step costs.
+
+Printed: each worker's memory (RSS and PSS from /proc: PSS shares the pages of the libraries they all map),
+the workers' late steps (a step whose host work outlasted its simulated time: the host did not keep up, so
+the run no longer stands for the GPU; raise --time-scale), failed requests, and median and p99 TTFT and TPOT
+of the cluster beside the planner's, with their ratio and whether the medians are within 15 %.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from datetime import datetime, timezone
+from pathlib import Path
+
+import numpy as np
+from autoscale_sim import rl_trace
+from common import ROOT, parser, write_json
+from router_scale import Server, machine, session_pids
+
+from pdserve.perf.hardware import gpu, kv_budget_bytes, resolve_model, roofline
+from pdserve.planner.simulator import ClusterShape, PoolShape, simulate
+
+WITHIN = 0.15
+KEYS = ("median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms")
+
+
+def worker_memory(server: Server) -> list[dict]:
+    """RSS and PSS (MiB) of each worker process of the server's session (Ray names them ray::ClassName)."""
+    out = []
+    for pid in session_pids(server.proc.pid):
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].decode(errors="replace")
+            rollup = Path(f"/proc/{pid}/smaps_rollup").read_text()
+        except OSError:
+            continue
+        if not cmd.startswith("ray::") or "Actor" not in cmd:
+            continue
+        kib = {ln.split(":")[0]: int(ln.split()[1]) for ln in rollup.splitlines()[1:] if ln.split()[-1] == "kB"}
+        out.append({"pid": pid, "process": cmd, "rss_mib": kib["Rss"] / 1024, "pss_mib": kib["Pss"] / 1024})
+    return out
+
+
+def pool_sums(text: str, name: str) -> dict[str, float]:
+    """A worker series (a counter's _total, or a gauge) of a /metrics page, summed by pool."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[str, float] = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples if fam.name == name else ():
+            if s.name.endswith("_total") or fam.type == "gauge":
+                out[s.labels["pool"]] = out.get(s.labels["pool"], 0.0) + s.value
+    return out
+
+
+def metric_sum(server: Server, name: str) -> dict[str, float]:
+    """A worker series summed by pool, from the router's /metrics."""
+    url = f"http://127.0.0.1:{server.metrics_port}/metrics"
+    return pool_sums(urllib.request.urlopen(url, timeout=10).read().decode(), name)
+
+
+def main() -> None:
+    ap = parser(__doc__)
+    ap.add_argument("--prefill-workers", type=int, default=8)
+    ap.add_argument("--decode-workers", type=int, default=24)
+    ap.add_argument("--gpu", default="H100")
+    ap.add_argument("--model", default="llama3-8b", help="the simulated shape")
+    ap.add_argument("--waves", type=int, default=2)
+    ap.add_argument("--requests-per-wave", type=int, default=256)
+    ap.add_argument("--burst", type=float, default=5.0, help="seconds (GPU time) over which a wave arrives")
+    ap.add_argument("--period", type=float, default=40.0, help="seconds (GPU time) from one wave to the next")
+    ap.add_argument("--input-mean", type=float, default=512)
+    ap.add_argument("--output-mean", type=float, default=128)
+    ap.add_argument("--time-scale", type=float, default=8.0, help="--sim-time-scale: real seconds per GPU second")
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--max-num-seqs", type=int, default=64)
+    ap.add_argument("--token-budget", type=int, default=2048, help="--prefill-token-budget")
+    ap.add_argument("--worker-cpus", type=float, default=0.0625)
+    ap.add_argument("--start-timeout", type=float, default=900.0)
+    ap.add_argument("--json", default=None, metavar="FILE")
+    args = ap.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a killed run still stops its server (finally)
+    head = {"machine": machine(), "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "command": shlex.join([Path(sys.executable).name, *sys.argv]), "load_before": os.getloadavg()}
+    print(f"machine: {head['machine']}; date: {head['date']}; load average before: "
+          f"{' '.join(f'{x:.2f}' for x in head['load_before'])}\ncommand: {head['command']}", flush=True)
+
+    name, cfg = resolve_model(args.model)
+    device = gpu(args.gpu)
+    costs = roofline(cfg, device, 2)  # bfloat16, as the simulated workers run
+    kv_blocks = kv_budget_bytes(device, costs.resident_weight_bytes) // (costs.kv_bytes_per_token * args.block_size)
+    arrival, inputs, outputs = rl_trace(args.waves, args.requests_per_wave, args.burst, args.period, args.input_mean,
+                                        args.output_mean, cfg.max_position_embeddings)
+    print(f"{len(arrival)} requests in {args.waves} waves of {args.requests_per_wave} within {args.burst:g} s every "
+          f"{args.period:g} s ({args.gpu} time; x{args.time_scale:g} on this machine); prompts mean "
+          f"{inputs.mean():.0f}, outputs mean {outputs.mean():.0f} (max {outputs.max()}); {kv_blocks} KV blocks "
+          f"a worker", flush=True)
+
+    # The planner's simulator: the same shape, costs and trace.
+    pool = lambda n: PoolShape(n, kv_blocks, args.block_size, args.max_num_seqs, args.token_budget)  # noqa: E731
+    shape = ClusterShape("disaggregated", pool(args.prefill_workers), pool(args.decode_workers),
+                         max_running=10**6, max_queued=10**6)
+    t0 = time.perf_counter()
+    res = simulate(shape, costs, arrival, inputs, outputs)
+    ok = res.ok
+    tpot = res.tpot[ok][~np.isnan(res.tpot[ok])]
+    ttft = res.ttft[ok]
+    planned = {"median_ttft_ms": float(np.median(ttft)) * 1e3, "p99_ttft_ms": float(np.percentile(ttft, 99)) * 1e3,
+               "median_tpot_ms": float(np.median(tpot)) * 1e3, "p99_tpot_ms": float(np.percentile(tpot, 99)) * 1e3,
+               "completed": int(ok.sum()), "sim_seconds": time.perf_counter() - t0}
+
+    with tempfile.TemporaryDirectory(prefix="pdserve-sim-scale-") as tmp:
+        trace = Path(tmp) / "trace.jsonl"
+        trace.write_text("".join(json.dumps({"input_len": int(i), "output_len": int(o),
+                                             "timestamp": float(a) * args.time_scale}) + "\n"
+                                 for a, i, o in zip(arrival, inputs, outputs)))
+        flags = ["--load-format", "sim", "--model", args.model, "--dtype", "bfloat16", "--sim-gpu", args.gpu,
+                 "--sim-time-scale", str(args.time_scale), "--prefill-workers", str(args.prefill_workers),
+                 "--decode-workers", str(args.decode_workers), "--worker-cpus", str(args.worker_cpus),
+                 "--block-size", str(args.block_size), "--max-num-seqs", str(args.max_num_seqs),
+                 "--prefill-token-budget", str(args.token_budget), "--max-running", str(10**6),
+                 "--max-queued", str(10**6)]
+        server = Server(flags, Path(tmp) / "serve.log")
+        try:
+            t0 = time.monotonic()
+            server.wait_ready(args.prefill_workers + args.decode_workers, args.start_timeout)
+            ready_s = time.monotonic() - t0
+            memory = worker_memory(server)
+            blocks = metric_sum(server, "pdserve_worker_kv_blocks")
+            out = Path(tmp) / "bench.json"
+            span = float(arrival.max()) * args.time_scale
+            cmd = [sys.executable, "-m", "pdserve.cli", "bench", "--target", f"127.0.0.1:{server.port}", "--trace",
+                   str(trace), "--arrival", "trace", "--ignore-eos", "--seed", "3", "--warmup", "0", "--timeout",
+                   str(span + 600), "--output", str(out), "--no-progress"]
+            t0 = time.monotonic()
+            rc = subprocess.run(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, timeout=span + 900, check=False).returncode
+            wall = time.monotonic() - t0
+            late = metric_sum(server, "pdserve_worker_late_steps")
+            steps = metric_sum(server, "pdserve_worker_steps")
+            log_tail = server.log.read_text()[-3000:]
+        finally:
+            server.stop()
+        if rc != 0 or not out.exists():
+            raise SystemExit(f"pdserve bench failed (exit {rc}): {shlex.join(cmd)}\n{log_tail}")
+        rep = json.loads(out.read_text())
+
+    measured = {k: (rep[k] / args.time_scale if rep.get(k) is not None else None) for k in KEYS}
+    rss, pss = [m["rss_mib"] for m in memory], [m["pss_mib"] for m in memory]
+    print(f"\nready in {ready_s:.0f} s; {len(memory)} worker processes: RSS mean {np.mean(rss):.0f} MiB (max "
+          f"{max(rss):.0f}), PSS mean {np.mean(pss):.0f} MiB, {sum(pss) / 1024:.2f} GiB in all; KV blocks a worker "
+          f"{ {k: v / (args.prefill_workers if k == 'prefill' else args.decode_workers) for k, v in blocks.items()} }")
+    print(f"bench: {rep['completed']} completed, {rep['failed']} failed {rep['failed_by_code']} in {wall:.0f} s; "
+          f"late steps {late} of {steps}")
+    print(f"\n| {args.gpu} time | cluster (sim engine) | planner | ratio | within {WITHIN:.0%} |\n"
+          "|---|---|---|---|---|")
+    rows = {}
+    for k in KEYS:
+        m, p = measured[k], planned[k]
+        ratio = m / p if m is not None and p else None
+        rows[k] = {"cluster": m, "planner": p, "ratio": ratio}
+        judged = "yes" if ratio is not None and abs(ratio - 1) <= WITHIN else ("no" if k.startswith("median") else "-")
+        print(f"| {k} | {m:.1f} | {p:.1f} | {ratio:.2f} | {judged} |" if ratio is not None
+              else f"| {k} | - | {p:.1f} | - | - |")
+    if args.json:
+        write_json(args.json, {**head, "args": vars(args), "serve_flags": flags, "ready_s": ready_s,
+                               "memory": memory, "late_steps": late, "steps": steps, "bench": rep, "planner": planned,
+                               "compare": rows})
+        print(f"\nresults: {args.json}")
+
+
+if __name__ == "__main__":
+    main()
