@@ -236,6 +236,17 @@ def machine() -> str:
     return f"{model}, {os.cpu_count()} cores"
 
 
+def run_header() -> dict:
+    """The run's machine, date, command and load, printed and returned; a SIGTERM then exits through the
+    callers' `finally` (their servers stop)."""
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    head = {"machine": machine(), "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "command": shlex.join([Path(sys.executable).name, *sys.argv]), "load_before": os.getloadavg()}
+    print(f"machine: {head['machine']}; date: {head['date']}; load average before: "
+          f"{' '.join(f'{x:.2f}' for x in head['load_before'])}\ncommand: {head['command']}", flush=True)
+    return head
+
+
 def main() -> None:
     ap = parser(__doc__)
     for flag, default in (("--decode-workers", [2, 4]), ("--stream-interval", [1, 16]), ("--concurrency", [16, 64, 128])):
@@ -252,11 +263,7 @@ def main() -> None:
     ap.add_argument("--run-timeout", type=float, default=600.0, help="seconds one bench run may take")
     ap.add_argument("--json", default=None, metavar="FILE")
     args, serve_extra = ap.parse_known_args()
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a killed run still stops its server (finally)
-    head = {"machine": machine(), "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            "command": shlex.join([Path(sys.executable).name, *sys.argv]), "load_before": os.getloadavg()}
-    print(f"machine: {head['machine']}; date: {head['date']}; load average before: "
-          f"{' '.join(f'{x:.2f}' for x in head['load_before'])}\ncommand: {head['command']}", flush=True)
+    head = run_header()
     configs = []
     with tempfile.TemporaryDirectory(prefix="pdserve-router-scale-") as tmp:
         for decode in args.decode_workers:

@@ -25,18 +25,15 @@ goodput.
 from __future__ import annotations
 
 import json
-import os
 import shlex
-import signal
 import subprocess
 import sys
 import tempfile
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 
 from common import ROOT, parser, write_json
-from router_scale import Server, machine
+from router_scale import Server, run_header
 from sim_scale import metric_sum
 
 WORKLOADS = {"default": (512, 256), "long-prompt": (4096, 256)}
@@ -140,11 +137,7 @@ def main() -> None:
     ap.add_argument("--start-timeout", type=float, default=600.0)
     ap.add_argument("--json", default=None, metavar="FILE")
     args = ap.parse_args()
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a killed run still stops its server (finally)
-    head = {"machine": machine(), "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            "command": shlex.join([Path(sys.executable).name, *sys.argv]), "load_before": os.getloadavg()}
-    print(f"machine: {head['machine']}; date: {head['date']}; load average before: "
-          f"{' '.join(f'{x:.2f}' for x in head['load_before'])}\ncommand: {head['command']}", flush=True)
+    head = run_header()
     results = {}
     with tempfile.TemporaryDirectory(prefix="pdserve-sim-modes-") as tmp:
         for name in args.workloads:

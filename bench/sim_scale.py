@@ -21,21 +21,18 @@ of the cluster beside the planner's, with their ratio and whether the medians ar
 from __future__ import annotations
 
 import json
-import os
 import shlex
-import signal
 import subprocess
 import sys
 import tempfile
 import time
 import urllib.request
-from datetime import datetime, timezone
 from pathlib import Path
 
 import numpy as np
 from autoscale_sim import rl_trace
 from common import ROOT, parser, write_json
-from router_scale import Server, machine, session_pids
+from router_scale import Server, run_header, session_pids
 
 from pdserve.perf.hardware import gpu, kv_budget_bytes, resolve_model, roofline
 from pdserve.planner.simulator import ClusterShape, PoolShape, simulate
@@ -98,11 +95,7 @@ def main() -> None:
     ap.add_argument("--start-timeout", type=float, default=900.0)
     ap.add_argument("--json", default=None, metavar="FILE")
     args = ap.parse_args()
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a killed run still stops its server (finally)
-    head = {"machine": machine(), "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            "command": shlex.join([Path(sys.executable).name, *sys.argv]), "load_before": os.getloadavg()}
-    print(f"machine: {head['machine']}; date: {head['date']}; load average before: "
-          f"{' '.join(f'{x:.2f}' for x in head['load_before'])}\ncommand: {head['command']}", flush=True)
+    head = run_header()
 
     name, cfg = resolve_model(args.model)
     device = gpu(args.gpu)
