@@ -393,7 +393,7 @@ class ClusterConfig:
         if self.ranges:
             if self.mode == "colocated":
                 raise ValueError("a colocated pool does not autoscale: give it a fixed size")
-            if self.autoscale.profile is None and self.autoscale.gpu is None:
+            if self.autoscale.profile is None and self.autoscale.gpu is None and self.engine.load_format != "sim":
                 raise ValueError("autoscaled pools are sized by a cost model: give a profile (`pdserve profile`, "
                                  "then --profile FILE) or a GPU for its roofline (--gpu NAME)")
         if self.max_retries < 0 or min(self.worker_timeout_s, self.stats_interval_s, self.pool_wait_timeout_s) <= 0:

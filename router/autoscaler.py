@@ -5,7 +5,9 @@ planner's policy (pdserve.planner.autoscale), and its decisions grow pools or dr
 The fast lane (pool "fast", pdserve.tiers) is sized apart from the decode pool: from the priority tier's
 demand (Cluster.tier_demand) and the lane's own workers, with priority's TPOT target.
 
-Its costs come from a measured profile (`pdserve profile`) or a GPU's roofline, as `pdserve plan`'s do.
+Its costs come from a measured profile (`pdserve profile`) or a GPU's roofline, as `pdserve plan`'s do; for
+simulated workers (`--load-format sim`), unless one is given, from the simulated GPU's roofline slowed by
+the time scale, and their KV blocks are the simulated GPU's.
 The latest decision of each pool is kept for `pdserve status` and the metrics.
 """
 from __future__ import annotations
@@ -30,6 +32,9 @@ def cluster_costs(cluster: Cluster, tp: int = 1) -> StepCosts:
     """The cost model the autoscaler sizes a pool of TP size tp with: the configured profile, or the
     configured GPU's roofline for a worker of tp such GPUs."""
     a, info = cluster.config.autoscale, cluster.info
+    engine = cluster.config.engine
+    if engine.load_format == "sim" and a.profile is None and a.gpu is None:
+        return _sim_plan(cluster).costs.slowed(engine.sim_time_scale)  # exactly what its workers' steps take
     if a.profile is not None:
         from pdserve.planner.profile import read_profile
 
@@ -44,6 +49,13 @@ def cluster_costs(cluster: Cluster, tp: int = 1) -> StepCosts:
     return roofline(info.config, gpu(a.gpu), cluster.config.engine.torch_dtype.itemsize, tp)
 
 
+def _sim_plan(cluster: Cluster, engine=None):
+    """What a simulated worker of the cluster stands for (pdserve.engine.sim_runner.sim_plan)."""
+    from pdserve.engine.sim_runner import sim_plan
+
+    return sim_plan(engine or cluster.config.engine, cluster.info)
+
+
 class AutoscaleLoop:
     """Runs the policy over the cluster's pools; `queued` gives the requests waiting for admission."""
 
@@ -53,9 +65,10 @@ class AutoscaleLoop:
         limits = {}
         for name in c.ranges:
             engine = c.engine_for(c.pools[name])
-            limits[name] = PoolLimits(engine.cache.resolve_num_blocks(cluster.info.config, engine.torch_dtype,
-                                                                       engine.tensor_parallel_size),
-                                      engine.cache.block_size, engine.scheduler.max_num_seqs,
+            # A simulated worker has the blocks of the GPU it stands for, not what its held bytes would give.
+            blocks = _sim_plan(cluster, engine).num_blocks if engine.load_format == "sim" else \
+                engine.cache.resolve_num_blocks(cluster.info.config, engine.torch_dtype, engine.tensor_parallel_size)
+            limits[name] = PoolLimits(blocks, engine.cache.block_size, engine.scheduler.max_num_seqs,
                                       engine.scheduler.max_num_batched_tokens)
         a = c.autoscale
         costs = {name: cluster_costs(cluster, c.engine_for(c.pools[name]).tensor_parallel_size) for name in c.ranges}

@@ -106,7 +106,8 @@ def add_serve_parser(sub: Any) -> argparse.ArgumentParser:
     scale.add_argument("--profile", default=None, metavar="PROFILE.json",
                        help="the cost model pools are sized by: `pdserve profile` of this model on this device")
     scale.add_argument("--gpu", default=None, metavar="NAME",
-                       help="or the roofline of this GPU (H100, H200, A100, L40S, L4)")
+                       help="or the roofline of this GPU (H100, H200, A100, L40S, L4); simulated workers "
+                            "(--load-format sim) default to their own GPU's, slowed by --sim-time-scale")
     scale.add_argument("--slo-ttft-ms", type=float, default=1000.0,
                        help="time to first token the prefill pool is sized for")
     scale.add_argument("--slo-tpot-ms", type=float, default=100.0,

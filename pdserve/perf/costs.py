@@ -19,7 +19,7 @@ a bandwidth of the transport between two workers.
 from __future__ import annotations
 
 import bisect
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any, Protocol
 
 import numpy as np
@@ -225,6 +225,18 @@ class RooflineCosts:
     transport: Transport
     tp: int = 1
     collective: Transport | None = None  # the all-reduce between the tp ranks: latency per call, bus bandwidth
+
+    def slowed(self, factor: float) -> RooflineCosts:
+        """The same device `factor` times slower: every step (compute, memory reads, overhead, all-reduces)
+        takes factor times as long, as a simulated worker's do (--sim-time-scale). The KV link between
+        workers (transport) is left as it is: a simulated hand-off moves real, smaller tensors."""
+        if not factor > 0:
+            raise ValueError(f"a slowdown factor must be positive, got {factor}")
+        coll = self.collective
+        return replace(self, peak_flops=self.peak_flops / factor, peak_bytes_per_s=self.peak_bytes_per_s / factor,
+                       overhead_s=self.overhead_s * factor,
+                       collective=None if coll is None else replace(coll, latency_s=coll.latency_s * factor,
+                                                                    bytes_per_s=coll.bytes_per_s / factor))
 
     def __post_init__(self) -> None:
         if not (0 < self.mfu <= 1 and 0 < self.mbu <= 1) or self.overhead_s < 0:

@@ -371,3 +371,43 @@ def test_a_tp_pool_is_priced_as_a_worker_of_tp_gpus():
     one, four = cluster_costs(cluster, 1), cluster_costs(cluster, 4)
     assert (one.tp, four.tp) == (1, 4)
     assert four.step_time(0, 0, 0, 32, 32 * 1024) < one.step_time(0, 0, 0, 32, 32 * 1024)
+
+
+def test_simulated_pools_autoscale_by_the_simulated_gpu():
+    """Simulated workers (load_format sim) need no profile or --gpu to autoscale: the autoscaler takes the
+    simulated GPU's roofline slowed by the time scale (what their steps take) and the GPU's KV blocks (not
+    what the held, scaled-down bytes would give)."""
+    from types import SimpleNamespace
+
+    from pdserve.config import CacheConfig, EngineConfig
+    from pdserve.model.loader import load_info
+    from pdserve.perf.hardware import gpu, kv_budget_bytes, resolve_model, roofline
+    from router.autoscaler import AutoscaleLoop
+
+    engine = EngineConfig(load_format="sim", model="llama3-8b", dtype="bfloat16", sim_time_scale=16.0,
+                          cache=CacheConfig(block_size=16))
+    config = ClusterConfig(engine=engine, prefill=PoolConfig(1, max_workers=8), decode=PoolConfig(1, max_workers=24))
+    with pytest.raises(ValueError, match="sized by a cost model"):  # a real model still needs one
+        ClusterConfig(prefill=PoolConfig(1, max_workers=8), decode=PoolConfig(1))
+    cluster = SimpleNamespace(config=config, info=load_info(engine), scaling=_Scaling([]))
+    loop = AutoscaleLoop(cluster)
+    h100 = roofline(resolve_model("llama3-8b")[1], gpu("H100"), 2)
+    blocks = kv_budget_bytes(gpu("H100"), h100.resident_weight_bytes) // (h100.kv_bytes_per_token * 16)
+    assert {n: lim.kv_blocks for n, lim in loop.policy.limits.items()} == {"prefill": blocks, "decode": blocks}
+    assert blocks == 26674 and engine.cache.resolve_num_blocks(cluster.info.config, engine.torch_dtype) < blocks
+    for work in [(512, 512 * 513 // 2, 1, 0, 0), (0, 0, 0, 64, 64 * 700)]:  # a prefill step, a decode step
+        for pool in ("prefill", "decode"):
+            assert loop.policy.costs[pool].step_time(*work) == pytest.approx(16 * h100.step_time(*work), rel=1e-12)
+
+
+def test_a_slowed_roofline_takes_every_part_of_a_step_longer():
+    from pdserve.perf.hardware import gpu, resolve_model, roofline
+
+    for tp in (1, 4):
+        base = roofline(resolve_model("llama-3-70b")[1], gpu("H100"), 2, tp)
+        slow = base.slowed(3.0)
+        for work in [(2048, 2048 * 2049 // 2, 1, 0, 0), (0, 0, 0, 128, 128 * 4096), (0, 0, 0, 1, 10)]:
+            assert slow.step_time(*work) == pytest.approx(3 * base.step_time(*work), rel=1e-12)
+        assert slow.transport == base.transport
+    with pytest.raises(ValueError, match="positive"):
+        base.slowed(0)
