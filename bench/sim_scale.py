@@ -3,7 +3,7 @@ and cluster, side by side in one run (issue #31).
 
     .venv/bin/python bench/sim_scale.py [--prefill-workers 8] [--decode-workers 24] [--gpu H100]
         [--model llama3-8b] [--waves 2] [--requests-per-wave 256] [--burst 5] [--period 40]
-        [--input-mean 512] [--output-mean 128] [--time-scale 8] [--json FILE]
+        [--input-mean 512] [--output-mean 128] [--time-scale 8] [--autoscale] [--json FILE]
 
 The trace is bench/autoscale_sim.py's (waves of rollouts arriving within --burst seconds, one every --period
 seconds; log-normal prompts and outputs, seeded), in the simulated GPU's time. The cluster: `pdserve serve
@@ -13,10 +13,17 @@ bench` replaying the trace with its timestamps x --time-scale. Measured TTFT and
 scale back into the GPU's time. The planner's simulator (pdserve.planner.simulator) runs the same trace on the
 same cluster shape (pools, KV blocks, token budget, running cap) with the same step costs.
 
+--autoscale: the pools are 1:--prefill-workers and 1:--decode-workers, sized by the router's autoscaler
+(targets --slo-ttft-ms and --slo-tpot-ms in GPU time, its interval, window and scale-down delay in real
+seconds); the planner's simulator runs the same policy with the same settings divided by the time scale, a
+worker placeable the cluster's measured start-to-ready time (divided by the scale) after it is asked for.
+Worker-seconds (every state, starting included) are read from /metrics every 0.5 s while the trace runs.
+
 Printed: each worker's memory (RSS and PSS from /proc: PSS shares the pages of the libraries they all map),
 the workers' late steps (a step whose host work outlasted its simulated time: the host did not keep up, so
 the run no longer stands for the GPU; raise --time-scale), failed requests, and median and p99 TTFT and TPOT
-of the cluster beside the planner's, with their ratio and whether the medians are within 15 %.
+of the cluster beside the planner's, with their ratio and whether the medians are within 15 %, and the
+GPU-seconds each used.
 """
 from __future__ import annotations
 
@@ -25,6 +32,7 @@ import shlex
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -35,10 +43,13 @@ from common import ROOT, parser, write_json
 from router_scale import Server, run_header, session_pids
 
 from pdserve.perf.hardware import gpu, kv_budget_bytes, resolve_model, roofline
+from pdserve.planner.autoscale import Autoscaler, PoolLimits
 from pdserve.planner.simulator import ClusterShape, PoolShape, simulate
 
 WITHIN = 0.15
 KEYS = ("median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms")
+# The router's autoscaler settings with --autoscale, in real seconds (the planner's: these / the time scale).
+AUTOSCALE_INTERVAL_S, AUTOSCALE_WINDOW_S, SCALE_DOWN_DELAY_S = 2.0, 30.0, 30.0
 
 
 def worker_memory(server: Server) -> list[dict]:
@@ -75,6 +86,48 @@ def metric_sum(server: Server, name: str) -> dict[str, float]:
     return pool_sums(urllib.request.urlopen(url, timeout=10).read().decode(), name)
 
 
+class WorkerSeconds:
+    """Workers of every state (starting, ready, draining) summed over time while the block runs, from
+    /metrics every 0.5 s: the cluster's worker-seconds, as the planner counts them (asked for to gone)."""
+
+    def __init__(self, server: Server):
+        self.server, self.seconds = server, 0.0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        last = time.monotonic()
+        while not self._stop.wait(0.5):
+            try:
+                n = sum(metric_sum(self.server, "pdserve_pool_workers").values())
+            except OSError:
+                continue
+            now = time.monotonic()
+            self.seconds += n * (now - last)
+            last = now
+
+    def __enter__(self) -> WorkerSeconds:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(10)
+
+
+def start_seconds(server: Server) -> float | None:
+    """The workers' mean time from start to ready (pdserve_worker_start_seconds), over every pool."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    url = f"http://127.0.0.1:{server.metrics_port}/metrics"
+    total = count = 0.0
+    for fam in text_string_to_metric_families(urllib.request.urlopen(url, timeout=10).read().decode()):
+        for smp in fam.samples if fam.name == "pdserve_worker_start_seconds" else ():
+            total += smp.value if smp.name.endswith("_sum") else 0.0
+            count += smp.value if smp.name.endswith("_count") else 0.0
+    return total / count if count else None
+
+
 def main() -> None:
     ap = parser(__doc__)
     ap.add_argument("--prefill-workers", type=int, default=8)
@@ -93,6 +146,11 @@ def main() -> None:
     ap.add_argument("--token-budget", type=int, default=2048, help="--prefill-token-budget")
     ap.add_argument("--worker-cpus", type=float, default=0.0625)
     ap.add_argument("--start-timeout", type=float, default=900.0)
+    ap.add_argument("--autoscale", action="store_true",
+                    help="pools of 1:--prefill-workers and 1:--decode-workers, sized by the router's autoscaler "
+                         "(and by the planner's, with the same settings, in the simulator)")
+    ap.add_argument("--slo-ttft-ms", type=float, default=1000.0, help="--autoscale: TTFT target (GPU time)")
+    ap.add_argument("--slo-tpot-ms", type=float, default=50.0, help="--autoscale: TPOT target (GPU time)")
     ap.add_argument("--json", default=None, metavar="FILE")
     args = ap.parse_args()
     head = run_header()
@@ -108,34 +166,27 @@ def main() -> None:
           f"{inputs.mean():.0f}, outputs mean {outputs.mean():.0f} (max {outputs.max()}); {kv_blocks} KV blocks "
           f"a worker", flush=True)
 
-    # The planner's simulator: the same shape, costs and trace.
-    pool = lambda n: PoolShape(n, kv_blocks, args.block_size, args.max_num_seqs, args.token_budget)  # noqa: E731
-    shape = ClusterShape("disaggregated", pool(args.prefill_workers), pool(args.decode_workers),
-                         max_running=10**6, max_queued=10**6)
-    t0 = time.perf_counter()
-    res = simulate(shape, costs, arrival, inputs, outputs)
-    ok = res.ok
-    tpot = res.tpot[ok][~np.isnan(res.tpot[ok])]
-    ttft = res.ttft[ok]
-    planned = {"median_ttft_ms": float(np.median(ttft)) * 1e3, "p99_ttft_ms": float(np.percentile(ttft, 99)) * 1e3,
-               "median_tpot_ms": float(np.median(tpot)) * 1e3, "p99_tpot_ms": float(np.percentile(tpot, 99)) * 1e3,
-               "completed": int(ok.sum()), "sim_seconds": time.perf_counter() - t0}
-
     with tempfile.TemporaryDirectory(prefix="pdserve-sim-scale-") as tmp:
         trace = Path(tmp) / "trace.jsonl"
         trace.write_text("".join(json.dumps({"input_len": int(i), "output_len": int(o),
                                              "timestamp": float(a) * args.time_scale}) + "\n"
                                  for a, i, o in zip(arrival, inputs, outputs)))
+        sizes = {pool: f"1:{n}" if args.autoscale else str(n)
+                 for pool, n in (("prefill", args.prefill_workers), ("decode", args.decode_workers))}
         flags = ["--load-format", "sim", "--model", args.model, "--dtype", "bfloat16", "--sim-gpu", args.gpu,
-                 "--sim-time-scale", str(args.time_scale), "--prefill-workers", str(args.prefill_workers),
-                 "--decode-workers", str(args.decode_workers), "--worker-cpus", str(args.worker_cpus),
+                 "--sim-time-scale", str(args.time_scale), "--prefill-workers", sizes["prefill"],
+                 "--decode-workers", sizes["decode"], "--worker-cpus", str(args.worker_cpus),
                  "--block-size", str(args.block_size), "--max-num-seqs", str(args.max_num_seqs),
                  "--prefill-token-budget", str(args.token_budget), "--max-running", str(10**6),
                  "--max-queued", str(10**6)]
+        if args.autoscale:  # the router's autoscaler in real time: the GPU's targets x the scale
+            flags += ["--slo-ttft-ms", str(args.slo_ttft_ms * args.time_scale), "--slo-tpot-ms",
+                      str(args.slo_tpot_ms * args.time_scale), "--scale-down-delay", str(SCALE_DOWN_DELAY_S),
+                      "--autoscale-interval", str(AUTOSCALE_INTERVAL_S)]
         server = Server(flags, Path(tmp) / "serve.log")
         try:
             t0 = time.monotonic()
-            server.wait_ready(args.prefill_workers + args.decode_workers, args.start_timeout)
+            server.wait_ready(2 if args.autoscale else args.prefill_workers + args.decode_workers, args.start_timeout)
             ready_s = time.monotonic() - t0
             memory = worker_memory(server)
             blocks = metric_sum(server, "pdserve_worker_kv_blocks")
@@ -145,8 +196,11 @@ def main() -> None:
                    str(trace), "--arrival", "trace", "--ignore-eos", "--seed", "3", "--warmup", "0", "--timeout",
                    str(span + 600), "--output", str(out), "--no-progress"]
             t0 = time.monotonic()
-            rc = subprocess.run(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, timeout=span + 900, check=False).returncode
-            wall = time.monotonic() - t0
+            with WorkerSeconds(server) as counted:
+                rc = subprocess.run(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, timeout=span + 900,
+                                    check=False).returncode
+            wall, worker_seconds = time.monotonic() - t0, counted.seconds
+            start_s = start_seconds(server) or ready_s
             late = metric_sum(server, "pdserve_worker_late_steps")
             steps = metric_sum(server, "pdserve_worker_steps")
             log_tail = server.log.read_text()[-3000:]
@@ -156,25 +210,53 @@ def main() -> None:
             raise SystemExit(f"pdserve bench failed (exit {rc}): {shlex.join(cmd)}\n{log_tail}")
         rep = json.loads(out.read_text())
 
-    measured = {k: (rep[k] / args.time_scale if rep.get(k) is not None else None) for k in KEYS}
+    # The planner's simulator: the same shape (pools, or their ranges and the autoscaler), costs and trace.
+    pool = lambda n: PoolShape(n, kv_blocks, args.block_size, args.max_num_seqs, args.token_budget)  # noqa: E731
+    scale = args.time_scale
+    extra = {}
+    if args.autoscale:
+        limits = PoolLimits(kv_blocks, args.block_size, args.max_num_seqs, args.token_budget)
+        scaler = Autoscaler(costs, {"prefill": limits, "decode": limits},
+                            {"prefill": (1, args.prefill_workers), "decode": (1, args.decode_workers)},
+                            args.slo_ttft_ms / 1e3, args.slo_tpot_ms / 1e3, SCALE_DOWN_DELAY_S / scale, start_s / scale)
+        extra = dict(autoscaler=scaler, interval_s=AUTOSCALE_INTERVAL_S / scale, window_s=AUTOSCALE_WINDOW_S / scale,
+                     startup_s=start_s / scale)
+    first = 1 if args.autoscale else None
+    shape = ClusterShape("disaggregated", pool(first or args.prefill_workers), pool(first or args.decode_workers),
+                         max_running=10**6, max_queued=10**6)
+    t0 = time.perf_counter()
+    res = simulate(shape, costs, arrival, inputs, outputs, **extra)
+    ok = res.ok
+    tpot = res.tpot[ok][~np.isnan(res.tpot[ok])]
+    ttft = res.ttft[ok]
+    planned = {"median_ttft_ms": float(np.median(ttft)) * 1e3, "p99_ttft_ms": float(np.percentile(ttft, 99)) * 1e3,
+               "median_tpot_ms": float(np.median(tpot)) * 1e3, "p99_tpot_ms": float(np.percentile(tpot, 99)) * 1e3,
+               "gpu_seconds": res.worker_seconds, "completed": int(ok.sum()), "sim_seconds": time.perf_counter() - t0}
+
+    measured = {k: (rep[k] / scale if rep.get(k) is not None else None) for k in KEYS}
+    measured["gpu_seconds"] = worker_seconds / scale
     rss, pss = [m["rss_mib"] for m in memory], [m["pss_mib"] for m in memory]
-    print(f"\nready in {ready_s:.0f} s; {len(memory)} worker processes: RSS mean {np.mean(rss):.0f} MiB (max "
-          f"{max(rss):.0f}), PSS mean {np.mean(pss):.0f} MiB, {sum(pss) / 1024:.2f} GiB in all; KV blocks a worker "
-          f"{ {k: v / (args.prefill_workers if k == 'prefill' else args.decode_workers) for k, v in blocks.items()} }")
+    per_worker = "" if args.autoscale else "; KV blocks a worker " + str(
+        {k: v / (args.prefill_workers if k == "prefill" else args.decode_workers) for k, v in blocks.items()})
+    print(f"\nready in {ready_s:.0f} s (a worker's start: {start_s:.0f} s); {len(memory)} worker processes: RSS mean "
+          f"{np.mean(rss):.0f} MiB (max {max(rss):.0f}), PSS mean {np.mean(pss):.0f} MiB, {sum(pss) / 1024:.2f} GiB "
+          f"in all{per_worker}")
     print(f"bench: {rep['completed']} completed, {rep['failed']} failed {rep['failed_by_code']} in {wall:.0f} s; "
           f"late steps {late} of {steps}")
     print(f"\n| {args.gpu} time | cluster (sim engine) | planner | ratio | within {WITHIN:.0%} |\n"
           "|---|---|---|---|---|")
     rows = {}
-    for k in KEYS:
+    for k in (*KEYS, "gpu_seconds"):
         m, p = measured[k], planned[k]
         ratio = m / p if m is not None and p else None
         rows[k] = {"cluster": m, "planner": p, "ratio": ratio}
         judged = "yes" if ratio is not None and abs(ratio - 1) <= WITHIN else ("no" if k.startswith("median") else "-")
+        if k == "gpu_seconds":
+            judged = "-"
         print(f"| {k} | {m:.1f} | {p:.1f} | {ratio:.2f} | {judged} |" if ratio is not None
               else f"| {k} | - | {p:.1f} | - | - |")
     if args.json:
-        write_json(args.json, {**head, "args": vars(args), "serve_flags": flags, "ready_s": ready_s,
+        write_json(args.json, {**head, "args": vars(args), "serve_flags": flags, "ready_s": ready_s, "start_s": start_s,
                                "memory": memory, "late_steps": late, "steps": steps, "bench": rep, "planner": planned,
                                "compare": rows})
         print(f"\nresults: {args.json}")

@@ -118,9 +118,7 @@ class Cluster:
         # Where requests start (prefill or colocated): their prompts' block hashes steer placement.
         self.block_size = config.engine_for(next(iter(config.pools.values()))).cache.block_size
         self.retries: collections.Counter[str] = collections.Counter()  # by FailureReason value, a metric
-        # What the autoscaler sizes the pools for, from now on.
-        self.demand = DemandWindow(config.autoscale.window_s, time.monotonic())
-        self.tier_demand = {t: DemandWindow(config.autoscale.window_s, time.monotonic()) for t in TIERS}
+        self._watch_demand()
         self.dispatch = Dispatch(config, self._pools, self.block_size)  # the line and placement
 
     @property
@@ -164,6 +162,13 @@ class Cluster:
                  self.info.max_model_len, time.monotonic() - t0)
         await asyncio.to_thread(_build_cpu_kernels, engine.device)
         await self._pools.start(self.info)
+        self._watch_demand()  # from when it serves: a rate over its start-up time would be diluted
+
+    def _watch_demand(self) -> None:
+        """What the autoscaler sizes the pools for, from now on: arrivals over a sliding window."""
+        now = time.monotonic()
+        self.demand = DemandWindow(self.config.autoscale.window_s, now)
+        self.tier_demand = {t: DemandWindow(self.config.autoscale.window_s, now) for t in TIERS}
 
     async def shutdown(self) -> None:
         await self._pools.shutdown()

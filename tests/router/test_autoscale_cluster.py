@@ -249,3 +249,25 @@ async def _wait_then_cancel(s: Served, batch) -> list[grpc.StatusCode]:
             call.cancel()
         await asyncio.gather(*reads, return_exceptions=True)
         return [await call.code() for call in calls]
+
+
+def test_demand_is_measured_from_when_the_cluster_serves(tiny_checkpoints, aloop, monkeypatch):
+    """The arrival rate the autoscaler sees is over the time since the cluster began serving, not since it was
+    made: requests that come at once after a slow start are a burst, not a trickle diluted by the start-up.
+    (The pools' start is replaced by a one-second wait: no workers are needed to read the rate.)"""
+    from router.cluster import Cluster
+
+    config = ClusterConfig(engine=EngineConfig(model=str(tiny_checkpoints["llama"])), prefill=PoolConfig(1),
+                           decode=PoolConfig(1))
+    cluster = Cluster(config)
+
+    async def slow_start(info) -> None:
+        await asyncio.sleep(1.0)
+
+    monkeypatch.setattr(cluster._pools, "start", slow_start)
+    aloop.run(cluster.start())
+    now = time.monotonic()
+    for _ in range(10):
+        cluster.demand.arrived(now, 100, 10)
+    rate, _, _ = cluster.demand.observe(now + 0.5)
+    assert rate == pytest.approx(10 / 0.5, rel=0.1)  # over 0.5 s, not 1.5 s and more
