@@ -18,6 +18,10 @@ same cluster shape (pools, KV blocks, token budget, running cap) with the same s
 seconds); the planner's simulator runs the same policy with the same settings divided by the time scale, a
 worker placeable the cluster's measured start-to-ready time (divided by the scale) after it is asked for.
 Worker-seconds (every state, starting included) are read from /metrics every 0.5 s while the trace runs.
+The router's autoscaler measures the arrival rate from when it began serving; the trace's first request
+comes some seconds later (the bench client's start): the planner's requests are shifted by that gap
+(divided by the scale), so that both autoscalers see the same rates, and its GPU-seconds exclude the two
+workers' time over it (the cluster's count starts with the trace).
 
 Printed: each worker's memory (RSS and PSS from /proc: PSS shares the pages of the libraries they all map),
 the workers' late steps (a step whose host work outlasted its simulated time: the host did not keep up, so
@@ -35,6 +39,7 @@ import tempfile
 import threading
 import time
 import urllib.request
+from datetime import datetime
 from pathlib import Path
 
 import numpy as np
@@ -92,8 +97,10 @@ class WorkerSeconds:
 
     def __init__(self, server: Server):
         self.server, self.seconds = server, 0.0
+        self.first_request_at: float | None = None  # wall clock
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._threads = [threading.Thread(target=self._run, daemon=True),
+                         threading.Thread(target=self._watch_first, daemon=True)]
 
     def _run(self) -> None:
         last = time.monotonic()
@@ -106,13 +113,36 @@ class WorkerSeconds:
             self.seconds += n * (now - last)
             last = now
 
+    def _watch_first(self) -> None:
+        """The wall-clock time the router first has a request running (polled every 20 ms)."""
+        url = f"http://127.0.0.1:{self.server.metrics_port}/metrics"
+        while self.first_request_at is None and not self._stop.wait(0.02):
+            try:
+                page = urllib.request.urlopen(url, timeout=10).read().decode()
+            except OSError:
+                continue
+            if any(ln.startswith("pdserve_router_requests_running ") and float(ln.split()[1]) > 0
+                   for ln in page.splitlines()):
+                self.first_request_at = time.time()
+
     def __enter__(self) -> WorkerSeconds:
-        self._thread.start()
+        for t in self._threads:
+            t.start()
         return self
 
     def __exit__(self, *exc) -> None:
         self._stop.set()
-        self._thread.join(10)
+        for t in self._threads:
+            t.join(10)
+
+
+def serving_since(log: str) -> float | None:
+    """The wall-clock time the router began serving, from its log line "pdserve listening on ..."."""
+    for line in log.splitlines():
+        if "pdserve listening on" in line:
+            stamp = datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f")
+            return stamp.replace(tzinfo=datetime.now().astimezone().tzinfo).timestamp()
+    return None
 
 
 def start_seconds(server: Server) -> float | None:
@@ -200,6 +230,10 @@ def main() -> None:
                 rc = subprocess.run(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, timeout=span + 900,
                                     check=False).returncode
             wall, worker_seconds = time.monotonic() - t0, counted.seconds
+            serving = serving_since(server.log.read_text())
+            # The router watches demand from when it serves (its window's start), the simulator from time 0:
+            # the planner's requests come this much later, as the cluster's did.
+            gap_s = max(counted.first_request_at - serving, 0.0) if serving and counted.first_request_at else 0.0
             start_s = start_seconds(server) or ready_s
             late = metric_sum(server, "pdserve_worker_late_steps")
             steps = metric_sum(server, "pdserve_worker_steps")
@@ -225,13 +259,16 @@ def main() -> None:
     shape = ClusterShape("disaggregated", pool(first or args.prefill_workers), pool(first or args.decode_workers),
                          max_running=10**6, max_queued=10**6)
     t0 = time.perf_counter()
-    res = simulate(shape, costs, arrival, inputs, outputs, **extra)
+    gap = gap_s / scale if args.autoscale else 0.0  # GPU seconds between serving and the first request
+    res = simulate(shape, costs, arrival + gap, inputs, outputs, **extra)
     ok = res.ok
     tpot = res.tpot[ok][~np.isnan(res.tpot[ok])]
     ttft = res.ttft[ok]
     planned = {"median_ttft_ms": float(np.median(ttft)) * 1e3, "p99_ttft_ms": float(np.percentile(ttft, 99)) * 1e3,
                "median_tpot_ms": float(np.median(tpot)) * 1e3, "p99_tpot_ms": float(np.percentile(tpot, 99)) * 1e3,
-               "gpu_seconds": res.worker_seconds, "completed": int(ok.sum()), "sim_seconds": time.perf_counter() - t0}
+               # less the two first workers' time over the gap: the cluster's count starts with the trace
+               "gpu_seconds": res.worker_seconds - 2 * gap, "completed": int(ok.sum()),
+               "sim_seconds": time.perf_counter() - t0}
 
     measured = {k: (rep[k] / scale if rep.get(k) is not None else None) for k in KEYS}
     measured["gpu_seconds"] = worker_seconds / scale
@@ -257,6 +294,7 @@ def main() -> None:
               else f"| {k} | - | {p:.1f} | - | - |")
     if args.json:
         write_json(args.json, {**head, "args": vars(args), "serve_flags": flags, "ready_s": ready_s, "start_s": start_s,
+                               "serving_to_first_request_s": gap_s,
                                "memory": memory, "late_steps": late, "steps": steps, "bench": rep, "planner": planned,
                                "compare": rows})
         print(f"\nresults: {args.json}")

@@ -61,3 +61,15 @@ def test_a_stretched_workload_is_the_same_requests_later(scripts):
         assert len(gpu.arrival) == 50 and np.allclose(slow.arrival, 16 * gpu.arrival, rtol=1e-9)
         assert (args16.slo_ttft_ms, args16.slo_tpot_ms) == (16 * args1.slo_ttft_ms, 16 * args1.slo_tpot_ms)
     assert gpu.input_len.mean() > 1000  # the long-prompt workload
+
+
+def test_serving_since_reads_the_routers_listening_line(scripts):
+    import logging
+
+    sim_scale, _ = scripts
+    # A line as the router's logging writes it (local time, milliseconds after a comma).
+    record = logging.LogRecord("router.server", logging.INFO, "", 0, "pdserve listening on 127.0.0.1:5 (x)", (), None)
+    line = logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s").format(record)
+    log = "2026-11-25 07:58:16,522 INFO router.pools: starting 1 prefill worker\n" + line + "\n"
+    assert sim_scale.serving_since(log) == pytest.approx(record.created, abs=1e-3)
+    assert sim_scale.serving_since("no such line\n") is None
