@@ -140,29 +140,37 @@ def test_flex_refused_past_its_bound_preempted_for_default_and_resumed_exact(ser
     """Decode has two slots, flex's floor one of them, flex's queue bound two. Six flex requests at once:
     two run, two wait in line, two are refused at once with RESOURCE_EXHAUSTED. A default request then
     takes a slot from the newer running flex request (kept KV); every admitted request ends token-exact
-    and nothing is left in any KV cache."""
+    and nothing is left in any KV cache. The default request is sent once both slots hold flex requests
+    that decode (each has a token from the decode worker): sent earlier, its reservation could reach the
+    decode worker beside theirs and be admitted first by tier, with nothing to preempt."""
     cluster, router, offline = served
-    params = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
+    # Flex requests long enough (160 tokens) that neither running one ends before the default one is placed.
+    lengths = {"flex": 160, "default": 48}
     batch = [prompt(10 + i) for i in range(6)]
-    ref = [c.token_ids for c in offline.generate(batch + [prompt(20)], params)]
+    ref = [offline.generate([p], SamplingParams(max_tokens=lengths[tier], temperature=0.0, ignore_eos=True))[0]
+           .token_ids for p, tier in [*((p, "flex") for p in batch), (prompt(20), "default")]]
+    progress = [0] * len(batch)
 
     async def run():
         async with AsyncClient(f"127.0.0.1:{router.port}") as c:
-            async def one(p, tier):
+            async def one(p, tier, i=None):
                 tokens = []
                 try:
-                    async for r in c.generate(token_ids=p, max_tokens=48, temperature=0.0, ignore_eos=True,
-                                              service_tier=tier, timeout=180):
+                    async for r in c.generate(token_ids=p, max_tokens=lengths[tier], temperature=0.0,
+                                              ignore_eos=True, service_tier=tier, timeout=180):
                         tokens += r.token_ids
+                        if i is not None:
+                            progress[i] = len(tokens)
                 except grpc.aio.AioRpcError as e:
                     return tokens, e.code()
                 return tokens, grpc.StatusCode.OK
 
-            flex = [asyncio.create_task(one(p, "flex")) for p in batch]
+            flex = [asyncio.create_task(one(p, "flex", i)) for i, p in enumerate(batch)]
             deadline = time.monotonic() + 60
-            while router.service.queued(ServiceTier.FLEX) < 2:  # two in line: the decode slots are taken
-                assert time.monotonic() < deadline, "flex requests never queued"
-                await asyncio.sleep(0.01)
+            # Two in line, and two decoding on the decode worker (a second token: the decode worker's).
+            while router.service.queued(ServiceTier.FLEX) < 2 or sum(n >= 2 for n in progress) < 2:
+                assert time.monotonic() < deadline, "flex requests never filled the decode slots and the line"
+                await asyncio.sleep(0.005)
             default = await one(prompt(20), "default")
             return [await f for f in flex], default
 
