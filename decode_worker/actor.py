@@ -117,8 +117,7 @@ class DecodeActor(WorkerActor):
 
     async def kv_failed(self, prefill_id: str, request_ids: tuple[str, ...], error: str) -> None:
         """A prefill worker could not push these requests' KV: drop their reservations, report them failed."""
-        self.loop.call(lambda: [self._transfer_failed(rid, error) for rid in request_ids
-                                if self.inbound.expire(rid)])
+        self.loop.call(lambda: self._kv_never_comes(request_ids, error))
 
     async def peer_lost(self, worker_id: str) -> None:
         """A prefill worker is gone: end its intake (the router places its requests again and cancels
@@ -153,6 +152,13 @@ class DecodeActor(WorkerActor):
             self._text(first)  # its text was the prefill worker's to send: taken in here, not sent
             self.handoff_seconds.observe(max(time.time() - sampled_at, 0.0))
             self._source.pop(request_id, None)
+
+    def _kv_never_comes(self, request_ids, error: str, reason: FailureReason = FailureReason.TRANSFER_FAILED) -> None:
+        """Step thread: these reservations' KV will not come; each one no intake is writing into is failed
+        and freed now (one being written is failed by its intake when the write ends)."""
+        for rid in request_ids:
+            if self.inbound.expire(rid):
+                self._transfer_failed(rid, error, reason)
 
     def _transfer_failed(self, request_id: str, error: str,
                          reason: FailureReason = FailureReason.TRANSFER_FAILED) -> None:
@@ -197,10 +203,8 @@ class DecodeActor(WorkerActor):
             self._self_handle = ray.get_runtime_context().current_actor
         for prefill_id, rids in by_prefill.items():
             prefill = self._prefill.get(prefill_id)
-            if prefill is None:  # lost (peer_lost) while these waited for room: their KV never comes
-                for rid in rids:
-                    if self.inbound.expire(rid):
-                        self._transfer_failed(rid, f"prefill worker {prefill_id} was lost", FailureReason.PREFILL_LOST)
+            if prefill is None:  # lost (peer_lost) while these waited for room
+                self._kv_never_comes(rids, f"prefill worker {prefill_id} was lost", FailureReason.PREFILL_LOST)
                 continue
             prefill.kv_ready.remote(self.worker_id, self._self_handle, self.store.host, self.store.port, tuple(rids),
                                     self.tp)
