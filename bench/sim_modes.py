@@ -25,7 +25,6 @@ goodput.
 from __future__ import annotations
 
 import json
-import shlex
 import subprocess
 import sys
 import tempfile
@@ -34,7 +33,7 @@ from pathlib import Path
 
 from common import ROOT, parser, write_json
 from router_scale import Server, run_header
-from sim_scale import metric_sum
+from sim_scale import bench_report, late_steps
 
 WORKLOADS = {"default": (512, 256), "long-prompt": (4096, 256)}
 SHOWN = (("goodput", "request_goodput", ".2f"), ("SLO ok", "slo_attainment", ".0%"),
@@ -89,13 +88,11 @@ def run(args, name: str, c: dict, tmp: Path) -> dict:
         t0 = time.monotonic()
         rc = subprocess.run(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, timeout=7200, check=False).returncode
         wall = time.monotonic() - t0
-        late, steps = metric_sum(server, "pdserve_worker_late_steps"), metric_sum(server, "pdserve_worker_steps")
-        log_tail = server.log.read_text()[-3000:]
+        late, steps = late_steps(server)
+        log = server.log.read_text()
     finally:
         server.stop()
-    if rc != 0 or not out.exists():
-        raise SystemExit(f"pdserve bench failed (exit {rc}): {shlex.join(cmd)}\n{log_tail}")
-    rep = json.loads(out.read_text())
+    rep = bench_report(rc, out, cmd, log)
     s = args.time_scale
     scaled = {k: None if rep.get(k) is None else rep[k] / s for _, k, _ in SHOWN[2:]}
     measured = {"request_goodput": (rep["request_goodput"] or 0.0) * s, "slo_attainment": rep["slo_attainment"],

@@ -158,6 +158,18 @@ def start_seconds(server: Server) -> float | None:
     return total / count if count else None
 
 
+def late_steps(server: Server) -> tuple[dict[str, float], dict[str, float]]:
+    """The workers' late steps and all their steps, by pool."""
+    return metric_sum(server, "pdserve_worker_late_steps"), metric_sum(server, "pdserve_worker_steps")
+
+
+def bench_report(rc: int, out: Path, cmd: list[str], log: str) -> dict:
+    """`pdserve bench`'s JSON report, or exit with its command and the server log's end."""
+    if rc != 0 or not out.exists():
+        raise SystemExit(f"pdserve bench failed (exit {rc}): {shlex.join(cmd)}\n{log[-3000:]}")
+    return json.loads(out.read_text())
+
+
 def main() -> None:
     ap = parser(__doc__)
     ap.add_argument("--prefill-workers", type=int, default=8)
@@ -230,19 +242,16 @@ def main() -> None:
                 rc = subprocess.run(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, timeout=span + 900,
                                     check=False).returncode
             wall, worker_seconds = time.monotonic() - t0, counted.seconds
-            serving = serving_since(server.log.read_text())
+            log = server.log.read_text()
+            serving = serving_since(log)
             # The router watches demand from when it serves (its window's start), the simulator from time 0:
             # the planner's requests come this much later, as the cluster's did.
             gap_s = max(counted.first_request_at - serving, 0.0) if serving and counted.first_request_at else 0.0
             start_s = start_seconds(server) or ready_s
-            late = metric_sum(server, "pdserve_worker_late_steps")
-            steps = metric_sum(server, "pdserve_worker_steps")
-            log_tail = server.log.read_text()[-3000:]
+            late, steps = late_steps(server)
         finally:
             server.stop()
-        if rc != 0 or not out.exists():
-            raise SystemExit(f"pdserve bench failed (exit {rc}): {shlex.join(cmd)}\n{log_tail}")
-        rep = json.loads(out.read_text())
+        rep = bench_report(rc, out, cmd, log)
 
     # The planner's simulator: the same shape (pools, or their ranges and the autoscaler), costs and trace.
     pool = lambda n: PoolShape(n, kv_blocks, args.block_size, args.max_num_seqs, args.token_budget)  # noqa: E731
