@@ -3,10 +3,12 @@
     .venv/bin/python bench/router_floors.py [--messages 20000] [--items 1000]
 
 1. gRPC: an asyncio gRPC server streams `GenerateResponse` messages of k tokens each (k = 1, 4, 16) to 16
-   concurrent streams of a client in another process; the server's CPU per message and per token.
+   concurrent streams of a client in another process; the server's CPU per message and per token. And
+   per request: --requests calls of Generate (32 at a time), each answered with two messages, the
+   shortest a streamed request can be; the server's CPU per call, with no work of its own.
 2. Ray: an async actor yields StepOutputs of 16 token events from a streaming generator (one every 3 ms,
    as a decode worker would) to an asyncio consumer; the consumer process's CPU per item. This is what
-   each step's output cost the router before pdserve/serving/outputs.py replaced the Ray stream.
+   each step's output cost the router before pdserve/serving/link.py replaced the Ray stream.
 Both count the CPU of the measuring process (every thread: gRPC's and Ray's own included).
 """
 from __future__ import annotations
@@ -40,6 +42,22 @@ async def main(port):
         await asyncio.gather(*(one() for _ in range({streams})))
 asyncio.run(main(int(sys.argv[1])))
 """
+_CALLS = """
+import asyncio, sys, grpc
+sys.path.insert(0, {root!r})
+from pdserve.v1 import generation_pb2 as pb, generation_pb2_grpc as pb_grpc
+async def main(port):
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{{port}}") as ch:
+        stub = pb_grpc.GenerationStub(ch)
+        left = [{requests}]
+        async def worker():
+            while left[0] > 0:
+                left[0] -= 1
+                async for _ in stub.Generate(pb.GenerateRequest(token_ids=pb.TokenIds(ids=list(range(128))))):
+                    pass
+        await asyncio.gather(*(worker() for _ in range(32)))
+asyncio.run(main(int(sys.argv[1])))
+"""
 
 
 async def grpc_floor(messages: int, k: int) -> float:
@@ -55,6 +73,27 @@ async def grpc_floor(messages: int, k: int) -> float:
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     client = _CLIENT.format(root=str(Path(__file__).resolve().parents[1]), streams=STREAMS)
+    t0 = time.process_time()
+    proc = await asyncio.create_subprocess_exec(sys.executable, "-c", client, str(port))
+    await proc.wait()
+    cpu = time.process_time() - t0
+    await server.stop(None)
+    return cpu
+
+
+async def grpc_request_floor(requests: int) -> float:
+    """Server CPU seconds for `requests` Generate calls of two messages each, 32 at a time."""
+
+    class Service(pb_grpc.GenerationServicer):
+        async def Generate(self, request, context):
+            for i in range(2):
+                yield pb.GenerateResponse(request_id="req-0123456789abcdef", text=" token", token_ids=[i])
+
+    server = grpc.aio.server()
+    pb_grpc.add_GenerationServicer_to_server(Service(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    client = _CALLS.format(root=str(Path(__file__).resolve().parents[1]), requests=requests)
     t0 = time.process_time()
     proc = await asyncio.create_subprocess_exec(sys.executable, "-c", client, str(port))
     await proc.wait()
@@ -113,6 +152,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--messages", type=int, default=20000)
     p.add_argument("--items", type=int, default=1000)
+    p.add_argument("--requests", type=int, default=4000)
     args = p.parse_args()
     cpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
     model = next((line.split(":", 1)[1].strip() for line in cpu.splitlines() if line.startswith("Model name")), "?")
@@ -123,6 +163,8 @@ def main() -> None:
         secs = asyncio.run(grpc_floor(n, k))
         print(f"| gRPC asyncio server stream, {k} token(s) a message | {1e6 * secs / n:.0f} us | "
               f"{1e6 * secs / (n * k):.1f} us |")
+    secs = asyncio.run(grpc_request_floor(args.requests))
+    print(f"| gRPC asyncio Generate call of 2 messages (per request) | {1e6 * secs / args.requests:.0f} us | |")
     secs = ray_floor(args.items)
     print(f"| Ray streaming generator item (a step of 16 tokens) | {1e6 * secs / args.items:.0f} us | "
           f"{1e6 * secs / (args.items * 16):.1f} us |")

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 import ray
@@ -61,7 +62,14 @@ class DecodeActor(WorkerActor):
 
     async def reserve(self, task: DecodeTask, prefill: Any = None) -> None:
         """Take a request whose KV the prefill worker task.prefill_worker computes; returns once it is
-        queued. `prefill` is that worker's actor handle, given with the first reservation for it only."""
+        queued. `prefill` is that worker's actor handle, given with the first reservation for it only.
+        The router calls it on the link (`_reserve`)."""
+        self._reserve(task, prefill)
+
+    def _commands(self) -> dict[str, Callable]:
+        return {**super()._commands(), "reserve": self._reserve}
+
+    def _reserve(self, task: DecodeTask, prefill: Any = None) -> None:
         if prefill is not None:
             self._prefill[task.prefill_worker] = prefill
         req = task.new_request(self.core.tokenizer)

@@ -16,6 +16,7 @@ import asyncio
 import logging
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import FIRST_EXCEPTION, Future, InvalidStateError, wait
 from dataclasses import dataclass
 from typing import Any
@@ -87,26 +88,29 @@ class PrefillActor(WorkerActor):
 
     async def prefill(self, task: PrefillTask) -> PrefillResult:
         """Ingest the prompt; returns as soon as the first token is sampled (the KV goes on to the decode
-        worker that reserves room for it, `kv_ready`)."""
+        worker that reserves room for it, `kv_ready`). The router calls it on the link (`_submit`)."""
+        return await asyncio.wrap_future(self._submit(task))
+
+    def _submit(self, task: PrefillTask) -> Future[PrefillResult]:
+        """Queue the prompt (any thread); the future resolves with its first token."""
         req = task.new_request(self.core.tokenizer)
         if self.core.kv.blocks_needed(req.num_tokens) > self.core.pool.num_blocks:
             raise ValueError(f"prompt of {req.num_tokens} tokens does not fit this worker's KV cache "
                              f"({self.core.pool.num_blocks} blocks of {self.core.pool.block_size})")
+        rid = task.request_id
         fut: Future[PrefillResult] = Future()
-        self._results[task.request_id] = fut
+        self._results[rid] = fut
+        fut.add_done_callback(lambda _: self._results.pop(rid, None) if self._results.get(rid) is fut else None)
 
         def add() -> None:
-            if self._cancelled_already(task.request_id):
-                raise asyncio.CancelledError(f"request {task.request_id} was cancelled before it arrived")
+            if self._cancelled_already(rid):
+                raise asyncio.CancelledError(f"request {rid} was cancelled before it arrived")
             self.core.scheduler.add(req)
             if task.hand_off:
-                self._hand_off.add(task.request_id)
+                self._hand_off.add(rid)
 
-        self.loop.call(add).add_done_callback(lambda f: f.exception() and self._fail(task.request_id, f.exception()))
-        try:
-            return await asyncio.wrap_future(fut)
-        finally:
-            self._results.pop(task.request_id, None)
+        self.loop.call(add).add_done_callback(lambda f: f.exception() and self._fail(rid, f.exception()))
+        return fut
 
     async def kv_ready(self, decode_id: str, handle: Any, host: str, port: int, request_ids: tuple[str, ...],
                        tp: int = 1) -> None:
@@ -131,6 +135,13 @@ class PrefillActor(WorkerActor):
     async def cancel(self, request_id: str) -> bool:
         self._fail(request_id, asyncio.CancelledError(f"request {request_id} cancelled"))
         return await super().cancel(request_id)
+
+    def _commands(self) -> dict[str, Callable]:
+        return {**super()._commands(), "prefill": self._submit}
+
+    def _cancel_soon(self, request_id: str) -> None:
+        self._fail(request_id, asyncio.CancelledError(f"request {request_id} cancelled"))
+        super()._cancel_soon(request_id)
 
     async def peer_lost(self, worker_id: str) -> None:
         """A decode worker is gone: stop its pusher (what it still had queued fails, and is freed here)."""

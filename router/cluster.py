@@ -4,7 +4,9 @@ Disaggregated path: the request is placed on a prefill worker and, if a token wi
 a decode worker, both at once: the decode worker reserves room for the prompt's KV while the prefill
 worker computes it, and the prefill worker pushes the KV there as it is computed (pdserve.transfer.protocol).
 The first token comes straight back from the prefill worker (TTFT does not wait for the KV); the
-decode worker's per-step outputs arrive on its stream, which one task here fans out to the requests.
+decode worker's per-step outputs arrive on its link, and are fanned out to the requests there. Every
+call a request makes on a worker (prefill, reserve, generate, cancel) goes on that worker's link to the
+router (pdserve.serving.link), not through Ray: Ray is the pools' control plane.
 Colocated path: one worker does both phases and streams all tokens. Text (detokenization, stop
 strings) is made by the worker that samples the tokens (pdserve.serving.worker), so the router only
 forwards it: a request's events wait in its inbox, and the task streaming it takes all that have come
@@ -26,11 +28,9 @@ import logging
 import random
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Sequence
 from dataclasses import replace
 from typing import Any
-
-import ray
 
 from pdserve.config import ClusterConfig
 from pdserve.engine.output import RequestOutput
@@ -38,6 +38,7 @@ from pdserve.engine.request import FinishReason, Request, validate_prompt
 from pdserve.engine.sampling import SamplingParams
 from pdserve.model.loader import ModelInfo, load_info
 from pdserve.planner.autoscale import Demand, DemandWindow
+from pdserve.serving.link import CallFailed, LinkClosed
 from pdserve.serving.messages import (
     DecodeTask,
     Failure,
@@ -273,7 +274,7 @@ class Cluster:
                 streamer = pool[pick_decode([self.dispatch.decode_load(x) for x in pool])]
                 placed.append(streamer)
                 streamer.requests.add(wrid)
-                await self._call(streamer, streamer.handle.generate.remote(task))
+                await self._call(streamer, streamer.link.call("generate", task))
             else:
                 # A decode worker only if a token follows the one the prefill worker samples; priority's
                 # is on the fast lane, if the cluster has one.
@@ -293,7 +294,7 @@ class Cluster:
                 # Its prefill at the tier it asked for, even when the fast lane's wait serves it as default.
                 task = replace(task, hand_off=target is not None)
                 try:
-                    prefilled = p.handle.prefill.remote(task)
+                    prefilled = p.link.call("prefill", task)
                     if reserved is not None:
                         await self._call(streamer, reserved)
                     result = await self._call(p, prefilled)
@@ -311,8 +312,8 @@ class Cluster:
                     if target is not None:  # e.g. a stop string in the first token: release both sides
                         if streamer is not None:
                             streamer.requests.discard(wrid)
-                            streamer.handle.cancel.remote(wrid)
-                        p.handle.cancel.remote(wrid)
+                            streamer.link.send("cancel", wrid)
+                        p.link.send("cancel", wrid)
                 else:
                     assert target is not None, "a request with no decode worker ends with its first token"
                 yield self._annotate(out, req, placed if finished else [])
@@ -364,7 +365,7 @@ class Cluster:
                 w.requests.discard(wrid)
                 w.flex.discard(wrid)
                 if not finished and w.alive:
-                    w.handle.cancel.remote(wrid)  # a retry, the client went away, or an error: free its KV
+                    w.link.send("cancel", wrid)  # a retry, the client went away, or an error: free its KV
             if placed:
                 self._pools.notify()  # room on its workers
 
@@ -374,9 +375,9 @@ class Cluster:
         soon as the reservation reaches it): the same prompt and tokens, whenever it is made."""
         known = p.worker_id in streamer.prefill_handles
         streamer.prefill_handles.add(p.worker_id)
-        return streamer.handle.reserve.remote(DecodeTask(task.request_id, task.prompt_token_ids, task.output_token_ids,
-                                                         task.params, task.seed, p.worker_id, tier=tier,
-                                                         text_offset=task.text_offset), None if known else p.handle)
+        return streamer.link.call("reserve", DecodeTask(task.request_id, task.prompt_token_ids, task.output_token_ids,
+                                                        task.params, task.seed, p.worker_id, tier=tier,
+                                                        text_offset=task.text_offset), None if known else p.handle)
 
     async def _kv_destination(self, later: asyncio.Future[Worker], q: _Inbox, wrid: str,
                               placed: list[Worker]) -> Worker:
@@ -397,18 +398,17 @@ class Cluster:
         except PoolEmpty as e:
             raise self._no_worker(e.pool) from None
 
-    async def _call(self, w: Worker, ref: Any) -> Any:
-        """Await a worker call; a dead worker makes the attempt retry (and the worker be replaced)."""
+    async def _call(self, w: Worker, call: Awaitable) -> Any:
+        """Await a call on a worker's link; a dead worker makes the attempt retry (and the worker be
+        replaced). A ValueError (the worker refused the request itself) is the caller's error."""
         try:
-            return await ref
-        except ray.exceptions.RayActorError as e:
-            self._pools.lose(w, f"dead: {type(e).__name__}")
+            return await call
+        except LinkClosed as e:
+            self._pools.lose(w, f"dead: {e}")
             raise _Retry(_LOST[w.pool], f"worker {w.worker_id} died", [w.worker_id]) from e
-        except ray.exceptions.RayTaskError as e:
-            if isinstance(e, ValueError):  # the worker refused the request itself: the caller's error
-                raise
+        except CallFailed as e:
             # Its step failed (the worker failed the whole batch and goes on serving): place it again.
-            raise _Retry(FailureReason.STEP_FAILED, f"worker {w.worker_id}: {e.cause!r}", [w.worker_id]) from e
+            raise _Retry(FailureReason.STEP_FAILED, str(e), [w.worker_id]) from e
 
     @staticmethod
     def _annotate(out: RequestOutput, req: Request, placed: list[Worker]) -> RequestOutput:

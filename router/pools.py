@@ -1,16 +1,16 @@
 """The worker pools on Ray: spawning, readiness, the heartbeat, losing a worker and replacing it,
 growing a pool and draining a worker out of it.
 
-A worker that dies is noticed at once (its calls raise; the streaming workers' outputs connection,
-pdserve.serving.outputs, ends); one that hangs is noticed when the heartbeat's stats call times out,
+A worker that dies is noticed at once (its link to the router, pdserve.serving.link, ends, and its
+calls raise); one that hangs is noticed when the heartbeat's stats call times out,
 and is killed. Either way it leaves its pool, the request flow
 (router.cluster) is told so that its requests are tried again elsewhere, and a replacement (a new
 incarnation, under a new id) joins the pool once it is ready. Nothing here knows about requests
 beyond the worker-side ids routed to each worker.
 
-A worker's life: starting (its actor loads the model; not routable), ready (placement sees it),
-draining (placement no longer sees it; the requests it has finish there), then it leaves: its peers
-drop their KV channels to it and its actor shuts down. Nothing is retried because of a drain.
+A worker's life: starting (its actor loads the model, then connects its link; not routable), ready
+(placement sees it), draining (placement no longer sees it; the requests it has finish there), then it
+leaves: its peers drop their KV channels to it and its actor shuts down. Nothing is retried because of a drain.
 """
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ from pdserve.model.loader import ModelInfo
 from pdserve.parallel.layout import rank_config
 from pdserve.serving.colocated import ColocatedActor
 from pdserve.serving.messages import StepOutput, WorkerStats
-from pdserve.serving.outputs import OutputServer
+from pdserve.serving.link import Link, LinkServer
 from pdserve.serving.tp_ranks import TPPlacement
 from prefill_worker.actor import PrefillActor
 from router.placement import PrefixIndex
@@ -82,6 +82,7 @@ class Worker:
     # Decode workers: the prefill workers whose handles it was given (a handle is sent once: pickling
     # one is most of a reservation call's cost).
     prefill_handles: set[str] = field(default_factory=set)
+    link: Link | None = None  # its connection to the router: per-request calls out, step outputs in (ready on)
 
 
 # Placement groups of workers that left, being removed (a call to Ray's GCS, off the event loop); the
@@ -136,7 +137,7 @@ class Pools:
         self.scale_events: collections.Counter[tuple[str, str, str]] = collections.Counter()
         self.start_seconds: dict[str, list[float]] = {p: [] for p in self.by_name}
         self._closing = False
-        self._outputs: OutputServer | None = None  # the streaming workers' step outputs come in here
+        self._links: LinkServer | None = None  # every worker's link to the router (pdserve.serving.link)
 
     @property
     def workers(self) -> list[Worker]:
@@ -166,14 +167,15 @@ class Pools:
         log.info("starting %s (each loads the model)", ", ".join(
             f"{n} {name} worker{'s' * (n != 1)} of TP {c.engine_for(c.pools[name]).tensor_parallel_size}"
             for name, n in sizes.items()))
-        # Where the workers connect to send their step outputs: this node's address as Ray knows it (loopback
-        # on a local cluster, the pod's IP on Kubernetes).
-        self._outputs = OutputServer(ray.util.get_node_ip_address())
-        await self._outputs.start()
+        # Where the workers connect their links: this node's address as Ray knows it (loopback on a local
+        # cluster, the pod's IP on Kubernetes).
+        self._links = LinkServer(ray.util.get_node_ip_address())
+        await self._links.start()
         starting = [self._spawn(pool, slot, f"{pool}-{slot}") for pool, n in sizes.items() for slot in range(n)]
 
         async def ready(w: Worker) -> None:
             await w.handle.ready.remote()
+            await self._connect(w)
             self.start_seconds[w.pool].append(time.monotonic() - t0)
             log.info("worker %s ready (%.1f s)", w.worker_id, self.start_seconds[w.pool][-1])
 
@@ -214,8 +216,7 @@ class Pools:
         t.add_done_callback(self._tasks.discard)
 
     def _watch(self, w: Worker) -> None:
-        if w.pool != "prefill":  # the workers that stream tokens
-            self._task(self._consume(w))
+        self._task(self._until_link_ends(w))
 
     async def shutdown(self) -> None:
         self._closing = True
@@ -225,8 +226,8 @@ class Pools:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         await asyncio.gather(*(w.handle.shutdown.remote() for w in self.workers), return_exceptions=True)
-        if self._outputs is not None:
-            await self._outputs.close()
+        if self._links is not None:
+            await self._links.close()
         removals = [t for t in map(_kill, everyone) if t is not None]
         deadline = time.monotonic() + REMOVE_GROUPS_TIMEOUT_S
         for t in removals:
@@ -271,6 +272,8 @@ class Pools:
         log.warning("worker %s lost (%s)%s", w.worker_id, why, "; replacing it" if replace else " while draining")
         (self.by_name[w.pool] if replace else self.draining).remove(w)
         _kill(w)  # a stuck actor must not come back and act on stale requests
+        if w.link is not None:
+            w.link.close(why)  # the calls waiting on it fail over now
         self._tell_peers(w)
         self._on_lost(w, why)
         self.notify()
@@ -309,6 +312,7 @@ class Pools:
         t0 = time.monotonic()
         try:
             await asyncio.wait_for(w.handle.ready.remote(), self.config.worker_start_timeout_s)
+            await self._connect(w)
         except Exception as e:  # noqa: BLE001 - a worker that cannot start is killed, never half-joined
             log.error("worker %s did not start: %s", w.worker_id, e)
             _kill(w)
@@ -389,8 +393,9 @@ class Pools:
                 pass
         return self.by_name[pool]
 
-    async def _consume(self, w: Worker) -> None:
-        """Hand one worker's step outputs to the request flow, in order, until its connection ends."""
+    async def _connect(self, w: Worker) -> None:
+        """Open the worker's link (pdserve.serving.link): its step outputs and replies in, in order; the
+        router's per-request calls out."""
 
         def take(out: StepOutput) -> None:
             if out.stats is not None:
@@ -399,14 +404,20 @@ class Pools:
             if out.stats is not None:
                 self.notify()  # its room changed (router.cluster waits on it)
 
-        ended = self._outputs.expect(w.worker_id, take)
+        w.link = self._links.expect(w.worker_id, take)
         try:
-            await w.handle.stream_to.remote(self._outputs.host, self._outputs.port, self._outputs.token)
-            why = await ended
-        except asyncio.CancelledError:
+            await asyncio.wait_for(w.handle.link_to.remote(self._links.host, self._links.port, self._links.token),
+                                   self.config.worker_timeout_s)
+            await w.link.wait_open(self.config.worker_timeout_s)
+        except BaseException:
+            self._links.forget(w.worker_id)
+            w.link.close("did not connect")
             raise
-        except Exception as e:  # the worker is gone: no request of its may hang
-            why = f"stream ended: {type(e).__name__}"
+
+    async def _until_link_ends(self, w: Worker) -> None:
+        """A worker whose link ends (it died, or left) is lost: no request of its may hang."""
+        try:
+            why = await asyncio.shield(w.link.ended)
         finally:
-            self._outputs.forget(w.worker_id)
+            self._links.forget(w.worker_id)
         self.lose(w, why)

@@ -3,8 +3,8 @@
 worker.py      the worker-actor base: the engine in its role, the step thread, stats, failure
 colocated.py   the colocated worker (one engine, both phases)
 tp_ranks.py    ranks 1..n-1 of a tensor-parallel worker as Ray actors in the worker's placement group
-messages.py    the plain dataclasses router and workers exchange through Ray calls
-outputs.py     the step outputs' own connection from each streaming worker to the router (not a Ray stream)
+messages.py    the plain dataclasses router and workers exchange
+link.py        each worker's connection to the router: per-request calls in, step outputs and replies out
 metrics.py     every metric pdserve exports, defined once
 
 The prefill and decode actors (prefill_worker/, decode_worker/) build on worker.py. May import every

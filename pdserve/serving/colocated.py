@@ -6,6 +6,8 @@ streams the same StepOutputs, so the router can compare the two architectures on
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
+from concurrent.futures import Future
 
 from pdserve.config import EngineConfig
 from pdserve.engine.scheduler_types import Role
@@ -24,14 +26,21 @@ class ColocatedActor(WorkerActor):
         self._start()
 
     async def generate(self, task: PrefillTask) -> None:
-        """Queue a whole request; its tokens (the first one included) go out with the step outputs (stream_to)."""
+        """Queue a whole request; its tokens (the first one included) go out with the step outputs (link_to).
+        The router calls it on the link (`_generate`)."""
+        await asyncio.wrap_future(self._generate(task))
+
+    def _commands(self) -> dict[str, Callable]:
+        return {**super()._commands(), "generate": self._generate}
+
+    def _generate(self, task: PrefillTask) -> Future[None]:
         req = task.new_request(self.core.tokenizer)
 
         def add() -> None:
             if not self._cancelled_already(task.request_id):  # else its attempt is over
                 self.core.scheduler.add(req)
 
-        await asyncio.wrap_future(self.loop.call(add))
+        return self.loop.call(add)
 
     def _step(self) -> bool:
         step = self.core.scheduler.schedule()

@@ -168,9 +168,23 @@ class CancelRecord:
 
 @dataclass(frozen=True)
 class StepOutput:
-    """Everything one decode step produced, for all of the worker's running requests at once."""
+    """Everything one decode step produced, for all of the worker's running requests at once, and the
+    answers to the router's calls that completed meanwhile (pdserve.serving.link)."""
 
     worker_id: str
     events: tuple[TokenEvent, ...]
     failed: tuple[Failure, ...] = ()  # requests the worker had to drop
     stats: WorkerStats | None = None
+    replies: tuple[Reply, ...] = ()
+
+
+@dataclass(frozen=True)
+class Reply:
+    """The answer to a call the router made on a worker's link: its value, or why it failed. `error` is
+    None on success; otherwise `invalid` says the request itself was refused (the caller's error, a
+    ValueError at the router) rather than the worker failing it."""
+
+    call_id: int
+    value: object = None
+    error: str | None = None
+    invalid: bool = False

@@ -3,9 +3,9 @@
 A worker actor (prefill, decode, colocated) is a Ray actor around one EngineCore. The step thread
 (pdserve.engine.step_loop) owns the engine; actor methods hand it functions. This base holds the skeleton:
 ready / stats / cancel (and the record of what cancels did) / shutdown, the timed step with its
-fail-the-batch path, the outputs stream of
-workers that stream, and the stats report. A subclass says what differs: its role and pool name, its
-step, and how it counts waiting and running requests.
+fail-the-batch path, the link to the router (step outputs out, the router's per-request calls in), and
+the stats report. A subclass says what differs: its role and pool name, its step, and how it counts
+waiting and running requests.
 """
 from __future__ import annotations
 
@@ -30,8 +30,8 @@ from pdserve.engine.step_loop import StepLoop, StepLoopStopped
 from pdserve.engine.utilization import device_peaks
 from pdserve.faults import FaultPoints
 from pdserve.model.loader import LoadedModel
+from pdserve.serving.link import WorkerLink
 from pdserve.serving.messages import CancelRecord, Failure, FailureReason, StepOutput, TokenEvent, WorkerStats
-from pdserve.serving.outputs import OutputSender
 from pdserve.tiers import ServiceTier
 
 log = logging.getLogger(__name__)
@@ -80,7 +80,7 @@ class WorkerActor:
         self._cancels: collections.deque[CancelRecord] = collections.deque(maxlen=CANCELS_KEPT)
         self.faults = FaultPoints()  # inert unless a test arms one (pdserve.faults)
         self.loop: StepLoop | None = None
-        self._sender: OutputSender | None = None  # the outputs' channel to the router, once it asks (stream_to)
+        self._link: WorkerLink | None = None  # its connection to the router, once the router asks (link_to)
 
     def _start(self) -> None:
         """Start the step thread: once the subclass's own state exists."""
@@ -104,20 +104,30 @@ class WorkerActor:
         """The last CANCELS_KEPT cancels that ended a request here, oldest first: a cancel's arrival, checkable."""
         return await asyncio.wrap_future(self.loop.call(lambda: list(self._cancels)))
 
-    async def stream_to(self, host: str, port: int, token: bytes) -> None:
-        """Send every step's output to the router at host:port from now on (pdserve.serving.outputs);
-        returns once connected."""
-        if self._sender is not None:
-            raise RuntimeError(f"{self.worker_id} already sends its outputs to the router")
-        self._sender = await asyncio.to_thread(OutputSender, self._outputs, host, port, token, self.worker_id)
+    async def link_to(self, host: str, port: int, token: bytes) -> None:
+        """Connect to the router at host:port (pdserve.serving.link): every step's output goes there from
+        now on, and the router's per-request calls come from there; returns once connected."""
+        if self._link is not None:
+            raise RuntimeError(f"{self.worker_id} is already linked to the router")
+        self._link = await asyncio.to_thread(WorkerLink, self._outputs, host, port, token, self.worker_id,
+                                             self._commands())
+
+    def _commands(self) -> dict[str, Callable]:
+        """The calls the router makes on this worker's link, each run on the link's reader thread in
+        arrival order; one returns its value or a concurrent Future of it (pdserve.serving.link)."""
+        return {"cancel": self._cancel_soon}
+
+    def _cancel_soon(self, request_id: str) -> None:
+        """cancel() without waiting for the step thread to have done it."""
+        self.loop.call(lambda: self._cancel_or_remember(request_id))
 
     async def peer_lost(self, worker_id: str) -> None:
         """A worker of another pool has left its pool (dead or stuck): drop what this one holds for it."""
 
     async def shutdown(self) -> None:
         self.loop.stop()
-        if self._sender is not None:
-            await asyncio.to_thread(self._sender.close)
+        if self._link is not None:
+            await asyncio.to_thread(self._link.close)
         self._close()
         await asyncio.to_thread(self.core.close)  # a TP worker's other ranks (collectives: off the event loop)
 

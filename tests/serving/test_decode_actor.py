@@ -1,11 +1,13 @@
 """The decode worker actor (decode_worker.actor) on a real local Ray cluster, driven by hand the way the
 router drives it: reservations, a prefill worker lost, cancels; its step outputs read on a real
-outputs connection (pdserve.serving.outputs).
+link (pdserve.serving.link).
 
 The prefill side is a recording actor, not a prefill worker: what is checked is the notice the decode
 worker sends it (kv_ready) when it has reserved room, which is all a prefill worker would act on.
 """
 from __future__ import annotations
+
+import asyncio
 
 import pytest
 import ray
@@ -13,8 +15,8 @@ import ray
 from decode_worker.actor import DecodeActor
 from pdserve.config import CacheConfig, EngineConfig, SchedulerConfig
 from pdserve.engine.sampling import SamplingParams
+from pdserve.serving.link import LinkServer
 from pdserve.serving.messages import DecodeTask, FailureReason, StepOutput
-from pdserve.serving.outputs import OutputServer
 
 from conftest import wait_for
 
@@ -37,22 +39,24 @@ class NoticeLog:
 
 @pytest.fixture
 def decode(ray_local, aloop, tiny_checkpoints):
-    """A decode worker with 8 KV blocks of 4 tokens, its outputs collected here."""
+    """A decode worker with 8 KV blocks of 4 tokens, its outputs collected here, and the router's end of its link."""
     config = EngineConfig(model=str(tiny_checkpoints["llama"]), cache=CacheConfig(block_size=BLOCK, num_blocks=8),
                           scheduler=SchedulerConfig(max_num_batched_tokens=64))
     handle = ray.remote(DecodeActor).options(num_cpus=0).remote("decode-t", config, 10.0, torch_threads=1,
                                                                 bind_host="127.0.0.1")
-    server = OutputServer("127.0.0.1")
+    server = LinkServer("127.0.0.1")
     outputs: list[StepOutput] = []
 
     async def connect():
         await server.start()
-        server.expect("decode-t", outputs.append)
-        await handle.stream_to.remote(server.host, server.port, server.token)
+        link = server.expect("decode-t", outputs.append)
+        await handle.link_to.remote(server.host, server.port, server.token)
+        await link.wait_open(30)
+        return link
 
     ray.get(handle.ready.remote(), timeout=120)
-    aloop.run(connect())
-    yield handle, outputs
+    link = aloop.run(connect())  # the router's end of its link
+    yield handle, outputs, link
     ray.get(handle.shutdown.remote(), timeout=30)
     ray.kill(handle)
     aloop.run(server.close())
@@ -67,7 +71,7 @@ def test_a_lost_prefill_workers_reservations_fail_and_the_others_notices_go_out(
     """Reservations for a prefill worker that was lost while they waited for room are failed (PREFILL_LOST)
     when room comes, and the notice to another prefill worker reserved in the same step still goes out
     (the decode worker holds a prefill worker's handle only until it hears the worker is lost)."""
-    handle, outputs = decode
+    handle, outputs, _ = decode
     lost, alive = NoticeLog.remote(), NoticeLog.remote()
 
     def stats():
@@ -92,3 +96,34 @@ def test_a_lost_prefill_workers_reservations_fail_and_the_others_notices_go_out(
     assert (s.waiting, s.kv_blocks_used) == (1, 3)  # b's reservation alone
     assert ray.get(handle.cancel.remote("b"), timeout=30)
     assert stats().kv_blocks_used == 0
+
+
+def test_reservations_and_cancels_on_the_link(decode, aloop):
+    """The router's calls on the decode worker's link, as router.cluster makes them: a reservation (the
+    prefill worker's handle pickled with the first one only) is answered once queued and announced to
+    that prefill worker; one that cannot fit is refused as the caller's error (ValueError); a cancel
+    sent right behind a reservation on the same link frees it (calls run in the order sent)."""
+    handle, _, link = decode
+    notices = NoticeLog.remote()
+
+    def call(*args):
+        async def go():
+            return await asyncio.wait_for(link.call(*args), 30)
+        return aloop.run(go())
+
+    assert call("reserve", task("a", 8, "p-0"), notices) is None
+    wait_for(lambda: ray.get(notices.seen.remote()) == [("a",)], 30, what="the notice for 'a'")
+    with pytest.raises(ValueError, match="needs more KV blocks than this decode worker has"):
+        call("reserve", task("huge", 40, "p-0"))
+
+    async def reserve_then_cancel():
+        answered = link.call("reserve", task("b", 8, "p-0"))
+        link.send("cancel", "b")
+        await asyncio.wait_for(answered, 30)
+
+    aloop.run(reserve_then_cancel())
+    wait_for(lambda: ray.get(handle.recent_cancels.remote()) and
+             ray.get(handle.recent_cancels.remote())[-1].request_id == "b", 30, what="b's cancel")
+    link.send("cancel", "a")
+    wait_for(lambda: ray.get(handle.stats.remote()).kv_blocks_used == 0, 30, what="every block freed")
+    assert ray.get(notices.seen.remote())[0] == ("a",)
