@@ -2,8 +2,14 @@
 decode workers, the latency it adds (p50, p99), and its CPU per token and per request.
 
     .venv/bin/python bench/router_scale.py [--prefill-workers 1] [--decode-workers 2 4] [--stream-interval 1 16]
-        [--concurrency 16 64 128] [--num-prompts 256] [--output-len 128] [--short-len 16] [--json FILE]
-        [other `pdserve serve` flags, passed through: --sim-time-scale 2, --max-num-seqs 128, ...]
+        [--concurrency 16 64 128] [--num-prompts 256] [--output-len 128] [--short-len 16] [--routers 1 2]
+        [--json FILE] [other `pdserve serve` flags, passed through: --sim-time-scale 2, --max-num-seqs 128, ...]
+
+--routers 2: router replicas (docs/serving.md): a Ray head started for the run (`ray start --head`), two
+`pdserve serve --router-name` on it over the same workers, and two `pdserve bench` clients at once, each with
+half the concurrency and half the requests against its own router. Their reports are merged: tokens/s and
+requests/s summed, p50s averaged (two equal halves of the load), p99s the larger of the two; router CPU the sum
+of both routers'.
 
 Per configuration (decode workers x stream interval): `pdserve serve --load-format sim` (llama3-8b on simulated
 H100s, each step sleeping the roofline's time; router on 127.0.0.1, /metrics on a free port, HTTP off), ready
@@ -45,6 +51,8 @@ from pathlib import Path
 from common import ROOT, parser, write_json
 
 TCK = os.sysconf("SC_CLK_TCK")
+# `ray start` turns Ray's token authentication on (the token in ~/.ray): routers joining it say they use it.
+RAY_TOKEN_ENV = {**os.environ, "RAY_AUTH_MODE": "token"}
 COLUMNS = (("conc", "concurrency", "d"), ("tok/s", "tokens_per_s", ".0f"), ("req/s", "requests_per_s", ".2f"),
            ("ITL p50", "itl_p50_ms", ".2f"), ("ITL p99", "itl_p99_ms", ".2f"), ("decode step", "decode_step_ms", ".2f"),
            ("+ITL p50", "added_itl_p50_ms", ".2f"), ("+ITL p99", "added_itl_p99_ms", ".2f"),
@@ -147,7 +155,7 @@ class Server:
                      "--metrics-host", "127.0.0.1", "--metrics-port", str(self.metrics_port), "--http-port", "0", *argv]
         self.log = log
         self.proc = subprocess.Popen(self.argv, cwd=ROOT, stdout=log.open("w"), stderr=subprocess.STDOUT,
-                                     start_new_session=True)
+                                     start_new_session=True, env=RAY_TOKEN_ENV)
 
     def wait_ready(self, workers: int, timeout: float) -> None:
         from pdserve.client.grpc_client import Client
@@ -186,47 +194,103 @@ class Server:
         self.proc.wait(10)
 
 
-def run_bench(server: Server, args, concurrency: int, output_len: int, num_prompts: int, out: Path) -> dict:
-    """One `pdserve bench` run with the router's CPU, the client's and the workers' counters around it."""
-    cmd = [sys.executable, "-m", "pdserve.cli", "bench", "--target", f"127.0.0.1:{server.port}", "--arrival", "closed",
-           "--concurrency", str(concurrency), "--num-prompts", str(num_prompts), "--input-len", str(args.input_len),
-           "--output-len", str(output_len), "--lengths", "fixed", "--ignore-eos", "--seed", "5", "--warmup", "0",
-           "--output", str(out), "--no-progress"]
-    c0, k0, r0, t0 = server.counters(), proc_cpu(server.proc.pid), resource.getrusage(resource.RUSAGE_CHILDREN), time.monotonic()
-    rc = subprocess.run(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, timeout=args.run_timeout,
-                        check=False).returncode
-    wall, k1, r1, c1 = time.monotonic() - t0, proc_cpu(server.proc.pid), resource.getrusage(resource.RUSAGE_CHILDREN), server.counters()
-    if rc != 0 or not out.exists():
-        raise SystemExit(f"pdserve bench failed (exit {rc}): {shlex.join(cmd)}")
-    rep = {k: v for k, v in json.loads(out.read_text()).items() if k not in ("requests", "timeline")}
+class RayHead:
+    """`ray start --head --block` on loopback in its own session, for router replicas; stop() ends it."""
+
+    def __init__(self, log: Path):
+        self.address = f"127.0.0.1:{free_port()}"
+        self.proc = subprocess.Popen(
+            [str(Path(sys.executable).parent / "ray"), "start", "--head", "--block",
+             f"--port={self.address.split(':')[1]}",
+             "--node-ip-address=127.0.0.1", f"--num-cpus={os.cpu_count()}", "--include-dashboard=false",
+             "--disable-usage-stats"], cwd=ROOT, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True,
+            env=RAY_TOKEN_ENV)
+
+    def stop(self) -> None:
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            pass
+        for pid in session_pids(self.proc.pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
+def merge_reports(reps: list[dict]) -> dict:
+    """Reports of clients that ran at once against different routers, as one (see the module docstring)."""
+    if len(reps) == 1:
+        return reps[0]
+    out = dict(reps[0])
+    for k in ("output_throughput", "request_throughput", "total_output_tokens", "completed", "failed"):
+        out[k] = sum(r[k] for r in reps)
+    out["duration"] = max(r["duration"] or 0 for r in reps)
+    for k in reps[0]:
+        if k.startswith(("median_", "mean_")) and all(r.get(k) is not None for r in reps):
+            out[k] = sum(r[k] for r in reps) / len(reps)
+        elif k.startswith("p99_") and all(r.get(k) is not None for r in reps):
+            out[k] = max(r[k] for r in reps)
+    return out
+
+
+def run_bench(servers: list[Server], args, concurrency: int, output_len: int, num_prompts: int, out: Path) -> dict:
+    """One `pdserve bench` run per router at once (each its share of the concurrency and the requests), with
+    the routers' CPU, the clients' and the workers' counters around them."""
+    n = len(servers)
+    outs = [out.with_suffix(f".{i}.json") for i in range(n)]
+    cmds = [[sys.executable, "-m", "pdserve.cli", "bench", "--target", f"127.0.0.1:{server.port}",
+             "--arrival", "closed",
+             "--concurrency", str(max(1, concurrency // n)), "--num-prompts", str(max(1, num_prompts // n)),
+             "--input-len", str(args.input_len), "--output-len", str(output_len), "--lengths", "fixed", "--ignore-eos",
+             "--seed", str(5 + i), "--warmup", "0", "--output", str(o), "--no-progress"]
+            for i, (server, o) in enumerate(zip(servers, outs))]
+    cpu = lambda: sum(proc_cpu(s.proc.pid) for s in servers)  # noqa: E731
+    c0, k0, r0, t0 = servers[0].counters(), cpu(), resource.getrusage(resource.RUSAGE_CHILDREN), time.monotonic()
+    procs = [subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL) for cmd in cmds]
+    rcs = [p.wait(args.run_timeout) for p in procs]
+    wall, k1, r1, c1 = time.monotonic() - t0, cpu(), resource.getrusage(resource.RUSAGE_CHILDREN), servers[0].counters()
+    for rc, cmd, o in zip(rcs, cmds, outs):
+        if rc != 0 or not o.exists():
+            raise SystemExit(f"pdserve bench failed (exit {rc}): {shlex.join(cmd)}")
+    rep = merge_reports([{k: v for k, v in json.loads(o.read_text()).items() if k not in ("requests", "timeline")}
+                         for o in outs])
     return {"concurrency": concurrency, "output_len": output_len, "wall_s": wall, "router_cpu_s": k1 - k0,
             "client_cpu_s": (r1.ru_utime + r1.ru_stime) - (r0.ru_utime + r0.ru_stime),
             "decode_step_ms": step_ms(c0, c1, "decode"), "prefill_step_ms": step_ms(c0, c1, "prefill"), "report": rep}
 
 
-def run_config(args, serve_extra: list[str], decode: int, interval: int, tmp: Path) -> dict:
+def run_config(args, serve_extra: list[str], decode: int, interval: int, routers: int, tmp: Path) -> dict:
     flags = ["--load-format", "sim", "--model", args.model, "--dtype", "bfloat16", "--prefill-workers",
              str(args.prefill_workers), "--decode-workers", str(decode), "--worker-cpus", str(args.worker_cpus),
              "--stream-interval", str(interval), *serve_extra]
-    server = Server(flags, tmp / f"serve-{decode}-{interval}.log")
+    name = f"{decode}-{interval}-{routers}"
+    head = RayHead(tmp / f"ray-{name}.log") if routers > 1 else None
+    servers: list[Server] = []
     try:
         t0 = time.monotonic()
-        server.wait_ready(args.prefill_workers + decode, args.start_timeout)
+        for i in range(routers):  # the first owns the pools (it starts the workers); the others follow it
+            replica = ["--ray-address", head.address, "--router-name", f"r{i}", "--kv-bind-host", "127.0.0.1"] \
+                if head else []
+            servers.append(Server(flags + replica, tmp / f"serve-{name}-{i}.log"))
+            servers[-1].wait_ready(args.prefill_workers + decode, args.start_timeout)
         ready_s = time.monotonic() - t0
-        warm = run_bench(server, args, 1, 1, 1, tmp / "warm.json")  # client start-up CPU; first steps
-        cpu0 = proc_cpu(server.proc.pid)
+        warm = run_bench(servers, args, len(servers), 1, len(servers), tmp / "warm.json")  # clients' start-up CPU
+        cpu0 = sum(proc_cpu(s.proc.pid) for s in servers)
         time.sleep(args.idle_s)
-        idle = (proc_cpu(server.proc.pid) - cpu0) / args.idle_s
+        idle = (sum(proc_cpu(s.proc.pid) for s in servers) - cpu0) / args.idle_s
         runs, rows = [], []
         for c in args.concurrency:
-            long = run_bench(server, args, c, args.output_len, args.num_prompts, tmp / f"{decode}-{interval}-{c}-long.json")
-            short = run_bench(server, args, c, args.short_len, args.num_prompts, tmp / f"{decode}-{interval}-{c}-short.json")
+            long = run_bench(servers, args, c, args.output_len, args.num_prompts, tmp / f"{name}-{c}-long.json")
+            short = run_bench(servers, args, c, args.short_len, args.num_prompts, tmp / f"{name}-{c}-short.json")
             runs += [long, short]
             rows.append(row_of(c, long, short, idle, warm["client_cpu_s"]))
     finally:
-        server.stop()
+        for server in servers:
+            server.stop()
+        if head is not None:
+            head.stop()
     return {"prefill_workers": args.prefill_workers, "decode_workers": decode, "stream_interval": interval,
-            "serve_command": shlex.join(server.argv), "ready_s": ready_s, "router_idle_cores": idle,
+            "routers": routers, "serve_command": shlex.join(servers[0].argv), "ready_s": ready_s, "router_idle_cores": idle,
             "client_startup_cpu_s": warm["client_cpu_s"], "rows": rows, "runs": runs}
 
 
@@ -251,6 +315,7 @@ def main() -> None:
     ap = parser(__doc__)
     for flag, default in (("--decode-workers", [2, 4]), ("--stream-interval", [1, 16]), ("--concurrency", [16, 64, 128])):
         ap.add_argument(flag, type=int, nargs="+", default=default)
+    ap.add_argument("--routers", type=int, nargs="+", default=[1], help="router replicas (1, 2, ...)")
     ap.add_argument("--prefill-workers", type=int, default=1)
     ap.add_argument("--num-prompts", type=int, default=256, help="requests per run")
     for flag in ("--input-len", "--output-len"):
@@ -266,17 +331,18 @@ def main() -> None:
     head = run_header()
     configs = []
     with tempfile.TemporaryDirectory(prefix="pdserve-router-scale-") as tmp:
-        for decode in args.decode_workers:
-            for interval in args.stream_interval:
-                cfg = run_config(args, serve_extra, decode, interval, Path(tmp))
-                configs.append(cfg)
-                print(f"\n### {args.prefill_workers}P{decode}D, stream interval {interval}\n\n"
-                      f"{args.num_prompts} requests a run, {args.input_len} prompt tokens, {args.output_len} out "
-                      f"(CPU per token/request: against a run of {args.short_len}); router idle "
-                      f"{100 * cfg['router_idle_cores']:.1f} % of a core; ready in {cfg['ready_s']:.0f} s\n"
-                      f"serve: `{cfg['serve_command']}`\n\n{markdown(cfg['rows'])}", flush=True)
-                if any(r["failed"] for r in cfg["rows"]):
-                    print("WARNING: failed requests (see the JSON's runs[].report.errors)")
+        for decode, interval, routers in ((d, i, r) for d in args.decode_workers for i in args.stream_interval
+                                          for r in args.routers):
+            cfg = run_config(args, serve_extra, decode, interval, routers, Path(tmp))
+            configs.append(cfg)
+            print(f"\n### {args.prefill_workers}P{decode}D, stream interval {interval}, {routers} router"
+                  f"{'s' * (routers > 1)}\n\n"
+                  f"{args.num_prompts} requests a run, {args.input_len} prompt tokens, {args.output_len} out "
+                  f"(CPU per token/request: against a run of {args.short_len}); router idle "
+                  f"{100 * cfg['router_idle_cores']:.1f} % of a core; ready in {cfg['ready_s']:.0f} s\n"
+                  f"serve: `{cfg['serve_command']}`\n\n{markdown(cfg['rows'])}", flush=True)
+            if any(r["failed"] for r in cfg["rows"]):
+                print("WARNING: failed requests (see the JSON's runs[].report.errors)")
     if args.json:
         write_json(args.json, {**head, "args": vars(args), "serve_extra": serve_extra, "configs": configs})
         print(f"\nresults: {args.json}")

@@ -1,17 +1,18 @@
 """The decode worker as a Ray actor: reserves room for KV pushed by prefill workers, streams one output per step.
 
-It runs the shared EngineCore in the DECODE role (pdserve.engine.scheduler). The router calls `reserve` when
+It runs the shared EngineCore in the DECODE role (pdserve.engine.scheduler). The router reserves when
 it places a request, while the prefill worker computes the prompt: the scheduler reserves blocks as
 soon as there is room (backpressure: the request waits, it is never dropped), and this worker tells
 the prefill worker that the destination is ready, one call per step for all the requests reserved for
 it. Prefill workers announce their transfers (`kv_incoming`) and push the KV; one intake thread per
 prefill worker writes it into the reserved blocks (pdserve.transfer.receiver), and the request joins the running
-batch at the next step. Each step decodes one token for every running request; the router consumes
-`stream()`, a Ray streaming generator with one StepOutput per step.
+batch at the next step. Each step decodes one token for every running request; one StepOutput per step
+goes to the router on this worker's link (pdserve.serving.link), which also carries the router's calls.
 
-Threads: the step thread owns the engine (pdserve.engine.step_loop); Ray's event loop answers calls; intake
-threads receive KV. The blocks an intake writes into are published in an InboundTable, so a request
-cancelled during its transfer keeps them until the write is over.
+Threads: the step thread owns the engine (pdserve.engine.step_loop); Ray's event loop answers calls; the
+link's reader thread takes the router's calls; intake threads receive KV. The blocks an intake writes
+into are published in an InboundTable, so a request cancelled during its transfer keeps them until the
+write is over.
 """
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ from pdserve.config import EngineConfig
 from pdserve.engine.request import RequestStatus
 from pdserve.engine.scheduler_types import Role
 from pdserve.parallel.layout import pair_plan, shares_by_rank
-from pdserve.serving.messages import DecodeTask, Failure, FailureReason, StepOutput
+from pdserve.serving.messages import DecodeTask, Failure, FailureReason
 from pdserve.serving.worker import StepRun, WorkerActor
 from pdserve.transfer.channel import StoreServer, TransferStats
 from pdserve.transfer.protocol import KVAnnounce, SecondsHistogram
@@ -85,8 +86,7 @@ class DecodeActor(WorkerActor):
 
         def failed(f) -> None:  # e.g. a duplicate id: the router hears of it like any failed request
             if f.exception() is not None:
-                self._outputs.put(StepOutput(self.worker_id, (), (
-                    Failure(task.request_id, FailureReason.REJECTED, f"decode worker: {f.exception()}"),)))
+                self._put((), (Failure(task.request_id, FailureReason.REJECTED, f"decode worker: {f.exception()}"),))
 
         # Not awaited: the step thread takes it between two steps, and the caller need not wait for that.
         self.loop.call(add).add_done_callback(failed)

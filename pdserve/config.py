@@ -343,8 +343,9 @@ class ClusterConfig:
     fast: PoolConfig | None = None
     tiers: TiersConfig = field(default_factory=TiersConfig)
     transfer_timeout_s: float = 30.0
-    # Where decode workers listen for KV-transfer rendezvous. None: the worker's node IP as Ray knows it
-    # (127.0.0.1 on a local cluster started on loopback, the pod IP on Kubernetes).
+    # Where decode workers listen for KV-transfer rendezvous, and the router for its workers' links
+    # (pdserve.serving.link). None: the node's IP as Ray knows it (127.0.0.1 on a local cluster started on
+    # loopback, the pod IP on Kubernetes).
     bind_host: str | None = None
     stats_interval_s: float = 1.0  # heartbeat: how often the router asks every worker for its stats
     worker_timeout_s: float = 30.0  # a worker that does not answer the heartbeat this long is stuck: replaced
@@ -362,8 +363,14 @@ class ClusterConfig:
     # never held back, and tokens already waiting always go out together, whatever this is.
     stream_interval: int = 1
     autoscale: AutoscaleConfig = field(default_factory=AutoscaleConfig)  # for pools with max_workers
+    # Router replicas (router.registry): this router's name among the routers serving one Ray cluster
+    # (each gives its own); None: the only router. Its workers are then detached named actors.
+    router_name: str | None = None
 
     def __post_init__(self) -> None:
+        if self.router_name is not None and (not self.router_name or "/" in self.router_name
+                                             or len(self.router_name) > 64):
+            raise ValueError(f"router_name must be 1-64 characters without '/', got {self.router_name!r}")
         if self.mode not in ("disaggregated", "colocated"):
             raise ValueError(f"mode must be disaggregated or colocated, got {self.mode!r}")
         mine = ("colocated",) if self.mode == "colocated" else ("prefill", "decode")

@@ -95,8 +95,11 @@ class AutoscaleLoop:
                 log.exception("autoscaler step failed")
 
     def step(self, now: float) -> list[Decision]:
-        """Decide each autoscaled pool's size now and act on it."""
+        """Decide each autoscaled pool's size now and act on it (the pools' owner only, with router replicas:
+        it sizes them on its own arrivals and every worker's load)."""
         pools = self.cluster.scaling
+        if not pools.owner:
+            return []
         startup = pools.last_start_seconds()
         if startup is not None:
             self.policy.startup_s = startup

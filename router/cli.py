@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import socket
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -45,6 +46,10 @@ def add_serve_parser(sub: Any) -> argparse.ArgumentParser:
                       help="also serve grpc.health.v1 alone, in plaintext, on this port (probes that cannot do TLS)")
     serve.add_argument("--ray-address", default=None,
                        help="join this Ray cluster (e.g. 'auto' inside a Ray head pod); default: start a local one")
+    serve.add_argument("--router-name", default=None, metavar="NAME",
+                       help="router replicas: this router's name among several serving one Ray cluster (needs "
+                            "--ray-address; each router its own name; 'auto': the host's name, a pod's own). One owns "
+                            "the pools, the others follow it and take over if it dies (router/registry.py)")
     serve.add_argument("--mode", choices=["disaggregated", "colocated"], default="disaggregated")
     serve.add_argument("--prefill-workers", type=worker_range, default=(1, 1), metavar="N|MIN:MAX",
                        help="prefill workers: N, fixed, or MIN:MAX, autoscaled (starts at MIN; see Autoscaling)")
@@ -87,7 +92,8 @@ def add_serve_parser(sub: Any) -> argparse.ArgumentParser:
                        help="device peak bytes/s for MBU (default: known GPUs' datasheet, else measured at start)")
     serve.add_argument("--transfer-timeout", type=float, default=30.0, help="seconds before a KV transfer fails")
     serve.add_argument("--kv-bind-host", default=None,
-                       help="address decode workers listen on for KV transfers (default: their node's IP)")
+                       help="address decode workers listen on for KV transfers, and the router for its workers' links "
+                            "(default: the node's IP)")
     serve.add_argument("--worker-timeout", type=float, default=30.0,
                        help="seconds without a heartbeat answer before a worker counts as stuck and is replaced")
     serve.add_argument("--pool-wait-timeout", type=float, default=60.0,
@@ -189,9 +195,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
                                  http_port=args.http_port or None, served_model_name=args.served_model_name,
                                  max_request_body_bytes=args.max_request_body_bytes,
                                  request_body_budget_bytes=args.request_body_budget_bytes)
-    if args.ray_address:
-        ray.init(address=args.ray_address, log_to_driver=False)
+    if args.ray_address:  # named actors (router replicas' registry and workers) live in one namespace
+        ray.init(address=args.ray_address, namespace="pdserve", log_to_driver=False)
     else:
+        if args.router_name:
+            raise ValueError("--router-name needs --ray-address: router replicas share a Ray cluster that none of "
+                             "them started (a local one ends with the router that started it)")
         from router.pools import init_local_ray
 
         init_local_ray()
@@ -280,6 +289,7 @@ def cluster_config_from_args(args: argparse.Namespace):
                          kv_checksum=args.kv_checksum,
                          max_retries=args.max_retries, on_decode_failure=args.on_decode_failure,
                          stream_interval=args.stream_interval,
+                         router_name=socket.gethostname() if args.router_name == "auto" else args.router_name,
                          autoscale=AutoscaleConfig(profile=args.profile, gpu=args.gpu,
                                                    ttft_target_s=args.slo_ttft_ms / 1000,
                                                    tpot_target_s=args.slo_tpot_ms / 1000,

@@ -221,6 +221,8 @@ class Cluster:
         self.tier_demand[tier].arrived(time.monotonic(), len(prompt), params.max_tokens)
         failures: collections.Counter[FailureReason] = collections.Counter()
         avoid: tuple[str, ...] = ()
+        # Router replicas: a worker sends a request's outputs to the router whose name begins its id.
+        tag = f"{self.config.router_name}/" if self.config.router_name else ""
         try:
             for attempt in itertools.count():
                 try:
@@ -228,7 +230,7 @@ class Cluster:
                     # can touch the next.
                     # Closed explicitly (not left to the garbage collector): its cleanup cancels the
                     # attempt on its workers the moment the client goes away.
-                    async with contextlib.aclosing(self._attempt(req, sent, f"{rid}#{attempt}", avoid)) as outs:
+                    async with contextlib.aclosing(self._attempt(req, sent, f"{tag}{rid}#{attempt}", avoid)) as outs:
                         async for out in outs:
                             sent += len(out.new_text)
                             if out.finish_reason in (FinishReason.STOP, FinishReason.LENGTH):

@@ -214,7 +214,7 @@ class Dispatch:
         if tier is not ServiceTier.FLEX and w.flex:  # every slot but those flex's floor holds
             floor = flex_floor(self.config.tiers.flex_min_share, seqs)
             return len(w.requests) - len(w.flex) < seqs - min(len(w.flex), floor)
-        if len(w.requests) >= seqs:
+        if self._active(w) >= seqs:
             return False
         s = w.stats
         if s is None or not w.requests:
@@ -226,7 +226,14 @@ class Dispatch:
     def decode_load(self, w: Worker) -> DecodeLoad:
         s = w.stats
         free = s.kv_blocks_total - s.kv_blocks_used if s else 0
-        return DecodeLoad(len(w.requests), free, s.kv_blocks_total if s else 0)
+        return DecodeLoad(self._active(w), free, s.kv_blocks_total if s else 0)
+
+    def _active(self, w: Worker) -> int:
+        """A decode worker's requests: this router's, or with router replicas every router's as the
+        worker last reported them, if more."""
+        if self.config.router_name is None or w.stats is None:
+            return len(w.requests)
+        return max(len(w.requests), w.stats.running + w.stats.waiting)
 
 
 def prefer(pool: list[Worker], avoid: Sequence[str]) -> list[Worker]:

@@ -38,6 +38,7 @@ from pdserve.serving.link import Link, LinkServer
 from pdserve.serving.tp_ranks import TPPlacement
 from prefill_worker.actor import PrefillActor
 from router.placement import PrefixIndex
+from router.registry import LEASE_S, REGISTRY_NAME, Listed, Registry
 
 log = logging.getLogger(__name__)
 
@@ -138,6 +139,14 @@ class Pools:
         self.start_seconds: dict[str, list[float]] = {p: [] for p in self.by_name}
         self._closing = False
         self._links: LinkServer | None = None  # every worker's link to the router (pdserve.serving.link)
+        # Router replicas (router.registry): this router's name; whether it owns the pools (spawns, replaces,
+        # scales and drains workers; the only router always does); the registry and the owner's epoch.
+        self.router = config.router_name
+        self.owner = self.router is None
+        self._registry: Any = None
+        self._epoch = 0
+        self._adopting: set[str] = set()  # listed workers this router is linking to
+        self._gone: set[str] = set()  # workers this router lost (ids are never reused): not adopted again
 
     @property
     def workers(self) -> list[Worker]:
@@ -167,10 +176,13 @@ class Pools:
         log.info("starting %s (each loads the model)", ", ".join(
             f"{n} {name} worker{'s' * (n != 1)} of TP {c.engine_for(c.pools[name]).tensor_parallel_size}"
             for name, n in sizes.items()))
-        # Where the workers connect their links: this node's address as Ray knows it (loopback on a local
-        # cluster, the pod's IP on Kubernetes).
-        self._links = LinkServer(ray.util.get_node_ip_address())
+        # Where the workers connect their links: --kv-bind-host if given, else this node's address as Ray
+        # knows it (loopback on a local cluster, the pod's IP on Kubernetes).
+        self._links = LinkServer(self.config.bind_host or ray.util.get_node_ip_address())
         await self._links.start()
+        if self.router is not None:
+            await self._join()
+            return
         starting = [self._spawn(pool, slot, f"{pool}-{slot}") for pool, n in sizes.items() for slot in range(n)]
 
         async def ready(w: Worker) -> None:
@@ -198,17 +210,28 @@ class Pools:
                       "colocated": (ColocatedActor, {})}[pool]
         engine = c.engine_for(pc)
         options = dict(num_cpus=pc.num_cpus, num_gpus=pc.num_gpus, resources=pc.resources, max_restarts=0)
+        if self.router is not None:  # it outlives this router: the next owner adopts it by name
+            options.update(name=_actor_name(worker_id), lifetime="detached")
         group = None
         if engine.tensor_parallel_size > 1:  # its ranks packed on one node; this actor is rank 0, in bundle 0
             placement = TPPlacement.create(f"tp-{worker_id}", engine.tensor_parallel_size, pc.num_cpus, pc.num_gpus,
                                            pc.resources)
             extra, options, group = dict(extra, placement=placement), placement.options(0), placement.group
         handle = ray.remote(cls).options(**options).remote(worker_id, engine, torch_threads=pc.torch_threads, **extra)
+        return self._worker(worker_id, handle, pool, slot, group)
+
+    def _worker(self, worker_id: str, handle: Any, pool: str, slot: int, group: Any = None) -> Worker:
         w = Worker(worker_id, handle, pool, slot, placement_group=group)
         if pool == "prefill":
+            engine = self.config.engine_for(getattr(self.config, pool))
             w.prefix = PrefixIndex(engine.cache.resolve_num_blocks(self.info.config, engine.torch_dtype,
                                                                    engine.tensor_parallel_size))
         return w
+
+    def _new_id(self, pool: str, slot: int) -> str:
+        """A worker id never used before in this cluster (an owner's epoch keeps replicas' ids apart)."""
+        n = next(self._incarnations)
+        return f"{pool}-{slot}.{n}" if self.router is None else f"{pool}-{slot}.e{self._epoch}.{n}"
 
     def _task(self, coro) -> None:
         t = asyncio.create_task(coro)
@@ -225,6 +248,12 @@ class Pools:
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        if self.router is not None:  # the workers serve the other routers: only this router's links end
+            if self.owner:
+                await asyncio.gather(self._registry.release.remote(self.router), return_exceptions=True)
+            if self._links is not None:
+                await self._links.close()
+            return
         await asyncio.gather(*(w.handle.shutdown.remote() for w in self.workers), return_exceptions=True)
         if self._links is not None:
             await self._links.close()
@@ -268,6 +297,20 @@ class Pools:
         if not w.alive or self._closing:
             return
         w.alive = False
+        if not self.owner:  # a replica that does not own the pools: the owner replaces it; this one lets go
+            if w.state == "draining":
+                log.info("worker %s left (%s)", w.worker_id, why)
+            else:
+                log.warning("worker %s lost (%s); the pools' owner replaces it", w.worker_id, why)
+            self._gone.add(w.worker_id)
+            for ws in (*self.by_name.values(), self.draining):
+                if w in ws:
+                    ws.remove(w)
+            if w.link is not None:
+                w.link.close(why)
+            self._on_lost(w, why)
+            self.notify()
+            return
         replace = w.state != "draining"
         log.warning("worker %s lost (%s)%s", w.worker_id, why, "; replacing it" if replace else " while draining")
         (self.by_name[w.pool] if replace else self.draining).remove(w)
@@ -280,6 +323,7 @@ class Pools:
         if replace:
             self.restarts[w.pool] += 1
             self._task(self._replace(w))
+        self._publish()
 
     def notify(self) -> None:
         """Wake whatever waits for a pool to change, and tell the listeners (router.cluster's line)."""
@@ -296,8 +340,8 @@ class Pools:
 
     async def _replace(self, lost: Worker) -> None:
         backoff = REPLACE_BACKOFF_S[0]
-        while not self._closing:
-            w = self._spawn(lost.pool, lost.slot, f"{lost.pool}-{lost.slot}.{next(self._incarnations)}")
+        while not self._closing and self.owner:
+            w = self._spawn(lost.pool, lost.slot, self._new_id(lost.pool, lost.slot))
             self.starting[w.pool].append(w)
             if await self._bring_up(w):
                 log.info("worker %s replaces %s", w.worker_id, lost.worker_id)
@@ -328,19 +372,30 @@ class Pools:
         self.by_name[w.pool].append(w)  # routable only now that it is ready
         self._watch(w)
         self.notify()
+        self._publish()
         return True
 
     # -- scaling ----------------------------------------------------------------------------------
     def grow(self, pool: str, n: int, reason: str) -> None:
         """Start n more workers in the pool; each becomes routable once ready."""
+        self._grow(pool, n, reason)
+
+    def _grow(self, pool: str, n: int, reason: str) -> list[asyncio.Task]:
+        if not self.owner:
+            return []
+        tasks = []
         for _ in range(n):
             used = {w.slot for w in self.by_name[pool] + self.starting[pool] + self.draining if w.pool == pool}
             slot = next(i for i in itertools.count() if i not in used)
-            w = self._spawn(pool, slot, f"{pool}-{slot}.{next(self._incarnations)}")
+            w = self._spawn(pool, slot, self._new_id(pool, slot))
             self.starting[pool].append(w)  # now, so that the next one takes another slot
             self.scale_events[(pool, "up", reason)] += 1
             log.info("scaling %s up (%s): starting %s", pool, reason, w.worker_id)
-            self._task(self._started(w))
+            t = asyncio.create_task(self._started(w))
+            self._tasks.add(t)
+            t.add_done_callback(self._tasks.discard)
+            tasks.append(t)
+        return tasks
 
     async def _started(self, w: Worker) -> None:
         if await self._bring_up(w):
@@ -349,6 +404,8 @@ class Pools:
     def drain(self, pool: str, n: int, reason: str) -> None:
         """Take n ready workers out of placement (those with the fewest requests) and let each leave
         once its requests have finished. The pool keeps at least one ready worker."""
+        if not self.owner:
+            return
         ready = self.by_name[pool]
         for w in sorted(ready, key=lambda x: (len(x.requests), x.queued_tokens, -x.slot))[:min(n, len(ready) - 1)]:
             self.drain_worker(w, reason)
@@ -363,11 +420,18 @@ class Pools:
         log.info("scaling %s down (%s): draining %s (%d requests on it)", w.pool, reason, w.worker_id,
                  len(w.requests))
         self._task(self._leave(w))
+        self._publish()
 
     async def _leave(self, w: Worker) -> None:
         t0 = time.monotonic()
         while w.requests and w.alive:  # the request flow discards each as it finishes
             await asyncio.sleep(DRAIN_POLL_S)
+        if self.router is not None:
+            # The other routers' requests too: they stop placing here once they see it unlisted (their next
+            # look at the registry), and its heartbeat's stats count every router's requests.
+            await asyncio.sleep(2 * self.config.stats_interval_s)
+            while w.alive and (w.requests or w.stats is None or w.stats.running + w.stats.waiting > 0):
+                await asyncio.sleep(DRAIN_POLL_S)
         if not w.alive:  # lost while draining: its requests were failed over like any loss
             return
         w.alive = False  # leaving: no longer counted among the workers, its outputs' end is not a loss
@@ -406,8 +470,8 @@ class Pools:
 
         w.link = self._links.expect(w.worker_id, take)
         try:
-            await asyncio.wait_for(w.handle.link_to.remote(self._links.host, self._links.port, self._links.token),
-                                   self.config.worker_timeout_s)
+            await asyncio.wait_for(w.handle.link_to.remote(self._links.host, self._links.port, self._links.token,
+                                                           self.router or ""), self.config.worker_timeout_s)
             await w.link.wait_open(self.config.worker_timeout_s)
         except BaseException:
             self._links.forget(w.worker_id)
@@ -421,3 +485,143 @@ class Pools:
         finally:
             self._links.forget(w.worker_id)
         self.lose(w, why)
+
+    # -- router replicas (router.registry) ----------------------------------------------------------
+    async def _join(self) -> None:
+        """Start as one of several routers: own the pools if the lease is free, else follow its owner."""
+        if any(self.config.engine_for(pc).tensor_parallel_size > 1 for pc in self.config.pools.values()):
+            raise ValueError("router replicas (router_name) do not serve tensor-parallel workers yet")
+        self._registry = ray.remote(Registry).options(
+            name=REGISTRY_NAME, lifetime="detached", get_if_exists=True, num_cpus=0, max_restarts=-1,
+            max_task_retries=-1).remote()
+        epoch = await self._registry.claim.remote(self.router)
+        _, owner, _, listed = await self._registry.view.remote()
+        if epoch is not None:
+            await self._take_over(epoch, listed, first=True)
+        else:
+            log.info("router %s follows the pools' owner %s (%d workers listed)", self.router, owner, len(listed))
+            await asyncio.gather(*(self._adopt(x) for x in listed))
+        self._task(self._lease())
+        self._task(self._heartbeat())
+
+    async def _lease(self) -> None:
+        """The owner renews its lease; the others follow the registry and claim the lease when it lapses."""
+        while True:
+            await asyncio.sleep(LEASE_S / 3 if self.owner else self.config.stats_interval_s)
+            try:
+                if self.owner:
+                    epoch = await self._registry.claim.remote(self.router)
+                    if epoch is not None:
+                        if epoch != self._epoch:  # the registry was restarted (its state lost): list again
+                            self._epoch = epoch
+                            self._publish()
+                        continue
+                    log.error("router %s lost the pools' lease: another router owns them now", self.router)
+                    self.owner = False
+                version, owner, _, listed = await self._registry.view.remote()
+                if owner is None or owner == self.router:
+                    epoch = await self._registry.claim.remote(self.router)
+                    if epoch is not None:
+                        await self._take_over(epoch, listed)
+                        continue
+                if version:  # 0: a registry restarted, nothing published again yet
+                    self._follow(listed)
+            except ray.exceptions.RayError as e:  # the registry restarts (max_restarts): try again
+                log.warning("router %s: the registry did not answer: %s", self.router, e)
+
+    def _follow(self, listed: tuple[Listed, ...]) -> None:
+        """Link to the workers the owner lists; stop placing on those it no longer lists (drained or lost)."""
+        names = {x.worker_id for x in listed}
+        known = {w.worker_id for w in self.workers}
+        for x in listed:
+            if x.worker_id not in known | self._gone | self._adopting:
+                self._task(self._adopt(x))
+        for w in [w for w in self.draining if w.worker_id in names and w.alive]:  # listed again
+            self.draining.remove(w)
+            w.state = "ready"
+            self.by_name[w.pool].append(w)
+            self.notify()
+        for pool in self.by_name.values():
+            for w in [w for w in pool if w.worker_id not in names]:
+                pool.remove(w)  # it leaves once the owner shuts it down (its link ends)
+                w.state = "draining"
+                self.draining.append(w)
+                self.notify()
+
+    async def _adopt(self, x: Listed) -> Worker | None:
+        """Link to a worker another router started, and place on it."""
+        self._adopting.add(x.worker_id)
+        try:
+            handle = await asyncio.to_thread(ray.get_actor, x.actor_name)
+            w = self._worker(x.worker_id, handle, x.pool, x.slot)
+            w.stats = await asyncio.wait_for(handle.stats.remote(), self.config.worker_timeout_s)
+            await self._connect(w)
+        except Exception as e:  # noqa: BLE001 - dead or not reachable: tried again while it is listed
+            log.warning("router %s could not link to worker %s: %s", self.router, x.worker_id, e)
+            return None
+        finally:
+            self._adopting.discard(x.worker_id)
+        w.state = "ready"
+        self.by_name[w.pool].append(w)
+        self._watch(w)
+        self.notify()
+        return w  # not published: a follower never does, and an owner taking over does once it has adopted all
+
+    async def _take_over(self, epoch: int, listed: tuple[Listed, ...], first: bool = False) -> None:
+        """Become the pools' owner: adopt the listed workers, end the workers nobody lists (an owner died
+        while starting them), and bring each pool back to the size its last owner published (the
+        configured sizes when nothing was ever published)."""
+        self._epoch, self.owner = epoch, True
+        log.warning("router %s owns the pools (epoch %d; %d workers listed)", self.router, epoch, len(listed))
+        known = {w.worker_id for w in self.workers}
+        await asyncio.gather(*(self._adopt(x) for x in listed
+                               if x.worker_id not in known | self._gone | self._adopting))
+        mine = {_actor_name(w.worker_id) for w in self.workers + [w for ws in self.starting.values() for w in ws]}
+        for name in await asyncio.to_thread(_named_workers):
+            if name not in mine:
+                log.warning("router %s ends worker %s: started by an owner that died, never listed", self.router, name)
+                await asyncio.to_thread(_kill_named, name)
+        targets = collections.Counter(x.pool for x in listed) if listed else \
+            {pool: pc.num_workers for pool, pc in self.config.pools.items()}
+        started = [t for pool, n in targets.items()
+                   for t in self._grow(pool, max(n - self.size(pool), 0), "start" if first else "takeover")]
+        self._publish()
+        if first and started:
+            await asyncio.gather(*started)
+            if any(not self.by_name[pool] for pool in targets):
+                raise RuntimeError("a pool has no worker ready: see the workers' errors above")
+
+    def _publish(self) -> None:
+        """The owner lists its ready workers in the registry (the other routers place on them)."""
+        if self._registry is None or not self.owner:
+            return
+        listed = tuple(Listed(w.worker_id, w.pool, w.slot, _actor_name(w.worker_id))
+                       for ws in self.by_name.values() for w in ws)
+        self._task(self._published(self._registry.publish.remote(self._epoch, listed)))
+
+    async def _published(self, ref: Any) -> None:
+        try:
+            if not await ref and self.owner:
+                log.error("router %s: its list of workers was refused (another router owns the pools)", self.router)
+                self.owner = False
+        except ray.exceptions.RayError as e:
+            log.warning("router %s: the registry did not take its list of workers: %s", self.router, e)
+
+
+WORKER_NAME_PREFIX = "pdserve-worker-"
+
+
+def _actor_name(worker_id: str) -> str:
+    return WORKER_NAME_PREFIX + worker_id
+
+
+def _named_workers() -> list[str]:
+    """The live named worker actors of the cluster's namespace (router replicas)."""
+    return [n for n in ray.util.list_named_actors() if isinstance(n, str) and n.startswith(WORKER_NAME_PREFIX)]
+
+
+def _kill_named(name: str) -> None:
+    try:
+        ray.kill(ray.get_actor(name), no_restart=True)
+    except ValueError:  # gone meanwhile
+        pass

@@ -20,6 +20,7 @@ path of every kernel, ``auto`` (or unset) uses a kernel wherever the inputs allo
 """
 from __future__ import annotations
 
+import fcntl
 import logging
 import os
 import shutil
@@ -76,9 +77,18 @@ def _build() -> None:
         openmp = ["-fopenmp"]
     directory = build_directory()
     directory.mkdir(parents=True, exist_ok=True)
-    cpp_extension.load(name=_NAME, sources=[str(s) for s in _SOURCES], extra_cflags=["-O3", *openmp],
-                       extra_ldflags=openmp, build_directory=str(directory), is_python_module=False,
-                       verbose=False)
+    # torch's own build lock is a file that a killed build leaves behind, and every later build then
+    # waits on it forever. Builds take an flock first (the kernel drops it when its process dies): whoever
+    # holds it is the only builder, so a torch lock file found then is a dead build's, and is removed.
+    with open(directory / "pdserve.flock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        stale = directory / "lock"
+        if stale.exists():
+            log.warning("CPU kernels: removing %s, left by a build that did not finish", stale)
+            stale.unlink(missing_ok=True)
+        cpp_extension.load(name=_NAME, sources=[str(s) for s in _SOURCES], extra_cflags=["-O3", *openmp],
+                           extra_ldflags=openmp, build_directory=str(directory), is_python_module=False,
+                           verbose=False)
 
 
 def available() -> bool:

@@ -79,10 +79,12 @@ class WorkerLink:
     the router's calls with `handlers` (op -> function of the call's args)."""
 
     def __init__(self, outputs: queue.SimpleQueue, host: str, port: int, token: bytes, worker_id: str,
-                 handlers: dict[str, Callable[..., Any]]):
+                 handlers: dict[str, Callable[..., Any]], on_end: Callable[[], None] | None = None):
+        """on_end is called (on the reader thread) when the router ends the link, not when close() does."""
         self._outputs = outputs
         self._worker_id = worker_id
         self._handlers = handlers
+        self._on_end = on_end
         self._sock = socket.create_connection((host, port), timeout=CONNECT_TIMEOUT_S)
         self._sock.settimeout(None)
         self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -146,6 +148,14 @@ class WorkerLink:
         except (OSError, EOFError) as e:
             if not self._closing:
                 log.warning("link: the router's calls ended: %s", e)
+                self._closing = True
+                self._outputs.put(None)  # the sender stops; what waits for this router goes nowhere
+                if self._on_end is not None:
+                    self._on_end()
+
+    @property
+    def alive(self) -> bool:
+        return not self._closing
 
     def _run(self, call_id: int, op: str, args: tuple) -> None:
         handler = self._handlers.get(op)
@@ -308,6 +318,8 @@ class LinkServer:
                 link._take(pickle.loads(await reader.readexactly(n)))
         except (asyncio.IncompleteReadError, ConnectionError) as e:
             why = f"link ended: {type(e).__name__}"
+        except asyncio.CancelledError:  # the router's loop is ending: a cancelled handler is not an error
+            why = "link ended: the router is shutting down"
         except Exception as e:  # noqa: BLE001 - a malformed frame: the worker's link cannot be trusted
             why = f"link ended: {type(e).__name__}: {e}"
         finally:

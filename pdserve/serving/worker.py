@@ -71,7 +71,11 @@ class WorkerActor:
         self.busy_seconds = 0.0
         self.tier_seconds: collections.Counter[str] = collections.Counter()  # busy seconds by tier
         self.started = time.monotonic()
-        self._outputs: queue.SimpleQueue[StepOutput] = queue.SimpleQueue()
+        # Outputs go out on the links to the routers (pdserve.serving.link), one queue each, by the router
+        # whose tag begins a request's id ("tag/..."); with one router, everything goes on its link.
+        self._outputs: queue.SimpleQueue[StepOutput] = queue.SimpleQueue()  # the first router's
+        self._queues: dict[str, queue.SimpleQueue[StepOutput]] = {}  # router tag -> its link's queue
+        self._links: dict[str, WorkerLink] = {}  # router tag -> its link
         # Ids cancelled before their request arrived here (Ray may run a cancel ahead of the call that
         # adds the request): the add then refuses them. Step thread; expire after TOMBSTONE_TTL_S.
         self._tombstones: collections.OrderedDict[str, float] = collections.OrderedDict()
@@ -80,7 +84,6 @@ class WorkerActor:
         self._cancels: collections.deque[CancelRecord] = collections.deque(maxlen=CANCELS_KEPT)
         self.faults = FaultPoints()  # inert unless a test arms one (pdserve.faults)
         self.loop: StepLoop | None = None
-        self._link: WorkerLink | None = None  # its connection to the router, once the router asks (link_to)
 
     def _start(self) -> None:
         """Start the step thread: once the subclass's own state exists."""
@@ -104,13 +107,55 @@ class WorkerActor:
         """The last CANCELS_KEPT cancels that ended a request here, oldest first: a cancel's arrival, checkable."""
         return await asyncio.wrap_future(self.loop.call(lambda: list(self._cancels)))
 
-    async def link_to(self, host: str, port: int, token: bytes) -> None:
-        """Connect to the router at host:port (pdserve.serving.link): every step's output goes there from
-        now on, and the router's per-request calls come from there; returns once connected."""
-        if self._link is not None:
-            raise RuntimeError(f"{self.worker_id} is already linked to the router")
-        self._link = await asyncio.to_thread(WorkerLink, self._outputs, host, port, token, self.worker_id,
-                                             self._commands())
+    async def link_to(self, host: str, port: int, token: bytes, router: str = "") -> None:
+        """Connect to the router at host:port (pdserve.serving.link): the router's per-request calls come
+        from there, and the outputs of its requests go there; returns once connected.
+
+        `router` is the router's tag when several routers serve the cluster (router replicas): each has
+        a link here, its requests' ids begin with "tag/", and when its link ends (the router died) the
+        requests it placed here are cancelled, their KV freed."""
+        old = self._links.get(router)
+        if old is not None and old.alive:
+            raise RuntimeError(f"{self.worker_id} is already linked to router {router!r}")
+        # A queue of its own (a router that comes back under its name gets a new one: the old one ended
+        # with its link); the first link takes what was published before it.
+        q = queue.SimpleQueue() if self._queues else self._outputs
+        self._queues[router] = q
+        self._links[router] = await asyncio.to_thread(
+            WorkerLink, q, host, port, token, self.worker_id, self._commands(),
+            (lambda: self._router_gone(router)) if router else None)
+
+    def _router_gone(self, router: str) -> None:
+        """A router's link ended (it died): cancel what it placed here; its clients retry elsewhere."""
+        prefix = f"{router}/"
+
+        def cancel_its_requests() -> None:
+            mine = [rid for rid in self.core.scheduler.requests if rid.startswith(prefix)]
+            for rid in mine:
+                self._cancel_soon(rid)
+            log.warning("%s: router %s is gone; %d of its requests cancelled here", self.worker_id, router, len(mine))
+
+        self.loop.call(cancel_its_requests)
+
+    def _queue(self, request_id: str) -> queue.SimpleQueue[StepOutput]:
+        """The queue of the link to the router that placed the request."""
+        if len(self._queues) <= 1:
+            return next(iter(self._queues.values()), self._outputs)
+        return self._queues.get(request_id.split("/", 1)[0], self._outputs)
+
+    def _put(self, events: tuple[TokenEvent, ...], failed: tuple[Failure, ...]) -> None:
+        """One StepOutput per router whose requests have events or failures, each with the stats."""
+        stats = self._stats()
+        if len(self._queues) <= 1:
+            self._queue("").put(StepOutput(self.worker_id, events, failed, stats))
+            return
+        by_queue: dict[int, tuple[queue.SimpleQueue, list, list]] = {}
+        for items, i in ((events, 1), (failed, 2)):
+            for item in items:
+                q = self._queue(item.request_id)
+                by_queue.setdefault(id(q), (q, [], []))[i].append(item)
+        for q, ev, fa in by_queue.values():
+            q.put(StepOutput(self.worker_id, tuple(ev), tuple(fa), stats))
 
     def _commands(self) -> dict[str, Callable]:
         """The calls the router makes on this worker's link, each run on the link's reader thread in
@@ -126,8 +171,8 @@ class WorkerActor:
 
     async def shutdown(self) -> None:
         self.loop.stop()
-        if self._link is not None:
-            await asyncio.to_thread(self._link.close)
+        for link in list(self._links.values()):
+            await asyncio.to_thread(link.close)
         self._close()
         await asyncio.to_thread(self.core.close)  # a TP worker's other ranks (collectives: off the event loop)
 
@@ -223,7 +268,7 @@ class WorkerActor:
         events = tuple(self._event(s) for s in run.sampled)
         failed = (*run.failed, *extra_failed)
         if events or failed:
-            self._outputs.put(StepOutput(self.worker_id, events, failed, self._stats()))
+            self._put(events, failed)
 
     @staticmethod
     def _text(s: SampledToken) -> tuple[str, FinishReason | None]:

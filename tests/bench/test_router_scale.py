@@ -86,3 +86,17 @@ def test_markdown(rs):
     titles = [t for t, _, _ in rs.COLUMNS]
     assert cells[0] == "32" and cells[titles.index("decode step")] == "n/a" and cells[titles.index("+ITL p50")] == "n/a"
     assert cells[titles.index("tok/s")] == "1638"
+
+
+def test_two_clients_reports_merge(rs):
+    """Two routers' clients at once: rates and counts add up, p50s average, p99s take the worse."""
+    a = {"output_throughput": 1000.0, "request_throughput": 8.0, "total_output_tokens": 4096, "completed": 32,
+         "failed": 0, "duration": 4.0, "median_later_itl_ms": 9.0, "p99_later_itl_ms": 20.0, "median_ttft_ms": 100.0,
+         "p99_ttft_ms": 300.0, "mean_ttft_ms": 120.0}
+    b = dict(a, output_throughput=900.0, failed=1, duration=4.5, median_later_itl_ms=11.0, p99_later_itl_ms=35.0,
+             p99_ttft_ms=250.0)
+    m = rs.merge_reports([a, b])
+    assert (m["output_throughput"], m["completed"], m["failed"], m["duration"]) == (1900.0, 64, 1, 4.5)
+    assert m["median_later_itl_ms"] == pytest.approx(10.0) and m["p99_later_itl_ms"] == 35.0
+    assert m["p99_ttft_ms"] == 300.0 and m["mean_ttft_ms"] == 120.0
+    assert rs.merge_reports([a]) is a

@@ -204,6 +204,15 @@ def groups(rc: dict) -> dict[str, dict]:
     return {g["groupName"]: g for g in rc["spec"]["workerGroupSpecs"]}
 
 
+POOLS = ("prefill", "decode")
+ROUTERS = ("head", "router")  # the pods that run `pdserve serve`: the head, and the router group's (replicas)
+
+
+def pool_groups(rc: dict) -> dict[str, dict]:
+    """The worker groups that host the pools' actors (not a router group)."""
+    return {n: g for n, g in groups(rc).items() if n in POOLS}
+
+
 def templates(rc: dict) -> dict[str, dict]:
     """Pod templates by role: head, prefill, decode."""
     return {"head": rc["spec"]["headGroupSpec"]["template"], **{n: g["template"] for n, g in groups(rc).items()}}
@@ -490,7 +499,7 @@ def test_head_script_starts_ray_then_execs_the_router(name, tmp_path):
 @names
 def test_worker_script_hands_ray_its_pool_resource_intact(name, tmp_path):
     rc = one(rendered(name), "RayCluster")
-    for pool, group in groups(rc).items():
+    for pool, group in pool_groups(rc).items():
         run_dir = tmp_path / pool
         run_dir.mkdir()
         argv = run_container_script(ray_container(group["template"]),
@@ -529,7 +538,7 @@ def test_service_exposes_grpc_and_metrics_of_the_head(name, tmp_path):
     service = one(objs, "Service", "pdserve")
     pods = templates(one(objs, "RayCluster"))
     selector = service["spec"]["selector"]
-    assert [role for role, t in pods.items() if labels_match(selector, t)] == ["head"]
+    assert [role for role, t in pods.items() if labels_match(selector, t)] == [r for r in ROUTERS if r in pods]
     head_ports = container_ports(pods["head"])
 
     def target(port: dict) -> int:
@@ -581,8 +590,11 @@ def test_pools_are_pinned_to_their_groups_by_ray_resources(name, tmp_path):
     objs = rendered(name)
     args = serve_args(objs, tmp_path)
     rc = one(objs, "RayCluster")
-    worker_groups = groups(rc)
-    assert sorted(worker_groups) == ["decode", "prefill"]
+    worker_groups = pool_groups(rc)
+    assert sorted(worker_groups) == ["decode", "prefill"] and set(groups(rc)) <= {*POOLS, "router"}
+    for router in [g for n, g in groups(rc).items() if n == "router"]:  # replicas: offers an actor nothing
+        params = router["rayStartParams"]
+        assert params["num-cpus"] == "0" and params["num-gpus"] == "0" and not ray_resources(params)
     wanted = {"prefill": pool_resources(args.prefill_resource), "decode": pool_resources(args.decode_resource)}
     assert wanted["prefill"] and wanted["decode"], "each pool must ask for its group's Ray resource"
     assert not set(wanted["prefill"]) & set(wanted["decode"])
@@ -654,7 +666,7 @@ def test_production_overlay_separates_pools_and_autoscales():
     rc = one(rendered("production"), "RayCluster")
     assert rc["spec"]["enableInTreeAutoscaling"] is True
     selectors = {}
-    for pool, group in groups(rc).items():
+    for pool, group in pool_groups(rc).items():
         assert group["minReplicas"] < group["maxReplicas"], f"{pool}: no room to scale"
         spec = group["template"]["spec"]
         selectors[pool] = spec["nodeSelector"]
@@ -664,6 +676,35 @@ def test_production_overlay_separates_pools_and_autoscales():
             assert any(t.get("key") == key and t.get("value") == value and t.get("effect") == "NoSchedule"
                        for t in spec["tolerations"]), f"{pool}: no toleration for {key}={value}"
     assert selectors["prefill"] != selectors["decode"]
+
+
+def test_production_runs_two_routers_as_replicas(tmp_path):
+    """Router replicas: the head and the router group each run the same `pdserve serve` (same flags, same
+    serve.yaml with `router-name: auto`, so each takes its pod's name), with the same Secrets, ports and
+    probes; the Service sends clients to both. The base runs one router (no router-name)."""
+    objs = rendered("production")
+    args = serve_args(objs, tmp_path)
+    assert args.router_name == "auto" and args.ray_address == "auto"
+    rc = one(objs, "RayCluster")
+    router = groups(rc)["router"]
+    assert router["replicas"] >= 1  # with the head's: two routers or more
+    pods = templates(rc)
+    head_c, router_c = ray_container(pods["head"]), ray_container(pods["router"])
+    env = {"KUBERAY_GEN_RAY_START_CMD": kuberay_start_command(router, head=False), **configmap_env(objs, router_c)}
+    argv = run_container_script(router_c, env, tmp_path)
+    assert argv["ray"][0] == "start" and "--head" not in argv["ray"] and "--block" not in argv["ray"]
+    assert ["pdserve", *argv["pdserve"]] == serve_argv(objs)  # the head's command, word for word
+    for key in ("startupProbe", "livenessProbe", "readinessProbe", "volumeMounts", "resources"):
+        assert router_c[key] == head_c[key], key
+    head_ports = container_ports(pods["head"])  # less Ray's head-only ports (GCS, dashboard, client)
+    assert container_ports(pods["router"]) == {n: head_ports[n] for n in container_ports(pods["router"])}
+    assert {"grpc", "http", "pdserve-metrics", "health"} <= set(container_ports(pods["router"]))
+    volumes = lambda t: sorted(map(json.dumps, t["spec"]["volumes"]))  # noqa: E731
+    assert volumes(pods["router"]) == volumes(pods["head"])
+    assert labels_match(one(objs, "Service", "pdserve")["spec"]["selector"], pods["router"])
+    (tmp_path / "dev").mkdir()
+    assert serve_args(rendered("dev"), tmp_path / "dev").router_name is None
+    assert "router" not in groups(one(rendered("dev"), "RayCluster"))
 
 
 def test_large_model_overlay_packs_whole_tp_workers_on_pods_the_planner_fits(tmp_path):
@@ -725,9 +766,9 @@ def test_network_policies_let_only_clients_prometheus_and_pdserve_in(name, tmp_p
                     # pdserve's own pods, on every port (Ray, KV transfers): this namespace only.
                     assert "namespaceSelector" not in peer, f"{role}: Ray's ports must stay in the namespace"
                 elif labels == {"pdserve.io/client": "true"}:
-                    assert role == "head" and _ports(rule) == {args.port, args.http_port, args.health_port or 50052}
+                    assert role in ROUTERS and _ports(rule) == {args.port, args.http_port, args.health_port or 50052}
                 elif labels == {"app.kubernetes.io/name": "prometheus"}:
-                    metrics = {args.metrics_port, 8080} if role == "head" else {8080}
+                    metrics = {args.metrics_port, 8080} if role in ROUTERS else {8080}
                     assert _ports(rule) == metrics, f"{role}: Prometheus reaches only the metrics ports"
                 else:
                     raise AssertionError(f"{role}: unexpected peer {peer}")

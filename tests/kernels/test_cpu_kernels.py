@@ -155,3 +155,23 @@ def test_rope_and_cache_rejects_out_of_range():
         torch.ops.pdserve.rope_and_cache(qkv, torch.full_like(pos, 128), cos, sin, kv, slots, 6, 2)
     with pytest.raises(RuntimeError, match="qkv must be"):
         torch.ops.pdserve.rope_and_cache(qkv[:, :-1].contiguous(), pos, cos, sin, kv, slots, 6, 2)
+
+
+def test_a_build_killed_midway_does_not_block_the_next_one(tmp_path):
+    """A build killed midway (a router or worker SIGKILLed on its first start) leaves torch's lock file in
+    the build directory; the next process must not wait on it forever. A copy of the built directory with
+    such a lock loads in a fresh process, within a bound."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    built = cpu_kernels.build_directory()
+    copy = tmp_path / built.parent.name / built.name
+    shutil.copytree(built, copy, ignore=shutil.ignore_patterns("lock", "pdserve.flock"))
+    (copy / "lock").touch()  # what a killed build leaves
+    env = dict(os.environ, TORCH_EXTENSIONS_DIR=str(tmp_path))
+    load = "from pdserve.kernels import cpu_kernels; print(cpu_kernels.available())"
+    r = subprocess.run([sys.executable, "-c", load], env=env, capture_output=True, text=True, timeout=300)
+    assert r.stdout.strip() == "True", r.stderr[-2000:]
+    assert not (copy / "lock").exists()

@@ -281,6 +281,7 @@ class _Scaling:
     def __init__(self, workers):
         self.workers = workers
         self.calls = []
+        self.owner = True  # the router that owns the pools (router replicas: only it scales)
 
     def last_start_seconds(self):
         return None
@@ -339,6 +340,17 @@ def test_the_loop_scales_the_fast_lane_by_priority_demand(with_tier_demand):
     else:  # no per-tier windows (older clusters): the lane keeps what its requests need, 4 over b = 3
         assert lane.arrival_rate == 0.0
         assert (decisions["fast"].desired, decisions["fast"].reason) == (2, "running")
+
+
+def test_a_router_that_does_not_own_the_pools_does_not_scale_them():
+    """Router replicas: the same demand that grows two pools on the owner does nothing on a follower."""
+    from router.autoscaler import AutoscaleLoop
+
+    cluster = _loop_cluster(True)
+    cluster.scaling.owner = False
+    loop = AutoscaleLoop(cluster)
+    loop.policy.costs = dict.fromkeys(loop.policy.ranges, costs())
+    assert loop.step(10.0) == [] and cluster.scaling.calls == []
 
 
 def test_each_pool_is_sized_with_its_own_costs():

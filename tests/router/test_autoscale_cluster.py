@@ -138,8 +138,8 @@ def test_pools_grow_under_load_and_drain_back(ray_local, aloop, tiny_checkpoints
                           if "drained in" in r.getMessage() and f"left the {p} pool" in r.getMessage()}
                  == {"prefill", "decode"}, 30, what="a drained worker of each pool to have left")
         assert all(len(pools.start_seconds[p]) >= 2 for p in ("prefill", "decode"))
-        # No task left behind by the workers that came and went: the heartbeat and one stream per decode worker.
-        wait_for(lambda: len(pools._tasks) == 1 + len(pools.by_name["decode"]), 30,
+        # No task left behind by the workers that came and went: the heartbeat and one link watch per worker.
+        wait_for(lambda: len(pools._tasks) == 1 + len(pools.workers), 30,
                  what="the pools' tasks of the workers that left to end")
         st = status_json(s.target)
         assert [(p["current_workers"], p["desired_workers"]) for p in st["pools"]] == [(1, 1), (1, 1)]

@@ -127,3 +127,51 @@ def test_reservations_and_cancels_on_the_link(decode, aloop):
     link.send("cancel", "a")
     wait_for(lambda: ray.get(handle.stats.remote()).kv_blocks_used == 0, 30, what="every block freed")
     assert ray.get(notices.seen.remote())[0] == ("a",)
+
+
+def test_two_routers_links_route_outputs_and_a_dead_routers_requests_are_cancelled(ray_local, aloop,
+                                                                                    tiny_checkpoints):
+    """Router replicas: a decode worker linked to routers "a" and "b" sends each request's outputs on the
+    link of the router whose name begins its id, and when b's link ends (b died) cancels b's requests
+    only, freeing their KV."""
+    config = EngineConfig(model=str(tiny_checkpoints["llama"]), cache=CacheConfig(block_size=BLOCK, num_blocks=8),
+                          scheduler=SchedulerConfig(max_num_batched_tokens=64))
+    handle = ray.remote(DecodeActor).options(num_cpus=0).remote("decode-r", config, 10.0, torch_threads=1,
+                                                                bind_host="127.0.0.1")
+    servers = {r: LinkServer("127.0.0.1") for r in "ab"}
+    outputs: dict[str, list[StepOutput]] = {r: [] for r in "ab"}
+    notices = NoticeLog.remote()
+
+    async def connect(r):
+        await servers[r].start()
+        link = servers[r].expect("decode-r", outputs[r].append)
+        await handle.link_to.remote(servers[r].host, servers[r].port, servers[r].token, r)
+        await link.wait_open(30)
+        return link
+
+    ray.get(handle.ready.remote(), timeout=120)
+    links = {r: aloop.run(connect(r)) for r in "ab"}
+
+    def call(r, *args):
+        async def go():
+            return await asyncio.wait_for(links[r].call(*args), 30)
+        return aloop.run(go())
+
+    try:
+        call("a", "reserve", task("a/r1#0", 8, "p-0"), notices)
+        call("b", "reserve", task("b/r2#0", 8, "p-0"))
+        call("b", "reserve", task("b/r2#0", 8, "p-0"))  # the same id again: refused on the step thread
+        failed = wait_for(lambda: [f for o in outputs["b"] for f in o.failed], 30, what="b's duplicate refused")
+        assert [(f.request_id, f.reason) for f in failed] == [("b/r2#0", FailureReason.REJECTED)]
+        assert [f for o in outputs["a"] for f in o.failed] == []  # nothing of b's on a's link
+        wait_for(lambda: ray.get(handle.stats.remote()).kv_blocks_used == 6, 30, what="both reservations")
+
+        aloop.run(servers["b"].close())  # router b dies: its link ends
+        wait_for(lambda: ray.get(handle.stats.remote()).kv_blocks_used == 3, 30, what="b's reservation freed")
+        assert [c.request_id for c in ray.get(handle.recent_cancels.remote())] == ["b/r2#0"]
+        call("a", "reserve", task("a/r3#0", 4, "p-0"))  # a's link still works
+        wait_for(lambda: ray.get(handle.stats.remote()).kv_blocks_used == 5, 30, what="a's second reservation")
+    finally:
+        ray.get(handle.shutdown.remote(), timeout=30)
+        ray.kill(handle)
+        aloop.run(servers["a"].close())
