@@ -576,8 +576,9 @@ class Pools:
         known = {w.worker_id for w in self.workers}
         await asyncio.gather(*(self._adopt(x) for x in listed
                                if x.worker_id not in known | self._gone | self._adopting))
+        while self._adopting:  # adoptions an earlier look began (each bounded): their workers count below
+            await asyncio.sleep(DRAIN_POLL_S)
         mine = {_actor_name(w.worker_id) for w in self.workers + [w for ws in self.starting.values() for w in ws]}
-        mine |= {_actor_name(i) for i in self._adopting}  # still being linked to by an earlier _follow
         for name in await asyncio.to_thread(_named_workers):
             if name not in mine:
                 log.warning("router %s ends worker %s: started by an owner that died, never listed", self.router, name)
