@@ -60,46 +60,37 @@ asyncio.run(main(int(sys.argv[1])))
 """
 
 
-async def grpc_floor(messages: int, k: int) -> float:
-    """Server CPU seconds for `messages` messages of k tokens over STREAMS streams."""
+async def _server_cpu(per_call: int, k: int, client: str) -> float:
+    """Server CPU seconds while `client` (a script given the port) runs against a Generate that answers
+    each call with `per_call` messages of k tokens."""
 
     class Service(pb_grpc.GenerationServicer):
         async def Generate(self, request, context):
-            for i in range(messages // STREAMS):
+            for i in range(per_call):
                 yield pb.GenerateResponse(request_id="req-0123456789abcdef", text=" token" * k, token_ids=[i] * k)
 
     server = grpc.aio.server()
     pb_grpc.add_GenerationServicer_to_server(Service(), server)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
-    client = _CLIENT.format(root=str(Path(__file__).resolve().parents[1]), streams=STREAMS)
     t0 = time.process_time()
     proc = await asyncio.create_subprocess_exec(sys.executable, "-c", client, str(port))
     await proc.wait()
     cpu = time.process_time() - t0
     await server.stop(None)
     return cpu
+
+
+async def grpc_floor(messages: int, k: int) -> float:
+    """Server CPU seconds for `messages` messages of k tokens over STREAMS streams."""
+    root = str(Path(__file__).resolve().parents[1])
+    return await _server_cpu(messages // STREAMS, k, _CLIENT.format(root=root, streams=STREAMS))
 
 
 async def grpc_request_floor(requests: int) -> float:
     """Server CPU seconds for `requests` Generate calls of two messages each, 32 at a time."""
-
-    class Service(pb_grpc.GenerationServicer):
-        async def Generate(self, request, context):
-            for i in range(2):
-                yield pb.GenerateResponse(request_id="req-0123456789abcdef", text=" token", token_ids=[i])
-
-    server = grpc.aio.server()
-    pb_grpc.add_GenerationServicer_to_server(Service(), server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    client = _CALLS.format(root=str(Path(__file__).resolve().parents[1]), requests=requests)
-    t0 = time.process_time()
-    proc = await asyncio.create_subprocess_exec(sys.executable, "-c", client, str(port))
-    await proc.wait()
-    cpu = time.process_time() - t0
-    await server.stop(None)
-    return cpu
+    root = str(Path(__file__).resolve().parents[1])
+    return await _server_cpu(2, 1, _CALLS.format(root=root, requests=requests))
 
 
 def ray_floor(items: int) -> float:

@@ -233,10 +233,11 @@ class Pools:
         n = next(self._incarnations)
         return f"{pool}-{slot}.{n}" if self.router is None else f"{pool}-{slot}.e{self._epoch}.{n}"
 
-    def _task(self, coro) -> None:
+    def _task(self, coro) -> asyncio.Task:
         t = asyncio.create_task(coro)
         self._tasks.add(t)
         t.add_done_callback(self._tasks.discard)
+        return t
 
     def _watch(self, w: Worker) -> None:
         self._task(self._until_link_ends(w))
@@ -391,10 +392,7 @@ class Pools:
             self.starting[pool].append(w)  # now, so that the next one takes another slot
             self.scale_events[(pool, "up", reason)] += 1
             log.info("scaling %s up (%s): starting %s", pool, reason, w.worker_id)
-            t = asyncio.create_task(self._started(w))
-            self._tasks.add(t)
-            t.add_done_callback(self._tasks.discard)
-            tasks.append(t)
+            tasks.append(self._task(self._started(w)))
         return tasks
 
     async def _started(self, w: Worker) -> None:
