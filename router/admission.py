@@ -86,10 +86,15 @@ def prepare(info: ModelInfo, limit: int, *, prompt: str | None = None, messages:
             token_ids: list[int] | None = None, max_tokens: int | None = None, temperature: float | None = None,
             top_p: float | None = None, top_k: int | None = None, seed: int | None = None,
             stop: tuple[str, ...] = (), stop_token_ids: tuple[int, ...] = (), ignore_eos: bool = False,
-            default_max_tokens: int | None = DEFAULT_MAX_TOKENS) -> tuple[list[int], SamplingParams]:
+            default_max_tokens: int | None = DEFAULT_MAX_TOKENS, logprobs: int | None = None,
+            prompt_logprobs: int | None = None, logprobs_mode: str | None = None,
+            default_logprobs_mode: str = "raw", presence_penalty: float | None = None,
+            frequency_penalty: float | None = None, repetition_penalty: float | None = None,
+            min_tokens: int | None = None) -> tuple[list[int], SamplingParams]:
     """What every protocol's request comes down to: the prompt's token ids (from exactly one of prompt
     text, chat messages or token ids) and the sampling parameters, checked against the model; None
-    leaves a default. default_max_tokens None: up to the end of the context (OpenAI's chat API).
+    (or an empty logprobs_mode) leaves a default. default_max_tokens None: up to the end of the context
+    (OpenAI's chat API); default_logprobs_mode: the server's (RouterConfig.logprobs_mode).
     ValueError says what is wrong."""
     tok = info.tokenizer
     given = [name for name, v in (("prompt", prompt), ("messages", messages), ("token_ids", token_ids)) if v is not None]
@@ -136,6 +141,13 @@ def prepare(info: ModelInfo, limit: int, *, prompt: str | None = None, messages:
         stop=tuple(stop),
         stop_token_ids=tuple(stop_token_ids),
         ignore_eos=ignore_eos,
+        logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
+        logprobs_mode=logprobs_mode or default_logprobs_mode,
+        presence_penalty=0.0 if presence_penalty is None else presence_penalty,
+        frequency_penalty=0.0 if frequency_penalty is None else frequency_penalty,
+        repetition_penalty=1.0 if repetition_penalty is None else repetition_penalty,
+        min_tokens=0 if min_tokens is None else min_tokens,
     )
     vocab = info.config.vocab_size
     bad = [t for t in (*ids, *params.stop_token_ids) if not 0 <= t < vocab]

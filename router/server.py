@@ -26,6 +26,7 @@ from prometheus_client import start_http_server
 from pdserve.config import ClusterConfig
 from pdserve.engine.output import RequestOutput
 from pdserve.engine.request import FinishReason
+from pdserve.engine.sampling import LOGPROBS_MODES
 from pdserve.serving.metrics import PoolScale, RouterMetrics
 from pdserve.tiers import TIERS, ServiceTier, parse_tier
 from pdserve.v1 import generation_pb2 as pb
@@ -88,6 +89,9 @@ class RouterConfig:
     health_port: int | None = None  # grpc.health.v1 alone, plaintext, on this port too (for probes)
     http_port: int | None = None  # the OpenAI-compatible HTTP API (router.openai_api) on host:http_port
     served_model_name: str | None = None  # the model's name in the HTTP API; None: its file or directory name
+    # The distribution sampled tokens' logprobs come from when a request does not say (either API):
+    # "raw" or "processed" (pdserve.engine.sampling.SamplingParams.logprobs_mode).
+    logprobs_mode: str = "raw"
     # The bytes of one request either door reads, an HTTP body or a gRPC message: past it HTTP answers 413
     # before reading on, gRPC RESOURCE_EXHAUSTED. None: what the largest valid request can take in that door's
     # encoding (request_size_bounds).
@@ -108,6 +112,8 @@ class RouterConfig:
             raise ValueError("TLS needs both a certificate (--ssl-certfile) and its key (--ssl-keyfile)")
         if (self.ssl_ca_certs or self.metrics_tls) and not self.ssl_certfile:
             raise ValueError("--ssl-ca-certs and --metrics-tls need --ssl-certfile and --ssl-keyfile")
+        if self.logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(f"logprobs_mode must be one of {', '.join(LOGPROBS_MODES)}, got {self.logprobs_mode!r}")
         if self.api_key is not None and not self.api_key:
             raise ValueError("the API key is empty")
         for path in (self.ssl_certfile, self.ssl_keyfile, self.ssl_ca_certs):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pdserve.engine.logprobs import PromptLogprobs, TokenLogprob
 from pdserve.engine.request import FinishReason, Request
 from pdserve.model.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -26,6 +27,10 @@ class RequestOutput:
     num_cached_tokens: int = 0  # prompt tokens the prefix cache served
     placement: tuple[str, ...] = ()  # workers that ran the request (prefill, decode), on the last output
     service_tier: str = "default"  # the tier it is served at (pdserve.tiers): lower than asked if downgraded
+    # With params.logprobs: one per new token, in order. With params.prompt_logprobs: the prompt's, on the
+    # output that carries the first token.
+    logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
     @property
     def finished(self) -> bool:

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 import torch
 
 _MASK64 = (1 << 64) - 1
+MAX_LOGPROBS = 20  # the most alternatives a request may ask for at each position
+LOGPROBS_MODES = ("raw", "processed")
 
 
 @dataclass(frozen=True)
@@ -27,6 +29,20 @@ class SamplingParams:
     stop: tuple[str, ...] = ()  # stop strings: generation ends once the text contains one; not returned
     stop_token_ids: tuple[int, ...] = ()  # returned as the last token, not as text
     ignore_eos: bool = False
+    # Log-probabilities (pdserve.engine.logprobs): None is off; k in [0, MAX_LOGPROBS] returns the logprob of
+    # each sampled token (prompt_logprobs: of each prompt token given its prefix) and the k most likely.
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    # Which distribution sampled tokens' logprobs are read from: "raw" (log_softmax of the model's logits)
+    # or "processed" (of the logits the sampler drew from: after the penalties, the temperature and the
+    # top-k / top-p masks; tokens masked out have -inf). Prompt logprobs are always raw.
+    logprobs_mode: str = "raw"
+    # Penalties on the logits before temperature: presence and frequency as OpenAI defines them (over the
+    # output's tokens), repetition as transformers and vLLM do (over the prompt's and the output's tokens).
+    presence_penalty: float = 0.0  # in [-2, 2]: subtracted once from every token the output holds
+    frequency_penalty: float = 0.0  # in [-2, 2]: subtracted per occurrence in the output
+    repetition_penalty: float = 1.0  # > 0; 1 is off: seen tokens' positive logits / p, negative * p
+    min_tokens: int = 0  # EOS and stop_token_ids are held back until the output has this many tokens
 
     def __post_init__(self) -> None:
         # Accept lists from callers but keep the frozen value hashable.
@@ -46,10 +62,29 @@ class SamplingParams:
             raise ValueError(f"stop strings must be non-empty strings, got {self.stop!r}")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(self, name)
+            if k is not None and (not isinstance(k, int) or not 0 <= k <= MAX_LOGPROBS):
+                raise ValueError(f"{name} must be an integer in [0, {MAX_LOGPROBS}], got {k!r}")
+        if self.logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(f"logprobs_mode must be one of {', '.join(LOGPROBS_MODES)}, got {self.logprobs_mode!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not (math.isfinite(v) and -2.0 <= v <= 2.0):
+                raise ValueError(f"{name} must be in [-2, 2], got {v!r}")
+        if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0):
+            raise ValueError(f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty!r}")
+        if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"min_tokens must be an integer in [0, max_tokens], got {self.min_tokens!r}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def penalized(self) -> bool:
+        """Whether a penalty changes the logits (then the sampler needs the request's tokens)."""
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
 
 
 def token_seed(seed: int, index: int) -> int:
