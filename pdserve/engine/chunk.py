@@ -20,3 +20,12 @@ class Chunk(NamedTuple):
     # Pipelined decode: the chunk's last token is the previous step's sampled row pending_row, still on
     # the device (its value in token_ids is a placeholder).
     pending_row: int | None = None
+    # A sampling chunk whose request has penalties: the request's tokens so far, prompt then output (the
+    # request's own list: read when the step is built, before it changes; a pipelined one's last token
+    # may be PENDING, read from pending_row).
+    history: list[int] | None = None
+    # Token ids the sampler may not draw (min_tokens holds EOS and the stop ids back).
+    banned: tuple[int, ...] = ()
+    # Prompt logprobs: (k, targets): the chunk's first len(targets) positions each get the logprob of
+    # the prompt token that follows it, targets[i] being the one after position start + i.
+    prompt_logprobs: tuple[int, list[int]] | None = None

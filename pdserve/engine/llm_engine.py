@@ -14,6 +14,7 @@ import torch
 from pdserve.config import EngineConfig
 from pdserve.engine.block_pool import BlockPool
 from pdserve.engine.kv_cache import KVCacheManager
+from pdserve.engine.logprobs import PromptLogprobs, TokenLogprob
 from pdserve.engine.output import RequestOutput, TextOutput, token_output
 from pdserve.engine.request import FinishReason, Request, validate_prompt
 from pdserve.engine.runner import ModelRunner, StepResult
@@ -31,6 +32,8 @@ class Completion:
     token_ids: list[int]
     text: str
     finish_reason: FinishReason
+    logprobs: list[TokenLogprob] | None = None  # one per token, if asked (SamplingParams.logprobs)
+    prompt_logprobs: PromptLogprobs | None = None  # if asked (SamplingParams.prompt_logprobs)
 
 
 class EngineCore:
@@ -236,6 +239,8 @@ class LLMEngine:
         for s in sampled:
             rid = s.request.request_id
             out = token_output(s.request, self._text[rid], s.token, s.finish_reason, s.num_output_tokens)
+            out.logprobs = None if s.logprobs is None else [s.logprobs]
+            out.prompt_logprobs = s.prompt_logprobs
             if out.finish_reason is not None:
                 self.scheduler.finish(s.request, out.finish_reason)  # no-op if the token rules ended it
                 del self._requests[rid], self._text[rid]
@@ -251,12 +256,16 @@ class LLMEngine:
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams]) -> list[Completion]:
         plist = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
         rids = [self.add_request(p, sp) for p, sp in zip(prompts, plist)]
-        acc = {rid: ([], []) for rid in rids}
-        reasons: dict[str, FinishReason] = {}
+        done = {rid: Completion(rid, list(p), [], "", FinishReason.ERROR, [] if sp.logprobs is not None else None)
+                for rid, p, sp in zip(rids, prompts, plist)}
         for out in self.stream():
-            ids, text = acc[out.request_id]
-            ids.extend(out.new_token_ids)
-            text.append(out.new_text)
+            c = done[out.request_id]
+            c.token_ids.extend(out.new_token_ids)
+            c.text += out.new_text
+            if out.logprobs is not None:
+                c.logprobs.extend(out.logprobs)
+            if out.prompt_logprobs is not None:
+                c.prompt_logprobs = out.prompt_logprobs
             if out.finish_reason is not None:
-                reasons[out.request_id] = out.finish_reason
-        return [Completion(rid, list(p), acc[rid][0], "".join(acc[rid][1]), reasons[rid]) for rid, p in zip(rids, prompts)]
+                c.finish_reason = out.finish_reason
+        return list(done.values())

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pdserve.engine.kv_cache import KVCacheManager
 from pdserve.engine.request import PENDING, Request, length_stop, token_stop_reason
 from pdserve.engine.runner import StepResult
-from pdserve.engine.scheduler_types import Role, SampledToken, ScheduledStep
+from pdserve.engine.scheduler_types import Role, SampledToken, ScheduledStep, take_prompt_logprobs
 
 
 @dataclass
@@ -54,6 +54,7 @@ class PipelinedDecode:
         assert self.role is not Role.PREFILL, "a prefill worker hands its requests off: it does not pipeline"
         for req, chunk in zip(step.requests, step.chunks):
             req.num_computed_tokens += len(chunk.token_ids)
+        self.note_prompt_logprobs(step, result)
         rows = []
         for row, i in enumerate(result.sampling_chunks):
             req = step.requests[i]
@@ -73,9 +74,10 @@ class PipelinedDecode:
         place of its PENDING tokens; token-level stops; the blocks of requests that ended meanwhile."""
         assert self.launched and self.launched[0] is launched, "steps resolve in launch order"
         tokens = launched.result.sampled.tolist()
+        logprobs = self.token_logprobs(launched.step, launched.result, tokens)
         self.launched.pop(0)
         out = []
-        for (req, idx), token in zip(launched.rows, tokens):
+        for (req, idx), token, lp in zip(launched.rows, tokens, logprobs):
             if req.finished:
                 continue  # ended meanwhile (cancelled, a stop string, a stop in the step before): dropped
             req.token_ids[idx] = token
@@ -84,7 +86,7 @@ class PipelinedDecode:
             if reason is not None:
                 del req.token_ids[idx + 1:]  # what was launched after its last token
                 req.unresolved = 0
-            out.append(SampledToken(req, token, reason, idx + 1 - req.num_prompt_tokens))
+            out.append(SampledToken(req, token, reason, idx + 1 - req.num_prompt_tokens, lp, take_prompt_logprobs(req)))
             if reason is not None:
                 self.finish(req, reason)
         for req in launched.step.requests:
@@ -94,6 +96,24 @@ class PipelinedDecode:
             self._free_after.remove(req)
             self.kv.free(req)
         return out
+
+    @staticmethod
+    def note_prompt_logprobs(step: ScheduledStep, result: StepResult) -> None:
+        """Keep the prompt logprobs a step computed on their requests, by position (a prompt computed
+        again after a preemption overwrites its own)."""
+        for i, logprobs in result.prompt_logprobs.items():
+            req = step.requests[i]
+            if req.prompt_logprobs is not None:
+                start = step.chunks[i].start
+                del req.prompt_logprobs[start:]
+                req.prompt_logprobs += logprobs
+
+    @staticmethod
+    def token_logprobs(step: ScheduledStep, result: StepResult, tokens: list[int]) -> list:
+        """Per sampled row, its token's TokenLogprob if its request asked (this waits for the device)."""
+        if result.logprobs is None:
+            return [None] * len(tokens)
+        return result.logprobs.rows(tokens, [step.requests[i].params.logprobs for i in result.sampling_chunks])
 
     def _in_flight(self, req: Request) -> bool:
         """Whether a launched step (pipelined decode) still uses req's blocks."""

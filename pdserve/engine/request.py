@@ -65,10 +65,15 @@ class Request:
     # The worker's pdserve.engine.output.TextOutput, where this worker streams the request's tokens (their
     # text and stop strings are made where they are sampled); None elsewhere.
     text: object | None = None
+    # Prompt logprobs still to be delivered (params.prompt_logprobs): entry p is the logprob of prompt token
+    # p + 1, filled as the prompt's chunks are computed; None once delivered, or where they are not wanted
+    # (asked not, or computed elsewhere).
+    prompt_logprobs: list | None = field(init=False)
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
         self.num_prompt_tokens = len(self.prompt_token_ids)
+        self.prompt_logprobs = [] if self.params.prompt_logprobs is not None else None
 
     @property
     def num_tokens(self) -> int:

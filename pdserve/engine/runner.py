@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -16,7 +16,8 @@ from pdserve.config import ModelConfig
 from pdserve.engine.chunk import Chunk
 from pdserve.engine.cuda_graphs import DecodeGraphs, batch_buckets
 from pdserve.engine.kv_cache import allocate_kv_cache
-from pdserve.engine.sampling import SamplingBatch, sample, to_device
+from pdserve.engine.logprobs import TokenLogprob
+from pdserve.engine.sampling import SampledLogprobs, SamplingBatch, sample, to_device
 from pdserve.engine.utilization import step_bytes, step_flops
 from pdserve.kernels import cpu_attention, cpu_kernels
 from pdserve.model.attention import AttentionMetadata, DecodeGroup
@@ -29,6 +30,13 @@ class StepResult:
     sampled: torch.Tensor  # [sampling chunks] int64, in the order of the chunks that sample
     logits: torch.Tensor  # [sampling chunks, vocab] fp32
     sampling_chunks: list[int]  # index into the step's chunks of each sampled row
+    logprobs: SampledLogprobs | None = None  # of the sampled tokens, if a row asked
+    # Chunk index -> the logprobs of the prompt tokens its positions predict (Chunk.prompt_logprobs).
+    prompt_logprobs: dict[int, list[TokenLogprob]] = field(default_factory=dict)
+
+# Prompt logprobs take the logits of every position they cover: computed this many rows at a time, so a
+# long prompt chunk never holds [chunk tokens, vocabulary] floats at once.
+PROMPT_LOGITS_ROWS = 256
 
 
 # Decode steps replayed from CUDA graphs serve contexts up to this many tokens (the graphs' block tables
@@ -97,17 +105,41 @@ class ModelRunner:
         for i, c in zip(order, ordered):
             row += len(c.token_ids)
             last_row[i] = row - 1
+        # Every rank runs the same LM head calls (with tensor parallelism each is a collective), so the
+        # prompt logprobs' logits are computed before the ranks that do not sample return.
+        prompt_logprobs = {i: self._prompt_logprobs(hidden, last_row[i] + 1 - len(c.token_ids), *c.prompt_logprobs)
+                           for i, c in enumerate(chunks) if c.prompt_logprobs is not None}
         sampling_chunks = [i for i, c in enumerate(chunks) if c.sample is not None]
         if not sampling_chunks:
-            return StepResult(torch.empty(0, dtype=torch.int64), torch.empty(0, self.cfg.vocab_size), [])
+            return StepResult(torch.empty(0, dtype=torch.int64), torch.empty(0, self.cfg.vocab_size), [],
+                              prompt_logprobs=prompt_logprobs)
         rows = to_device(torch.tensor([last_row[i] for i in sampling_chunks]), self.device)
         logits = self.model.compute_logits(hidden[rows])  # [sampling chunks, vocab]
         if not sample_tokens:
             return StepResult(torch.empty(0, dtype=torch.int64), logits, sampling_chunks)
-        batch = SamplingBatch.build([chunks[i].sample for i in sampling_chunks],
-                                    [chunks[i].seed for i in sampling_chunks],
-                                    [chunks[i].output_index for i in sampling_chunks], device=self.device)
-        return StepResult(sample(logits, batch), logits, sampling_chunks)
+        sampled, logprobs = sample(logits, self._sampling([chunks[i] for i in sampling_chunks], previous))
+        return StepResult(sampled, logits, sampling_chunks, logprobs, prompt_logprobs)
+
+    def _sampling(self, chunks: list[Chunk], previous: torch.Tensor | None) -> SamplingBatch:
+        return SamplingBatch.build([c.sample for c in chunks], [c.seed for c in chunks],
+                                   [c.output_index for c in chunks], self.device,
+                                   histories=[c.history for c in chunks], banned=[c.banned for c in chunks],
+                                   pending=[c.pending_row for c in chunks], previous=previous)
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, first: int, k: int, targets: list[int]) -> list[TokenLogprob]:
+        """Positions first, first + 1, ... of the batch: the raw logprob of each target (the prompt token that
+        follows the position), its rank and the top k."""
+        out: list[TokenLogprob] = []
+        for a in range(0, len(targets), PROMPT_LOGITS_ROWS):
+            want = targets[a:a + PROMPT_LOGITS_ROWS]
+            lp = self.model.compute_logits(hidden[first + a:first + a + len(want)]).log_softmax(dim=-1)
+            ids = to_device(torch.tensor(want, dtype=torch.int64), self.device)[:, None]
+            chosen = lp.gather(-1, ids)
+            ranks = ((lp > chosen).sum(dim=-1) + 1).tolist()
+            top_lp, top_ids = lp.topk(k, dim=-1)
+            top_lp, top_ids, chosen = top_lp.tolist(), top_ids.tolist(), chosen[:, 0].tolist()
+            out += [TokenLogprob(t, chosen[j], ranks[j], tuple(zip(top_ids[j], top_lp[j]))) for j, t in enumerate(want)]
+        return out
 
     def _count_work(self, chunks: list[Chunk]) -> None:
         """The step's analytic FLOPs and bytes (pdserve.engine.utilization), the numerators of MFU and MBU."""
@@ -119,9 +151,8 @@ class ModelRunner:
         """A decode-only step in its CUDA graph's bucket (padded; eager where no graph is captured)."""
         self._count_work(chunks)
         logits = self.graphs.run(chunks, previous)
-        batch = SamplingBatch.build([c.sample for c in chunks], [c.seed for c in chunks],
-                                    [c.output_index for c in chunks], device=self.device)
-        return StepResult(sample(logits, batch), logits, list(range(len(chunks))))
+        sampled, logprobs = sample(logits, self._sampling(chunks, previous))
+        return StepResult(sampled, logits, list(range(len(chunks))), logprobs)
 
     def _prepare(self, chunks: list[Chunk]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         bs = self.block_size

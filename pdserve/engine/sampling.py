@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
+from pdserve.engine.logprobs import TokenLogprob
+
 _MASK64 = (1 << 64) - 1
 MAX_LOGPROBS = 20  # the most alternatives a request may ask for at each position
 LOGPROBS_MODES = ("raw", "processed")
@@ -100,25 +102,117 @@ class SamplingBatch:
     """Per-row sampling inputs of one step."""
 
     temperatures: torch.Tensor  # [rows] float32, 0 for greedy rows
-    top_k: torch.Tensor  # [rows] int64, 0 = off
-    top_p: torch.Tensor  # [rows] float32, 1 = off
+    top_k: torch.Tensor  # [rows] int64, 0 = off (off on greedy rows)
+    top_p: torch.Tensor  # [rows] float32, 1 = off (off on greedy rows)
     seeds: tuple[int, ...]  # per row; each request carries one (assigned if the client gave none)
     output_index: tuple[int, ...]  # per row: index of the token being sampled in the request's output
     all_greedy: bool
     any_filter: bool
+    penalties: Penalties | None = None  # the rows with penalties, if any
+    banned: tuple[torch.Tensor, torch.Tensor] | None = None  # (rows, token ids) the sampler may not draw
+    # Logprobs: per row, k (None: not asked), and which rows read the processed distribution.
+    logprobs: tuple[int | None, ...] = ()
+    processed: torch.Tensor | None = None  # [rows] bool
 
     @classmethod
     def build(cls, params: Sequence[SamplingParams], seeds: Sequence[int], output_index: Sequence[int],
-              device: torch.device | str = "cpu") -> SamplingBatch:
+              device: torch.device | str = "cpu", histories: Sequence[list[int] | None] = (),
+              banned: Sequence[tuple[int, ...]] = (), pending: Sequence[int | None] = (),
+              previous: torch.Tensor | None = None) -> SamplingBatch:
+        """histories, banned, pending (per row, optional): a penalized row's tokens so far (prompt then
+        output; PENDING ones are read from previous[pending row]), the ids a row may not draw."""
+        penalties = Penalties.build(params, histories, output_index, pending, previous, device) \
+            if any(h is not None for h in histories) else None
+        ban = None
+        if any(banned):
+            rows = [r for r, ids in enumerate(banned) for _ in ids]
+            ban = (to_device(torch.tensor(rows), device), to_device(torch.tensor([t for ids in banned for t in ids]), device))
+        logprobs = tuple(p.logprobs for p in params)
+        processed = None
+        if any(p.logprobs is not None and p.logprobs_mode == "processed" for p in params):
+            processed = to_device(torch.tensor([p.logprobs_mode == "processed" for p in params]), device)
         return cls(
             temperatures=to_device(torch.tensor([p.temperature for p in params], dtype=torch.float32), device),
-            top_k=to_device(torch.tensor([p.top_k for p in params], dtype=torch.int64), device),
-            top_p=to_device(torch.tensor([p.top_p for p in params], dtype=torch.float32), device),
+            top_k=to_device(torch.tensor([0 if p.greedy else p.top_k for p in params], dtype=torch.int64), device),
+            top_p=to_device(torch.tensor([1.0 if p.greedy else p.top_p for p in params], dtype=torch.float32), device),
             seeds=tuple(seeds),
             output_index=tuple(output_index),
             all_greedy=all(p.greedy for p in params),
             any_filter=any(not p.greedy and (p.top_k > 0 or p.top_p < 1.0) for p in params),
+            penalties=penalties,
+            banned=ban,
+            logprobs=logprobs,
+            processed=processed,
         )
+
+    @property
+    def max_logprobs(self) -> int:
+        """The most alternatives a row asks for; -1 if no row asks for logprobs."""
+        return max((k for k in self.logprobs if k is not None), default=-1)
+
+
+@dataclass(frozen=True)
+class Penalties:
+    """The penalized rows of a step: which rows, their tokens as flat (penalized row, token id) pairs, and
+    their penalties, on the device. Counting happens in `apply`, where the vocabulary is known."""
+
+    rows: torch.Tensor  # [P] int64: which rows of the batch
+    output: tuple[torch.Tensor, torch.Tensor]  # (index into rows, token id) for every output token known
+    prompt: tuple[torch.Tensor, torch.Tensor]  # the same for the prompt's tokens
+    pending: tuple[torch.Tensor, torch.Tensor] | None  # (index into rows, row of previous) of PENDING tokens
+    previous: torch.Tensor | None
+    presence: torch.Tensor  # [P, 1] float32
+    frequency: torch.Tensor  # [P, 1]
+    repetition: torch.Tensor  # [P, 1]
+
+    @classmethod
+    def build(cls, params: Sequence[SamplingParams], histories: Sequence[list[int] | None],
+              output_index: Sequence[int], pending: Sequence[int | None], previous: torch.Tensor | None,
+              device: torch.device | str) -> Penalties:
+        rows = [r for r, h in enumerate(histories) if h is not None]
+        out_at, out_ids, prompt_at, prompt_ids, pend_at, pend_src = [], [], [], [], [], []
+        for i, r in enumerate(rows):
+            history = histories[r]
+            split = len(history) - output_index[r]  # the prompt's length (a resumed request's included)
+            prompt_ids += history[:split]
+            prompt_at += [i] * split
+            known = [t for t in history[split:] if t >= 0]  # PENDING tokens (-1) are on the device
+            out_ids += known
+            out_at += [i] * len(known)
+            if len(known) < output_index[r]:  # its last token is still on the device (pipelined decode)
+                assert pending and pending[r] is not None and previous is not None, "a PENDING token without its row"
+                pend_at.append(i)
+                pend_src.append(pending[r])
+
+        def pair(at: list[int], ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+            return (to_device(torch.tensor(at, dtype=torch.int64), device),
+                    to_device(torch.tensor(ids, dtype=torch.int64), device))
+
+        def column(name: str) -> torch.Tensor:
+            return to_device(torch.tensor([[getattr(params[r], name)] for r in rows], dtype=torch.float32), device)
+
+        return cls(to_device(torch.tensor(rows, dtype=torch.int64), device), pair(out_at, out_ids),
+                   pair(prompt_at, prompt_ids), pair(pend_at, pend_src) if pend_at else None, previous,
+                   column("presence_penalty"), column("frequency_penalty"), column("repetition_penalty"))
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        """The logits with the penalties applied to the penalized rows (a new tensor): repetition first
+        (seen tokens' positive logits divided by it, negative ones multiplied), then frequency and presence
+        (logit -= frequency * count + presence * (count > 0), over the output)."""
+        sub = logits[self.rows]
+        counts = torch.zeros_like(sub)
+        ones = torch.ones_like(self.output[1], dtype=sub.dtype)
+        counts.index_put_(self.output, ones, accumulate=True)
+        if self.pending is not None:
+            at, src = self.pending
+            counts.index_put_((at, self.previous[src]), torch.ones_like(at, dtype=sub.dtype), accumulate=True)
+        seen = counts > 0
+        seen[self.prompt] = True
+        sub = torch.where(seen, torch.where(sub > 0, sub / self.repetition, sub * self.repetition), sub)
+        sub = sub - self.frequency * counts - self.presence * (counts > 0).to(sub.dtype)
+        out = logits.clone()
+        out[self.rows] = sub
+        return out
 
 
 def to_device(host: torch.Tensor, device: torch.device | str) -> torch.Tensor:
@@ -146,11 +240,37 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Te
     return torch.full_like(logits, float("-inf")).scatter_(-1, order, sorted_logits)
 
 
-def sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """logits: [rows, vocab] fp32 -> sampled token ids [rows] int64 (stays on the logits' device)."""
+@dataclass(frozen=True)
+class SampledLogprobs:
+    """The logprobs of a step's sampled tokens, on the device: [rows] and [rows, k] for the largest k asked."""
+
+    logprob: torch.Tensor  # [rows] float32
+    rank: torch.Tensor  # [rows] int64
+    top_ids: torch.Tensor  # [rows, k] int64
+    top_logprobs: torch.Tensor  # [rows, k] float32
+
+    def rows(self, sampled: Sequence[int], ks: Sequence[int | None]) -> list[TokenLogprob | None]:
+        """On the host (this waits for the device): one TokenLogprob per row that asked, None elsewhere."""
+        lp, rank, ids, top = (t.tolist() for t in (self.logprob, self.rank, self.top_ids, self.top_logprobs))
+        return [None if k is None else TokenLogprob(tok, lp[r], rank[r], tuple(zip(ids[r][:k], top[r][:k])))
+                for r, (tok, k) in enumerate(zip(sampled, ks))]
+
+
+def sample(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, SampledLogprobs | None]:
+    """logits: [rows, vocab] fp32 -> sampled token ids [rows] int64 and, if a row asks, their logprobs
+    (both stay on the logits' device).
+
+    The logits the sampler draws from ("processed"): penalties, banned tokens (min_tokens), then on
+    sampling rows the temperature and the top-k / top-p masks; greedy rows take the argmax of the
+    penalized logits."""
+    raw = logits
+    if batch.penalties is not None:
+        logits = batch.penalties.apply(logits)
+    if batch.banned is not None:
+        logits = logits.index_put(batch.banned, torch.tensor(float("-inf"), device=logits.device))
     greedy = logits.argmax(dim=-1)
     if batch.all_greedy:
-        return greedy
+        return greedy, _logprobs(raw, logits, greedy, batch)
     is_greedy = batch.temperatures == 0
     scaled = logits / torch.where(is_greedy, 1.0, batch.temperatures)[:, None]
     if batch.any_filter:
@@ -161,5 +281,18 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     for row, (seed, index) in enumerate(zip(batch.seeds, batch.output_index)):
         gen.manual_seed(token_seed(seed, index))
         noise[row].exponential_(generator=gen)
-    sampled = (probs / noise).argmax(dim=-1)
-    return torch.where(is_greedy, greedy, sampled)
+    sampled = torch.where(is_greedy, greedy, (probs / noise).argmax(dim=-1))
+    return sampled, _logprobs(raw, scaled, sampled, batch)
+
+
+def _logprobs(raw: torch.Tensor, processed: torch.Tensor, sampled: torch.Tensor,
+              batch: SamplingBatch) -> SampledLogprobs | None:
+    """The sampled tokens' logprobs under each row's distribution (raw or processed), ranks and top k."""
+    k = batch.max_logprobs
+    if k < 0:
+        return None
+    source = raw if batch.processed is None else torch.where(batch.processed[:, None], processed, raw)
+    lp = source.log_softmax(dim=-1)
+    chosen = lp.gather(-1, sampled[:, None])
+    top_logprobs, top_ids = lp.topk(k, dim=-1) if k > 0 else (lp[:, :0], sampled[:, None][:, :0])
+    return SampledLogprobs(chosen[:, 0], (lp > chosen).sum(dim=-1) + 1, top_ids, top_logprobs)

@@ -40,7 +40,7 @@ from pdserve.engine.kv_cache import KVCacheManager
 from pdserve.engine.pipelined import LaunchedStep, PipelinedDecode
 from pdserve.engine.request import FinishReason, Request, RequestStatus, token_stop_reason
 from pdserve.engine.runner import StepResult
-from pdserve.engine.scheduler_types import Role, SampledToken, ScheduledStep, chunk_of
+from pdserve.engine.scheduler_types import Role, SampledToken, ScheduledStep, chunk_of, take_prompt_logprobs
 from pdserve.tiers import ServiceTier, flex_floor
 
 FLEX = ServiceTier.FLEX.rank
@@ -170,7 +170,7 @@ class Scheduler(PipelinedDecode):
             if budget <= 0:
                 break
             kept, req.kept_kv = req.kept_kv, False  # preempted for another tier, its KV still here
-            if not req.block_ids:
+            if not req.block_ids and req.prompt_logprobs is None:  # prompt logprobs need every position computed
                 self.kv.admit_cached_prefix(req)
             n = req.num_tokens - req.num_computed_tokens
             if n > budget and not self.config.enable_chunked_prefill:
@@ -193,7 +193,7 @@ class Scheduler(PipelinedDecode):
             scheduled.append((req, n))
             budget -= n
         self.num_preemptions += preempted
-        return ScheduledStep([r for r, _ in scheduled], [chunk_of(r, n) for r, n in scheduled], reserved)
+        return ScheduledStep([r for r, _ in scheduled], [chunk_of(r, n, self.eos_token_ids) for r, n in scheduled], reserved)
 
     def update(self, step: ScheduledStep, result: StepResult) -> list[SampledToken]:
         """Account a finished step: computed tokens, newly full blocks, sampled tokens, token-level stops.
@@ -204,8 +204,11 @@ class Scheduler(PipelinedDecode):
         for req, chunk in zip(step.requests, step.chunks):
             req.num_computed_tokens += len(chunk.token_ids)
             self.kv.cache_computed_blocks(req)
+        self.note_prompt_logprobs(step, result)
         out = []
-        for i, token in zip(result.sampling_chunks, result.sampled.tolist()):
+        tokens = result.sampled.tolist()
+        logprobs = self.token_logprobs(step, result, tokens)
+        for i, token, lp in zip(result.sampling_chunks, tokens, logprobs):
             req = step.requests[i]
             req.token_ids.append(token)
             reason = token_stop_reason(req, self.eos_token_ids, self.max_model_len)
@@ -215,7 +218,7 @@ class Scheduler(PipelinedDecode):
                 self.held[req.request_id] = req
             elif reason is not None:
                 self.finish(req, reason)
-            out.append(SampledToken(req, token, reason, req.num_output_tokens))
+            out.append(SampledToken(req, token, reason, req.num_output_tokens, lp, take_prompt_logprobs(req)))
         return out
 
     def kv_arrived(self, request_id: str, token: int) -> SampledToken | None:

@@ -11,6 +11,7 @@ import enum
 from dataclasses import dataclass, field
 
 from pdserve.engine.chunk import Chunk
+from pdserve.engine.logprobs import PromptLogprobs, TokenLogprob
 from pdserve.engine.request import PENDING, FinishReason, Request
 
 
@@ -35,20 +36,44 @@ class SampledToken:
     token: int
     finish_reason: FinishReason | None  # set when a token-level rule ended the request
     num_output_tokens: int = 0  # the request's output with this token (pipelined: more may be in flight)
+    logprobs: TokenLogprob | None = None  # if the request asked for them
+    prompt_logprobs: PromptLogprobs | None = None  # with the request's first sampled token, if it asked
 
 
-def chunk_of(req: Request, n: int) -> Chunk:
+def take_prompt_logprobs(req: Request) -> PromptLogprobs | None:
+    """The request's prompt logprobs, once all are computed (None before, and after they were taken)."""
+    got = req.prompt_logprobs
+    if got is None or len(got) < req.num_prompt_tokens - 1:
+        return None
+    req.prompt_logprobs = None
+    return (None, *got[:req.num_prompt_tokens - 1])
+
+
+def chunk_of(req: Request, n: int, eos_token_ids: tuple[int, ...] = ()) -> Chunk:
     """The next n uncomputed tokens of a request; it samples if they reach its last known token. A
-    PENDING last token (pipelined decode) is read on the device from the launched step's row."""
+    PENDING last token (pipelined decode) is read on the device from the launched step's row. Below
+    min_tokens, eos_token_ids (unless EOS is ignored) and the stop ids are banned from sampling."""
     start = req.num_computed_tokens
     end = start + n
     pending = req.unresolved > 0 and end == req.num_tokens and req.token_ids[-1] == PENDING
+    params = req.params
+    samples = end == req.num_tokens
+    banned: tuple[int, ...] = ()
+    if samples and req.num_output_tokens < params.min_tokens:
+        banned = (*(() if params.ignore_eos else eos_token_ids), *params.stop_token_ids)
+    prompt_logprobs = None
+    last_prompt = req.num_prompt_tokens - 1  # the last position whose next token is a prompt token
+    if req.prompt_logprobs is not None and start < last_prompt:
+        prompt_logprobs = (params.prompt_logprobs, req.token_ids[start + 1:min(end, last_prompt) + 1])
     return Chunk(
         token_ids=req.token_ids[start:end],
         start=start,
         block_ids=req.block_ids,
-        sample=req.params if end == req.num_tokens else None,
+        sample=params if samples else None,
         seed=req.seed,
         output_index=req.num_output_tokens,
         pending_row=req.pending_row if pending else None,
+        history=req.token_ids if samples and params.penalized else None,
+        banned=banned,
+        prompt_logprobs=prompt_logprobs,
     )

@@ -39,8 +39,9 @@ import torch
 
 from pdserve.config import EngineConfig, ModelConfig
 from pdserve.engine.chunk import Chunk
+from pdserve.engine.logprobs import TokenLogprob
 from pdserve.engine.runner import StepResult
-from pdserve.engine.sampling import token_seed
+from pdserve.engine.sampling import SampledLogprobs, token_seed
 from pdserve.engine.utilization import step_bytes, step_flops
 from pdserve.model.loader import ModelInfo, load_info
 from pdserve.perf.costs import RooflineCosts, attention_pairs
@@ -199,7 +200,7 @@ class SimRunner:
                             "when the host cannot keep up (raise sim_time_scale, or run fewer workers a core)",
                             (time.perf_counter() - t0) * 1e3, duration * 1e3)
         _sleep_until(t0 + duration)
-        return StepResult(sampled, torch.empty(len(sampling), 0), sampling)
+        return StepResult(sampled, torch.empty(len(sampling), 0), sampling, *_certain_logprobs(chunks, sampling, sampled))
 
     def _slot_values(self, chunks: list[Chunk], previous: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """Every computed token's cache slot and its value before the layer salt: [tokens] each. Lists built
@@ -265,3 +266,16 @@ def _sleep_until(deadline: float) -> None:
     if left > 0:
         time.sleep(left)
 
+
+def _certain_logprobs(chunks: list[Chunk], sampling: list[int],
+                      sampled: torch.Tensor) -> tuple[SampledLogprobs | None, dict[int, list[TokenLogprob]]]:
+    """Logprobs for the requests that ask: a simulated engine's tokens are certain (logprob 0, rank 1,
+    the token itself the only alternative it reports)."""
+    asks = [chunks[i].sample.logprobs is not None for i in sampling]
+    logprobs = None
+    if any(asks) and len(sampled):
+        n = len(sampled)
+        logprobs = SampledLogprobs(torch.zeros(n), torch.ones(n, dtype=torch.int64), sampled[:, None], torch.zeros(n, 1))
+    prompt = {i: [TokenLogprob(t, 0.0, 1, ((t, 0.0),)[:k]) for t in targets]
+              for i, c in enumerate(chunks) if c.prompt_logprobs is not None for k, targets in [c.prompt_logprobs]}
+    return logprobs, prompt

@@ -43,7 +43,7 @@ def test_greedy_rows_take_argmax_in_a_mixed_batch():
     logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(0))
     ps = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0), SamplingParams(temperature=0.0),
           SamplingParams(temperature=2.0, top_k=5)]
-    out = sample(logits, batch(ps, [1, 2, 3, 4], [0, 0, 0, 0]))
+    out, _ = sample(logits, batch(ps, [1, 2, 3, 4], [0, 0, 0, 0]))
     assert out[0] == logits[0].argmax() and out[2] == logits[2].argmax()
     assert out[3] in logits[3].topk(5).indices
 
@@ -51,9 +51,9 @@ def test_greedy_rows_take_argmax_in_a_mixed_batch():
 def test_same_seed_and_index_same_token_regardless_of_row():
     logits = torch.randn(1, 1000, generator=torch.Generator().manual_seed(1))
     p = SamplingParams(temperature=1.0)
-    alone = sample(logits, batch([p], [42], [3]))
+    alone, _ = sample(logits, batch([p], [42], [3]))
     other = torch.randn(2, 1000)
-    mixed = sample(torch.cat([other[:1], logits, other[1:]]), batch([p, p, p], [7, 42, 9], [0, 3, 5]))
+    mixed, _ = sample(torch.cat([other[:1], logits, other[1:]]), batch([p, p, p], [7, 42, 9], [0, 3, 5]))
     assert mixed[1] == alone[0]
 
 
@@ -61,7 +61,7 @@ def test_sampling_follows_the_distribution():
     probs = torch.tensor([0.6, 0.3, 0.1])
     logits = probs.log().expand(3000, 3).contiguous()
     p = SamplingParams(temperature=1.0)
-    out = sample(logits, batch([p] * 3000, [5] * 3000, list(range(3000))))
+    out, _ = sample(logits, batch([p] * 3000, [5] * 3000, list(range(3000))))
     freq = torch.bincount(out, minlength=3).float() / 3000
     assert torch.allclose(freq, probs, atol=0.03)
 
