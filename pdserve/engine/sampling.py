@@ -126,7 +126,8 @@ class SamplingBatch:
         ban = None
         if any(banned):
             rows = [r for r, ids in enumerate(banned) for _ in ids]
-            ban = (to_device(torch.tensor(rows), device), to_device(torch.tensor([t for ids in banned for t in ids]), device))
+            ids = [t for row_ids in banned for t in row_ids]
+            ban = (to_device(torch.tensor(rows), device), to_device(torch.tensor(ids), device))
         logprobs = tuple(p.logprobs for p in params)
         processed = None
         if any(p.logprobs is not None and p.logprobs_mode == "processed" for p in params):

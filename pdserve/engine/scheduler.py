@@ -193,7 +193,8 @@ class Scheduler(PipelinedDecode):
             scheduled.append((req, n))
             budget -= n
         self.num_preemptions += preempted
-        return ScheduledStep([r for r, _ in scheduled], [chunk_of(r, n, self.eos_token_ids) for r, n in scheduled], reserved)
+        chunks = [chunk_of(r, n, self.eos_token_ids) for r, n in scheduled]
+        return ScheduledStep([r for r, _ in scheduled], chunks, reserved)
 
     def update(self, step: ScheduledStep, result: StepResult) -> list[SampledToken]:
         """Account a finished step: computed tokens, newly full blocks, sampled tokens, token-level stops.

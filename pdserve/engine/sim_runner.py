@@ -200,7 +200,8 @@ class SimRunner:
                             "when the host cannot keep up (raise sim_time_scale, or run fewer workers a core)",
                             (time.perf_counter() - t0) * 1e3, duration * 1e3)
         _sleep_until(t0 + duration)
-        return StepResult(sampled, torch.empty(len(sampling), 0), sampling, *_certain_logprobs(chunks, sampling, sampled))
+        logprobs, prompt_logprobs = _certain_logprobs(chunks, sampling, sampled)
+        return StepResult(sampled, torch.empty(len(sampling), 0), sampling, logprobs, prompt_logprobs)
 
     def _slot_values(self, chunks: list[Chunk], previous: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """Every computed token's cache slot and its value before the layer salt: [tokens] each. Lists built
@@ -275,7 +276,11 @@ def _certain_logprobs(chunks: list[Chunk], sampling: list[int],
     logprobs = None
     if any(asks) and len(sampled):
         n = len(sampled)
-        logprobs = SampledLogprobs(torch.zeros(n), torch.ones(n, dtype=torch.int64), sampled[:, None], torch.zeros(n, 1))
-    prompt = {i: [TokenLogprob(t, 0.0, 1, ((t, 0.0),)[:k]) for t in targets]
-              for i, c in enumerate(chunks) if c.prompt_logprobs is not None for k, targets in [c.prompt_logprobs]}
+        ones = torch.ones(n, dtype=torch.int64)
+        logprobs = SampledLogprobs(torch.zeros(n), ones, sampled[:, None], torch.zeros(n, 1))
+    prompt = {}
+    for i, c in enumerate(chunks):
+        if c.prompt_logprobs is not None:
+            k, targets = c.prompt_logprobs
+            prompt[i] = [TokenLogprob(t, 0.0, 1, ((t, 0.0),)[:k]) for t in targets]
     return logprobs, prompt
