@@ -311,7 +311,8 @@ class PrefillActor(WorkerActor):
         fut = self._results.get(req.request_id)
         try:
             if fut is not None:
-                fut.set_result(PrefillResult(req.request_id, s.token, req.num_cached_tokens, text, reason))
+                fut.set_result(PrefillResult(req.request_id, s.token, req.num_cached_tokens, text, reason, s.logprobs,
+                                             s.prompt_logprobs))
         except InvalidStateError:  # cancelled meanwhile
             pass
         return reason

@@ -33,6 +33,7 @@ from dataclasses import replace
 from typing import Any
 
 from pdserve.config import ClusterConfig
+from pdserve.engine.logprobs import PromptLogprobs, TokenLogprob
 from pdserve.engine.output import RequestOutput
 from pdserve.engine.request import FinishReason, Request, validate_prompt
 from pdserve.engine.sampling import SamplingParams
@@ -265,7 +266,10 @@ class Cluster:
         q = self._streams[req.request_id]
         q.clear()  # failures meant for an earlier attempt
         self._owner[wrid] = req.request_id  # until the attempt ends: later events of it go nowhere
-        task = PrefillTask(wrid, tuple(req.prompt_token_ids), req.params, req.seed, tuple(req.output_token_ids),
+        # A resumed attempt's prompt logprobs went out with its first token already: not computed again.
+        params = req.params if not req.num_output_tokens or req.params.prompt_logprobs is None \
+            else replace(req.params, prompt_logprobs=None)
+        task = PrefillTask(wrid, tuple(req.prompt_token_ids), params, req.seed, tuple(req.output_token_ids),
                            tier=req.tier, text_offset=text_offset)
         placed: list[Worker] = []
         finished = False
@@ -307,7 +311,9 @@ class Cluster:
                 if req.num_output_tokens == 1:
                     req.num_cached_tokens = result.num_cached_tokens
                 out = RequestOutput(req.request_id, [result.first_token], result.text, result.finish_reason,
-                                    req.num_prompt_tokens, req.num_output_tokens)
+                                    req.num_prompt_tokens, req.num_output_tokens,
+                                    logprobs=None if result.logprobs is None else [result.logprobs],
+                                    prompt_logprobs=result.prompt_logprobs)
                 finished = out.finished
                 if finished:
                     p.requests.discard(wrid)
@@ -332,6 +338,8 @@ class Cluster:
                 # behind the decode steps, a message's cost is paid once for all of them.
                 tokens: list[int] = []
                 texts: list[str] = []
+                logprobs: list[TokenLogprob] | None = [] if req.params.logprobs is not None else None
+                prompt_logprobs: PromptLogprobs | None = None
                 reason: FinishReason | None = None
                 while q.items and reason is None:
                     ev = q.take()
@@ -344,6 +352,10 @@ class Cluster:
                         raise _Retry(ev.reason, ev.detail, [w.worker_id for w in placed])
                     tokens.append(ev.token)
                     texts.append(ev.text)
+                    if logprobs is not None and ev.logprobs is not None:
+                        logprobs.append(ev.logprobs)
+                    if ev.prompt_logprobs is not None:  # a colocated worker's, with the first token
+                        prompt_logprobs = ev.prompt_logprobs
                     reason = ev.finish_reason
                 if not tokens:
                     continue
@@ -353,7 +365,7 @@ class Cluster:
                 req.token_ids += tokens
                 finished = reason is not None
                 out = RequestOutput(req.request_id, tokens, "".join(texts), reason, req.num_prompt_tokens,
-                                    req.num_output_tokens)
+                                    req.num_output_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
                 yield self._annotate(out, req, placed if finished else [])
         finally:
             self._owner.pop(wrid, None)

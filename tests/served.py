@@ -179,6 +179,54 @@ def mixed_params(n, max_tokens):
             for i in range(n)]
 
 
+def logprob_params(n, max_tokens):
+    """Requests that ask for logprobs in every way, with penalties: greedy raw with the top 5 and the
+    prompt's; seeded sampling in processed mode under top-k and penalties; greedy with only the sampled
+    token's, min_tokens and a repetition penalty; and one that asks for none."""
+    kinds = [
+        dict(temperature=0.0, logprobs=5, prompt_logprobs=2),
+        dict(temperature=0.8, top_k=20, seed=7, logprobs=3, logprobs_mode="processed", repetition_penalty=1.3,
+             presence_penalty=0.4, frequency_penalty=0.3),
+        dict(temperature=0.0, logprobs=0, min_tokens=max_tokens, repetition_penalty=1.2),
+        dict(temperature=0.7, seed=3, presence_penalty=-0.5),
+    ]
+    return [SamplingParams(max_tokens=max_tokens, **kinds[i % len(kinds)]) for i in range(n)]
+
+
+async def collect_logprobs(cluster: Cluster, prompt, params):
+    """(tokens, logprobs, prompt logprobs) of a request streamed through the cluster."""
+    tokens, logprobs, prompt_logprobs = [], [], None
+    async for out in cluster.generate(prompt, params):
+        assert out.error is None, out.error
+        tokens += out.new_token_ids
+        if out.logprobs is not None:
+            assert len(out.logprobs) == len(out.new_token_ids)
+            logprobs += out.logprobs
+        if out.prompt_logprobs is not None:
+            assert prompt_logprobs is None, "prompt logprobs came twice"
+            prompt_logprobs = out.prompt_logprobs
+    return tokens, logprobs if params.logprobs is not None else None, prompt_logprobs
+
+
+def assert_same_logprobs(got, want, tol=1e-4):
+    """Two lists of TokenLogprob (None entries allowed) agree: tokens, ranks and top ids exactly (unless
+    two alternatives are within tol of each other), values within tol."""
+    assert (got is None) == (want is None)
+    if want is None:
+        return
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        assert (g is None) == (w is None)
+        if w is None:
+            continue
+        assert g.token_id == w.token_id
+        assert abs(g.logprob - w.logprob) <= tol or g.logprob == w.logprob, (g, w)
+        assert len(g.top) == len(w.top)
+        for (gi, gv), (wi, wv) in zip(g.top, w.top):
+            assert abs(gv - wv) <= tol or gv == wv, (g, w)
+            assert gi == wi or any(abs(v - wv) <= tol for i, v in w.top if i == gi), (g, w)
+
+
 async def collect(cluster: Cluster, prompt, params, request_id=None):
     tokens, text, last = [], [], None
     async for out in cluster.generate(prompt, params, request_id):

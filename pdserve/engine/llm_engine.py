@@ -67,6 +67,7 @@ class EngineCore:
         self.pipelined = on and role is not Role.PREFILL and tp == 1
         self.steps = 0
         self.tokens_processed = 0
+        self.prompt_tokens_computed = 0  # prompt positions computed (tokens_processed's prompt share)
 
     @staticmethod
     def _model_runner(config: EngineConfig, loaded: LoadedModel | None, role: Role, ranks,
@@ -170,6 +171,8 @@ class EngineCore:
     def _count(self, step: ScheduledStep) -> None:
         self.steps += 1
         self.tokens_processed += sum(len(c.token_ids) for c in step.chunks)
+        self.prompt_tokens_computed += sum(max(min(c.start + len(c.token_ids), r.num_prompt_tokens) - c.start, 0)
+                                           for r, c in zip(step.requests, step.chunks))
 
 
 class LLMEngine:

@@ -89,6 +89,7 @@ class Scheduler(PipelinedDecode):
         self.waiting_for_kv: dict[str, Request] = {}  # decode: blocks reserved, KV in flight
         self.requests: dict[str, Request] = {}  # every unfinished request, by id
         self.num_preemptions = 0
+        self.prompt_tokens_requested = 0  # prompts taken here to compute (not those whose KV comes from elsewhere)
         # Preemptions by (tier name, "kept" | "recomputed"), counted when the preempted request resumes
         # with its KV (kept) or loses it (recomputed).
         self.preemptions: collections.Counter[tuple[str, str]] = collections.Counter()
@@ -115,6 +116,8 @@ class Scheduler(PipelinedDecode):
         req.queue_seq = next(self._seq)
         self.waiting.append(req)
         self.requests[req.request_id] = req
+        if not req.remote_kv:
+            self.prompt_tokens_requested += req.num_prompt_tokens
 
     @property
     def has_work(self) -> bool:

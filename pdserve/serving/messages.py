@@ -8,6 +8,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from pdserve.engine.logprobs import PromptLogprobs, TokenLogprob
 from pdserve.engine.output import TextOutput
 from pdserve.engine.request import FinishReason, Request
 from pdserve.engine.sampling import SamplingParams
@@ -60,6 +61,8 @@ class PrefillResult:
     num_cached_tokens: int  # prompt tokens served by the prefix cache
     text: str = ""  # the first token's text (held back while it may begin a stop string)
     finish_reason: FinishReason | None = None  # if the first token ended the request (a stop string included)
+    logprobs: TokenLogprob | None = None  # the first token's, if asked
+    prompt_logprobs: PromptLogprobs | None = None  # if asked
 
 
 @dataclass(frozen=True)
@@ -78,6 +81,7 @@ class DecodeTask(_Task):
     def new_request(self, tokenizer: Tokenizer | None = None) -> Request:
         req = super().new_request(tokenizer)
         req.remote_kv = True
+        req.prompt_logprobs = None  # the prefill worker's to compute
         return req
 
 
@@ -111,6 +115,8 @@ class TokenEvent:
     token: int
     finish_reason: FinishReason | None  # STOP for a completed stop string too (the worker ended the request)
     text: str = ""  # the token's text, detokenized on the worker (pdserve.engine.output.TextOutput)
+    logprobs: TokenLogprob | None = None  # if the request asked
+    prompt_logprobs: PromptLogprobs | None = None  # with a colocated request's first token, if it asked
 
 
 @dataclass(frozen=True)
@@ -148,6 +154,9 @@ class WorkerStats:
     tier_seconds: dict = field(default_factory=dict)
     tier_preemptions: dict = field(default_factory=dict)
     cancelled: int = 0  # requests a cancel ended here (their records: WorkerActor.recent_cancels)
+    # Prompt tokens of the requests taken here to compute, and those computed (pdserve.engine.llm_engine.EngineCore).
+    prompt_tokens_requested: int = 0
+    prompt_tokens_computed: int = 0
 
     @property
     def busy_fraction(self) -> float:

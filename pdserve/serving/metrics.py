@@ -219,6 +219,12 @@ class WorkerCollector(Collector):
                      "Prompt blocks served by the prefix cache", lambda s: s.prefix_hit_blocks)
         yield family(CounterMetricFamily, "pdserve_worker_prefix_cache_query_blocks",
                      "Prompt blocks looked up in the prefix cache", lambda s: s.prefix_query_blocks)
+        yield family(CounterMetricFamily, "pdserve_worker_prompt_tokens_requested",
+                     "Prompt tokens of the requests this worker took to compute (a resumed request's re-ingested "
+                     "output not included)", lambda s: s.prompt_tokens_requested)
+        yield family(CounterMetricFamily, "pdserve_worker_prompt_tokens_computed",
+                     "Prompt tokens this worker computed: below requested by what the prefix cache served, above "
+                     "it by prompts computed again after a preemption", lambda s: s.prompt_tokens_computed)
         moving = [s for s in stats if s.transfer]
         for kind, name, doc, key in (
                 (CounterMetricFamily, "pdserve_kv_transfers",

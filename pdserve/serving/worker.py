@@ -283,7 +283,7 @@ class WorkerActor:
         text, reason = self._text(s)
         if reason is not s.finish_reason:
             self.core.scheduler.finish(s.request, reason)
-        return TokenEvent(s.request.request_id, s.token, reason, text)
+        return TokenEvent(s.request.request_id, s.token, reason, text, s.logprobs, s.prompt_logprobs)
 
     # -- stats ------------------------------------------------------------------------------------
     def _load(self) -> tuple[int, int, int]:
@@ -309,4 +309,6 @@ class WorkerActor:
             pid=os.getpid(), preemptions=c.scheduler.num_preemptions, tier_seconds=dict(self.tier_seconds),
             tier_preemptions={f"{t}/{kind}": n for (t, kind), n in c.scheduler.preemptions.items()},
             cancelled=self.cancelled, late_steps=getattr(runner, "late_steps", 0),
+            prompt_tokens_requested=c.scheduler.prompt_tokens_requested,
+            prompt_tokens_computed=c.prompt_tokens_computed,
             **self._extra_stats())

@@ -181,3 +181,22 @@ def test_core_cancel_all_frees_everything_and_keeps_serving(ckpt):
     ref = make_engine(ckpt).generate([prompts[0]], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
     out = eng.generate([prompts[0]], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
     assert out[0].token_ids == ref[0].token_ids and eng.pool.num_used_blocks == 0
+
+
+def test_prompt_tokens_requested_and_computed(ckpt):
+    """The counters behind pdserve_worker_prompt_tokens_{requested,computed}: a repeated prompt is computed
+    in part (the prefix cache serves its full blocks), unless it asks for prompt logprobs (every position
+    is then computed); requested counts every prompt token either way."""
+    prompt = make_prompts(1)[0] * 3  # long enough for several full blocks
+    engine = make_engine(ckpt)
+    core = engine.core
+    greedy = SamplingParams(max_tokens=2, temperature=0.0)
+    engine.generate([prompt], greedy)
+    assert (core.scheduler.prompt_tokens_requested, core.prompt_tokens_computed) == (len(prompt), len(prompt))
+    engine.generate([prompt], greedy)
+    assert core.scheduler.prompt_tokens_requested == 2 * len(prompt)
+    hit = engine.pool.block_size * ((len(prompt) - 1) // engine.pool.block_size)
+    assert core.prompt_tokens_computed == 2 * len(prompt) - hit
+    engine.generate([prompt], SamplingParams(max_tokens=2, temperature=0.0, prompt_logprobs=0))
+    assert core.scheduler.prompt_tokens_requested == 3 * len(prompt)
+    assert core.prompt_tokens_computed == 3 * len(prompt) - hit

@@ -25,7 +25,7 @@ from pdserve.parallel.layout import TPLayout
 from router.cluster import Cluster
 
 from conftest import wait_for
-from served import collect_all, mixed_params
+from served import assert_same_logprobs, collect_all, collect_logprobs, logprob_params, mixed_params
 
 LAYOUTS = [(1, 2), (2, 1), (2, 2), (4, 1), (1, 4)]
 LENS = [5, 40, 13, 70, 2, 33]  # 40 and 70 are longer than the token budget: chunked prefill
@@ -76,8 +76,15 @@ def used_blocks(aloop, cluster) -> int:
     return sum(s.kv_blocks_used for s in aloop.run(cluster.stats()))
 
 
+@pytest.fixture(scope="module")
+def logprob_reference(gqa):
+    params = logprob_params(len(LENS), NEW_TOKENS)
+    with LLMEngine(engine_config(gqa)) as engine:
+        return params, engine.generate(prompts(), params)
+
+
 @pytest.mark.parametrize("prefill_tp, decode_tp", LAYOUTS)
-def test_tp_pair_is_token_exact(ray_local, aloop, gqa, reference, prefill_tp, decode_tp):
+def test_tp_pair_is_token_exact(ray_local, aloop, gqa, reference, logprob_reference, prefill_tp, decode_tp):
     """Prefill of TP A, decode of TP B: every request's tokens (greedy and seeded sampling) equal the
     offline engine's at TP 1, each worker runs as A or B processes, each decode rank received exactly
     its KV heads, and no KV block is left used. The block allocator is rank 0's alone and every rank's
@@ -101,6 +108,16 @@ def test_tp_pair_is_token_exact(ray_local, aloop, gqa, reference, prefill_tp, de
         kv = sum(-(-n // 4) for n in LENS) * 2 * 2 * 4 * 8 * 4 * heads  # blocks x K,V x layers x block x dim x fp32
         assert kv <= decode["bytes"] <= kv + 8 * (len(LENS) + 2) * decode["transfers"], (decode, kv)
         assert decode["failures"] == 0
+
+        async def with_logprobs():  # logprobs, the prompt's (computed by the prefill ranks), penalties
+            return await asyncio.gather(*(collect_logprobs(cluster, p, sp)
+                                          for p, sp in zip(prompts(), logprob_reference[0])))
+
+        for (tokens, logprobs, prompt_logprobs), want in zip(aloop.run(with_logprobs(), timeout=300),
+                                                             logprob_reference[1]):
+            assert tokens == want.token_ids
+            assert_same_logprobs(logprobs, want.logprobs)
+            assert_same_logprobs(prompt_logprobs, want.prompt_logprobs)
     finally:
         aloop.run(cluster.shutdown())
 

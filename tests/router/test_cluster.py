@@ -16,7 +16,16 @@ from pdserve.engine.sampling import SamplingParams
 from router.cluster import Cluster
 
 from conftest import wait_for
-from served import CANCEL_WITHIN_STEPS, CancelWatch, collect, collect_all, mixed_params
+from served import (
+    CANCEL_WITHIN_STEPS,
+    CancelWatch,
+    assert_same_logprobs,
+    collect,
+    collect_all,
+    collect_logprobs,
+    logprob_params,
+    mixed_params,
+)
 
 # 16 prompts; the 200-token one is longer than the prefill token budget (below) and is chunked.
 TINY_LENS = [5, 40, 13, 70, 2, 33, 9, 21, 200, 17, 3, 55, 8, 26, 11, 64]
@@ -104,6 +113,30 @@ def test_tiny_matches_offline_engine(aloop, tiny_cluster, tiny_reference):
     got = aloop.run(collect_all(tiny_cluster.cluster, tiny_prompts(), params))
     assert [g[0] for g in got] == ref
     assert all(g[2] is FinishReason.LENGTH for g in got)
+    assert_no_leaks(aloop, tiny_cluster.cluster)
+
+
+def test_tiny_logprobs_and_penalties_match_offline_engine(aloop, tiny_cluster, tiny_engine_config):
+    """Logprobs (raw and processed, top k, the prompt's through chunked prefill: the 200-token prompt is
+    longer than the token budget), penalties and min_tokens: through 1P1D, 2P2D and a colocated worker
+    the tokens and every logprob equal the offline engine's; prompt logprobs come once, with the first
+    token, from the worker that computed the prompt."""
+    prompts = tiny_prompts()
+    params = logprob_params(len(prompts), 12)
+    with LLMEngine(tiny_engine_config) as engine:
+        want = engine.generate(prompts, params)
+
+    async def run():
+        return await asyncio.gather(*(collect_logprobs(tiny_cluster.cluster, p, sp) for p, sp in zip(prompts, params)))
+
+    got = aloop.run(run())
+    for (tokens, logprobs, prompt_logprobs), w, p, sp in zip(got, want, prompts, params):
+        assert tokens == w.token_ids
+        assert_same_logprobs(logprobs, w.logprobs)
+        assert_same_logprobs(prompt_logprobs, w.prompt_logprobs)
+        if sp.prompt_logprobs is not None:
+            assert len(prompt_logprobs) == len(p) and prompt_logprobs[0] is None
+        assert len(tokens) >= sp.min_tokens
     assert_no_leaks(aloop, tiny_cluster.cluster)
 
 
