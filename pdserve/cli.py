@@ -55,11 +55,31 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--presence-penalty", type=float, default=0.0,
+                   help="in [-2, 2]: subtracted once from every token the output holds (OpenAI's)")
+    p.add_argument("--frequency-penalty", type=float, default=0.0,
+                   help="in [-2, 2]: subtracted per occurrence of a token in the output (OpenAI's)")
+    p.add_argument("--repetition-penalty", type=float, default=1.0,
+                   help="> 0, 1 is off: the prompt's and the output's tokens' positive logits divided by it, "
+                        "negative ones multiplied")
+    p.add_argument("--min-tokens", type=int, default=0, help="EOS and stop ids are held back until this many tokens")
+    p.add_argument("--logprobs", type=int, default=None, metavar="K",
+                   help="print each generated token's logprob, rank and the K most likely tokens (K in 0..20)")
+    p.add_argument("--prompt-logprobs", type=int, default=None, metavar="K",
+                   help="print each prompt token's logprob given the prompt before it, and the K most likely")
+    p.add_argument("--logprobs-mode", default=None, choices=["raw", "processed"],
+                   help="generated tokens' logprobs from the model's distribution (raw) or the one sampled from, "
+                        "after penalties, temperature, top-k and top-p (processed); default: the server's (raw "
+                        "offline)")
 
 
 def sampling_params_from_args(args: argparse.Namespace) -> SamplingParams:
     return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                          top_k=args.top_k, seed=args.seed, stop=tuple(args.stop), ignore_eos=args.ignore_eos)
+                          top_k=args.top_k, seed=args.seed, stop=tuple(args.stop), ignore_eos=args.ignore_eos,
+                          presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
+                          repetition_penalty=args.repetition_penalty, min_tokens=args.min_tokens,
+                          logprobs=args.logprobs, prompt_logprobs=args.prompt_logprobs,
+                          logprobs_mode=args.logprobs_mode or "raw")
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -93,14 +113,21 @@ def _generate_offline(engine, params: SamplingParams, args: argparse.Namespace) 
     token_ids: list[int] = []
     text: list[str] = []
     reason = None
+    logprobs, prompt_logprobs = [], []
     for out in engine.stream():
         token_ids.extend(out.new_token_ids)
         text.append(out.new_text)
+        logprobs += out.logprobs or ()
+        prompt_logprobs = list(out.prompt_logprobs or prompt_logprobs)
         if not args.json and out.new_text:
             sys.stdout.write(out.new_text)
             sys.stdout.flush()
         reason = out.finish_reason or reason
-    finish(args.json, "".join(text), token_ids, reason.value, {"prompt_tokens": len(prompt), "completion_tokens": len(token_ids)})
+    finish(args.json, "".join(text), token_ids, reason.value,
+           {"prompt_tokens": len(prompt), "completion_tokens": len(token_ids)},
+           logprobs=logprobs if params.logprobs is not None else None,
+           prompt_logprobs=(prompt, prompt_logprobs) if params.prompt_logprobs is not None else None,
+           token_text=lambda t: tok.decode([t], skip_special_tokens=False))
     return 0
 
 
@@ -111,7 +138,10 @@ def generate_remote(args: argparse.Namespace) -> int:
 
     sampling_params_from_args(args)  # same validation, same messages as offline, before any network call
     kwargs = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                  seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos, service_tier=args.service_tier)
+                  seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos, service_tier=args.service_tier,
+                  presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
+                  repetition_penalty=args.repetition_penalty, min_tokens=args.min_tokens, logprobs=args.logprobs,
+                  prompt_logprobs=args.prompt_logprobs, logprobs_mode=args.logprobs_mode or "")
     if args.chat:
         kwargs["messages"] = [{"role": "user", "content": args.prompt}]
     else:
@@ -130,17 +160,55 @@ def generate_remote(args: argparse.Namespace) -> int:
     if not args.json:
         print(f"\n[service tier: {out.service_tier}]", file=sys.stderr)
     finish(args.json, out.text, out.token_ids, out.finish_reason,
-           {k: out.usage[k] for k in ("prompt_tokens", "completion_tokens")}, service_tier=out.service_tier)
+           {k: out.usage[k] for k in ("prompt_tokens", "completion_tokens")}, service_tier=out.service_tier,
+           logprobs=out.logprobs if args.logprobs is not None else None,
+           prompt_logprobs=(None, out.prompt_logprobs) if args.prompt_logprobs is not None else None)
     return 0
 
 
 def finish(as_json: bool, text: str, token_ids: list[int], reason: str, usage: dict[str, int],
-           service_tier: str | None = None) -> None:
+           service_tier: str | None = None, logprobs: Sequence[Any] | None = None,
+           prompt_logprobs: tuple[Sequence[int] | None, Sequence[Any]] | None = None,
+           token_text: Callable[[int], str] | None = None) -> None:
+    """logprobs: one per generated token, if asked; prompt_logprobs: (the prompt's ids if known, one per prompt
+    token, the first None), if asked. Either kind of TokenLogprob (the engine's or the client's): they have the
+    same fields. token_text: a token's text, where a tokenizer is at hand (offline); else ids alone."""
     if as_json:
         extra = {} if service_tier is None else {"service_tier": service_tier}
+        if logprobs is not None:
+            extra["logprobs"] = [_logprob_json(lp) for lp in logprobs]
+        if prompt_logprobs is not None:
+            extra["prompt_logprobs"] = [_logprob_json(lp) if lp is not None else None for lp in prompt_logprobs[1]]
         print(json.dumps({"text": text, "token_ids": token_ids, "finish_reason": reason, "usage": usage, **extra}))
-    else:
-        sys.stdout.write("\n")
+        return
+    sys.stdout.write("\n")
+    if prompt_logprobs is not None:
+        ids, entries = prompt_logprobs
+        print("prompt logprobs (position, token, logprob, rank, most likely):")
+        for i, lp in enumerate(entries):
+            print(format_logprob(i, lp, token_text, ids[i] if ids is not None else None))
+    if logprobs is not None:
+        print("logprobs (position, token, logprob, rank, most likely):")
+        for i, lp in enumerate(logprobs):
+            print(format_logprob(i, lp, token_text))
+
+
+def _logprob_json(lp: Any) -> dict[str, Any]:
+    # -inf (a token the processed distribution masked out) is written as -Infinity, as Python's json reads it.
+    return {"token_id": lp.token_id, "logprob": lp.logprob, "rank": lp.rank, "top": [list(t) for t in lp.top]}
+
+
+def format_logprob(position: int, lp: Any, token_text: Callable[[int], str] | None = None,
+                   token_id: int | None = None) -> str:
+    """One line: position, the token, its logprob and rank, then the most likely tokens with theirs. lp None
+    (the prompt's first token, which has no logprob): the token alone, if token_id is given."""
+    def name(t: int) -> str:
+        return f"{t}:{token_text(t)!r}" if token_text is not None else str(t)
+
+    if lp is None:
+        return f"{position:5d}  {name(token_id) if token_id is not None else '':24}  {'-':>9}"
+    top = "  ".join(f"{name(t)} {v:.4f}" for t, v in lp.top)
+    return f"{position:5d}  {name(lp.token_id):24}  {lp.logprob:9.4f}  #{lp.rank:<6d}  {top}"
 
 
 def cmd_status(args: argparse.Namespace) -> int:

@@ -63,23 +63,30 @@ def parse_wire(data: bytes) -> pb.GenerateRequest | Malformed:
         return Malformed(f"malformed request (text fields must be valid UTF-8): {e}")
 
 
-def parse_request(request: pb.GenerateRequest, info: ModelInfo, limit: int) -> tuple[list[int], SamplingParams]:
+def parse_request(request: pb.GenerateRequest, info: ModelInfo, limit: int,
+                  default_logprobs_mode: str = "raw") -> tuple[list[int], SamplingParams]:
     """The prompt's token ids and the sampling parameters of a gRPC request; ValueError says what is wrong.
-    limit: characters of text accepted before tokenizing (prompt, or all messages)."""
+    limit: characters of text accepted before tokenizing (prompt, or all messages); default_logprobs_mode:
+    the server's, for a request whose logprobs_mode is empty."""
     which = request.WhichOneof("input")
     s = request.sampling
+
+    def given(message, name: str):  # an unset optional is the server's default, not the wire's zero
+        return getattr(message, name) if message.HasField(name) else None
+
     return prepare(
         info, limit,
         prompt=request.prompt if which == "prompt" else None,
         messages=[{"role": m.role, "content": m.content} for m in request.messages.messages]
         if which == "messages" else None,
         token_ids=list(request.token_ids.ids) if which == "token_ids" else None,
-        max_tokens=request.max_tokens if request.HasField("max_tokens") else None,
-        temperature=s.temperature if s.HasField("temperature") else None,
-        top_p=s.top_p if s.HasField("top_p") else None,
-        top_k=s.top_k if s.HasField("top_k") else None,
-        seed=s.seed if s.HasField("seed") else None,
-        stop=tuple(request.stop), stop_token_ids=tuple(request.stop_token_ids), ignore_eos=request.ignore_eos)
+        max_tokens=given(request, "max_tokens"),
+        temperature=given(s, "temperature"), top_p=given(s, "top_p"), top_k=given(s, "top_k"), seed=given(s, "seed"),
+        stop=tuple(request.stop), stop_token_ids=tuple(request.stop_token_ids), ignore_eos=request.ignore_eos,
+        logprobs=given(request, "logprobs"), prompt_logprobs=given(request, "prompt_logprobs"),
+        logprobs_mode=request.logprobs_mode or None, default_logprobs_mode=default_logprobs_mode,
+        presence_penalty=given(s, "presence_penalty"), frequency_penalty=given(s, "frequency_penalty"),
+        repetition_penalty=given(s, "repetition_penalty"), min_tokens=given(s, "min_tokens"))
 
 
 def prepare(info: ModelInfo, limit: int, *, prompt: str | None = None, messages: list[dict[str, str]] | None = None,

@@ -5,8 +5,21 @@ gRPC: the same admission, the same cluster, the same request checks (router.admi
 same metrics (labelled protocol="http"), the same API key and TLS. Streams are server-sent events
 (`data: {json}` ... `data: [DONE]`); a client that goes away cancels its request on every worker.
 
-What OpenAI's API has and pdserve does not (n > 1, logprobs, echo, suffix, tools, penalties, logit
-bias, JSON mode) is a 400 that names the field. Every error uses OpenAI's shape,
+Logprobs are OpenAI's: on chat, logprobs: true with top_logprobs k gives each choice
+logprobs.content, one {token, logprob, bytes, top_logprobs} per generated token; on completions,
+logprobs k gives logprobs {tokens, token_logprobs, top_logprobs (the k most likely and the chosen token,
+by text), text_offset}. A logprob of -inf (a token the "processed" distribution masked out) is written
+as MIN_LOGPROB, JSON having no -inf. Extensions, by vLLM's names: prompt_logprobs (a list, None for
+the first prompt token, then {"<id>": {logprob, rank, decoded_token}} for the token and the k most
+likely there; chat: on the response, completions: on the choice; streamed: on the first chunk that has
+them), return_token_ids (token_ids on each choice or chunk, prompt_token_ids beside them: chat on the
+response, completions on the choice), logprobs_mode, repetition_penalty, min_tokens. Token strings are
+the tokenizer's text of each id alone (special tokens shown), bytes their raw bytes where the tokenizer
+is byte-level; a model without a tokenizer names a token "token_id:<id>".
+
+What OpenAI's API has and pdserve does not (n > 1, echo, suffix, best_of, tools, logit bias, JSON
+mode) is a 400 that names the field, and so is a value out of range (the field as the request named
+it: top_logprobs, presence_penalty, min_tokens, ...). Every error uses OpenAI's shape,
 {"error": {"message", "type", "param", "code"}}: 400 bad input (a body that is not a JSON object
 included), 401 missing or wrong key, 404 unknown model or path, 405 wrong method, 413 a body over
 the bound, 429 admission queue full, 503 draining, the workers failed the request, or the door holds
@@ -20,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -30,8 +44,11 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from pdserve.engine.logprobs import PromptLogprobs, TokenLogprob
 from pdserve.engine.output import RequestOutput
 from pdserve.engine.request import FinishReason
+from pdserve.engine.sampling import SamplingParams
+from pdserve.model.tokenizer import IncrementalDetokenizer, Tokenizer
 from pdserve.tiers import ServiceTier, parse_tier
 from router.admission import DEFAULT_MAX_TOKENS, Overloaded, RequestFailed, prepare
 from router.openai_schema import BaseCompletionRequest, ChatCompletionRequest, CompletionRequest, HTTPError
@@ -39,6 +56,7 @@ from router.tracking import Timeline
 
 _FINISH = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length"}
 DISCONNECT_POLL_S = 0.25  # how often a non-streamed request checks that its client is still there
+MIN_LOGPROB = -9999.0  # what a logprob of -inf is written as: JSON has no -inf
 
 
 def build_app(service, model_name: str, api_key: str | None, max_body_bytes: int, body_budget_bytes: int) -> FastAPI:
@@ -52,6 +70,7 @@ def build_app(service, model_name: str, api_key: str | None, max_body_bytes: int
         app.add_middleware(_ApiKey, expected=f"Bearer {api_key}".encode())
     info = service.cluster.info
     names = {model_name, info.path}
+    vocab = _Vocab(info.tokenizer)
     created = int(time.time())
 
     @app.exception_handler(HTTPError)
@@ -126,7 +145,7 @@ def build_app(service, model_name: str, api_key: str | None, max_body_bytes: int
             if body.model not in names:
                 raise HTTPError(404, f"the model {body.model!r} does not exist; this server has {model_name!r}",
                                 param="model", code="model_not_found", grpc_code="NOT_FOUND")
-            for field, why in body.unsupported():
+            for field, why in body.refused():
                 raise HTTPError(400, why, param=field)
             if not service.serving:
                 raise HTTPError(503, "the router is draining; retry on another replica", kind="server_error",
@@ -140,9 +159,16 @@ def build_app(service, model_name: str, api_key: str | None, max_body_bytes: int
                 prompt, params = prepare(info, service.config.max_input_chars, max_tokens=max_tokens,
                                          temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
                                          seed=body.seed, stop=stop, stop_token_ids=tuple(body.stop_token_ids or ()),
-                                         ignore_eos=body.ignore_eos, default_max_tokens=default_max_tokens, **fields)
+                                         ignore_eos=body.ignore_eos, default_max_tokens=default_max_tokens,
+                                         logprobs=body.logprobs_k(), prompt_logprobs=body.prompt_logprobs,
+                                         logprobs_mode=body.logprobs_mode,
+                                         default_logprobs_mode=service.config.logprobs_mode,
+                                         presence_penalty=body.presence_penalty,
+                                         frequency_penalty=body.frequency_penalty,
+                                         repetition_penalty=body.repetition_penalty, min_tokens=body.min_tokens,
+                                         **fields)
             except ValueError as e:
-                raise HTTPError(400, str(e)) from None
+                raise _invalid_value(body, e) from None
         except HTTPError as e:
             t.code, t.finish_reason = e.grpc_code, "none"
             t.record(service.metrics)
@@ -150,12 +176,13 @@ def build_app(service, model_name: str, api_key: str | None, max_body_bytes: int
         t.prompt_tokens = len(prompt)
         rid = ("chatcmpl-" if kind == "chat.completion" else "cmpl-") + uuid.uuid4().hex
         run = _Run(service, t, prompt, params, rid, tier)
+        choice = _Choice(kind == "chat.completion", vocab, info.tokenizer, prompt, params, bool(body.return_token_ids))
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             first = await run.start()  # errors before the first token are plain HTTP errors
-            return StreamingResponse(_sse(run, first, kind, rid, body.model, include_usage),
+            return StreamingResponse(_sse(run, first, kind, rid, body.model, include_usage, choice),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        return await _whole(run, request, kind, rid, body.model)
+        return await _whole(run, request, kind, rid, body.model, choice)
 
     return app
 
@@ -280,6 +307,206 @@ def _text(content, index: int) -> str:
     return "".join(parts)
 
 
+def _invalid_value(body: BaseCompletionRequest, e: ValueError) -> HTTPError:
+    """The 400 for a value the request checks refused (router.admission.prepare, SamplingParams), naming the
+    body's field where the message begins with the name of one ("min_tokens must be ...")."""
+    message = str(e)
+    m = re.match(r"(\w+) (?:must|is|has) ", message)
+    if m is None or (param := body.param(m[1])) not in type(body).model_fields:
+        return HTTPError(400, message)
+    return HTTPError(400, param + message[len(m[1]):], param=param)
+
+
+def _logprob(x: float) -> float:
+    return max(x, MIN_LOGPROB)
+
+
+class _Vocab:
+    """Token ids as logprobs show them: each id's text (the tokenizer's decode of it alone, special tokens
+    shown) and its bytes, made once per id. A byte-level BPE token gives its raw bytes, so a token holding
+    part of a UTF-8 character (whose text is U+FFFD) still gives exact bytes; a byte-fallback piece
+    (<0xE6>) gives its byte; other tokens the UTF-8 of their text. Without a tokenizer: "token_id:<id>"."""
+
+    _BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+    def __init__(self, tokenizer: Tokenizer | None):
+        self._tok = tokenizer
+        self._known: dict[int, tuple[str, list[int]]] = {}
+        self._byte_level: dict[str, int] | None = None
+        self._added: dict[int, str] = {}
+        if tokenizer is not None:
+            from tokenizers.decoders import ByteLevel
+
+            hf = tokenizer.hf_tokenizer
+            self._added = {int(i): t.content for i, t in hf.added_tokens_decoder.items()}
+            backend = getattr(hf, "backend_tokenizer", None)
+            if backend is not None and isinstance(backend.decoder, ByteLevel):
+                self._byte_level = _byte_level_alphabet()
+
+    def __call__(self, token_id: int) -> tuple[str, list[int]]:
+        """(text, bytes) of a token id."""
+        known = self._known.get(token_id)
+        if known is None:
+            known = self._known[token_id] = self._make(token_id)
+        return known
+
+    def text(self, token_id: int) -> str:
+        return self(token_id)[0]
+
+    def _make(self, token_id: int) -> tuple[str, list[int]]:
+        if self._tok is None:
+            text = f"token_id:{token_id}"
+            return text, list(text.encode())
+        text = self._tok.decode([token_id], skip_special_tokens=False)
+        if token_id in self._added:
+            return text, list(self._added[token_id].encode())
+        piece = self._tok.hf_tokenizer.convert_ids_to_tokens(token_id)
+        if isinstance(piece, str):
+            if self._byte_level is not None and all(c in self._byte_level for c in piece):
+                return text, [self._byte_level[c] for c in piece]
+            if (m := self._BYTE_PIECE.fullmatch(piece)) is not None:
+                return text, [int(m[1], 16)]
+        return text, list(text.encode())
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """Byte-level BPE's character for each byte, inverted: printable bytes stand for themselves, the other
+    68 for the characters from U+0100 on, in byte order."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1),
+                 *range(ord("\u00ae"), ord("\u00ff") + 1)]
+    chars = {b: chr(b) for b in printable}
+    for n, b in enumerate(b for b in range(256) if b not in chars):
+        chars[b] = chr(256 + n)
+    return {c: b for b, c in chars.items()}
+
+
+class _Choice:
+    """A request's choice in the API's shape, built from its outputs: streamed (piece() per output) or
+    whole (add() per output, then whole()). Beside the text: logprobs (when asked), the token ids
+    (return_token_ids), and the prompt's fields once (prompt_token_ids, prompt_logprobs), which chat puts
+    on the response and completions on the choice."""
+
+    def __init__(self, chat: bool, vocab: _Vocab, tokenizer: Tokenizer | None, prompt: list[int],
+                 params: SamplingParams, token_ids: bool):
+        self.chat, self.vocab, self.prompt, self.token_ids = chat, vocab, prompt, token_ids
+        self.logprobs = params.logprobs is not None
+        self.prompt_logprobs = params.prompt_logprobs is not None
+        # Completions' text_offset: each token's offset is the length of the text of the tokens before it,
+        # decoded as the completion's text is (with the prompt's last tokens as context). A token that ends
+        # within a character the next completes is at that character's offset.
+        self._offsets = (IncrementalDetokenizer(tokenizer, prompt)
+                         if self.logprobs and not chat and tokenizer is not None else None)
+        self._offset = 0  # characters of that text so far
+        self._prompt_sent = not (token_ids or self.prompt_logprobs)
+        self.text, self.finish = "", None
+        # What add() gathers: the choice's fields, in their shape even if no token comes; the prompt's.
+        empty = {"content": []} if chat else {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        self._fields: dict[str, Any] = {"logprobs": empty if self.logprobs else None}
+        if token_ids:
+            self._fields["token_ids"] = []
+        self._prompt: dict[str, Any] = {}
+
+    @property
+    def extras(self) -> bool:
+        """Whether an output without text still has something to send (its tokens' logprobs or ids)."""
+        return self.logprobs or self.token_ids
+
+    def piece(self, out: RequestOutput) -> tuple[dict[str, Any], dict[str, Any]]:
+        """What `out` adds: the choice's fields (logprobs, token_ids) and the prompt's, the latter once: on the
+        output that carries the prompt's logprobs if they were asked, else on the first (on the last at the
+        latest)."""
+        fields: dict[str, Any] = {"logprobs": None}
+        if self.logprobs:
+            fields["logprobs"] = self._chat_logprobs(out.logprobs) if self.chat else self._completion_logprobs(out)
+        if self.token_ids:
+            fields["token_ids"] = list(out.new_token_ids)
+        return fields, self.prompt_fields(out, last=out.finished)
+
+    def no_tokens(self) -> dict[str, Any]:
+        """The choice's fields of a chunk without tokens (chat's first, which says the role)."""
+        return {"logprobs": None, **({"token_ids": []} if self.token_ids else {})}
+
+    def prompt_fields(self, out: RequestOutput | None, last: bool = False) -> dict[str, Any]:
+        """The prompt's fields if they are due with `out` (or, `last`, due at all) and not yet given."""
+        if self._prompt_sent or not last and (out is None or self.prompt_logprobs and out.prompt_logprobs is None):
+            return {}
+        self._prompt_sent = True
+        fields: dict[str, Any] = {}
+        if self.token_ids:
+            fields["prompt_token_ids"] = list(self.prompt)
+        if self.prompt_logprobs:
+            given = out.prompt_logprobs if out is not None else None
+            fields["prompt_logprobs"] = None if given is None else self._prompt_logprobs(given)
+        return fields
+
+    def add(self, out: RequestOutput) -> None:
+        self.text += out.new_text
+        if out.finished:
+            self.finish = _FINISH.get(out.finish_reason)
+        fields, prompt = self.piece(out)
+        for name, value in fields.items():
+            if isinstance(value, list):  # token_ids
+                self._fields[name].extend(value)
+            elif isinstance(value, dict):  # logprobs: each of its lists grows
+                for key, items in value.items():
+                    self._fields[name][key].extend(items)
+        self._prompt.update(prompt)
+
+    def whole(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        """(the choice, the response's own fields) once every output is in."""
+        self._prompt.update(self.prompt_fields(None, last=True))
+        choice: dict[str, Any] = {"index": 0, "finish_reason": self.finish, **self._fields}
+        if self.chat:
+            choice["message"] = {"role": "assistant", "content": self.text}
+            return choice, self._prompt
+        return {**choice, "text": self.text, **self._prompt}, {}
+
+    def _entry(self, token_id: int, logprob: float) -> dict[str, Any]:
+        text, raw = self.vocab(token_id)
+        return {"token": text, "logprob": _logprob(logprob), "bytes": raw}
+
+    def _chat_logprobs(self, logprobs: list[TokenLogprob] | None) -> dict[str, Any]:
+        return {"content": [{**self._entry(lp.token_id, lp.logprob),
+                             "top_logprobs": [self._entry(t, x) for t, x in lp.top]} for lp in logprobs or ()]}
+
+    def _completion_logprobs(self, out: RequestOutput) -> dict[str, Any]:
+        offsets = []
+        for token_id in out.new_token_ids:
+            offsets.append(self._offset)
+            if self._offsets is not None:
+                self._offset += len(self._offsets.add([token_id]))
+        tokens, token_logprobs, tops = [], [], []
+        for lp in out.logprobs or ():
+            tokens.append(self.vocab.text(lp.token_id))
+            token_logprobs.append(_logprob(lp.logprob))
+            # The k most likely and the chosen token, by text (ids of the same text: the likelier one's).
+            top: dict[str, float] = {}
+            for t, x in (*lp.top, (lp.token_id, lp.logprob)):
+                top.setdefault(self.vocab.text(t), _logprob(x))
+            tops.append(top)
+        return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops,
+                "text_offset": offsets[:len(tokens)]}
+
+    def _prompt_logprobs(self, logprobs: PromptLogprobs) -> list[dict[str, Any] | None]:
+        """Per prompt token (None for the first) {"<id>": {logprob, rank, decoded_token}} for the token itself
+        and the k most likely there."""
+        out: list[dict[str, Any] | None] = []
+        for lp in logprobs:
+            if lp is None:
+                out.append(None)
+                continue
+            ranked = {str(lp.token_id): {"logprob": _logprob(lp.logprob), "rank": lp.rank,
+                                         "decoded_token": self.vocab.text(lp.token_id)}}
+            higher = 0  # of the top entries before this one, those strictly likelier (ties share a rank)
+            for i, (t, x) in enumerate(lp.top):
+                if i and lp.top[i - 1][1] > x:
+                    higher = i
+                ranked.setdefault(str(t), {"logprob": _logprob(x), "rank": higher + 1,
+                                           "decoded_token": self.vocab.text(t)})
+            out.append(ranked)
+        return out
+
+
 class _Run:
     """One request through the router's GenerationService.run (admission, cluster, timeline), with the
     errors it raises as HTTP errors; recorded once, when closed."""
@@ -339,17 +566,16 @@ class _Run:
                 "prompt_tokens_details": {"cached_tokens": cached}}
 
 
-async def _whole(run: _Run, request: Request, kind: str, rid: str, model: str) -> JSONResponse:
+async def _whole(run: _Run, request: Request, kind: str, rid: str, model: str, choice: _Choice) -> JSONResponse:
     """A non-streamed request: collect it, cancelling it if the client goes away meanwhile."""
 
-    async def collect() -> tuple[str, str | None]:
-        text, out = "", await run.start()
+    async def collect() -> None:
+        out = await run.start()
         while out is not None:
-            text += out.new_text
+            choice.add(out)
             if out.finished:
-                return text, _FINISH.get(out.finish_reason)
+                return
             out = await run.next()
-        return text, None
 
     async def gone() -> None:
         while not await request.is_disconnected():
@@ -363,7 +589,7 @@ async def _whole(run: _Run, request: Request, kind: str, rid: str, model: str) -
         if not task.done():  # the client went away (or this handler was cancelled): stop the request
             task.cancel()
     try:
-        text, finish = await task
+        await task
     except asyncio.CancelledError:
         await run.close("CANCELLED", "cancelled")
         raise
@@ -371,33 +597,33 @@ async def _whole(run: _Run, request: Request, kind: str, rid: str, model: str) -
         await run.close(e.grpc_code)
         raise
     await run.close()
-    choice: dict[str, Any] = {"index": 0, "finish_reason": finish, "logprobs": None}
-    if kind == "chat.completion":
-        choice["message"] = {"role": "assistant", "content": text}
-    else:
-        choice["text"] = text
+    answer, own = choice.whole()
     return JSONResponse({"id": rid, "object": kind, "created": int(time.time()), "model": model,
-                         "choices": [choice], "usage": run.usage(), "service_tier": run.t.served_tier})
+                         "choices": [answer], "usage": run.usage(), "service_tier": run.t.served_tier, **own})
 
 
 async def _sse(run: _Run, first: RequestOutput | None, kind: str, rid: str, model: str,
-               include_usage: bool) -> AsyncIterator[str]:
+               include_usage: bool, choice: _Choice) -> AsyncIterator[str]:
     """A streamed request as server-sent events. Cancelled when the client disconnects: the request is
     then cancelled on every worker (run.close)."""
     chat = kind == "chat.completion"
     obj = "chat.completion.chunk" if chat else "text_completion"
     created = int(time.time())
 
-    def chunk(text: str | None, finish: str | None, role: bool = False) -> str:
+    def chunk(text: str | None, finish: str | None, fields: dict[str, Any], prompt: dict[str, Any],
+              role: bool = False) -> str:
+        """fields: the choice's (logprobs, token_ids); prompt: the prompt's, if this chunk carries them."""
         if chat:
             delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else {}
             if text:
                 delta["content"] = text
-            choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
+            one = {"index": 0, "delta": delta, "finish_reason": finish, **fields}
         else:
-            choice = {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}
-        body: dict[str, Any] = {"id": rid, "object": obj, "created": created, "model": model, "choices": [choice],
+            one = {"index": 0, "text": text or "", "finish_reason": finish, **fields, **prompt}
+        body: dict[str, Any] = {"id": rid, "object": obj, "created": created, "model": model, "choices": [one],
                                 "service_tier": run.t.served_tier}
+        if chat:
+            body.update(prompt)
         if include_usage:
             body["usage"] = None
         return f"data: {json.dumps(body)}\n\n"
@@ -405,12 +631,14 @@ async def _sse(run: _Run, first: RequestOutput | None, kind: str, rid: str, mode
     code, reason = "CANCELLED", "cancelled"
     try:
         if chat:
-            yield chunk(None, None, role=True)
+            yield chunk(None, None, choice.no_tokens(), choice.prompt_fields(first), role=True)
         out = first
         while out is not None:
             finish = _FINISH.get(out.finish_reason) if out.finished else None
-            if out.new_text or finish:
-                yield chunk(out.new_text, finish)
+            fields, prompt = choice.piece(out)
+            # An output without text still goes out if it has tokens whose logprobs or ids were asked.
+            if out.new_text or finish or prompt or choice.extras and out.new_token_ids:
+                yield chunk(out.new_text, finish, fields, prompt)
             if out.finished:
                 break
             out = await run.next()

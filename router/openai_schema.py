@@ -2,8 +2,13 @@
 
 The request bodies are pydantic models of /v1/completions and /v1/chat/completions. Fields of OpenAI's
 API that change nothing here (user, ...) and those of other servers pass; what OpenAI's API has and
-pdserve does not (n > 1, logprobs, echo, suffix, tools, penalties, logit bias, JSON mode) each body
-lists in `unsupported()`, which the app answers with a 400 that names the field.
+pdserve does not (n > 1, echo, suffix, best_of, tools, logit bias, JSON mode), and fields that make no
+sense together, each body lists in `refused()`, which the app answers with a 400 that names the field.
+
+Beside OpenAI's fields (logprobs, top_logprobs, presence and frequency penalties, ...) both bodies take
+these extensions, by vLLM's names: prompt_logprobs (k: the prompt tokens' logprobs and their top k),
+logprobs_mode ("raw" or "processed"; absent: the server's), repetition_penalty, min_tokens and
+return_token_ids (the generated token ids on each choice, the prompt's beside them).
 
 HTTPError is an error in OpenAI's shape, {"error": {"message", "type", "param", "code"}}, with the gRPC
 status code the router's metrics record for it.
@@ -51,20 +56,32 @@ class BaseCompletionRequest(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
-    presence_penalty: float | None = 0.0
-    frequency_penalty: float | None = 0.0
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    # Extensions, by vLLM's names (the module's docstring says what they do); None: the default.
+    repetition_penalty: float | None = None
+    min_tokens: int | None = None
+    prompt_logprobs: int | None = None
+    logprobs_mode: str | None = None
+    return_token_ids: bool | None = False
     logit_bias: dict[str, float] | None = None
     # auto (or absent), default, priority or flex (pdserve.tiers); the tier served is in the response.
     service_tier: str | None = None
 
-    def unsupported(self) -> list[tuple[str, str]]:
-        """(field, why) for everything asked that pdserve does not do."""
+    def logprobs_k(self) -> int | None:
+        """SamplingParams.logprobs: how many alternatives each generated token's logprob comes with; None:
+        no logprobs."""
+        raise NotImplementedError
+
+    def param(self, name: str) -> str:
+        """The body's field that sets SamplingParams' field `name` (an error about it names this one)."""
+        return name
+
+    def refused(self) -> list[tuple[str, str]]:
+        """(field, why) for everything asked that pdserve does not do or that makes no sense."""
         out = []
         if self.n not in (None, 1):
             out.append(("n", "n > 1 is not supported: send n requests"))
-        if self.presence_penalty or self.frequency_penalty:
-            out.append(("presence_penalty" if self.presence_penalty else "frequency_penalty",
-                        "presence and frequency penalties are not supported"))
         if self.logit_bias:
             out.append(("logit_bias", "logit_bias is not supported"))
         return out
@@ -74,13 +91,15 @@ class CompletionRequest(BaseCompletionRequest):
     prompt: str | list[str] | list[int] | list[list[int]]
     echo: bool = False
     suffix: str | None = None
-    logprobs: int | None = None
+    logprobs: int | None = None  # k: each generated token's logprob and the k most likely beside it
     best_of: int | None = None
 
-    def unsupported(self) -> list[tuple[str, str]]:
-        out = super().unsupported()
-        for name, bad in (("echo", self.echo), ("suffix", self.suffix), ("logprobs", self.logprobs is not None),
-                          ("best_of", self.best_of not in (None, 1))):
+    def logprobs_k(self) -> int | None:
+        return self.logprobs
+
+    def refused(self) -> list[tuple[str, str]]:
+        out = super().refused()
+        for name, bad in (("echo", self.echo), ("suffix", self.suffix), ("best_of", self.best_of not in (None, 1))):
             if bad:
                 out.append((name, f"{name} is not supported"))
         return out
@@ -96,17 +115,27 @@ class ChatCompletionRequest(BaseCompletionRequest):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
     logprobs: bool | None = False
-    top_logprobs: int | None = None
+    top_logprobs: int | None = None  # k, with logprobs: the k most likely tokens beside each generated one
     tools: list[Any] | None = None
     tool_choice: Any = None
     functions: list[Any] | None = None
     function_call: Any = None
     response_format: dict[str, Any] | None = None
 
-    def unsupported(self) -> list[tuple[str, str]]:
-        out = super().unsupported()
-        if self.logprobs or self.top_logprobs:
-            out.append(("logprobs", "logprobs are not supported"))
+    def logprobs_k(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    def param(self, name: str) -> str:
+        if name == "logprobs":  # the count is top_logprobs; logprobs only turns them on
+            return "top_logprobs"
+        if name == "max_tokens" and self.max_completion_tokens is not None:
+            return "max_completion_tokens"
+        return name
+
+    def refused(self) -> list[tuple[str, str]]:
+        out = super().refused()
+        if self.top_logprobs is not None and not self.logprobs:
+            out.append(("top_logprobs", "top_logprobs needs logprobs set to true"))
         for name in ("tools", "functions"):
             if getattr(self, name):
                 out.append((name, "tool and function calling are not supported"))

@@ -24,6 +24,7 @@ from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
 
 from pdserve.config import ClusterConfig
+from pdserve.engine.logprobs import TokenLogprob
 from pdserve.engine.output import RequestOutput
 from pdserve.engine.request import FinishReason
 from pdserve.engine.sampling import LOGPROBS_MODES
@@ -135,6 +136,13 @@ class RouterConfig:
         return http, grpc_, budget
 
 
+def _fill_logprob(msg: pb.TokenLogprob, lp: TokenLogprob) -> None:
+    msg.token_id, msg.logprob, msg.rank = lp.token_id, lp.logprob, lp.rank
+    top = msg.top
+    for token_id, logprob in lp.top:
+        top.add(token_id=token_id, logprob=logprob)
+
+
 class GenerationService(pb_grpc.GenerationServicer):
     def __init__(self, cluster: Cluster, config: RouterConfig, metrics: RouterMetrics | None = None):
         self.cluster = cluster
@@ -176,7 +184,8 @@ class GenerationService(pb_grpc.GenerationServicer):
         if not self.serving:
             await abort(grpc.StatusCode.UNAVAILABLE, "the router is draining; retry on another replica")
         try:
-            prompt, params = parse_request(request, self.cluster.info, self.config.max_input_chars)
+            prompt, params = parse_request(request, self.cluster.info, self.config.max_input_chars,
+                                           self.config.logprobs_mode)
             tier = parse_tier(request.service_tier)
         except ValueError as e:
             await abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
@@ -252,6 +261,15 @@ class GenerationService(pb_grpc.GenerationServicer):
                                              end_to_end_seconds=t.token_times[-1] - t.arrived,
                                              prefill_worker=out.placement[0] if out.placement else "",
                                              decode_worker=out.placement[-1] if out.placement else ""))
+        # Both are None unless the request asked for them: without logprobs a message costs these two checks.
+        if out.logprobs is not None:
+            for lp in out.logprobs:
+                _fill_logprob(resp.logprobs.add(), lp)
+        if out.prompt_logprobs is not None:
+            for lp in out.prompt_logprobs:
+                entry = resp.prompt_logprobs.add()
+                if lp is not None:  # the prompt's first token: listed, with no logprob
+                    _fill_logprob(entry.token, lp)
         return resp
 
     # -- info and status --------------------------------------------------------------------------

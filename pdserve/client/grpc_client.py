@@ -30,6 +30,20 @@ FINISH_REASONS = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "lengt
                   pb.FINISH_REASON_CANCELLED: "cancelled", pb.FINISH_REASON_ERROR: "error"}
 
 
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A token's log-probability at one position (pdserve.v1.TokenLogprob as plain values)."""
+
+    token_id: int
+    logprob: float  # -inf where the processed distribution masked the token out
+    rank: int  # 1 + the number of tokens with a strictly higher logprob
+    top: tuple[tuple[int, float], ...] = ()  # the k most likely (token id, logprob), most likely first
+
+    @classmethod
+    def of(cls, m: pb.TokenLogprob) -> TokenLogprob:
+        return cls(m.token_id, m.logprob, m.rank, tuple((t.token_id, t.logprob) for t in m.top))
+
+
 @dataclass
 class Completion:
     request_id: str = ""
@@ -39,11 +53,19 @@ class Completion:
     usage: dict[str, int] = field(default_factory=dict)
     timings: dict[str, float | str] = field(default_factory=dict)
     service_tier: str = ""  # the tier served (last message)
+    # With logprobs=k: one per token of token_ids. With prompt_logprobs=k: one per prompt token, the first None.
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)
 
     def add(self, r: pb.GenerateResponse) -> None:
         self.request_id = r.request_id
         self.text += r.text
         self.token_ids.extend(r.token_ids)
+        if r.logprobs:
+            self.logprobs.extend(map(TokenLogprob.of, r.logprobs))
+        if r.prompt_logprobs:
+            self.prompt_logprobs = [TokenLogprob.of(p.token) if p.HasField("token") else None
+                                    for p in r.prompt_logprobs]
         if r.finish_reason:
             self.finish_reason = FINISH_REASONS[r.finish_reason]
             self.usage = {"prompt_tokens": r.usage.prompt_tokens, "completion_tokens": r.usage.completion_tokens,
@@ -59,9 +81,15 @@ def build_request(prompt: str | None = None, *, messages: Sequence[dict[str, str
                   token_ids: Sequence[int] | None = None, max_tokens: int | None = None,
                   temperature: float | None = None, top_p: float | None = None, top_k: int | None = None,
                   seed: int | None = None, stop: Sequence[str] = (), stop_token_ids: Sequence[int] = (),
-                  ignore_eos: bool = False, request_id: str = "", service_tier: str = "") -> pb.GenerateRequest:
+                  ignore_eos: bool = False, request_id: str = "", service_tier: str = "",
+                  presence_penalty: float | None = None, frequency_penalty: float | None = None,
+                  repetition_penalty: float | None = None, min_tokens: int | None = None,
+                  logprobs: int | None = None, prompt_logprobs: int | None = None,
+                  logprobs_mode: str = "") -> pb.GenerateRequest:
     """A GenerateRequest from exactly one of prompt, messages or token_ids; None leaves the server default.
-    service_tier: auto (or empty), default, priority or flex (pdserve.tiers)."""
+    service_tier: auto (or empty), default, priority or flex (pdserve.tiers). logprobs / prompt_logprobs: k
+    in [0, 20], the top k beside each generated / prompt token's own logprob; logprobs_mode: raw, processed
+    or empty (the server's). The fields' meanings are the .proto's (GenerateRequest, SamplingParams)."""
     if sum(x is not None for x in (prompt, messages, token_ids)) != 1:
         raise ValueError("give exactly one of prompt, messages or token_ids")
     req = pb.GenerateRequest(stop=list(stop), stop_token_ids=list(stop_token_ids), ignore_eos=ignore_eos,
@@ -75,7 +103,14 @@ def build_request(prompt: str | None = None, *, messages: Sequence[dict[str, str
         req.token_ids.CopyFrom(pb.TokenIds(ids=list(token_ids)))
     if max_tokens is not None:
         req.max_tokens = max_tokens
-    for name, value in (("temperature", temperature), ("top_p", top_p), ("top_k", top_k), ("seed", seed)):
+    if logprobs is not None:
+        req.logprobs = logprobs
+    if prompt_logprobs is not None:
+        req.prompt_logprobs = prompt_logprobs
+    req.logprobs_mode = logprobs_mode
+    for name, value in (("temperature", temperature), ("top_p", top_p), ("top_k", top_k), ("seed", seed),
+                        ("presence_penalty", presence_penalty), ("frequency_penalty", frequency_penalty),
+                        ("repetition_penalty", repetition_penalty), ("min_tokens", min_tokens)):
         if value is not None:
             setattr(req.sampling, name, value)
     return req
@@ -101,8 +136,11 @@ class Connection:
         read = lambda path: Path(path).read_bytes() if path else None  # noqa: E731
         return grpc.ssl_channel_credentials(read(self.ssl_ca_certs), read(self.ssl_keyfile), read(self.ssl_certfile))
 
-    def options(self) -> list[tuple[str, str]]:
-        return [("grpc.ssl_target_name_override", self.server_name)] if self.server_name else []
+    def options(self) -> list[tuple[str, str | int]]:
+        # No bound on a response's size: the message carrying prompt_logprobs grows with the prompt (up to about
+        # 240 bytes a prompt token at k=20) and can pass grpc's default 4 MiB from about 17k prompt tokens.
+        limit = [("grpc.max_receive_message_length", -1)]
+        return limit + ([("grpc.ssl_target_name_override", self.server_name)] if self.server_name else [])
 
     def metadata(self) -> tuple[tuple[str, str], ...]:
         key = self.api_key if self.api_key is not None else os.environ.get(API_KEY_ENV)

@@ -122,7 +122,7 @@ def test_completion_reports_usage_and_equals_grpc(sdk, grpc_client):
     (dict(n=2), "n"),
     (dict(temperature=-1.0), None),
     (dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}]), "tools"),
-    (dict(logprobs=True), "logprobs"),
+    (dict(top_logprobs=3), "top_logprobs"),  # without logprobs: true
     (dict(max_tokens=0), None),
     (dict(max_tokens=10**6), None),
     (dict(messages=[]), None),
