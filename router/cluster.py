@@ -213,6 +213,8 @@ class Cluster:
         if rid in self._streams:
             raise ValueError(f"request id {rid!r} is already in use")
         seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
+        if params.n > 1:  # the engine samples groups; the cluster's hand-off and streams do not carry them yet
+            raise ValueError("n > 1 is not served by the cluster yet: send n requests with seeds s, s + 1, ...")
         if params.stop and info.tokenizer is None:
             raise ValueError("stop strings need a tokenizer; this model was loaded without one")
         req = Request(rid, prompt, params, seed, tier=tier.rank)  # the router's view: tokens streamed so far

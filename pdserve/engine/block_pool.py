@@ -128,6 +128,15 @@ class BlockPool:
             blocks.append(block_id)
         return blocks
 
+    def share(self, block_ids: Sequence[int]) -> None:
+        """One more reference to each of these blocks, which must be in use."""
+        for block_id in block_ids:
+            self._check_id(block_id)
+            if self._ref[block_id] == 0:
+                raise ValueError(f"block {block_id} is free: only a block in use can be shared")
+        for block_id in block_ids:
+            self._ref[block_id] += 1
+
     def free(self, block_ids: Sequence[int]) -> None:
         """Drop one reference per block; those reaching 0 join the free queue's tail, in order.
 

@@ -29,3 +29,6 @@ class Chunk(NamedTuple):
     # Prompt logprobs: (k, targets): the chunk's first len(targets) positions each get the logprob of
     # the prompt token that follows it, targets[i] being the one after position start + i.
     prompt_logprobs: tuple[int, list[int]] | None = None
+    # A group's first sampling (SamplingParams.n): this many tokens are drawn from the chunk's last
+    # logits, sample j with seed sample_seed(seed, j).
+    fanout: int = 1

@@ -51,6 +51,18 @@ class KVCacheManager:
             return False
         return True
 
+    def share(self, block_ids: list[int]) -> list[int]:
+        """The same blocks, referenced once more (a forked sample shares its group's prompt blocks)."""
+        self.pool.share(block_ids)
+        return list(block_ids)
+
+    def allocate_blocks(self, n: int) -> list[int]:
+        """n fresh blocks, or none if the pool is short."""
+        try:
+            return self.pool.allocate(n)
+        except OutOfBlocks:
+            return []
+
     def cache_computed_blocks(self, req: Request) -> None:
         """Register every block of the request that is full and computed, for reuse by later requests."""
         full = req.num_computed_tokens // self.block_size

@@ -63,6 +63,9 @@ class EngineCore:
         self.pool = BlockPool(self.runner.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
         self.kv = KVCacheManager(self.pool)
         self.scheduler = Scheduler(config.scheduler, self.kv, self.eos_token_ids, self.max_model_len, role)
+        # A group's forked samples copy the prompt's partial last block where the runner can (one process);
+        # a tensor-parallel engine's compute that part again instead.
+        self.scheduler.can_copy_blocks = self.runner.can_copy_blocks
         on = config.pipelined_decode if config.pipelined_decode is not None else cuda
         self.pipelined = on and role is not Role.PREFILL and tp == 1
         self.steps = 0
@@ -154,6 +157,7 @@ class EngineCore:
         launched = self.scheduler.launched
         if step.chunks:
             previous = launched[-1].result.sampled if launched else None
+            self._copy_blocks()
             self._count(step)
             self.scheduler.launch(step, self.runner.execute(step.chunks, layer_done, previous))
         if len(launched) > 1 or (launched and not step.chunks):
@@ -162,7 +166,14 @@ class EngineCore:
 
     def execute(self, step: ScheduledStep, layer_done: Callable[[int], None] | None = None) -> StepResult:
         """Run a scheduled step's forward and sampling; layer_done(i) is called once layer i's KV is written."""
+        self._copy_blocks()
         return self.runner.execute(step.chunks, layer_done)
+
+    def _copy_blocks(self) -> None:
+        """The block copies of the samples forked since the last step, before the step reads them."""
+        copies = self.scheduler.take_block_copies()
+        if copies:
+            self.runner.copy_blocks(copies)
 
     def account(self, step: ScheduledStep, result: StepResult) -> list[SampledToken]:
         self._count(step)
@@ -183,6 +194,9 @@ class LLMEngine:
         self.core = EngineCore(config, loaded)
         self._requests: dict[str, Request] = {}
         self._text: dict[str, TextOutput] = {}
+        self._groups: dict[str, list[str]] = {}  # a request of n > 1 -> its samples' ids, once forked
+        self._group_of: dict[str, str] = {}  # a forked sample's id -> its request's
+        self.core.scheduler.on_fork = self._forked
         self._ids = itertools.count()
         self._seed_rng = random.Random(config.seed)
 
@@ -221,12 +235,25 @@ class LLMEngine:
         return rid
 
     def abort(self, request_id: str) -> RequestOutput | None:
-        req = self._requests.pop(request_id, None)
+        """End a request (every sample of it); the output of its first sample, or None if it is not here."""
+        req = self._requests.get(request_id)
         if req is None:
             return None
-        self._text.pop(request_id)
-        self.scheduler.finish(req, FinishReason.CANCELLED)
+        for rid in (request_id, *self._groups.pop(request_id, ())):
+            sample = self._requests.pop(rid, None)
+            if sample is not None:
+                self._text.pop(rid)
+                self._group_of.pop(rid, None)
+                self.scheduler.finish(sample, FinishReason.CANCELLED)
         return RequestOutput(request_id, [], "", FinishReason.CANCELLED, req.num_prompt_tokens, req.num_output_tokens)
+
+    def _forked(self, group: Request, sample: Request) -> None:
+        """A sample of a request of n > 1 runs as a request of its own: its text, and its way back."""
+        rid = sample.request_id
+        self._requests[rid] = sample
+        self._text[rid] = TextOutput(self.tokenizer, sample.prompt_token_ids, sample.params.stop)
+        self._groups.setdefault(group.request_id, []).append(rid)
+        self._group_of[rid] = group.request_id
 
     @property
     def has_unfinished(self) -> bool:
@@ -244,9 +271,18 @@ class LLMEngine:
             out = token_output(s.request, self._text[rid], s.token, s.finish_reason, s.num_output_tokens)
             out.logprobs = None if s.logprobs is None else [s.logprobs]
             out.prompt_logprobs = s.prompt_logprobs
+            out.index = s.request.sample_index
             if out.finish_reason is not None:
                 self.scheduler.finish(s.request, out.finish_reason)  # no-op if the token rules ended it
                 del self._requests[rid], self._text[rid]
+            group = self._group_of.get(rid)
+            if group is not None:  # reported under its request's id
+                out.request_id = group
+                if out.finish_reason is not None:
+                    del self._group_of[rid]
+                    self._groups[group].remove(rid)
+            if out.finish_reason is not None and not self._groups.get(out.request_id, True):
+                del self._groups[out.request_id]
             outputs.append(out)
         return outputs
 
@@ -256,13 +292,15 @@ class LLMEngine:
         while self.has_unfinished:
             yield from self.step()
 
-    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams]) -> list[Completion]:
+    def generate(self, prompts: Sequence[Sequence[int]],
+                 params: SamplingParams | Sequence[SamplingParams]) -> list[Completion]:
+        """One Completion per prompt, or with params.n > 1 its n, in order of their index, prompt after prompt."""
         plist = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
         rids = [self.add_request(p, sp) for p, sp in zip(prompts, plist)]
-        done = {rid: Completion(rid, list(p), [], "", FinishReason.ERROR, [] if sp.logprobs is not None else None)
-                for rid, p, sp in zip(rids, prompts, plist)}
+        done = {(rid, i): Completion(rid, list(p), [], "", FinishReason.ERROR, [] if sp.logprobs is not None else None)
+                for rid, p, sp in zip(rids, prompts, plist) for i in range(sp.n)}
         for out in self.stream():
-            c = done[out.request_id]
+            c = done[out.request_id, out.index]
             c.token_ids.extend(out.new_token_ids)
             c.text += out.new_text
             if out.logprobs is not None:

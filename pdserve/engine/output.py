@@ -31,6 +31,7 @@ class RequestOutput:
     # output that carries the first token.
     logprobs: list[TokenLogprob] | None = None
     prompt_logprobs: PromptLogprobs | None = None
+    index: int = 0  # which sample of the request (SamplingParams.n) the tokens are
 
     @property
     def finished(self) -> bool:

@@ -11,11 +11,11 @@ PipelinedDecode is a base of Scheduler, which owns the state named below (set in
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pdserve.engine.kv_cache import KVCacheManager
 from pdserve.engine.request import PENDING, Request, length_stop, token_stop_reason
-from pdserve.engine.runner import StepResult
+from pdserve.engine.runner import StepResult, samples_of
 from pdserve.engine.scheduler_types import Role, SampledToken, ScheduledStep, take_prompt_logprobs
 
 
@@ -28,6 +28,7 @@ class LaunchedStep:
     result: StepResult
     rows: list[tuple[Request, int]]
     members: set[int]  # id() of every request in the step: its blocks are in use until it resolves
+    forks: list[tuple[Request, int, int]] = field(default_factory=list)  # (group, its row, sample index)
 
 
 class PipelinedDecode:
@@ -55,9 +56,13 @@ class PipelinedDecode:
         for req, chunk in zip(step.requests, step.chunks):
             req.num_computed_tokens += len(chunk.token_ids)
         self.note_prompt_logprobs(step, result)
-        rows = []
-        for row, i in enumerate(result.sampling_chunks):
+        rows, forks = [], []
+        for row, (i, j) in enumerate(zip(result.sampling_chunks, samples_of(result.sampling_chunks))):
             req = step.requests[i]
+            if j:  # a group's sample: forked when its token is known (resolve)
+                forks.append((req, row, j))
+                continue
+            req.fanout = 1
             req.token_ids.append(PENDING)
             req.unresolved += 1
             req.pending_row = row
@@ -65,7 +70,7 @@ class PipelinedDecode:
             if length_stop(req, self.max_model_len) is not None and req in self.running:
                 self.running.remove(req)
                 self.ending.append(req)
-        launched = LaunchedStep(step, result, rows, {id(r) for r in step.requests})
+        launched = LaunchedStep(step, result, rows, {id(r) for r in step.requests}, forks)
         self.launched.append(launched)
         return launched
 
@@ -76,7 +81,10 @@ class PipelinedDecode:
         tokens = launched.result.sampled.tolist()
         logprobs = self.token_logprobs(launched.step, launched.result, tokens)
         self.launched.pop(0)
-        out = []
+        # A group's samples first: they share its blocks, which its own first token may end and free.
+        out = [self.sample(group, j, tokens[row], logprobs[row]) for group, row, j in launched.forks]
+        group_rows = {row for _, row, _ in launched.forks}
+        tokens, logprobs = ([v for row, v in enumerate(col) if row not in group_rows] for col in (tokens, logprobs))
         for (req, idx), token, lp in zip(launched.rows, tokens, logprobs):
             if req.finished:
                 continue  # ended meanwhile (cancelled, a stop string, a stop in the step before): dropped

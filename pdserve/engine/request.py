@@ -69,11 +69,16 @@ class Request:
     # p + 1, filled as the prompt's chunks are computed; None once delivered, or where they are not wanted
     # (asked not, or computed elsewhere).
     prompt_logprobs: list | None = field(init=False)
+    # A group (params.n > 1): samples still to be drawn from the prompt's logits (n until its first
+    # sampling, then 1); a sample forked from it has its index (pdserve.engine.scheduler.Scheduler.fork).
+    fanout: int = field(init=False)
+    sample_index: int = 0
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
         self.num_prompt_tokens = len(self.prompt_token_ids)
         self.prompt_logprobs = [] if self.params.prompt_logprobs is not None else None
+        self.fanout = self.params.n
 
     @property
     def num_tokens(self) -> int:
@@ -93,6 +98,17 @@ class Request:
 
 
 PENDING = -1  # a sampled token whose value has not reached the host yet (pipelined decode)
+SAMPLE_SEP = "~"  # sample i > 0 of a group runs under the id "<the group's id>~i"
+
+
+def sample_id(request_id: str, index: int) -> str:
+    return request_id if index == 0 else f"{request_id}{SAMPLE_SEP}{index}"
+
+
+def group_of(request_id: str) -> tuple[str, int]:
+    """(the group's id, the sample's index) of a request id (index 0 for a request of one sample)."""
+    group, sep, index = request_id.rpartition(SAMPLE_SEP)
+    return (group, int(index)) if sep and index.isdigit() else (request_id, 0)
 
 
 def token_stop_reason(req: Request, eos_token_ids: tuple[int, ...], max_model_len: int,
@@ -104,6 +120,17 @@ def token_stop_reason(req: Request, eos_token_ids: tuple[int, ...], max_model_le
     if (not req.params.ignore_eos and last in eos_token_ids) or last in req.params.stop_token_ids:
         return FinishReason.STOP
     return length_stop(req, max_model_len, end)
+
+
+def first_token_stop(params: SamplingParams, token: int, eos_token_ids: tuple[int, ...], num_prompt_tokens: int,
+                     max_model_len: int) -> FinishReason | None:
+    """token_stop_reason for a first output token, without a request holding it (a group's sample on
+    the prefill worker)."""
+    if (not params.ignore_eos and token in eos_token_ids) or token in params.stop_token_ids:
+        return FinishReason.STOP
+    if params.max_tokens <= 1 or num_prompt_tokens + 1 >= max_model_len:
+        return FinishReason.LENGTH
+    return None
 
 
 def length_stop(req: Request, max_model_len: int, end: int | None = None) -> FinishReason | None:

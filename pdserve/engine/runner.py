@@ -17,7 +17,7 @@ from pdserve.engine.chunk import Chunk
 from pdserve.engine.cuda_graphs import DecodeGraphs, batch_buckets
 from pdserve.engine.kv_cache import allocate_kv_cache
 from pdserve.engine.logprobs import TokenLogprob
-from pdserve.engine.sampling import SampledLogprobs, SamplingBatch, sample, to_device
+from pdserve.engine.sampling import SampledLogprobs, SamplingBatch, sample, sample_seed, to_device
 from pdserve.engine.utilization import step_bytes, step_flops
 from pdserve.kernels import cpu_attention, cpu_kernels
 from pdserve.model.attention import AttentionMetadata, DecodeGroup
@@ -86,7 +86,8 @@ class ModelRunner:
         tokens of the step before (pipelined decode), which chunks with a pending_row read on the device.
         The sampled tokens are returned on the device: nothing here waits for them."""
         assert chunks, "empty step"
-        if self.graphs is not None and self.graphs.bucket_for(chunks, layer_done) is not None:
+        if self.graphs is not None and all(c.fanout == 1 for c in chunks) \
+                and self.graphs.bucket_for(chunks, layer_done) is not None:
             return self._execute_graph(chunks, previous)
         # Single-token chunks take the batched decode path; they come first, by context length.
         order = sorted(range(len(chunks)), key=lambda i: (len(chunks[i].token_ids) != 1, chunks[i].start))
@@ -109,7 +110,8 @@ class ModelRunner:
         # prompt logprobs' logits are computed before the ranks that do not sample return.
         prompt_logprobs = {i: self._prompt_logprobs(hidden, last_row[i] + 1 - len(c.token_ids), *c.prompt_logprobs)
                            for i, c in enumerate(chunks) if c.prompt_logprobs is not None}
-        sampling_chunks = [i for i, c in enumerate(chunks) if c.sample is not None]
+        # One row per token to sample: a group's first sampling draws its n tokens from one row of logits.
+        sampling_chunks = [i for i, c in enumerate(chunks) if c.sample is not None for _ in range(c.fanout)]
         if not sampling_chunks:
             return StepResult(torch.empty(0, dtype=torch.int64), torch.empty(0, self.cfg.vocab_size), [],
                               prompt_logprobs=prompt_logprobs)
@@ -117,14 +119,27 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[rows])  # [sampling chunks, vocab]
         if not sample_tokens:
             return StepResult(torch.empty(0, dtype=torch.int64), logits, sampling_chunks)
-        sampled, logprobs = sample(logits, self._sampling([chunks[i] for i in sampling_chunks], previous))
+        sampled, logprobs = sample(logits, self._sampling(chunks, sampling_chunks, previous))
         return StepResult(sampled, logits, sampling_chunks, logprobs, prompt_logprobs)
 
-    def _sampling(self, chunks: list[Chunk], previous: torch.Tensor | None) -> SamplingBatch:
-        return SamplingBatch.build([c.sample for c in chunks], [c.seed for c in chunks],
+    def _sampling(self, chunks: list[Chunk], sampling_chunks: list[int],
+                  previous: torch.Tensor | None) -> SamplingBatch:
+        """The sampling rows' inputs; a chunk's repeated rows (a group's fanout) are its samples 0, 1, ..."""
+        chunks = [chunks[i] for i in sampling_chunks]
+        seeds = [sample_seed(c.seed, j) for c, j in zip(chunks, samples_of(sampling_chunks))]
+        return SamplingBatch.build([c.sample for c in chunks], seeds,
                                    [c.output_index for c in chunks], self.device,
                                    histories=[c.history for c in chunks], banned=[c.banned for c in chunks],
                                    pending=[c.pending_row for c in chunks], previous=previous)
+
+    can_copy_blocks = True  # copy_blocks below (a tensor-parallel engine's ranks cannot: pdserve.engine.tp_runner)
+
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copy whole KV blocks (source, destination), every layer: a forked sample's own copy of the
+        prompt's partial last block."""
+        if copies:
+            src, dst = (to_device(torch.tensor(ids, dtype=torch.int64), self.device) for ids in zip(*copies))
+            self.kv_cache[:, :, :, dst] = self.kv_cache[:, :, :, src]
 
     def _prompt_logprobs(self, hidden: torch.Tensor, first: int, k: int, targets: list[int]) -> list[TokenLogprob]:
         """Positions first, first + 1, ... of the batch: the raw logprob of each target (the prompt token that
@@ -151,7 +166,7 @@ class ModelRunner:
         """A decode-only step in its CUDA graph's bucket (padded; eager where no graph is captured)."""
         self._count_work(chunks)
         logits = self.graphs.run(chunks, previous)
-        sampled, logprobs = sample(logits, self._sampling(chunks, previous))
+        sampled, logprobs = sample(logits, self._sampling(chunks, list(range(len(chunks))), previous))
         return StepResult(sampled, logits, list(range(len(chunks))), logprobs)
 
     def _prepare(self, chunks: list[Chunk]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
@@ -204,6 +219,15 @@ class ModelRunner:
         for i, t in enumerate(tables):
             bt[i, : len(t)] = torch.tensor(t, dtype=torch.int64)
         return DecodeGroup(to_device(bt, self.device), to_device(torch.tensor(lens, dtype=torch.int64), self.device))
+
+
+def samples_of(sampling_chunks: list[int]) -> list[int]:
+    """Each sampling row's sample index, from the rows' chunk indices: 0, unless a chunk repeats (a group's
+    fanout: its rows are its samples 0, 1, ...)."""
+    out: list[int] = []
+    for row, i in enumerate(sampling_chunks):
+        out.append(out[-1] + 1 if row and sampling_chunks[row - 1] == i else 0)
+    return out
 
 
 def group_by_length(num_blocks: list[int], max_padding: float = 0.25) -> list[tuple[int, int]]:

@@ -19,6 +19,7 @@ from pdserve.engine.logprobs import TokenLogprob
 _MASK64 = (1 << 64) - 1
 MAX_LOGPROBS = 20  # the most alternatives a request may ask for at each position
 LOGPROBS_MODES = ("raw", "processed")
+MAX_N = 128  # samples of one prompt a request may ask for
 
 
 @dataclass(frozen=True)
@@ -45,6 +46,9 @@ class SamplingParams:
     frequency_penalty: float = 0.0  # in [-2, 2]: subtracted per occurrence in the output
     repetition_penalty: float = 1.0  # > 0; 1 is off: seen tokens' positive logits / p, negative * p
     min_tokens: int = 0  # EOS and stop_token_ids are held back until the output has this many tokens
+    # Samples of the prompt: its KV computed once, shared by n sequences; sample i draws from the stream of
+    # seed sample_seed(seed, i), so it equals the n=1 request with that seed.
+    n: int = 1
 
     def __post_init__(self) -> None:
         # Accept lists from callers but keep the frozen value hashable.
@@ -76,6 +80,8 @@ class SamplingParams:
                 raise ValueError(f"{name} must be in [-2, 2], got {v!r}")
         if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0):
             raise ValueError(f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty!r}")
+        if not isinstance(self.n, int) or not 1 <= self.n <= MAX_N:
+            raise ValueError(f"n must be an integer in [1, {MAX_N}], got {self.n!r}")
         if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
             raise ValueError(f"min_tokens must be an integer in [0, max_tokens], got {self.min_tokens!r}")
 
@@ -87,6 +93,12 @@ class SamplingParams:
     def penalized(self) -> bool:
         """Whether a penalty changes the logits (then the sampler needs the request's tokens)."""
         return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
+
+def sample_seed(seed: int, index: int) -> int:
+    """The seed of sample `index` of a request seeded `seed` (n > 1): the n=1 request with this seed
+    samples the same tokens."""
+    return (seed + index) % (1 << 63)
 
 
 def token_seed(seed: int, index: int) -> int:

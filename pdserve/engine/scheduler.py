@@ -33,13 +33,15 @@ from __future__ import annotations
 import bisect
 import collections
 import itertools
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from pdserve.config import SchedulerConfig
 from pdserve.engine.kv_cache import KVCacheManager
 from pdserve.engine.pipelined import LaunchedStep, PipelinedDecode
-from pdserve.engine.request import FinishReason, Request, RequestStatus, token_stop_reason
-from pdserve.engine.runner import StepResult
+from pdserve.engine.logprobs import TokenLogprob
+from pdserve.engine.request import FinishReason, Request, RequestStatus, first_token_stop, sample_id, token_stop_reason
+from pdserve.engine.runner import StepResult, samples_of
+from pdserve.engine.sampling import sample_seed
 from pdserve.engine.scheduler_types import Role, SampledToken, ScheduledStep, chunk_of, take_prompt_logprobs
 from pdserve.tiers import ServiceTier, flex_floor
 
@@ -100,6 +102,11 @@ class Scheduler(PipelinedDecode):
         self.ending: list[Request] = []
         self._free_after: list[Request] = []
         self._flex_floor = flex_floor(config.flex_min_share, config.max_num_seqs)
+        # Groups (SamplingParams.n): the block copies forks asked for, whether the runner can make them
+        # (EngineCore says), and who gives a forked sample what the scheduler does not know (its text).
+        self.block_copies: list[tuple[int, int]] = []
+        self.can_copy_blocks = False
+        self.on_fork: Callable[[Request, Request], None] | None = None
 
     def add(self, req: Request) -> None:
         if req.request_id in self.requests:
@@ -212,8 +219,15 @@ class Scheduler(PipelinedDecode):
         out = []
         tokens = result.sampled.tolist()
         logprobs = self.token_logprobs(step, result, tokens)
-        for i, token, lp in zip(result.sampling_chunks, tokens, logprobs):
+        rows = list(zip(result.sampling_chunks, tokens, logprobs, samples_of(result.sampling_chunks)))
+        # A group's samples 1.. first: they share its blocks, which its own first token may end and free.
+        samples = {(i, j): self.sample(step.requests[i], j, token, lp) for i, token, lp, j in rows if j}
+        for i, token, lp, j in rows:
+            if j:
+                out.append(samples[i, j])
+                continue
             req = step.requests[i]
+            req.fanout = 1
             req.token_ids.append(token)
             reason = token_stop_reason(req, self.eos_token_ids, self.max_model_len)
             if self.role is Role.PREFILL:
@@ -224,6 +238,57 @@ class Scheduler(PipelinedDecode):
                 self.finish(req, reason)
             out.append(SampledToken(req, token, reason, req.num_output_tokens, lp, take_prompt_logprobs(req)))
         return out
+
+    def sample(self, group: Request, index: int, token: int, logprobs: TokenLogprob | None) -> SampledToken:
+        """Sample `index` > 0 of a group whose prompt was just computed, its first token drawn: a prefill
+        worker reports it on the group (it forks nothing: the decode worker does, once the KV has come);
+        elsewhere it is forked into a request of its own (fork)."""
+        if self.role is Role.PREFILL:
+            reason = first_token_stop(group.params, token, self.eos_token_ids, group.num_prompt_tokens,
+                                      self.max_model_len)
+            return SampledToken(group, token, reason, 1, logprobs, sample_index=index)
+        child = self.fork(group, index, token)
+        reason = token_stop_reason(child, self.eos_token_ids, self.max_model_len)
+        if reason is not None:
+            self.finish(child, reason)
+        return SampledToken(child, token, reason, 1, logprobs)
+
+    def fork(self, group: Request, index: int, token: int) -> Request:
+        """A running request for sample `index` of a group, its first token `token`: the prompt's full
+        blocks shared with the group (referenced once more), its own copy of the prompt's partial last block
+        (copied before the next step: block_copies), or where copies cannot be made (or no block is free)
+        that part computed again by its next step."""
+        # The group's own first token may already follow its prompt (pipelined: forks happen at resolve).
+        child = Request(sample_id(group.request_id, index), group.prompt_token_ids, group.params,
+                        sample_seed(group.seed, index), tier=group.tier)
+        child.sample_index, child.fanout, child.prompt_logprobs = index, 1, None
+        child.token_ids.append(token)
+        bs = self.kv.block_size
+        full = group.num_prompt_tokens // bs
+        child.block_ids = self.kv.share(group.block_ids[:full])
+        child.block_hashes = group.block_hashes[:full]
+        child.num_registered_blocks = min(group.num_registered_blocks, full)
+        child.num_computed_tokens = full * bs
+        if group.num_prompt_tokens % bs and self.can_copy_blocks:
+            copy = self.kv.allocate_blocks(1)
+            if copy:
+                child.block_ids += copy
+                self.block_copies.append((group.block_ids[full], copy[0]))
+                child.num_computed_tokens = group.num_prompt_tokens
+        if child.request_id in self.requests:
+            raise ValueError(f"request id {child.request_id!r} is already in use")
+        child.status = RequestStatus.RUNNING
+        child.queue_seq = next(self._seq)
+        self.running.append(child)
+        self.requests[child.request_id] = child
+        if self.on_fork is not None:
+            self.on_fork(group, child)
+        return child
+
+    def take_block_copies(self) -> list[tuple[int, int]]:
+        """The block copies forks asked for, to run before the next step (the runner's copy_blocks)."""
+        copies, self.block_copies = self.block_copies, []
+        return copies
 
     def kv_arrived(self, request_id: str, token: int) -> SampledToken | None:
         """The KV of a WAITING_FOR_KV request has landed in its blocks, with the token sampled after it.

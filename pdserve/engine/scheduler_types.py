@@ -38,6 +38,9 @@ class SampledToken:
     num_output_tokens: int = 0  # the request's output with this token (pipelined: more may be in flight)
     logprobs: TokenLogprob | None = None  # if the request asked for them
     prompt_logprobs: PromptLogprobs | None = None  # with the request's first sampled token, if it asked
+    # A group's first tokens on a prefill worker (which forks nothing): sample sample_index's, request
+    # being the group's. Elsewhere each sample is a request of its own and this is 0.
+    sample_index: int = 0
 
 
 def take_prompt_logprobs(req: Request) -> PromptLogprobs | None:
@@ -76,4 +79,5 @@ def chunk_of(req: Request, n: int, eos_token_ids: tuple[int, ...] = ()) -> Chunk
         history=req.token_ids if samples and params.penalized else None,
         banned=banned,
         prompt_logprobs=prompt_logprobs,
+        fanout=req.fanout if samples else 1,
     )

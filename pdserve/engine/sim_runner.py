@@ -40,8 +40,8 @@ import torch
 from pdserve.config import EngineConfig, ModelConfig
 from pdserve.engine.chunk import Chunk
 from pdserve.engine.logprobs import TokenLogprob
-from pdserve.engine.runner import StepResult
-from pdserve.engine.sampling import SampledLogprobs, token_seed
+from pdserve.engine.runner import StepResult, samples_of
+from pdserve.engine.sampling import SampledLogprobs, sample_seed, token_seed
 from pdserve.engine.utilization import step_bytes, step_flops
 from pdserve.model.loader import ModelInfo, load_info
 from pdserve.perf.costs import RooflineCosts, attention_pairs
@@ -190,9 +190,9 @@ class SimRunner:
                 self._write(slots, values, slice(i, i + 1))
                 layer_done(i)
         self._count_work(chunks)
-        sampling = [i for i, c in enumerate(chunks) if c.sample is not None]
-        sampled = torch.tensor(self._tokens([chunks[i] for i in sampling]) if sample_tokens else [],
-                               dtype=torch.int64)
+        sampling = [i for i, c in enumerate(chunks) if c.sample is not None for _ in range(c.fanout)]
+        rows = [chunks[i]._replace(seed=sample_seed(chunks[i].seed, j)) for i, j in zip(sampling, samples_of(sampling))]
+        sampled = torch.tensor(self._tokens(rows) if sample_tokens else [], dtype=torch.int64)
         if time.perf_counter() - t0 > duration + PACE_S:  # a layer-wise step sleeps to its end, then writes one layer
             self.late_steps += 1
             if self.late_steps == 1:
@@ -229,6 +229,13 @@ class SimRunner:
         v = ((values[None, :] + self._layer_salt[layers]) % _MOD + 1).to(self.dtype)  # [layers, tokens]
         src = v[:, None, None, :, None].expand(v.shape[0], 2, 1, v.shape[1], self.plan.kv_width)
         self._slots[layers].index_copy_(3, slots, src)
+
+    can_copy_blocks = True
+
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """As ModelRunner.copy_blocks: a forked sample's copy of the prompt's partial last block."""
+        for src, dst in copies:
+            self.kv_cache[:, :, :, dst] = self.kv_cache[:, :, :, src]
 
     def _tokens(self, chunks: list[Chunk]) -> list[int]:
         """Each sampling chunk's token, from its seed, output index and the KV it reads."""

@@ -283,6 +283,9 @@ class TPRunner:
                 log.warning("tensor-parallel shutdown: %s", e)
         self.ranks.close()
 
+    # Only rank 0's cache is here: a forked sample computes the prompt's partial block again instead.
+    can_copy_blocks = False
+
     def __getattr__(self, name: str):
         if name == "runner":
             raise AttributeError(name)

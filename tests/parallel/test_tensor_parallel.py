@@ -261,3 +261,18 @@ def test_a_rank_reads_only_its_share_of_the_checkpoint(tp_checkpoints):
             eager = dict(shard_weights(whole.items(), cfg, 4, rank))
             assert lazy.keys() == eager.keys() and all(torch.equal(lazy[n], eager[n]) for n in lazy)
             assert sum(tally) < 0.3 * total, (rank, sum(tally), total)
+
+
+def test_tp_group_samples_equal_tp1(tp_checkpoints):
+    """n samples on a TP 2 engine (its ranks cannot copy blocks: each forked sample computes the prompt's
+    partial block again) equal TP 1's, which copies it."""
+    path = tp_checkpoints["gqa"]
+    batch = tp_prompts(318)[:2]  # 5 and 17 tokens: partial last blocks of 4
+    params = SamplingParams(max_tokens=8, temperature=1.0, seed=11, n=3, ignore_eos=True)
+    with LLMEngine(tp_config(path, 1)) as engine:
+        ref = [c.token_ids for c in engine.generate(batch, params)]
+    with LLMEngine(tp_config(path, 2)) as engine:
+        assert not engine.scheduler.can_copy_blocks
+        assert [c.token_ids for c in engine.generate(batch, params)] == ref
+        assert engine.core.prompt_tokens_computed == sum(len(p) + 2 * (len(p) % 4) for p in batch)
+        assert engine.pool.num_used_blocks == 0
