@@ -149,15 +149,16 @@ class DecodeActor(WorkerActor):
         if intake is None:
             intake = self._intakes[prefill_id] = KVIntake(
                 prefill_id, self.worker_id, self.core.runner.kv_cache, self.inbound, self.transfer_timeout_s,
-                landed=lambda rid, tok, at: self.loop.call(lambda: self._landed(rid, tok, at)),
+                landed=lambda rid, tokens, at: self.loop.call(lambda: self._landed(rid, tokens, at)),
                 failed=lambda rid, err: self.loop.call(lambda: self._transfer_failed(rid, err)),
                 cancelled=lambda rid: self.loop.call(lambda: self.core.cancel(rid)))
         return intake
 
-    def _landed(self, request_id: str, token: int, sampled_at: float) -> None:
-        first = self.core.scheduler.kv_arrived(request_id, token)
-        if first is not None:
-            self._text(first)  # its text was the prefill worker's to send: taken in here, not sent
+    def _landed(self, request_id: str, tokens: tuple[int, ...], sampled_at: float) -> None:
+        firsts = self.core.scheduler.kv_arrived(request_id, tokens)
+        if firsts:
+            for first in firsts:  # (a group's: one per sample, forked here)
+                self._text(first)  # its text was the prefill worker's to send: taken in here, not sent
             self.handoff_seconds.observe(max(time.time() - sampled_at, 0.0))
             self._source.pop(request_id, None)
 
@@ -178,7 +179,7 @@ class DecodeActor(WorkerActor):
     def _cancel(self, request_id: str) -> bool:
         req = self.core.scheduler.requests.get(request_id)
         if req is None:
-            return False
+            return self.core.cancel(request_id)  # a group's samples forked here may outlive its first
         self._source.pop(request_id, None)
         if req.status is RequestStatus.WAITING_FOR_KV and not self.inbound.withdraw(request_id):
             return True  # its KV is being written: its intake frees it when the write is over

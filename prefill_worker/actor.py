@@ -22,10 +22,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from pdserve.config import EngineConfig
-from pdserve.engine.request import FinishReason, Request
+from pdserve.engine.output import TextOutput, token_text
+from pdserve.engine.request import Request
 from pdserve.engine.scheduler_types import Role, SampledToken, ScheduledStep
 from pdserve.parallel.layout import pair_plan, shares_by_rank
-from pdserve.serving.messages import PrefillResult, PrefillTask
+from pdserve.serving.messages import FirstToken, PrefillResult, PrefillTask
 from pdserve.serving.worker import WorkerActor
 from pdserve.transfer.channel import TransferError, TransferStats
 from pdserve.transfer.protocol import KVAnnounce
@@ -51,7 +52,7 @@ class _HeldKV:
     """A computed prompt whose decode worker has not reserved room yet."""
 
     block_ids: list[int]
-    token: int
+    tokens: tuple[int, ...]  # its first token (a group's n first tokens)
     sampled_at: float
     tier: int  # its service tier's rank: pushes go by it
     step: int  # the engine step that computed it (a TP worker's other ranks wait for it)
@@ -234,8 +235,11 @@ class PrefillActor(WorkerActor):
         try:
             pushes.layer_done(-1)  # destinations already ready: their KV goes out layer by layer
             sampled, failed = self._run(step, pushes.layer_done)
+            firsts: dict[str, list[SampledToken]] = {}  # a group's n first tokens, in sample order
+            for s in sampled:
+                firsts.setdefault(s.request.request_id, []).append(s)
             if not failed:
-                pushes.sampled({s.request.request_id: s.token for s in sampled})
+                pushes.sampled({rid: [s.token for s in group] for rid, group in firsts.items()})
         except BaseException as e:  # a push that never hears of its layers or tokens would wait forever
             pushes.abort(f"{type(e).__name__}: {e}")
             raise
@@ -247,18 +251,19 @@ class PrefillActor(WorkerActor):
             return True
         sampled_at = time.time()
         late: dict[str, list[tuple[str, _HeldKV]]] = {}
-        for s in sampled:
-            req, rid = s.request, s.request.request_id
+        for rid, group in firsts.items():
+            req = group[0].request
             hand_off = rid in self._hand_off
             self._hand_off.discard(rid)
-            reason = self._resolve(req, s)
+            ended = self._resolve(req, group)
             if rid in pushes.started:
                 continue  # freed when its push ends
-            if not hand_off or reason is not None:
+            if not hand_off or ended:
                 self._forget(rid)
-                self.core.cancel(rid)  # nothing follows the first token
+                self.core.cancel(rid)  # nothing follows the first token (of any sample)
                 continue
-            held = _HeldKV(scheduler.kv_blocks(req), s.token, sampled_at, req.tier, pushes.step)
+            held = _HeldKV(scheduler.kv_blocks(req), tuple(s.token for s in group), sampled_at, req.tier,
+                           pushes.step)
             with self._lock:
                 if rid in self._ready:
                     dest = self._ready.pop(rid)[1]
@@ -288,8 +293,8 @@ class PrefillActor(WorkerActor):
         for tier in sorted({h.tier for _, h in items}):
             mine = [(rid, h) for rid, h in items if h.tier == tier]
             jobs.append(PushJob(destination, [rid for rid, _ in mine], [h.block_ids for _, h in mine], num_layers,
-                                num_layers, [h.token for _, h in mine], min(h.sampled_at for _, h in mine), tier,
-                                max(h.step for _, h in mine)))
+                                num_layers, [t for _, h in mine for t in h.tokens], min(h.sampled_at for _, h in mine),
+                                tier, max(h.step for _, h in mine), [len(h.tokens) for _, h in mine]))
         return jobs
 
     def _cancel(self, request_id: str) -> bool:
@@ -305,17 +310,25 @@ class PrefillActor(WorkerActor):
             self._held.pop(request_id, None)
             return request_id in self._pushing
 
-    def _resolve(self, req: Request, s: SampledToken) -> FinishReason | None:
-        """Answer the prefill call with the first token and its text; whether that token ended the request."""
+    def _resolve(self, req: Request, group: list[SampledToken]) -> bool:
+        """Answer the prefill call with the first token and its text (a group's: each sample's, sample 0's
+        on the request's own text, the others' on texts of their own); whether every sample ended with it."""
+        s = group[0]
         text, reason = self._text(s)
+        others = []
+        for t in group[1:]:  # a group's samples 1..n-1: the decode worker forks them
+            own = TextOutput(self.core.tokenizer, req.prompt_token_ids, req.params.stop) \
+                if req.text is not None else None
+            text_j, reason_j = ("", t.finish_reason) if own is None else token_text(own, t.token, t.finish_reason)
+            others.append(FirstToken(t.token, text_j, reason_j, t.logprobs))
         fut = self._results.get(req.request_id)
         try:
             if fut is not None:
                 fut.set_result(PrefillResult(req.request_id, s.token, req.num_cached_tokens, text, reason, s.logprobs,
-                                             s.prompt_logprobs))
+                                             s.prompt_logprobs, tuple(others)))
         except InvalidStateError:  # cancelled meanwhile
             pass
-        return reason
+        return reason is not None and all(o.finish_reason is not None for o in others)
 
     def _fail(self, request_id: str, error: BaseException) -> None:
         fut = self._results.get(request_id)
@@ -346,10 +359,12 @@ class _StepPushes:
         self.num_layers = actor.core.model_config.num_layers
         # request -> (its service tier's rank, its KV blocks): those whose KV goes to a decode worker
         self.candidates: dict[str, tuple[int, list[int]]] = {}
+        self.samples: dict[str, int] = {}  # first tokens each candidate samples (a group's n)
         for req, chunk in zip(step.requests, step.chunks):
             if chunk.sample is not None and req.request_id in actor._hand_off:
                 self.candidates[req.request_id] = (req.tier,
                                                    req.block_ids[: actor.core.kv.blocks_needed(req.num_tokens)])
+                self.samples[req.request_id] = chunk.fanout
         self.started: dict[str, PushJob] = {}
         self.jobs: list[PushJob] = []
         # The engine step about to run (a TP worker's runner counts them; its other ranks wait for it).
@@ -371,14 +386,14 @@ class _StepPushes:
                     groups.setdefault((tier, dest), []).append(rid)
         for (tier, dest), rids in sorted(groups.items()):
             job = PushJob(dest, rids, [self.candidates[r][1] for r in rids], self.num_layers, layer + 1, tier=tier,
-                          step=self.step)
+                          step=self.step, samples=[self.samples[r] for r in rids])
             self.jobs.append(job)
             self.started.update((r, job) for r in rids)
             a._push(job)
 
-    def sampled(self, tokens: dict[str, int]) -> None:
+    def sampled(self, tokens: dict[str, list[int]]) -> None:
         for job in self.jobs:
-            job.sampled([tokens[r] for r in job.request_ids])
+            job.sampled([t for r in job.request_ids for t in tokens[r]])
 
     def abort(self, reason: str) -> None:
         for job in self.jobs:

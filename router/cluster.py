@@ -35,8 +35,8 @@ from typing import Any
 from pdserve.config import ClusterConfig
 from pdserve.engine.logprobs import PromptLogprobs, TokenLogprob
 from pdserve.engine.output import RequestOutput
-from pdserve.engine.request import FinishReason, Request, validate_prompt
-from pdserve.engine.sampling import SamplingParams
+from pdserve.engine.request import SAMPLE_SEP, FinishReason, Request, group_of, validate_prompt
+from pdserve.engine.sampling import SamplingParams, sample_seed
 from pdserve.model.loader import ModelInfo, load_info
 from pdserve.planner.autoscale import Demand, DemandWindow
 from pdserve.serving.link import CallFailed, LinkClosed
@@ -204,7 +204,8 @@ class Cluster:
     async def generate(self, prompt_token_ids: Sequence[int], params: SamplingParams, request_id: str | None = None,
                        tier: ServiceTier = ServiceTier.DEFAULT) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs; closing the iterator early cancels it on every worker. Each output
-        says the tier it is served at (`service_tier`)."""
+        says the tier it is served at (`service_tier`) and, with n > 1, which sample it is (`index`): the
+        samples' outputs interleave, and the stream ends when every sample has."""
         info = self.info
         assert info is not None, "start() the cluster first"
         prompt = list(prompt_token_ids)
@@ -213,21 +214,28 @@ class Cluster:
         if rid in self._streams:
             raise ValueError(f"request id {rid!r} is already in use")
         seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
-        if params.n > 1:  # the engine samples groups; the cluster's hand-off and streams do not carry them yet
-            raise ValueError("n > 1 is not served by the cluster yet: send n requests with seeds s, s + 1, ...")
         if params.stop and info.tokenizer is None:
             raise ValueError("stop strings need a tokenizer; this model was loaded without one")
         req = Request(rid, prompt, params, seed, tier=tier.rank)  # the router's view: tokens streamed so far
-        self._streams[rid] = _Inbox()
-        sent = 0  # characters of text streamed: a resumed attempt's workers continue the text from there
-        self.demand.arrived(time.monotonic(), len(prompt), params.max_tokens)
-        self.tier_demand[tier].arrived(time.monotonic(), len(prompt), params.max_tokens)
-        failures: collections.Counter[FailureReason] = collections.Counter()
-        avoid: tuple[str, ...] = ()
+        self.demand.arrived(time.monotonic(), len(prompt), params.max_tokens * params.n)
+        self.tier_demand[tier].arrived(time.monotonic(), len(prompt), params.max_tokens * params.n)
         # Router replicas: a worker sends a request's outputs to the router whose name begins its id.
         tag = f"{self.config.router_name}/" if self.config.router_name else ""
+        run = self._run(req, tier, tag) if params.n == 1 else self._run_group(req, tier, tag)
+        async with contextlib.aclosing(run) as outs:
+            async for out in outs:
+                yield out
+
+    async def _run(self, req: Request, tier: ServiceTier, tag: str, sent: int = 0,
+                   attempts: int = 0) -> AsyncIterator[RequestOutput]:
+        """A request through its attempts, from the tokens (and the `sent` characters of text) it already
+        has: each attempt continues where the last one stopped."""
+        rid = req.request_id
+        self._streams[rid] = _Inbox()
+        failures: collections.Counter[FailureReason] = collections.Counter()
+        avoid: tuple[str, ...] = ()
         try:
-            for attempt in itertools.count():
+            for attempt in itertools.count(attempts):
                 try:
                     # Each attempt has a worker-side id of its own: nothing of an abandoned attempt
                     # can touch the next.
@@ -236,29 +244,95 @@ class Cluster:
                     async with contextlib.aclosing(self._attempt(req, sent, f"{tag}{rid}#{attempt}", avoid)) as outs:
                         async for out in outs:
                             sent += len(out.new_text)
-                            if out.finish_reason in (FinishReason.STOP, FinishReason.LENGTH):
-                                self.demand.finished(time.monotonic(), out.num_output_tokens)
-                                self.tier_demand[tier].finished(time.monotonic(), out.num_output_tokens)
+                            self._finished(out, tier)
                             yield out
                     return
                 except _Retry as e:
                     failures[e.reason] += 1
                     avoid = e.workers
-                    # A failed KV transfer is tried once more; other losses up to max_retries times; an
-                    # empty pool was already waited for (pool_wait_timeout_s).
-                    limit = {FailureReason.TRANSFER_FAILED: 1, FailureReason.NO_WORKER: 0}.get(
-                        e.reason, self.config.max_retries)
-                    give_up = failures[e.reason] > limit or (e.reason.loses_the_stream
-                                                             and self.config.on_decode_failure == "fail")
-                    log.warning("request %s attempt %d failed (%s): %s%s", rid, attempt, e.reason.value, e,
-                                "; giving up" if give_up else "; trying again")
-                    if give_up:
+                    if self._give_up(e, failures, rid, attempt):
                         yield RequestOutput(rid, [], "", FinishReason.ERROR, req.num_prompt_tokens,
                                             req.num_output_tokens, error=f"{e} (attempt {attempt + 1})")
                         return
                     self.retries[e.reason.value] += 1
         finally:
             del self._streams[rid]
+
+    def _give_up(self, e: _Retry, failures: collections.Counter[FailureReason], rid: str, attempt: int) -> bool:
+        """Whether a failed attempt is the request's last. A failed KV transfer is tried once more; other
+        losses up to max_retries times; an empty pool was already waited for (pool_wait_timeout_s)."""
+        limit = {FailureReason.TRANSFER_FAILED: 1, FailureReason.NO_WORKER: 0}.get(e.reason, self.config.max_retries)
+        give_up = failures[e.reason] > limit or (e.reason.loses_the_stream and self.config.on_decode_failure == "fail")
+        log.warning("request %s attempt %d failed (%s): %s%s", rid, attempt, e.reason.value, e,
+                    "; giving up" if give_up else "; trying again")
+        return give_up
+
+    def _finished(self, out: RequestOutput, tier: ServiceTier) -> None:
+        if out.finish_reason in (FinishReason.STOP, FinishReason.LENGTH):
+            self.demand.finished(time.monotonic(), out.num_output_tokens)
+            self.tier_demand[tier].finished(time.monotonic(), out.num_output_tokens)
+
+    async def _run_group(self, group: Request, tier: ServiceTier, tag: str) -> AsyncIterator[RequestOutput]:
+        """A request of n > 1 samples: one attempt for the group (its prompt computed once, its KV moved once,
+        the samples forked where they decode). If that attempt fails, each unfinished sample goes on as a
+        request of its own (sample i is the n=1 request seeded sample_seed(seed, i)) from the tokens it has,
+        through its own attempts; their outputs are merged, each with its index."""
+        rid, n = group.request_id, group.params.n
+        tokens: list[list[int]] = [[] for _ in range(n)]
+        sent = [0] * n
+        done = [False] * n
+        self._streams[rid] = _Inbox()
+        try:
+            async with contextlib.aclosing(self._attempt(group, 0, f"{tag}{rid}#0", ())) as outs:
+                async for out in outs:
+                    tokens[out.index] += out.new_token_ids
+                    sent[out.index] += len(out.new_text)
+                    done[out.index] = out.finished
+                    self._finished(out, tier)
+                    yield out
+            return
+        except _Retry as e:
+            if self._give_up(e, collections.Counter([e.reason]), rid, 0) and e.reason.loses_the_stream:
+                yield RequestOutput(rid, [], "", FinishReason.ERROR, group.num_prompt_tokens, 0,
+                                    error=f"{e} (attempt 1)")
+                return
+            self.retries[e.reason.value] += 1
+        finally:
+            del self._streams[rid]
+        # Each unfinished sample on its own, from its tokens: a request id of its own (router-side), its seed.
+        merged: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
+
+        async def sample(i: int) -> None:
+            seed = sample_seed(group.seed, i)
+            req = Request(f"{rid}{SAMPLE_SEP}{i}", group.prompt_token_ids, replace(group.params, n=1, seed=seed),
+                          seed, tier=group.tier)
+            req.token_ids += tokens[i]
+            try:
+                async with contextlib.aclosing(self._run(req, tier, tag, sent[i], attempts=1)) as outs:
+                    async for out in outs:
+                        await merged.put((i, out))
+                await merged.put((i, None))
+            except BaseException as e:  # noqa: BLE001 - handed to the merging loop
+                await merged.put((i, e))
+
+        tasks = [asyncio.ensure_future(sample(i)) for i in range(n) if not done[i]]
+        try:
+            left = len(tasks)
+            while left:
+                i, item = await merged.get()
+                if item is None:
+                    left -= 1
+                    continue
+                if isinstance(item, BaseException):
+                    raise item
+                item.request_id, item.index = rid, i
+                yield item
+                if item.finish_reason is FinishReason.ERROR:
+                    return  # one sample failed for good: the request has
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
 
     async def _attempt(self, req: Request, text_offset: int, wrid: str,
                        avoid: tuple[str, ...]) -> AsyncIterator[RequestOutput]:
@@ -275,6 +349,7 @@ class Cluster:
                            tier=req.tier, text_offset=text_offset)
         placed: list[Worker] = []
         finished = False
+        open_samples: set[int] | None = None  # a group's samples still streaming (None: all, none streamed)
         later: asyncio.Future[Worker] | None = None  # its decode worker, when chosen while it is prefilled
         try:
             if self.config.mode == "colocated":
@@ -316,7 +391,12 @@ class Cluster:
                                     req.num_prompt_tokens, req.num_output_tokens,
                                     logprobs=None if result.logprobs is None else [result.logprobs],
                                     prompt_logprobs=result.prompt_logprobs)
-                finished = out.finished
+                # A group's other samples' first tokens, drawn from the same logits on the prefill worker.
+                firsts = [RequestOutput(req.request_id, [o.token], o.text, o.finish_reason, req.num_prompt_tokens, 1,
+                                        logprobs=None if o.logprobs is None else [o.logprobs], index=j)
+                          for j, o in enumerate(result.others, 1)]
+                open_samples = {o.index for o in (out, *firsts) if not o.finished}
+                finished = not open_samples
                 if finished:
                     p.requests.discard(wrid)
                     if target is not None:  # e.g. a stop string in the first token: release both sides
@@ -326,11 +406,16 @@ class Cluster:
                         p.link.send("cancel", wrid)
                 else:
                     assert target is not None, "a request with no decode worker ends with its first token"
-                yield self._annotate(out, req, placed if finished else [])
+                for o in (out, *firsts):
+                    yield self._annotate(o, req, placed if o.finished else [])
                 if not finished and later is not None:
                     streamer = await self._kv_destination(later, q, wrid, placed)
                     placed.append(streamer)
                     await self._call(streamer, self._reserve(streamer, task, req.tier, p))
+            if req.params.n > 1 and not finished:
+                async for out in self._group_stream(req, wrid, q, placed, open_samples):
+                    yield out
+                finished = True
             first_decode = True
             interval = self.config.stream_interval
             while not finished:
@@ -385,6 +470,55 @@ class Cluster:
             if placed:
                 self._pools.notify()  # room on its workers
 
+    async def _group_stream(self, group: Request, wrid: str, q: _Inbox, placed: list[Worker],
+                            open_samples: set[int] | None) -> AsyncIterator[RequestOutput]:
+        """The decode-side stream of a group's attempt: each sample's events (its id "wrid~i" where the
+        worker forked it) to one output per sample per wake-up, until every sample in open_samples (None:
+        all, none streamed yet) has ended. A failure ends the attempt (_Retry)."""
+        n = group.params.n
+        streamed = open_samples is not None  # each sample's first token went out with the prefill result
+        open_samples = set(range(n)) if open_samples is None else open_samples
+        counts = [int(streamed)] * n
+        interval = self.config.stream_interval
+        first_decode = True
+        while open_samples:
+            await q.wait(interval if streamed else 1)
+            streamed = True
+            batch: dict[int, tuple[list[int], list[str], list[TokenLogprob], list]] = {}
+            prompt_logprobs: PromptLogprobs | None = None
+            failure: Failure | None = None
+            while q.items:
+                ev = q.take()
+                base, i = group_of(ev.request_id)
+                if base != wrid:
+                    continue  # an earlier attempt's
+                if isinstance(ev, Failure):
+                    failure = ev
+                    break
+                tokens, texts, logprobs, reason = batch.setdefault(i, ([], [], [], [None]))
+                tokens.append(ev.token)
+                texts.append(ev.text)
+                if ev.logprobs is not None:
+                    logprobs.append(ev.logprobs)
+                if ev.prompt_logprobs is not None:  # a colocated worker's, with sample 0's first token
+                    prompt_logprobs = ev.prompt_logprobs
+                reason[0] = ev.finish_reason
+            if batch and first_decode and self.config.mode != "colocated":
+                placed[0].requests.discard(wrid)  # the KV has landed: the prefill worker's part is over
+                first_decode = False
+            for i, (tokens, texts, logprobs, (reason,)) in sorted(batch.items()):
+                counts[i] += len(tokens)
+                if i == 0:
+                    group.token_ids += tokens
+                if reason is not None:
+                    open_samples.discard(i)
+                out = RequestOutput(group.request_id, tokens, "".join(texts), reason, group.num_prompt_tokens,
+                                    counts[i], logprobs=logprobs if group.params.logprobs is not None else None,
+                                    prompt_logprobs=prompt_logprobs if i == 0 else None, index=i)
+                yield self._annotate(out, group, placed if reason is not None else [])
+            if failure is not None:
+                raise _Retry(failure.reason, failure.detail, [w.worker_id for w in placed])
+
     @staticmethod
     def _reserve(streamer: Worker, task: PrefillTask, tier: int, p: Worker) -> Any:
         """The decode worker's reservation of the KV that prefill worker p computes for `task` (pushed as
@@ -436,7 +570,10 @@ class Cluster:
     def _deliver(self, w: Worker, out: StepOutput) -> None:
         """A worker's step output, fanned out to its requests' queues."""
         for item in (*out.events, *out.failed):
-            q = self._streams.get(self._owner.get(item.request_id, ""))
+            owner = self._owner.get(item.request_id)
+            if owner is None:  # a group's forked sample: "wrid~i"
+                owner = self._owner.get(group_of(item.request_id)[0], "")
+            q = self._streams.get(owner)
             if q is not None:
                 q.put(item)
 

@@ -208,6 +208,21 @@ async def collect_logprobs(cluster: Cluster, prompt, params):
     return tokens, logprobs if params.logprobs is not None else None, prompt_logprobs
 
 
+async def collect_group(cluster: Cluster, prompt, params):
+    """Per sample of a request of n samples: (tokens, logprobs, text, finish reason), by index."""
+    samples = [([], [], [], None) for _ in range(params.n)]
+    async for out in cluster.generate(prompt, params):
+        assert out.error is None, out.error
+        tokens, logprobs, text, _ = samples[out.index]
+        assert samples[out.index][3] is None, "a sample streamed after its end"
+        tokens += out.new_token_ids
+        logprobs += out.logprobs or []
+        text.append(out.new_text)
+        assert out.num_output_tokens == len(tokens)
+        samples[out.index] = (tokens, logprobs, text, out.finish_reason)
+    return [(t, lp, "".join(x), r) for t, lp, x, r in samples]
+
+
 def assert_same_logprobs(got, want, tol=1e-4):
     """Two lists of TokenLogprob (None entries allowed) agree: tokens, ranks and top ids exactly (unless
     two alternatives are within tol of each other), values within tol."""

@@ -16,7 +16,7 @@ from pdserve.engine.block_pool import BlockPool
 from pdserve.engine.kv_cache import KVCacheManager
 from pdserve.engine.logprobs import PromptLogprobs, TokenLogprob
 from pdserve.engine.output import RequestOutput, TextOutput, token_output
-from pdserve.engine.request import FinishReason, Request, validate_prompt
+from pdserve.engine.request import SAMPLE_SEP, FinishReason, Request, validate_prompt
 from pdserve.engine.runner import ModelRunner, StepResult
 from pdserve.engine.sampling import SamplingParams
 from pdserve.engine.scheduler import Scheduler
@@ -116,12 +116,13 @@ class EngineCore:
             close()
 
     def cancel(self, request_id: str) -> bool:
-        """End an unfinished request, wherever it stands, and free its blocks."""
-        req = self.scheduler.requests.get(request_id)
-        if req is None:
-            return False
-        self.scheduler.finish(req, FinishReason.CANCELLED)
-        return True
+        """End an unfinished request, wherever it stands, and free its blocks; a group's forked samples too."""
+        requests = self.scheduler.requests
+        ids = [request_id] + [rid for rid in requests if rid.startswith(request_id + SAMPLE_SEP)]
+        found = [requests[rid] for rid in ids if rid in requests]
+        for req in found:
+            self.scheduler.finish(req, FinishReason.CANCELLED)
+        return bool(found)
 
     def cancel_all(self) -> list[str]:
         """End every queued and running request (a step failed: their state is suspect); their ids.

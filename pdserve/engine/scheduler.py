@@ -33,16 +33,29 @@ from __future__ import annotations
 import bisect
 import collections
 import itertools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 
 from pdserve.config import SchedulerConfig
 from pdserve.engine.kv_cache import KVCacheManager
-from pdserve.engine.pipelined import LaunchedStep, PipelinedDecode
 from pdserve.engine.logprobs import TokenLogprob
-from pdserve.engine.request import FinishReason, Request, RequestStatus, first_token_stop, sample_id, token_stop_reason
+from pdserve.engine.pipelined import LaunchedStep, PipelinedDecode
+from pdserve.engine.request import (
+    FinishReason,
+    Request,
+    RequestStatus,
+    first_token_stop,
+    sample_id,
+    token_stop_reason,
+)
 from pdserve.engine.runner import StepResult, samples_of
 from pdserve.engine.sampling import sample_seed
-from pdserve.engine.scheduler_types import Role, SampledToken, ScheduledStep, chunk_of, take_prompt_logprobs
+from pdserve.engine.scheduler_types import (
+    Role,
+    SampledToken,
+    ScheduledStep,
+    chunk_of,
+    take_prompt_logprobs,
+)
 from pdserve.tiers import ServiceTier, flex_floor
 
 FLEX = ServiceTier.FLEX.rank
@@ -114,7 +127,7 @@ class Scheduler(PipelinedDecode):
         if req.remote_kv and self.role is not Role.DECODE:
             raise ValueError("only a decode worker takes requests whose KV is computed elsewhere")
         # Room for every token and one more (the next one's KV), or it could never run.
-        if self.kv.blocks_needed(req.num_tokens + 1) > self.kv.pool.num_blocks:
+        if self.blocks_for(req) > self.kv.pool.num_blocks:
             raise ValueError(
                 f"request {req.request_id} needs more KV blocks than the cache has "
                 f"({req.num_tokens} tokens, {self.kv.pool.num_blocks} blocks of {self.kv.block_size})"
@@ -290,15 +303,19 @@ class Scheduler(PipelinedDecode):
         copies, self.block_copies = self.block_copies, []
         return copies
 
-    def kv_arrived(self, request_id: str, token: int) -> SampledToken | None:
-        """The KV of a WAITING_FOR_KV request has landed in its blocks, with the token sampled after it.
+    def kv_arrived(self, request_id: str, tokens: Sequence[int]) -> list[SampledToken]:
+        """The KV of a WAITING_FOR_KV request has landed in its blocks, with the token sampled after it (a
+        group's n first tokens: its samples 1.. are forked here).
 
-        It runs from the next step on. Returns the token as sampled (finish_reason set if that token
-        ended the request: it is then finished here), or None if the request is not waiting for KV.
+        It runs from the next step on. Returns the tokens as sampled (finish_reason set where a token
+        ended its sample: it is then finished here), none if the request is not waiting for KV.
         """
         req = self.waiting_for_kv.pop(request_id, None)
         if req is None:
-            return None
+            return []
+        token, *others = tokens
+        req.fanout = 1
+        samples = [self.sample(req, j, t, None) for j, t in enumerate(others, 1)]
         req.token_ids.append(token)
         req.num_computed_tokens = req.num_tokens - 1  # all but the new token, whose KV the next step computes
         self.kv.cache_computed_blocks(req)
@@ -307,7 +324,7 @@ class Scheduler(PipelinedDecode):
         reason = token_stop_reason(req, self.eos_token_ids, self.max_model_len)
         if reason is not None:
             self.finish(req, reason)
-        return SampledToken(req, token, reason, req.num_output_tokens)
+        return [SampledToken(req, token, reason, req.num_output_tokens), *samples]
 
     def kv_blocks(self, req: Request) -> list[int]:
         """The blocks that hold (prefill: HELD) or will hold (decode: WAITING_FOR_KV) the hand-off's KV."""
@@ -350,8 +367,16 @@ class Scheduler(PipelinedDecode):
         return bool(self.waiting) and self.waiting[0].remote_kv and self.num_active < self.config.max_num_seqs \
             and self._room_for(self.waiting[0])
 
-    def _room_for(self, req: Request) -> bool:
+    def blocks_for(self, req: Request) -> int:
+        """Blocks a request needs to take its next token: its tokens' and the next one's; a group's samples
+        each their copy of the prompt's partial last block and a block for their next token."""
         need = self.kv.blocks_needed(req.num_tokens + 1)
+        if req.fanout > 1:
+            need += (req.fanout - 1) * (1 + (req.num_prompt_tokens % self.kv.block_size > 0))
+        return need
+
+    def _room_for(self, req: Request) -> bool:
+        need = self.blocks_for(req)
         return self.kv.pool.num_free_blocks - need >= len(self.running) * self.config.reservation_headroom_blocks
 
     def _preempt(self, req: Request, keep_kv: bool = False) -> None:

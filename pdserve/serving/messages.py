@@ -55,6 +55,16 @@ class PrefillTask(_Task):
 
 
 @dataclass(frozen=True)
+class FirstToken:
+    """The first token of a group's sample 1, 2, ... (SamplingParams.n), drawn from the prompt's logits."""
+
+    token: int
+    text: str
+    finish_reason: FinishReason | None
+    logprobs: TokenLogprob | None = None
+
+
+@dataclass(frozen=True)
 class PrefillResult:
     request_id: str
     first_token: int
@@ -63,6 +73,7 @@ class PrefillResult:
     finish_reason: FinishReason | None = None  # if the first token ended the request (a stop string included)
     logprobs: TokenLogprob | None = None  # the first token's, if asked
     prompt_logprobs: PromptLogprobs | None = None  # if asked
+    others: tuple[FirstToken, ...] = ()  # a group's samples 1..n-1 (first_token and the above are sample 0's)
 
 
 @dataclass(frozen=True)

@@ -23,8 +23,8 @@ import torch
 
 from pdserve.config import EngineConfig
 from pdserve.engine.llm_engine import EngineCore
-from pdserve.engine.output import token_text
-from pdserve.engine.request import FinishReason
+from pdserve.engine.output import TextOutput, token_text
+from pdserve.engine.request import FinishReason, Request
 from pdserve.engine.scheduler_types import Role, SampledToken, ScheduledStep
 from pdserve.engine.step_loop import StepLoop, StepLoopStopped
 from pdserve.engine.utilization import device_peaks
@@ -67,6 +67,7 @@ class WorkerActor:
             self.ranks = RayRanks(worker_id, placement)
         self.tp = config.tensor_parallel_size
         self.core = EngineCore(config, loaded, self.role, self.ranks, self._rank_lost, torch_threads)
+        self.core.scheduler.on_fork = self._forked
         self.peaks = device_peaks(self.core.runner.device, config.peak_flops, config.peak_bytes_per_second)
         self.busy_seconds = 0.0
         self.tier_seconds: collections.Counter[str] = collections.Counter()  # busy seconds by tier
@@ -277,6 +278,12 @@ class WorkerActor:
         work is spread over the workers, and a stop string ends the request at once."""
         req = s.request
         return ("", s.finish_reason) if req.text is None else token_text(req.text, s.token, s.finish_reason)
+
+    def _forked(self, group: Request, sample: Request) -> None:
+        """A group's sample forked here (pdserve.engine.scheduler.Scheduler.fork) streams its own text from
+        its first token, which the caller then adds."""
+        if group.text is not None:
+            sample.text = TextOutput(self.core.tokenizer, sample.prompt_token_ids, sample.params.stop)
 
     def _event(self, s: SampledToken) -> TokenEvent:
         """A sampled token with its text; a completed stop string ends the request here, with this token."""

@@ -64,6 +64,12 @@ class KVAnnounce:
     num_blocks: tuple[int, ...]  # per request: blocks of KV sent
     num_parts: int  # KV parts, each a run of whole layers (layer_spans): 1 sends all layers at once
     checksum: bool = False  # the trailer ends with kv_checksum of the parts
+    # Per request: first tokens carried in the trailer (a group of n samples has n); empty: one each.
+    samples: tuple[int, ...] = ()
+
+    @property
+    def tokens_per_request(self) -> tuple[int, ...]:
+        return self.samples or (1,) * len(self.request_ids)
 
     @property
     def order(self) -> tuple[int, int]:
@@ -140,10 +146,10 @@ def rank_name(worker_id: str, rank: int) -> str:
     return worker_id if rank == 0 else f"{worker_id}#{rank}"
 
 
-def trailer_len(num_requests: int, lead: bool, checksum: bool) -> int:
-    """The lead channel's trailer: each request's first token, when they were sampled, [checksum];
-    another channel's: [checksum]."""
-    return (num_requests + 1 if lead else 0) + checksum
+def trailer_len(num_tokens: int, lead: bool, checksum: bool) -> int:
+    """The lead channel's trailer: each request's first token (a group's n, in order: num_tokens in all),
+    when they were sampled, [checksum]; another channel's: [checksum]."""
+    return (num_tokens + 1 if lead else 0) + checksum
 
 
 def transfer_rows(num_blocks: Sequence[int], blocks: Sequence[Sequence[int] | None],

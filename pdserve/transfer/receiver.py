@@ -10,6 +10,7 @@ another request owns.
 """
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 import time
@@ -180,7 +181,7 @@ class KVIntake:
             if channel is None and error is None:
                 continue
             blocks = [self.table.claim(rid) for rid in a.request_ids]
-            tokens: list[int] = []
+            tokens: list[tuple[int, ...]] = []
             sampled_at = 0.0
             if channel is not None:
                 try:
@@ -203,7 +204,9 @@ class KVIntake:
                     self._landed(rid, tokens[i], sampled_at)
 
     def _receive(self, a: KVAnnounce, link: PairLink,
-                 blocks: list[list[int] | None]) -> tuple[list[int], float]:
+                 blocks: list[list[int] | None]) -> tuple[list[tuple[int, ...]], float]:
+        """Receive a transfer's KV into its blocks; each request's first tokens (a group's n) and when they
+        were sampled."""
         cache = self.kv_cache
         src, dst = transfer_rows(a.num_blocks, blocks, cache.device)
         spans = layer_spans(cache.shape[0], a.num_parts)
@@ -212,11 +215,13 @@ class KVIntake:
 
         def share(transfer: HeadTransfer | None, channel: PairChannel) -> list[int]:
             lead = is_lead(transfer)
+            trailer = trailer_len(sum(a.tokens_per_request), lead, a.checksum)
             return receive_share(channel, a.seq, cache, src, dst, share_heads(transfer, False, cache), sum(a.num_blocks),
-                                 spans, trailer_len(len(a.request_ids), lead, a.checksum), a.checksum, label,
+                                 spans, trailer, a.checksum, label,
                                  self._stream)
 
         results = run_shares(link, others, [lambda t=t, c=c: share(t, c) for t, c in link.shares], self.timeout_s,
                              f"the other ranks' shares of transfer {label}")
         values = next(v for (t, _), v in zip(link.shares, results) if is_lead(t))
-        return values[:len(a.request_ids)], values[len(a.request_ids)] / 1e6
+        ends = list(itertools.accumulate(a.tokens_per_request))
+        return [tuple(values[e - n:e]) for n, e in zip(a.tokens_per_request, ends)], values[ends[-1]] / 1e6

@@ -53,11 +53,14 @@ class PushJob:
 
     def __init__(self, destination: str, request_ids: Sequence[str], block_ids: Sequence[Sequence[int]],
                  num_layers: int, layers_done: int = 0, tokens: Sequence[int] | None = None,
-                 sampled_at: float | None = None, tier: int = 1, step: int = 0):
+                 sampled_at: float | None = None, tier: int = 1, step: int = 0, samples: Sequence[int] = ()):
+        """tokens: the requests' first tokens, in order (a group's n in a row: `samples` says how many each
+        has; empty, one each), once known (else `sampled` gives them)."""
         self.destination = destination
         self.tier = tier  # the service tier's rank of its requests (pdserve.tiers): the pusher's order
         self.step = step  # the engine step whose forward computes this KV (the other TP ranks wait for it)
         self.request_ids = tuple(request_ids)
+        self.samples = tuple(samples) if any(n != 1 for n in samples) else ()
         self.block_ids = [list(b) for b in block_ids]
         self.num_layers = num_layers
         self.num_parts = 1 if layers_done == num_layers else num_layers
@@ -179,7 +182,7 @@ class KVPusher:
                     return  # stopped, and nothing left
                 job = heapq.heappop(self._jobs)[2]
                 a = KVAnnounce(self.prefill_id, self._generation, self._next_seq, job.request_ids,
-                               tuple(len(b) for b in job.block_ids), job.num_parts, self.checksum)
+                               tuple(len(b) for b in job.block_ids), job.num_parts, self.checksum, job.samples)
                 self._next_seq += 1
             self._announce(a)
             try:
@@ -226,7 +229,7 @@ class KVPusher:
             lead = is_lead(transfer)
             send_share(channel, a.seq, cache, index, share_heads(transfer, True, cache), spans,
                        lambda end: job.wait_layers(end, timeout), trailer if lead else None,
-                       trailer_len(len(a.request_ids), lead, a.checksum), a.checksum,
+                       trailer_len(sum(a.tokens_per_request), lead, a.checksum), a.checksum,
                        self.faults if lead else None, self._stream)
 
         run_shares(link, others, [lambda t=t, c=c: share(t, c) for t, c in link.shares], timeout,

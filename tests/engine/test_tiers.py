@@ -93,7 +93,7 @@ def hand_off(prefill: EngineCore, decode: EngineCore, rid: str, token: int) -> N
     insert_blocks(decode.runner.kv_cache, decode.scheduler.kv_blocks(dst),
                   extract_blocks(prefill.runner.kv_cache, prefill.scheduler.kv_blocks(src)))
     assert prefill.cancel(rid)
-    assert decode.scheduler.kv_arrived(rid, token) is not None
+    assert decode.scheduler.kv_arrived(rid, [token])
 
 
 def disaggregated(loaded, path, batches, decode_blocks=256, seqs=2, flex_share=0.0):

@@ -305,7 +305,7 @@ def handoff_round_trip(device: str) -> None:
         table.publish("c", [20])
         pusher.push(PushJob("d0", ["c"], [[23]], layers, layers, [9], None))  # HELD KV: one part
         wait_for(lambda: len(of("landed")) == 3, timeout_s, what="three requests to land")
-        assert [e[1:] for e in of("landed")] == [("a", 42), ("b", 7), ("c", 9)]
+        assert [e[1:] for e in of("landed")] == [("a", (42,)), ("b", (7,)), ("c", (9,))]
         assert of("done") == [("done", None)] * 2 and not of("failed")
         on_gpu = torch.device(device).type == "cuda"
         if on_gpu:

@@ -22,6 +22,7 @@ from served import (
     assert_same_logprobs,
     collect,
     collect_all,
+    collect_group,
     collect_logprobs,
     logprob_params,
     mixed_params,
@@ -137,6 +138,35 @@ def test_tiny_logprobs_and_penalties_match_offline_engine(aloop, tiny_cluster, t
         if sp.prompt_logprobs is not None:
             assert len(prompt_logprobs) == len(p) and prompt_logprobs[0] is None
         assert len(tokens) >= sp.min_tokens
+    assert_no_leaks(aloop, tiny_cluster.cluster)
+
+
+def test_tiny_groups_match_the_offline_engine_and_share_the_prompt(aloop, tiny_cluster, tiny_engine_config):
+    """Requests of n samples through 1P1D, 2P2D and a colocated worker: each sample's tokens, text and
+    logprobs equal the offline engine's sample of the same index (which is the n=1 request seeded
+    sample_seed(seed, i)); disaggregated, each group's prompt is computed once and its KV moved once."""
+    prompts = tiny_prompts()[:6]
+    params = [SamplingParams(max_tokens=8, temperature=1.0, top_k=50, seed=40 + i, n=2 + i % 3, logprobs=1,
+                             ignore_eos=True) for i in range(len(prompts))]
+    with LLMEngine(tiny_engine_config) as engine:
+        want = engine.generate(prompts, params)
+    before = aloop.run(tiny_cluster.cluster.stats())
+
+    async def run():
+        return await asyncio.gather(*(collect_group(tiny_cluster.cluster, p, sp) for p, sp in zip(prompts, params)))
+
+    got = [sample for group in aloop.run(run()) for sample in group]
+    assert len(got) == len(want) == sum(sp.n for sp in params)
+    for (tokens, logprobs, text, reason), w in zip(got, want):
+        assert (tokens, text, reason) == (w.token_ids, w.text, w.finish_reason)
+        assert_same_logprobs(logprobs, w.logprobs)
+    after = aloop.run(tiny_cluster.cluster.stats())
+    computed = sum(a.prompt_tokens_computed - b.prompt_tokens_computed for a, b in zip(after, before))
+    assert computed == sum(map(len, prompts))  # each prompt once (no prefix cache hit: prompts differ)
+    if "decode" in tiny_cluster.cluster.pools:
+        moved = sum(a.transfer.get("transfers", 0) - b.transfer.get("transfers", 0)
+                    for a, b in zip(after, before) if a.pool == "decode")
+        assert moved <= len(prompts)  # one transfer per group at most (several groups may share one)
     assert_no_leaks(aloop, tiny_cluster.cluster)
 
 

@@ -42,7 +42,7 @@ def hand_off(prefill: EngineCore, decode: EngineCore, rid: str, token: int) -> N
     assert len(src_blocks) == len(dst_blocks)
     insert_blocks(decode.runner.kv_cache, dst_blocks, extract_blocks(prefill.runner.kv_cache, src_blocks))
     assert prefill.cancel(rid)
-    assert decode.scheduler.kv_arrived(rid, token) is not None
+    assert decode.scheduler.kv_arrived(rid, [token])
 
 
 def run_disaggregated(prefill: EngineCore, decode: EngineCore, batch, params, seeds) -> dict[str, list[int]]:
@@ -117,7 +117,7 @@ def test_reservation_leaves_one_block_per_running_request(tiny):
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
     decode.scheduler.add(DecodeTask("a", tuple(range(10)), (), params, 0, "p").new_request())
     assert [r.request_id for r in decode.scheduler.schedule().reserved] == ["a"]  # 3 blocks for 10 + 1 tokens
-    decode.scheduler.kv_arrived("a", 7)
+    decode.scheduler.kv_arrived("a", [7])
     # 9 free; "b" needs 9 (32 + 1 tokens), which would leave none for "a"'s next token: it waits.
     decode.scheduler.add(DecodeTask("b", tuple(range(32)), (), params, 0, "p").new_request())
     step = decode.scheduler.schedule()
@@ -190,11 +190,11 @@ def test_cancel_in_every_state_frees_blocks(tiny):
     decode.scheduler.add(DecodeTask("r3", tuple(ps[3]), (), params, 0, "p").new_request())  # 70 tokens: no room yet
     assert {r.request_id for r in decode.scheduler.schedule().reserved} == {"r0", "r1", "r2"}
     assert decode.scheduler.requests["r3"].status is RequestStatus.WAITING
-    assert decode.scheduler.kv_arrived("r0", sampled[0].token) is not None
+    assert decode.scheduler.kv_arrived("r0", [sampled[0].token])
     decode.step()
     assert decode.cancel("r0")  # running
     assert decode.cancel("r1")  # waiting for KV
-    assert decode.scheduler.kv_arrived("r1", 5) is None  # a late arrival is refused
+    assert decode.scheduler.kv_arrived("r1", [5]) == []  # a late arrival is refused
     assert decode.cancel("r3")  # waiting for room
     assert decode.cancel("r2")
     assert not decode.cancel("unknown") and not prefill.cancel("unknown")
@@ -208,7 +208,7 @@ def test_first_token_that_ends_the_request_ends_it_on_arrival(tiny):
     decode.scheduler.add(DecodeTask("a", (1, 2, 3), (), SamplingParams(max_tokens=5, stop_token_ids=(9,)), 0,
                                     "p").new_request())
     decode.scheduler.schedule()
-    s = decode.scheduler.kv_arrived("a", 9)
+    (s,) = decode.scheduler.kv_arrived("a", [9])
     assert s.finish_reason is FinishReason.STOP and s.request.finished
     assert decode.pool.num_used_blocks == 0 and not decode.scheduler.has_work
 
@@ -268,7 +268,7 @@ def test_reservation_headroom_is_a_decode_knob(tiny):
                             loaded, Role.DECODE)
         decode.scheduler.add(DecodeTask("a", tuple(range(10)), (), params, 0, "p").new_request())
         decode.scheduler.schedule()
-        decode.scheduler.kv_arrived("a", 7)  # running, 3 blocks; 9 free
+        decode.scheduler.kv_arrived("a", [7])  # running, 3 blocks; 9 free
         decode.scheduler.add(DecodeTask("b", tuple(range(32)), (), params, 0, "p").new_request())  # needs 9
         assert [r.request_id for r in decode.scheduler.schedule().reserved] == reserved
         for rid in list(decode.scheduler.requests):

@@ -122,7 +122,7 @@ def test_layer_by_layer_push_lands_exact_kv_and_tokens(pair):
         job.layer_done(layer)
     job.sampled([42, 7])
     wait_for(lambda: len(pair.of("landed")) == 2, TIMEOUT_S, what="both requests to land")
-    assert [e[1:] for e in pair.of("landed")] == [("a", 42), ("b", 7)]
+    assert [e[1:] for e in pair.of("landed")] == [("a", (42,)), ("b", (7,))]
     assert pair.of("done") == [("done", ("a", "b"), None)]
     assert_moved(pair, [0, 1, 5], [10, 11, 3])
     assert len(pair.table) == 0
@@ -202,7 +202,7 @@ def test_cancel_during_the_write_keeps_blocks_until_it_is_over(pair):
     assert pair.table.withdraw("c") is True
     pair.pusher.push(PushJob("d0", ["c"], [[8]], LAYERS, LAYERS, [3], None))
     wait_for(lambda: len(pair.of("done")) == 2, TIMEOUT_S, what="the second push")
-    assert not pair.dst[:, :, :, 7].any() and pair.of("landed") == [("landed", "b", 2)]
+    assert not pair.dst[:, :, :, 7].any() and pair.of("landed") == [("landed", "b", (2,))]
 
 
 def test_failed_push_fails_both_sides_and_the_next_generation_works(pair):
@@ -215,7 +215,7 @@ def test_failed_push_fails_both_sides_and_the_next_generation_works(pair):
     wait_for(lambda: pair.table.receiving("a"), TIMEOUT_S, what="the first transfer to start")
     failing.abort("the prefill step failed")
     wait_for(lambda: pair.of("landed"), TIMEOUT_S * 2, what="the second request to land on a new channel")
-    assert pair.of("failed")[0][1] == "a" and [e[1:] for e in pair.of("landed")] == [("b", 9)]
+    assert pair.of("failed")[0][1] == "a" and [e[1:] for e in pair.of("landed")] == [("b", (9,))]
     assert pair.of("done")[0][1:2] == (("a",),) and pair.of("done")[0][2] is not None
     assert pair.generations == [1, 2]  # "b" was announced again on generation 2
     assert_moved(pair, [4], [2])
@@ -246,7 +246,7 @@ def test_corrupted_transfer_fails_its_requests_and_the_channel_goes_on(pair):
     reserve(pair, "b", [2])
     pair.pusher.push(PushJob("d0", ["b"], [[4]], LAYERS, LAYERS, [9], None))
     wait_for(lambda: pair.of("landed"), TIMEOUT_S, what="the next transfer to land")
-    assert [e[1:] for e in pair.of("landed")] == [("b", 9)]
+    assert [e[1:] for e in pair.of("landed")] == [("b", (9,))]
     assert pair.generations == [1]  # everything arrived, so the channel was kept
     assert_moved(pair, [4], [2])
 
@@ -348,7 +348,7 @@ def test_a_prefill_step_tells_its_pushes_of_every_layer():
     for layer in range(LAYERS):
         pushes.layer_done(layer)
         job.wait_layers(layer + 1, 0.01)  # reported at once: a layer not reported would time out here
-    pushes.sampled({"a": 11})
+    pushes.sampled({"a": [11]})
     assert job.wait_tokens(0.01)[0] == [11]
 
 
