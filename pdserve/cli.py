@@ -22,7 +22,8 @@ def build_parser(commands: Sequence[Callable[[Any], None]] = ()) -> argparse.Arg
     for add in commands:
         add(sub)
 
-    gen = sub.add_parser("generate", help="generate a completion for one prompt and stream it to stdout")
+    gen = sub.add_parser("generate", help="generate a completion for one prompt and stream it to stdout (--n: n "
+                                          "samples of it, each printed once all have finished)")
     gen.add_argument("prompt", help="prompt text (tokenized as given unless --chat)")
     add_connection_args(gen)
     gen.add_argument("--offline", action="store_true", help="run the model in this process instead (no cluster)")
@@ -30,7 +31,8 @@ def build_parser(commands: Sequence[Callable[[Any], None]] = ()) -> argparse.Arg
     add_sampling_args(gen)
     gen.add_argument("--chat", action="store_true", help="render the prompt as one user message with the chat template")
     gen.add_argument("--json", action="store_true",
-                     help="print one JSON object at the end (text, token_ids, finish_reason, usage) instead of streaming")
+                     help="print one JSON object at the end (text, token_ids, finish_reason, usage; with --n > 1 "
+                          "choices, one such object per sample, and the usage) instead of streaming")
     gen.add_argument("--timeout", type=float, default=None, help="deadline in seconds (remote only)")
     gen.add_argument("--service-tier", default="auto", choices=["auto", "default", "priority", "flex"],
                      help="the tier asked for (remote only); the tier served is printed on stderr (or in --json)")
@@ -63,6 +65,9 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
                    help="> 0, 1 is off: the prompt's and the output's tokens' positive logits divided by it, "
                         "negative ones multiplied")
     p.add_argument("--min-tokens", type=int, default=0, help="EOS and stop ids are held back until this many tokens")
+    p.add_argument("--n", type=int, default=1,
+                   help="samples of the prompt (1..128), its KV computed once; sample i is seeded --seed + i, so it is "
+                        "the --n 1 answer of that seed")
     p.add_argument("--logprobs", type=int, default=None, metavar="K",
                    help="print each generated token's logprob, rank and the K most likely tokens (K in 0..20)")
     p.add_argument("--prompt-logprobs", type=int, default=None, metavar="K",
@@ -79,7 +84,7 @@ def sampling_params_from_args(args: argparse.Namespace) -> SamplingParams:
                           presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
                           repetition_penalty=args.repetition_penalty, min_tokens=args.min_tokens,
                           logprobs=args.logprobs, prompt_logprobs=args.prompt_logprobs,
-                          logprobs_mode=args.logprobs_mode or "raw")
+                          logprobs_mode=args.logprobs_mode or "raw", n=args.n)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -104,28 +109,30 @@ def generate_offline(args: argparse.Namespace) -> int:
 
 
 def _generate_offline(engine, params: SamplingParams, args: argparse.Namespace) -> int:
+    from pdserve.client.grpc_client import Sample
+
     tok = engine.tokenizer
     if tok is None:
         print("pdserve generate: this model has no tokenizer; text prompts need one", file=sys.stderr)
         return 2
-    prompt = tok.apply_chat_template([{"role": "user", "content": args.prompt}]) if args.chat else tok.encode(args.prompt)
+    prompt = tok.apply_chat_template([{"role": "user", "content": args.prompt}]) if args.chat \
+        else tok.encode(args.prompt)
     engine.add_request(prompt, params)
-    token_ids: list[int] = []
-    text: list[str] = []
-    reason = None
-    logprobs, prompt_logprobs = [], []
+    samples = [Sample(i) for i in range(params.n)]
+    prompt_logprobs = []
     for out in engine.stream():
-        token_ids.extend(out.new_token_ids)
-        text.append(out.new_text)
-        logprobs += out.logprobs or ()
+        s = samples[out.index]
+        s.token_ids.extend(out.new_token_ids)
+        s.text += out.new_text
+        s.logprobs += out.logprobs or ()
         prompt_logprobs = list(out.prompt_logprobs or prompt_logprobs)
-        if not args.json and out.new_text:
+        if params.n == 1 and not args.json and out.new_text:
             sys.stdout.write(out.new_text)
             sys.stdout.flush()
-        reason = out.finish_reason or reason
-    finish(args.json, "".join(text), token_ids, reason.value,
-           {"prompt_tokens": len(prompt), "completion_tokens": len(token_ids)},
-           logprobs=logprobs if params.logprobs is not None else None,
+        if out.finish_reason is not None:
+            s.finish_reason = out.finish_reason.value
+    usage = {"prompt_tokens": len(prompt), "completion_tokens": sum(len(s.token_ids) for s in samples)}
+    finish(args.json, samples, usage, logprobs=params.logprobs is not None,
            prompt_logprobs=(prompt, prompt_logprobs) if params.prompt_logprobs is not None else None,
            token_text=lambda t: tok.decode([t], skip_special_tokens=False))
     return 0
@@ -141,7 +148,8 @@ def generate_remote(args: argparse.Namespace) -> int:
                   seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos, service_tier=args.service_tier,
                   presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
                   repetition_penalty=args.repetition_penalty, min_tokens=args.min_tokens, logprobs=args.logprobs,
-                  prompt_logprobs=args.prompt_logprobs, logprobs_mode=args.logprobs_mode or "")
+                  prompt_logprobs=args.prompt_logprobs, logprobs_mode=args.logprobs_mode or "",
+                  n=args.n if args.n != 1 else None)  # a request of one sample is the one sent before n existed
     if args.chat:
         kwargs["messages"] = [{"role": "user", "content": args.prompt}]
     else:
@@ -151,7 +159,7 @@ def generate_remote(args: argparse.Namespace) -> int:
         with Client(connection_from_args(args)) as client:
             for r in client.generate(timeout=args.timeout, **kwargs):
                 out.add(r)
-                if not args.json and r.text:
+                if args.n == 1 and not args.json and r.text:
                     sys.stdout.write(r.text)
                     sys.stdout.flush()
     except grpc.RpcError as e:
@@ -159,27 +167,31 @@ def generate_remote(args: argparse.Namespace) -> int:
         return 1
     if not args.json:
         print(f"\n[service tier: {out.service_tier}]", file=sys.stderr)
-    finish(args.json, out.text, out.token_ids, out.finish_reason,
-           {k: out.usage[k] for k in ("prompt_tokens", "completion_tokens")}, service_tier=out.service_tier,
-           logprobs=out.logprobs if args.logprobs is not None else None,
+    finish(args.json, out.choices, {k: out.usage[k] for k in ("prompt_tokens", "completion_tokens")},
+           service_tier=out.service_tier, logprobs=args.logprobs is not None,
            prompt_logprobs=(None, out.prompt_logprobs) if args.prompt_logprobs is not None else None)
     return 0
 
 
-def finish(as_json: bool, text: str, token_ids: list[int], reason: str, usage: dict[str, int],
-           service_tier: str | None = None, logprobs: Sequence[Any] | None = None,
-           prompt_logprobs: tuple[Sequence[int] | None, Sequence[Any]] | None = None,
+def finish(as_json: bool, samples: Sequence[Any], usage: dict[str, int], service_tier: str | None = None,
+           logprobs: bool = False, prompt_logprobs: tuple[Sequence[int] | None, Sequence[Any]] | None = None,
            token_text: Callable[[int], str] | None = None) -> None:
-    """logprobs: one per generated token, if asked; prompt_logprobs: (the prompt's ids if known, one per prompt
-    token, the first None), if asked. Either kind of TokenLogprob (the engine's or the client's): they have the
-    same fields. token_text: a token's text, where a tokenizer is at hand (offline); else ids alone."""
+    """The end of `pdserve generate`: samples, by index (pdserve.client.Sample: index, text, token_ids,
+    finish_reason, logprobs), one unless --n; one sample's text has been streamed already, several are
+    printed here, each under a line that names it. logprobs: whether each generated token's are shown;
+    prompt_logprobs: (the prompt's ids if known, one per prompt token, the first None), if asked. Either kind
+    of TokenLogprob (the engine's or the client's): they have the same fields. token_text: a token's text,
+    where a tokenizer is at hand (offline); else ids alone."""
     if as_json:
         extra = {} if service_tier is None else {"service_tier": service_tier}
-        if logprobs is not None:
-            extra["logprobs"] = [_logprob_json(lp) for lp in logprobs]
         if prompt_logprobs is not None:
             extra["prompt_logprobs"] = [_logprob_json(lp) if lp is not None else None for lp in prompt_logprobs[1]]
-        print(json.dumps({"text": text, "token_ids": token_ids, "finish_reason": reason, "usage": usage, **extra}))
+        answers = [{"text": s.text, "token_ids": s.token_ids, "finish_reason": s.finish_reason,
+                    **({"logprobs": [_logprob_json(lp) for lp in s.logprobs]} if logprobs else {})} for s in samples]
+        # One sample: the object it has always been; n of them: each its own, by index, in choices.
+        body = answers[0] if len(answers) == 1 else {"choices": [{"index": s.index, **a}
+                                                                 for s, a in zip(samples, answers)]}
+        print(json.dumps({**body, "usage": usage, **extra}))
         return
     sys.stdout.write("\n")
     if prompt_logprobs is not None:
@@ -187,10 +199,14 @@ def finish(as_json: bool, text: str, token_ids: list[int], reason: str, usage: d
         print("prompt logprobs (position, token, logprob, rank, most likely):")
         for i, lp in enumerate(entries):
             print(format_logprob(i, lp, token_text, ids[i] if ids is not None else None))
-    if logprobs is not None:
-        print("logprobs (position, token, logprob, rank, most likely):")
-        for i, lp in enumerate(logprobs):
-            print(format_logprob(i, lp, token_text))
+    for s in samples:
+        if len(samples) > 1:
+            print(f"--- sample {s.index} ({s.finish_reason}) ---")
+            print(s.text)
+        if logprobs:
+            print("logprobs (position, token, logprob, rank, most likely):")
+            for i, lp in enumerate(s.logprobs):
+                print(format_logprob(i, lp, token_text))
 
 
 def _logprob_json(lp: Any) -> dict[str, Any]:

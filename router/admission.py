@@ -1,5 +1,6 @@
 """What the router checks before a request reaches the cluster: the wire format, the request's
-fields (prompt, messages or token ids; sampling), and admission (how many run, how many may wait)."""
+fields (prompt, messages or token ids; sampling), and admission (how many run, how many may wait); and
+what both doors count of a request's samples as they stream (Samples)."""
 from __future__ import annotations
 
 import asyncio
@@ -9,6 +10,7 @@ from dataclasses import dataclass
 
 from google.protobuf.message import DecodeError
 
+from pdserve.engine.output import RequestOutput
 from pdserve.engine.sampling import SamplingParams
 from pdserve.model.loader import ModelInfo
 from pdserve.v1 import generation_pb2 as pb
@@ -86,7 +88,8 @@ def parse_request(request: pb.GenerateRequest, info: ModelInfo, limit: int,
         logprobs=given(request, "logprobs"), prompt_logprobs=given(request, "prompt_logprobs"),
         logprobs_mode=request.logprobs_mode or None, default_logprobs_mode=default_logprobs_mode,
         presence_penalty=given(s, "presence_penalty"), frequency_penalty=given(s, "frequency_penalty"),
-        repetition_penalty=given(s, "repetition_penalty"), min_tokens=given(s, "min_tokens"))
+        repetition_penalty=given(s, "repetition_penalty"), min_tokens=given(s, "min_tokens"),
+        n=given(request, "n"))
 
 
 def prepare(info: ModelInfo, limit: int, *, prompt: str | None = None, messages: list[dict[str, str]] | None = None,
@@ -97,14 +100,15 @@ def prepare(info: ModelInfo, limit: int, *, prompt: str | None = None, messages:
             prompt_logprobs: int | None = None, logprobs_mode: str | None = None,
             default_logprobs_mode: str = "raw", presence_penalty: float | None = None,
             frequency_penalty: float | None = None, repetition_penalty: float | None = None,
-            min_tokens: int | None = None) -> tuple[list[int], SamplingParams]:
+            min_tokens: int | None = None, n: int | None = None) -> tuple[list[int], SamplingParams]:
     """What every protocol's request comes down to: the prompt's token ids (from exactly one of prompt
     text, chat messages or token ids) and the sampling parameters, checked against the model; None
     (or an empty logprobs_mode) leaves a default. default_max_tokens None: up to the end of the context
     (OpenAI's chat API); default_logprobs_mode: the server's (RouterConfig.logprobs_mode).
     ValueError says what is wrong."""
     tok = info.tokenizer
-    given = [name for name, v in (("prompt", prompt), ("messages", messages), ("token_ids", token_ids)) if v is not None]
+    inputs = (("prompt", prompt), ("messages", messages), ("token_ids", token_ids))
+    given = [name for name, v in inputs if v is not None]
     if not given:
         raise ValueError("the request has no input: set prompt, messages or token_ids")
     if len(given) > 1:
@@ -155,9 +159,35 @@ def prepare(info: ModelInfo, limit: int, *, prompt: str | None = None, messages:
         frequency_penalty=0.0 if frequency_penalty is None else frequency_penalty,
         repetition_penalty=1.0 if repetition_penalty is None else repetition_penalty,
         min_tokens=0 if min_tokens is None else min_tokens,
+        n=1 if n is None else n,
     )
     vocab = info.config.vocab_size
     bad = [t for t in (*ids, *params.stop_token_ids) if not 0 <= t < vocab]
     if bad:
         raise ValueError(f"unknown token ids (the vocabulary is [0, {vocab})): {bad[:5]}")
     return ids, params
+
+
+class Samples:
+    """The n samples of one request (SamplingParams.n) as their outputs stream in, interleaved: each one's
+    output tokens so far and how many have finished, so that a door knows which output is the request's
+    last (it carries the usage) and how many tokens the request generated in all."""
+
+    def __init__(self, n: int):
+        self.n = n
+        self.tokens = [0] * n  # per sample: its output tokens so far
+        self.finished = 0
+
+    def add(self, out: RequestOutput) -> bool:
+        """Count an output; whether it is the request's last (every sample has finished with it)."""
+        self.tokens[out.index] = out.num_output_tokens
+        self.finished += out.finished
+        return self.done
+
+    @property
+    def done(self) -> bool:
+        return self.finished == self.n
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(self.tokens)

@@ -17,8 +17,16 @@ response, completions on the choice), logprobs_mode, repetition_penalty, min_tok
 the tokenizer's text of each id alone (special tokens shown), bytes their raw bytes where the tokenizer
 is byte-level; a model without a tokenizer names a token "token_id:<id>".
 
-What OpenAI's API has and pdserve does not (n > 1, echo, suffix, best_of, tools, logit bias, JSON
-mode) is a 400 that names the field, and so is a value out of range (the field as the request named
+n: n samples of the prompt (n in [1, 128]; the prompt is computed once; sample i is seeded (seed + i)
+mod 2**63, so it has the tokens of the n = 1 request with that seed) are n choices, choice i sample i,
+each with its own text, finish_reason, logprobs and token_ids. Streamed, a chunk holds one choice, the
+one its tokens are of, and every choice has a chunk with its finish reason, in whatever order the
+samples end (chat: each choice's first chunk says the role, all of them before any token). The prompt's
+fields come once: on choice 0 (completions) or on the response (chat). usage counts the prompt once
+and the completion tokens of every choice, as OpenAI's does.
+
+What OpenAI's API has and pdserve does not (echo, suffix, best_of, tools, logit bias, JSON mode) is a
+400 that names the field, and so is a value out of range (the field as the request named
 it: top_logprobs, presence_penalty, min_tokens, ...). Every error uses OpenAI's shape,
 {"error": {"message", "type", "param", "code"}}: 400 bad input (a body that is not a JSON object
 included), 401 missing or wrong key, 404 unknown model or path, 405 wrong method, 413 a body over
@@ -50,7 +58,7 @@ from pdserve.engine.request import FinishReason
 from pdserve.engine.sampling import SamplingParams
 from pdserve.model.tokenizer import IncrementalDetokenizer, Tokenizer
 from pdserve.tiers import ServiceTier, parse_tier
-from router.admission import DEFAULT_MAX_TOKENS, Overloaded, RequestFailed, prepare
+from router.admission import DEFAULT_MAX_TOKENS, Overloaded, RequestFailed, Samples, prepare
 from router.openai_schema import BaseCompletionRequest, ChatCompletionRequest, CompletionRequest, HTTPError
 from router.tracking import Timeline
 
@@ -166,7 +174,7 @@ def build_app(service, model_name: str, api_key: str | None, max_body_bytes: int
                                          presence_penalty=body.presence_penalty,
                                          frequency_penalty=body.frequency_penalty,
                                          repetition_penalty=body.repetition_penalty, min_tokens=body.min_tokens,
-                                         **fields)
+                                         n=body.n, **fields)
             except ValueError as e:
                 raise _invalid_value(body, e) from None
         except HTTPError as e:
@@ -176,13 +184,15 @@ def build_app(service, model_name: str, api_key: str | None, max_body_bytes: int
         t.prompt_tokens = len(prompt)
         rid = ("chatcmpl-" if kind == "chat.completion" else "cmpl-") + uuid.uuid4().hex
         run = _Run(service, t, prompt, params, rid, tier)
-        choice = _Choice(kind == "chat.completion", vocab, info.tokenizer, prompt, params, bool(body.return_token_ids))
+        chat = kind == "chat.completion"
+        choices = [_Choice(chat, vocab, info.tokenizer, prompt, params, bool(body.return_token_ids), i)
+                   for i in range(params.n)]
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             first = await run.start()  # errors before the first token are plain HTTP errors
-            return StreamingResponse(_sse(run, first, kind, rid, body.model, include_usage, choice),
+            return StreamingResponse(_sse(run, first, kind, rid, body.model, include_usage, choices),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        return await _whole(run, request, kind, rid, body.model, choice)
+        return await _whole(run, request, kind, rid, body.model, choices)
 
     return app
 
@@ -381,14 +391,14 @@ def _byte_level_alphabet() -> dict[str, int]:
 
 
 class _Choice:
-    """A request's choice in the API's shape, built from its outputs: streamed (piece() per output) or
-    whole (add() per output, then whole()). Beside the text: logprobs (when asked), the token ids
-    (return_token_ids), and the prompt's fields once (prompt_token_ids, prompt_logprobs), which chat puts
-    on the response and completions on the choice."""
+    """A request's choice (the sample of its index) in the API's shape, built from that sample's outputs:
+    streamed (piece() per output) or whole (add() per output, then whole()). Beside the text: logprobs
+    (when asked), the token ids (return_token_ids), and, choice 0 alone, the prompt's fields once
+    (prompt_token_ids, prompt_logprobs), which chat puts on the response and completions on the choice."""
 
     def __init__(self, chat: bool, vocab: _Vocab, tokenizer: Tokenizer | None, prompt: list[int],
-                 params: SamplingParams, token_ids: bool):
-        self.chat, self.vocab, self.prompt, self.token_ids = chat, vocab, prompt, token_ids
+                 params: SamplingParams, token_ids: bool, index: int = 0):
+        self.chat, self.vocab, self.prompt, self.token_ids, self.index = chat, vocab, prompt, token_ids, index
         self.logprobs = params.logprobs is not None
         self.prompt_logprobs = params.prompt_logprobs is not None
         # Completions' text_offset: each token's offset is the length of the text of the tokens before it,
@@ -397,7 +407,7 @@ class _Choice:
         self._offsets = (IncrementalDetokenizer(tokenizer, prompt)
                          if self.logprobs and not chat and tokenizer is not None else None)
         self._offset = 0  # characters of that text so far
-        self._prompt_sent = not (token_ids or self.prompt_logprobs)
+        self._prompt_sent = index > 0 or not (token_ids or self.prompt_logprobs)
         self.text, self.finish = "", None
         # What add() gathers: the choice's fields, in their shape even if no token comes; the prompt's.
         empty = {"content": []} if chat else {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
@@ -455,7 +465,7 @@ class _Choice:
     def whole(self) -> tuple[dict[str, Any], dict[str, Any]]:
         """(the choice, the response's own fields) once every output is in."""
         self._prompt.update(self.prompt_fields(None, last=True))
-        choice: dict[str, Any] = {"index": 0, "finish_reason": self.finish, **self._fields}
+        choice: dict[str, Any] = {"index": self.index, "finish_reason": self.finish, **self._fields}
         if self.chat:
             choice["message"] = {"role": "assistant", "content": self.text}
             return choice, self._prompt
@@ -509,13 +519,14 @@ class _Choice:
 
 class _Run:
     """One request through the router's GenerationService.run (admission, cluster, timeline), with the
-    errors it raises as HTTP errors; recorded once, when closed."""
+    errors it raises as HTTP errors; recorded once, when closed. samples.done: its last output is in."""
 
     def __init__(self, service, t: Timeline, prompt: list[int], params, rid: str, tier: ServiceTier):
         self.service, self.t, self.prompt = service, t, prompt
         self._outs: AsyncIterator[RequestOutput] = service.run(prompt, params, rid, t, tier)
         self._closed = False
         self.last: RequestOutput | None = None
+        self.samples = Samples(params.n)
 
     async def start(self) -> RequestOutput | None:
         """Admit and place the request; its first output (None if it produced nothing)."""
@@ -543,6 +554,7 @@ class _Run:
         except RequestFailed as e:
             raise HTTPError(503, str(e), kind="server_error", grpc_code="UNAVAILABLE") from None
         self.last = out
+        self.samples.add(out)
         return out
 
     async def close(self, code: str = "OK", finish_reason: str | None = None) -> None:
@@ -559,21 +571,23 @@ class _Run:
             self.t.record(self.service.metrics)
 
     def usage(self) -> dict:
+        """The prompt counted once, the completion tokens of every sample (OpenAI's usage with n > 1)."""
         out = self.last
-        n = out.num_output_tokens if out is not None else 0
+        n = self.samples.completion_tokens
         cached = out.num_cached_tokens if out is not None else 0  # prompt tokens served by the prefix cache
         return {"prompt_tokens": len(self.prompt), "completion_tokens": n, "total_tokens": len(self.prompt) + n,
                 "prompt_tokens_details": {"cached_tokens": cached}}
 
 
-async def _whole(run: _Run, request: Request, kind: str, rid: str, model: str, choice: _Choice) -> JSONResponse:
+async def _whole(run: _Run, request: Request, kind: str, rid: str, model: str,
+                 choices: list[_Choice]) -> JSONResponse:
     """A non-streamed request: collect it, cancelling it if the client goes away meanwhile."""
 
     async def collect() -> None:
         out = await run.start()
         while out is not None:
-            choice.add(out)
-            if out.finished:
+            choices[out.index].add(out)
+            if run.samples.done:
                 return
             out = await run.next()
 
@@ -597,29 +611,31 @@ async def _whole(run: _Run, request: Request, kind: str, rid: str, model: str, c
         await run.close(e.grpc_code)
         raise
     await run.close()
-    answer, own = choice.whole()
+    answers = [c.whole() for c in choices]
+    own = answers[0][1]  # the prompt's fields (chat), which choice 0 gathers
     return JSONResponse({"id": rid, "object": kind, "created": int(time.time()), "model": model,
-                         "choices": [answer], "usage": run.usage(), "service_tier": run.t.served_tier, **own})
+                         "choices": [answer for answer, _ in answers], "usage": run.usage(),
+                         "service_tier": run.t.served_tier, **own})
 
 
 async def _sse(run: _Run, first: RequestOutput | None, kind: str, rid: str, model: str,
-               include_usage: bool, choice: _Choice) -> AsyncIterator[str]:
-    """A streamed request as server-sent events. Cancelled when the client disconnects: the request is
-    then cancelled on every worker (run.close)."""
+               include_usage: bool, choices: list[_Choice]) -> AsyncIterator[str]:
+    """A streamed request as server-sent events, a chunk holding the choice of one sample. Cancelled when
+    the client disconnects: the request is then cancelled on every worker (run.close)."""
     chat = kind == "chat.completion"
     obj = "chat.completion.chunk" if chat else "text_completion"
     created = int(time.time())
 
-    def chunk(text: str | None, finish: str | None, fields: dict[str, Any], prompt: dict[str, Any],
+    def chunk(index: int, text: str | None, finish: str | None, fields: dict[str, Any], prompt: dict[str, Any],
               role: bool = False) -> str:
         """fields: the choice's (logprobs, token_ids); prompt: the prompt's, if this chunk carries them."""
         if chat:
             delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else {}
             if text:
                 delta["content"] = text
-            one = {"index": 0, "delta": delta, "finish_reason": finish, **fields}
+            one = {"index": index, "delta": delta, "finish_reason": finish, **fields}
         else:
-            one = {"index": 0, "text": text or "", "finish_reason": finish, **fields, **prompt}
+            one = {"index": index, "text": text or "", "finish_reason": finish, **fields, **prompt}
         body: dict[str, Any] = {"id": rid, "object": obj, "created": created, "model": model, "choices": [one],
                                 "service_tier": run.t.served_tier}
         if chat:
@@ -630,16 +646,18 @@ async def _sse(run: _Run, first: RequestOutput | None, kind: str, rid: str, mode
 
     code, reason = "CANCELLED", "cancelled"
     try:
-        if chat:
-            yield chunk(None, None, choice.no_tokens(), choice.prompt_fields(first), role=True)
+        if chat:  # each choice's first chunk says the role (as OpenAI's do with n > 1)
+            for c in choices:
+                yield chunk(c.index, None, None, c.no_tokens(), c.prompt_fields(first), role=True)
         out = first
         while out is not None:
+            choice = choices[out.index]
             finish = _FINISH.get(out.finish_reason) if out.finished else None
             fields, prompt = choice.piece(out)
             # An output without text still goes out if it has tokens whose logprobs or ids were asked.
             if out.new_text or finish or prompt or choice.extras and out.new_token_ids:
-                yield chunk(out.new_text, finish, fields, prompt)
-            if out.finished:
+                yield chunk(out.index, out.new_text, finish, fields, prompt)
+            if run.samples.done:
                 break
             out = await run.next()
         if include_usage:

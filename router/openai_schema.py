@@ -2,7 +2,7 @@
 
 The request bodies are pydantic models of /v1/completions and /v1/chat/completions. Fields of OpenAI's
 API that change nothing here (user, ...) and those of other servers pass; what OpenAI's API has and
-pdserve does not (n > 1, echo, suffix, best_of, tools, logit bias, JSON mode), and fields that make no
+pdserve does not (echo, suffix, best_of, tools, logit bias, JSON mode), and fields that make no
 sense together, each body lists in `refused()`, which the app answers with a 400 that names the field.
 
 Beside OpenAI's fields (logprobs, top_logprobs, presence and frequency penalties, ...) both bodies take
@@ -52,7 +52,7 @@ class BaseCompletionRequest(BaseModel):
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None  # extension
     ignore_eos: bool = False  # extension: load generators use it for fixed output lengths
-    n: int | None = 1
+    n: int | None = 1  # samples of the prompt, the response's choices: in [1, 128] (router.admission.prepare checks)
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
@@ -80,8 +80,6 @@ class BaseCompletionRequest(BaseModel):
     def refused(self) -> list[tuple[str, str]]:
         """(field, why) for everything asked that pdserve does not do or that makes no sense."""
         out = []
-        if self.n not in (None, 1):
-            out.append(("n", "n > 1 is not supported: send n requests"))
         if self.logit_bias:
             out.append(("logit_bias", "logit_bias is not supported"))
         return out

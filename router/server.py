@@ -32,7 +32,7 @@ from pdserve.serving.metrics import PoolScale, RouterMetrics
 from pdserve.tiers import TIERS, ServiceTier, parse_tier
 from pdserve.v1 import generation_pb2 as pb
 from pdserve.v1 import generation_pb2_grpc as pb_grpc
-from router.admission import Admission, Malformed, Overloaded, RequestFailed, parse_request, parse_wire
+from router.admission import Admission, Malformed, Overloaded, RequestFailed, Samples, parse_request, parse_wire
 from router.autoscaler import AutoscaleLoop
 from router.cluster import Cluster
 from router.security import ApiKeyInterceptor, server_credentials
@@ -190,9 +190,11 @@ class GenerationService(pb_grpc.GenerationServicer):
         except ValueError as e:
             await abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         t.prompt_tokens = len(prompt)
+        samples = Samples(params.n)
         try:
             async for out in self.run(prompt, params, request.request_id or None, t, tier):
-                yield self._response(out, t)
+                last = samples.add(out)
+                yield self._response(out, t, samples.completion_tokens if last else None)
         except RequestFailed as e:
             await abort(grpc.StatusCode.UNAVAILABLE, str(e))
         except Overloaded as e:
@@ -249,12 +251,17 @@ class GenerationService(pb_grpc.GenerationServicer):
                 self._waiting[tier] -= 1
 
     @staticmethod
-    def _response(out: RequestOutput, t: Timeline) -> pb.GenerateResponse:
-        resp = pb.GenerateResponse(request_id=out.request_id, text=out.new_text, token_ids=out.new_token_ids)
+    def _response(out: RequestOutput, t: Timeline, completion_tokens: int | None = None) -> pb.GenerateResponse:
+        """The message of one output (one sample's tokens). completion_tokens: given on the stream's last message
+        only (every sample's output tokens), which alone carries the usage, timings and tier served: with n > 1
+        a client then reads them once, as with n = 1, and sums nothing."""
+        resp = pb.GenerateResponse(request_id=out.request_id, text=out.new_text, token_ids=out.new_token_ids,
+                                   index=out.index)
         if out.finish_reason is not None:
             resp.finish_reason = _FINISH[out.finish_reason]
+        if completion_tokens is not None:
             resp.service_tier = out.service_tier
-            resp.usage.CopyFrom(pb.Usage(prompt_tokens=out.num_prompt_tokens, completion_tokens=out.num_output_tokens,
+            resp.usage.CopyFrom(pb.Usage(prompt_tokens=out.num_prompt_tokens, completion_tokens=completion_tokens,
                                          cached_prompt_tokens=out.num_cached_tokens))
             resp.timings.CopyFrom(pb.Timings(queue_seconds=t.admitted - t.arrived,
                                              time_to_first_token_seconds=t.token_times[0] - t.arrived,
@@ -318,7 +325,9 @@ class GenerationService(pb_grpc.GenerationServicer):
                                                waiting_tokens=s.waiting_tokens, running_requests=s.running,
                                                kv_blocks_used=s.kv_blocks_used, kv_blocks_total=s.kv_blocks_total,
                                                busy_fraction=s.busy_fraction, steps=s.steps,
-                                               tokens_processed=s.tokens_processed, state=w.state))
+                                               tokens_processed=s.tokens_processed, state=w.state,
+                                               prompt_tokens_requested=s.prompt_tokens_requested,
+                                               prompt_tokens_computed=s.prompt_tokens_computed))
             total = sum(s.kv_blocks_total for s in ws)
             out.pools.append(pb.PoolStatus(name=name, workers=workers, waiting_requests=sum(s.waiting for s in ws),
                                            kv_usage=sum(s.kv_blocks_used for s in ws) / total if total else 0.0,

@@ -4,6 +4,10 @@
         --lengths uniform --input-len 256 --output-len 64 --slo-ttft-ms 500 --slo-tpot-ms 50 \
         --output run.json --plot run.png
 
+Group sampling (GRPO rollouts): `--n 8 --num-prompts 64 --temperature 1` sends 64 prompts, each asking
+for 8 samples; the report counts every sample's tokens and the prompt tokens the workers were asked to
+compute against those they computed (a prompt of n samples is computed once).
+
 Service tiers: `--service-tier-mix priority=0.1,default=0.6,flex=0.3` has each request ask for a tier
 drawn from the mix, and splits the report by the tier asked for (stats.py); `--tier-slo
 priority=1000:50` gives a tier its own SLOs for goodput.
@@ -20,6 +24,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from pdserve.bench.runner import MAX_N
 from pdserve.bench.stats import Slo
 from pdserve.bench.workload import (
     ARRIVALS,
@@ -51,6 +56,11 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
     g.add_argument("--slo-ttft-ms", type=float, default=None, help="time to first token, ms")
     g.add_argument("--slo-tpot-ms", type=float, default=None, help="time per output token after the first, ms")
     g.add_argument("--slo-e2el-ms", type=float, default=None, help="end-to-end latency, ms")
+    g = p.add_argument_group("group sampling")
+    g.add_argument("--n", type=int, default=1,
+                   help="samples of each prompt every request asks for (1..128): --num-prompts B --n N is a batch of "
+                        "B prompts x N samples, reinforcement learning's group shape (use --temperature > 0, or the N "
+                        "are alike). Output tokens count every sample; TPOT and ITL are each sample's own")
     g = p.add_argument_group("service tiers (without --service-tier-mix no tier is sent: the server's default)")
     g.add_argument("--service-tier-mix", default=None, metavar="TIER=SHARE,...",
                    help="each request asks for a tier (priority, default, flex; auto is default) drawn from these "
@@ -61,8 +71,8 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
     g.add_argument("--tier-slo", action="append", default=[], metavar="TIER=TTFT_MS:TPOT_MS[:E2EL_MS]",
                    help="this tier's SLOs for goodput, in ms, instead of the --slo-* ones (which apply to every tier "
                         "not given here); an empty field keeps the --slo-* value: priority=1000:50 (TTFT 1 s, TPOT "
-                        "50 ms; no E2EL limit unless --slo-e2el-ms), flex=:200 (TPOT 200 ms, TTFT that of --slo-ttft-ms). "
-                        "Repeatable, once per tier; needs --service-tier-mix")
+                        "50 ms; no E2EL limit unless --slo-e2el-ms), flex=:200 (TPOT 200 ms, TTFT that of "
+                        "--slo-ttft-ms). Repeatable, once per tier; needs --service-tier-mix")
     g = p.add_argument_group("output")
     g.add_argument("--output", default=None, metavar="FILE.json", help="write the full report as JSON")
     g.add_argument("--plot", default=None, metavar="FILE.png", help="latency CDFs and throughput timeline (matplotlib)")
@@ -141,8 +151,9 @@ def check_args(args: argparse.Namespace) -> None:
     for name, ok in (("num_prompts", lambda v: v >= 1), ("duration", lambda v: v > 0),
                      ("concurrency", lambda v: v >= 1), ("timeout", lambda v: v > 0),
                      ("request_rate", lambda v: v > 0), ("burst_size", lambda v: v >= 1),
-                     ("burst_interval", lambda v: v > 0), ("warmup", lambda v: v >= 0)):
-        v = getattr(args, name)
+                     ("burst_interval", lambda v: v > 0), ("warmup", lambda v: v >= 0),
+                     ("n", lambda v: 1 <= v <= MAX_N)):
+        v = getattr(args, name, None)  # the planner takes the workload's flags, not bench's own (--n)
         if v is not None and not ok(v):
             raise ValueError(f"--{name.replace('_', '-')} out of range: {v}")
     unbounded = args.num_prompts is None and args.concurrency is None and args.duration is not None
@@ -267,7 +278,14 @@ def build_workload(args: argparse.Namespace, vocab_size: int, eos_ids: list[int]
 
 
 async def run_bench(args: argparse.Namespace, slo, tier_slos: dict | None = None) -> dict[str, Any]:
-    from pdserve.bench.runner import Progress, RunConfig, run_workload, warm_up
+    from pdserve.bench.runner import (
+        Progress,
+        RunConfig,
+        prompt_tokens_between,
+        run_workload,
+        warm_up,
+        worker_prompt_tokens,
+    )
     from pdserve.bench.stats import build_report
     from pdserve.client.grpc_client import AsyncClient, connection_from_args
 
@@ -281,7 +299,8 @@ async def run_bench(args: argparse.Namespace, slo, tier_slos: dict | None = None
     requests, arrivals, _, num, desc = build_workload(args, info.vocab_size, list(info.eos_token_ids),
                                                       info.max_model_len)
     cfg = RunConfig(num_prompts=num, duration=args.duration, concurrency=args.concurrency, timeout=args.timeout,
-                    temperature=args.temperature)
+                    temperature=args.temperature, n=args.n)
+    desc["n"] = args.n
     if args.warmup:
         sampler = TokenSampler(info.vocab_size, info.eos_token_ids)
         import numpy as np
@@ -290,14 +309,19 @@ async def run_bench(args: argparse.Namespace, slo, tier_slos: dict | None = None
         await warm_up(conn, [BenchRequest(max_tokens=4, token_ids=sampler(rng, 16), ignore_eos=True)
                                     for _ in range(args.warmup)], args.temperature)
     progress = None if args.no_progress else Progress(num, args.duration)
+    before = await worker_prompt_tokens(conn)  # after the warm-up: the run's own prompts alone
     records, wall = await run_workload(conn, requests, arrivals, cfg, progress)
+    requested, computed = prompt_tokens_between(before, await worker_prompt_tokens(conn))
     mix = tier_mix_from_args(args)
     tiers = None if mix is None else [t.value for t, share in mix.items() if share > 0]
     report = build_report(records, slo, wall, tier_slos=tier_slos, tiers=tiers)
     model = {"name": info.name, "architecture": info.architecture, "num_params": info.num_params,
              "dtype": info.dtype, "vocab_size": info.vocab_size, "max_model_len": info.max_model_len}
+    # The workers' prompt tokens over the run (other clients' included; null where the router does not say):
+    # requested counts a prompt of n samples once, computed what was computed of them.
     return {"date": dt.datetime.now().astimezone().isoformat(timespec="seconds"), "label": args.label,
-            "target": args.target, "mode": mode, "model": model, "config": desc, **report}
+            "target": args.target, "mode": mode, "model": model, "config": desc, **report,
+            "worker_prompt_tokens_requested": requested, "worker_prompt_tokens_computed": computed}
 
 
 def _f(v: float | None, spec: str = ".2f") -> str:
@@ -318,7 +342,12 @@ def format_report(rep: dict[str, Any]) -> str:
     for code, n in rep["failed_by_code"].items():
         row(f"  {code}:", n)
     row("Benchmark duration (s):", _f(rep["duration"]))
+    if rep["config"].get("n", 1) > 1:
+        row("Samples per request:", rep["config"]["n"])
     row("Total input tokens:", rep["total_input_tokens"])
+    if rep.get("worker_prompt_tokens_requested") is not None:
+        row("Prompt tokens requested (workers):", rep["worker_prompt_tokens_requested"])
+        row("Prompt tokens computed (workers):", rep["worker_prompt_tokens_computed"])
     row("Total generated tokens:", rep["total_output_tokens"])
     row("Request throughput (req/s):", _f(rep["request_throughput"]))
     if rep["good_requests"] is not None:

@@ -6,7 +6,8 @@ Open loop (Poisson, bursty, trace): requests go out at their scheduled times wha
 doing. Closed loop: all requests are ready at time 0 and `concurrency` caps how many are in flight, so
 each finished request lets the next one go; the cap also bounds the open-loop schedules when given
 (vLLM's --max-concurrency). `duration` stops sending new requests after that many seconds; requests
-already sent run to completion and count.
+already sent run to completion and count. `n` > 1 asks every request for n samples of its prompt; the
+record keeps which sample each message is of.
 """
 from __future__ import annotations
 
@@ -24,6 +25,8 @@ from pdserve.bench.stats import RequestRecord
 from pdserve.bench.workload import BenchRequest
 from pdserve.client.grpc_client import FINISH_REASONS, AsyncClient, Connection
 
+MAX_N = 128  # the most samples of a prompt the API takes (GenerateRequest.n)
+
 
 @dataclass(frozen=True)
 class RunConfig:
@@ -32,6 +35,7 @@ class RunConfig:
     concurrency: int | None = None  # requests in flight at most
     timeout: float | None = None  # per-request gRPC deadline, seconds
     temperature: float = 0.0
+    n: int = 1  # samples of each prompt; 1 sends no n (what a router from before n takes)
 
     def __post_init__(self) -> None:
         if self.num_prompts is None and self.duration is None:
@@ -42,6 +46,8 @@ class RunConfig:
             raise ValueError(f"duration must be > 0, got {self.duration}")
         if self.concurrency is not None and self.concurrency < 1:
             raise ValueError(f"concurrency must be >= 1, got {self.concurrency}")
+        if not 1 <= self.n <= MAX_N:
+            raise ValueError(f"n must be in [1, {MAX_N}], got {self.n}")
 
 
 class Progress:
@@ -86,8 +92,8 @@ async def warm_up(target: str | Connection, requests: Sequence[BenchRequest], te
                                for r in requests))
 
 
-async def run_workload(target: str | Connection, requests: Iterable[BenchRequest], arrivals: Iterable[float], cfg: RunConfig,
-                       progress: Progress | None = None) -> tuple[list[RequestRecord], float]:
+async def run_workload(target: str | Connection, requests: Iterable[BenchRequest], arrivals: Iterable[float],
+                       cfg: RunConfig, progress: Progress | None = None) -> tuple[list[RequestRecord], float]:
     """Drive the workload; returns every request's record and the run's wall time (first send to last end)."""
     records: list[RequestRecord] = []
     tasks: list[asyncio.Task] = []
@@ -102,21 +108,33 @@ async def run_workload(target: str | Connection, requests: Iterable[BenchRequest
         def clock() -> float:
             return time.perf_counter() - t0
 
+        n = {"n": cfg.n} if cfg.n > 1 else {}
+
         async def one(req: BenchRequest, rec: RequestRecord) -> None:
             try:
                 rec.send = clock()
-                async for r in client.generate(timeout=cfg.timeout, temperature=cfg.temperature, **req.client_kwargs()):
+                finished = []  # each sample's finish reason, as they come
+                async for r in client.generate(timeout=cfg.timeout, temperature=cfg.temperature, **n,
+                                               **req.client_kwargs()):
                     rec.chunks.append((clock(), len(r.token_ids)))
+                    if cfg.n > 1:
+                        rec.chunk_index.append(r.index)
                     if r.service_tier:  # the tier served: on the last message
                         rec.served_tier = r.service_tier
                     if r.finish_reason:
-                        rec.finish_reason = FINISH_REASONS.get(r.finish_reason, str(r.finish_reason))
+                        finished.append(FINISH_REASONS.get(r.finish_reason, str(r.finish_reason)))
+                    if r.HasField("usage"):  # the last message
                         rec.input_tokens = r.usage.prompt_tokens or rec.input_tokens
                 rec.end = rec.chunks[-1][0] if rec.chunks else clock()
-                if not rec.finish_reason:
+                rec.finish_reason = finished[-1] if finished else ""
+                failed = next((f for f in finished if f in ("cancelled", "error")), None)
+                if not finished:
                     rec.error_code, rec.error = "INCOMPLETE", "the stream ended without a finish reason"
-                elif rec.finish_reason in ("cancelled", "error"):
-                    rec.error_code, rec.error = f"FINISH_{rec.finish_reason.upper()}", "finished by the server"
+                elif failed is not None:
+                    rec.error_code, rec.error = f"FINISH_{failed.upper()}", "finished by the server"
+                elif len(finished) < cfg.n:
+                    rec.error_code = "INCOMPLETE"
+                    rec.error = f"the stream ended with {len(finished)} of {cfg.n} samples finished"
             except grpc.aio.AioRpcError as e:
                 rec.end = clock()
                 rec.error_code, rec.error = e.code().name, e.details() or ""
@@ -143,7 +161,7 @@ async def run_workload(target: str | Connection, requests: Iterable[BenchRequest
                         slots.release()
                     break
                 rec = RequestRecord(send=clock(), input_tokens=req.input_len or 0, max_tokens=req.max_tokens,
-                                    service_tier=req.service_tier)
+                                    service_tier=req.service_tier, samples=cfg.n)
                 records.append(rec)
                 tasks.append(asyncio.create_task(one(req, rec)))
                 if progress:
@@ -157,3 +175,27 @@ async def run_workload(target: str | Connection, requests: Iterable[BenchRequest
                 progress.draw(final=True)
     wall = max((r.end for r in records if r.end is not None), default=0.0)
     return records, wall
+
+
+async def worker_prompt_tokens(target: str | Connection) -> dict[str, tuple[int, int]] | None:
+    """Each worker's prompt tokens (requested, computed) since it started, from the router's cluster status
+    (WorkerStatus.prompt_tokens_requested / _computed); None where the router reports none (one from before
+    they were added, or every worker still starting) or the status cannot be had."""
+    try:
+        async with AsyncClient(target) as client:
+            status = await client.cluster_status(timeout=30)
+    except grpc.RpcError:
+        return None
+    counts = {w.worker_id: (w.prompt_tokens_requested, w.prompt_tokens_computed)
+              for pool in status.pools for w in pool.workers if w.HasField("prompt_tokens_requested")}
+    return counts or None
+
+
+def prompt_tokens_between(before: dict[str, tuple[int, int]] | None,
+                          after: dict[str, tuple[int, int]] | None) -> tuple[int | None, int | None]:
+    """The workers' prompt tokens (requested, computed) from one worker_prompt_tokens snapshot to the next: a
+    worker that started in between counts from zero; one that left took its counts along (not in `after`)."""
+    if before is None or after is None:
+        return None, None
+    return (sum(r - before.get(w, (0, 0))[0] for w, (r, _) in after.items()),
+            sum(c - before.get(w, (0, 0))[1] for w, (_, c) in after.items()))

@@ -14,6 +14,13 @@ All times are seconds after the start of the run (the runner's clock); the repor
         output_tokens - 1 ITL samples summing to its last-token time - TTFT: its mean ITL is its TPOT
         up to the final message's own gap.
 
+Group sampling (`pdserve bench --n N`: every request asks for N samples of its prompt): a request's
+samples stream side by side, and its record keeps which sample each message is of. Its output tokens
+are every sample's; TTFT is its first token of any sample, E2EL its last message; TPOT is the mean over
+its samples of each sample's own (last message - first token) / (tokens - 1), and its ITL samples are
+the gaps within each sample, as above: what one sequence of the group sees, not the gaps between
+samples' messages. Input tokens count its prompt once.
+
 Only successful requests count towards tokens, throughput and latency statistics (as in vLLM); failed
 ones are counted by gRPC status code. Goodput is the rate of successful requests that met every SLO
 given (DistServe; vLLM's --goodput); SLO attainment is their share of all requests sent, failures
@@ -57,6 +64,8 @@ class RequestRecord:
     error: str = ""
     service_tier: str | None = None  # the tier asked for; None: none was sent
     served_tier: str = ""  # the tier the server says it served ("" if it did not say)
+    samples: int = 1  # samples of the prompt asked for (n)
+    chunk_index: list[int] = field(default_factory=list)  # with samples > 1: the sample of each chunk
 
     @property
     def ok(self) -> bool:
@@ -79,8 +88,28 @@ class RequestRecord:
     def e2el(self) -> float | None:
         return None if self.end is None else self.end - self.send
 
+    def streams(self) -> list[list[tuple[float, int]]]:
+        """Each sample's chunks, by index (the chunks themselves with one sample)."""
+        if self.samples == 1:
+            return [self.chunks]
+        out: list[list[tuple[float, int]]] = [[] for _ in range(self.samples)]
+        for chunk, i in zip(self.chunks, self.chunk_index):
+            out[i].append(chunk)
+        return out
+
+    @property
+    def output_tokens_per_sample(self) -> list[int]:
+        return [sum(k for _, k in chunks) for chunks in self.streams()]
+
     @property
     def tpot(self) -> float | None:
+        if self.samples > 1:
+            per_sample = []
+            for chunks in self.streams():
+                n, first = sum(k for _, k in chunks), next((t for t, k in chunks if k > 0), None)
+                if n >= 2 and first is not None:
+                    per_sample.append((chunks[-1][0] - first) / (n - 1))
+            return sum(per_sample) / len(per_sample) if per_sample else None
         n, ttft, e2el = self.output_tokens, self.ttft, self.e2el
         if n < 2 or ttft is None or e2el is None:
             return None
@@ -89,15 +118,16 @@ class RequestRecord:
     @property
     def itl(self) -> list[float]:
         gaps: list[float] = []
-        prev: float | None = None
-        for t, k in self.chunks:
-            if k == 0:
-                continue
-            if prev is None:
-                gaps += [0.0] * (k - 1)
-            else:
-                gaps += [(t - prev) / k] * k
-            prev = t
+        for chunks in self.streams():
+            prev: float | None = None
+            for t, k in chunks:
+                if k == 0:
+                    continue
+                if prev is None:
+                    gaps += [0.0] * (k - 1)
+                else:
+                    gaps += [(t - prev) / k] * k
+                prev = t
         return gaps
 
 
@@ -301,4 +331,6 @@ def request_row(r: RequestRecord, slo: Slo = Slo(), judged: bool | None = None) 
            "error": r.error, "met_slo": slo.met(r) if judged else None}
     if r.service_tier is not None:
         row["service_tier"], row["served_tier"] = r.service_tier, r.served_tier or None
+    if r.samples > 1:
+        row["samples"], row["output_tokens_per_sample"] = r.samples, r.output_tokens_per_sample
     return row

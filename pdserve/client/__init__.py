@@ -15,7 +15,8 @@ from pdserve.client.grpc_client import (
     Client,
     Completion,
     Connection,
+    Sample,
     build_request,
 )
 
-__all__ = ["API_KEY_ENV", "AsyncClient", "Client", "Completion", "Connection", "build_request"]
+__all__ = ["API_KEY_ENV", "AsyncClient", "Client", "Completion", "Connection", "Sample", "build_request"]

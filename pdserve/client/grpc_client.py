@@ -4,6 +4,8 @@
         for r in c.generate("Once upon a time", max_tokens=32):
             print(r.text, end="", flush=True)
         print(c.complete(messages=[{"role": "user", "content": "Hi"}]).text)
+        for s in c.complete("Once upon a time", n=4, seed=7).choices:  # 4 samples of one prompt
+            print(s.index, s.text)
 
 A router started with TLS and an API key (`pdserve serve --ssl-certfile ... --api-key-file ...`) takes
 the same options here: Client(target, api_key=KEY, ssl_ca_certs="ca.pem") verifies the server against
@@ -45,33 +47,66 @@ class TokenLogprob:
 
 
 @dataclass
-class Completion:
-    request_id: str = ""
+class Sample:
+    """One completion of a request's prompt: with n > 1 the request has n, by index."""
+
+    index: int = 0
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
-    finish_reason: str = ""
+    finish_reason: str = ""  # "" until this sample has finished
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # with logprobs=k: one per token of token_ids
+
+
+@dataclass
+class Completion:
+    """A request's answer, gathered from its stream (add() per message). choices: its samples by index, one
+    unless the request asked for n; text, token_ids, finish_reason and logprobs are the first one's, so
+    that a request of one sample reads them directly. usage (prompt tokens once, completion tokens of every
+    sample), timings and service_tier are the request's, from the stream's last message."""
+
+    request_id: str = ""
+    choices: list[Sample] = field(default_factory=list)
     usage: dict[str, int] = field(default_factory=dict)
     timings: dict[str, float | str] = field(default_factory=dict)
     service_tier: str = ""  # the tier served (last message)
-    # With logprobs=k: one per token of token_ids. With prompt_logprobs=k: one per prompt token, the first None.
-    logprobs: list[TokenLogprob] = field(default_factory=list)
-    prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)  # with prompt_logprobs=k: the first None
+
+    @property
+    def text(self) -> str:
+        return self.choices[0].text if self.choices else ""
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.choices[0].token_ids if self.choices else []
+
+    @property
+    def finish_reason(self) -> str:
+        return self.choices[0].finish_reason if self.choices else ""
+
+    @property
+    def logprobs(self) -> list[TokenLogprob]:
+        return self.choices[0].logprobs if self.choices else []
 
     def add(self, r: pb.GenerateResponse) -> None:
         self.request_id = r.request_id
-        self.text += r.text
-        self.token_ids.extend(r.token_ids)
+        while len(self.choices) <= r.index:  # samples' first messages come in any order
+            self.choices.append(Sample(len(self.choices)))
+        sample = self.choices[r.index]
+        sample.text += r.text
+        sample.token_ids.extend(r.token_ids)
         if r.logprobs:
-            self.logprobs.extend(map(TokenLogprob.of, r.logprobs))
+            sample.logprobs.extend(map(TokenLogprob.of, r.logprobs))
         if r.prompt_logprobs:
             self.prompt_logprobs = [TokenLogprob.of(p.token) if p.HasField("token") else None
                                     for p in r.prompt_logprobs]
         if r.finish_reason:
-            self.finish_reason = FINISH_REASONS[r.finish_reason]
+            sample.finish_reason = FINISH_REASONS[r.finish_reason]
+        if r.HasField("usage"):  # the stream's last message
             self.usage = {"prompt_tokens": r.usage.prompt_tokens, "completion_tokens": r.usage.completion_tokens,
                           "cached_prompt_tokens": r.usage.cached_prompt_tokens}
             t = r.timings
-            self.timings = {"queue_seconds": t.queue_seconds, "time_to_first_token_seconds": t.time_to_first_token_seconds,
+            self.timings = {"queue_seconds": t.queue_seconds,
+                            "time_to_first_token_seconds": t.time_to_first_token_seconds,
                             "end_to_end_seconds": t.end_to_end_seconds, "prefill_worker": t.prefill_worker,
                             "decode_worker": t.decode_worker}
             self.service_tier = r.service_tier
@@ -85,11 +120,12 @@ def build_request(prompt: str | None = None, *, messages: Sequence[dict[str, str
                   presence_penalty: float | None = None, frequency_penalty: float | None = None,
                   repetition_penalty: float | None = None, min_tokens: int | None = None,
                   logprobs: int | None = None, prompt_logprobs: int | None = None,
-                  logprobs_mode: str = "") -> pb.GenerateRequest:
+                  logprobs_mode: str = "", n: int | None = None) -> pb.GenerateRequest:
     """A GenerateRequest from exactly one of prompt, messages or token_ids; None leaves the server default.
     service_tier: auto (or empty), default, priority or flex (pdserve.tiers). logprobs / prompt_logprobs: k
     in [0, 20], the top k beside each generated / prompt token's own logprob; logprobs_mode: raw, processed
-    or empty (the server's). The fields' meanings are the .proto's (GenerateRequest, SamplingParams)."""
+    or empty (the server's). n: samples of the prompt, in [1, 128] (sample i seeded seed + i). The fields'
+    meanings are the .proto's (GenerateRequest, SamplingParams)."""
     if sum(x is not None for x in (prompt, messages, token_ids)) != 1:
         raise ValueError("give exactly one of prompt, messages or token_ids")
     req = pb.GenerateRequest(stop=list(stop), stop_token_ids=list(stop_token_ids), ignore_eos=ignore_eos,
@@ -107,6 +143,8 @@ def build_request(prompt: str | None = None, *, messages: Sequence[dict[str, str
         req.logprobs = logprobs
     if prompt_logprobs is not None:
         req.prompt_logprobs = prompt_logprobs
+    if n is not None:
+        req.n = n
     req.logprobs_mode = logprobs_mode
     for name, value in (("temperature", temperature), ("top_p", top_p), ("top_k", top_k), ("seed", seed),
                         ("presence_penalty", presence_penalty), ("frequency_penalty", frequency_penalty),
@@ -192,7 +230,8 @@ class Client:
         self.metadata = self.connection.metadata()
         self.stub = pb_grpc.GenerationStub(self.channel)
 
-    def generate(self, prompt: str | None = None, *, timeout: float | None = None, **kwargs) -> Iterator[pb.GenerateResponse]:
+    def generate(self, prompt: str | None = None, *, timeout: float | None = None,
+                 **kwargs) -> Iterator[pb.GenerateResponse]:
         """Stream responses; breaking out of the loop cancels the request on the server."""
         call = self.stub.Generate(build_request(prompt, **kwargs), timeout=timeout, metadata=self.metadata)
         try:
@@ -213,7 +252,8 @@ class Client:
         return self.stub.GetClusterStatus(pb.GetClusterStatusRequest(), timeout=timeout, metadata=self.metadata)
 
     def health(self, service: str = "", timeout: float | None = None) -> str:
-        r = health_pb2_grpc.HealthStub(self.channel).Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout)
+        r = health_pb2_grpc.HealthStub(self.channel).Check(health_pb2.HealthCheckRequest(service=service),
+                                                           timeout=timeout)
         return health_pb2.HealthCheckResponse.ServingStatus.Name(r.status)
 
     def close(self) -> None:

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bpdserve/v1/generation.proto\x12\npdserve.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"9\n\x0c\x43hatMessages\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.pdserve.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xdc\x02\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x03\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x05 \x01(\x02H\x04\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x06 \x01(\x02H\x05\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x07 \x01(\x02H\x06\x88\x01\x01\x12\x17\n\nmin_tokens\x18\x08 \x01(\x05H\x07\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\r\n\x0b_min_tokens\"\xac\x03\n\x0fGenerateRequest\x12\x10\n\x06prompt\x18\x01 \x01(\tH\x00\x12,\n\x08messages\x18\x02 \x01(\x0b\x32\x18.pdserve.v1.ChatMessagesH\x00\x12)\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x14.pdserve.v1.TokenIdsH\x00\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x17\n\nmax_tokens\x18\x05 \x01(\x05H\x01\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x05\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x12\n\nrequest_id\x18\t \x01(\t\x12\x14\n\x0cservice_tier\x18\n \x01(\t\x12\x15\n\x08logprobs\x18\x0b \x01(\x05H\x02\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x0c \x01(\x05H\x03\x88\x01\x01\x12\x15\n\rlogprobs_mode\x18\r \x01(\tB\x07\n\x05inputB\r\n\x0b_max_tokensB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobs\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"\x90\x01\n\x07Timings\x12\x15\n\rqueue_seconds\x18\x01 \x01(\x01\x12#\n\x1btime_to_first_token_seconds\x18\x02 \x01(\x01\x12\x1a\n\x12\x65nd_to_end_seconds\x18\x03 \x01(\x01\x12\x16\n\x0eprefill_worker\x18\x04 \x01(\t\x12\x15\n\rdecode_worker\x18\x05 \x01(\t\"\xb6\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12/\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12 \n\x05usage\x18\x05 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12$\n\x07timings\x18\x06 \x01(\x0b\x32\x13.pdserve.v1.Timings\x12\x14\n\x0cservice_tier\x18\x07 \x01(\t\x12*\n\x08logprobs\x18\x08 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\x32\n\x0fprompt_logprobs\x18\t \x03(\x0b\x32\x19.pdserve.v1.PromptLogprob\"d\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12#\n\x03top\x18\x04 \x03(\x0b\x32\x16.pdserve.v1.TopLogprob\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"8\n\rPromptLogprob\x12\'\n\x05token\x18\x01 \x01(\x0b\x32\x18.pdserve.v1.TokenLogprob\"\x15\n\x13GetModelInfoRequest\"\x81\x02\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x15\n\rmax_model_len\x18\x04 \x01(\r\x12\x12\n\nnum_layers\x18\x05 \x01(\r\x12\x13\n\x0bhidden_size\x18\x06 \x01(\r\x12\x11\n\tnum_heads\x18\x07 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x08 \x01(\r\x12\x12\n\nnum_params\x18\t \x01(\x04\x12\r\n\x05\x64type\x18\n \x01(\t\x12\x19\n\x11has_chat_template\x18\x0b \x01(\x08\x12\x15\n\reos_token_ids\x18\x0c \x03(\x05\"\x19\n\x17GetClusterStatusRequest\"\xfb\x01\n\x0cWorkerStatus\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0c\n\x04pool\x18\x02 \x01(\t\x12\x18\n\x10waiting_requests\x18\x03 \x01(\r\x12\x16\n\x0ewaiting_tokens\x18\x04 \x01(\x04\x12\x18\n\x10running_requests\x18\x05 \x01(\r\x12\x16\n\x0ekv_blocks_used\x18\x06 \x01(\r\x12\x17\n\x0fkv_blocks_total\x18\x07 \x01(\r\x12\x15\n\rbusy_fraction\x18\x08 \x01(\x01\x12\r\n\x05steps\x18\t \x01(\x04\x12\x18\n\x10tokens_processed\x18\n \x01(\x04\x12\r\n\x05state\x18\x0b \x01(\t\"\x82\x02\n\nPoolStatus\x12\x0c\n\x04name\x18\x01 \x01(\t\x12)\n\x07workers\x18\x02 \x03(\x0b\x32\x18.pdserve.v1.WorkerStatus\x12\x18\n\x10waiting_requests\x18\x03 \x01(\r\x12\x10\n\x08kv_usage\x18\x04 \x01(\x01\x12\x15\n\rbusy_fraction\x18\x05 \x01(\x01\x12\x17\n\x0f\x63urrent_workers\x18\x06 \x01(\r\x12\x17\n\x0f\x64\x65sired_workers\x18\x07 \x01(\r\x12\x13\n\x0bmin_workers\x18\x08 \x01(\r\x12\x13\n\x0bmax_workers\x18\t \x01(\r\x12\x1c\n\x14tensor_parallel_size\x18\n \x01(\r\"\xb0\x02\n\rClusterStatus\x12\x0c\n\x04mode\x18\x01 \x01(\t\x12%\n\x05pools\x18\x02 \x03(\x0b\x32\x16.pdserve.v1.PoolStatus\x12\x18\n\x10requests_running\x18\x03 \x01(\r\x12\x17\n\x0frequests_queued\x18\x04 \x01(\r\x12\x16\n\x0equeue_capacity\x18\x05 \x01(\r\x12\x0f\n\x07serving\x18\x06 \x01(\x08\x12R\n\x16queued_by_service_tier\x18\x07 \x03(\x0b\x32\x32.pdserve.v1.ClusterStatus.QueuedByServiceTierEntry\x1a:\n\x18QueuedByServiceTierEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\r:\x02\x38\x01*\x95\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04\x32\xf1\x01\n\nGeneration\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12\x46\n\x0cGetModelInfo\x12\x1f.pdserve.v1.GetModelInfoRequest\x1a\x15.pdserve.v1.ModelInfo\x12R\n\x10GetClusterStatus\x12#.pdserve.v1.GetClusterStatusRequest\x1a\x19.pdserve.v1.ClusterStatusb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bpdserve/v1/generation.proto\x12\npdserve.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"9\n\x0c\x43hatMessages\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.pdserve.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xdc\x02\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x03\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x05 \x01(\x02H\x04\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x06 \x01(\x02H\x05\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x07 \x01(\x02H\x06\x88\x01\x01\x12\x17\n\nmin_tokens\x18\x08 \x01(\x05H\x07\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\r\n\x0b_min_tokens\"\xc2\x03\n\x0fGenerateRequest\x12\x10\n\x06prompt\x18\x01 \x01(\tH\x00\x12,\n\x08messages\x18\x02 \x01(\x0b\x32\x18.pdserve.v1.ChatMessagesH\x00\x12)\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x14.pdserve.v1.TokenIdsH\x00\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x17\n\nmax_tokens\x18\x05 \x01(\x05H\x01\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x05\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x12\n\nrequest_id\x18\t \x01(\t\x12\x14\n\x0cservice_tier\x18\n \x01(\t\x12\x15\n\x08logprobs\x18\x0b \x01(\x05H\x02\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x0c \x01(\x05H\x03\x88\x01\x01\x12\x15\n\rlogprobs_mode\x18\r \x01(\t\x12\x0e\n\x01n\x18\x0e \x01(\rH\x04\x88\x01\x01\x42\x07\n\x05inputB\r\n\x0b_max_tokensB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobsB\x04\n\x02_n\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"\x90\x01\n\x07Timings\x12\x15\n\rqueue_seconds\x18\x01 \x01(\x01\x12#\n\x1btime_to_first_token_seconds\x18\x02 \x01(\x01\x12\x1a\n\x12\x65nd_to_end_seconds\x18\x03 \x01(\x01\x12\x16\n\x0eprefill_worker\x18\x04 \x01(\t\x12\x15\n\rdecode_worker\x18\x05 \x01(\t\"\xc5\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12/\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12 \n\x05usage\x18\x05 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12$\n\x07timings\x18\x06 \x01(\x0b\x32\x13.pdserve.v1.Timings\x12\x14\n\x0cservice_tier\x18\x07 \x01(\t\x12*\n\x08logprobs\x18\x08 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\x32\n\x0fprompt_logprobs\x18\t \x03(\x0b\x32\x19.pdserve.v1.PromptLogprob\x12\r\n\x05index\x18\n \x01(\r\"d\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12#\n\x03top\x18\x04 \x03(\x0b\x32\x16.pdserve.v1.TopLogprob\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"8\n\rPromptLogprob\x12\'\n\x05token\x18\x01 \x01(\x0b\x32\x18.pdserve.v1.TokenLogprob\"\x15\n\x13GetModelInfoRequest\"\x81\x02\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x15\n\rmax_model_len\x18\x04 \x01(\r\x12\x12\n\nnum_layers\x18\x05 \x01(\r\x12\x13\n\x0bhidden_size\x18\x06 \x01(\r\x12\x11\n\tnum_heads\x18\x07 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x08 \x01(\r\x12\x12\n\nnum_params\x18\t \x01(\x04\x12\r\n\x05\x64type\x18\n \x01(\t\x12\x19\n\x11has_chat_template\x18\x0b \x01(\x08\x12\x15\n\reos_token_ids\x18\x0c \x03(\x05\"\x19\n\x17GetClusterStatusRequest\"\xfd\x02\n\x0cWorkerStatus\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0c\n\x04pool\x18\x02 \x01(\t\x12\x18\n\x10waiting_requests\x18\x03 \x01(\r\x12\x16\n\x0ewaiting_tokens\x18\x04 \x01(\x04\x12\x18\n\x10running_requests\x18\x05 \x01(\r\x12\x16\n\x0ekv_blocks_used\x18\x06 \x01(\r\x12\x17\n\x0fkv_blocks_total\x18\x07 \x01(\r\x12\x15\n\rbusy_fraction\x18\x08 \x01(\x01\x12\r\n\x05steps\x18\t \x01(\x04\x12\x18\n\x10tokens_processed\x18\n \x01(\x04\x12\r\n\x05state\x18\x0b \x01(\t\x12$\n\x17prompt_tokens_requested\x18\x0c \x01(\x04H\x00\x88\x01\x01\x12#\n\x16prompt_tokens_computed\x18\r \x01(\x04H\x01\x88\x01\x01\x42\x1a\n\x18_prompt_tokens_requestedB\x19\n\x17_prompt_tokens_computed\"\x82\x02\n\nPoolStatus\x12\x0c\n\x04name\x18\x01 \x01(\t\x12)\n\x07workers\x18\x02 \x03(\x0b\x32\x18.pdserve.v1.WorkerStatus\x12\x18\n\x10waiting_requests\x18\x03 \x01(\r\x12\x10\n\x08kv_usage\x18\x04 \x01(\x01\x12\x15\n\rbusy_fraction\x18\x05 \x01(\x01\x12\x17\n\x0f\x63urrent_workers\x18\x06 \x01(\r\x12\x17\n\x0f\x64\x65sired_workers\x18\x07 \x01(\r\x12\x13\n\x0bmin_workers\x18\x08 \x01(\r\x12\x13\n\x0bmax_workers\x18\t \x01(\r\x12\x1c\n\x14tensor_parallel_size\x18\n \x01(\r\"\xb0\x02\n\rClusterStatus\x12\x0c\n\x04mode\x18\x01 \x01(\t\x12%\n\x05pools\x18\x02 \x03(\x0b\x32\x16.pdserve.v1.PoolStatus\x12\x18\n\x10requests_running\x18\x03 \x01(\r\x12\x17\n\x0frequests_queued\x18\x04 \x01(\r\x12\x16\n\x0equeue_capacity\x18\x05 \x01(\r\x12\x0f\n\x07serving\x18\x06 \x01(\x08\x12R\n\x16queued_by_service_tier\x18\x07 \x03(\x0b\x32\x32.pdserve.v1.ClusterStatus.QueuedByServiceTierEntry\x1a:\n\x18QueuedByServiceTierEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\r:\x02\x38\x01*\x95\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04\x32\xf1\x01\n\nGeneration\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12\x46\n\x0cGetModelInfo\x12\x1f.pdserve.v1.GetModelInfoRequest\x1a\x15.pdserve.v1.ModelInfo\x12R\n\x10GetClusterStatus\x12#.pdserve.v1.GetClusterStatusRequest\x1a\x19.pdserve.v1.ClusterStatusb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,8 +33,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_CLUSTERSTATUS_QUEUEDBYSERVICETIERENTRY']._loaded_options = None
   _globals['_CLUSTERSTATUS_QUEUEDBYSERVICETIERENTRY']._serialized_options = b'8\001'
-  _globals['_FINISHREASON']._serialized_start=2846
-  _globals['_FINISHREASON']._serialized_end=2995
+  _globals['_FINISHREASON']._serialized_start=3013
+  _globals['_FINISHREASON']._serialized_end=3162
   _globals['_CHATMESSAGE']._serialized_start=43
   _globals['_CHATMESSAGE']._serialized_end=87
   _globals['_CHATMESSAGES']._serialized_start=89
@@ -44,33 +44,33 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SAMPLINGPARAMS']._serialized_start=174
   _globals['_SAMPLINGPARAMS']._serialized_end=522
   _globals['_GENERATEREQUEST']._serialized_start=525
-  _globals['_GENERATEREQUEST']._serialized_end=953
-  _globals['_USAGE']._serialized_start=955
-  _globals['_USAGE']._serialized_end=1042
-  _globals['_TIMINGS']._serialized_start=1045
-  _globals['_TIMINGS']._serialized_end=1189
-  _globals['_GENERATERESPONSE']._serialized_start=1192
-  _globals['_GENERATERESPONSE']._serialized_end=1502
-  _globals['_TOKENLOGPROB']._serialized_start=1504
-  _globals['_TOKENLOGPROB']._serialized_end=1604
-  _globals['_TOPLOGPROB']._serialized_start=1606
-  _globals['_TOPLOGPROB']._serialized_end=1653
-  _globals['_PROMPTLOGPROB']._serialized_start=1655
-  _globals['_PROMPTLOGPROB']._serialized_end=1711
-  _globals['_GETMODELINFOREQUEST']._serialized_start=1713
-  _globals['_GETMODELINFOREQUEST']._serialized_end=1734
-  _globals['_MODELINFO']._serialized_start=1737
-  _globals['_MODELINFO']._serialized_end=1994
-  _globals['_GETCLUSTERSTATUSREQUEST']._serialized_start=1996
-  _globals['_GETCLUSTERSTATUSREQUEST']._serialized_end=2021
-  _globals['_WORKERSTATUS']._serialized_start=2024
-  _globals['_WORKERSTATUS']._serialized_end=2275
-  _globals['_POOLSTATUS']._serialized_start=2278
-  _globals['_POOLSTATUS']._serialized_end=2536
-  _globals['_CLUSTERSTATUS']._serialized_start=2539
-  _globals['_CLUSTERSTATUS']._serialized_end=2843
-  _globals['_CLUSTERSTATUS_QUEUEDBYSERVICETIERENTRY']._serialized_start=2785
-  _globals['_CLUSTERSTATUS_QUEUEDBYSERVICETIERENTRY']._serialized_end=2843
-  _globals['_GENERATION']._serialized_start=2998
-  _globals['_GENERATION']._serialized_end=3239
+  _globals['_GENERATEREQUEST']._serialized_end=975
+  _globals['_USAGE']._serialized_start=977
+  _globals['_USAGE']._serialized_end=1064
+  _globals['_TIMINGS']._serialized_start=1067
+  _globals['_TIMINGS']._serialized_end=1211
+  _globals['_GENERATERESPONSE']._serialized_start=1214
+  _globals['_GENERATERESPONSE']._serialized_end=1539
+  _globals['_TOKENLOGPROB']._serialized_start=1541
+  _globals['_TOKENLOGPROB']._serialized_end=1641
+  _globals['_TOPLOGPROB']._serialized_start=1643
+  _globals['_TOPLOGPROB']._serialized_end=1690
+  _globals['_PROMPTLOGPROB']._serialized_start=1692
+  _globals['_PROMPTLOGPROB']._serialized_end=1748
+  _globals['_GETMODELINFOREQUEST']._serialized_start=1750
+  _globals['_GETMODELINFOREQUEST']._serialized_end=1771
+  _globals['_MODELINFO']._serialized_start=1774
+  _globals['_MODELINFO']._serialized_end=2031
+  _globals['_GETCLUSTERSTATUSREQUEST']._serialized_start=2033
+  _globals['_GETCLUSTERSTATUSREQUEST']._serialized_end=2058
+  _globals['_WORKERSTATUS']._serialized_start=2061
+  _globals['_WORKERSTATUS']._serialized_end=2442
+  _globals['_POOLSTATUS']._serialized_start=2445
+  _globals['_POOLSTATUS']._serialized_end=2703
+  _globals['_CLUSTERSTATUS']._serialized_start=2706
+  _globals['_CLUSTERSTATUS']._serialized_end=3010
+  _globals['_CLUSTERSTATUS_QUEUEDBYSERVICETIERENTRY']._serialized_start=2952
+  _globals['_CLUSTERSTATUS_QUEUEDBYSERVICETIERENTRY']._serialized_end=3010
+  _globals['_GENERATION']._serialized_start=3165
+  _globals['_GENERATION']._serialized_end=3406
 # @@protoc_insertion_point(module_scope)

@@ -55,8 +55,9 @@ class GenerationServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Generate(self, request, context):
-        """Streams a completion: each message carries the text and token ids produced since the previous one;
-        the last message also carries the finish reason, usage and timings.
+        """Streams a completion (or, with GenerateRequest.n, n of them): each message carries the text and token
+        ids one sample produced since its previous message; a sample's last message carries its finish reason,
+        and the stream's last message the usage, timings and tier served.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

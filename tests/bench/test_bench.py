@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from pdserve.bench.cli import build_workload, format_report
-from pdserve.bench.runner import RunConfig, run_workload
+from pdserve.bench.runner import RunConfig, prompt_tokens_between, run_workload
 from pdserve.bench.stats import (
     RequestRecord,
     Slo,
@@ -162,6 +162,33 @@ def test_timeline():
     assert tl["completed"] == [1, 0, 1, 0, 1]
     assert tl["in_flight"] == [2, 2, 2, 1, 1]
     assert timeline_bin(6.0) == 0.5 and timeline_bin(120.0) == 5.0 and timeline_bin(1e6) == 300.0
+
+
+def rec_group() -> RequestRecord:
+    # two samples, interleaved: sample 0 at 0.25, 0.5, 1.0 (TPOT 0.375; gaps 0.25, 0.5), sample 1 at 0.25,
+    # 0.625, 0.75 (TPOT 0.25; gaps 0.375, 0.125). Over the stream as one (what a record of one sample reads)
+    # TPOT would be (1.0 - 0.25) / 5 = 0.15, with gaps of 0 between the samples' messages.
+    return RequestRecord(send=0.0, chunks=[(0.25, 1), (0.25, 1), (0.5, 1), (0.625, 1), (0.75, 1), (1.0, 1)],
+                         chunk_index=[0, 1, 0, 1, 1, 0], samples=2, end=1.0, input_tokens=8, max_tokens=3,
+                         finish_reason="length")
+
+
+def test_a_group_is_timed_per_sample():
+    g = rec_group()
+    assert (g.ttft, g.e2el, g.output_tokens, g.output_tokens_per_sample) == (0.25, 1.0, 6, [3, 3])
+    assert g.tpot == (0.375 + 0.25) / 2 and g.itl == [0.25, 0.5, 0.375, 0.125]
+    rep = build_report([g, rec_a()], Slo(tpot_ms=320))
+    assert rep["total_output_tokens"] == 10 and rep["total_input_tokens"] == 18  # the group's prompt once
+    assert rep["good_requests"] == 2  # the group's TPOT is 312.5 ms
+    assert rep["requests"][0]["samples"] == 2 and rep["requests"][0]["output_tokens_per_sample"] == [3, 3]
+    assert "samples" not in rep["requests"][1]
+
+
+def test_workers_prompt_tokens_over_a_run():
+    before = {"p0": (100, 90), "d0": (0, 4)}
+    after = {"p0": (160, 130), "d0": (0, 10), "p1": (20, 20)}  # p1 started during the run
+    assert prompt_tokens_between(before, after) == (80, 66)
+    assert prompt_tokens_between(None, after) == prompt_tokens_between(before, None) == (None, None)
 
 
 def test_empty_and_all_failed_reports():
@@ -344,20 +371,24 @@ def test_format_report_has_every_section():
 
 # -- the runner against a scripted server ----------------------------------------------------------
 class ScriptedGeneration(pb_grpc.GenerationServicer):
-    """Streams max_tokens one-token messages 20 ms apart; prompts starting with token 13 are refused."""
+    """Streams max_tokens one-token messages 20 ms apart, of each of the n samples asked (the usage on the last
+    message); prompts starting with token 13 are refused, those starting with 14 end after sample 0."""
 
     async def Generate(self, request, context):
         if request.token_ids.ids[0] == 13:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "queue full")
+        n = request.n if request.HasField("n") else 1
         for i in range(request.max_tokens):
             await asyncio.sleep(0.02)
             last = i == request.max_tokens - 1
-            r = pb.GenerateResponse(request_id="x", token_ids=[i])
-            if last:
-                r.finish_reason = pb.FINISH_REASON_LENGTH
-                r.usage.prompt_tokens = len(request.token_ids.ids)
-                r.usage.completion_tokens = request.max_tokens
-            yield r
+            for sample in range(n if request.token_ids.ids[0] != 14 else 1):
+                r = pb.GenerateResponse(request_id="x", token_ids=[i], index=sample)
+                if last:
+                    r.finish_reason = pb.FINISH_REASON_LENGTH
+                if last and sample == n - 1:
+                    r.usage.prompt_tokens = len(request.token_ids.ids)
+                    r.usage.completion_tokens = request.max_tokens * n
+                yield r
 
 
 def test_runner_against_scripted_server():
@@ -410,6 +441,33 @@ def test_runner_against_scripted_server():
     assert all(r.finish_reason == "length" and r.end is not None for r in timed)
 
 
+def test_runner_asks_for_n_samples_and_times_each():
+    async def main():
+        server = grpc.aio.server()
+        pb_grpc.add_GenerationServicer_to_server(ScriptedGeneration(), server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        try:
+            reqs = [BenchRequest(max_tokens=4, token_ids=(14 if i == 1 else 1, 2, 3)) for i in range(3)]
+            return await run_workload(f"127.0.0.1:{port}", reqs, closed_arrivals(),
+                                      RunConfig(num_prompts=3, concurrency=3, n=3))
+        finally:
+            await server.stop(0)
+
+    records, wall = asyncio.run(asyncio.wait_for(main(), 60))
+    rep = build_report(records, Slo(), wall)
+    # The one whose stream ended with a sample unfinished failed; the others count each sample's tokens.
+    assert rep["completed"] == 2 and rep["failed_by_code"] == {"INCOMPLETE": 1}
+    assert rep["errors"][0]["message"] == "the stream ended with 1 of 3 samples finished"
+    assert rep["total_output_tokens"] == 2 * 3 * 4 and rep["total_input_tokens"] == 2 * 3
+    for r in records[::2]:
+        assert r.output_tokens_per_sample == [4, 4, 4] and len(r.itl) == 3 * 3
+        # Each sample's messages come 20 ms apart (the server's own sleep); the samples' side by side.
+        assert r.tpot >= 0.02 - 1e-3 and all(g >= 0.02 - 1e-3 for g in r.itl)
+    with pytest.raises(ValueError, match="n must be"):
+        RunConfig(num_prompts=1, n=129)
+
+
 # -- a real short run against a local cluster -------------------------------------------------------
 REPORT_KEYS = [
     "date", "label", "target", "mode", "model", "config", "completed", "failed", "failed_by_code", "errors",
@@ -444,10 +502,23 @@ def test_real_bench_run(ray_local, aloop, tmp_path):
                    "--lengths", "uniform", "--input-len", "32", "--output-len", "6", "--slo-ttft-ms", "5000",
                    "--slo-tpot-ms", "2000", "--timeout", "120", "--output", str(out), "--plot", str(png),
                    "--label", "test", "--no-progress"])
+        # The group shape: 4 prompts x 2 samples (another seed: prompts the prefix cache has not seen).
+        group = tmp_path / "group.json"
+        group_rc = main(["bench", "--target", f"127.0.0.1:{port}", "--num-prompts", "4", "--n", "2", "--temperature",
+                         "1", "--lengths", "uniform", "--input-len", "32", "--output-len", "5", "--timeout", "120",
+                         "--seed", "1", "--output", str(group), "--no-progress"])
     finally:
         aloop.run(router.stop(grace=5))
         aloop.run(cluster.shutdown())
-    assert rc == 0
+    assert rc == 0 and group_rc == 0
+    g = json.loads(group.read_text())
+    assert g["completed"] == 4 and g["failed"] == 0 and g["config"]["n"] == 2
+    rows = g["requests"]
+    assert all(r["samples"] == 2 and r["output_tokens_per_sample"] == [r["max_tokens"]] * 2 for r in rows)
+    assert g["total_output_tokens"] == sum(2 * r["max_tokens"] for r in rows)  # every sample's (ignore_eos)
+    assert g["total_input_tokens"] == sum(r["input_tokens"] for r in rows) >= 4 * 16  # each prompt once
+    # The workers were asked for each prompt once and computed it once, not once a sample.
+    assert g["worker_prompt_tokens_requested"] == g["worker_prompt_tokens_computed"] == g["total_input_tokens"]
     rep = json.loads(out.read_text())
     assert [k for k in REPORT_KEYS if k not in rep] == []
     assert rep["completed"] == 12 and rep["failed"] == 0 and rep["mode"] == "disaggregated"
@@ -459,6 +530,10 @@ def test_real_bench_run(ray_local, aloop, tmp_path):
     assert sum(rep["timeline"]["completed"]) == 12 and rep["peak_concurrency"] >= 1
     data = png.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 20_000
+    # The workers' prompt tokens over the run: those of its 12 prompts, the warm-up's not included.
+    assert rep["worker_prompt_tokens_requested"] == rep["total_input_tokens"]
+    assert rep["worker_prompt_tokens_computed"] == rep["total_input_tokens"]  # distinct random prompts: no cache hit
+    assert "n" in rep["config"] and rep["config"]["n"] == 1
 
 
 # -- service tiers ----------------------------------------------------------------------------------

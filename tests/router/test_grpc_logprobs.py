@@ -14,7 +14,7 @@ from pdserve.client.grpc_client import TokenLogprob as ClientLogprob
 from pdserve.config import CacheConfig, ClusterConfig, EngineConfig, PoolConfig, SchedulerConfig
 from pdserve.engine.logprobs import TokenLogprob
 from pdserve.engine.output import RequestOutput
-from pdserve.engine.sampling import SamplingParams
+from pdserve.engine.sampling import MAX_N, SamplingParams, sample_seed
 from pdserve.v1 import generation_pb2 as pb
 from router.admission import parse_request, parse_wire
 from router.cluster import Cluster
@@ -50,12 +50,13 @@ def test_new_request_fields_reach_the_sampling_params(info):
     # 0 is a value, not "unset": the sampled token's logprob alone; no penalty, explicitly.
     p = parse(info, logprobs=0, prompt_logprobs=0, presence_penalty=0.0, repetition_penalty=1.0, min_tokens=0)
     assert (p.logprobs, p.prompt_logprobs, p.presence_penalty, p.repetition_penalty) == (0, 0, 0.0, 1.0)
+    assert parse(info, n=4).n == 4 and parse(info, n=MAX_N).n == MAX_N
 
 
 def test_a_request_without_the_new_fields_gets_the_defaults(info):
     p = parse(info)
     assert (p.logprobs, p.prompt_logprobs, p.logprobs_mode) == (None, None, "raw")
-    assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty, p.min_tokens) == (0.0, 0.0, 1.0, 0)
+    assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty, p.min_tokens, p.n) == (0.0, 0.0, 1.0, 0, 1)
     assert not p.penalized
     assert parse(info, "processed").logprobs_mode == "processed"
 
@@ -66,6 +67,7 @@ BAD = [
     (dict(presence_penalty=float("nan")), "presence_penalty"), (dict(repetition_penalty=0.0), "repetition_penalty"),
     (dict(repetition_penalty=float("inf")), "repetition_penalty"), (dict(min_tokens=9), "min_tokens"),
     (dict(min_tokens=-1), "min_tokens"), (dict(logprobs=1, logprobs_mode="x"), "logprobs_mode"),
+    (dict(n=0), "n"), (dict(n=MAX_N + 1), "n"),  # 0 is a value, not "unset": refused
 ]
 
 
@@ -277,6 +279,28 @@ def test_a_request_without_the_new_fields_is_served_as_before(client, offline):
 
 
 @pytest.mark.slow
+def test_each_sample_of_n_is_the_n1_request_of_its_seed(client, offline):
+    """n=4 seeded s over gRPC: sample i has the tokens and logprobs of the n = 1 request seeded sample_seed(s, i),
+    and of the offline engine's sample i."""
+    prompt = offline.tokenizer.encode(PROMPT)
+    sampling = dict(max_tokens=12, temperature=1.0, top_k=40, logprobs=5)
+    seed = 2**63 - 2  # the last samples' seeds wrap around to 0
+    group = client.complete(token_ids=prompt, n=4, seed=seed, timeout=180, **sampling)
+    assert [c.index for c in group.choices] == [0, 1, 2, 3]
+    assert len({tuple(c.token_ids) for c in group.choices}) > 1, "the samples are all alike: nothing is tested"
+    ref = offline.generate([prompt], SamplingParams(n=4, seed=seed, **sampling))
+    for c, want in zip(group.choices, ref):
+        alone = client.complete(token_ids=prompt, seed=sample_seed(seed, c.index), timeout=120, **sampling)
+        assert (c.token_ids, c.text, c.finish_reason) == (alone.token_ids, alone.text, alone.finish_reason)
+        assert_matches(c.logprobs, alone.logprobs, f"sample {c.index}'s logprobs")
+        assert c.token_ids == want.token_ids
+        assert_matches(c.logprobs, want.logprobs, f"sample {c.index}'s logprobs offline")
+    # The usage counts the prompt once and every sample's tokens.
+    assert group.usage["prompt_tokens"] == len(prompt)
+    assert group.usage["completion_tokens"] == sum(len(c.token_ids) for c in group.choices)
+
+
+@pytest.mark.slow
 def test_pdserve_generate_prints_logprobs(router, capsys):
     from pdserve.cli import main
 
@@ -300,3 +324,22 @@ def test_pdserve_generate_prints_logprobs(router, capsys):
         assert [int(t) for t in top[::2]] == [t for t, _ in e["top"]]
     assert main(["generate", *target, "--logprobs", "21", PROMPT]) == 2  # refused before any call
     assert "logprobs must be" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_pdserve_generate_prints_each_sample(router, client, capsys):
+    from pdserve.cli import main
+
+    args = ["generate", "--target", f"127.0.0.1:{router.port}", "--n", "2", "--seed", "5", "--temperature", "1",
+            "--max-tokens", "6", "--ignore-eos", PROMPT]
+    assert main([*args, "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert [c["index"] for c in out["choices"]] == [0, 1] and out["usage"]["completion_tokens"] == 12
+    for c in out["choices"]:
+        alone = client.complete(PROMPT, seed=sample_seed(5, c["index"]), temperature=1.0, max_tokens=6,
+                                ignore_eos=True, timeout=120)
+        assert (c["token_ids"], c["text"], c["finish_reason"]) == (alone.token_ids, alone.text, "length")
+    assert main(args) == 0
+    printed = capsys.readouterr().out
+    for c in out["choices"]:
+        assert f"--- sample {c['index']} (length) ---\n{c['text']}\n" in printed

@@ -292,6 +292,82 @@ def test_processed_logprobs_write_minus_infinity_as_min_logprob(sdk):
     assert all(t.logprob > MIN_LOGPROB for e in raw for t in e.top_logprobs)
 
 
+# -- n samples -----------------------------------------------------------------------------------------------
+
+GROUP = dict(max_tokens=10, temperature=1.0, seed=4321)
+
+
+def stream_by_index(chunks, chat: bool) -> dict[int, dict]:
+    """A stream's choices accumulated by index, as a client of the SDK does: each one's text, token ids,
+    logprobs (chat: content entries; completions: token_logprobs) and its finish reasons (exactly one)."""
+    out: dict[int, dict] = {}
+    for chunk in chunks:
+        for c in chunk.choices:
+            got = out.setdefault(c.index, {"text": "", "token_ids": [], "logprobs": [], "finish": []})
+            got["text"] += (c.delta.content or "") if chat else c.text
+            got["token_ids"] += c.token_ids
+            if c.logprobs is not None:
+                got["logprobs"] += c.logprobs.content if chat else c.logprobs.token_logprobs
+            if c.finish_reason:
+                got["finish"].append(c.finish_reason)
+    return out
+
+
+@pytest.mark.parametrize("streamed", [False, True], ids=["whole", "streamed"])
+def test_chat_n_choices_equal_grpcs_samples(sdk, grpc_client, streamed):
+    """logprobs with top_logprobs=5 and n=4: choice i has sample i's tokens and logprobs as gRPC streams
+    them for the same request; the usage counts the prompt once."""
+    ref = grpc_client.complete(messages=CHAT, n=4, logprobs=5, timeout=180, **GROUP)
+    assert len({tuple(c.token_ids) for c in ref.choices}) > 1, "the samples are all alike: nothing is tested"
+    args = dict(model=MODEL, messages=CHAT, n=4, logprobs=True, top_logprobs=5, extra_body={"return_token_ids": True},
+                **GROUP)
+    if streamed:
+        chunks = list(sdk.chat.completions.create(stream=True, stream_options={"include_usage": True}, **args))
+        got = stream_by_index(chunks, chat=True)
+        usage = chunks[-1].usage
+        assert all(g["finish"] and len(g["finish"]) == 1 for g in got.values())
+        # Each choice's first chunk says the role, every one of them before any token.
+        roles = [(c.choices[0].index, c.choices[0].delta.role) for c in chunks[:4]]
+        assert roles == [(i, "assistant") for i in range(4)]
+    else:
+        r = sdk.chat.completions.create(**args)
+        assert [c.index for c in r.choices] == [0, 1, 2, 3]
+        got = {c.index: {"text": c.message.content, "token_ids": c.token_ids, "logprobs": c.logprobs.content,
+                         "finish": [c.finish_reason]} for c in r.choices}
+        usage = r.usage
+    assert sorted(got) == [0, 1, 2, 3]
+    for want in ref.choices:
+        g = got[want.index]
+        assert (g["text"], g["token_ids"], g["finish"]) == (want.text, want.token_ids, [want.finish_reason])
+        assert len(g["logprobs"]) == len(want.logprobs)
+        for e, w in zip(g["logprobs"], want.logprobs):
+            assert e.logprob == pytest.approx(wire(w.logprob), abs=TOLERANCE)
+            assert [t.logprob for t in e.top_logprobs] == pytest.approx([wire(x) for _, x in w.top], abs=TOLERANCE)
+    assert usage.prompt_tokens == ref.usage["prompt_tokens"]  # once, not once a choice
+    assert usage.completion_tokens == ref.usage["completion_tokens"] == sum(len(c.token_ids) for c in ref.choices)
+
+
+@pytest.mark.parametrize("streamed", [False, True], ids=["whole", "streamed"])
+def test_completion_n_choices_equal_grpcs_samples(sdk, grpc_client, streamed):
+    ref = grpc_client.complete(PROMPT, n=3, logprobs=2, timeout=180, **GROUP)
+    args = dict(model=MODEL, prompt=PROMPT, n=3, logprobs=2, extra_body={"return_token_ids": True}, **GROUP)
+    if streamed:
+        got = stream_by_index(sdk.completions.create(stream=True, **args), chat=False)
+    else:
+        r = sdk.completions.create(**args)
+        got = {c.index: {"text": c.text, "token_ids": c.token_ids, "logprobs": c.logprobs.token_logprobs,
+                         "finish": [c.finish_reason]} for c in r.choices}
+        assert r.usage.completion_tokens == ref.usage["completion_tokens"]
+        assert r.usage.prompt_tokens == ref.usage["prompt_tokens"]
+        # The prompt's fields once: on choice 0.
+        assert [(c.model_extra or {}).get("prompt_token_ids") is not None for c in r.choices] == [True, False, False]
+    assert sorted(got) == [0, 1, 2]
+    for want in ref.choices:
+        g = got[want.index]
+        assert (g["text"], g["token_ids"], g["finish"]) == (want.text, want.token_ids, [want.finish_reason])
+        assert g["logprobs"] == pytest.approx([wire(e.logprob) for e in want.logprobs], abs=TOLERANCE)
+
+
 # -- penalties and min_tokens ---------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("penalty", [dict(presence_penalty=1.5), dict(frequency_penalty=1.0),
@@ -334,7 +410,8 @@ CHAT_BAD = [
     (dict(extra_body={"prompt_logprobs": 21}), "prompt_logprobs"),
     (dict(logprobs=True, extra_body={"logprobs_mode": "sorted"}), "logprobs_mode"),
     (dict(max_completion_tokens=0), "max_completion_tokens"),
-    (dict(n=2), "n"),
+    (dict(n=0), "n"),
+    (dict(n=129), "n"),
 ]
 COMPLETION_BAD = [
     (dict(logprobs=21), "logprobs"),
@@ -342,6 +419,8 @@ COMPLETION_BAD = [
     (dict(presence_penalty=-2.5), "presence_penalty"),
     (dict(extra_body={"repetition_penalty": -1.0}), "repetition_penalty"),
     (dict(extra_body={"min_tokens": 9}), "min_tokens"),
+    (dict(n=0), "n"),
+    (dict(n=129), "n"),
 ]
 
 
