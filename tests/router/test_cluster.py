@@ -4,6 +4,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from dataclasses import replace
 
 import pytest
 import ray
@@ -168,6 +169,50 @@ def test_tiny_groups_match_the_offline_engine_and_share_the_prompt(aloop, tiny_c
                     for a, b in zip(after, before) if a.pool == "decode")
         assert moved <= len(prompts)  # one transfer per group at most (several groups may share one)
     assert_no_leaks(aloop, tiny_cluster.cluster)
+
+
+def test_tiny_group_resumes_each_sample_after_its_decode_worker_dies(aloop, tiny_cluster, tiny_engine_config):
+    """A group whose decode worker is killed mid-stream: each unfinished sample resumes on its own from the
+    tokens it streamed, and every sample still equals the offline engine's, nothing repeated or lost; a
+    group closed midway frees every block on every worker."""
+    cluster = tiny_cluster.cluster
+    if len(cluster.pools.get("decode", ())) < 2:
+        pytest.skip("needs two decode workers")
+    prompt = tiny_prompts()[1]
+    params = SamplingParams(max_tokens=24, temperature=1.0, seed=5, n=3, logprobs=0, ignore_eos=True)
+    with LLMEngine(tiny_engine_config) as engine:
+        want = engine.generate([prompt], params)
+    lost = cluster.retries["decode_lost"]
+
+    async def run():
+        samples = [([], []) for _ in range(params.n)]
+        killed = False
+        async with contextlib.aclosing(cluster.generate(prompt, params, "group-resumed")) as gen:
+            async for out in gen:
+                samples[out.index][0].extend(out.new_token_ids)
+                samples[out.index][1].extend(out.logprobs)
+                if not killed and sum(len(t) for t, _ in samples) >= 3 * params.n:
+                    victim = next(w for w in cluster.pools["decode"] if "group-resumed#0" in w.requests)
+                    ray.kill(victim.handle, no_restart=True)
+                    killed = True
+        return samples
+
+    for (tokens, logprobs), w in zip(aloop.run(run(), timeout=300), want):
+        assert tokens == w.token_ids
+        assert_same_logprobs(logprobs, w.logprobs)
+    assert cluster.retries["decode_lost"] == lost + 1
+
+    async def close_midway():
+        gen = cluster.generate(prompt, replace(params, max_tokens=cluster.info.max_model_len - len(prompt)))
+        async for out in gen:
+            if out.num_output_tokens >= 3:
+                break
+        await gen.aclose()
+
+    aloop.run(close_midway())
+    wait_for(lambda: all(len(cluster.pools[p]) == n for p, n in (("prefill", 2), ("decode", 2))), timeout=120,
+             what="the pools back to size")
+    assert_no_leaks(aloop, cluster)
 
 
 def test_tiny_cancel_midway_frees_blocks(aloop, tiny_cluster):
