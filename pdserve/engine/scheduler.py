@@ -126,8 +126,9 @@ class Scheduler(PipelinedDecode):
             raise ValueError(f"request id {req.request_id!r} is already in use")
         if req.remote_kv and self.role is not Role.DECODE:
             raise ValueError("only a decode worker takes requests whose KV is computed elsewhere")
-        # Room for every token and one more (the next one's KV), or it could never run.
-        if self.blocks_for(req) > self.kv.pool.num_blocks:
+        # Room for every token and one more (the next one's KV), or it could never run (a group's samples
+        # can run one after another: they are preempted like any request when the cache is short).
+        if self.kv.blocks_needed(req.num_tokens + 1) > self.kv.pool.num_blocks:
             raise ValueError(
                 f"request {req.request_id} needs more KV blocks than the cache has "
                 f"({req.num_tokens} tokens, {self.kv.pool.num_blocks} blocks of {self.kv.block_size})"

@@ -29,7 +29,7 @@ def ckpt(tiny_checkpoints):
     return tiny_checkpoints["llama"]
 
 
-def group(seed: int, n: int = 5, **kw) -> SamplingParams:
+def group(seed: int, n: int = 8, **kw) -> SamplingParams:
     return SamplingParams(max_tokens=10, temperature=1.0, top_k=40, seed=seed, n=n, logprobs=2, ignore_eos=True, **kw)
 
 
@@ -101,7 +101,7 @@ def test_a_small_cache_preempts_samples_and_they_still_match(ckpt):
     again (prompt + their own tokens) and every one still equals its single request."""
     p = prompt(13)
     engine = make_engine(ckpt, num_blocks=12)
-    params = group(seed=21)
+    params = group(seed=21, n=5)
     got = engine.generate([p], params)
     assert engine.scheduler.num_preemptions > 0
     assert_samples_are_single_requests(ckpt, p, params, got)

@@ -274,3 +274,39 @@ def test_reservation_headroom_is_a_decode_knob(tiny):
         for rid in list(decode.scheduler.requests):
             decode.cancel(rid)
         assert decode.pool.num_used_blocks == 0
+
+
+def test_a_group_is_computed_once_and_forked_on_the_decode_worker(tiny):
+    """n = 4 through the prefill and decode roles: the prefill worker samples the 4 first tokens from one
+    row of logits (its request HELD once), the KV moves once, and once it lands the decode worker holds the
+    prompt's full blocks once (shared by the 4 samples) plus one block of each sample's own (the group's
+    partial last block, and each fork's copy of it); every sample equals the offline engine's."""
+    path, loaded = tiny
+    prompt = prompts()[2]  # 13 tokens: 3 full blocks of 4 and a partial one
+    params = SamplingParams(max_tokens=8, temperature=1.0, seed=9, n=4, ignore_eos=True)
+    want = LLMEngine(config(path), loaded).generate([prompt], params)
+    prefill = EngineCore(config(path), loaded, Role.PREFILL)
+    decode = EngineCore(config(path), loaded, Role.DECODE)
+    prefill.scheduler.add(PrefillTask("g", tuple(prompt), params, 9, hand_off=True).new_request())
+    decode.scheduler.add(DecodeTask("g", tuple(prompt), (), params, 9, "p").new_request())
+    firsts = prefill.step()
+    assert [s.sample_index for s in firsts] == [0, 1, 2, 3] and {s.request.request_id for s in firsts} == {"g"}
+    assert list(prefill.scheduler.held) == ["g"] and prefill.prompt_tokens_computed == len(prompt)
+    assert decode.scheduler.schedule().reserved
+    src, dst = prefill.scheduler.held["g"], decode.scheduler.waiting_for_kv["g"]
+    insert_blocks(decode.runner.kv_cache, decode.scheduler.kv_blocks(dst),
+                  extract_blocks(prefill.runner.kv_cache, prefill.scheduler.kv_blocks(src)))
+    assert prefill.cancel("g") and prefill.pool.num_used_blocks == 0
+    landed = decode.scheduler.kv_arrived("g", [s.token for s in firsts])
+    assert [s.request.request_id for s in landed] == ["g", "g~1", "g~2", "g~3"]
+    full = len(prompt) // 4
+    assert decode.pool.num_used_blocks == full + 4
+    assert all(decode.pool.ref_count(b) == 4 for b in dst.block_ids[:full])
+    out = {s.request.sample_index: [s.token] for s in landed}
+    while decode.scheduler.has_work:
+        step = decode.scheduler.schedule()
+        for s in decode.account(step, decode.execute(step)):
+            out[s.request.sample_index].append(s.token)
+    assert [out[i] for i in range(4)] == [c.token_ids for c in want]
+    assert decode.pool.num_used_blocks == 0 and decode.prompt_tokens_computed == 0
+    decode.pool.check_integrity()
