@@ -17,7 +17,7 @@ from pdserve.engine.chunk import Chunk
 from pdserve.engine.cuda_graphs import DecodeGraphs, batch_buckets
 from pdserve.engine.kv_cache import allocate_kv_cache
 from pdserve.engine.logprobs import TokenLogprob
-from pdserve.engine.sampling import SampledLogprobs, SamplingBatch, sample, sample_seed, to_device
+from pdserve.engine.sampling import SampledLogprobs, SamplingBatch, logprobs_of, sample, sample_seed, to_device
 from pdserve.engine.utilization import step_bytes, step_flops
 from pdserve.kernels import cpu_attention, cpu_kernels
 from pdserve.model.attention import AttentionMetadata, DecodeGroup
@@ -148,12 +148,8 @@ class ModelRunner:
         for a in range(0, len(targets), PROMPT_LOGITS_ROWS):
             want = targets[a:a + PROMPT_LOGITS_ROWS]
             lp = self.model.compute_logits(hidden[first + a:first + a + len(want)]).log_softmax(dim=-1)
-            ids = to_device(torch.tensor(want, dtype=torch.int64), self.device)[:, None]
-            chosen = lp.gather(-1, ids)
-            ranks = ((lp > chosen).sum(dim=-1) + 1).tolist()
-            top_lp, top_ids = lp.topk(k, dim=-1)
-            top_lp, top_ids, chosen = top_lp.tolist(), top_ids.tolist(), chosen[:, 0].tolist()
-            out += [TokenLogprob(t, chosen[j], ranks[j], tuple(zip(top_ids[j], top_lp[j]))) for j, t in enumerate(want)]
+            ids = to_device(torch.tensor(want, dtype=torch.int64), self.device)
+            out += logprobs_of(lp, ids, k).rows(want, [k] * len(want))
         return out
 
     def _count_work(self, chunks: list[Chunk]) -> None:

@@ -306,7 +306,12 @@ def _logprobs(raw: torch.Tensor, processed: torch.Tensor, sampled: torch.Tensor,
     if k < 0:
         return None
     source = raw if batch.processed is None else torch.where(batch.processed[:, None], processed, raw)
-    lp = source.log_softmax(dim=-1)
-    chosen = lp.gather(-1, sampled[:, None])
-    top_logprobs, top_ids = lp.topk(k, dim=-1) if k > 0 else (lp[:, :0], sampled[:, None][:, :0])
+    return logprobs_of(source.log_softmax(dim=-1), sampled, k)
+
+
+def logprobs_of(lp: torch.Tensor, tokens: torch.Tensor, k: int) -> SampledLogprobs:
+    """lp: [rows, vocab] log-probabilities, tokens: [rows]: each token's logprob, its rank (1 + the tokens
+    strictly more likely) and the k most likely, on lp's device."""
+    chosen = lp.gather(-1, tokens[:, None])
+    top_logprobs, top_ids = lp.topk(k, dim=-1) if k > 0 else (lp[:, :0], tokens[:, None][:, :0])
     return SampledLogprobs(chosen[:, 0], (lp > chosen).sum(dim=-1) + 1, top_ids, top_logprobs)
