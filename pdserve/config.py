@@ -235,6 +235,9 @@ class EngineConfig:
     sim_gpu: str = "H100"
     sim_kv_scale: int = 1024
     sim_time_scale: float = 1.0
+    # The version of the weights `model` holds (pdserve.weights): 0 for those a cluster starts with; a worker
+    # started after updates comes up on the latest version, loaded from its checkpoint.
+    weight_version: int = 0
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
@@ -256,6 +259,8 @@ class EngineConfig:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.tensor_parallel_timeout_s <= 0:
             raise ValueError(f"tensor_parallel_timeout_s must be positive, got {self.tensor_parallel_timeout_s}")
+        if not isinstance(self.weight_version, int) or self.weight_version < 0:
+            raise ValueError(f"weight_version must be an integer >= 0, got {self.weight_version!r}")
 
     def _check_simulated(self) -> None:
         """A simulated engine is one CPU process standing for one GPU that runs the model in 16 bits."""

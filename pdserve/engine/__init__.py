@@ -19,7 +19,9 @@ utilization.py  model FLOPs and bytes per step, device peaks (MFU and MBU)
 args.py         the engine's command-line flags
 
 May import pdserve.config, pdserve.tiers, pdserve.model, pdserve.kernels, pdserve.parallel,
-pdserve.transfer (the TP ranks' groups) and pdserve.perf (the simulated runner's clock). `LLMEngine` is re-exported here, loaded on first use.
+pdserve.transfer (the TP ranks' groups), pdserve.perf (the simulated runner's clock) and pdserve.weights
+(staging and committing weight updates: EngineCore.stage_weights / commit_weights). `LLMEngine` is
+re-exported here, loaded on first use.
 """
 from __future__ import annotations
 

@@ -3,7 +3,9 @@
 The KV tensors live elsewhere; a block here is only an id. A block is either free (ref 0, in the
 free queue, possibly still holding reusable cached content) or in use (ref > 0, out of the queue).
 Full blocks can be registered under a content hash chained on their parent's hash, so a later
-request with the same prefix takes references on the same blocks instead of recomputing them.
+request with the same prefix takes references on the same blocks instead of recomputing them. The chain
+is rooted in the weight version that computed the KV (version_root): a block computed by one version is
+never a hit for a request computed by another, with nothing to flush when the weights change.
 """
 
 from __future__ import annotations
@@ -33,12 +35,21 @@ def hash_block(parent: bytes | None, token_ids: Sequence[int]) -> bytes:
     return h.digest()
 
 
-def hash_prompt_blocks(token_ids: Sequence[int], block_size: int) -> list[bytes]:
-    """Hash chain of every full block of `token_ids`; a trailing partial block is not hashed."""
+def version_root(version: int) -> bytes | None:
+    """The parent of a prompt's first block for KV computed by weight version `version` (None for version 0,
+    the weights a cluster starts with, so its hashes are those of a chain with no root)."""
+    if version == 0:
+        return None
+    return hashlib.sha256(b"pdserve weight version " + struct.pack("<q", version)).digest()
+
+
+def hash_prompt_blocks(token_ids: Sequence[int], block_size: int, version: int = 0) -> list[bytes]:
+    """Hash chain of every full block of `token_ids` (KV of weight version `version`); a trailing partial
+    block is not hashed."""
     if block_size <= 0:
         raise ValueError(f"block_size must be positive, got {block_size}")
     hashes: list[bytes] = []
-    parent: bytes | None = None
+    parent: bytes | None = version_root(version)
     for start in range(0, len(token_ids) - block_size + 1, block_size):
         parent = hash_block(parent, token_ids[start : start + block_size])
         hashes.append(parent)

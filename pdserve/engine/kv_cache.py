@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from pdserve.config import ModelConfig
-from pdserve.engine.block_pool import BlockPool, OutOfBlocks, hash_block
+from pdserve.engine.block_pool import BlockPool, OutOfBlocks, hash_block, version_root
 from pdserve.engine.request import Request
 
 
@@ -22,6 +22,16 @@ class KVCacheManager:
     def __init__(self, pool: BlockPool):
         self.pool = pool
         self.block_size = pool.block_size
+        self.version = 0  # the weight version this worker computes with (EngineCore.update_weights sets it)
+
+    def start(self, req: Request, version: int | None = None) -> None:
+        """A request with no KV here is about to get some, computed by weight version `version` (default:
+        this worker's): its block hashes are rooted in that version."""
+        assert not req.block_ids
+        version = self.version if version is None else version
+        if req.kv_version != version:
+            req.kv_version = version
+            req.block_hashes = []
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -81,5 +91,5 @@ class KVCacheManager:
     def _extend_hashes(self, req: Request, num_full_blocks: int) -> None:
         bs = self.block_size
         for i in range(len(req.block_hashes), num_full_blocks):
-            parent = req.block_hashes[i - 1] if i else None
+            parent = req.block_hashes[i - 1] if i else version_root(req.kv_version)
             req.block_hashes.append(hash_block(parent, req.token_ids[i * bs:(i + 1) * bs]))

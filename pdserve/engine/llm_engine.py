@@ -4,9 +4,10 @@ It is the reference that the disaggregated cluster must match token for token.
 """
 from __future__ import annotations
 
+import collections
 import itertools
 import random
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -16,13 +17,14 @@ from pdserve.engine.block_pool import BlockPool
 from pdserve.engine.kv_cache import KVCacheManager
 from pdserve.engine.logprobs import PromptLogprobs, TokenLogprob
 from pdserve.engine.output import RequestOutput, TextOutput, token_output
-from pdserve.engine.request import SAMPLE_SEP, FinishReason, Request, validate_prompt
+from pdserve.engine.request import NO_TOKEN, SAMPLE_SEP, FinishReason, Request, RequestStatus, validate_prompt
 from pdserve.engine.runner import ModelRunner, StepResult
 from pdserve.engine.sampling import SamplingParams
 from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.scheduler_types import Role, SampledToken, ScheduledStep
 from pdserve.engine.sim_runner import SimRunner
 from pdserve.model.loader import LoadedModel, ModelInfo, load, load_info, load_shard
+from pdserve.weights.update import StagedUpdate, stage, stage_checkpoint
 
 
 @dataclass
@@ -71,6 +73,9 @@ class EngineCore:
         self.steps = 0
         self.tokens_processed = 0
         self.prompt_tokens_computed = 0  # prompt positions computed (tokens_processed's prompt share)
+        self.kv.version = config.weight_version  # a worker started after updates comes up on the current version
+        # Requests a weight update found holding older KV, by what their policy did: recomputed, kept, aborted.
+        self.version_outcomes: collections.Counter[str] = collections.Counter()
 
     @staticmethod
     def _model_runner(config: EngineConfig, loaded: LoadedModel | None, role: Role, ranks,
@@ -133,6 +138,63 @@ class EngineCore:
         for rid in ids:
             self.cancel(rid)
         return ids
+
+    # -- weights (pdserve.weights) -----------------------------------------------------------------
+    @property
+    def weight_version(self) -> int:
+        return self.kv.version
+
+    def stage_weights(self, source: str | Iterable[tuple[str, torch.Tensor]]) -> StagedUpdate | None:
+        """An update's tensors (a checkpoint path, or Hugging Face-named full tensors) validated and converted
+        for this engine's model, held aside: the model is unchanged until commit_weights. Runs off the step
+        thread. A simulated engine has no weights: None (its update is a version and nothing else)."""
+        if isinstance(self.runner, SimRunner):
+            return None
+        if self.config.tensor_parallel_size > 1:
+            raise NotImplementedError("weight updates of a tensor-parallel engine are not supported yet")
+        if isinstance(source, str):
+            return stage_checkpoint(self.runner.model, self.model_config, source)
+        return stage(self.runner.model, self.model_config, source)
+
+    def commit_weights(self, staged: StagedUpdate | None, version: int) -> list[SampledToken]:
+        """Between two steps: the staged update becomes the model's weights and `version` this engine's
+        weight version; every request holding KV of older weights follows its version policy
+        (SamplingParams.version_policy). Returns the tokens of steps launched before the update (pipelined
+        decode: they resolve first, on the old weights) and an ABORT end (token NO_TOKEN) per aborted request."""
+        if version <= self.weight_version:
+            raise ValueError(f"weight version {version} is not newer than the version served, {self.weight_version}")
+        out: list[SampledToken] = []
+        while self.scheduler.launched:  # the pipeline drains on the weights its steps were launched with
+            out += self.run_pipelined(ScheduledStep([], [], []))
+        if staged is not None:
+            staged.commit(self.runner.model)
+        self.kv.version = version
+        return out + self._version_changed(version)
+
+    def _version_changed(self, version: int) -> list[SampledToken]:
+        """Each request whose KV here is older than `version`, by its policy: kept (no more than max_staleness
+        versions old), recomputed (its KV freed; prompt and tokens so far computed again), or aborted. A
+        prefill worker's prompts are recomputed whatever the policy (none has streamed a token yet); KV held
+        for a hand-off, or on its way to a decode worker, carries its version, and the decode worker decides."""
+        s = self.scheduler
+        ended: list[SampledToken] = []
+        for req in list(s.requests.values()):
+            holds = req.block_ids and (req.status is RequestStatus.RUNNING or req.kept_kv)
+            if not holds or req.kv_version >= version or req.unresolved:
+                continue
+            p = req.params
+            stale = version - req.kv_version
+            if s.role is not Role.PREFILL and p.version_policy == "keep" \
+                    and (p.max_staleness is None or stale <= p.max_staleness):
+                self.version_outcomes["kept"] += 1
+            elif s.role is not Role.PREFILL and p.version_policy == "abort":
+                s.finish(req, FinishReason.ABORT)
+                ended.append(SampledToken(req, NO_TOKEN, FinishReason.ABORT, req.num_output_tokens, version=version))
+                self.version_outcomes["aborted"] += 1
+            else:
+                s.recompute(req)
+                self.version_outcomes["recomputed"] += 1
+        return ended
 
     @property
     def has_work(self) -> bool:
@@ -273,6 +335,7 @@ class LLMEngine:
             out.logprobs = None if s.logprobs is None else [s.logprobs]
             out.prompt_logprobs = s.prompt_logprobs
             out.index = s.request.sample_index
+            out.weight_versions = [s.version] * len(out.new_token_ids)
             if out.finish_reason is not None:
                 self.scheduler.finish(s.request, out.finish_reason)  # no-op if the token rules ended it
                 del self._requests[rid], self._text[rid]
@@ -286,6 +349,18 @@ class LLMEngine:
                 del self._groups[out.request_id]
             outputs.append(out)
         return outputs
+
+    # -- weights ----------------------------------------------------------------------------------
+    @property
+    def weight_version(self) -> int:
+        return self.core.weight_version
+
+    def update_weights(self, source: str | Iterable[tuple[str, torch.Tensor]], version: int) -> list[RequestOutput]:
+        """Load new weights between two steps (a checkpoint path, or Hugging Face-named full tensors, all or
+        some of the model's) as weight version `version`; requests in flight follow their version policy.
+        Raises pdserve.weights.update.WeightError with nothing applied if a tensor does not fit. Returns the
+        outputs the update produced (aborted requests' ends; pipelined decode's last tokens)."""
+        return self.process(self.core.commit_weights(self.core.stage_weights(source), version))
 
     # -- convenience ------------------------------------------------------------------------------
     def stream(self) -> Iterator[RequestOutput]:

@@ -6,10 +6,10 @@ it begins (the stop string is not returned) and the request finishes with reason
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pdserve.engine.logprobs import PromptLogprobs, TokenLogprob
-from pdserve.engine.request import FinishReason, Request
+from pdserve.engine.request import NO_TOKEN, FinishReason, Request
 from pdserve.model.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
@@ -32,6 +32,8 @@ class RequestOutput:
     logprobs: list[TokenLogprob] | None = None
     prompt_logprobs: PromptLogprobs | None = None
     index: int = 0  # which sample of the request (SamplingParams.n) the tokens are
+    # The weight version (pdserve.weights) that sampled each new token, in order.
+    weight_versions: list[int] = field(default_factory=list)
 
     @property
     def finished(self) -> bool:
@@ -103,7 +105,7 @@ class TextOutput:
 def token_text(text: TextOutput, token: int, reason: FinishReason | None) -> tuple[str, FinishReason | None]:
     """A token's text and its finish reason, a completed stop string included (the caller must then end
     the request if it is still running). EOS and stop ids end the stream but are not text."""
-    delta = text.add([] if reason is FinishReason.STOP else [token], reason)
+    delta = text.add([] if reason is FinishReason.STOP or token == NO_TOKEN else [token], reason)
     return delta.text, FinishReason.STOP if delta.stopped else reason
 
 
@@ -117,5 +119,5 @@ def token_output(req: Request, text: TextOutput, token: int, reason: FinishReaso
     STOP: the caller must then end the request if it is still running.
     """
     new_text, reason = token_text(text, token, reason)
-    return RequestOutput(req.request_id, [token], new_text, reason, req.num_prompt_tokens,
-                         req.num_output_tokens if num_output_tokens is None else num_output_tokens)
+    n = req.num_output_tokens if num_output_tokens is None else num_output_tokens
+    return RequestOutput(req.request_id, [] if token == NO_TOKEN else [token], new_text, reason, req.num_prompt_tokens, n)

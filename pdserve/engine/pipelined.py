@@ -94,7 +94,8 @@ class PipelinedDecode:
             if reason is not None:
                 del req.token_ids[idx + 1:]  # what was launched after its last token
                 req.unresolved = 0
-            out.append(SampledToken(req, token, reason, idx + 1 - req.num_prompt_tokens, lp, take_prompt_logprobs(req)))
+            out.append(SampledToken(req, token, reason, idx + 1 - req.num_prompt_tokens, lp,
+                                    take_prompt_logprobs(req), version=self.kv.version))
             if reason is not None:
                 self.finish(req, reason)
         for req in launched.step.requests:

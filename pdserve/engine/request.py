@@ -14,6 +14,7 @@ class FinishReason(str, enum.Enum):
     LENGTH = "length"  # max_tokens or the model's context
     CANCELLED = "cancelled"
     ERROR = "error"
+    ABORT = "abort"  # ended by a weight update under the "abort" version policy, with its tokens so far
 
 
 class RequestStatus(enum.Enum):
@@ -58,6 +59,9 @@ class Request:
     queue_seq: int = 0
     # Preempted for another tier with its KV kept in its blocks: it resumes without recomputing.
     kept_kv: bool = False
+    # The weight version that computed the oldest KV it holds (pdserve.weights): its prefix-cache hashes are
+    # rooted in it, and a weight update compares it with the new version (the request's version policy).
+    kv_version: int = 0
     # Pipelined decode (pdserve.engine.scheduler.Scheduler.launch): tokens appended as PENDING whose values are
     # still on the device, and the row of the launched step's sampled tensor that holds the last one.
     unresolved: int = 0
@@ -98,6 +102,7 @@ class Request:
 
 
 PENDING = -1  # a sampled token whose value has not reached the host yet (pipelined decode)
+NO_TOKEN = -2  # an end with no token (a request a weight update aborted: FinishReason.ABORT)
 SAMPLE_SEP = "~"  # sample i > 0 of a group runs under the id "<the group's id>~i"
 
 

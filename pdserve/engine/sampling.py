@@ -20,6 +20,10 @@ _MASK64 = (1 << 64) - 1
 MAX_LOGPROBS = 20  # the most alternatives a request may ask for at each position
 LOGPROBS_MODES = ("raw", "processed")
 MAX_N = 128  # samples of one prompt a request may ask for
+# What a request holding KV of older weights does when its worker's weights change (pdserve.weights):
+# "recompute" its KV with the new weights (prompt and tokens so far), "keep" decoding over the old KV (up to
+# max_staleness versions old; older is recomputed), or "abort" (it ends, FinishReason.ABORT, with its tokens).
+VERSION_POLICIES = ("recompute", "keep", "abort")
 
 
 @dataclass(frozen=True)
@@ -49,6 +53,9 @@ class SamplingParams:
     # Samples of the prompt: its KV computed once, shared by n sequences; sample i draws from the stream of
     # seed sample_seed(seed, i), so it equals the n=1 request with that seed.
     n: int = 1
+    # A weight update in flight (VERSION_POLICIES); max_staleness bounds "keep" (None: unbounded).
+    version_policy: str = "recompute"
+    max_staleness: int | None = None
 
     def __post_init__(self) -> None:
         # Accept lists from callers but keep the frozen value hashable.
@@ -82,6 +89,12 @@ class SamplingParams:
             raise ValueError(f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty!r}")
         if not isinstance(self.n, int) or isinstance(self.n, bool) or not 1 <= self.n <= MAX_N:
             raise ValueError(f"n must be an integer in [1, {MAX_N}], got {self.n!r}")
+        if self.version_policy not in VERSION_POLICIES:
+            raise ValueError(f"version_policy must be one of {', '.join(VERSION_POLICIES)}, "
+                             f"got {self.version_policy!r}")
+        m = self.max_staleness
+        if m is not None and (not isinstance(m, int) or isinstance(m, bool) or m < 0):
+            raise ValueError(f"max_staleness must be an integer >= 0, got {m!r}")
         if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
             raise ValueError(f"min_tokens must be an integer in [0, max_tokens], got {self.min_tokens!r}")
 

@@ -194,8 +194,10 @@ class Scheduler(PipelinedDecode):
             if budget <= 0:
                 break
             kept, req.kept_kv = req.kept_kv, False  # preempted for another tier, its KV still here
-            if not req.block_ids and req.prompt_logprobs is None:  # prompt logprobs need every position computed
-                self.kv.admit_cached_prefix(req)
+            if not req.block_ids:
+                self.kv.start(req)  # computed by this worker's weights
+                if req.prompt_logprobs is None:  # prompt logprobs need every position computed
+                    self.kv.admit_cached_prefix(req)
             n = req.num_tokens - req.num_computed_tokens
             if n > budget and not self.config.enable_chunked_prefill:
                 req.kept_kv = kept
@@ -250,7 +252,8 @@ class Scheduler(PipelinedDecode):
                 self.held[req.request_id] = req
             elif reason is not None:
                 self.finish(req, reason)
-            out.append(SampledToken(req, token, reason, req.num_output_tokens, lp, take_prompt_logprobs(req)))
+            out.append(SampledToken(req, token, reason, req.num_output_tokens, lp, take_prompt_logprobs(req),
+                                    version=self.kv.version))
         return out
 
     def sample(self, group: Request, index: int, token: int, logprobs: TokenLogprob | None) -> SampledToken:
@@ -260,12 +263,12 @@ class Scheduler(PipelinedDecode):
         if self.role is Role.PREFILL:
             reason = first_token_stop(group.params, token, self.eos_token_ids, group.num_prompt_tokens,
                                       self.max_model_len)
-            return SampledToken(group, token, reason, 1, logprobs, sample_index=index)
+            return SampledToken(group, token, reason, 1, logprobs, sample_index=index, version=self.kv.version)
         child = self.fork(group, index, token)
         reason = token_stop_reason(child, self.eos_token_ids, self.max_model_len)
         if reason is not None:
             self.finish(child, reason)
-        return SampledToken(child, token, reason, 1, logprobs)
+        return SampledToken(child, token, reason, 1, logprobs, version=child.kv_version)
 
     def fork(self, group: Request, index: int, token: int) -> Request:
         """A running request for sample `index` of a group, its first token `token`: the prompt's full
@@ -276,6 +279,7 @@ class Scheduler(PipelinedDecode):
         child = Request(sample_id(group.request_id, index), group.prompt_token_ids, group.params,
                         sample_seed(group.seed, index), tier=group.tier)
         child.sample_index, child.fanout, child.prompt_logprobs = index, 1, None
+        child.kv_version = group.kv_version
         child.token_ids.append(token)
         bs = self.kv.block_size
         full = group.num_prompt_tokens // bs
@@ -304,9 +308,9 @@ class Scheduler(PipelinedDecode):
         copies, self.block_copies = self.block_copies, []
         return copies
 
-    def kv_arrived(self, request_id: str, tokens: Sequence[int]) -> list[SampledToken]:
+    def kv_arrived(self, request_id: str, tokens: Sequence[int], version: int = 0) -> list[SampledToken]:
         """The KV of a WAITING_FOR_KV request has landed in its blocks, with the token sampled after it (a
-        group's n first tokens: its samples 1.. are forked here).
+        group's n first tokens: its samples 1.. are forked here), both computed by weight version `version`.
 
         It runs from the next step on. Returns the tokens as sampled (finish_reason set where a token
         ended its sample: it is then finished here), none if the request is not waiting for KV.
@@ -316,6 +320,7 @@ class Scheduler(PipelinedDecode):
             return []
         token, *others = tokens
         req.fanout = 1
+        req.kv_version, req.block_hashes = version, []
         samples = [self.sample(req, j, t, None) for j, t in enumerate(others, 1)]
         req.token_ids.append(token)
         req.num_computed_tokens = req.num_tokens - 1  # all but the new token, whose KV the next step computes
@@ -325,7 +330,7 @@ class Scheduler(PipelinedDecode):
         reason = token_stop_reason(req, self.eos_token_ids, self.max_model_len)
         if reason is not None:
             self.finish(req, reason)
-        return [SampledToken(req, token, reason, req.num_output_tokens), *samples]
+        return [SampledToken(req, token, reason, req.num_output_tokens, version=version), *samples]
 
     def kv_blocks(self, req: Request) -> list[int]:
         """The blocks that hold (prefill: HELD) or will hold (decode: WAITING_FOR_KV) the hand-off's KV."""
@@ -379,6 +384,17 @@ class Scheduler(PipelinedDecode):
     def _room_for(self, req: Request) -> bool:
         need = self.blocks_for(req)
         return self.kv.pool.num_free_blocks - need >= len(self.running) * self.config.reservation_headroom_blocks
+
+    def recompute(self, req: Request) -> None:
+        """Free a running (or KV-keeping waiting) request's KV: it is computed again, prompt and tokens so far,
+        when it next runs (a weight update's "recompute")."""
+        if req.status is RequestStatus.RUNNING:
+            self.running.remove(req)
+            req.status = RequestStatus.WAITING
+            req.remote_kv = False  # recomputed here
+            self.waiting.append(req)
+        req.kept_kv = False
+        self.kv.free(req)
 
     def _preempt(self, req: Request, keep_kv: bool = False) -> None:
         """Back to the queue at its place: its KV freed (recomputed when it runs again) or kept."""

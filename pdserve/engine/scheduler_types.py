@@ -41,6 +41,7 @@ class SampledToken:
     # A group's first tokens on a prefill worker (which forks nothing): sample sample_index's, request
     # being the group's. Elsewhere each sample is a request of its own and this is 0.
     sample_index: int = 0
+    version: int = 0  # the weight version that sampled it (pdserve.weights)
 
 
 def take_prompt_logprobs(req: Request) -> PromptLogprobs | None:
