@@ -6,8 +6,10 @@ soon as there is room (backpressure: the request waits, it is never dropped), an
 the prefill worker that the destination is ready, one call per step for all the requests reserved for
 it. Prefill workers announce their transfers (`kv_incoming`) and push the KV; one intake thread per
 prefill worker writes it into the reserved blocks (pdserve.transfer.receiver), and the request joins the running
-batch at the next step. Each step decodes one token for every running request; one StepOutput per step
-goes to the router on this worker's link (pdserve.serving.link), which also carries the router's calls.
+batch at the next step; KV of another weight version than this worker serves follows the request's
+version policy as it lands (kept, recomputed here, or aborted). Each step decodes one token for every
+running request; one StepOutput per step goes to the router on this worker's link (pdserve.serving.link),
+which also carries the router's calls.
 
 Threads: the step thread owns the engine (pdserve.engine.step_loop); Ray's event loop answers calls; the
 link's reader thread takes the router's calls; intake threads receive KV. The blocks an intake writes
@@ -149,18 +151,29 @@ class DecodeActor(WorkerActor):
         if intake is None:
             intake = self._intakes[prefill_id] = KVIntake(
                 prefill_id, self.worker_id, self.core.runner.kv_cache, self.inbound, self.transfer_timeout_s,
-                landed=lambda rid, tokens, at: self.loop.call(lambda: self._landed(rid, tokens, at)),
+                landed=lambda rid, tokens, at, v: self.loop.call(lambda: self._landed(rid, tokens, at, v)),
                 failed=lambda rid, err: self.loop.call(lambda: self._transfer_failed(rid, err)),
                 cancelled=lambda rid: self.loop.call(lambda: self.core.cancel(rid)))
         return intake
 
-    def _landed(self, request_id: str, tokens: tuple[int, ...], sampled_at: float) -> None:
-        firsts = self.core.scheduler.kv_arrived(request_id, tokens)
+    def _landed(self, request_id: str, tokens: tuple[int, ...], sampled_at: float, version: int = 0) -> None:
+        """Step thread: a request's KV and first tokens, computed by weight version `version`, are here. If
+        this worker serves another version, the request (and each sample forked from it) follows its version
+        policy: kept, recomputed here, or aborted (its ABORT end published, after the first token)."""
+        core = self.core
+        firsts = core.scheduler.kv_arrived(request_id, tokens, version)
         if firsts:
+            going_on = []  # samples the first token did not end (its stop string included)
             for first in firsts:  # (a group's: one per sample, forked here)
-                self._text(first)  # its text was the prefill worker's to send: taken in here, not sent
+                _, reason = self._text(first)  # its text was the prefill worker's to send: taken in here, not sent
+                if reason is None and not first.request.finished:
+                    going_on.append(first.request)
             self.handoff_seconds.observe(max(time.time() - sampled_at, 0.0))
             self._source.pop(request_id, None)
+            ended = [end for req in going_on if req.kv_version != core.weight_version
+                     and (end := core.version_policy(req)) is not None]
+            if ended:
+                self._publish(StepRun(ended, []))
 
     def _kv_never_comes(self, request_ids, error: str, reason: FailureReason = FailureReason.TRANSFER_FAILED) -> None:
         """Step thread: these reservations' KV will not come; each one no intake is writing into is failed

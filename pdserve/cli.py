@@ -43,6 +43,7 @@ def build_parser(commands: Sequence[Callable[[Any], None]] = ()) -> argparse.Arg
     status.add_argument("--json", action="store_true",
                         help="print the ClusterStatus message as JSON (every field, zeros included)")
     status.set_defaults(func=cmd_status)
+    add_weights_parser(sub)
     add_bench_parser(sub)
     add_profile_parser(sub)
     add_plan_parser(sub)
@@ -253,15 +254,76 @@ def cmd_status(args: argparse.Namespace) -> int:
         print(f"{pool.name} pool: {pool.current_workers} workers{ranks}, desired {pool.desired_workers} "
               f"(range {pool.min_workers}:{pool.max_workers})")
     header = (f"{'pool':10} {'worker':14} {'state':9} {'waiting':>8} {'wait tok':>9} {'running':>8} {'KV used':>14} "
-              f"{'busy':>6} {'steps':>8} {'tokens':>10}")
+              f"{'busy':>6} {'steps':>8} {'tokens':>10} {'weights':>8}")
     print(header)
     for pool in st.pools:
         for w in pool.workers:
             kv = f"{w.kv_blocks_used}/{w.kv_blocks_total}"
             print(f"{pool.name:10} {w.worker_id:14} {w.state:9} {w.waiting_requests:8d} {w.waiting_tokens:9d} "
-                  f"{w.running_requests:8d} {kv:>14} {w.busy_fraction:6.1%} {w.steps:8d} {w.tokens_processed:10d}")
+                  f"{w.running_requests:8d} {kv:>14} {w.busy_fraction:6.1%} {w.steps:8d} {w.tokens_processed:10d} "
+                  f"{'v' + str(w.weight_version):>8}")
         print(f"{pool.name:10} {'(pool)':14} {'':9} {pool.waiting_requests:8d} {'':9} {'':8} {pool.kv_usage:14.1%} "
               f"{pool.busy_fraction:6.1%}")
+    return 0
+
+
+def add_weights_parser(sub) -> None:
+    """`pdserve weights ...`: the operator's side of weight updates (the router's Weights service)."""
+    weights = sub.add_parser("weights", help="weight versions: update from a checkpoint, show, pause, resume")
+    wsub = weights.add_subparsers(dest="weights_command", required=True)
+    update = wsub.add_parser("update", help="load a checkpoint (readable by every worker) as a new weight version")
+    update.add_argument("path",
+                        help="a Hugging Face directory (safetensors) or a .gguf file of the served model's shape")
+    update.add_argument("--version", type=int, required=True, help="the new version: greater than the one served")
+    update.add_argument("--mode", default="pause", choices=["pause", "rolling"],
+                        help="pause: every worker stops at a step boundary and all switch together; rolling: each "
+                             "switches as soon as it has read the checkpoint")
+    update.add_argument("--pause-mode", default="keep", choices=["keep", "wait", "abort"],
+                        help="with --mode pause, requests in flight: keep (go on after the switch, by their "
+                             "version policy), wait (the update waits for them) or abort (they end now)")
+    versions = wsub.add_parser("versions", help="the version the cluster and each worker serve")
+    pause = wsub.add_parser("pause", help="hold new requests until resume")
+    pause.add_argument("--mode", default="keep", choices=["keep", "wait", "abort"],
+                       help="requests in flight: keep (frozen where they are), wait (run to their end) or abort")
+    resume = wsub.add_parser("resume", help="end a pause")
+    for p in (update, versions, pause, resume):
+        add_connection_args(p)
+        p.add_argument("--json", action="store_true", help="print the response message as JSON")
+        p.add_argument("--timeout", type=float, default=600.0, help="deadline in seconds")
+        p.set_defaults(func=cmd_weights)
+
+
+def cmd_weights(args: argparse.Namespace) -> int:
+    import grpc
+    from google.protobuf.json_format import MessageToDict
+
+    from pdserve.client.grpc_client import Client
+
+    try:
+        with Client(connection_from_args(args)) as client:
+            if args.weights_command == "update":
+                r = client.update_weights(args.path, args.version, args.mode, args.pause_mode, timeout=args.timeout)
+            elif args.weights_command == "pause":
+                r = client.pause(args.mode, timeout=args.timeout)
+            elif args.weights_command == "resume":
+                r = client.resume(timeout=args.timeout)
+            else:
+                r = client.weight_versions(timeout=args.timeout)
+    except grpc.RpcError as e:
+        print(f"pdserve weights {args.weights_command}: {e.code().name}: {e.details()}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(MessageToDict(r, preserving_proto_field_name=True,
+                                       always_print_fields_with_no_presence=True), indent=1))
+    elif args.weights_command == "update":
+        print(f"weight version {r.version} on {len(r.workers)} workers in {r.seconds:.2f} s")
+        for w in r.workers:
+            print(f"  {w.worker_id:14} staged {w.stage_seconds:7.3f} s  committed {w.commit_seconds:7.3f} s  "
+                  f"{w.bytes / 1e6:9.1f} MB")
+    else:
+        print(f"weight version {r.version}{'  (paused: new requests wait)' if r.paused else ''}")
+        for w in r.workers:
+            print(f"  {w.pool:10} {w.worker_id:14} v{w.version}{'  paused' if w.paused else ''}")
     return 0
 
 

@@ -56,6 +56,7 @@ class _HeldKV:
     sampled_at: float
     tier: int  # its service tier's rank: pushes go by it
     step: int  # the engine step that computed it (a TP worker's other ranks wait for it)
+    version: int  # the weight version that computed it (an update may come before it is pushed)
 
 
 class PrefillActor(WorkerActor):
@@ -263,7 +264,7 @@ class PrefillActor(WorkerActor):
                 self.core.cancel(rid)  # nothing follows the first token (of any sample)
                 continue
             held = _HeldKV(scheduler.kv_blocks(req), tuple(s.token for s in group), sampled_at, req.tier,
-                           pushes.step)
+                           pushes.step, req.kv_version)
             with self._lock:
                 if rid in self._ready:
                     dest = self._ready.pop(rid)[1]
@@ -294,7 +295,8 @@ class PrefillActor(WorkerActor):
             mine = [(rid, h) for rid, h in items if h.tier == tier]
             jobs.append(PushJob(destination, [rid for rid, _ in mine], [h.block_ids for _, h in mine], num_layers,
                                 num_layers, [t for _, h in mine for t in h.tokens], min(h.sampled_at for _, h in mine),
-                                tier, max(h.step for _, h in mine), [len(h.tokens) for _, h in mine]))
+                                tier, max(h.step for _, h in mine), [len(h.tokens) for _, h in mine],
+                                [h.version for _, h in mine]))
         return jobs
 
     def _cancel(self, request_id: str) -> bool:
@@ -325,7 +327,7 @@ class PrefillActor(WorkerActor):
         try:
             if fut is not None:
                 fut.set_result(PrefillResult(req.request_id, s.token, req.num_cached_tokens, text, reason, s.logprobs,
-                                             s.prompt_logprobs, tuple(others)))
+                                             s.prompt_logprobs, tuple(others), s.version))
         except InvalidStateError:  # cancelled meanwhile
             pass
         return reason is not None and all(o.finish_reason is not None for o in others)
@@ -360,11 +362,13 @@ class _StepPushes:
         # request -> (its service tier's rank, its KV blocks): those whose KV goes to a decode worker
         self.candidates: dict[str, tuple[int, list[int]]] = {}
         self.samples: dict[str, int] = {}  # first tokens each candidate samples (a group's n)
+        self.versions: dict[str, int] = {}  # the weight version computing each candidate's KV (this step's)
         for req, chunk in zip(step.requests, step.chunks):
             if chunk.sample is not None and req.request_id in actor._hand_off:
                 self.candidates[req.request_id] = (req.tier,
                                                    req.block_ids[: actor.core.kv.blocks_needed(req.num_tokens)])
                 self.samples[req.request_id] = chunk.fanout
+                self.versions[req.request_id] = req.kv_version
         self.started: dict[str, PushJob] = {}
         self.jobs: list[PushJob] = []
         # The engine step about to run (a TP worker's runner counts them; its other ranks wait for it).
@@ -386,7 +390,8 @@ class _StepPushes:
                     groups.setdefault((tier, dest), []).append(rid)
         for (tier, dest), rids in sorted(groups.items()):
             job = PushJob(dest, rids, [self.candidates[r][1] for r in rids], self.num_layers, layer + 1, tier=tier,
-                          step=self.step, samples=[self.samples[r] for r in rids])
+                          step=self.step, samples=[self.samples[r] for r in rids],
+                          versions=[self.versions[r] for r in rids])
             self.jobs.append(job)
             self.started.update((r, job) for r in rids)
             a._push(job)

@@ -65,8 +65,8 @@ def parse_wire(data: bytes) -> pb.GenerateRequest | Malformed:
         return Malformed(f"malformed request (text fields must be valid UTF-8): {e}")
 
 
-def parse_request(request: pb.GenerateRequest, info: ModelInfo, limit: int,
-                  default_logprobs_mode: str = "raw") -> tuple[list[int], SamplingParams]:
+def parse_request(request: pb.GenerateRequest, info: ModelInfo, limit: int, default_logprobs_mode: str = "raw",
+                  default_version_policy: str = "recompute") -> tuple[list[int], SamplingParams]:
     """The prompt's token ids and the sampling parameters of a gRPC request; ValueError says what is wrong.
     limit: characters of text accepted before tokenizing (prompt, or all messages); default_logprobs_mode:
     the server's, for a request whose logprobs_mode is empty."""
@@ -89,7 +89,8 @@ def parse_request(request: pb.GenerateRequest, info: ModelInfo, limit: int,
         logprobs_mode=request.logprobs_mode or None, default_logprobs_mode=default_logprobs_mode,
         presence_penalty=given(s, "presence_penalty"), frequency_penalty=given(s, "frequency_penalty"),
         repetition_penalty=given(s, "repetition_penalty"), min_tokens=given(s, "min_tokens"),
-        n=given(request, "n"))
+        n=given(request, "n"), version_policy=request.version_policy or None,
+        default_version_policy=default_version_policy, max_staleness=given(request, "max_staleness"))
 
 
 def prepare(info: ModelInfo, limit: int, *, prompt: str | None = None, messages: list[dict[str, str]] | None = None,
@@ -100,11 +101,13 @@ def prepare(info: ModelInfo, limit: int, *, prompt: str | None = None, messages:
             prompt_logprobs: int | None = None, logprobs_mode: str | None = None,
             default_logprobs_mode: str = "raw", presence_penalty: float | None = None,
             frequency_penalty: float | None = None, repetition_penalty: float | None = None,
-            min_tokens: int | None = None, n: int | None = None) -> tuple[list[int], SamplingParams]:
+            min_tokens: int | None = None, n: int | None = None, version_policy: str | None = None,
+            default_version_policy: str = "recompute",
+            max_staleness: int | None = None) -> tuple[list[int], SamplingParams]:
     """What every protocol's request comes down to: the prompt's token ids (from exactly one of prompt
     text, chat messages or token ids) and the sampling parameters, checked against the model; None
     (or an empty logprobs_mode) leaves a default. default_max_tokens None: up to the end of the context
-    (OpenAI's chat API); default_logprobs_mode: the server's (RouterConfig.logprobs_mode).
+    (OpenAI's chat API); default_logprobs_mode, default_version_policy: the server's (RouterConfig).
     ValueError says what is wrong."""
     tok = info.tokenizer
     inputs = (("prompt", prompt), ("messages", messages), ("token_ids", token_ids))
@@ -160,6 +163,8 @@ def prepare(info: ModelInfo, limit: int, *, prompt: str | None = None, messages:
         repetition_penalty=1.0 if repetition_penalty is None else repetition_penalty,
         min_tokens=0 if min_tokens is None else min_tokens,
         n=1 if n is None else n,
+        version_policy=version_policy or default_version_policy,
+        max_staleness=max_staleness,
     )
     vocab = info.config.vocab_size
     bad = [t for t in (*ids, *params.stop_token_ids) if not 0 <= t < vocab]

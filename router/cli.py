@@ -34,6 +34,10 @@ def add_serve_parser(sub: Any) -> argparse.ArgumentParser:
                             "logprobs from: the model's distribution (raw: log_softmax of the logits) or the one "
                             "sampled from (processed: after penalties, temperature, top-k and top-p; masked tokens "
                             "-inf); prompt logprobs are always raw")
+    serve.add_argument("--version-policy", default="recompute", choices=["recompute", "keep", "abort"],
+                       help="what a request that names no version_policy does when the weights change while it "
+                            "holds KV of older ones: recompute that KV with the new weights (prompt and tokens so "
+                            "far), keep decoding over it, or abort (it ends, finish reason abort, with its tokens)")
     serve.add_argument("--metrics-host", default="127.0.0.1", help="address of the Prometheus /metrics endpoint")
     serve.add_argument("--metrics-port", type=int, default=9400, help="port of /metrics (0 disables it)")
     edge = serve.add_argument_group("TLS and API key")
@@ -198,7 +202,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                                  ssl_ca_certs=args.ssl_ca_certs, api_key=read_api_key(args.api_key, args.api_key_file),
                                  metrics_tls=args.metrics_tls, health_port=args.health_port,
                                  http_port=args.http_port or None, served_model_name=args.served_model_name,
-                                 logprobs_mode=args.logprobs_mode,
+                                 logprobs_mode=args.logprobs_mode, version_policy=args.version_policy,
                                  max_request_body_bytes=args.max_request_body_bytes,
                                  request_body_budget_bytes=args.request_body_budget_bytes)
     if args.ray_address:  # named actors (router replicas' registry and workers) live in one namespace

@@ -35,7 +35,7 @@ from typing import Any
 from pdserve.config import ClusterConfig
 from pdserve.engine.logprobs import PromptLogprobs, TokenLogprob
 from pdserve.engine.output import RequestOutput
-from pdserve.engine.request import SAMPLE_SEP, FinishReason, Request, group_of, validate_prompt
+from pdserve.engine.request import NO_TOKEN, SAMPLE_SEP, FinishReason, Request, group_of, validate_prompt
 from pdserve.engine.sampling import SamplingParams, sample_seed
 from pdserve.model.loader import ModelInfo, load_info
 from pdserve.planner.autoscale import Demand, DemandWindow
@@ -62,13 +62,19 @@ class _Inbox:
     The task sleeps until `min_tokens` tokens have come (the stream interval), or the last one, or a
     failure: one wake-up and one message for all of them, not one per token."""
 
-    __slots__ = ("items", "tokens", "min_tokens", "waiter")
+    __slots__ = ("items", "tokens", "min_tokens", "waiter", "aborted")
 
     def __init__(self) -> None:
         self.items: collections.deque[TokenEvent | Failure] = collections.deque()
         self.tokens = 0  # token events in items that end nothing
         self.min_tokens = 1
         self.waiter: asyncio.Future[None] | None = None
+        self.aborted = False  # Cluster.abort_all: the request ends at its next wake-up, with its tokens so far
+
+    def abort(self) -> None:
+        self.aborted = True
+        if self.waiter is not None and not self.waiter.done():
+            self.waiter.set_result(None)
 
     def put(self, item: TokenEvent | Failure) -> None:
         self.items.append(item)
@@ -86,9 +92,12 @@ class _Inbox:
         return item
 
     async def wait(self, min_tokens: int) -> None:
-        """Until min_tokens tokens, a last token or a failure are in (at once if they are)."""
+        """Until min_tokens tokens, a last token or a failure are in (at once if they are); raises _Aborted
+        once the request is aborted."""
         self.min_tokens = min_tokens
         while not self.items or (self.tokens == len(self.items) and self.tokens < min_tokens):
+            if self.aborted:
+                raise _Aborted()
             self.waiter = asyncio.get_running_loop().create_future()
             try:
                 await self.waiter
@@ -98,6 +107,10 @@ class _Inbox:
     def clear(self) -> None:
         self.items.clear()
         self.tokens = 0
+
+
+class _Aborted(Exception):
+    """The request was aborted (Cluster.abort_all): it ends with FinishReason.ABORT and its tokens so far."""
 
 
 class _Retry(Exception):
@@ -122,6 +135,12 @@ class Cluster:
         self.retries: collections.Counter[str] = collections.Counter()  # by FailureReason value, a metric
         self._watch_demand()
         self.dispatch = Dispatch(config, self._pools, self.block_size)  # the line and placement
+        # Weights (router.weights): new requests wait at the gate while it is closed (a pause); `idle` is set
+        # while no request is in flight.
+        self.gate = asyncio.Event()
+        self.gate.set()
+        self.idle = asyncio.Event()
+        self.idle.set()
 
     @property
     def pools(self) -> dict[str, list[Worker]]:
@@ -217,6 +236,8 @@ class Cluster:
         if params.stop and info.tokenizer is None:
             raise ValueError("stop strings need a tokenizer; this model was loaded without one")
         req = Request(rid, prompt, params, seed, tier=tier.rank)  # the router's view: tokens streamed so far
+        if not self.gate.is_set():
+            await self.gate.wait()  # generation is paused (router.weights): it starts at the resume
         self.demand.arrived(time.monotonic(), len(prompt), params.max_tokens * params.n)
         self.tier_demand[tier].arrived(time.monotonic(), len(prompt), params.max_tokens * params.n)
         # Router replicas: a worker sends a request's outputs to the router whose name begins its id.
@@ -226,12 +247,28 @@ class Cluster:
             async for out in outs:
                 yield out
 
+    def abort_all(self) -> int:
+        """End every request in flight at its next wake-up, with FinishReason.ABORT and its tokens so far (its
+        KV freed on its workers); how many there were."""
+        for q in self._streams.values():
+            q.abort()
+        return len(self._streams)
+
+    def _open_stream(self, rid: str) -> None:
+        self._streams[rid] = _Inbox()
+        self.idle.clear()
+
+    def _close_stream(self, rid: str) -> None:
+        del self._streams[rid]
+        if not self._streams:
+            self.idle.set()
+
     async def _run(self, req: Request, tier: ServiceTier, tag: str, sent: int = 0,
                    attempts: int = 0) -> AsyncIterator[RequestOutput]:
         """A request through its attempts, from the tokens (and the `sent` characters of text) it already
         has: each attempt continues where the last one stopped."""
         rid = req.request_id
-        self._streams[rid] = _Inbox()
+        self._open_stream(rid)
         failures: collections.Counter[FailureReason] = collections.Counter()
         avoid: tuple[str, ...] = ()
         try:
@@ -255,8 +292,10 @@ class Cluster:
                                             req.num_output_tokens, error=f"{e} (attempt {attempt + 1})")
                         return
                     self.retries[e.reason.value] += 1
+        except _Aborted:
+            yield RequestOutput(rid, [], "", FinishReason.ABORT, req.num_prompt_tokens, req.num_output_tokens)
         finally:
-            del self._streams[rid]
+            self._close_stream(rid)
 
     def _give_up(self, e: _Retry, failures: collections.Counter[FailureReason], rid: str, attempt: int) -> bool:
         """Whether a failed attempt is the request's last. A failed KV transfer is tried once more; other
@@ -281,7 +320,7 @@ class Cluster:
         tokens: list[list[int]] = [[] for _ in range(n)]
         sent = [0] * n
         done = [False] * n
-        self._streams[rid] = _Inbox()
+        self._open_stream(rid)
         try:
             async with contextlib.aclosing(self._attempt(group, 0, f"{tag}{rid}#0", ())) as outs:
                 async for out in outs:
@@ -291,6 +330,12 @@ class Cluster:
                     self._finished(out, tier)
                     yield out
             return
+        except _Aborted:
+            for i in range(n):
+                if not done[i]:
+                    yield RequestOutput(rid, [], "", FinishReason.ABORT, group.num_prompt_tokens, len(tokens[i]),
+                                        index=i)
+            return
         except _Retry as e:
             if self._give_up(e, collections.Counter([e.reason]), rid, 0) and e.reason.loses_the_stream:
                 yield RequestOutput(rid, [], "", FinishReason.ERROR, group.num_prompt_tokens, 0,
@@ -298,7 +343,7 @@ class Cluster:
                 return
             self.retries[e.reason.value] += 1
         finally:
-            del self._streams[rid]
+            self._close_stream(rid)
         # Each unfinished sample on its own, from its tokens: a request id of its own (router-side), its seed.
         merged: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
 
@@ -390,10 +435,11 @@ class Cluster:
                 out = RequestOutput(req.request_id, [result.first_token], result.text, result.finish_reason,
                                     req.num_prompt_tokens, req.num_output_tokens,
                                     logprobs=None if result.logprobs is None else [result.logprobs],
-                                    prompt_logprobs=result.prompt_logprobs)
+                                    prompt_logprobs=result.prompt_logprobs, weight_versions=[result.version])
                 # A group's other samples' first tokens, drawn from the same logits on the prefill worker.
                 firsts = [RequestOutput(req.request_id, [o.token], o.text, o.finish_reason, req.num_prompt_tokens, 1,
-                                        logprobs=None if o.logprobs is None else [o.logprobs], index=j)
+                                        logprobs=None if o.logprobs is None else [o.logprobs], index=j,
+                                        weight_versions=[result.version])
                           for j, o in enumerate(result.others, 1)]
                 open_samples = {o.index for o in (out, *firsts) if not o.finished}
                 finished = not open_samples
@@ -424,6 +470,7 @@ class Cluster:
                 # Every token already here goes out in one message: when the client (or this loop) lags
                 # behind the decode steps, a message's cost is paid once for all of them.
                 tokens: list[int] = []
+                versions: list[int] = []
                 texts: list[str] = []
                 logprobs: list[TokenLogprob] | None = [] if req.params.logprobs is not None else None
                 prompt_logprobs: PromptLogprobs | None = None
@@ -437,14 +484,16 @@ class Cluster:
                             q.items.appendleft(ev)
                             break
                         raise _Retry(ev.reason, ev.detail, [w.worker_id for w in placed])
-                    tokens.append(ev.token)
+                    if ev.token != NO_TOKEN:  # (an end with no token: a weight update aborted it)
+                        tokens.append(ev.token)
+                        versions.append(ev.version)
                     texts.append(ev.text)
                     if logprobs is not None and ev.logprobs is not None:
                         logprobs.append(ev.logprobs)
                     if ev.prompt_logprobs is not None:  # a colocated worker's, with the first token
                         prompt_logprobs = ev.prompt_logprobs
                     reason = ev.finish_reason
-                if not tokens:
+                if not tokens and reason is None:
                     continue
                 if first_decode and self.config.mode != "colocated":
                     placed[0].requests.discard(wrid)  # the KV has landed: the prefill worker's part is over
@@ -452,7 +501,8 @@ class Cluster:
                 req.token_ids += tokens
                 finished = reason is not None
                 out = RequestOutput(req.request_id, tokens, "".join(texts), reason, req.num_prompt_tokens,
-                                    req.num_output_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+                                    req.num_output_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+                                    weight_versions=versions)
                 yield self._annotate(out, req, placed if finished else [])
         finally:
             self._owner.pop(wrid, None)
@@ -484,7 +534,7 @@ class Cluster:
         while open_samples:
             await q.wait(interval if streamed else 1)
             streamed = True
-            batch: dict[int, tuple[list[int], list[str], list[TokenLogprob], list]] = {}
+            batch: dict[int, tuple[list[int], list[int], list[str], list[TokenLogprob], list]] = {}
             prompt_logprobs: PromptLogprobs | None = None
             failure: Failure | None = None
             while q.items:
@@ -495,8 +545,10 @@ class Cluster:
                 if isinstance(ev, Failure):
                     failure = ev
                     break
-                tokens, texts, logprobs, reason = batch.setdefault(i, ([], [], [], [None]))
-                tokens.append(ev.token)
+                tokens, versions, texts, logprobs, reason = batch.setdefault(i, ([], [], [], [], [None]))
+                if ev.token != NO_TOKEN:  # (an end with no token: a weight update aborted it)
+                    tokens.append(ev.token)
+                    versions.append(ev.version)
                 texts.append(ev.text)
                 if ev.logprobs is not None:
                     logprobs.append(ev.logprobs)
@@ -506,7 +558,7 @@ class Cluster:
             if batch and first_decode and self.config.mode != "colocated":
                 placed[0].requests.discard(wrid)  # the KV has landed: the prefill worker's part is over
                 first_decode = False
-            for i, (tokens, texts, logprobs, (reason,)) in sorted(batch.items()):
+            for i, (tokens, versions, texts, logprobs, (reason,)) in sorted(batch.items()):
                 counts[i] += len(tokens)
                 if i == 0:
                     group.token_ids += tokens
@@ -514,7 +566,8 @@ class Cluster:
                     open_samples.discard(i)
                 out = RequestOutput(group.request_id, tokens, "".join(texts), reason, group.num_prompt_tokens,
                                     counts[i], logprobs=logprobs if group.params.logprobs is not None else None,
-                                    prompt_logprobs=prompt_logprobs if i == 0 else None, index=i)
+                                    prompt_logprobs=prompt_logprobs if i == 0 else None, index=i,
+                                    weight_versions=versions)
                 yield self._annotate(out, group, placed if reason is not None else [])
             if failure is not None:
                 raise _Retry(failure.reason, failure.detail, [w.worker_id for w in placed])
@@ -538,6 +591,8 @@ class Cluster:
             if not getter.done():
                 getter.cancel()
                 break
+            if getter.exception() is not None:  # aborted (abort_all)
+                raise getter.exception()
             while q.items:
                 ev = q.take()
                 if isinstance(ev, Failure) and ev.request_id == wrid:

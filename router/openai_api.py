@@ -12,8 +12,10 @@ by text), text_offset}. A logprob of -inf (a token the "processed" distribution 
 as MIN_LOGPROB, JSON having no -inf. Extensions, by vLLM's names: prompt_logprobs (a list, None for
 the first prompt token, then {"<id>": {logprob, rank, decoded_token}} for the token and the k most
 likely there; chat: on the response, completions: on the choice; streamed: on the first chunk that has
-them), return_token_ids (token_ids on each choice or chunk, prompt_token_ids beside them: chat on the
-response, completions on the choice), logprobs_mode, repetition_penalty, min_tokens. Token strings are
+them), return_token_ids (token_ids on each choice or chunk, with weight_versions: the weight version that
+sampled each; prompt_token_ids beside them: chat on the response, completions on the choice),
+logprobs_mode, repetition_penalty, min_tokens, version_policy and max_staleness (router.weights; a request
+a weight update aborts finishes "abort"). Token strings are
 the tokenizer's text of each id alone (special tokens shown), bytes their raw bytes where the tokenizer
 is byte-level; a model without a tokenizer names a token "token_id:<id>".
 
@@ -62,7 +64,7 @@ from router.admission import DEFAULT_MAX_TOKENS, Overloaded, RequestFailed, Samp
 from router.openai_schema import BaseCompletionRequest, ChatCompletionRequest, CompletionRequest, HTTPError
 from router.tracking import Timeline
 
-_FINISH = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length"}
+_FINISH = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length", FinishReason.ABORT: "abort"}
 DISCONNECT_POLL_S = 0.25  # how often a non-streamed request checks that its client is still there
 MIN_LOGPROB = -9999.0  # what a logprob of -inf is written as: JSON has no -inf
 
@@ -171,6 +173,9 @@ def build_app(service, model_name: str, api_key: str | None, max_body_bytes: int
                                          logprobs=body.logprobs_k(), prompt_logprobs=body.prompt_logprobs,
                                          logprobs_mode=body.logprobs_mode,
                                          default_logprobs_mode=service.config.logprobs_mode,
+                                         version_policy=body.version_policy,
+                                         default_version_policy=service.config.version_policy,
+                                         max_staleness=body.max_staleness,
                                          presence_penalty=body.presence_penalty,
                                          frequency_penalty=body.frequency_penalty,
                                          repetition_penalty=body.repetition_penalty, min_tokens=body.min_tokens,
@@ -414,6 +419,7 @@ class _Choice:
         self._fields: dict[str, Any] = {"logprobs": empty if self.logprobs else None}
         if token_ids:
             self._fields["token_ids"] = []
+            self._fields["weight_versions"] = []
         self._prompt: dict[str, Any] = {}
 
     @property
@@ -430,11 +436,12 @@ class _Choice:
             fields["logprobs"] = self._chat_logprobs(out.logprobs) if self.chat else self._completion_logprobs(out)
         if self.token_ids:
             fields["token_ids"] = list(out.new_token_ids)
+            fields["weight_versions"] = list(out.weight_versions)  # each token's (router.weights)
         return fields, self.prompt_fields(out, last=out.finished)
 
     def no_tokens(self) -> dict[str, Any]:
         """The choice's fields of a chunk without tokens (chat's first, which says the role)."""
-        return {"logprobs": None, **({"token_ids": []} if self.token_ids else {})}
+        return {"logprobs": None, **({"token_ids": [], "weight_versions": []} if self.token_ids else {})}
 
     def prompt_fields(self, out: RequestOutput | None, last: bool = False) -> dict[str, Any]:
         """The prompt's fields if they are due with `out` (or, `last`, due at all) and not yet given."""
@@ -455,7 +462,7 @@ class _Choice:
             self.finish = _FINISH.get(out.finish_reason)
         fields, prompt = self.piece(out)
         for name, value in fields.items():
-            if isinstance(value, list):  # token_ids
+            if isinstance(value, list):  # token_ids, weight_versions
                 self._fields[name].extend(value)
             elif isinstance(value, dict):  # logprobs: each of its lists grows
                 for key, items in value.items():

@@ -64,6 +64,10 @@ class BaseCompletionRequest(BaseModel):
     prompt_logprobs: int | None = None
     logprobs_mode: str | None = None
     return_token_ids: bool | None = False
+    # Weights that change under the cluster (router.weights): what this request does if they change while it
+    # holds KV of older ones ("recompute", "keep", "abort"; absent: the server's), and keep's bound.
+    version_policy: str | None = None
+    max_staleness: int | None = None
     logit_bias: dict[str, float] | None = None
     # auto (or absent), default, priority or flex (pdserve.tiers); the tier served is in the response.
     service_tier: str | None = None

@@ -56,5 +56,9 @@ class PrefixIndex:
         while len(self._hashes) > self.capacity:
             self._hashes.popitem(last=False)
 
+    def clear(self) -> None:
+        """Forget every block (the worker's weights changed: its cached blocks are another version's)."""
+        self._hashes.clear()
+
     def __len__(self) -> int:
         return len(self._hashes)

@@ -22,7 +22,7 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import ray
@@ -146,6 +146,9 @@ class Pools:
         self._registry: Any = None
         self._epoch = 0
         self._adopting: set[str] = set()  # listed workers this router is linking to
+        # The weights a worker started from now loads (router.weights): (checkpoint path, or None to keep the
+        # configured model; version). None: the configured model, version 0.
+        self.weights: tuple[str | None, int] | None = None
         self._gone: set[str] = set()  # workers this router lost (ids are never reused): not adopted again
 
     @property
@@ -209,6 +212,10 @@ class Pools:
                       "fast": (FastLaneActor, dict(transfer_timeout_s=c.transfer_timeout_s, bind_host=c.bind_host)),
                       "colocated": (ColocatedActor, {})}[pool]
         engine = c.engine_for(pc)
+        if self.weights is not None:  # it comes up on the version the cluster serves
+            path, version = self.weights
+            engine = replace(engine, weight_version=version,
+                             **({} if path is None else dict(model=path, load_format="auto")))
         options = dict(num_cpus=pc.num_cpus, num_gpus=pc.num_gpus, resources=pc.resources, max_restarts=0)
         if self.router is not None:  # it outlives this router: the next owner adopts it by name
             options.update(name=_actor_name(worker_id), lifetime="detached")

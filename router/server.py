@@ -27,7 +27,7 @@ from pdserve.config import ClusterConfig
 from pdserve.engine.logprobs import TokenLogprob
 from pdserve.engine.output import RequestOutput
 from pdserve.engine.request import FinishReason
-from pdserve.engine.sampling import LOGPROBS_MODES
+from pdserve.engine.sampling import LOGPROBS_MODES, VERSION_POLICIES
 from pdserve.serving.metrics import PoolScale, RouterMetrics
 from pdserve.tiers import TIERS, ServiceTier, parse_tier
 from pdserve.v1 import generation_pb2 as pb
@@ -37,12 +37,14 @@ from router.autoscaler import AutoscaleLoop
 from router.cluster import Cluster
 from router.security import ApiKeyInterceptor, server_credentials
 from router.tracking import Timeline
+from router.weights import WEIGHTS_SERVICE_NAME, WeightControl, WeightsService
 
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generation"].full_name
 _FINISH = {FinishReason.STOP: pb.FINISH_REASON_STOP, FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,
-           FinishReason.CANCELLED: pb.FINISH_REASON_CANCELLED, FinishReason.ERROR: pb.FINISH_REASON_ERROR}
+           FinishReason.CANCELLED: pb.FINISH_REASON_CANCELLED, FinishReason.ERROR: pb.FINISH_REASON_ERROR,
+           FinishReason.ABORT: pb.FINISH_REASON_ABORT}
 
 
 # What the largest valid request can take on the wire, from the limits the router checks a request against
@@ -93,6 +95,9 @@ class RouterConfig:
     # The distribution sampled tokens' logprobs come from when a request does not say (either API):
     # "raw" or "processed" (pdserve.engine.sampling.SamplingParams.logprobs_mode).
     logprobs_mode: str = "raw"
+    # What a request in flight does when the weights change, when it does not say (router.weights):
+    # "recompute", "keep" or "abort" (pdserve.engine.sampling.SamplingParams.version_policy).
+    version_policy: str = "recompute"
     # The bytes of one request either door reads, an HTTP body or a gRPC message: past it HTTP answers 413
     # before reading on, gRPC RESOURCE_EXHAUSTED. None: what the largest valid request can take in that door's
     # encoding (request_size_bounds).
@@ -115,6 +120,9 @@ class RouterConfig:
             raise ValueError("--ssl-ca-certs and --metrics-tls need --ssl-certfile and --ssl-keyfile")
         if self.logprobs_mode not in LOGPROBS_MODES:
             raise ValueError(f"logprobs_mode must be one of {', '.join(LOGPROBS_MODES)}, got {self.logprobs_mode!r}")
+        if self.version_policy not in VERSION_POLICIES:
+            raise ValueError(f"version_policy must be one of {', '.join(VERSION_POLICIES)}, "
+                             f"got {self.version_policy!r}")
         if self.api_key is not None and not self.api_key:
             raise ValueError("the API key is empty")
         for path in (self.ssl_certfile, self.ssl_keyfile, self.ssl_ca_certs):
@@ -185,7 +193,7 @@ class GenerationService(pb_grpc.GenerationServicer):
             await abort(grpc.StatusCode.UNAVAILABLE, "the router is draining; retry on another replica")
         try:
             prompt, params = parse_request(request, self.cluster.info, self.config.max_input_chars,
-                                           self.config.logprobs_mode)
+                                           self.config.logprobs_mode, self.config.version_policy)
             tier = parse_tier(request.service_tier)
         except ValueError as e:
             await abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
@@ -256,7 +264,7 @@ class GenerationService(pb_grpc.GenerationServicer):
         only (every sample's output tokens), which alone carries the usage, timings and tier served: with n > 1
         a client then reads them once, as with n = 1, and sums nothing."""
         resp = pb.GenerateResponse(request_id=out.request_id, text=out.new_text, token_ids=out.new_token_ids,
-                                   index=out.index)
+                                   index=out.index, weight_versions=out.weight_versions)
         if out.finish_reason is not None:
             resp.finish_reason = _FINISH[out.finish_reason]
         if completion_tokens is not None:
@@ -327,7 +335,8 @@ class GenerationService(pb_grpc.GenerationServicer):
                                                busy_fraction=s.busy_fraction, steps=s.steps,
                                                tokens_processed=s.tokens_processed, state=w.state,
                                                prompt_tokens_requested=s.prompt_tokens_requested,
-                                               prompt_tokens_computed=s.prompt_tokens_computed))
+                                               prompt_tokens_computed=s.prompt_tokens_computed,
+                                               weight_version=s.weight_version))
             total = sum(s.kv_blocks_total for s in ws)
             out.pools.append(pb.PoolStatus(name=name, workers=workers, waiting_requests=sum(s.waiting for s in ws),
                                            kv_usage=sum(s.kv_blocks_used for s in ws) / total if total else 0.0,
@@ -350,6 +359,8 @@ class Router:
                                      lambda: self.service.pool_scale(), cluster.config.tiers.slo,
                                      lambda: cluster.downgrades, doors) if config.metrics_port is not None else None
         self.service = GenerationService(cluster, config, self.metrics)
+        self.weights = WeightControl(cluster)  # updates, pause and resume (router.weights)
+        self.weights_service = WeightsService(self.weights)
         self.health = health.aio.HealthServicer()
         self.server: grpc.aio.Server | None = None
         self.port: int | None = None
@@ -383,9 +394,12 @@ class Router:
                 self.service.GetClusterStatus, request_deserializer=pb.GetClusterStatusRequest.FromString,
                 response_serializer=pb.ClusterStatus.SerializeToString),
         }
-        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),
+                                         grpc.method_handlers_generic_handler(WEIGHTS_SERVICE_NAME,
+                                                                              self.weights_service.handlers())))
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
-        reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+        reflection.enable_server_reflection((SERVICE_NAME, WEIGHTS_SERVICE_NAME, health.SERVICE_NAME,
+                                             reflection.SERVICE_NAME), server)
         address = f"{c.host}:{c.port}"
         self.port = server.add_secure_port(address, server_credentials(c.ssl_certfile, c.ssl_keyfile, c.ssl_ca_certs)) \
             if c.tls else server.add_insecure_port(address)

@@ -43,6 +43,50 @@ def build_tiny_checkpoint(directory: Path, arch: str, **overrides) -> Path:
     return directory
 
 
+def perturbed_checkpoint(src: Path, dst: Path, scale: float = 0.05, seed: int = 1) -> Path:
+    """A copy of a checkpoint with every tensor moved by seeded noise: the next version of its weights."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    dst.mkdir(parents=True, exist_ok=True)
+    g = torch.Generator().manual_seed(seed)
+    for f in src.glob("*.safetensors"):
+        tensors = load_file(str(f))
+        save_file({k: (v + scale * torch.randn(v.shape, generator=g)).to(v.dtype) for k, v in tensors.items()},
+                  str(dst / f.name))
+    for f in src.iterdir():
+        if f.suffix != ".safetensors":
+            shutil.copy(f, dst / f.name)
+    return dst
+
+
+def keep_reference(old: Path, new: Path, prompt: list[int], tokens: list[int], n: int) -> list[int]:
+    """Greedy tokens of the new checkpoint decoding over the old one's KV of prompt + tokens[:-1], in
+    transformers: what the "keep" version policy means, computed independently of pdserve."""
+    import transformers
+
+    a = transformers.AutoModelForCausalLM.from_pretrained(old, dtype=torch.float32).eval()
+    b = transformers.AutoModelForCausalLM.from_pretrained(new, dtype=torch.float32).eval()
+    with torch.no_grad():
+        cache = a(torch.tensor([prompt + tokens[:-1]]), use_cache=True).past_key_values
+        out, nxt = [], tokens[-1]
+        for _ in range(n):
+            res = b(torch.tensor([[nxt]]), past_key_values=cache, use_cache=True)
+            cache, nxt = res.past_key_values, int(res.logits[0, -1].argmax())
+            out.append(nxt)
+    return out
+
+
+@pytest.fixture(scope="session")
+def weight_versions(tiny_checkpoints, tmp_path_factory) -> list[Path]:
+    """Three versions of the tiny Llama: v0 as built, v1 and v2 each perturbed from the one before."""
+    root = tmp_path_factory.mktemp("versions")
+    v0 = tiny_checkpoints["llama"]
+    v1 = perturbed_checkpoint(v0, root / "v1", seed=1)
+    return [v0, v1, perturbed_checkpoint(v1, root / "v2", seed=2)]
+
+
 @pytest.fixture(scope="session")
 def tiny_checkpoints(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("tiny")

@@ -29,7 +29,8 @@ from pdserve.v1 import generation_pb2_grpc as pb_grpc
 DEFAULT_TARGET = "127.0.0.1:50051"
 API_KEY_ENV = "PDSERVE_API_KEY"
 FINISH_REASONS = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length",
-                  pb.FINISH_REASON_CANCELLED: "cancelled", pb.FINISH_REASON_ERROR: "error"}
+                  pb.FINISH_REASON_CANCELLED: "cancelled", pb.FINISH_REASON_ERROR: "error",
+                  pb.FINISH_REASON_ABORT: "abort"}
 
 
 @dataclass(frozen=True)
@@ -55,6 +56,7 @@ class Sample:
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str = ""  # "" until this sample has finished
     logprobs: list[TokenLogprob] = field(default_factory=list)  # with logprobs=k: one per token of token_ids
+    weight_versions: list[int] = field(default_factory=list)  # one per token of token_ids: the weights' version
 
 
 @dataclass
@@ -94,6 +96,7 @@ class Completion:
         sample = self.choices[r.index]
         sample.text += r.text
         sample.token_ids.extend(r.token_ids)
+        sample.weight_versions.extend(r.weight_versions)
         if r.logprobs:
             sample.logprobs.extend(map(TokenLogprob.of, r.logprobs))
         if r.prompt_logprobs:
@@ -120,12 +123,14 @@ def build_request(prompt: str | None = None, *, messages: Sequence[dict[str, str
                   presence_penalty: float | None = None, frequency_penalty: float | None = None,
                   repetition_penalty: float | None = None, min_tokens: int | None = None,
                   logprobs: int | None = None, prompt_logprobs: int | None = None,
-                  logprobs_mode: str = "", n: int | None = None) -> pb.GenerateRequest:
+                  logprobs_mode: str = "", n: int | None = None, version_policy: str = "",
+                  max_staleness: int | None = None) -> pb.GenerateRequest:
     """A GenerateRequest from exactly one of prompt, messages or token_ids; None leaves the server default.
     service_tier: auto (or empty), default, priority or flex (pdserve.tiers). logprobs / prompt_logprobs: k
     in [0, 20], the top k beside each generated / prompt token's own logprob; logprobs_mode: raw, processed
-    or empty (the server's). n: samples of the prompt, in [1, 128] (sample i seeded seed + i). The fields'
-    meanings are the .proto's (GenerateRequest, SamplingParams)."""
+    or empty (the server's). n: samples of the prompt, in [1, 128] (sample i seeded seed + i). version_policy:
+    recompute, keep, abort or empty (the server's), max_staleness keep's bound, if the weights change while the
+    request runs. The fields' meanings are the .proto's (GenerateRequest, SamplingParams)."""
     if sum(x is not None for x in (prompt, messages, token_ids)) != 1:
         raise ValueError("give exactly one of prompt, messages or token_ids")
     req = pb.GenerateRequest(stop=list(stop), stop_token_ids=list(stop_token_ids), ignore_eos=ignore_eos,
@@ -146,6 +151,9 @@ def build_request(prompt: str | None = None, *, messages: Sequence[dict[str, str
     if n is not None:
         req.n = n
     req.logprobs_mode = logprobs_mode
+    req.version_policy = version_policy
+    if max_staleness is not None:
+        req.max_staleness = max_staleness
     for name, value in (("temperature", temperature), ("top_p", top_p), ("top_k", top_k), ("seed", seed),
                         ("presence_penalty", presence_penalty), ("frequency_penalty", frequency_penalty),
                         ("repetition_penalty", repetition_penalty), ("min_tokens", min_tokens)):
@@ -229,6 +237,7 @@ class Client:
         self.channel = _channel(grpc, self.connection)
         self.metadata = self.connection.metadata()
         self.stub = pb_grpc.GenerationStub(self.channel)
+        self.weights = pb_grpc.WeightsStub(self.channel)
 
     def generate(self, prompt: str | None = None, *, timeout: float | None = None,
                  **kwargs) -> Iterator[pb.GenerateResponse]:
@@ -255,6 +264,29 @@ class Client:
         r = health_pb2_grpc.HealthStub(self.channel).Check(health_pb2.HealthCheckRequest(service=service),
                                                            timeout=timeout)
         return health_pb2.HealthCheckResponse.ServingStatus.Name(r.status)
+
+    # -- weights (the router's Weights service) ------------------------------------------------------
+    def update_weights(self, path: str, version: int, mode: str = "pause", pause_mode: str = "keep",
+                       timeout: float | None = None) -> pb.UpdateWeightsResponse:
+        """Load checkpoint `path` (readable by every worker) as weight version `version` on every worker."""
+        return self.weights.UpdateWeights(pb.UpdateWeightsRequest(path=path, version=version, mode=mode,
+                                                                  pause_mode=pause_mode),
+                                          timeout=timeout, metadata=self.metadata)
+
+    def weight_versions(self, timeout: float | None = None) -> pb.WeightVersions:
+        return self.weights.GetWeightVersions(pb.GetWeightVersionsRequest(), timeout=timeout, metadata=self.metadata)
+
+    def pause(self, mode: str = "keep", timeout: float | None = None,
+              wait_timeout_s: float | None = None) -> pb.WeightVersions:
+        """New requests wait until resume(); those in flight: keep (stay where they are), wait (end first) or
+        abort (end now, finish reason abort)."""
+        req = pb.PauseRequest(mode=mode)
+        if wait_timeout_s is not None:
+            req.timeout_seconds = wait_timeout_s
+        return self.weights.Pause(req, timeout=timeout, metadata=self.metadata)
+
+    def resume(self, timeout: float | None = None) -> pb.WeightVersions:
+        return self.weights.Resume(pb.ResumeRequest(), timeout=timeout, metadata=self.metadata)
 
     def close(self) -> None:
         self.channel.close()

@@ -169,32 +169,38 @@ class EngineCore:
         if staged is not None:
             staged.commit(self.runner.model)
         self.kv.version = version
-        return out + self._version_changed(version)
+        return out + self._version_changed()
 
-    def _version_changed(self, version: int) -> list[SampledToken]:
-        """Each request whose KV here is older than `version`, by its policy: kept (no more than max_staleness
-        versions old), recomputed (its KV freed; prompt and tokens so far computed again), or aborted. A
-        prefill worker's prompts are recomputed whatever the policy (none has streamed a token yet); KV held
-        for a hand-off, or on its way to a decode worker, carries its version, and the decode worker decides."""
-        s = self.scheduler
-        ended: list[SampledToken] = []
-        for req in list(s.requests.values()):
+    def _version_changed(self) -> list[SampledToken]:
+        """Each request holding KV here of another version than this engine's follows its policy (version_policy).
+        KV held for a hand-off, or on its way to a decode worker, carries its version: the decode worker
+        decides when it lands."""
+        ended = []
+        for req in list(self.scheduler.requests.values()):
             holds = req.block_ids and (req.status is RequestStatus.RUNNING or req.kept_kv)
-            if not holds or req.kv_version >= version or req.unresolved:
-                continue
-            p = req.params
-            stale = version - req.kv_version
-            if s.role is not Role.PREFILL and p.version_policy == "keep" \
-                    and (p.max_staleness is None or stale <= p.max_staleness):
-                self.version_outcomes["kept"] += 1
-            elif s.role is not Role.PREFILL and p.version_policy == "abort":
-                s.finish(req, FinishReason.ABORT)
-                ended.append(SampledToken(req, NO_TOKEN, FinishReason.ABORT, req.num_output_tokens, version=version))
-                self.version_outcomes["aborted"] += 1
-            else:
-                s.recompute(req)
-                self.version_outcomes["recomputed"] += 1
+            if holds and not req.unresolved and (end := self.version_policy(req)) is not None:
+                ended.append(end)
         return ended
+
+    def version_policy(self, req: Request) -> SampledToken | None:
+        """A request whose KV here was computed by another weight version than this engine's, by its policy:
+        kept (KV no more than max_staleness versions old), recomputed (its KV freed; prompt and tokens so far
+        computed again), or aborted (its ABORT end, token NO_TOKEN, returned). A prefill worker's prompts are
+        recomputed whatever the policy (none has streamed a token yet)."""
+        version, s, p = self.weight_version, self.scheduler, req.params
+        if req.kv_version == version:
+            return None
+        if s.role is not Role.PREFILL and p.version_policy == "keep" \
+                and (p.max_staleness is None or version - req.kv_version <= p.max_staleness):
+            self.version_outcomes["kept"] += 1
+        elif s.role is not Role.PREFILL and p.version_policy == "abort":
+            s.finish(req, FinishReason.ABORT)
+            self.version_outcomes["aborted"] += 1
+            return SampledToken(req, NO_TOKEN, FinishReason.ABORT, req.num_output_tokens, version=version)
+        else:
+            s.recompute(req)
+            self.version_outcomes["recomputed"] += 1
+        return None
 
     @property
     def has_work(self) -> bool:

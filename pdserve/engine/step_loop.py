@@ -28,6 +28,7 @@ class StepLoop:
         self._step = step
         self._calls: queue.SimpleQueue[tuple[Callable[[], Any], Future] | None] = queue.SimpleQueue()
         self._stopped = threading.Event()
+        self.paused = False  # set and cleared by calls (pause / resume): no step runs while it is set
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -57,6 +58,9 @@ class StepLoop:
                 pass
             if self._stopped.is_set():
                 break
+            if self.paused:
+                busy = False  # calls only, until one resumes it
+                continue
             try:
                 busy = self._step()
             except Exception:  # the step function handles its own failures; this is the last resort

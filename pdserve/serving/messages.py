@@ -74,6 +74,7 @@ class PrefillResult:
     logprobs: TokenLogprob | None = None  # the first token's, if asked
     prompt_logprobs: PromptLogprobs | None = None  # if asked
     others: tuple[FirstToken, ...] = ()  # a group's samples 1..n-1 (first_token and the above are sample 0's)
+    version: int = 0  # the weight version that computed the prompt's KV and sampled the first tokens
 
 
 @dataclass(frozen=True)
@@ -128,6 +129,7 @@ class TokenEvent:
     text: str = ""  # the token's text, detokenized on the worker (pdserve.engine.output.TextOutput)
     logprobs: TokenLogprob | None = None  # if the request asked
     prompt_logprobs: PromptLogprobs | None = None  # with a colocated request's first token, if it asked
+    version: int = 0  # the weight version that sampled the token (pdserve.weights)
 
 
 @dataclass(frozen=True)
@@ -168,10 +170,32 @@ class WorkerStats:
     # Prompt tokens of the requests taken here to compute, and those computed (pdserve.engine.llm_engine.EngineCore).
     prompt_tokens_requested: int = 0
     prompt_tokens_computed: int = 0
+    # Weights (pdserve.weights): the version served, whether generation is paused here, the updates applied
+    # (their seconds and bytes, cumulative) and failed, and requests holding older KV at an update by
+    # what their version policy did ("recomputed", "kept", "aborted").
+    weight_version: int = 0
+    paused: bool = False
+    weight_updates: int = 0
+    weight_update_seconds: float = 0.0
+    weight_update_bytes: int = 0
+    weight_update_failures: int = 0
+    version_outcomes: dict = field(default_factory=dict)
 
     @property
     def busy_fraction(self) -> float:
         return self.busy_seconds / self.uptime_seconds if self.uptime_seconds > 0 else 0.0
+
+
+@dataclass(frozen=True)
+class WeightUpdateReport:
+    """What one worker's update did: the version it now serves, seconds to stage (read, convert; the worker
+    serving meanwhile) and to commit (between two steps), and the bytes staged."""
+
+    worker_id: str
+    version: int
+    stage_seconds: float
+    commit_seconds: float
+    num_bytes: int
 
 
 @dataclass(frozen=True)

@@ -225,6 +225,28 @@ class WorkerCollector(Collector):
         yield family(CounterMetricFamily, "pdserve_worker_prompt_tokens_computed",
                      "Prompt tokens this worker computed: below requested by what the prefix cache served, above "
                      "it by prompts computed again after a preemption", lambda s: s.prompt_tokens_computed)
+        yield family(GaugeMetricFamily, "pdserve_worker_weight_version",
+                     "The weight version the worker serves (0: the weights it started with; router.weights)",
+                     lambda s: s.weight_version)
+        yield family(GaugeMetricFamily, "pdserve_worker_paused", "1 while the worker's steps are paused (a pause "
+                     "of generation, or a weight update switching)", lambda s: float(s.paused))
+        yield family(CounterMetricFamily, "pdserve_worker_weight_updates", "Weight updates the worker switched to",
+                     lambda s: s.weight_updates)
+        yield family(CounterMetricFamily, "pdserve_worker_weight_update_seconds",
+                     "Seconds of the weight updates: reading and converting (the worker serving meanwhile) and "
+                     "the switch", lambda s: s.weight_update_seconds)
+        yield family(CounterMetricFamily, "pdserve_worker_weight_update_bytes", "Bytes of the weight updates staged",
+                     lambda s: s.weight_update_bytes)
+        yield family(CounterMetricFamily, "pdserve_worker_weight_update_failures",
+                     "Weight updates that failed on the worker before its switch (nothing applied)",
+                     lambda s: s.weight_update_failures)
+        f = CounterMetricFamily("pdserve_worker_version_outcomes", "Requests holding KV of another weight version "
+                                "than the worker's (at an update, or as their KV landed), by what their version "
+                                "policy did: recomputed, kept or aborted", labels=labels + ["outcome"])
+        for s in stats:
+            for outcome in ("recomputed", "kept", "aborted"):
+                f.add_metric([s.pool, s.worker_id, outcome], (s.version_outcomes or {}).get(outcome, 0))
+        yield f
         moving = [s for s in stats if s.transfer]
         for kind, name, doc, key in (
                 (CounterMetricFamily, "pdserve_kv_transfers",

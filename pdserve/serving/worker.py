@@ -31,7 +31,15 @@ from pdserve.engine.utilization import device_peaks
 from pdserve.faults import FaultPoints
 from pdserve.model.loader import LoadedModel
 from pdserve.serving.link import WorkerLink
-from pdserve.serving.messages import CancelRecord, Failure, FailureReason, StepOutput, TokenEvent, WorkerStats
+from pdserve.serving.messages import (
+    CancelRecord,
+    Failure,
+    FailureReason,
+    StepOutput,
+    TokenEvent,
+    WeightUpdateReport,
+    WorkerStats,
+)
 from pdserve.tiers import ServiceTier
 
 log = logging.getLogger(__name__)
@@ -84,6 +92,14 @@ class WorkerActor:
         self.cancelled = 0
         self._cancels: collections.deque[CancelRecord] = collections.deque(maxlen=CANCELS_KEPT)
         self.faults = FaultPoints()  # inert unless a test arms one (pdserve.faults)
+        # A weight update read and converted, waiting for commit_weights: (version, staged, seconds to stage).
+        self._staged: tuple[int, object, float] | None = None
+        self._group = None  # a trainer's weight group (pdserve.weights.group.WeightGroup), once joined
+        self._receiving: asyncio.Future | None = None  # an update being received on it
+        self.weight_updates = 0
+        self.weight_update_seconds = 0.0
+        self.weight_update_bytes = 0
+        self.weight_update_failures = 0
         self.loop: StepLoop | None = None
 
     def _start(self) -> None:
@@ -171,11 +187,113 @@ class WorkerActor:
         """A worker of another pool has left its pool (dead or stuck): drop what this one holds for it."""
 
     async def shutdown(self) -> None:
+        await self.leave_weight_group()
         self.loop.stop()
         for link in list(self._links.values()):
             await asyncio.to_thread(link.close)
         self._close()
         await asyncio.to_thread(self.core.close)  # a TP worker's other ranks (collectives: off the event loop)
+
+    # -- weights (pdserve.weights) ------------------------------------------------------------------
+    async def stage_weights(self, source: str, version: int) -> int:
+        """Read and convert checkpoint `source` for weight version `version`, held aside until commit_weights
+        (the worker serves meanwhile); its bytes. Raises with nothing applied if it does not fit the model."""
+        t0 = time.perf_counter()
+        try:
+            staged = await asyncio.to_thread(self.core.stage_weights, source)
+        except Exception:
+            self.weight_update_failures += 1
+            raise
+        self._staged = (version, staged, time.perf_counter() - t0)
+        return staged.num_bytes if staged is not None else 0
+
+    async def commit_weights(self, version: int) -> WeightUpdateReport:
+        """Between two steps: the staged update becomes the weights served, as `version`; requests holding
+        older KV follow their version policy (aborted ones end with FinishReason.ABORT)."""
+        if self._staged is None or self._staged[0] != version:
+            raise ValueError(f"{self.worker_id} has no update staged for weight version {version}")
+        _, staged, stage_s = self._staged
+        self._staged = None
+        t0 = time.perf_counter()
+        await asyncio.wrap_future(self.loop.call(lambda: self._commit_weights(staged, version)))
+        commit_s = time.perf_counter() - t0
+        num_bytes = staged.num_bytes if staged is not None else 0
+        self.weight_updates += 1
+        self.weight_update_seconds += stage_s + commit_s
+        self.weight_update_bytes += num_bytes
+        log.info("%s: weight version %d (staged in %.2f s, committed in %.3f s, %.1f MB)", self.worker_id, version,
+                 stage_s, commit_s, num_bytes / 1e6)
+        return WeightUpdateReport(self.worker_id, version, stage_s, commit_s, num_bytes)
+
+    async def update_weights(self, source: str, version: int) -> WeightUpdateReport:
+        """stage_weights, then commit_weights (a rolling update: this worker switches as soon as it can)."""
+        await self.stage_weights(source, version)
+        return await self.commit_weights(version)
+
+    async def join_weight_group(self, address, rank: int, timeout_s: float) -> None:
+        """Join a trainer's weight group (pdserve.weights.group) as `rank`; returns once every rank has."""
+        from pdserve.weights.group import WeightGroup
+
+        if self.tp > 1:
+            raise NotImplementedError("weight groups with tensor-parallel workers are not supported yet")
+        await self.leave_weight_group()
+        self._group = await asyncio.to_thread(WeightGroup.join, address, rank, timeout_s)
+
+    async def receive_weights(self, metas: list, bucket_bytes: int, version: int) -> None:
+        """Start receiving an update broadcast on the weight group, staging each tensor as it arrives (the worker
+        serves meanwhile); weights_received() waits for the end."""
+        if self._group is None:
+            raise RuntimeError(f"{self.worker_id} is in no weight group")
+        group = self._group
+        loop = asyncio.get_running_loop()
+
+        def receive() -> None:
+            t0 = time.perf_counter()
+            staged = self.core.stage_weights(group.receive(metas, bucket_bytes))
+            self._staged = (version, staged, time.perf_counter() - t0)
+
+        self._receiving = loop.run_in_executor(None, receive)
+
+    async def weights_received(self, version: int) -> int:
+        """Wait for the update being received; its bytes. If it failed (the trainer gone, a timeout), the group is
+        closed and this raises: nothing is staged."""
+        receiving, self._receiving = self._receiving, None
+        if receiving is None:
+            raise RuntimeError(f"{self.worker_id} is receiving no update")
+        try:
+            await receiving
+        except Exception:
+            self.weight_update_failures += 1
+            await self.leave_weight_group()
+            raise
+        return self._staged[1].num_bytes if self._staged and self._staged[1] is not None else 0
+
+    async def leave_weight_group(self) -> None:
+        group, self._group = self._group, None
+        if group is not None:
+            await asyncio.to_thread(group.close)
+
+    async def pause(self) -> None:
+        """Stop stepping after the step under way (requests stay where they are); returns once stopped."""
+        await asyncio.wrap_future(self.loop.call(lambda: setattr(self.loop, "paused", True)))
+
+    async def resume(self) -> None:
+        await asyncio.wrap_future(self.loop.call(lambda: setattr(self.loop, "paused", False)))
+
+    def _commit_weights(self, staged, version: int) -> None:
+        """Step thread. A commit that fails part-way leaves a mix of two versions: the worker must not serve
+        it, so it exits, and the router replaces it with a worker loaded at the version the cluster serves."""
+        try:
+            sampled = self.core.commit_weights(staged, version)
+        except ValueError:
+            raise  # refused before anything was applied (e.g. a version not newer)
+        except BaseException as e:  # noqa: BLE001
+            log.error("%s: weight update to version %d failed part-way (%s); the worker exits", self.worker_id,
+                      version, e)
+            for handler in logging.getLogger().handlers:
+                handler.flush()
+            os._exit(71)
+        self._publish(StepRun(sampled, []))
 
     async def rank_pids(self) -> list[int]:
         """The processes of this worker's ranks, rank 0 (this one) first."""
@@ -290,7 +408,7 @@ class WorkerActor:
         text, reason = self._text(s)
         if reason is not s.finish_reason:
             self.core.scheduler.finish(s.request, reason)
-        return TokenEvent(s.request.request_id, s.token, reason, text, s.logprobs, s.prompt_logprobs)
+        return TokenEvent(s.request.request_id, s.token, reason, text, s.logprobs, s.prompt_logprobs, s.version)
 
     # -- stats ------------------------------------------------------------------------------------
     def _load(self) -> tuple[int, int, int]:
@@ -318,4 +436,8 @@ class WorkerActor:
             cancelled=self.cancelled, late_steps=getattr(runner, "late_steps", 0),
             prompt_tokens_requested=c.scheduler.prompt_tokens_requested,
             prompt_tokens_computed=c.prompt_tokens_computed,
+            weight_version=c.weight_version, paused=self.loop.paused if self.loop else False,
+            weight_updates=self.weight_updates, weight_update_seconds=self.weight_update_seconds,
+            weight_update_bytes=self.weight_update_bytes, weight_update_failures=self.weight_update_failures,
+            version_outcomes=dict(c.version_outcomes),
             **self._extra_stats())

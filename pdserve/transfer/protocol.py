@@ -26,6 +26,10 @@ Request path (pdserve.engine.request has the states):
    the first token of each request, when it was sampled and, if switched on, a checksum of the KV
    (`kv_checksum`). D writes each part straight into the reserved blocks and, after the trailer
    (a checksum that differs fails the transfer), hands each request to its scheduler (`kv_arrived`).
+   The announcement names the requests, their blocks, the parts, each request's number of first
+   tokens (`samples`: a group's n) and the weight version that computed each request's KV and first
+   tokens (`versions`: P switches versions between two steps, so a push of HELD KV may mix versions);
+   D applies the request's version policy when that version differs from the one D serves.
 5. Tensor parallelism (pdserve.parallel.layout): a pair of a TP A prefill worker and a TP B decode
    worker is several channels, one per (prefill rank, decode rank) of `handoff_plan`, each carrying
    the KV heads its decode rank holds, straight from a prefill rank that holds them (`PairLink`). Rank
@@ -66,10 +70,16 @@ class KVAnnounce:
     checksum: bool = False  # the trailer ends with kv_checksum of the parts
     # Per request: first tokens carried in the trailer (a group of n samples has n); empty: one each.
     samples: tuple[int, ...] = ()
+    # Per request: the weight version (pdserve.weights) that computed its KV and first tokens; empty: all 0.
+    versions: tuple[int, ...] = ()
 
     @property
     def tokens_per_request(self) -> tuple[int, ...]:
         return self.samples or (1,) * len(self.request_ids)
+
+    def version_of(self, i: int) -> int:
+        """The weight version of request i's KV."""
+        return self.versions[i] if self.versions else 0
 
     @property
     def order(self) -> tuple[int, int]:

@@ -93,14 +93,15 @@ class KVIntake:
     """The receiving end of one (prefill, decode) pair: takes transfers in the order the sender announced.
 
     For every request of every announced transfer that was still expected when its turn came, exactly
-    one of these is called, from this intake's thread: landed(request_id, token, sampled_at) (its KV is
-    in its blocks), failed(request_id, error), or cancelled(request_id) (withdrawn while its KV was
-    being written: its blocks may be freed now).
+    one of these is called, from this intake's thread: landed(request_id, tokens, sampled_at, version)
+    (its KV is in its blocks; tokens: its first tokens, a group's n; version: the weight version that
+    computed them, from the announce), failed(request_id, error), or cancelled(request_id) (withdrawn
+    while its KV was being written: its blocks may be freed now).
     """
 
     def __init__(self, prefill_id: str, decode_id: str, kv_cache: torch.Tensor, table: InboundTable,
-                 timeout_s: float, landed: Callable[[str, int, float], None], failed: Callable[[str, str], None],
-                 cancelled: Callable[[str], None]):
+                 timeout_s: float, landed: Callable[[str, tuple[int, ...], float, int], None],
+                 failed: Callable[[str, str], None], cancelled: Callable[[str], None]):
         self.prefill_id, self.decode_id = prefill_id, decode_id
         self.kv_cache, self.table, self.timeout_s = kv_cache, table, timeout_s
         self._landed, self._failed, self._cancelled = landed, failed, cancelled
@@ -201,7 +202,7 @@ class KVIntake:
                 elif error is not None:
                     self._failed(rid, error)
                 else:
-                    self._landed(rid, tokens[i], sampled_at)
+                    self._landed(rid, tokens[i], sampled_at, a.version_of(i))
 
     def _receive(self, a: KVAnnounce, link: PairLink,
                  blocks: list[list[int] | None]) -> tuple[list[tuple[int, ...]], float]:

@@ -53,14 +53,19 @@ class PushJob:
 
     def __init__(self, destination: str, request_ids: Sequence[str], block_ids: Sequence[Sequence[int]],
                  num_layers: int, layers_done: int = 0, tokens: Sequence[int] | None = None,
-                 sampled_at: float | None = None, tier: int = 1, step: int = 0, samples: Sequence[int] = ()):
+                 sampled_at: float | None = None, tier: int = 1, step: int = 0, samples: Sequence[int] = (),
+                 versions: Sequence[int] = ()):
         """tokens: the requests' first tokens, in order (a group's n in a row: `samples` says how many each
-        has; empty, one each), once known (else `sampled` gives them)."""
+        has; empty, one each), once known (else `sampled` gives them). versions: per request, the weight
+        version that computed its KV and first tokens (empty: all 0)."""
         self.destination = destination
         self.tier = tier  # the service tier's rank of its requests (pdserve.tiers): the pusher's order
         self.step = step  # the engine step whose forward computes this KV (the other TP ranks wait for it)
         self.request_ids = tuple(request_ids)
         self.samples = tuple(samples) if any(n != 1 for n in samples) else ()
+        self.versions = tuple(versions) if any(versions) else ()  # all 0: the announce's old form
+        if self.versions and len(self.versions) != len(self.request_ids):
+            raise ValueError(f"{len(self.versions)} versions for {len(self.request_ids)} requests")
         self.block_ids = [list(b) for b in block_ids]
         self.num_layers = num_layers
         self.num_parts = 1 if layers_done == num_layers else num_layers
@@ -182,7 +187,8 @@ class KVPusher:
                     return  # stopped, and nothing left
                 job = heapq.heappop(self._jobs)[2]
                 a = KVAnnounce(self.prefill_id, self._generation, self._next_seq, job.request_ids,
-                               tuple(len(b) for b in job.block_ids), job.num_parts, self.checksum, job.samples)
+                               tuple(len(b) for b in job.block_ids), job.num_parts, self.checksum, job.samples,
+                               job.versions)
                 self._next_seq += 1
             self._announce(a)
             try:

@@ -14,11 +14,13 @@ class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     FINISH_REASON_LENGTH: _ClassVar[FinishReason]
     FINISH_REASON_CANCELLED: _ClassVar[FinishReason]
     FINISH_REASON_ERROR: _ClassVar[FinishReason]
+    FINISH_REASON_ABORT: _ClassVar[FinishReason]
 FINISH_REASON_UNSPECIFIED: FinishReason
 FINISH_REASON_STOP: FinishReason
 FINISH_REASON_LENGTH: FinishReason
 FINISH_REASON_CANCELLED: FinishReason
 FINISH_REASON_ERROR: FinishReason
+FINISH_REASON_ABORT: FinishReason
 
 class ChatMessage(_message.Message):
     __slots__ = ("role", "content")
@@ -61,7 +63,7 @@ class SamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., min_tokens: _Optional[int] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("prompt", "messages", "token_ids", "sampling", "max_tokens", "stop", "stop_token_ids", "ignore_eos", "request_id", "service_tier", "logprobs", "prompt_logprobs", "logprobs_mode", "n")
+    __slots__ = ("prompt", "messages", "token_ids", "sampling", "max_tokens", "stop", "stop_token_ids", "ignore_eos", "request_id", "service_tier", "logprobs", "prompt_logprobs", "logprobs_mode", "n", "version_policy", "max_staleness")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -76,6 +78,8 @@ class GenerateRequest(_message.Message):
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_MODE_FIELD_NUMBER: _ClassVar[int]
     N_FIELD_NUMBER: _ClassVar[int]
+    VERSION_POLICY_FIELD_NUMBER: _ClassVar[int]
+    MAX_STALENESS_FIELD_NUMBER: _ClassVar[int]
     prompt: str
     messages: ChatMessages
     token_ids: TokenIds
@@ -90,7 +94,9 @@ class GenerateRequest(_message.Message):
     prompt_logprobs: int
     logprobs_mode: str
     n: int
-    def __init__(self, prompt: _Optional[str] = ..., messages: _Optional[_Union[ChatMessages, _Mapping]] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., max_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., request_id: _Optional[str] = ..., service_tier: _Optional[str] = ..., logprobs: _Optional[int] = ..., prompt_logprobs: _Optional[int] = ..., logprobs_mode: _Optional[str] = ..., n: _Optional[int] = ...) -> None: ...
+    version_policy: str
+    max_staleness: int
+    def __init__(self, prompt: _Optional[str] = ..., messages: _Optional[_Union[ChatMessages, _Mapping]] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., max_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., request_id: _Optional[str] = ..., service_tier: _Optional[str] = ..., logprobs: _Optional[int] = ..., prompt_logprobs: _Optional[int] = ..., logprobs_mode: _Optional[str] = ..., n: _Optional[int] = ..., version_policy: _Optional[str] = ..., max_staleness: _Optional[int] = ...) -> None: ...
 
 class Usage(_message.Message):
     __slots__ = ("prompt_tokens", "completion_tokens", "cached_prompt_tokens")
@@ -117,7 +123,7 @@ class Timings(_message.Message):
     def __init__(self, queue_seconds: _Optional[float] = ..., time_to_first_token_seconds: _Optional[float] = ..., end_to_end_seconds: _Optional[float] = ..., prefill_worker: _Optional[str] = ..., decode_worker: _Optional[str] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("request_id", "text", "token_ids", "finish_reason", "usage", "timings", "service_tier", "logprobs", "prompt_logprobs", "index")
+    __slots__ = ("request_id", "text", "token_ids", "finish_reason", "usage", "timings", "service_tier", "logprobs", "prompt_logprobs", "index", "weight_versions")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -128,6 +134,7 @@ class GenerateResponse(_message.Message):
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     INDEX_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_VERSIONS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     text: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -138,7 +145,8 @@ class GenerateResponse(_message.Message):
     logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
     prompt_logprobs: _containers.RepeatedCompositeFieldContainer[PromptLogprob]
     index: int
-    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., service_tier: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[PromptLogprob, _Mapping]]] = ..., index: _Optional[int] = ...) -> None: ...
+    weight_versions: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., service_tier: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[PromptLogprob, _Mapping]]] = ..., index: _Optional[int] = ..., weight_versions: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class TokenLogprob(_message.Message):
     __slots__ = ("token_id", "logprob", "rank", "top")
@@ -203,7 +211,7 @@ class GetClusterStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStatus(_message.Message):
-    __slots__ = ("worker_id", "pool", "waiting_requests", "waiting_tokens", "running_requests", "kv_blocks_used", "kv_blocks_total", "busy_fraction", "steps", "tokens_processed", "state", "prompt_tokens_requested", "prompt_tokens_computed")
+    __slots__ = ("worker_id", "pool", "waiting_requests", "waiting_tokens", "running_requests", "kv_blocks_used", "kv_blocks_total", "busy_fraction", "steps", "tokens_processed", "state", "prompt_tokens_requested", "prompt_tokens_computed", "weight_version")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     POOL_FIELD_NUMBER: _ClassVar[int]
     WAITING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
@@ -217,6 +225,7 @@ class WorkerStatus(_message.Message):
     STATE_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_REQUESTED_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_COMPUTED_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     pool: str
     waiting_requests: int
@@ -230,7 +239,8 @@ class WorkerStatus(_message.Message):
     state: str
     prompt_tokens_requested: int
     prompt_tokens_computed: int
-    def __init__(self, worker_id: _Optional[str] = ..., pool: _Optional[str] = ..., waiting_requests: _Optional[int] = ..., waiting_tokens: _Optional[int] = ..., running_requests: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., busy_fraction: _Optional[float] = ..., steps: _Optional[int] = ..., tokens_processed: _Optional[int] = ..., state: _Optional[str] = ..., prompt_tokens_requested: _Optional[int] = ..., prompt_tokens_computed: _Optional[int] = ...) -> None: ...
+    weight_version: int
+    def __init__(self, worker_id: _Optional[str] = ..., pool: _Optional[str] = ..., waiting_requests: _Optional[int] = ..., waiting_tokens: _Optional[int] = ..., running_requests: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., busy_fraction: _Optional[float] = ..., steps: _Optional[int] = ..., tokens_processed: _Optional[int] = ..., state: _Optional[str] = ..., prompt_tokens_requested: _Optional[int] = ..., prompt_tokens_computed: _Optional[int] = ..., weight_version: _Optional[int] = ...) -> None: ...
 
 class PoolStatus(_message.Message):
     __slots__ = ("name", "workers", "waiting_requests", "kv_usage", "busy_fraction", "current_workers", "desired_workers", "min_workers", "max_workers", "tensor_parallel_size")
@@ -280,3 +290,141 @@ class ClusterStatus(_message.Message):
     serving: bool
     queued_by_service_tier: _containers.ScalarMap[str, int]
     def __init__(self, mode: _Optional[str] = ..., pools: _Optional[_Iterable[_Union[PoolStatus, _Mapping]]] = ..., requests_running: _Optional[int] = ..., requests_queued: _Optional[int] = ..., queue_capacity: _Optional[int] = ..., serving: _Optional[bool] = ..., queued_by_service_tier: _Optional[_Mapping[str, int]] = ...) -> None: ...
+
+class UpdateWeightsRequest(_message.Message):
+    __slots__ = ("path", "version", "mode", "pause_mode")
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    PAUSE_MODE_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    version: int
+    mode: str
+    pause_mode: str
+    def __init__(self, path: _Optional[str] = ..., version: _Optional[int] = ..., mode: _Optional[str] = ..., pause_mode: _Optional[str] = ...) -> None: ...
+
+class WorkerWeightUpdate(_message.Message):
+    __slots__ = ("worker_id", "stage_seconds", "commit_seconds", "bytes")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    STAGE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    COMMIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    stage_seconds: float
+    commit_seconds: float
+    bytes: int
+    def __init__(self, worker_id: _Optional[str] = ..., stage_seconds: _Optional[float] = ..., commit_seconds: _Optional[float] = ..., bytes: _Optional[int] = ...) -> None: ...
+
+class UpdateWeightsResponse(_message.Message):
+    __slots__ = ("version", "seconds", "workers")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    seconds: float
+    workers: _containers.RepeatedCompositeFieldContainer[WorkerWeightUpdate]
+    def __init__(self, version: _Optional[int] = ..., seconds: _Optional[float] = ..., workers: _Optional[_Iterable[_Union[WorkerWeightUpdate, _Mapping]]] = ...) -> None: ...
+
+class GetWeightVersionsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class WorkerWeightVersion(_message.Message):
+    __slots__ = ("worker_id", "pool", "version", "paused", "ranks")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    PAUSED_FIELD_NUMBER: _ClassVar[int]
+    RANKS_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    pool: str
+    version: int
+    paused: bool
+    ranks: int
+    def __init__(self, worker_id: _Optional[str] = ..., pool: _Optional[str] = ..., version: _Optional[int] = ..., paused: _Optional[bool] = ..., ranks: _Optional[int] = ...) -> None: ...
+
+class WeightVersions(_message.Message):
+    __slots__ = ("version", "paused", "workers")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    PAUSED_FIELD_NUMBER: _ClassVar[int]
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    paused: bool
+    workers: _containers.RepeatedCompositeFieldContainer[WorkerWeightVersion]
+    def __init__(self, version: _Optional[int] = ..., paused: _Optional[bool] = ..., workers: _Optional[_Iterable[_Union[WorkerWeightVersion, _Mapping]]] = ...) -> None: ...
+
+class PauseRequest(_message.Message):
+    __slots__ = ("mode", "timeout_seconds")
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    mode: str
+    timeout_seconds: float
+    def __init__(self, mode: _Optional[str] = ..., timeout_seconds: _Optional[float] = ...) -> None: ...
+
+class ResumeRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class InitWeightGroupRequest(_message.Message):
+    __slots__ = ("host", "port", "world_size", "name", "timeout_seconds")
+    HOST_FIELD_NUMBER: _ClassVar[int]
+    PORT_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    host: str
+    port: int
+    world_size: int
+    name: str
+    timeout_seconds: float
+    def __init__(self, host: _Optional[str] = ..., port: _Optional[int] = ..., world_size: _Optional[int] = ..., name: _Optional[str] = ..., timeout_seconds: _Optional[float] = ...) -> None: ...
+
+class WeightGroupInfo(_message.Message):
+    __slots__ = ("world_size", "worker_ids")
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    WORKER_IDS_FIELD_NUMBER: _ClassVar[int]
+    world_size: int
+    worker_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, world_size: _Optional[int] = ..., worker_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class TensorMeta(_message.Message):
+    __slots__ = ("name", "shape", "dtype")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    dtype: str
+    def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ...) -> None: ...
+
+class BeginWeightUpdateRequest(_message.Message):
+    __slots__ = ("version", "tensors", "bucket_bytes")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    BUCKET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    tensors: _containers.RepeatedCompositeFieldContainer[TensorMeta]
+    bucket_bytes: int
+    def __init__(self, version: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorMeta, _Mapping]]] = ..., bucket_bytes: _Optional[int] = ...) -> None: ...
+
+class BeginWeightUpdateResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class FinishWeightUpdateRequest(_message.Message):
+    __slots__ = ("version", "mode", "pause_mode")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    PAUSE_MODE_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    mode: str
+    pause_mode: str
+    def __init__(self, version: _Optional[int] = ..., mode: _Optional[str] = ..., pause_mode: _Optional[str] = ...) -> None: ...
+
+class DestroyWeightGroupRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class DestroyWeightGroupResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...

@@ -186,3 +186,399 @@ class Generation:
             timeout,
             metadata,
             _registered_method=True)
+
+
+class WeightsStub:
+    """Weights that change under the running cluster (an RL trainer's updates, an operator's new checkpoint).
+    Each worker serves one complete weight version at a time and switches between two of its steps; every
+    generated token reports the version that sampled it (GenerateResponse.weight_versions). The same API key
+    and TLS as Generation.
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.UpdateWeights = channel.unary_unary(
+                '/pdserve.v1.Weights/UpdateWeights',
+                request_serializer=pdserve_dot_v1_dot_generation__pb2.UpdateWeightsRequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_generation__pb2.UpdateWeightsResponse.FromString,
+                _registered_method=True)
+        self.GetWeightVersions = channel.unary_unary(
+                '/pdserve.v1.Weights/GetWeightVersions',
+                request_serializer=pdserve_dot_v1_dot_generation__pb2.GetWeightVersionsRequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_generation__pb2.WeightVersions.FromString,
+                _registered_method=True)
+        self.Pause = channel.unary_unary(
+                '/pdserve.v1.Weights/Pause',
+                request_serializer=pdserve_dot_v1_dot_generation__pb2.PauseRequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_generation__pb2.WeightVersions.FromString,
+                _registered_method=True)
+        self.Resume = channel.unary_unary(
+                '/pdserve.v1.Weights/Resume',
+                request_serializer=pdserve_dot_v1_dot_generation__pb2.ResumeRequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_generation__pb2.WeightVersions.FromString,
+                _registered_method=True)
+        self.InitWeightGroup = channel.unary_unary(
+                '/pdserve.v1.Weights/InitWeightGroup',
+                request_serializer=pdserve_dot_v1_dot_generation__pb2.InitWeightGroupRequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_generation__pb2.WeightGroupInfo.FromString,
+                _registered_method=True)
+        self.BeginWeightUpdate = channel.unary_unary(
+                '/pdserve.v1.Weights/BeginWeightUpdate',
+                request_serializer=pdserve_dot_v1_dot_generation__pb2.BeginWeightUpdateRequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_generation__pb2.BeginWeightUpdateResponse.FromString,
+                _registered_method=True)
+        self.FinishWeightUpdate = channel.unary_unary(
+                '/pdserve.v1.Weights/FinishWeightUpdate',
+                request_serializer=pdserve_dot_v1_dot_generation__pb2.FinishWeightUpdateRequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_generation__pb2.UpdateWeightsResponse.FromString,
+                _registered_method=True)
+        self.DestroyWeightGroup = channel.unary_unary(
+                '/pdserve.v1.Weights/DestroyWeightGroup',
+                request_serializer=pdserve_dot_v1_dot_generation__pb2.DestroyWeightGroupRequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_generation__pb2.DestroyWeightGroupResponse.FromString,
+                _registered_method=True)
+
+
+class WeightsServicer:
+    """Weights that change under the running cluster (an RL trainer's updates, an operator's new checkpoint).
+    Each worker serves one complete weight version at a time and switches between two of its steps; every
+    generated token reports the version that sampled it (GenerateResponse.weight_versions). The same API key
+    and TLS as Generation.
+    """
+
+    def UpdateWeights(self, request, context):
+        """Load a checkpoint (a path every worker can read) as a new version, on every worker of every pool.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetWeightVersions(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Pause(self, request, context):
+        """New requests wait (queued) until Resume; requests in flight: see PauseRequest.mode.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Resume(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def InitWeightGroup(self, request, context):
+        """A trainer's weight group (pdserve.weights.trainer.WeightSync does the trainer's side): the trainer is
+        rank 0 and hosts the group's store at host:port; every worker joins as ranks 1.. (gloo). The call returns
+        once every worker has joined; the trainer joins concurrently. world_size must be 1 + the workers' ranks
+        (GetWeightVersions); a cluster that changed meanwhile answers FAILED_PRECONDITION.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def BeginWeightUpdate(self, request, context):
+        """An update broadcast over the group: Begin checks the tensors (names, full shapes, dtypes: INVALID_ARGUMENT
+        with nothing sent) and sets every worker receiving; the trainer then broadcasts the tensors in buckets of
+        bucket_bytes, in the order given; Finish waits for every worker to hold the whole update and switches
+        them (UpdateWeightsRequest's modes). A group that fails (the trainer gone, a timeout) is torn down with
+        nothing applied: make a new one.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def FinishWeightUpdate(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DestroyWeightGroup(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_WeightsServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'UpdateWeights': grpc.unary_unary_rpc_method_handler(
+                    servicer.UpdateWeights,
+                    request_deserializer=pdserve_dot_v1_dot_generation__pb2.UpdateWeightsRequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_generation__pb2.UpdateWeightsResponse.SerializeToString,
+            ),
+            'GetWeightVersions': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetWeightVersions,
+                    request_deserializer=pdserve_dot_v1_dot_generation__pb2.GetWeightVersionsRequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_generation__pb2.WeightVersions.SerializeToString,
+            ),
+            'Pause': grpc.unary_unary_rpc_method_handler(
+                    servicer.Pause,
+                    request_deserializer=pdserve_dot_v1_dot_generation__pb2.PauseRequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_generation__pb2.WeightVersions.SerializeToString,
+            ),
+            'Resume': grpc.unary_unary_rpc_method_handler(
+                    servicer.Resume,
+                    request_deserializer=pdserve_dot_v1_dot_generation__pb2.ResumeRequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_generation__pb2.WeightVersions.SerializeToString,
+            ),
+            'InitWeightGroup': grpc.unary_unary_rpc_method_handler(
+                    servicer.InitWeightGroup,
+                    request_deserializer=pdserve_dot_v1_dot_generation__pb2.InitWeightGroupRequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_generation__pb2.WeightGroupInfo.SerializeToString,
+            ),
+            'BeginWeightUpdate': grpc.unary_unary_rpc_method_handler(
+                    servicer.BeginWeightUpdate,
+                    request_deserializer=pdserve_dot_v1_dot_generation__pb2.BeginWeightUpdateRequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_generation__pb2.BeginWeightUpdateResponse.SerializeToString,
+            ),
+            'FinishWeightUpdate': grpc.unary_unary_rpc_method_handler(
+                    servicer.FinishWeightUpdate,
+                    request_deserializer=pdserve_dot_v1_dot_generation__pb2.FinishWeightUpdateRequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_generation__pb2.UpdateWeightsResponse.SerializeToString,
+            ),
+            'DestroyWeightGroup': grpc.unary_unary_rpc_method_handler(
+                    servicer.DestroyWeightGroup,
+                    request_deserializer=pdserve_dot_v1_dot_generation__pb2.DestroyWeightGroupRequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_generation__pb2.DestroyWeightGroupResponse.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'pdserve.v1.Weights', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('pdserve.v1.Weights', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class Weights:
+    """Weights that change under the running cluster (an RL trainer's updates, an operator's new checkpoint).
+    Each worker serves one complete weight version at a time and switches between two of its steps; every
+    generated token reports the version that sampled it (GenerateResponse.weight_versions). The same API key
+    and TLS as Generation.
+    """
+
+    @staticmethod
+    def UpdateWeights(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.Weights/UpdateWeights',
+            pdserve_dot_v1_dot_generation__pb2.UpdateWeightsRequest.SerializeToString,
+            pdserve_dot_v1_dot_generation__pb2.UpdateWeightsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetWeightVersions(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.Weights/GetWeightVersions',
+            pdserve_dot_v1_dot_generation__pb2.GetWeightVersionsRequest.SerializeToString,
+            pdserve_dot_v1_dot_generation__pb2.WeightVersions.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Pause(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.Weights/Pause',
+            pdserve_dot_v1_dot_generation__pb2.PauseRequest.SerializeToString,
+            pdserve_dot_v1_dot_generation__pb2.WeightVersions.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Resume(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.Weights/Resume',
+            pdserve_dot_v1_dot_generation__pb2.ResumeRequest.SerializeToString,
+            pdserve_dot_v1_dot_generation__pb2.WeightVersions.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def InitWeightGroup(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.Weights/InitWeightGroup',
+            pdserve_dot_v1_dot_generation__pb2.InitWeightGroupRequest.SerializeToString,
+            pdserve_dot_v1_dot_generation__pb2.WeightGroupInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def BeginWeightUpdate(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.Weights/BeginWeightUpdate',
+            pdserve_dot_v1_dot_generation__pb2.BeginWeightUpdateRequest.SerializeToString,
+            pdserve_dot_v1_dot_generation__pb2.BeginWeightUpdateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def FinishWeightUpdate(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.Weights/FinishWeightUpdate',
+            pdserve_dot_v1_dot_generation__pb2.FinishWeightUpdateRequest.SerializeToString,
+            pdserve_dot_v1_dot_generation__pb2.UpdateWeightsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DestroyWeightGroup(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.Weights/DestroyWeightGroup',
+            pdserve_dot_v1_dot_generation__pb2.DestroyWeightGroupRequest.SerializeToString,
+            pdserve_dot_v1_dot_generation__pb2.DestroyWeightGroupResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)

@@ -4,7 +4,6 @@ transformers itself (the old model's KV cache handed to the new model)."""
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
@@ -16,33 +15,9 @@ from pdserve.engine.request import FinishReason
 from pdserve.engine.sampling import SamplingParams
 from pdserve.weights.update import WeightError
 
+from conftest import keep_reference
+
 PROMPT = [5, 17, 42, 99, 3, 250, 7, 61, 18, 200, 11, 73, 9]
-
-
-def perturbed_checkpoint(src: Path, dst: Path, scale: float = 0.05, seed: int = 1) -> Path:
-    """A copy of a checkpoint with every tensor moved by seeded noise: the next version of its weights."""
-    from safetensors.torch import load_file, save_file
-
-    dst.mkdir(parents=True, exist_ok=True)
-    g = torch.Generator().manual_seed(seed)
-    for f in src.glob("*.safetensors"):
-        tensors = load_file(str(f))
-        save_file({k: (v + scale * torch.randn(v.shape, generator=g)).to(v.dtype) for k, v in tensors.items()},
-                  str(dst / f.name))
-    for f in src.iterdir():
-        if f.suffix != ".safetensors":
-            shutil.copy(f, dst / f.name)
-    return dst
-
-
-@pytest.fixture(scope="module")
-def versions(tiny_checkpoints, tmp_path_factory) -> list[Path]:
-    """Three versions of the tiny Llama: v0 as built, v1 and v2 each perturbed from the one before."""
-    root = tmp_path_factory.mktemp("versions")
-    v0 = tiny_checkpoints["llama"]
-    v1 = perturbed_checkpoint(v0, root / "v1", seed=1)
-    v2 = perturbed_checkpoint(v1, root / "v2", seed=2)
-    return [v0, v1, v2]
 
 
 def engine(path: Path) -> LLMEngine:
@@ -85,14 +60,14 @@ def reference(path: Path, prompt: list[int], max_tokens: int) -> list[int]:
     return engine(path).generate([prompt], greedy(max_tokens))[0].token_ids
 
 
-def test_new_requests_after_an_update_match_the_new_checkpoint(versions):
-    eng = engine(versions[0])
+def test_new_requests_after_an_update_match_the_new_checkpoint(weight_versions):
+    eng = engine(weight_versions[0])
     assert eng.weight_version == 0
     before = eng.generate([PROMPT], greedy(8))[0].token_ids
-    assert before == reference(versions[0], PROMPT, 8)
-    assert eng.update_weights(str(versions[1]), 1) == []
+    assert before == reference(weight_versions[0], PROMPT, 8)
+    assert eng.update_weights(str(weight_versions[1]), 1) == []
     assert eng.weight_version == 1
-    after = reference(versions[1], PROMPT, 8)
+    after = reference(weight_versions[1], PROMPT, 8)
     assert after != before, "the perturbation must change the greedy tokens, or this test shows nothing"
     hits = eng.pool.prefix_hits
     rid = eng.add_request(PROMPT, greedy(8))
@@ -106,66 +81,49 @@ def test_new_requests_after_an_update_match_the_new_checkpoint(versions):
     assert eng.pool.prefix_hits == hits + (len(PROMPT) - 1) // 4
 
 
-def test_an_update_from_tensors_equals_one_from_the_checkpoint(versions):
+def test_an_update_from_tensors_equals_one_from_the_checkpoint(weight_versions):
     from safetensors.torch import load_file
 
-    eng = engine(versions[0])
-    tensors = {k: v for f in versions[1].glob("*.safetensors") for k, v in load_file(str(f)).items()}
+    eng = engine(weight_versions[0])
+    tensors = {k: v for f in weight_versions[1].glob("*.safetensors") for k, v in load_file(str(f)).items()}
     eng.update_weights(tensors.items(), 5)
     assert eng.weight_version == 5
-    assert eng.generate([PROMPT], greedy(8))[0].token_ids == reference(versions[1], PROMPT, 8)
+    assert eng.generate([PROMPT], greedy(8))[0].token_ids == reference(weight_versions[1], PROMPT, 8)
 
 
-def test_recompute_continues_as_the_new_weights_would_from_the_tokens_so_far(versions):
-    eng = engine(versions[0])
+def test_recompute_continues_as_the_new_weights_would_from_the_tokens_so_far(weight_versions):
+    eng = engine(weight_versions[0])
     rid = eng.add_request(PROMPT, greedy(12, version_policy="recompute"))
     first, v = run_until(eng, rid, 4)
     assert v == [0] * 4
-    assert eng.update_weights(str(versions[1]), 1) == []
+    assert eng.update_weights(str(weight_versions[1]), 1) == []
     assert eng.core.version_outcomes["recomputed"] == 1
     rest, v, reason = finish(eng)[rid]
-    expected = reference(versions[1], PROMPT + first, 12 - len(first))
-    assert first + rest == reference(versions[0], PROMPT, 4) + expected
+    expected = reference(weight_versions[1], PROMPT + first, 12 - len(first))
+    assert first + rest == reference(weight_versions[0], PROMPT, 4) + expected
     assert v == [1] * len(rest) and reason is FinishReason.LENGTH
     assert eng.pool.num_used_blocks == 0
 
 
-def keep_reference(old: Path, new: Path, prompt: list[int], tokens: list[int], n: int) -> list[int]:
-    """Greedy tokens of the new model decoding over the old model's KV of prompt + tokens[:-1], in transformers:
-    the "keep" policy's meaning, computed independently of pdserve."""
-    import transformers
-
-    a = transformers.AutoModelForCausalLM.from_pretrained(old, dtype=torch.float32).eval()
-    b = transformers.AutoModelForCausalLM.from_pretrained(new, dtype=torch.float32).eval()
-    with torch.no_grad():
-        cache = a(torch.tensor([prompt + tokens[:-1]]), use_cache=True).past_key_values
-        out, nxt = [], tokens[-1]
-        for _ in range(n):
-            res = b(torch.tensor([[nxt]]), past_key_values=cache, use_cache=True)
-            cache, nxt = res.past_key_values, int(res.logits[0, -1].argmax())
-            out.append(nxt)
-    return out
-
-
-def test_keep_decodes_over_the_old_kv(versions):
-    eng = engine(versions[0])
+def test_keep_decodes_over_the_old_kv(weight_versions):
+    eng = engine(weight_versions[0])
     rid = eng.add_request(PROMPT, greedy(12, version_policy="keep"))
     first, _ = run_until(eng, rid, 4)
-    eng.update_weights(str(versions[1]), 1)
+    eng.update_weights(str(weight_versions[1]), 1)
     assert eng.core.version_outcomes == {"kept": 1}
     rest, v, _ = finish(eng)[rid]
-    assert rest == keep_reference(versions[0], versions[1], PROMPT, first, 8)
+    assert rest == keep_reference(weight_versions[0], weight_versions[1], PROMPT, first, 8)
     assert v == [1] * 8
     # Not the same as recomputing: the old KV made a difference (else this test shows nothing).
-    assert rest != reference(versions[1], PROMPT + first, 8)
+    assert rest != reference(weight_versions[1], PROMPT + first, 8)
 
 
-def test_abort_ends_the_request_with_its_tokens_so_far(versions):
-    eng = engine(versions[0])
+def test_abort_ends_the_request_with_its_tokens_so_far(weight_versions):
+    eng = engine(weight_versions[0])
     rid = eng.add_request(PROMPT, greedy(12, version_policy="abort"))
     other = eng.add_request([1, 2, 3, 4, 5], greedy(6))  # recompute, the default
     first, _ = run_until(eng, rid, 3)
-    outs = eng.update_weights(str(versions[1]), 1)
+    outs = eng.update_weights(str(weight_versions[1]), 1)
     assert [(o.request_id, o.new_token_ids, o.finish_reason) for o in outs] == [(rid, [], FinishReason.ABORT)]
     assert outs[0].num_output_tokens == len(first)
     assert eng.core.version_outcomes == {"aborted": 1, "recomputed": 1}
@@ -174,26 +132,26 @@ def test_abort_ends_the_request_with_its_tokens_so_far(versions):
     assert eng.pool.num_used_blocks == 0
 
 
-def test_max_staleness_bounds_keep(versions):
-    eng = engine(versions[0])
+def test_max_staleness_bounds_keep(weight_versions):
+    eng = engine(weight_versions[0])
     bounded = eng.add_request(PROMPT, greedy(14, version_policy="keep", max_staleness=1))
     strict = eng.add_request(PROMPT[:9], greedy(14, version_policy="keep", max_staleness=0))
     first, _ = run_until(eng, bounded, 3)
-    eng.update_weights(str(versions[1]), 1)  # bounded: 1 version old, kept; strict: recomputed
+    eng.update_weights(str(weight_versions[1]), 1)  # bounded: 1 version old, kept; strict: recomputed
     assert eng.core.version_outcomes == {"kept": 1, "recomputed": 1}
     second, v = run_until(eng, bounded, 2)
     assert v == [1, 1]
-    eng.update_weights(str(versions[2]), 2)  # bounded's KV began at version 0: 2 old, recomputed; strict again
+    eng.update_weights(str(weight_versions[2]), 2)  # bounded's KV began at version 0: 2 old, recomputed; strict again
     assert eng.core.version_outcomes == {"kept": 1, "recomputed": 3}
     done = finish(eng)
     so_far = first + second
-    assert done[bounded][0] == reference(versions[2], PROMPT + so_far, 14 - len(so_far))
+    assert done[bounded][0] == reference(weight_versions[2], PROMPT + so_far, 14 - len(so_far))
     assert done[bounded][1] == [2] * (14 - len(so_far)) and done[strict][2] is FinishReason.LENGTH
     assert eng.pool.num_used_blocks == 0
 
 
-def test_bad_updates_apply_nothing(versions, tmp_path):
-    eng = engine(versions[0])
+def test_bad_updates_apply_nothing(weight_versions, tmp_path):
+    eng = engine(weight_versions[0])
     rid = eng.add_request(PROMPT, greedy(10))
     first, _ = run_until(eng, rid, 3)
     good = [("model.norm.weight", torch.ones(64))]
@@ -202,13 +160,13 @@ def test_bad_updates_apply_nothing(versions, tmp_path):
     with pytest.raises(WeightError, match="no_such"):
         eng.update_weights(good + [("model.no_such.weight", torch.zeros(3))], 1)
     with pytest.raises(ValueError, match="not newer"):
-        eng.update_weights(str(versions[1]), 0)
+        eng.update_weights(str(weight_versions[1]), 0)
     bad = tmp_path / "other-shape"
     bad.mkdir()
-    cfg = json.loads((versions[1] / "config.json").read_text())
+    cfg = json.loads((weight_versions[1] / "config.json").read_text())
     (bad / "config.json").write_text(json.dumps({**cfg, "hidden_size": 32}))
     with pytest.raises(WeightError):
         eng.update_weights(str(bad), 1)
     assert eng.weight_version == 0 and not eng.core.version_outcomes
     rest, v, _ = finish(eng)[rid]
-    assert first + rest == reference(versions[0], PROMPT, 10) and v == [0] * len(rest)
+    assert first + rest == reference(weight_versions[0], PROMPT, 10) and v == [0] * len(rest)

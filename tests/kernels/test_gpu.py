@@ -275,7 +275,7 @@ def handoff_round_trip(device: str) -> None:
             return [e for e in events if e[0] == kind]
 
     store = StoreServer("127.0.0.1")
-    intake = KVIntake("p0", "d0", dst, table, timeout_s, landed=lambda rid, tok, at: record("landed", rid, tok),
+    intake = KVIntake("p0", "d0", dst, table, timeout_s, landed=lambda rid, tok, at, v: record("landed", rid, tok),
                       failed=lambda rid, err: record("failed", rid, err), cancelled=lambda rid: record("cancelled", rid))
 
     def open_pair(generation: int) -> PairChannel:

@@ -3,20 +3,27 @@ router drives it: reservations, a prefill worker lost, cancels; its step outputs
 link (pdserve.serving.link).
 
 The prefill side is a recording actor, not a prefill worker: what is checked is the notice the decode
-worker sends it (kv_ready) when it has reserved room, which is all a prefill worker would act on.
+worker sends it (kv_ready) when it has reserved room, which is all a prefill worker would act on. The
+weight-version test pairs it with a real prefill worker (prefill_worker.actor), the KV pushed between them.
 """
 from __future__ import annotations
 
 import asyncio
+import shutil
+from pathlib import Path
 
 import pytest
 import ray
+import torch
 
 from decode_worker.actor import DecodeActor
 from pdserve.config import CacheConfig, EngineConfig, SchedulerConfig
+from pdserve.engine import LLMEngine
+from pdserve.engine.request import NO_TOKEN, FinishReason
 from pdserve.engine.sampling import SamplingParams
 from pdserve.serving.link import LinkServer
-from pdserve.serving.messages import DecodeTask, FailureReason, StepOutput
+from pdserve.serving.messages import DecodeTask, FailureReason, PrefillTask, StepOutput
+from prefill_worker.actor import PrefillActor
 
 from conftest import wait_for
 
@@ -175,3 +182,121 @@ def test_two_routers_links_route_outputs_and_a_dead_routers_requests_are_cancell
         ray.get(handle.shutdown.remote(), timeout=30)
         ray.kill(handle)
         aloop.run(servers["a"].close())
+
+
+@pytest.fixture(scope="module")
+def newer_weights(tiny_checkpoints, tmp_path_factory) -> Path:
+    """Weight version 1 of the tiny Llama, as a partial update: layer 0's input norm (so the KV changes) and
+    the final norm."""
+    from safetensors.torch import save_file
+
+    d = tmp_path_factory.mktemp("newer")
+    shutil.copy(tiny_checkpoints["llama"] / "config.json", d)
+    save_file({"model.layers.0.input_layernorm.weight": torch.linspace(2.0, 0.2, 64),
+               "model.norm.weight": torch.linspace(0.2, 2.0, 64)}, str(d / "model.safetensors"))
+    return d
+
+
+def test_kv_of_another_weight_version_follows_each_requests_version_policy(ray_local, aloop, tiny_checkpoints,
+                                                                          newer_weights):
+    """A prefill worker computes prompts at weight version 0 and HOLDS their KV (no reservation yet), updates
+    to version 1, computes one more; a decode worker at version 1 then reserves them all, and the pushes of
+    held KV may mix versions. Each request lands with its own version: the version-1 one runs as is (its
+    policy, abort, would show otherwise); each version-0 one follows its policy as it lands: "keep" decodes
+    over the old KV (as the offline engine does when the update comes right after the first token),
+    "recompute" (a group of 2 as well: each forked sample) computes prompt + first token again with version
+    1 (as an engine of version 1 given that prefix), "abort" publishes an ABORT end (no token) after its
+    first token. Every block is freed at the end."""
+    model = str(tiny_checkpoints["llama"])
+    config = EngineConfig(model=model, cache=CacheConfig(block_size=BLOCK, num_blocks=64),
+                          scheduler=SchedulerConfig(max_num_batched_tokens=64))
+    prefill = ray.remote(PrefillActor).options(num_cpus=0).remote("prefill-v", config, 10.0, torch_threads=1)
+    decode = ray.remote(DecodeActor).options(num_cpus=0).remote("decode-v", config, 10.0, torch_threads=1,
+                                                                bind_host="127.0.0.1")
+    server = LinkServer("127.0.0.1")
+    outputs: list[StepOutput] = []
+
+    async def connect():
+        await server.start()
+        link = server.expect("decode-v", outputs.append)
+        await decode.link_to.remote(server.host, server.port, server.token)
+        await link.wait_open(30)
+
+    g = torch.Generator().manual_seed(7)
+    names = ["keep", "recompute", "abort", "group", "fresh"]
+    prompts = {rid: tuple(torch.randint(0, 320, (9 + i,), generator=g).tolist()) for i, rid in enumerate(names)}
+    params = {rid: SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, n=2 if rid == "group" else 1,
+                                  version_policy={"fresh": "abort", "group": "recompute"}.get(rid, rid))
+              for rid in names}
+
+    def prefilled(rid):
+        return ray.get(prefill.prefill.remote(PrefillTask(rid, prompts[rid], params[rid], 0, hand_off=True)),
+                       timeout=60)
+
+    try:
+        ray.get([prefill.ready.remote(), decode.ready.remote()], timeout=120)
+        aloop.run(connect())
+        ray.get(decode.update_weights.remote(str(newer_weights), 1), timeout=60)
+        firsts = {rid: prefilled(rid) for rid in names[:4]}  # version 0, held
+        ray.get(prefill.update_weights.remote(str(newer_weights), 1), timeout=60)
+        firsts["fresh"] = prefilled("fresh")  # version 1, held
+        assert ray.get(prefill.stats.remote(), timeout=30).version_outcomes == {}  # held KV waits for its decode worker
+        for i, rid in enumerate(names):
+            ray.get(decode.reserve.remote(DecodeTask(rid, prompts[rid], (), params[rid], 0, "prefill-v"),
+                                          prefill if i == 0 else None), timeout=30)
+
+        def events():
+            got: dict[str, list] = {}
+            for o in outputs:
+                for e in o.events:
+                    got.setdefault(e.request_id, []).append(e)
+            return got
+
+        def ended():
+            got = events()
+            return all(got.get(r) and got[r][-1].finish_reason is not None
+                       for r in ["keep", "recompute", "abort", "group", "group~1", "fresh"]) and got
+
+        got = wait_for(ended, 60, what="every request to end")
+        assert ray.get(decode.stats.remote(), timeout=30).version_outcomes == {"kept": 1, "recomputed": 3,
+                                                                                "aborted": 1}
+        wait_for(lambda: ray.get(decode.stats.remote(), timeout=30).kv_blocks_used == 0, 30, what="every block freed")
+        assert ray.get(prefill.stats.remote(), timeout=30).kv_blocks_used == 0
+
+        def engine(version: int) -> LLMEngine:
+            eng = LLMEngine(EngineConfig(model=model, cache=CacheConfig(block_size=BLOCK, num_blocks=64)))
+            if version:
+                eng.update_weights(str(newer_weights), version)
+            return eng
+
+        def greedy(n: int, **kw) -> SamplingParams:
+            return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, **kw)
+
+        def tokens(rid):
+            assert all(e.version == 1 for e in got[rid])  # sampled here, by version 1
+            return [e.token for e in got[rid]]
+
+        v0, v1 = engine(0), engine(1)
+        for rid in names[:4]:  # their first token came from version 0
+            assert firsts[rid].first_token == v0.generate([list(prompts[rid])], greedy(1))[0].token_ids[0]
+        # keep: the offline engine at version 0, updated to version 1 right after the first token
+        offline = engine(0)
+        offline.add_request(list(prompts["keep"]), greedy(8, version_policy="keep"), "keep")
+        offline.step()
+        offline.update_weights(str(newer_weights), 1)
+        kept = [t for out in offline.stream() for t in out.new_token_ids]
+        assert tokens("keep") == kept
+        again = v1.generate([[*prompts["recompute"], firsts["recompute"].first_token]], greedy(7))[0].token_ids
+        assert tokens("recompute") == again != kept  # (the old KV makes a difference, or this shows nothing)
+        group_first = firsts["group"].first_token
+        assert [f.token for f in firsts["group"].others] == [group_first]  # greedy: both samples alike
+        again = v1.generate([[*prompts["group"], group_first]], greedy(7))[0].token_ids
+        assert tokens("group") == tokens("group~1") == again
+        assert [(e.token, e.finish_reason) for e in got["abort"]] == [(NO_TOKEN, FinishReason.ABORT)]
+        fresh = v1.generate([list(prompts["fresh"])], greedy(8))[0].token_ids
+        assert [firsts["fresh"].first_token, *tokens("fresh")] == fresh  # its KV was version 1: no policy
+    finally:
+        for h in (prefill, decode):
+            ray.get(h.shutdown.remote(), timeout=30)
+            ray.kill(h)
+        aloop.run(server.close())

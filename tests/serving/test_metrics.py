@@ -184,6 +184,22 @@ def test_worker_series_and_transfer_histogram():
     assert g("pdserve_kv_transfer_seconds_sum", lab) == 12.5
 
 
+def test_weight_series():
+    workers = [stats("prefill", "prefill-0"),
+               stats("decode", "decode-0", weight_version=3, paused=True, weight_updates=3, weight_update_seconds=1.25,
+                     weight_update_bytes=4096, weight_update_failures=1, version_outcomes={"kept": 2, "aborted": 1})]
+    g = RouterMetrics(lambda: workers).registry.get_sample_value
+    d, p = {"pool": "decode", "worker": "decode-0"}, {"pool": "prefill", "worker": "prefill-0"}
+    assert g("pdserve_worker_weight_version", d) == 3 and g("pdserve_worker_weight_version", p) == 0
+    assert g("pdserve_worker_paused", d) == 1 and g("pdserve_worker_paused", p) == 0
+    assert g("pdserve_worker_weight_updates_total", d) == 3
+    assert g("pdserve_worker_weight_update_seconds_total", d) == 1.25
+    assert g("pdserve_worker_weight_update_bytes_total", d) == 4096
+    assert g("pdserve_worker_weight_update_failures_total", d) == 1
+    assert [g("pdserve_worker_version_outcomes_total", {**d, "outcome": o}) for o in ("recomputed", "kept", "aborted")] \
+        == [0, 2, 1]
+
+
 def test_handoff_and_reservation_wait_histograms():
     from pdserve.transfer.protocol import SecondsHistogram
 
@@ -282,7 +298,7 @@ def test_dashboard_is_grafana_shaped():
     assert d["templating"]["list"][0]["type"] == "datasource"
     rows = [p["title"] for p in d["panels"] if p["type"] == "row"]
     assert rows == ["Prefill pool", "Decode pool", "Latency", "KV transfer", "Pool sizes (autoscaling)",
-                    "Service tiers"]
+                    "Service tiers", "Weights (RL updates)"]
     for p in d["panels"]:
         if p["type"] != "row":
             assert p["datasource"]["uid"] == "${datasource}" and p["targets"]

@@ -40,9 +40,11 @@ class Pair:
         self.held: list[KVAnnounce] = []
         self.hold = hold_announcements
         self.generations: list[int] = []
+        self.announced: list[KVAnnounce] = []  # as the pusher built them
+        self.versions: dict[str, int] = {}  # request -> the weight version its landing reported
         self.faults = FaultPoints()
         self.intake = KVIntake("p0", "d0", self.dst, self.table, TIMEOUT_S,
-                               landed=lambda rid, tok, at: self._record("landed", rid, tok),
+                               landed=lambda rid, tok, at, v: self._landed(rid, tok, v),
                                failed=lambda rid, err: self._record("failed", rid, err),
                                cancelled=lambda rid: self._record("cancelled", rid))
         self.pusher = KVPusher("p0", "d0", self.src, self._open_pair, self._announce,
@@ -53,7 +55,13 @@ class Pair:
         with self.lock:
             self.events.append(event)
 
+    def _landed(self, rid: str, tokens: tuple[int, ...], version: int) -> None:
+        with self.lock:
+            self.versions[rid] = version
+        self._record("landed", rid, tokens)
+
     def _announce(self, a: KVAnnounce) -> None:
+        self.announced.append(a)
         if self.hold:
             self.held.append(a)
         else:
@@ -126,6 +134,47 @@ def test_layer_by_layer_push_lands_exact_kv_and_tokens(pair):
     assert pair.of("done") == [("done", ("a", "b"), None)]
     assert_moved(pair, [0, 1, 5], [10, 11, 3])
     assert len(pair.table) == 0
+
+
+def test_each_requests_weight_version_travels_with_its_kv(pair):
+    """A push of HELD KV may mix requests computed before and after a weight update: the announce carries
+    each request's version (a group's n first tokens under one), and landed reports each request's."""
+    for rid, blocks in (("a", [10]), ("b", [11]), ("c", [12])):
+        reserve(pair, rid, blocks)
+    pair.pusher.push(PushJob("d0", ["a", "b", "c"], [[0], [1], [2]], LAYERS, LAYERS, [5, 50, 6, 7], None,
+                             samples=[2, 1, 1], versions=[1, 0, 3]))
+    wait_for(lambda: len(pair.of("landed")) == 3, TIMEOUT_S, what="three requests to land")
+    assert pair.announced[-1].versions == (1, 0, 3)
+    assert [e[1:] for e in pair.of("landed")] == [("a", (5, 50)), ("b", (6,)), ("c", (7,))]
+    assert pair.versions == {"a": 1, "b": 0, "c": 3}
+    assert_moved(pair, [0, 1, 2], [10, 11, 12])
+
+
+def test_a_push_all_of_version_0_is_announced_in_the_old_form(pair):
+    reserve(pair, "a", [3])
+    job = PushJob("d0", ["a"], [[4]], LAYERS, LAYERS, [9], None, versions=[0])
+    assert job.versions == ()
+    pair.pusher.push(job)
+    wait_for(lambda: pair.of("landed"), TIMEOUT_S, what="the request to land")
+    assert pair.announced == [KVAnnounce("p0", 1, 0, ("a",), (1,), 1, True)]  # no versions: all 0
+    assert pair.versions == {"a": 0}
+    with pytest.raises(ValueError, match="2 versions for 1 requests"):
+        PushJob("d0", ["a"], [[4]], LAYERS, versions=[1, 2])
+
+
+def test_held_kv_is_pushed_with_the_version_that_computed_it():
+    """The prefill worker's pushes of HELD KV: one per service tier, each request with its own version (KV
+    held across a weight update keeps the version that computed it)."""
+    from types import SimpleNamespace
+
+    from prefill_worker.actor import PrefillActor, _HeldKV
+
+    actor = SimpleNamespace(core=SimpleNamespace(model_config=SimpleNamespace(num_layers=LAYERS)))
+    items = [("a", _HeldKV([1], (5,), 1.0, 1, 3, 0)), ("b", _HeldKV([2, 3], (6, 60), 2.0, 1, 9, 1)),
+             ("c", _HeldKV([4], (7,), 2.0, 0, 9, 1))]
+    jobs = PrefillActor._held_jobs(actor, "d0", items)
+    assert [(j.request_ids, j.samples, j.versions) for j in jobs] == [(("c",), (), (1,)),
+                                                                       (("a", "b"), (1, 2), (0, 1))]
 
 
 def test_parts_of_several_layers():
@@ -339,12 +388,14 @@ def test_a_prefill_step_tells_its_pushes_of_every_layer():
                              kv=SimpleNamespace(blocks_needed=lambda n: -(-n // BLOCK_SIZE))))
     req = Request("a", list(range(6)), SamplingParams(), 0)
     req.block_ids = [3, 4]
+    req.kv_version = 4  # the weights this step computes with
     step = SimpleNamespace(requests=[req], chunks=[Chunk(list(range(6)), 0, [3, 4], SamplingParams())])
     pushes = _StepPushes(actor, step)
     pushes.layer_done(-1)
     (job,) = pushed
     assert job.block_ids == [[3, 4]] and actor._pushing == {"a"} and actor._ready == {} and job.step == 7
     assert job.destination == "d0"  # the decode worker that reserved its room
+    assert job.versions == (4,)
     for layer in range(LAYERS):
         pushes.layer_done(layer)
         job.wait_layers(layer + 1, 0.01)  # reported at once: a layer not reported would time out here

@@ -1,0 +1,349 @@
+"""The cluster's weights as the router runs them: updates from a checkpoint, pause and resume, versions.
+
+Each worker serves one complete weight version at a time (pdserve.weights; EngineCore.commit_weights): an
+update is read and converted on every worker while it serves (stage), then switched in between two of its
+steps (commit). Two modes:
+
+- "pause" (the default): new requests wait at the cluster's gate, every worker stops after its step under way,
+  all commit, all resume. Nothing runs across the switch, so every token of a request started after the
+  update is the new version's; requests in flight follow the pause mode: "keep" (they stay where they are and
+  go on with their version policy, SamplingParams.version_policy), "wait" (the update waits for them to end)
+  or "abort" (they end with FinishReason.ABORT and their tokens so far).
+- "rolling": each worker commits as soon as its copy is staged, the others serving on; a request that meets
+  another version (on its worker, or on the hand-off) follows its version policy.
+
+A worker started after an update (a replacement, a scale-up) loads the latest checkpoint at its version. An
+update that fails on any worker before the switch (a bad path, a tensor that does not fit) applies nothing
+anywhere; a worker whose commit fails part-way exits and is replaced at the version the cluster serves.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+
+import grpc
+import torch
+
+from pdserve.serving.messages import WeightUpdateReport
+from pdserve.v1 import generation_pb2 as pb
+from router.cluster import Cluster
+
+log = logging.getLogger(__name__)
+
+UPDATE_MODES = ("pause", "rolling")
+PAUSE_MODES = ("keep", "wait", "abort")
+
+
+@dataclass(frozen=True)
+class UpdateResult:
+    version: int
+    seconds: float
+    workers: tuple[WeightUpdateReport, ...]
+
+
+@dataclass(frozen=True)
+class WorkerVersion:
+    worker_id: str
+    pool: str
+    version: int
+    paused: bool
+    ranks: int = 1  # its processes (tensor-parallel size)
+
+
+class NotNewer(ValueError):
+    """An update's version is not greater than the one the cluster serves."""
+
+
+class WorldChanged(ValueError):
+    """A weight group's size does not match the cluster's workers (one came or went)."""
+
+
+class NoGroup(ValueError):
+    """A group update without its group (or its Begin)."""
+
+
+class WeightControl:
+    def __init__(self, cluster: Cluster):
+        self.cluster = cluster
+        self.version = 0  # the last version every worker switched to
+        self.paused = False  # Pause without its Resume yet (an update's own pause is not this)
+        self._lock = asyncio.Lock()  # one update, pause or resume at a time
+        self._members: list = []  # the workers in the trainer's weight group, rank 1 first
+        self._incoming: int | None = None  # the version being received on it
+
+    async def versions(self) -> list[WorkerVersion]:
+        """Each worker's version now (one stats call each)."""
+        c = self.cluster.config
+        stats = await self.cluster.stats()
+        return [WorkerVersion(s.worker_id, s.pool, s.weight_version, s.paused,
+                              c.engine_for(getattr(c, s.pool)).tensor_parallel_size) for s in stats]
+
+    async def update(self, path: str, version: int, mode: str = "pause", pause_mode: str = "keep",
+                     wait_timeout_s: float = 600.0) -> UpdateResult:
+        """Load checkpoint `path` as weight version `version` on every worker. Raises ValueError (nothing
+        applied) for a version not newer than the one served, a mode unknown, or a checkpoint a worker
+        refuses (pdserve.weights.update.WeightError, FileNotFoundError)."""
+        _check_modes(mode, pause_mode)
+        async with self._lock:
+            if version <= self.version:
+                raise NotNewer(f"weight version {version} is not newer than the version served, {self.version}")
+            t0 = time.monotonic()
+            workers = list(self.cluster.scaling.workers)
+            # Read and convert everywhere first: a checkpoint one worker refuses is applied nowhere.
+            await asyncio.gather(*(w.handle.stage_weights.remote(path, version) for w in workers))
+            return await self._commit(workers, version, path, mode, pause_mode, wait_timeout_s, t0)
+
+    async def _commit(self, workers: list, version: int, path: str | None, mode: str, pause_mode: str,
+                      wait_timeout_s: float, t0: float) -> UpdateResult:
+        """Under the lock: switch workers that hold `version` staged, in `mode`. path: its checkpoint, which a
+        worker started from now loads (None: an update from a trainer's group, which has none)."""
+        # From here a worker started anew loads this checkpoint at this version (one already starting comes up
+        # on the version before: the hand-off's version policy covers it).
+        if path is not None:
+            self.cluster.scaling.weights = (path, version)
+        if mode == "rolling":
+            reports = await asyncio.gather(*(w.handle.commit_weights.remote(version) for w in workers))
+        else:
+            was_paused = self.paused
+            if not was_paused:
+                await self._pause(pause_mode, wait_timeout_s)
+            try:
+                reports = await asyncio.gather(*(w.handle.commit_weights.remote(version) for w in workers))
+            finally:
+                if not was_paused:
+                    await self._resume()
+        self.version = version
+        for w in workers:
+            w.prefix.clear()  # the prefill workers' cached prefixes are another version's now
+        result = UpdateResult(version, time.monotonic() - t0, tuple(reports))
+        log.info("weight version %d from %s on %d workers (%s mode) in %.2f s", version,
+                 path or "the trainer's group", len(workers), mode, result.seconds)
+        return result
+
+    # -- a trainer's weight group (pdserve.weights.group; the trainer's side: pdserve.weights.trainer) ------
+    async def init_group(self, host: str, port: int, world_size: int, name: str,
+                         timeout_s: float = 60.0) -> list[str]:
+        """Every worker joins the trainer's group as ranks 1.. (the trainer joins as rank 0 meanwhile); the
+        workers' ids in rank order. ValueError if world_size is not 1 + the workers' count."""
+        from pdserve.weights.group import GroupAddress
+
+        async with self._lock:
+            await self._destroy_group()
+            workers = sorted(self.cluster.scaling.workers, key=lambda w: w.worker_id)
+            if world_size != 1 + len(workers):
+                raise WorldChanged(f"world_size {world_size} does not match the trainer and the cluster's "
+                                   f"{len(workers)} workers ({1 + len(workers)})")
+            address = GroupAddress(host, port, world_size, name)
+            try:
+                await asyncio.gather(*(w.handle.join_weight_group.remote(address, rank, timeout_s)
+                                       for rank, w in enumerate(workers, 1)))
+            except BaseException:
+                self._members = workers
+                await self._destroy_group()
+                raise
+            self._members = workers
+            return [w.worker_id for w in workers]
+
+    async def begin(self, metas: list, version: int, bucket_bytes: int) -> None:
+        """Check an update's tensors against the model (WeightError: nothing sent) and set every member
+        receiving it."""
+        from pdserve.weights.update import check_metas
+
+        if not self._members:
+            raise NoGroup("no weight group: make one first (InitWeightGroup)")
+        if version <= self.version:
+            raise NotNewer(f"weight version {version} is not newer than the version served, {self.version}")
+        if bucket_bytes <= 0:
+            raise ValueError("bucket_bytes must be positive")
+        check_metas(metas, self.cluster.info.config)
+        await asyncio.gather(*(w.handle.receive_weights.remote(metas, bucket_bytes, version)
+                               for w in self._members))
+        self._incoming = version
+
+    async def finish(self, version: int, mode: str = "pause", pause_mode: str = "keep",
+                     wait_timeout_s: float = 600.0) -> UpdateResult:
+        """Wait for every member to hold the whole update, then switch them all (update()'s modes). A member
+        whose receive failed fails the update: nothing is applied anywhere, and the group is torn down."""
+        _check_modes(mode, pause_mode)
+        if self._incoming != version:
+            raise NoGroup(f"no update of version {version} is being received (BeginWeightUpdate first)")
+        self._incoming = None
+        members = self._members
+        t0 = time.monotonic()
+        try:
+            await asyncio.gather(*(w.handle.weights_received.remote(version) for w in members))
+        except BaseException:
+            async with self._lock:
+                await self._destroy_group()
+            raise
+        async with self._lock:
+            return await self._commit(members, version, None, mode, pause_mode, wait_timeout_s, t0)
+
+    async def destroy_group(self) -> None:
+        async with self._lock:
+            await self._destroy_group()
+
+    async def _destroy_group(self) -> None:
+        members, self._members, self._incoming = self._members, [], None
+        await asyncio.gather(*(w.handle.leave_weight_group.remote() for w in members if w.alive),
+                             return_exceptions=True)
+
+    async def pause(self, mode: str = "keep", wait_timeout_s: float = 600.0) -> None:
+        """New requests wait until resume(); requests in flight: "keep" (the workers stop after their step under
+        way; requests go on at resume), "wait" (returns once they have ended; TimeoutError after
+        wait_timeout_s, still paused) or "abort" (they end now, FinishReason.ABORT)."""
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"pause mode must be one of {', '.join(PAUSE_MODES)}, got {mode!r}")
+        async with self._lock:
+            self.paused = True
+            await self._pause(mode, wait_timeout_s)
+
+    async def resume(self) -> None:
+        async with self._lock:
+            self.paused = False
+            await self._resume()
+
+    async def _pause(self, mode: str, wait_timeout_s: float) -> None:
+        c = self.cluster
+        c.gate.clear()
+        if mode == "abort":
+            n = c.abort_all()
+            log.info("paused: %d requests in flight aborted", n)
+            mode = "wait"  # they end at their next wake-up
+        if mode == "wait":
+            await asyncio.wait_for(c.idle.wait(), wait_timeout_s)
+        await asyncio.gather(*(w.handle.pause.remote() for w in c.scaling.workers))
+
+    async def _resume(self) -> None:
+        c = self.cluster
+        await asyncio.gather(*(w.handle.resume.remote() for w in c.scaling.workers))
+        c.gate.set()
+
+
+def _check_modes(mode: str, pause_mode: str) -> None:
+    if mode not in UPDATE_MODES:
+        raise ValueError(f"mode must be one of {', '.join(UPDATE_MODES)}, got {mode!r}")
+    if pause_mode not in PAUSE_MODES:
+        raise ValueError(f"pause_mode must be one of {', '.join(PAUSE_MODES)}, got {pause_mode!r}")
+
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _cause(e: BaseException) -> BaseException:
+    """The worker's own exception behind a failed actor call (Ray wraps it)."""
+    return getattr(e, "cause", None) or e
+
+
+class WeightsService:
+    """The gRPC service `pdserve.v1.Weights` over a WeightControl."""
+
+    def __init__(self, control: WeightControl):
+        self.control = control
+
+    async def _answer(self, context: grpc.aio.ServicerContext, work) -> None:
+        """Run work(); a failure becomes the RPC's status (the worker's own error where a worker raised it)."""
+        try:
+            await work
+        except asyncio.TimeoutError:
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "requests in flight did not end in time")
+        except Exception as e:  # noqa: BLE001 - mapped to a status, the server stays up
+            cause = _cause(e)
+            code = (grpc.StatusCode.FAILED_PRECONDITION if isinstance(cause, (NotNewer, WorldChanged, NoGroup))
+                    else grpc.StatusCode.INVALID_ARGUMENT if isinstance(cause, (ValueError, FileNotFoundError))
+                    else grpc.StatusCode.UNIMPLEMENTED if isinstance(cause, NotImplementedError)
+                    else grpc.StatusCode.UNAVAILABLE)
+            log.warning("weights: %s: %s", type(cause).__name__, cause)
+            await context.abort(code, f"{type(cause).__name__}: {cause}")
+
+    async def _versions(self) -> pb.WeightVersions:
+        c = self.control
+        return pb.WeightVersions(version=c.version, paused=c.paused, workers=[
+            pb.WorkerWeightVersion(worker_id=v.worker_id, pool=v.pool, version=v.version, paused=v.paused,
+                                   ranks=v.ranks)
+            for v in await c.versions()])
+
+    async def UpdateWeights(self, request: pb.UpdateWeightsRequest, context) -> pb.UpdateWeightsResponse:
+        if not request.path:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "path is required")
+        result: list[UpdateResult] = []
+
+        async def work():
+            result.append(await self.control.update(request.path, request.version, request.mode or "pause",
+                                                    request.pause_mode or "keep"))
+
+        await self._answer(context, work())
+        return _update_response(result[0])
+
+    async def GetWeightVersions(self, request, context) -> pb.WeightVersions:
+        return await self._versions()
+
+    async def Pause(self, request: pb.PauseRequest, context) -> pb.WeightVersions:
+        timeout = request.timeout_seconds if request.HasField("timeout_seconds") else 600.0
+        await self._answer(context, self.control.pause(request.mode or "keep", timeout))
+        return await self._versions()
+
+    async def Resume(self, request, context) -> pb.WeightVersions:
+        await self._answer(context, self.control.resume())
+        return await self._versions()
+
+    async def InitWeightGroup(self, request: pb.InitWeightGroupRequest, context) -> pb.WeightGroupInfo:
+        timeout = request.timeout_seconds if request.HasField("timeout_seconds") else 60.0
+        ids: list[list[str]] = []
+
+        async def work():
+            ids.append(await self.control.init_group(request.host, request.port, request.world_size,
+                                                     request.name, timeout))
+
+        await self._answer(context, work())
+        return pb.WeightGroupInfo(world_size=request.world_size, worker_ids=ids[0])
+
+    async def BeginWeightUpdate(self, request: pb.BeginWeightUpdateRequest, context) -> pb.BeginWeightUpdateResponse:
+        from pdserve.weights.update import TensorMeta
+
+        bad = [m.dtype for m in request.tensors if m.dtype not in DTYPES]
+        if bad:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"dtype {bad[0]!r} is not one of {', '.join(DTYPES)}")
+        metas = [TensorMeta(m.name, tuple(m.shape), DTYPES[m.dtype]) for m in request.tensors]
+        await self._answer(context, self.control.begin(metas, request.version, request.bucket_bytes))
+        return pb.BeginWeightUpdateResponse()
+
+    async def FinishWeightUpdate(self, request: pb.FinishWeightUpdateRequest, context) -> pb.UpdateWeightsResponse:
+        result: list[UpdateResult] = []
+
+        async def work():
+            result.append(await self.control.finish(request.version, request.mode or "pause",
+                                                    request.pause_mode or "keep"))
+
+        await self._answer(context, work())
+        return _update_response(result[0])
+
+    async def DestroyWeightGroup(self, request, context) -> pb.DestroyWeightGroupResponse:
+        await self._answer(context, self.control.destroy_group())
+        return pb.DestroyWeightGroupResponse()
+
+    def handlers(self) -> dict:
+        def unary(fn, req):
+            return grpc.unary_unary_rpc_method_handler(fn, request_deserializer=req.FromString,
+                                                       response_serializer=lambda m: m.SerializeToString())
+
+        return {"UpdateWeights": unary(self.UpdateWeights, pb.UpdateWeightsRequest),
+                "GetWeightVersions": unary(self.GetWeightVersions, pb.GetWeightVersionsRequest),
+                "Pause": unary(self.Pause, pb.PauseRequest),
+                "Resume": unary(self.Resume, pb.ResumeRequest),
+                "InitWeightGroup": unary(self.InitWeightGroup, pb.InitWeightGroupRequest),
+                "BeginWeightUpdate": unary(self.BeginWeightUpdate, pb.BeginWeightUpdateRequest),
+                "FinishWeightUpdate": unary(self.FinishWeightUpdate, pb.FinishWeightUpdateRequest),
+                "DestroyWeightGroup": unary(self.DestroyWeightGroup, pb.DestroyWeightGroupRequest)}
+
+
+def _update_response(r: UpdateResult) -> pb.UpdateWeightsResponse:
+    return pb.UpdateWeightsResponse(version=r.version, seconds=r.seconds, workers=[
+        pb.WorkerWeightUpdate(worker_id=w.worker_id, stage_seconds=w.stage_seconds, commit_seconds=w.commit_seconds,
+                              bytes=w.num_bytes) for w in r.workers])
+
+
+WEIGHTS_SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Weights"].full_name

@@ -1,0 +1,301 @@
+"""Weight updates under a running 1P1D cluster of the tiny Llama (router.weights), through the router's gRPC
+Weights service and the Python client: versions on every worker and every token, the new version's tokens
+equal to the offline engine loaded from the same checkpoint, each version policy for a request in flight
+across the switch (references: the offline engine; for "keep", transformers), pause and resume, and bad
+updates refused with nothing applied."""
+from __future__ import annotations
+
+import json
+import threading
+
+import grpc
+import pytest
+import torch
+
+from pdserve.client import Client
+from pdserve.config import CacheConfig, ClusterConfig, EngineConfig, PoolConfig, SchedulerConfig
+from pdserve.engine import LLMEngine
+from pdserve.engine.sampling import SamplingParams
+from pdserve.v1 import generation_pb2 as pb
+
+from conftest import keep_reference, wait_for
+from served import Served
+
+PROMPT = [7, 81, 19, 240, 5, 33, 100, 12, 64, 3, 150]
+
+
+def engine_config(path) -> EngineConfig:
+    return EngineConfig(model=str(path), cache=CacheConfig(block_size=4, num_blocks=256),
+                        scheduler=SchedulerConfig(max_num_batched_tokens=64))
+
+
+@pytest.fixture(scope="module")
+def served(ray_local, aloop, weight_versions):
+    config = ClusterConfig(engine=engine_config(weight_versions[0]), prefill=PoolConfig(1, num_cpus=0.25),
+                           decode=PoolConfig(1, num_cpus=0.25), transfer_timeout_s=20.0)
+    s = Served(aloop, config)
+    yield s
+    s.close()
+
+
+@pytest.fixture(scope="module")
+def client(served):
+    with Client(served.target) as c:
+        yield c
+
+
+class Versions:
+    """The module's cluster goes through versions in test order: the version served and its checkpoint."""
+
+    def __init__(self, paths):
+        self.paths, self.version, self.path = paths, 0, paths[0]
+
+    def next(self) -> tuple[int, object]:
+        """The next version and the checkpoint it loads: v1 and v2 in turn (path None: a partial update made
+        the weights a mix of two checkpoints)."""
+        return self.version + 1, self.paths[2] if self.path == self.paths[1] else self.paths[1]
+
+
+@pytest.fixture(scope="module")
+def versions(weight_versions):
+    return Versions(weight_versions)
+
+
+def reference(path, prompt, max_tokens) -> list[int]:
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    return LLMEngine(engine_config(path)).generate([prompt], params)[0].token_ids
+
+
+def greedy(client, prompt=PROMPT, max_tokens=8, **kw):
+    return client.complete(token_ids=prompt, max_tokens=max_tokens, temperature=0.0, ignore_eos=True, timeout=120,
+                           **kw)
+
+
+def update(client, versions, **kw):
+    version, path = versions.next()
+    r = client.update_weights(str(path), version, timeout=120, **kw)
+    versions.version, versions.path = version, path
+    return r
+
+
+def test_an_update_switches_every_worker_and_new_requests_follow_it(client, versions):
+    before = greedy(client)
+    assert before.token_ids == reference(versions.path, PROMPT, 8) and before.choices[0].weight_versions == [0] * 8
+    r = update(client, versions)
+    assert r.version == 1 and len(r.workers) == 2 and all(w.bytes > 0 for w in r.workers)
+    v = client.weight_versions(timeout=30)
+    assert v.version == 1 and not v.paused and sorted(w.pool for w in v.workers) == ["decode", "prefill"]
+    assert all(w.version == 1 and not w.paused for w in v.workers)
+    after = greedy(client)  # the same prompt: the prefill worker's cached blocks of version 0 are no hit
+    assert after.token_ids == reference(versions.path, PROMPT, 8) != before.token_ids
+    assert after.choices[0].weight_versions == [1] * 8
+
+
+def test_bad_updates_are_refused_with_nothing_applied(client, versions, tmp_path):
+    with pytest.raises(grpc.RpcError) as e:
+        client.update_weights(str(tmp_path / "nowhere"), versions.version + 1, timeout=60)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "nowhere" in e.value.details()
+    other = tmp_path / "other-shape"
+    other.mkdir()
+    cfg = json.loads((versions.paths[1] / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps({**cfg, "intermediate_size": 96}))
+    for f in versions.paths[1].glob("*.safetensors"):
+        (other / f.name).write_bytes(f.read_bytes())
+    with pytest.raises(grpc.RpcError) as e:
+        client.update_weights(str(other), versions.version + 1, timeout=60)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    with pytest.raises(grpc.RpcError) as e:
+        client.update_weights(str(versions.paths[1]), versions.version, timeout=60)
+    assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "not newer" in e.value.details()
+    assert all(w.version == versions.version for w in client.weight_versions(timeout=30).workers)
+    out = greedy(client)
+    assert out.token_ids == reference(versions.path, PROMPT, 8)
+    assert out.choices[0].weight_versions == [versions.version] * 8
+
+
+class Stream:
+    """A greedy request streaming on a thread: its tokens, each token's version, its finish reason."""
+
+    def __init__(self, client, max_tokens: int, **kw):
+        self.tokens: list[int] = []
+        self.versions: list[int] = []
+        self.finish = ""
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, args=(client, max_tokens, kw), daemon=True)
+        self._thread.start()
+
+    def _run(self, client, max_tokens, kw):
+        try:
+            out = None
+            for r in client.generate(token_ids=PROMPT, max_tokens=max_tokens, temperature=0.0, ignore_eos=True,
+                                     timeout=120, **kw):
+                self.tokens += r.token_ids
+                self.versions += r.weight_versions
+                if r.finish_reason:
+                    out = r
+            from pdserve.client.grpc_client import FINISH_REASONS
+
+            self.finish = FINISH_REASONS[out.finish_reason]
+        except BaseException as e:  # noqa: BLE001 - the test reads it
+            self.error = e
+
+    def join(self):
+        self._thread.join(120)
+        assert not self._thread.is_alive() and self.error is None, self.error
+
+
+def paused_mid_stream(client, policy: str, max_tokens: int = 200) -> Stream:
+    """A request of `policy` paused (pause keep) once it has streamed a few tokens."""
+    s = Stream(client, max_tokens, version_policy=policy)
+    wait_for(lambda: len(s.tokens) >= 4, timeout=60, what="the request's first tokens")
+    client.pause("keep", timeout=60)
+    assert not s.finish, "the request ended before the pause: nothing crosses the update"
+    return s
+
+
+@pytest.mark.parametrize("policy", ["recompute", "keep", "abort"])
+def test_a_request_in_flight_across_an_update_follows_its_policy(client, versions, policy):
+    old = versions.path
+    s = paused_mid_stream(client, policy)
+    assert all(w.paused for w in client.weight_versions(timeout=30).workers)
+    update(client, versions)  # while paused: the update leaves the cluster paused
+    assert client.weight_versions(timeout=30).paused
+    client.resume(timeout=60)
+    s.join()
+    k = s.versions.count(versions.version - 1)
+    assert s.versions == [versions.version - 1] * k + [versions.version] * (len(s.tokens) - k)
+    so_far = s.tokens[:k]
+    assert so_far == reference(old, PROMPT, 200)[:k]
+    if policy == "abort":
+        assert s.finish == "abort" and len(s.tokens) == k
+    elif policy == "recompute":
+        assert s.finish == "length" and s.tokens[k:] == reference(versions.path, PROMPT + so_far, 200 - k)
+    else:
+        assert s.finish == "length" and s.tokens[k:] == keep_reference(old, versions.path, PROMPT, so_far, 200 - k)
+    served_settles = client.cluster_status(timeout=30)
+    assert sum(w.kv_blocks_used for p in served_settles.pools for w in p.workers) == 0
+
+
+def test_pause_abort_ends_requests_in_flight_and_new_ones_wait_for_resume(client, served, versions):
+    s = Stream(client, 200)
+    wait_for(lambda: len(s.tokens) >= 4, timeout=60, what="the request's first tokens")
+    client.pause("abort", timeout=60)
+    s.join()
+    assert s.finish == "abort" and s.tokens == reference(versions.path, PROMPT, 200)[:len(s.tokens)]
+    late = Stream(client, 8)  # waits at the gate until the resume
+    wait_for(lambda: served.router.service.admitted == 1, timeout=30, what="the late request to be admitted")
+    assert not late.tokens and not late.finish
+    client.resume(timeout=60)
+    late.join()
+    assert late.finish == "length" and late.tokens == reference(versions.path, PROMPT, 8)
+
+
+def test_pause_wait_lets_requests_in_flight_end(client, versions):
+    s = Stream(client, 60)
+    wait_for(lambda: len(s.tokens) >= 2, timeout=60, what="the request's first tokens")
+    client.pause("wait", timeout=120)
+    s.join()  # it had ended when the pause returned
+    assert s.finish == "length" and s.tokens == reference(versions.path, PROMPT, 60)
+    client.resume(timeout=60)
+
+
+def test_a_rolling_update(client, versions):
+    r = update(client, versions, mode="rolling")
+    assert r.version == versions.version
+    out = greedy(client)
+    assert out.token_ids == reference(versions.path, PROMPT, 8)
+    assert out.choices[0].weight_versions == [versions.version] * 8
+
+
+# -- a trainer's weight group (pdserve.weights.trainer) -------------------------------------------
+def checkpoint_tensors(path) -> dict:
+    from safetensors.torch import load_file
+
+    return {k: v for f in sorted(path.glob("*.safetensors")) for k, v in load_file(str(f)).items()}
+
+
+def test_a_trainer_pushes_weights_over_its_group(client, served, versions):
+    from pdserve.weights.trainer import WeightSync
+
+    with WeightSync(served.target, bucket_bytes=64 << 10) as sync:
+        assert sorted(sync.worker_ids) == sorted(w.worker_id for p in served.cluster.pools.values() for w in p)
+        version, path = versions.next()
+        r = sync.push(checkpoint_tensors(path), version)
+        versions.version, versions.path = version, path
+        assert r.version == version and all(w.bytes > 0 for w in r.workers)
+        out = greedy(client)
+        assert out.token_ids == reference(path, PROMPT, 8) and out.choices[0].weight_versions == [version] * 8
+        # A tensor the model has no place for, or of the wrong shape: refused before a byte moves, nothing applied.
+        for bad in ({"model.layers.0.mlp.no_such.weight": torch.zeros(4)},
+                    {"model.norm.weight": torch.zeros(3)}):
+            with pytest.raises(grpc.RpcError) as e:
+                sync.push(bad, version + 1)
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, e.value.details()
+        assert {w.version for w in client.weight_versions(timeout=30).workers} == {version}
+        # The group is still whole: the next update goes through it (a partial one, the final norm alone).
+        version, path = versions.next()
+        norm = checkpoint_tensors(path)["model.norm.weight"]
+        sync.push({"model.norm.weight": norm}, version, mode="rolling")
+        versions.version, versions.path = version, None  # the previous checkpoint with this one's final norm
+    assert {w.version for w in client.weight_versions(timeout=30).workers} == {version}
+
+
+TRAINER = r"""
+import os, sys, threading
+import torch
+from safetensors.torch import load_file
+from pdserve.v1 import generation_pb2 as pb
+from pdserve.weights.trainer import WeightSync
+
+target, path, version = sys.argv[1], sys.argv[2], int(sys.argv[3])
+tensors = {k: v for f in sorted(os.listdir(path)) if f.endswith(".safetensors")
+           for k, v in load_file(os.path.join(path, f)).items()}
+sync = WeightSync(target, bucket_bytes=16 << 10)
+sync.connect()
+named = [(n, t.contiguous()) for n, t in tensors.items()]
+sync.stub.BeginWeightUpdate(pb.BeginWeightUpdateRequest(version=version, bucket_bytes=sync.bucket_bytes, tensors=[
+    pb.TensorMeta(name=n, shape=list(t.shape), dtype="float32") for n, t in named]))
+
+def after_bucket(i, sent):
+    if i == 2:
+        print("sent", flush=True)
+        threading.Event().wait()  # until killed
+
+sync.group.send(named, sync.bucket_bytes, after_bucket=after_bucket)
+"""
+
+
+def test_a_trainer_killed_mid_broadcast_leaves_every_worker_on_its_version(client, served, versions, tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    script = tmp_path / "trainer.py"
+    script.write_text(TRAINER)
+    served_version = versions.version
+    before = greedy(client)
+    version, path = versions.next()
+    trainer = subprocess.Popen([sys.executable, str(script), served.target, str(path), str(version + 10)],
+                               stdout=subprocess.PIPE, text=True)
+    try:
+        assert trainer.stdout.readline().strip() == "sent", "the trainer did not get to its third bucket"
+        os.kill(trainer.pid, signal.SIGKILL)
+        trainer.wait(30)
+    finally:
+        if trainer.poll() is None:
+            trainer.kill()
+    # Every worker is still on the version it served, and serves it token for token; nothing was applied.
+    assert {w.version for w in client.weight_versions(timeout=30).workers} == {served_version}
+    out = greedy(client)
+    assert out.token_ids == before.token_ids and out.choices[0].weight_versions == [served_version] * 8
+    with pytest.raises(grpc.RpcError) as e:  # the broken update cannot be finished
+        client.weights.FinishWeightUpdate(pb.FinishWeightUpdateRequest(version=version + 10), timeout=60)
+    assert e.value.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.FAILED_PRECONDITION)
+    # A new group can be made, and updates through it.
+    from pdserve.weights.trainer import WeightSync
+
+    with WeightSync(served.target) as sync:
+        sync.push(checkpoint_tensors(path), version)
+    versions.version, versions.path = version, path
+    assert greedy(client).token_ids == reference(path, PROMPT, 8)
