@@ -76,6 +76,7 @@ class EngineCore:
         self.kv.version = config.weight_version  # a worker started after updates comes up on the current version
         # Requests a weight update found holding older KV, by what their policy did: recomputed, kept, aborted.
         self.version_outcomes: collections.Counter[str] = collections.Counter()
+        self._spare: StagedUpdate | None = None  # the update committed last (stage_weights reuses its memory)
 
     @staticmethod
     def _model_runner(config: EngineConfig, loaded: LoadedModel | None, role: Role, ranks,
@@ -152,9 +153,11 @@ class EngineCore:
             return None
         if self.config.tensor_parallel_size > 1:
             raise NotImplementedError("weight updates of a tensor-parallel engine are not supported yet")
+        # The memory of the update committed last is staged into again: written before, it costs no page faults.
+        spare, self._spare = self._spare, None
         if isinstance(source, str):
-            return stage_checkpoint(self.runner.model, self.model_config, source)
-        return stage(self.runner.model, self.model_config, source)
+            return stage_checkpoint(self.runner.model, self.model_config, source, spare=spare)
+        return stage(self.runner.model, self.model_config, source, spare=spare)
 
     def commit_weights(self, staged: StagedUpdate | None, version: int) -> list[SampledToken]:
         """Between two steps: the staged update becomes the model's weights and `version` this engine's
@@ -168,6 +171,7 @@ class EngineCore:
             out += self.run_pipelined(ScheduledStep([], [], []))
         if staged is not None:
             staged.commit(self.runner.model)
+            self._spare = staged  # its memory: the next update's staging area
         self.kv.version = version
         return out + self._version_changed()
 

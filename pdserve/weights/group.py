@@ -107,6 +107,7 @@ class WeightGroup:
         self._store: dist.Store | None = store  # rank 0: the server; dropping the last reference stops it
         self._pg: dist.ProcessGroup | None = pg
         self._broken = False
+        self._wire: torch.Tensor | None = None  # the buffer buckets are packed into or received into (_buffer)
 
     @classmethod
     def join(cls, address: GroupAddress, rank: int, timeout_s: float = 60.0, backend: str = "gloo") -> WeightGroup:
@@ -170,10 +171,10 @@ class WeightGroup:
         with self._failing("sending an update"):
             self._broadcast(_header(metas, plan, bucket_bytes))
             for k, bucket in enumerate(plan):
-                flat = _pack([items[i][1] for i in bucket])
+                flat = _pack([items[i][1] for i in bucket], self._buffer)
                 if flat.numel():
                     self._broadcast(flat)
-                sent += flat.numel()
+                sent += sum(items[i][1].nbytes for i in bucket)
                 if after_bucket is not None:
                     after_bucket(k, sent)
             # A broadcast returns on rank 0 once its bytes are written, so only this says every rank has them
@@ -183,9 +184,10 @@ class WeightGroup:
 
     def receive(self, metas: Sequence[TensorMeta], bucket_bytes: int) -> Iterator[tuple[str, torch.Tensor]]:
         """Other ranks: yield (name, tensor) with the metas' shapes/dtypes, bucket by bucket (a bucket's tensors
-        are yielded as soon as it has arrived; yielded tensors own their memory, never views of a reused
-        buffer). The generator must be exhausted: the last step tells the trainer the update arrived. An update
-        abandoned part way leaves the group out of step with the trainer: it is closed."""
+        are yielded as soon as it has arrived, as views of the group's receive buffer: each is valid until the
+        generator moves past its bucket, so a consumer copies what it keeps). The generator must be exhausted:
+        the last step tells the trainer the update arrived. An update abandoned part way leaves the group out of
+        step with the trainer: it is closed."""
         if self.rank == TRAINER_RANK:
             raise RuntimeError(f"rank 0 of group {self.address.name!r} sends; ranks 1.. receive")
         self._live()
@@ -208,7 +210,7 @@ class WeightGroup:
                                            f"(names, shapes, dtypes and bucket_bytes must agree)")
             for bucket in plan:
                 bucket_metas = [metas[i] for i in bucket]
-                flat = torch.empty(sum(meta_nbytes(m) for m in bucket_metas), dtype=torch.uint8)
+                flat = self._buffer(_packed_nbytes(bucket_metas))
                 if flat.numel():
                     with self._failing("receiving an update"):
                         self._broadcast(flat)
@@ -221,6 +223,13 @@ class WeightGroup:
                 self._broken = True
                 self.close()
 
+    def _buffer(self, nbytes: int) -> torch.Tensor:
+        """The first nbytes of the group's one wire buffer (grown to the largest bucket, then reused): memory
+        written for the first time costs page faults, several times the broadcast itself on a CPU host."""
+        if self._wire is None or self._wire.numel() < nbytes:
+            self._wire = torch.empty(nbytes, dtype=torch.uint8)
+        return self._wire[:nbytes]
+
     def barrier(self) -> None:
         with self._failing("a barrier"):
             self._live().barrier().wait()
@@ -231,6 +240,7 @@ class WeightGroup:
         # Dropping the last references closes gloo's sockets and stops rank 0's store server.
         self._pg = None
         self._store = None
+        self._wire = None
 
     def __enter__(self) -> WeightGroup:
         return self
@@ -306,26 +316,39 @@ def _flat_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
 
 
-def _pack(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """The tensors' bytes, in order, as one flat uint8 CPU tensor (a lone tensor is not copied)."""
+ALIGN = 64  # each tensor of a bucket starts at a multiple of this many bytes: a view of it is aligned for any dtype
+
+
+def _padded(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+def _packed_nbytes(metas: list[TensorMeta]) -> int:
+    """A bucket's bytes on the wire: its tensors', each padded to ALIGN but the last (a lone tensor is as is)."""
+    sizes = [meta_nbytes(m) for m in metas]
+    return sum(_padded(n) for n in sizes[:-1]) + (sizes[-1] if sizes else 0)
+
+
+def _pack(tensors: list[torch.Tensor], buffer: Callable[[int], torch.Tensor]) -> torch.Tensor:
+    """The tensors' bytes, in order, as one flat uint8 CPU tensor (from buffer(n)), each at a multiple of ALIGN (a
+    lone tensor is not copied)."""
     if len(tensors) == 1:
         return _flat_bytes(tensors[0])
-    flat = torch.empty(sum(t.nbytes for t in tensors), dtype=torch.uint8)
+    flat = buffer(_packed_nbytes([TensorMeta("", tuple(t.shape), t.dtype) for t in tensors]))
     offset = 0
     for t in tensors:
         flat[offset:offset + t.nbytes].copy_(_flat_bytes(t))
-        offset += t.nbytes
+        offset += _padded(t.nbytes)
     return flat
 
 
 def _unpack(flat: torch.Tensor, metas: list[TensorMeta]) -> Iterator[tuple[str, torch.Tensor]]:
-    """The bucket's tensors, each owning its memory: a lone tensor takes the bucket's buffer, others a copy."""
+    """The bucket's tensors: views of its buffer, each aligned for its dtype."""
     offset = 0
     for meta in metas:
         n = meta_nbytes(meta)
         if n == 0:
             yield meta.name, torch.empty(meta.shape, dtype=meta.dtype)
             continue
-        part = flat if n == flat.numel() else flat[offset:offset + n].clone()  # a copy is aligned for any dtype
-        yield meta.name, part.view(meta.dtype).reshape(meta.shape)
-        offset += n
+        yield meta.name, flat[offset:offset + n].view(meta.dtype).reshape(meta.shape)
+        offset += _padded(n)

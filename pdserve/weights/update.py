@@ -129,6 +129,11 @@ class StagedUpdate:
         self.num_bytes = 0  # bytes of the staged values
         self._entries: list[_Entry] = []
 
+    def buffers(self) -> dict[tuple[str, str, int | None], torch.Tensor]:
+        """Its values by destination: memory a later update may stage into (stage's `spare`) once this one is
+        committed."""
+        return {(e.module, e.attr, e.start): e.value for e in self._entries}
+
     def _add(self, module: str, attr: str, start: int | None, value: torch.Tensor) -> None:
         self._entries.append(_Entry(module, attr, start, value))
         self.num_bytes += value.numel() * value.element_size()
@@ -161,15 +166,18 @@ def _quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def stage(model: LlamaModel, cfg: ModelConfig, tensors: Iterable[tuple[str, torch.Tensor]],
-          tp: int = 1, rank: int = 0) -> StagedUpdate:
+          tp: int = 1, rank: int = 0, spare: StagedUpdate | None = None) -> StagedUpdate:
     """Stage Hugging Face-named full tensors for model, rank `rank` of a TP `tp` worker (tp 1: the whole
     model); cfg is the whole model's config. Each tensor is validated as check_metas does (WeightError: the
     update is dropped), cut to the rank's share, converted to the model's format and kept on its device. A
-    subset of the model's tensors is a valid (partial) update."""
-    return _stage(model, cfg, tensors, tp, rank)
+    subset of the model's tensors is a valid (partial) update. spare: an update already committed, whose memory
+    this one reuses where a value has the same destination (memory written for the first time costs page
+    faults: on a CPU host several times the copy itself)."""
+    return _stage(model, cfg, tensors, tp, rank, spare)
 
 
-def stage_checkpoint(model: LlamaModel, cfg: ModelConfig, path: str, tp: int = 1, rank: int = 0) -> StagedUpdate:
+def stage_checkpoint(model: LlamaModel, cfg: ModelConfig, path: str, tp: int = 1, rank: int = 0,
+                     spare: StagedUpdate | None = None) -> StagedUpdate:
     """Stage every tensor of a checkpoint: a Hugging Face directory of safetensors (a rank reads only its
     share's bytes) or a .gguf file (through the loader's dequantized cache). Its config.json must give the
     model cfg's shape (WeightError if not)."""
@@ -180,12 +188,12 @@ def stage_checkpoint(model: LlamaModel, cfg: ModelConfig, path: str, tp: int = 1
             if getattr(theirs, f) != getattr(cfg, f)]
     if diff:
         raise WeightError(f"checkpoint {path!r} is another model's shape: {'; '.join(diff)}")
-    return _stage(model, cfg, _safetensors_weights(Path(directory), lazy=True), tp, rank)
+    return _stage(model, cfg, _safetensors_weights(Path(directory), lazy=True), tp, rank, spare)
 
 
 @torch.no_grad()
 def _stage(model: LlamaModel, cfg: ModelConfig, weights: Iterable[tuple[str, Any]], tp: int,
-           rank: int) -> StagedUpdate:
+           rank: int, spare: StagedUpdate | None = None) -> StagedUpdate:
     """stage() of tensors or lazy file slices (only a slice's share is read, after its metadata passed)."""
     want = rank_config(cfg, tp)  # raises if tp cannot lay out cfg
     if not 0 <= rank < tp:
@@ -199,6 +207,7 @@ def _stage(model: LlamaModel, cfg: ModelConfig, weights: Iterable[tuple[str, Any
     separate_head = cfg.tie_word_embeddings and model.lm_head.weight is not model.embed_tokens.weight  # int8
     check = _Checker(cfg)
     update = StagedUpdate()
+    reuse = spare.buffers() if spare is not None else {}
     for name, weight in weights:
         if not check(TensorMeta(name, _shape(weight), _dtype(name, weight))):
             continue
@@ -210,15 +219,16 @@ def _stage(model: LlamaModel, cfg: ModelConfig, weights: Iterable[tuple[str, Any
             fused, piece = _FUSED[parts[-2]]
             module = ".".join(parts[:-2] + [fused])
             start = sum(rows[fused][:piece])
-        _place(update, model, module, attr, start, share, dtype, device)
+        _place(update, model, module, attr, start, share, dtype, device, reuse)
         if key == "embed_tokens.weight" and separate_head:  # a tied LM head quantized apart from the embedding
-            _place(update, model, "lm_head", "weight", None, share, dtype, device)
+            _place(update, model, "lm_head", "weight", None, share, dtype, device, reuse)
         update.names.append(name)
     return update
 
 
 def _place(update: StagedUpdate, model: LlamaModel, module: str, attr: str, start: int | None,
-           share: torch.Tensor, dtype: torch.dtype, device: torch.device) -> None:
+           share: torch.Tensor, dtype: torch.dtype, device: torch.device,
+           reuse: dict[tuple[str, str, int | None], torch.Tensor]) -> None:
     """Stage share as model.<module>.<attr>[start:] holds it: the model's dtype, or int8 and its rows' scales."""
     mod = model.get_submodule(module)
     dst = getattr(mod, attr)
@@ -227,7 +237,10 @@ def _place(update: StagedUpdate, model: LlamaModel, module: str, attr: str, star
     if tuple(dst.shape) != tuple(share.shape):
         raise WeightError(f"{module}.{attr}: share {tuple(share.shape)}, the model holds {tuple(dst.shape)}")
     # As the loader does: copy into the model's dtype (then quantize, for an int8 layer's weight).
-    value = torch.empty(share.shape, dtype=dtype if dst.dtype == torch.int8 else dst.dtype, device=device)
+    want = dtype if dst.dtype == torch.int8 else dst.dtype
+    value = reuse.pop((module, attr, start), None)
+    if value is None or value.shape != share.shape or value.dtype != want or value.device != device:
+        value = torch.empty(share.shape, dtype=want, device=device)
     value.copy_(share)
     if isinstance(mod, Linear) and attr == "weight" and mod.scale is not None:
         q, scale = _quantize_int8(value)

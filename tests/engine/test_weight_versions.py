@@ -170,3 +170,13 @@ def test_bad_updates_apply_nothing(weight_versions, tmp_path):
     assert eng.weight_version == 0 and not eng.core.version_outcomes
     rest, v, _ = finish(eng)[rid]
     assert first + rest == reference(weight_versions[0], PROMPT, 10) and v == [0] * len(rest)
+
+
+def test_an_update_stages_into_the_memory_of_the_one_before(weight_versions):
+    eng = engine(weight_versions[0])
+    eng.update_weights(str(weight_versions[1]), 1)
+    first = {k: v.data_ptr() for k, v in eng.core._spare.buffers().items()}
+    eng.update_weights(str(weight_versions[2]), 2)
+    second = {k: v.data_ptr() for k, v in eng.core._spare.buffers().items()}
+    assert first == second  # the same memory, written again (no page faulted in anew)
+    assert eng.generate([PROMPT], greedy(8))[0].token_ids == reference(weight_versions[2], PROMPT, 8)

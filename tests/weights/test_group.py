@@ -55,10 +55,6 @@ def _digest(name: str, t: torch.Tensor) -> tuple[str, tuple[int, ...], str, str]
     return name, tuple(t.shape), str(t.dtype), hashlib.sha256(data).hexdigest()
 
 
-def _owns_memory(t: torch.Tensor) -> bool:
-    return t.storage_offset() == 0 and t.untyped_storage().nbytes() == t.nbytes
-
-
 def _sockets() -> int:
     """Open sockets of this process."""
     count = 0
@@ -97,7 +93,7 @@ def _worker(rank: int, commands: mp.Queue, results: mp.Queue) -> None:
             elif cmd == "receive":
                 metas, bucket_bytes, progress = args
                 for name, t in group.receive(metas, bucket_bytes):
-                    got.append((*_digest(name, t), _owns_memory(t)))
+                    got.append(_digest(name, t))  # valid until the next bucket: what a consumer keeps, it copies
                     if progress:
                         results.put((rank, "progress", len(got)))
                 results.put((rank, "received", got))
@@ -227,7 +223,6 @@ def test_update_arrives_bit_exact_on_every_rank(workers):
         assert group.send(tensors, bucket_bytes) == sum(t.nbytes for _, t in tensors)
         for rank, (got,) in workers.collect("received").items():
             assert [g[:4] for g in got] == expected, f"rank {rank}, buckets of {bucket_bytes} bytes"
-            assert all(g[4] for g in got), f"rank {rank}: a yielded tensor does not own its memory"
     with pytest.raises(RuntimeError, match="ranks 1.. receive"):
         group.receive(metas, SMALL_BUCKET)
     _close_all(workers, group)
