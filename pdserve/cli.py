@@ -240,12 +240,7 @@ def cmd_status(args: argparse.Namespace) -> int:
         print(f"pdserve status: {e.code().name}: {e.details()}", file=sys.stderr)
         return 1
     if args.json:
-        import json
-
-        from google.protobuf.json_format import MessageToDict
-
-        print(json.dumps(MessageToDict(st, preserving_proto_field_name=True,
-                                       always_print_fields_with_no_presence=True), indent=1))
+        print_message(st)
         return 0
     print(f"mode {st.mode}  serving {st.serving}  running {st.requests_running}  "
           f"queued {st.requests_queued}/{st.queue_capacity}")
@@ -293,9 +288,16 @@ def add_weights_parser(sub) -> None:
         p.set_defaults(func=cmd_weights)
 
 
+def print_message(msg) -> None:
+    """A protobuf message as JSON, every field (zeros included), by the .proto's names."""
+    from google.protobuf.json_format import MessageToDict
+
+    print(json.dumps(MessageToDict(msg, preserving_proto_field_name=True, always_print_fields_with_no_presence=True),
+                     indent=1))
+
+
 def cmd_weights(args: argparse.Namespace) -> int:
     import grpc
-    from google.protobuf.json_format import MessageToDict
 
     from pdserve.client.grpc_client import Client
 
@@ -313,8 +315,7 @@ def cmd_weights(args: argparse.Namespace) -> int:
         print(f"pdserve weights {args.weights_command}: {e.code().name}: {e.details()}", file=sys.stderr)
         return 1
     if args.json:
-        print(json.dumps(MessageToDict(r, preserving_proto_field_name=True,
-                                       always_print_fields_with_no_presence=True), indent=1))
+        print_message(r)
     elif args.weights_command == "update":
         print(f"weight version {r.version} on {len(r.workers)} workers in {r.seconds:.2f} s")
         for w in r.workers:

@@ -151,10 +151,14 @@ class EngineCore:
         thread. A simulated engine has no weights: None (its update is a version and nothing else)."""
         if isinstance(self.runner, SimRunner):
             return None
-        if self.config.tensor_parallel_size > 1:
-            raise NotImplementedError("weight updates of a tensor-parallel engine are not supported yet")
         # The memory of the update committed last is staged into again: written before, it costs no page faults.
         spare, self._spare = self._spare, None
+        tp = self.config.tensor_parallel_size
+        if tp > 1:  # every rank stages its share of the checkpoint (pdserve.engine.tp_runner), steps waiting
+            if not isinstance(source, str):
+                raise NotImplementedError("tensors pushed into a tensor-parallel engine (a checkpoint path works)")
+            return self.runner.stage_weights(source, lambda: stage_checkpoint(
+                self.runner.runner.model, self.model_config, source, tp, 0, spare=spare))
         if isinstance(source, str):
             return stage_checkpoint(self.runner.model, self.model_config, source, spare=spare)
         return stage(self.runner.model, self.model_config, source, spare=spare)
@@ -170,7 +174,7 @@ class EngineCore:
         while self.scheduler.launched:  # the pipeline drains on the weights its steps were launched with
             out += self.run_pipelined(ScheduledStep([], [], []))
         if staged is not None:
-            staged.commit(self.runner.model)
+            self.runner.commit_weights(staged)
             self._spare = staged  # its memory: the next update's staging area
         self.kv.version = version
         return out + self._version_changed()

@@ -132,6 +132,10 @@ class ModelRunner:
                                    histories=[c.history for c in chunks], banned=[c.banned for c in chunks],
                                    pending=[c.pending_row for c in chunks], previous=previous)
 
+    def commit_weights(self, staged) -> None:
+        """A staged weight update (pdserve.weights.update.StagedUpdate) into the model, in place."""
+        staged.commit(self.model)
+
     can_copy_blocks = True  # copy_blocks below (a tensor-parallel engine's ranks cannot: pdserve.engine.tp_runner)
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:

@@ -75,6 +75,15 @@ def _broadcast(group: dist.ProcessGroup, chunks, control: int = 0) -> None:
         group.broadcast(torch.frombuffer(bytearray(payload), dtype=torch.uint8), 0).wait()
 
 
+def _all_ok(group: dist.ProcessGroup, ok: int) -> bool:
+    """Whether every rank says ok (1): a MIN all-reduce."""
+    flag = torch.tensor([ok], dtype=torch.int64)
+    opts = dist.AllreduceOptions()
+    opts.reduceOp = dist.ReduceOp.MIN
+    group.allreduce([flag], opts).wait()
+    return bool(flag.item())
+
+
 def _receive(group: dist.ProcessGroup):
     """The next step's chunks, or _STOP / _PING."""
     size = torch.empty(1, dtype=torch.int64)
@@ -94,10 +103,12 @@ class RankShare:
                  timeout_s: float):
         from pdserve.model.loader import load_shard
 
-        self.rank, self.timeout_s = rank, timeout_s
+        self.rank, self.timeout_s, self.tp = rank, timeout_s, tp
         store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=START_TIMEOUT_S))
         self.device = torch.device(config.device)
         loaded = load_shard(config, tp, rank)
+        self.model_config = loaded.info.config  # the whole model's (a weight update's tensors are whole)
+        self._staged = self._spare = None  # a weight update staged here, and the one committed before it
         _loaded(store, rank, tp)
         self.group, self.control = _new_groups(self.device, store, rank, tp, timeout_s)
         loaded.model.set_tensor_parallel(self.group)
@@ -119,6 +130,9 @@ class RankShare:
             while (chunks := _receive(self.control)) != _STOP:
                 if chunks == _PING:
                     continue
+                if isinstance(chunks, dict):  # a weight update (TPRunner.stage_weights / commit_weights)
+                    self._weights(chunks)
+                    continue
                 with self._cond:
                     self._step, self._layers, self._events = self._step + 1, 0, {}
                 # Every rank computes its slice of the LM head (vocab-parallel); rank 0 alone samples.
@@ -129,6 +143,27 @@ class RankShare:
                 self.failed = f"{type(e).__name__}: {e}"
                 self._cond.notify_all()
             raise
+
+    def _weights(self, command: dict) -> None:
+        """Stage this rank's share of a checkpoint and say whether it could (every rank's answer is reduced:
+        all commit, or none), commit it, or drop it."""
+        from pdserve.weights.update import stage_checkpoint
+
+        if "stage" in command:
+            spare, self._spare = self._spare, None
+            try:
+                self._staged = stage_checkpoint(self.runner.model, self.model_config, command["stage"], self.tp,
+                                                self.rank, spare=spare)
+                ok = 1
+            except Exception as e:  # noqa: BLE001 - rank 0 hears of it through the reduction and raises
+                log.warning("rank %d could not stage %s: %s", self.rank, command["stage"], e)
+                self._staged, ok = None, 0
+            _all_ok(self.control, ok)
+        elif "commit" in command:
+            self._staged.commit(self.runner.model)
+            self._spare, self._staged = self._staged, None
+        else:
+            self._staged = None
 
     def _layer_done(self, layer: int) -> None:
         event = None
@@ -239,6 +274,45 @@ class TPRunner:
                 return self.runner.execute(chunks, layer_done)
             except Exception as e:  # the ranks may now disagree on where they are: the worker is done for
                 self._fatal(f"step {self.steps} failed: {type(e).__name__}: {e}")
+                raise TPGroupError(self.failed) from e
+            finally:
+                self._last = time.monotonic()
+
+    def stage_weights(self, path: str, stage_own: Callable[[], object]) -> object:
+        """Every rank stages its share of checkpoint `path` (rank 0's: stage_own()), steps waiting meanwhile;
+        rank 0's staged update, once every rank has its share. If any rank could not, none keeps its share and
+        this raises (WeightError from rank 0's own staging, or ValueError naming the failure elsewhere)."""
+        from pdserve.weights.update import WeightError
+
+        with self._lock:
+            self._check()
+            try:
+                _broadcast(self.control, {"stage": path})
+                try:
+                    own, error = stage_own(), None
+                except Exception as e:  # noqa: BLE001 - the others are told to drop theirs, then it is raised
+                    own, error = None, e
+                if not _all_ok(self.control, int(error is None)):
+                    _broadcast(self.control, {"drop": True})
+                    raise error or WeightError(f"another rank could not stage {path!r} (its log says why)")
+                return own
+            except (WeightError, ValueError, FileNotFoundError):
+                raise
+            except Exception as e:
+                self._fatal(f"a weight update's staging failed: {type(e).__name__}: {e}")
+                raise TPGroupError(self.failed) from e
+            finally:
+                self._last = time.monotonic()
+
+    def commit_weights(self, staged) -> None:
+        """Every rank commits the share it staged, between two steps."""
+        with self._lock:
+            self._check()
+            try:
+                _broadcast(self.control, {"commit": True})
+                staged.commit(self.runner.model)
+            except Exception as e:  # a rank may hold a mix of two versions: the worker is done for
+                self._fatal(f"a weight update's commit failed: {type(e).__name__}: {e}")
                 raise TPGroupError(self.failed) from e
             finally:
                 self._last = time.monotonic()

@@ -180,3 +180,23 @@ def test_an_update_stages_into_the_memory_of_the_one_before(weight_versions):
     second = {k: v.data_ptr() for k, v in eng.core._spare.buffers().items()}
     assert first == second  # the same memory, written again (no page faulted in anew)
     assert eng.generate([PROMPT], greedy(8))[0].token_ids == reference(weight_versions[2], PROMPT, 8)
+
+
+def test_a_tensor_parallel_engine_updates_every_rank(weight_versions, tmp_path):
+    config = EngineConfig(model=str(weight_versions[0]), cache=CacheConfig(block_size=4, num_blocks=64),
+                          tensor_parallel_size=2)
+    with LLMEngine(config) as eng:
+        bad = tmp_path / "other-shape"
+        bad.mkdir()
+        cfg = json.loads((weight_versions[1] / "config.json").read_text())
+        (bad / "config.json").write_text(json.dumps({**cfg, "hidden_size": 32}))
+        with pytest.raises(WeightError):
+            eng.update_weights(str(bad), 1)
+        assert eng.generate([PROMPT], greedy(8))[0].token_ids == reference(weight_versions[0], PROMPT, 8)
+        with pytest.raises(NotImplementedError):
+            eng.update_weights([("model.norm.weight", torch.ones(64))], 1)
+        eng.update_weights(str(weight_versions[1]), 1)
+        assert eng.weight_version == 1
+        assert eng.generate([PROMPT], greedy(8))[0].token_ids == reference(weight_versions[1], PROMPT, 8)
+        eng.update_weights(str(weight_versions[2]), 2)  # every rank stages into its own memory of the last one
+        assert eng.generate([PROMPT], greedy(8))[0].token_ids == reference(weight_versions[2], PROMPT, 8)

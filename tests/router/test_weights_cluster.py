@@ -5,6 +5,7 @@ across the switch (references: the offline engine; for "keep", transformers), pa
 updates refused with nothing applied."""
 from __future__ import annotations
 
+import functools
 import json
 import threading
 
@@ -62,8 +63,13 @@ def versions(weight_versions):
 
 
 def reference(path, prompt, max_tokens) -> list[int]:
+    return list(_reference(str(path), tuple(prompt), max_tokens))
+
+
+@functools.lru_cache(maxsize=None)
+def _reference(path: str, prompt: tuple[int, ...], max_tokens: int) -> tuple[int, ...]:
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    return LLMEngine(engine_config(path)).generate([prompt], params)[0].token_ids
+    return tuple(LLMEngine(engine_config(path)).generate([list(prompt)], params)[0].token_ids)
 
 
 def greedy(client, prompt=PROMPT, max_tokens=8, **kw):
@@ -299,3 +305,38 @@ def test_a_trainer_killed_mid_broadcast_leaves_every_worker_on_its_version(clien
         sync.push(checkpoint_tensors(path), version)
     versions.version, versions.path = version, path
     assert greedy(client).token_ids == reference(path, PROMPT, 8)
+
+
+# -- the other layouts: colocated, 2P2D, the fast lane ---------------------------------------------
+LAYOUTS = {
+    "colocated": dict(mode="colocated", colocated=PoolConfig(1, num_cpus=0.25)),
+    "2P2D": dict(prefill=PoolConfig(2, num_cpus=0.25), decode=PoolConfig(2, num_cpus=0.25)),
+    "fast lane": dict(prefill=PoolConfig(1, num_cpus=0.25), decode=PoolConfig(1, num_cpus=0.25),
+                      fast=PoolConfig(1, num_cpus=0.25)),
+    # Tensor parallelism: every rank stages its share of the checkpoint (pdserve.engine.tp_runner).
+    "TP (2, 1)": dict(prefill=PoolConfig(1, num_cpus=0.1, tensor_parallel_size=2, torch_threads=1),
+                      decode=PoolConfig(1, num_cpus=0.1, torch_threads=1)),
+    "TP (1, 2)": dict(prefill=PoolConfig(1, num_cpus=0.1, torch_threads=1),
+                      decode=PoolConfig(1, num_cpus=0.1, tensor_parallel_size=2, torch_threads=1)),
+}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_every_worker_of_a_layout_switches_and_serves_the_new_version(ray_local, aloop, weight_versions, layout):
+    s = Served(aloop, ClusterConfig(engine=engine_config(weight_versions[0]), transfer_timeout_s=20.0,
+                                    **LAYOUTS[layout]))
+    tier = "priority" if layout == "fast lane" else ""
+    try:
+        with Client(s.target) as c:
+            r = c.update_weights(str(weight_versions[1]), 1, timeout=120)
+            assert len(r.workers) == sum(s.sizes.values())
+            assert {w.version for w in c.weight_versions(timeout=30).workers} == {1}
+            for prompt in (PROMPT, PROMPT[3:]):
+                out = greedy(c, prompt, service_tier=tier)
+                assert out.token_ids == reference(weight_versions[1], prompt, 8)
+                assert out.choices[0].weight_versions == [1] * 8
+            if layout == "fast lane":  # served by the lane's worker, at the new version
+                assert out.timings["decode_worker"].startswith("fast")
+        s.settle()
+    finally:
+        s.close()
