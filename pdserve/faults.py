@@ -12,7 +12,7 @@ about time (a transfer that outlasts its timeout).
 
 Points: "step" (a step with work, before it runs), "send" (a KV transfer, before its header),
 "mid_send" (a KV transfer, after its first part), "corrupt" (a KV transfer: one of its parts is
-altered after its checksum was taken).
+altered after its checksum was taken), "commit_weights" (a weight update, staged, before its switch).
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ import math
 import threading
 import time
 
-POINTS = ("step", "send", "mid_send", "corrupt")
+POINTS = ("step", "send", "mid_send", "corrupt", "commit_weights")
 # A hit armed with seconds=math.inf is held until the test releases it (or the process dies); a test
 # that never does (it failed first) lets it go after this long, so no worker is kept forever.
 HOLD_LIMIT_S = 600.0

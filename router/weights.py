@@ -104,16 +104,22 @@ class WeightControl:
         if path is not None:
             self.cluster.scaling.weights = (path, version)
         if mode == "rolling":
-            reports = await asyncio.gather(*(w.handle.commit_weights.remote(version) for w in workers))
+            results = await self._commit_all(workers, version)
         else:
             was_paused = self.paused
             if not was_paused:
                 await self._pause(pause_mode, wait_timeout_s)
             try:
-                reports = await asyncio.gather(*(w.handle.commit_weights.remote(version) for w in workers))
+                results = await self._commit_all(workers, version)
             finally:
                 if not was_paused:
                     await self._resume()
+        reports = [r for r in results if isinstance(r, WeightUpdateReport)]
+        failed = [(w, r) for w, r in zip(workers, results) if not isinstance(r, WeightUpdateReport)]
+        if not reports:  # no worker switched: the update did not happen
+            raise failed[0][1]
+        for w, e in failed:  # died at its switch (or exited on a failed one): replaced, loading this version
+            log.warning("weight version %d: %s did not switch (%s); it is replaced", version, w.worker_id, _cause(e))
         self.version = version
         for w in workers:
             w.prefix.clear()  # the prefill workers' cached prefixes are another version's now
@@ -121,6 +127,12 @@ class WeightControl:
         log.info("weight version %d from %s on %d workers (%s mode) in %.2f s", version,
                  path or "the trainer's group", len(workers), mode, result.seconds)
         return result
+
+    @staticmethod
+    async def _commit_all(workers: list, version: int) -> list:
+        """Every worker's commit: its report, or the exception of one that failed (a worker that died)."""
+        return await asyncio.gather(*(w.handle.commit_weights.remote(version) for w in workers),
+                                    return_exceptions=True)
 
     # -- a trainer's weight group (pdserve.weights.group; the trainer's side: pdserve.weights.trainer) ------
     async def init_group(self, host: str, port: int, world_size: int, name: str,

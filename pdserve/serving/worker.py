@@ -283,6 +283,7 @@ class WorkerActor:
     def _commit_weights(self, staged, version: int) -> None:
         """Step thread. A commit that fails part-way leaves a mix of two versions: the worker must not serve
         it, so it exits, and the router replaces it with a worker loaded at the version the cluster serves."""
+        self.faults.hit("commit_weights")
         try:
             sampled = self.core.commit_weights(staged, version)
         except ValueError:

@@ -213,6 +213,33 @@ def test_a_rolling_update(client, versions):
     assert out.choices[0].weight_versions == [versions.version] * 8
 
 
+def test_a_worker_killed_at_its_switch_is_replaced_at_the_new_version(client, served, versions):
+    import math
+    import os
+    import signal
+
+    import ray
+
+    decode = served.worker("decode")
+    pid = served.pid(decode)
+    ray.get(decode.handle.inject_fault.remote("commit_weights", math.inf), timeout=30)
+    version, path = versions.next()
+    done: list = []
+    t = threading.Thread(target=lambda: done.append(client.update_weights(str(path), version, timeout=120)),
+                         daemon=True)
+    t.start()
+    assert ray.get(decode.handle.fault_reached.remote("commit_weights", 60), timeout=90)
+    os.kill(pid, signal.SIGKILL)  # staged, about to switch
+    t.join(120)
+    assert done and done[0].version == version and [w.worker_id for w in done[0].workers] == ["prefill-0"]
+    versions.version, versions.path = version, path
+    served.settle()  # the decode worker replaced
+    assert served.pid(served.worker("decode")) != pid
+    assert {w.version for w in client.weight_versions(timeout=30).workers} == {version}
+    out = greedy(client)
+    assert out.token_ids == reference(path, PROMPT, 8) and out.choices[0].weight_versions == [version] * 8
+
+
 # -- a trainer's weight group (pdserve.weights.trainer) -------------------------------------------
 def checkpoint_tensors(path) -> dict:
     from safetensors.torch import load_file
