@@ -1,0 +1,50 @@
+"""bench/rl_loop.py's loop, tiny, on a real 1P1D cluster: a reward per step, versions strictly increasing, the
+staleness bounds held, and in sync mode the trainer's logprobs equal to pdserve's at the sampling weights."""
+from __future__ import annotations
+
+import importlib
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[2] / "bench"
+
+
+@pytest.fixture(scope="module")
+def rl():
+    sys.path.insert(0, str(BENCH))  # the script imports its sibling common.py
+    try:
+        yield importlib.import_module("rl_loop")
+    finally:
+        sys.path.remove(str(BENCH))
+
+
+@pytest.mark.slow
+def test_rl_loop_sync_and_async(rl, ray_local, aloop, tmp_path):
+    from router.cluster import Cluster
+    from router.server import Router, RouterConfig
+
+    s = rl.Settings(steps=3, prompts=2, n=2, max_tokens=4)
+    model = rl.build_policy(tmp_path, s.seed)
+    cluster = Cluster(rl.cluster_config(tmp_path))
+    aloop.run(cluster.start(), timeout=600)
+    router = Router(cluster, RouterConfig(port=0))
+    try:
+        port = aloop.run(router.start())
+        results = rl.run(f"127.0.0.1:{port}", model, s, ["sync", "async-1"])
+    finally:
+        aloop.run(router.stop(grace=5))
+        aloop.run(cluster.shutdown())
+    assert list(results) == ["sync", "async-1"]
+    versions = [v for r in results.values() for v in r["versions"]]
+    assert all(a < b for a, b in zip(versions, versions[1:])), versions
+    for r in results.values():
+        assert len(r["rewards"]) == s.steps and all(0 <= x <= 1 for x in r["rewards"])
+        assert len(r["versions"]) == s.steps + 1  # the initial weights again, then one a step
+        assert r["output_tokens"] == s.steps * s.prompts * s.n * s.max_tokens
+        assert 0 <= r["staleness_max"] <= r["staleness_bound"]
+        assert 0 <= r["cluster_idle"] <= 1 and 0 <= r["trainer_idle"] <= 1
+    sync = results["sync"]
+    assert sync["staleness_counts"] == {0: sync["output_tokens"]}
+    assert sync["on_version_tokens"] == sync["output_tokens"] and sync["logprob_gap"] < 1e-3
