@@ -12,7 +12,8 @@ about time (a transfer that outlasts its timeout).
 
 Points: "step" (a step with work, before it runs), "send" (a KV transfer, before its header),
 "mid_send" (a KV transfer, after its first part), "corrupt" (a KV transfer: one of its parts is
-altered after its checksum was taken), "commit_weights" (a weight update, staged, before its switch).
+altered after its checksum was taken), "stage_weights" (a weight update, before it is read; the worker
+serves on), "commit_weights" (a weight update, staged, before its switch: the step thread waits).
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ import math
 import threading
 import time
 
-POINTS = ("step", "send", "mid_send", "corrupt", "commit_weights")
+POINTS = ("step", "send", "mid_send", "corrupt", "stage_weights", "commit_weights")
 # A hit armed with seconds=math.inf is held until the test releases it (or the process dies); a test
 # that never does (it failed first) lets it go after this long, so no worker is kept forever.
 HOLD_LIMIT_S = 600.0

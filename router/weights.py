@@ -72,6 +72,7 @@ class WeightControl:
         self._lock = asyncio.Lock()  # one update, pause or resume at a time
         self._members: list = []  # the workers in the trainer's weight group, rank 1 first
         self._incoming: int | None = None  # the version being received on it
+        self._source: tuple[str, int] | None = None  # the checkpoint and version of the last update from a path
 
     async def versions(self) -> list[WorkerVersion]:
         """Each worker's version now (one stats call each)."""
@@ -91,6 +92,11 @@ class WeightControl:
                 raise NotNewer(f"weight version {version} is not newer than the version served, {self.version}")
             t0 = time.monotonic()
             workers = list(self.cluster.scaling.workers)
+            if mode == "rolling":  # each worker reads and switches on its own
+                self.cluster.scaling.weights = (path, version)
+                results = await asyncio.gather(*(w.handle.update_weights.remote(path, version) for w in workers),
+                                               return_exceptions=True)
+                return self._switched(workers, version, path, mode, results, t0)
             # Read and convert everywhere first: a checkpoint one worker refuses is applied nowhere.
             await asyncio.gather(*(w.handle.stage_weights.remote(path, version) for w in workers))
             return await self._commit(workers, version, path, mode, pause_mode, wait_timeout_s, t0)
@@ -114,12 +120,22 @@ class WeightControl:
             finally:
                 if not was_paused:
                     await self._resume()
+        return self._switched(workers, version, path, mode, results, t0)
+
+    def _switched(self, workers: list, version: int, path: str | None, mode: str, results: list,
+                  t0: float) -> UpdateResult:
+        """The cluster serves `version` once any worker switched to it; a worker that did not (it died at its
+        switch, or exited on a failed one) is replaced, loading this version."""
         reports = [r for r in results if isinstance(r, WeightUpdateReport)]
         failed = [(w, r) for w, r in zip(workers, results) if not isinstance(r, WeightUpdateReport)]
         if not reports:  # no worker switched: the update did not happen
+            if path is not None and self.cluster.scaling.weights == (path, version):
+                self.cluster.scaling.weights = self._source
             raise failed[0][1]
-        for w, e in failed:  # died at its switch (or exited on a failed one): replaced, loading this version
+        for w, e in failed:
             log.warning("weight version %d: %s did not switch (%s); it is replaced", version, w.worker_id, _cause(e))
+        if path is not None:
+            self._source = (path, version)
         self.version = version
         for w in workers:
             w.prefix.clear()  # the prefill workers' cached prefixes are another version's now

@@ -198,6 +198,7 @@ class WorkerActor:
     async def stage_weights(self, source: str, version: int) -> int:
         """Read and convert checkpoint `source` for weight version `version`, held aside until commit_weights
         (the worker serves meanwhile); its bytes. Raises with nothing applied if it does not fit the model."""
+        await asyncio.to_thread(self.faults.hit, "stage_weights")
         t0 = time.perf_counter()
         try:
             staged = await asyncio.to_thread(self.core.stage_weights, source)

@@ -240,6 +240,43 @@ def test_a_worker_killed_at_its_switch_is_replaced_at_the_new_version(client, se
     assert out.token_ids == reference(path, PROMPT, 8) and out.choices[0].weight_versions == [version] * 8
 
 
+def test_a_hand_off_from_a_newer_prefill_worker_follows_the_policy(client, served, versions):
+    """A rolling update with the decode worker held before it reads the checkpoint (it serves on): the prefill
+    worker computes at the new version, the decode worker decodes at the old one. (The other order, KV older than its decode worker:
+    tests/serving/test_decode_actor.py.)"""
+    import math
+
+    import ray
+
+    decode = served.worker("decode")
+    old = versions.version
+    ray.get(decode.handle.inject_fault.remote("stage_weights", math.inf), timeout=30)
+    version, path = versions.next()
+    done: list = []
+    t = threading.Thread(target=lambda: done.append(
+        client.update_weights(str(path), version, mode="rolling", timeout=120)), daemon=True)
+    t.start()
+    try:
+        assert ray.get(decode.handle.fault_reached.remote("stage_weights", 60), timeout=90)
+        wait_for(lambda: {w.pool: w.version for w in client.weight_versions(timeout=30).workers}
+                 == {"prefill": version, "decode": old}, timeout=60, what="the prefill worker alone to switch")
+        aborted = greedy(client, version_policy="abort")
+        assert aborted.finish_reason == "abort" and aborted.choices[0].weight_versions == [version]
+        assert aborted.token_ids == reference(path, PROMPT, 1)  # the prefill worker's first token, new weights
+        kept = greedy(client, version_policy="keep")
+        assert kept.finish_reason == "length" and kept.choices[0].weight_versions == [version] + [old] * 7
+        assert kept.token_ids[0] == reference(path, PROMPT, 1)[0]
+        outcomes = served.stats_of(decode).version_outcomes
+        assert outcomes["aborted"] >= 1 and outcomes["kept"] >= 1
+    finally:
+        ray.get(decode.handle.release_fault.remote("stage_weights"), timeout=30)
+        t.join(120)
+    assert done and done[0].version == version
+    versions.version, versions.path = version, path
+    assert {w.version for w in client.weight_versions(timeout=30).workers} == {version}
+    assert greedy(client).token_ids == reference(path, PROMPT, 8)
+
+
 # -- a trainer's weight group (pdserve.weights.trainer) -------------------------------------------
 def checkpoint_tensors(path) -> dict:
     from safetensors.torch import load_file
