@@ -242,8 +242,8 @@ def test_a_worker_killed_at_its_switch_is_replaced_at_the_new_version(client, se
 
 def test_a_hand_off_from_a_newer_prefill_worker_follows_the_policy(client, served, versions):
     """A rolling update with the decode worker held before it reads the checkpoint (it serves on): the prefill
-    worker computes at the new version, the decode worker decodes at the old one. (The other order, KV older than its decode worker:
-    tests/serving/test_decode_actor.py.)"""
+    worker computes at the new version, the decode worker decodes at the old one. (The other order, KV older
+    than its decode worker: tests/serving/test_decode_actor.py.)"""
     import math
 
     import ray
