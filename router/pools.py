@@ -21,8 +21,8 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import ray
@@ -146,9 +146,9 @@ class Pools:
         self._registry: Any = None
         self._epoch = 0
         self._adopting: set[str] = set()  # listed workers this router is linking to
-        # The weights a worker started from now loads (router.weights): (checkpoint path, or None to keep the
-        # configured model; version). None: the configured model, version 0.
-        self.weights: tuple[str | None, int] | None = None
+        # Called with a worker that has started, before it is routable (router.weights: it brings the worker's
+        # weights to the version the cluster serves); a failure fails the start.
+        self.catch_up: Callable[[Worker], Awaitable[None]] | None = None
         self._gone: set[str] = set()  # workers this router lost (ids are never reused): not adopted again
 
     @property
@@ -212,10 +212,6 @@ class Pools:
                       "fast": (FastLaneActor, dict(transfer_timeout_s=c.transfer_timeout_s, bind_host=c.bind_host)),
                       "colocated": (ColocatedActor, {})}[pool]
         engine = c.engine_for(pc)
-        if self.weights is not None:  # it comes up on the version the cluster serves
-            path, version = self.weights
-            engine = replace(engine, weight_version=version,
-                             **({} if path is None else dict(model=path, load_format="auto")))
         options = dict(num_cpus=pc.num_cpus, num_gpus=pc.num_gpus, resources=pc.resources, max_restarts=0)
         if self.router is not None:  # it outlives this router: the next owner adopts it by name
             options.update(name=_actor_name(worker_id), lifetime="detached")
@@ -365,6 +361,8 @@ class Pools:
         try:
             await asyncio.wait_for(w.handle.ready.remote(), self.config.worker_start_timeout_s)
             await self._connect(w)
+            if self.catch_up is not None:
+                await self.catch_up(w)
         except Exception as e:  # noqa: BLE001 - a worker that cannot start is killed, never half-joined
             log.error("worker %s did not start: %s", w.worker_id, e)
             _kill(w)

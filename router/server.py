@@ -478,6 +478,7 @@ class Router:
         if self._metrics_server is not None:
             self._metrics_server.shutdown()
             self._metrics_server.server_close()
+        self.weights.close()
 
 
 async def serve(cluster_config: ClusterConfig, router_config: RouterConfig, stop: asyncio.Event) -> None:

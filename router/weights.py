@@ -72,7 +72,11 @@ class WeightControl:
         self._lock = asyncio.Lock()  # one update, pause or resume at a time
         self._members: list = []  # the workers in the trainer's weight group, rank 1 first
         self._incoming: int | None = None  # the version being received on it
-        self._source: tuple[str, int] | None = None  # the checkpoint and version of the last update from a path
+        # The checkpoint of the version served, for a worker that starts (catch_up): the update's path, or one a
+        # worker wrote (after a trainer's update); None until one is needed.
+        self._source: tuple[str, int] | None = None
+        self._snapshot_dir: str | None = None
+        cluster.scaling.catch_up = self.catch_up
 
     async def versions(self) -> list[WorkerVersion]:
         """Each worker's version now (one stats call each)."""
@@ -93,7 +97,6 @@ class WeightControl:
             t0 = time.monotonic()
             workers = list(self.cluster.scaling.workers)
             if mode == "rolling":  # each worker reads and switches on its own
-                self.cluster.scaling.weights = (path, version)
                 results = await asyncio.gather(*(w.handle.update_weights.remote(path, version) for w in workers),
                                                return_exceptions=True)
                 return self._switched(workers, version, path, mode, results, t0)
@@ -105,10 +108,6 @@ class WeightControl:
                       wait_timeout_s: float, t0: float) -> UpdateResult:
         """Under the lock: switch workers that hold `version` staged, in `mode`. path: its checkpoint, which a
         worker started from now loads (None: an update from a trainer's group, which has none)."""
-        # From here a worker started anew loads this checkpoint at this version (one already starting comes up
-        # on the version before: the hand-off's version policy covers it).
-        if path is not None:
-            self.cluster.scaling.weights = (path, version)
         if mode == "rolling":
             results = await self._commit_all(workers, version)
         else:
@@ -129,13 +128,10 @@ class WeightControl:
         reports = [r for r in results if isinstance(r, WeightUpdateReport)]
         failed = [(w, r) for w, r in zip(workers, results) if not isinstance(r, WeightUpdateReport)]
         if not reports:  # no worker switched: the update did not happen
-            if path is not None and self.cluster.scaling.weights == (path, version):
-                self.cluster.scaling.weights = self._source
             raise failed[0][1]
         for w, e in failed:
             log.warning("weight version %d: %s did not switch (%s); it is replaced", version, w.worker_id, _cause(e))
-        if path is not None:
-            self._source = (path, version)
+        self._source = (path, version) if path is not None else None
         self.version = version
         for w in workers:
             w.prefix.clear()  # the prefill workers' cached prefixes are another version's now
@@ -143,6 +139,46 @@ class WeightControl:
         log.info("weight version %d from %s on %d workers (%s mode) in %.2f s", version,
                  path or "the trainer's group", len(workers), mode, result.seconds)
         return result
+
+    async def catch_up(self, w) -> None:
+        """A worker that has started, before it is routable: it loaded the configured model; it takes the version
+        the cluster serves, from that update's checkpoint, or (a trainer's update has none) from a checkpoint a
+        worker serving it writes, once per version."""
+        async with self._lock:
+            if self.version == 0:
+                return
+            if self._source is None:
+                self._source = (await self._snapshot(), self.version)
+            path, version = self._source
+            log.info("worker %s catches up to weight version %d from %s", w.worker_id, version, path)
+            await w.handle.update_weights.remote(path, version)
+
+    async def _snapshot(self) -> str:
+        """A checkpoint of the version served, written by a worker that serves it (the previous one removed)."""
+        import shutil
+        import tempfile
+
+        workers = [w for w in self.cluster.scaling.workers if w.alive]
+        stats = await asyncio.gather(*(w.handle.stats.remote() for w in workers), return_exceptions=True)
+        source = next((w for w, s in zip(workers, stats)
+                       if not isinstance(s, BaseException) and s.weight_version == self.version
+                       and self.cluster.config.engine_for(getattr(self.cluster.config, w.pool)).tensor_parallel_size
+                       == 1), None)
+        if source is None:
+            raise RuntimeError(f"no worker serves weight version {self.version} to copy it from")
+        if self._snapshot_dir is not None:
+            shutil.rmtree(self._snapshot_dir, ignore_errors=True)
+        self._snapshot_dir = tempfile.mkdtemp(prefix=f"pdserve-weights-v{self.version}-")
+        await source.handle.export_weights.remote(self._snapshot_dir)
+        return self._snapshot_dir
+
+    def close(self) -> None:
+        """Remove the checkpoint written for workers to catch up from, if any."""
+        import shutil
+
+        if self._snapshot_dir is not None:
+            shutil.rmtree(self._snapshot_dir, ignore_errors=True)
+            self._snapshot_dir = None
 
     @staticmethod
     async def _commit_all(workers: list, version: int) -> list:

@@ -24,7 +24,7 @@ from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.scheduler_types import Role, SampledToken, ScheduledStep
 from pdserve.engine.sim_runner import SimRunner
 from pdserve.model.loader import LoadedModel, ModelInfo, load, load_info, load_shard
-from pdserve.weights.update import StagedUpdate, stage, stage_checkpoint
+from pdserve.weights.update import StagedUpdate, export_checkpoint, stage, stage_checkpoint
 
 
 @dataclass
@@ -162,6 +162,20 @@ class EngineCore:
         if isinstance(source, str):
             return stage_checkpoint(self.runner.model, self.model_config, source, spare=spare)
         return stage(self.runner.model, self.model_config, source, spare=spare)
+
+    def export_weights(self, directory: str) -> int:
+        """Write the weights this engine serves as a checkpoint (safetensors + config.json) that another engine
+        of the same model loads exactly (stage_weights); its bytes. A worker that starts after a trainer's
+        update, which has no checkpoint, catches up from one (router.weights)."""
+        from pdserve.model.loader import _weights_dir, resolve_format
+
+        if isinstance(self.runner, SimRunner) or self.config.tensor_parallel_size > 1:
+            raise NotImplementedError("exporting the weights of a simulated or tensor-parallel engine")
+        path, fmt = resolve_format(self.config.model, self.config.load_format)
+        if fmt == "dummy":
+            raise NotImplementedError("exporting dummy weights")
+        config_json = _weights_dir(path, fmt) / "config.json"
+        return export_checkpoint(self.runner.model, self.model_config, directory, config_json)
 
     def commit_weights(self, staged: StagedUpdate | None, version: int) -> list[SampledToken]:
         """Between two steps: the staged update becomes the model's weights and `version` this engine's

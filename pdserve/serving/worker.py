@@ -274,6 +274,11 @@ class WorkerActor:
         if group is not None:
             await asyncio.to_thread(group.close)
 
+    async def export_weights(self, directory: str) -> int:
+        """Write the weights served as a checkpoint in `directory` (EngineCore.export_weights), on the step
+        thread: between two steps, so never half of an update; its bytes."""
+        return await asyncio.wrap_future(self.loop.call(lambda: self.core.export_weights(directory)))
+
     async def pause(self) -> None:
         """Stop stepping after the step under way (requests stay where they are); returns once stopped."""
         await asyncio.wrap_future(self.loop.call(lambda: setattr(self.loop, "paused", True)))

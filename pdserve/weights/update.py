@@ -10,7 +10,8 @@ in place: no parameter or buffer is rebound, so CUDA graphs captured on the mode
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
+import shutil
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -261,3 +262,39 @@ def _dtype(name: str, weight) -> torch.dtype:
     if kind not in _FILE_DTYPES:
         raise WeightError(f"tensor {name!r}: dtype {kind}, expected float32, bfloat16 or float16")
     return _FILE_DTYPES[kind]
+
+
+@torch.no_grad()
+def model_tensors(model: LlamaModel, cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    """A whole model's weights by their Hugging Face names and full shapes, as a checkpoint holds them: fused
+    parameters split again, int8 weights dequantized (fp32; quantizing them again gives the same int8 values
+    and scales: each row's largest value is 127 x its scale). Not for a tensor-parallel rank's share."""
+    rc = model.cfg
+    rows = {"qkv_proj": (rc.q_size, rc.kv_size, rc.kv_size), "gate_up_proj": (rc.intermediate_size,) * 2}
+    for name, shape in expected_tensors(cfg).items():
+        parts = name.removeprefix("model.").split(".")
+        module, attr, start = ".".join(parts[:-1]), parts[-1], None
+        if parts[-2] in _FUSED:
+            fused, piece = _FUSED[parts[-2]]
+            module = ".".join(parts[:-2] + [fused])
+            start = sum(rows[fused][:piece])
+        mod = model.get_submodule(module)
+        value = getattr(mod, attr)
+        if isinstance(mod, Linear) and attr == "weight" and mod.scale is not None:
+            value = value.to(torch.float32) * mod.scale[:, None]
+        if start is not None:
+            value = value.narrow(0, start, shape[0])
+        yield name, value.detach().to("cpu").contiguous()
+
+
+def export_checkpoint(model: LlamaModel, cfg: ModelConfig, directory: str | Path, config_json: str | Path) -> int:
+    """Write the model's weights as a Hugging Face checkpoint (model.safetensors + the given config.json) that
+    stage_checkpoint, or a worker starting from it, reads back exactly; its bytes."""
+    from safetensors.torch import save_file
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    tensors = dict(model_tensors(model, cfg))
+    save_file(tensors, str(directory / "model.safetensors"))
+    shutil.copy(config_json, directory / "config.json")
+    return sum(t.numel() * t.element_size() for t in tensors.values())

@@ -310,6 +310,26 @@ def test_a_trainer_pushes_weights_over_its_group(client, served, versions):
     assert {w.version for w in client.weight_versions(timeout=30).workers} == {version}
 
 
+def test_a_worker_started_after_a_trainers_update_catches_up(client, served, versions):
+    """A trainer's update has no checkpoint: a replacement loads the configured model, then a checkpoint that a
+    worker serving the version writes, before it is routable."""
+    import os
+    import signal
+
+    version = versions.version
+    assert versions.path is None  # the weights are the trainer's last push (a mix of two checkpoints)
+    before = greedy(client)
+    decode = served.worker("decode")
+    pid = served.pid(decode)
+    os.kill(pid, signal.SIGKILL)
+    wait_for(lambda: served.cluster.pools["decode"] and served.worker("decode").worker_id != decode.worker_id,
+             timeout=120, what="the decode worker's replacement to be routable")
+    served.settle()
+    assert {w.version for w in client.weight_versions(timeout=30).workers} == {version}
+    out = greedy(client)
+    assert out.token_ids == before.token_ids and out.choices[0].weight_versions == [version] * 8
+
+
 TRAINER = r"""
 import os, sys, threading
 import torch
