@@ -200,3 +200,17 @@ def test_a_tensor_parallel_engine_updates_every_rank(weight_versions, tmp_path):
         assert eng.generate([PROMPT], greedy(8))[0].token_ids == reference(weight_versions[1], PROMPT, 8)
         eng.update_weights(str(weight_versions[2]), 2)  # every rank stages into its own memory of the last one
         assert eng.generate([PROMPT], greedy(8))[0].token_ids == reference(weight_versions[2], PROMPT, 8)
+
+
+@pytest.mark.parametrize("quantization", [None, "int8"])
+def test_exported_weights_load_back_exactly(weight_versions, tmp_path, quantization):
+    """What a worker writes for a late worker to catch up from (EngineCore.export_weights) is what it serves."""
+    config = EngineConfig(model=str(weight_versions[0]), quantization=quantization,
+                          cache=CacheConfig(block_size=4, num_blocks=64))
+    eng = LLMEngine(config)
+    eng.update_weights(str(weight_versions[1]), 1)
+    assert eng.core.export_weights(str(tmp_path / "v1")) > 0
+    late = LLMEngine(config)
+    late.update_weights(str(tmp_path / "v1"), 1)
+    mine, theirs = dict(eng.runner.model.state_dict()), dict(late.runner.model.state_dict())
+    assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)
