@@ -107,7 +107,8 @@ class WeightGroup:
         self._store: dist.Store | None = store  # rank 0: the server; dropping the last reference stops it
         self._pg: dist.ProcessGroup | None = pg
         self._broken = False
-        self._wire: torch.Tensor | None = None  # the buffer buckets are packed into or received into (_buffer)
+        # The two buffers buckets are packed into or received into, in turns (_buffer).
+        self._wire: list[torch.Tensor | None] = [None, None]
 
     @classmethod
     def join(cls, address: GroupAddress, rank: int, timeout_s: float = 60.0, backend: str = "gloo") -> WeightGroup:
@@ -160,7 +161,8 @@ class WeightGroup:
         flat uint8 CPU tensor, one broadcast per bucket, tensors of any dtype incl. bfloat16); returns bytes
         sent (the tensors' bytes, not counting the header) once every rank has received them all.
 
-        after_bucket(k, bytes so far) is called once bucket k has been broadcast (progress, tests)."""
+        after_bucket(k, bytes so far) is called once bucket k is on the wire and every bucket before it has been
+        sent (progress, tests)."""
         if self.rank != TRAINER_RANK:
             raise RuntimeError(f"rank {self.rank} of group {self.address.name!r} receives; only rank 0 sends")
         self._live()
@@ -170,13 +172,19 @@ class WeightGroup:
         sent = 0
         with self._failing("sending an update"):
             self._broadcast(_header(metas, plan, bucket_bytes))
+            # Bucket k + 1 is packed while bucket k is on the wire: two buffers take turns.
+            in_flight = None
             for k, bucket in enumerate(plan):
-                flat = _pack([items[i][1] for i in bucket], self._buffer)
-                if flat.numel():
-                    self._broadcast(flat)
+                flat = _pack([items[i][1] for i in bucket], lambda n: self._buffer(n, k % 2))
+                work = self._live().broadcast(flat, TRAINER_RANK) if flat.numel() else None
+                if in_flight is not None:
+                    in_flight.wait()
+                in_flight = work
                 sent += sum(items[i][1].nbytes for i in bucket)
                 if after_bucket is not None:
                     after_bucket(k, sent)
+            if in_flight is not None:
+                in_flight.wait()
             # A broadcast returns on rank 0 once its bytes are written, so only this says every rank has them
             # (and fails at once if a receiver gave up, e.g. on a header that was not what it expected).
             self._live().barrier().wait()
@@ -208,13 +216,15 @@ class WeightGroup:
                     raise WeightGroupError(f"rank {self.rank} of group {self.address.name!r} expects another "
                                            f"update than the trainer sends: trainer {theirs}, this rank {mine} "
                                            f"(names, shapes, dtypes and bucket_bytes must agree)")
-            for bucket in plan:
-                bucket_metas = [metas[i] for i in bucket]
-                flat = self._buffer(_packed_nbytes(bucket_metas))
-                if flat.numel():
+            # Bucket k + 1 is received while the consumer takes bucket k: two buffers take turns.
+            pending = self._post(metas, plan, 0)
+            for k in range(len(plan)):
+                flat, work = pending
+                if work is not None:
                     with self._failing("receiving an update"):
-                        self._broadcast(flat)
-                yield from _unpack(flat, bucket_metas)
+                        work.wait()
+                pending = self._post(metas, plan, k + 1)
+                yield from _unpack(flat, [metas[i] for i in plan[k]])
             with self._failing("receiving an update"):
                 self._live().barrier().wait()  # tell the trainer the update arrived whole
             finished = True
@@ -223,12 +233,25 @@ class WeightGroup:
                 self._broken = True
                 self.close()
 
-    def _buffer(self, nbytes: int) -> torch.Tensor:
-        """The first nbytes of the group's one wire buffer (grown to the largest bucket, then reused): memory
-        written for the first time costs page faults, several times the broadcast itself on a CPU host."""
-        if self._wire is None or self._wire.numel() < nbytes:
-            self._wire = torch.empty(nbytes, dtype=torch.uint8)
-        return self._wire[:nbytes]
+    def _post(self, metas: list[TensorMeta], plan: list[list[int]],
+              k: int) -> tuple[torch.Tensor, dist.Work | None]:
+        """Start receiving bucket k (if there is one) into buffer k % 2: the buffer and the broadcast's work."""
+        if k >= len(plan):
+            return torch.empty(0, dtype=torch.uint8), None
+        flat = self._buffer(_packed_nbytes([metas[i] for i in plan[k]]), k % 2)
+        if not flat.numel():
+            return flat, None
+        with self._failing("receiving an update"):
+            return flat, self._live().broadcast(flat, TRAINER_RANK)
+
+    def _buffer(self, nbytes: int, which: int = 0) -> torch.Tensor:
+        """The first nbytes of the group's wire buffer `which` (0 or 1; each grown to the largest bucket, then
+        reused): memory written for the first time costs page faults, several times the broadcast itself on a
+        CPU host."""
+        wire = self._wire[which]
+        if wire is None or wire.numel() < nbytes:
+            wire = self._wire[which] = torch.empty(nbytes, dtype=torch.uint8)
+        return wire[:nbytes]
 
     def barrier(self) -> None:
         with self._failing("a barrier"):
@@ -240,7 +263,7 @@ class WeightGroup:
         # Dropping the last references closes gloo's sockets and stops rank 0's store server.
         self._pg = None
         self._store = None
-        self._wire = None
+        self._wire = [None, None]
 
     def __enter__(self) -> WeightGroup:
         return self
