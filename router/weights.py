@@ -80,10 +80,13 @@ class WeightControl:
 
     async def versions(self) -> list[WorkerVersion]:
         """Each worker's version now (one stats call each)."""
-        c = self.cluster.config
         stats = await self.cluster.stats()
-        return [WorkerVersion(s.worker_id, s.pool, s.weight_version, s.paused,
-                              c.engine_for(getattr(c, s.pool)).tensor_parallel_size) for s in stats]
+        return [WorkerVersion(s.worker_id, s.pool, s.weight_version, s.paused, self._ranks(s.pool)) for s in stats]
+
+    def _ranks(self, pool: str) -> int:
+        """The processes of each worker of `pool` (its tensor-parallel size)."""
+        c = self.cluster.config
+        return c.engine_for(getattr(c, pool)).tensor_parallel_size
 
     async def update(self, path: str, version: int, mode: str = "pause", pause_mode: str = "keep",
                      wait_timeout_s: float = 600.0) -> UpdateResult:
@@ -162,8 +165,7 @@ class WeightControl:
         stats = await asyncio.gather(*(w.handle.stats.remote() for w in workers), return_exceptions=True)
         source = next((w for w, s in zip(workers, stats)
                        if not isinstance(s, BaseException) and s.weight_version == self.version
-                       and self.cluster.config.engine_for(getattr(self.cluster.config, w.pool)).tensor_parallel_size
-                       == 1), None)
+                       and self._ranks(w.pool) == 1), None)
         if source is None:
             raise RuntimeError(f"no worker serves weight version {self.version} to copy it from")
         if self._snapshot_dir is not None:
@@ -189,20 +191,23 @@ class WeightControl:
     # -- a trainer's weight group (pdserve.weights.group; the trainer's side: pdserve.weights.trainer) ------
     async def init_group(self, host: str, port: int, world_size: int, name: str,
                          timeout_s: float = 60.0) -> list[str]:
-        """Every worker joins the trainer's group as ranks 1.. (the trainer joins as rank 0 meanwhile); the
-        workers' ids in rank order. ValueError if world_size is not 1 + the workers' count."""
+        """Every rank of every worker joins the trainer's group as ranks 1.. (the trainer joins as rank 0
+        meanwhile; a tensor-parallel worker's ranks take consecutive ranks); the workers' ids in rank order.
+        ValueError if world_size is not 1 + the workers' ranks."""
         from pdserve.weights.group import GroupAddress
 
         async with self._lock:
             await self._destroy_group()
             workers = sorted(self.cluster.scaling.workers, key=lambda w: w.worker_id)
-            if world_size != 1 + len(workers):
+            ranks = [self._ranks(w.pool) for w in workers]
+            if world_size != 1 + sum(ranks):
                 raise WorldChanged(f"world_size {world_size} does not match the trainer and the cluster's "
-                                   f"{len(workers)} workers ({1 + len(workers)})")
+                                   f"{len(workers)} workers of {sum(ranks)} ranks ({1 + sum(ranks)})")
             address = GroupAddress(host, port, world_size, name)
+            firsts = [1 + sum(ranks[:i]) for i in range(len(workers))]
             try:
-                await asyncio.gather(*(w.handle.join_weight_group.remote(address, rank, timeout_s)
-                                       for rank, w in enumerate(workers, 1)))
+                await asyncio.gather(*(w.handle.join_weight_group.remote(address, first, timeout_s)
+                                       for first, w in zip(firsts, workers)))
             except BaseException:
                 self._members = workers
                 await self._destroy_group()

@@ -156,12 +156,46 @@ class EngineCore:
         tp = self.config.tensor_parallel_size
         if tp > 1:  # every rank stages its share of the checkpoint (pdserve.engine.tp_runner), steps waiting
             if not isinstance(source, str):
-                raise NotImplementedError("tensors pushed into a tensor-parallel engine (a checkpoint path works)")
+                raise NotImplementedError("tensors given to a tensor-parallel engine's rank 0 alone (its other ranks "
+                                          "receive theirs on a weight group: receive_weights)")
             return self.runner.stage_weights(source, lambda: stage_checkpoint(
                 self.runner.runner.model, self.model_config, source, tp, 0, spare=spare))
         if isinstance(source, str):
             return stage_checkpoint(self.runner.model, self.model_config, source, spare=spare)
         return stage(self.runner.model, self.model_config, source, spare=spare)
+
+    def join_weight_group(self, address, rank: int, timeout_s: float):
+        """Join a trainer's weight group (pdserve.weights.group.WeightGroup) as `rank`; a tensor-parallel engine's
+        rank r joins as rank + r (its group of ranks: config.tensor_parallel_size). Blocks until every rank of the
+        group has joined. Returns rank 0's group."""
+        from pdserve.weights.group import WeightGroup
+
+        def join() -> WeightGroup:
+            return WeightGroup.join(address, rank, timeout_s)
+
+        if self.config.tensor_parallel_size > 1:
+            return self.runner.join_weight_group(address, rank, timeout_s, join)
+        return join()
+
+    def leave_weight_group(self, group) -> None:
+        """Leave the trainer's weight group joined with join_weight_group (every rank)."""
+        if self.config.tensor_parallel_size > 1 and not self.runner.failed:
+            self.runner.leave_weight_group()
+        group.close()
+
+    def receive_weights(self, group, metas: list, bucket_bytes: int) -> StagedUpdate | None:
+        """stage_weights of an update broadcast on the trainer's weight group (every rank receives it and stages
+        its share). Runs off the step thread; a tensor-parallel engine's steps wait meanwhile."""
+        tp = self.config.tensor_parallel_size
+        if isinstance(self.runner, SimRunner):  # no weights: the bytes are read and dropped
+            for _ in group.receive(metas, bucket_bytes):
+                pass
+            return None
+        if tp > 1:
+            spare, self._spare = self._spare, None
+            return self.runner.receive_weights(metas, bucket_bytes, lambda: stage(
+                self.runner.runner.model, self.model_config, group.receive(metas, bucket_bytes), tp, 0, spare=spare))
+        return self.stage_weights(group.receive(metas, bucket_bytes))
 
     def export_weights(self, directory: str) -> int:
         """Write the weights this engine serves as a checkpoint (safetensors + config.json) that another engine

@@ -109,6 +109,7 @@ class RankShare:
         loaded = load_shard(config, tp, rank)
         self.model_config = loaded.info.config  # the whole model's (a weight update's tensors are whole)
         self._staged = self._spare = None  # a weight update staged here, and the one committed before it
+        self._weight_group = None  # this rank's place in a trainer's weight group (pdserve.weights.group)
         _loaded(store, rank, tp)
         self.group, self.control = _new_groups(self.device, store, rank, tp, timeout_s)
         loaded.model.set_tensor_parallel(self.group)
@@ -145,25 +146,53 @@ class RankShare:
             raise
 
     def _weights(self, command: dict) -> None:
-        """Stage this rank's share of a checkpoint and say whether it could (every rank's answer is reduced:
-        all commit, or none), commit it, or drop it."""
-        from pdserve.weights.update import stage_checkpoint
+        """A weight command of rank 0's (TPRunner.on_every_rank): join or leave a trainer's weight group, stage
+        this rank's share of an update (a checkpoint's, or one received on the group) and say whether it could
+        (every rank's answer is reduced: all commit, or none), commit it, or drop it."""
+        from pdserve.weights.group import WeightGroup
+        from pdserve.weights.update import stage, stage_checkpoint
 
-        if "stage" in command:
+        model, cfg, tp, rank = self.runner.model, self.model_config, self.tp, self.rank
+        if "join" in command:
+            address, first_rank, timeout_s = command["join"]
+            self._leave_group()
+            self._reply(lambda: WeightGroup.join(address, first_rank + rank, timeout_s), "_weight_group")
+        elif "leave" in command:
+            self._leave_group()
+        elif "stage" in command:
             spare, self._spare = self._spare, None
-            try:
-                self._staged = stage_checkpoint(self.runner.model, self.model_config, command["stage"], self.tp,
-                                                self.rank, spare=spare)
-                ok = 1
-            except Exception as e:  # noqa: BLE001 - rank 0 hears of it through the reduction and raises
-                log.warning("rank %d could not stage %s: %s", self.rank, command["stage"], e)
-                self._staged, ok = None, 0
-            _all_ok(self.control, ok)
+            self._reply(lambda: stage_checkpoint(model, cfg, command["stage"], tp, rank, spare=spare), "_staged")
+        elif "receive" in command:
+            spare, self._spare = self._spare, None
+            metas, bucket_bytes = command["receive"]
+            self._reply(lambda: stage(model, cfg, self._group().receive(metas, bucket_bytes), tp, rank, spare=spare),
+                        "_staged")
         elif "commit" in command:
             self._staged.commit(self.runner.model)
             self._spare, self._staged = self._staged, None
         else:
             self._staged = None
+
+    def _reply(self, make: Callable[[], object], attr: str) -> None:
+        """self.<attr> = make(), or None if it failed; every rank learns whether all could (rank 0 raises)."""
+        try:
+            setattr(self, attr, make())
+            ok = 1
+        except Exception as e:  # noqa: BLE001 - rank 0 hears of it through the reduction and raises
+            log.warning("rank %d: a weight command failed: %s", self.rank, e)
+            setattr(self, attr, None)
+            ok = 0
+        _all_ok(self.control, ok)
+
+    def _group(self):
+        if self._weight_group is None:
+            raise RuntimeError(f"rank {self.rank} is in no weight group")
+        return self._weight_group
+
+    def _leave_group(self) -> None:
+        group, self._weight_group = self._weight_group, None
+        if group is not None:
+            group.close()
 
     def _layer_done(self, layer: int) -> None:
         event = None
@@ -282,24 +311,51 @@ class TPRunner:
         """Every rank stages its share of checkpoint `path` (rank 0's: stage_own()), steps waiting meanwhile;
         rank 0's staged update, once every rank has its share. If any rank could not, none keeps its share and
         this raises (WeightError from rank 0's own staging, or ValueError naming the failure elsewhere)."""
+        return self.on_every_rank({"stage": path}, stage_own, f"stage {path!r}")
+
+    def receive_weights(self, metas: list, bucket_bytes: int, receive_own: Callable[[], object]) -> object:
+        """Every rank receives an update broadcast on the trainer's weight group and stages its share (rank 0's:
+        receive_own()), steps waiting meanwhile; as stage_weights."""
+        return self.on_every_rank({"receive": (metas, bucket_bytes)}, receive_own, "receive the update")
+
+    def join_weight_group(self, address, first_rank: int, timeout_s: float, join_own: Callable[[], object]) -> object:
+        """Rank r joins the trainer's weight group at `address` as rank first_rank + r (rank 0: join_own(), whose
+        group is returned). If any rank could not, those that did leave it again and this raises."""
+        return self.on_every_rank({"join": (address, first_rank, timeout_s)}, join_own, "join the weight group",
+                                  undo={"leave": True}, drop_own=lambda group: group.close())
+
+    def leave_weight_group(self) -> None:
+        """The other ranks leave the trainer's weight group (rank 0 closes its own)."""
+        self.on_every_rank({"leave": True}, None, "leave the weight group")
+
+    def on_every_rank(self, command: dict, own: Callable[[], object] | None, what: str,
+                      undo: dict | None = None, drop_own: Callable[[object], None] | None = None) -> object:
+        """Broadcast a weight command (RankShare._weights), run rank 0's part (own(); None: the command needs no
+        answer) and return it, steps waiting meanwhile. If any rank fails, every rank is told `undo` (default:
+        drop what it staged), rank 0's result is dropped, and this raises: rank 0's own error, or a ValueError."""
+        from pdserve.weights.group import WeightGroupError
         from pdserve.weights.update import WeightError
 
         with self._lock:
             self._check()
             try:
-                _broadcast(self.control, {"stage": path})
+                _broadcast(self.control, command)
+                if own is None:
+                    return None
                 try:
-                    own, error = stage_own(), None
-                except Exception as e:  # noqa: BLE001 - the others are told to drop theirs, then it is raised
-                    own, error = None, e
+                    mine, error = own(), None
+                except Exception as e:  # noqa: BLE001 - the others are told to undo theirs, then it is raised
+                    mine, error = None, e
                 if not _all_ok(self.control, int(error is None)):
-                    _broadcast(self.control, {"drop": True})
-                    raise error or WeightError(f"another rank could not stage {path!r} (its log says why)")
-                return own
-            except (WeightError, ValueError, FileNotFoundError):
+                    _broadcast(self.control, undo or {"drop": True})
+                    if mine is not None and drop_own is not None:
+                        drop_own(mine)
+                    raise error or WeightError(f"another rank could not {what} (its log says why)")
+                return mine
+            except (WeightError, WeightGroupError, ValueError, FileNotFoundError):
                 raise
             except Exception as e:
-                self._fatal(f"a weight update's staging failed: {type(e).__name__}: {e}")
+                self._fatal(f"a weight update failed: {type(e).__name__}: {e}")
                 raise TPGroupError(self.failed) from e
             finally:
                 self._last = time.monotonic()

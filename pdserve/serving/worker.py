@@ -232,13 +232,10 @@ class WorkerActor:
         return await self.commit_weights(version)
 
     async def join_weight_group(self, address, rank: int, timeout_s: float) -> None:
-        """Join a trainer's weight group (pdserve.weights.group) as `rank`; returns once every rank has."""
-        from pdserve.weights.group import WeightGroup
-
-        if self.tp > 1:
-            raise NotImplementedError("weight groups with tensor-parallel workers are not supported yet")
+        """Join a trainer's weight group (pdserve.weights.group) as `rank` (a tensor-parallel worker's rank r as
+        rank + r); returns once every rank has."""
         await self.leave_weight_group()
-        self._group = await asyncio.to_thread(WeightGroup.join, address, rank, timeout_s)
+        self._group = await asyncio.to_thread(self.core.join_weight_group, address, rank, timeout_s)
 
     async def receive_weights(self, metas: list, bucket_bytes: int, version: int) -> None:
         """Start receiving an update broadcast on the weight group, staging each tensor as it arrives (the worker
@@ -250,7 +247,7 @@ class WorkerActor:
 
         def receive() -> None:
             t0 = time.perf_counter()
-            staged = self.core.stage_weights(group.receive(metas, bucket_bytes))
+            staged = self.core.receive_weights(group, metas, bucket_bytes)
             self._staged = (version, staged, time.perf_counter() - t0)
 
         self._receiving = loop.run_in_executor(None, receive)
@@ -272,7 +269,7 @@ class WorkerActor:
     async def leave_weight_group(self) -> None:
         group, self._group = self._group, None
         if group is not None:
-            await asyncio.to_thread(group.close)
+            await asyncio.to_thread(self.core.leave_weight_group, group)
 
     async def export_weights(self, directory: str) -> int:
         """Write the weights served as a checkpoint in `directory` (EngineCore.export_weights), on the step

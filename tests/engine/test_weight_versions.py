@@ -193,13 +193,64 @@ def test_a_tensor_parallel_engine_updates_every_rank(weight_versions, tmp_path):
         with pytest.raises(WeightError):
             eng.update_weights(str(bad), 1)
         assert eng.generate([PROMPT], greedy(8))[0].token_ids == reference(weight_versions[0], PROMPT, 8)
-        with pytest.raises(NotImplementedError):
+        with pytest.raises(NotImplementedError):  # rank 0 alone cannot take tensors for every rank
             eng.update_weights([("model.norm.weight", torch.ones(64))], 1)
         eng.update_weights(str(weight_versions[1]), 1)
         assert eng.weight_version == 1
         assert eng.generate([PROMPT], greedy(8))[0].token_ids == reference(weight_versions[1], PROMPT, 8)
         eng.update_weights(str(weight_versions[2]), 2)  # every rank stages into its own memory of the last one
         assert eng.generate([PROMPT], greedy(8))[0].token_ids == reference(weight_versions[2], PROMPT, 8)
+
+
+def test_a_trainers_group_reaches_every_rank_of_a_tensor_parallel_engine(weight_versions):
+    """A trainer (this thread, rank 0) broadcasts whole tensors on a weight group that both ranks of a TP 2
+    engine joined (as ranks 1 and 2); each stages its share and the engine then serves the new weights. A
+    trainer that sends another update than announced fails every rank's receive: nothing is applied."""
+    import threading
+
+    from safetensors.torch import load_file
+
+    from pdserve.weights.group import GroupAddress, WeightGroup, WeightGroupError, free_port
+    from pdserve.weights.update import TensorMeta
+
+    config = EngineConfig(model=str(weight_versions[0]), cache=CacheConfig(block_size=4, num_blocks=64),
+                          tensor_parallel_size=2)
+    tensors = sorted(load_file(str(weight_versions[1] / "model.safetensors")).items())
+    metas = [TensorMeta(name, tuple(t.shape), t.dtype) for name, t in tensors]
+    with LLMEngine(config) as eng:
+        address = GroupAddress("127.0.0.1", free_port(), 3, "tp-engine")
+        joined: list = []
+        t = threading.Thread(target=lambda: joined.append(eng.core.join_weight_group(address, 1, 30.0)))
+        t.start()
+        with WeightGroup.join(address, 0, 30.0) as trainer:
+            t.join(30)
+            group = joined[0]
+            assert group.rank == 1
+            received: list = []
+            t = threading.Thread(target=lambda: received.append(eng.core.receive_weights(group, metas, 4096)))
+            t.start()
+            trainer.send(tensors, 4096)
+            t.join(60)
+            eng.core.commit_weights(received[0], 1)
+            assert eng.generate([PROMPT], greedy(8))[0].token_ids == reference(weight_versions[1], PROMPT, 8)
+
+            # An update other than the one announced: every rank refuses it, the engine serves on.
+            failed: list = []
+
+            def receive() -> None:
+                try:
+                    eng.core.receive_weights(group, metas, 4096)
+                except (WeightError, WeightGroupError) as e:
+                    failed.append(e)
+
+            t = threading.Thread(target=receive)
+            t.start()
+            with pytest.raises(WeightGroupError):
+                trainer.send(tensors[:-1], 4096)
+            t.join(60)
+            assert failed
+        eng.core.leave_weight_group(group)
+        assert eng.generate([PROMPT], greedy(8))[0].token_ids == reference(weight_versions[1], PROMPT, 8)
 
 
 @pytest.mark.parametrize("quantization", [None, "int8"])

@@ -397,7 +397,8 @@ LAYOUTS = {
     "2P2D": dict(prefill=PoolConfig(2, num_cpus=0.25), decode=PoolConfig(2, num_cpus=0.25)),
     "fast lane": dict(prefill=PoolConfig(1, num_cpus=0.25), decode=PoolConfig(1, num_cpus=0.25),
                       fast=PoolConfig(1, num_cpus=0.25)),
-    # Tensor parallelism: every rank stages its share of the checkpoint (pdserve.engine.tp_runner).
+    # Tensor parallelism: every rank stages its share of the checkpoint, or of a trainer's broadcast
+    # (pdserve.engine.tp_runner).
     "TP (2, 1)": dict(prefill=PoolConfig(1, num_cpus=0.1, tensor_parallel_size=2, torch_threads=1),
                       decode=PoolConfig(1, num_cpus=0.1, torch_threads=1)),
     "TP (1, 2)": dict(prefill=PoolConfig(1, num_cpus=0.1, torch_threads=1),
@@ -421,6 +422,15 @@ def test_every_worker_of_a_layout_switches_and_serves_the_new_version(ray_local,
                 assert out.choices[0].weight_versions == [1] * 8
             if layout == "fast lane":  # served by the lane's worker, at the new version
                 assert out.timings["decode_worker"].startswith("fast")
+            # A trainer's push reaches every rank of every worker (a TP worker's ranks each join the group).
+            from pdserve.weights.trainer import WeightSync
+
+            with WeightSync(s.target, bucket_bytes=64 << 10) as sync:
+                r = sync.push(checkpoint_tensors(weight_versions[2]), 2)
+            assert len(r.workers) == sum(s.sizes.values())
+            out = greedy(c, PROMPT, service_tier=tier)
+            assert out.token_ids == reference(weight_versions[2], PROMPT, 8)
+            assert out.choices[0].weight_versions == [2] * 8
         s.settle()
     finally:
         s.close()
