@@ -251,6 +251,7 @@ class GenerationService(pb_grpc.GenerationServicer):
                             t.finish_reason = "error"
                             raise RequestFailed(out.error or "the request failed on a worker")
                         t.tokens(len(out.new_token_ids))
+                        t.token_versions += out.weight_versions
                         if out.finish_reason is not None:
                             t.finish_reason = out.finish_reason.value
                         yield out
@@ -357,7 +358,8 @@ class Router:
         doors = ("grpc", "http") if config.http_port is not None else ("grpc",)  # their series exist from the start
         self.metrics = RouterMetrics(cluster.worker_stats, lambda: (dict(cluster.restarts), dict(cluster.retries)),
                                      lambda: self.service.pool_scale(), cluster.config.tiers.slo,
-                                     lambda: cluster.downgrades, doors) if config.metrics_port is not None else None
+                                     lambda: cluster.downgrades, doors, lambda: self.weights.version,
+                                     ) if config.metrics_port is not None else None
         self.service = GenerationService(cluster, config, self.metrics)
         self.weights = WeightControl(cluster)  # updates, pause and resume (router.weights)
         self.weights_service = WeightsService(self.weights)

@@ -16,6 +16,7 @@ class Timeline:
     arrived: float = field(default_factory=time.monotonic)
     admitted: float = 0.0
     token_times: list[float] = field(default_factory=list)  # when each output token was streamed
+    token_versions: list[int] = field(default_factory=list)  # the weight version that sampled each
     prompt_tokens: int = 0
     finish_reason: str = "none"  # until the request ends with one
     code: str = "OK"  # gRPC's status names, for HTTP requests too
@@ -36,4 +37,4 @@ class Timeline:
             ttft_s=t.token_times[0] - t.arrived if t.token_times else None,
             e2e_s=t.token_times[-1] - t.arrived if t.token_times and t.finish_reason != "cancelled" else None,
             token_times=t.token_times, prompt_tokens=t.prompt_tokens, output_tokens=len(t.token_times),
-            service_tier=t.service_tier, served_tier=t.served_tier)
+            service_tier=t.service_tier, served_tier=t.served_tier, token_versions=t.token_versions)

@@ -8,7 +8,8 @@ Prometheus conventions: `pdserve_` prefix, base units, `_total` for counters.
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+import collections
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -48,6 +49,10 @@ class PoolScale:
     tensor_parallel_size: int = 1  # ranks (devices) per worker
 
 
+# pdserve_request_generation_tokens_by_staleness's versions_behind values: 0, 1, 2, then 3 or more.
+STALENESS_LABELS = ("0", "1", "2", "3+")
+
+
 class RouterMetrics:
     """The registry the router serves: request histograms and counters, admission gauges, worker metrics."""
 
@@ -55,11 +60,13 @@ class RouterMetrics:
                  faults: Callable[[], tuple[dict[str, int], dict[str, int]]] = lambda: ({}, {}),
                  scale: Callable[[], Iterable[PoolScale]] = lambda: (),
                  slos: dict[str, TierSLO] | None = None, downgrades: Callable[[], int] = lambda: 0,
-                 protocols: Iterable[str] = ("grpc",)):
+                 protocols: Iterable[str] = ("grpc",), weight_version: Callable[[], int] = lambda: 0):
         """worker_stats: the workers' latest stats; faults: (restarts by pool, retries by reason), cumulative;
         scale: each pool's size, target and scale events; slos: each tier's targets (pdserve.tiers);
         downgrades: priority requests served as default so far; protocols: the doors requests come in by
-        ("grpc", and "http" where the OpenAI API is served), whose request series exist from the start."""
+        ("grpc", and "http" where the OpenAI API is served), whose request series exist from the start;
+        weight_version: the weight version the cluster serves (router.weights), that tokens' staleness is
+        counted against."""
         r = self.registry = CollectorRegistry()
         self.slos = slos if slos is not None else TiersConfig().slo
         # Every request metric is labelled by the protocol it came in on, "grpc" or "http" (OpenAI API),
@@ -95,6 +102,13 @@ class RouterMetrics:
                                      registry=r)
         self.generation_tokens = Counter("pdserve_request_generation_tokens", "Tokens streamed to clients", p,
                                          registry=r)
+        self.weight_version = weight_version
+        self.staleness = Counter("pdserve_request_generation_tokens_by_staleness",
+                                 "Tokens streamed to clients by how many weight versions the weights that sampled "
+                                 "each were behind the version the cluster served when its request ended (RL "
+                                 "rollouts: the policy lag of the samples)", ["versions_behind"], registry=r)
+        for behind in STALENESS_LABELS:
+            self.staleness.labels(behind)
         # Every series a dashboard queries exists from the start, at 0 (a panel reads 0, not "no data", before
         # the first request of a tier), for the label values known up front: doors, tiers, and the finish
         # reasons every door and tier ends requests with (stop or length, OK).
@@ -122,9 +136,11 @@ class RouterMetrics:
 
     def observe_request(self, *, finish_reason: str, code: str, queue_s: float | None, ttft_s: float | None,
                         e2e_s: float | None, token_times: list[float], prompt_tokens: int, output_tokens: int,
-                        protocol: str = "grpc", service_tier: str = "default", served_tier: str | None = None) -> None:
+                        protocol: str = "grpc", service_tier: str = "default", served_tier: str | None = None,
+                        token_versions: Sequence[int] = ()) -> None:
         """Record one finished request. token_times: when each output token was streamed (one per token).
-        service_tier: the tier it asked for, whose SLO it is judged by; served_tier: the tier it got."""
+        service_tier: the tier it asked for, whose SLO it is judged by; served_tier: the tier it got.
+        token_versions: the weight version that sampled each output token."""
         p = (protocol, service_tier)
         self.requests.labels(*p, finish_reason, code).inc()
         if queue_s is not None:
@@ -142,6 +158,11 @@ class RouterMetrics:
             itl.observe(b - a)
         self.prompt_tokens.labels(*p).inc(prompt_tokens)
         self.generation_tokens.labels(*p).inc(output_tokens)
+        if token_versions:
+            served = self.weight_version()
+            for version, n in collections.Counter(token_versions).items():
+                behind = min(max(served - version, 0), len(STALENESS_LABELS) - 1)  # a newer token: rolling update
+                self.staleness.labels(STALENESS_LABELS[behind]).inc(n)
         if code == "OK" and finish_reason in ("stop", "length") and ttft_s is not None:
             met = "true" if self.slos[service_tier].met(ttft_s, tpot) else "false"
             self.slo_requests.labels(service_tier, met).inc()

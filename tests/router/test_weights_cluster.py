@@ -18,6 +18,7 @@ from pdserve.config import CacheConfig, ClusterConfig, EngineConfig, PoolConfig,
 from pdserve.engine import LLMEngine
 from pdserve.engine.sampling import SamplingParams
 from pdserve.v1 import generation_pb2 as pb
+from router.server import RouterConfig
 
 from conftest import keep_reference, wait_for
 from served import Served
@@ -34,7 +35,7 @@ def engine_config(path) -> EngineConfig:
 def served(ray_local, aloop, weight_versions):
     config = ClusterConfig(engine=engine_config(weight_versions[0]), prefill=PoolConfig(1, num_cpus=0.25),
                            decode=PoolConfig(1, num_cpus=0.25), transfer_timeout_s=20.0)
-    s = Served(aloop, config)
+    s = Served(aloop, config, RouterConfig(port=0, metrics_port=0))  # metrics: tokens by weight staleness
     yield s
     s.close()
 
@@ -159,9 +160,17 @@ def paused_mid_stream(client, policy: str, max_tokens: int = 200) -> Stream:
     return s
 
 
+def stale_tokens(served) -> list[float]:
+    """The router's count of tokens streamed by versions behind: 0, 1, 2, 3+."""
+    g = served.router.metrics.registry.get_sample_value
+    return [g("pdserve_request_generation_tokens_by_staleness_total", {"versions_behind": b})
+            for b in ("0", "1", "2", "3+")]
+
+
 @pytest.mark.parametrize("policy", ["recompute", "keep", "abort"])
-def test_a_request_in_flight_across_an_update_follows_its_policy(client, versions, policy):
+def test_a_request_in_flight_across_an_update_follows_its_policy(client, served, versions, policy):
     old = versions.path
+    stale = stale_tokens(served)
     s = paused_mid_stream(client, policy)
     assert all(w.paused for w in client.weight_versions(timeout=30).workers)
     update(client, versions)  # while paused: the update leaves the cluster paused
@@ -178,6 +187,14 @@ def test_a_request_in_flight_across_an_update_follows_its_policy(client, version
         assert s.finish == "length" and s.tokens[k:] == reference(versions.path, PROMPT + so_far, 200 - k)
     else:
         assert s.finish == "length" and s.tokens[k:] == keep_reference(old, versions.path, PROMPT, so_far, 200 - k)
+    # The router counts the tokens the old weights sampled as one version behind the one served when the request
+    # ended (an aborted request ends at its worker's switch: the cluster may not have switched yet, 0 behind).
+    wait_for(lambda: stale_tokens(served) != stale, timeout=30, what="the request's tokens to be counted")
+    delta = [b - a for a, b in zip(stale, stale_tokens(served))]
+    if policy == "abort":
+        assert delta[0] + delta[1] == k and delta[2:] == [0, 0]
+    else:
+        assert delta == [len(s.tokens) - k, k, 0, 0]
     served_settles = client.cluster_status(timeout=30)
     assert sum(w.kv_blocks_used for p in served_settles.pools for w in p.workers) == 0
 

@@ -200,6 +200,24 @@ def test_weight_series():
         == [0, 2, 1]
 
 
+def test_served_tokens_are_counted_by_their_weight_staleness():
+    """Each token by how many versions its weights were behind the cluster's when its request ended: 3 and more
+    in one series; a token newer than the cluster's version (a rolling update under way) counts as 0 behind."""
+    served = [5]
+    m = RouterMetrics(lambda: [], weight_version=lambda: served[0])
+    g = lambda behind: m.registry.get_sample_value("pdserve_request_generation_tokens_by_staleness_total",  # noqa: E731
+                                                   {"versions_behind": behind})
+    assert [g(b) for b in ("0", "1", "2", "3+")] == [0, 0, 0, 0]  # every series from the start
+    m.observe_request(finish_reason="length", code="OK", queue_s=0.0, ttft_s=1.0, e2e_s=2.0,
+                      token_times=[1.0] * 9, prompt_tokens=3, output_tokens=9,
+                      token_versions=[1, 2, 3, 3, 4, 4, 5, 5, 6])
+    assert [g(b) for b in ("0", "1", "2", "3+")] == [3, 2, 2, 2]
+    served[0] = 6
+    m.observe_request(finish_reason="stop", code="OK", queue_s=0.0, ttft_s=1.0, e2e_s=1.0, token_times=[1.0],
+                      prompt_tokens=3, output_tokens=1, token_versions=[5])
+    assert g("1") == 3
+
+
 def test_handoff_and_reservation_wait_histograms():
     from pdserve.transfer.protocol import SecondsHistogram
 
