@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import functools
 import os
 from pathlib import Path
 
@@ -9,9 +10,9 @@ import torch
 # Keep the suite's tokenizer cache out of the user's home and shared across the session.
 os.environ.setdefault("PDSERVE_CACHE_DIR", str(Path(__file__).resolve().parent.parent / ".pytest_cache" / "pdserve"))
 
-# Without CUDA, Triton's interpreter runs the GPU kernels' tests (tests/kernels/test_triton_attention.py) on CPU tensors.
-# Triton reads TRITON_INTERPRET once, when triton.language is first imported in the process, so it is set here,
-# before any test module can import triton. With CUDA the kernels are compiled and those tests run on the GPU.
+# Without CUDA, Triton's interpreter runs the GPU kernels' tests (tests/kernels/test_triton_attention.py) on CPU
+# tensors. Triton reads TRITON_INTERPRET once, when triton.language is first imported in the process, so it is set
+# here, before any test module can import triton. With CUDA the kernels are compiled and those tests run on the GPU.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
@@ -102,6 +103,22 @@ def tiny_checkpoints(tmp_path_factory) -> dict[str, Path]:
     }
 
 
+@functools.cache
+def _transformers_gguf(path: Path) -> torch.nn.Module:
+    import transformers
+
+    return transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32,
+                                                             local_files_only=True).eval()
+
+
+def transformers_gguf(path: Path) -> torch.nn.Module:
+    """transformers' own load of a GGUF file (fp32, eval mode), made once per file per session: SmolLM2's
+    takes ~20 s on 2 cores, and tests/model/test_gguf.py, tests/model/test_default_model.py and
+    tests/engine/test_logprobs.py (with test_penalties.py) all hold pdserve to it. Shared: a test may run it
+    (under no_grad) or read its state_dict, never change it."""
+    return _transformers_gguf(Path(path).resolve())
+
+
 class LoopThread:
     """An asyncio loop on its own thread, so sync tests can drive async components that keep tasks alive."""
 
@@ -174,3 +191,90 @@ def cpu_kernels_built():
         except ImportError:
             pytest.skip("CPU kernels cannot be built: ninja is not installed")
     pytest.fail("a compiler and ninja exist but the CPU kernels did not build (see the warning)")
+
+
+# -- one SmolLM2 1P1D cluster for the modules that serve the same one ---------------------------------------------
+# tests/router/test_api.py, test_grpc_logprobs.py, test_openai_api.py, test_openai_logprobs.py and the real run of
+# tests/bench/test_bench.py serve SmolLM2 on one prefill and one decode worker; each used to start its own (~15 s
+# on 2 cores). They share one through `smol_1p1d` (each module keeps its own routers on it): their modules run one
+# after another, where the first of them is collected, and the cluster is shut down once the last of them is done,
+# so no other module ever runs beside it. A test of theirs reads what the cluster did as a delta (a cancel by its
+# request id, KV blocks back to zero, prompt tokens computed over a run), never as a total since it started, and
+# sends no prompt another module's test needs to find uncached.
+SMOL_1P1D = "smol_1p1d"
+
+
+def smol_1p1d_engine_config():
+    """The engine config of the shared cluster (SmolLM2, 512 KV blocks of 16 tokens, a 512-token budget, 64
+    sequences): the one its modules build their offline engines from. Skips where SmolLM2 is not installed."""
+    from pdserve.config import CacheConfig, EngineConfig, SchedulerConfig
+    from pdserve.model.loader import default_model_path
+
+    try:
+        default_model_path()
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+    return EngineConfig(cache=CacheConfig(block_size=16, num_blocks=512),
+                        scheduler=SchedulerConfig(max_num_batched_tokens=512, max_num_seqs=64))
+
+
+class _SharedCluster:
+    def __init__(self):
+        self.cluster = self.aloop = None
+        self.last_module: Path | None = None  # the last module collected that uses it: closed after it
+
+    def get(self, aloop):
+        if self.cluster is None:
+            self.aloop = aloop
+            from pdserve.config import ClusterConfig, PoolConfig
+            from router.cluster import Cluster
+
+            cluster = Cluster(ClusterConfig(engine=smol_1p1d_engine_config(), prefill=PoolConfig(1, num_cpus=0.25),
+                                            decode=PoolConfig(1, num_cpus=0.25)))
+            aloop.run(cluster.start(), timeout=600)
+            self.cluster = cluster
+        return self.cluster
+
+    def close(self) -> None:
+        if self.cluster is not None:
+            cluster, self.cluster = self.cluster, None
+            self.aloop.run(cluster.shutdown())
+
+
+_smol_1p1d = _SharedCluster()
+
+
+def _uses_smol_1p1d(item) -> bool:
+    return SMOL_1P1D in getattr(item, "fixturenames", ())
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(session, config, items):
+    """The modules that use `smol_1p1d` run one after another, where the first of them is (each module's own
+    order kept), so the shared cluster is up only while they run."""
+    users = list(dict.fromkeys(item.path for item in items if _uses_smol_1p1d(item)))
+    if len(users) > 1:
+        first = next(i for i, item in enumerate(items) if item.path in users)
+        group = sorted((item for item in items if item.path in users), key=lambda item: users.index(item.path))
+        items[:] = items[:first] + group + [item for item in items[first:] if item.path not in users]
+    _smol_1p1d.last_module = users[-1] if users else None
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    yield
+    # After the last module that uses the shared cluster, with its own fixtures (its routers) torn down.
+    if item.path == _smol_1p1d.last_module and (nextitem is None or nextitem.path != item.path):
+        _smol_1p1d.close()
+
+
+@pytest.fixture(scope="session")
+def _smol_1p1d_owner(ray_local, aloop):
+    yield _smol_1p1d
+    _smol_1p1d.close()  # a run stopped before the last module that uses it was done
+
+
+@pytest.fixture(scope="module")
+def smol_1p1d(_smol_1p1d_owner, aloop):
+    """The shared SmolLM2 1P1D cluster (a router.cluster.Cluster), started by the first module that asks."""
+    return _smol_1p1d_owner.get(aloop)

@@ -479,22 +479,13 @@ REPORT_KEYS = [
 
 
 @pytest.mark.slow
-def test_real_bench_run(ray_local, aloop, tmp_path):
+def test_real_bench_run(aloop, smol_1p1d, tmp_path):
+    """SmolLM2 on one prefill and one decode worker: the cluster tests/router's API modules share
+    (conftest.smol_1p1d); what the run reads of the workers it reads as deltas over the run."""
     from pdserve.cli import main
-    from pdserve.config import CacheConfig, ClusterConfig, EngineConfig, PoolConfig, SchedulerConfig
-    from pdserve.model.loader import default_model_path
-    from router.cluster import Cluster
     from router.server import Router, RouterConfig
 
-    try:
-        default_model_path()
-    except FileNotFoundError as e:
-        pytest.skip(str(e))
-    cache, sched = CacheConfig(block_size=16, num_blocks=256), SchedulerConfig(max_num_batched_tokens=512)
-    pool = PoolConfig(1, num_cpus=0.25, cache=cache, scheduler=sched, torch_threads=1)
-    cluster = Cluster(ClusterConfig(engine=EngineConfig(cache=cache, scheduler=sched), prefill=pool, decode=pool))
-    aloop.run(cluster.start(), timeout=600)
-    router = Router(cluster, RouterConfig(port=0))
+    router = Router(smol_1p1d, RouterConfig(port=0))
     try:
         port = aloop.run(router.start())
         out, png = tmp_path / "run.json", tmp_path / "run.png"
@@ -509,7 +500,6 @@ def test_real_bench_run(ray_local, aloop, tmp_path):
                          "--seed", "1", "--output", str(group), "--no-progress"])
     finally:
         aloop.run(router.stop(grace=5))
-        aloop.run(cluster.shutdown())
     assert rc == 0 and group_rc == 0
     g = json.loads(group.read_text())
     assert g["completed"] == 4 and g["failed"] == 0 and g["config"]["n"] == 2

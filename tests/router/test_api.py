@@ -12,14 +12,12 @@ import pytest
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from pdserve.client import AsyncClient, Client, build_request
-from pdserve.config import CacheConfig, ClusterConfig, EngineConfig, PoolConfig, SchedulerConfig
 from pdserve.engine import LLMEngine
 from pdserve.engine.sampling import SamplingParams
 from pdserve.v1 import generation_pb2 as pb
-from router.cluster import Cluster
 from router.server import SERVICE_NAME, Router, RouterConfig
 
-from conftest import wait_for
+from conftest import smol_1p1d_engine_config, wait_for
 from served import CANCEL_WITHIN_STEPS_SMOL, CancelWatch
 
 pytestmark = pytest.mark.slow
@@ -27,31 +25,15 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
-def engine_config():
-    from pdserve.model.loader import default_model_path
-
-    try:
-        default_model_path()
-    except FileNotFoundError as e:
-        pytest.skip(str(e))
-    return EngineConfig(cache=CacheConfig(block_size=16, num_blocks=512),
-                        scheduler=SchedulerConfig(max_num_batched_tokens=512, max_num_seqs=64))
+def offline():
+    return LLMEngine(smol_1p1d_engine_config())
 
 
 @pytest.fixture(scope="module")
-def offline(engine_config):
-    return LLMEngine(engine_config)
-
-
-@pytest.fixture(scope="module")
-def cluster(ray_local, aloop, engine_config):
-    c = Cluster(ClusterConfig(engine=engine_config, prefill=PoolConfig(1, num_cpus=0.25, cache=engine_config.cache,
-                                                                         scheduler=engine_config.scheduler),
-                              decode=PoolConfig(1, num_cpus=0.25, cache=engine_config.cache,
-                                                scheduler=engine_config.scheduler)))
-    aloop.run(c.start(), timeout=600)
-    yield c
-    aloop.run(c.shutdown())
+def cluster(smol_1p1d):
+    """SmolLM2 on one prefill and one decode worker: the cluster this module shares with the other API modules
+    (conftest.smol_1p1d)."""
+    return smol_1p1d
 
 
 def start_router(aloop, cluster, **kw) -> Router:

@@ -11,14 +11,15 @@ import pytest
 
 from pdserve.client import Client, Completion, build_request
 from pdserve.client.grpc_client import TokenLogprob as ClientLogprob
-from pdserve.config import CacheConfig, ClusterConfig, EngineConfig, PoolConfig, SchedulerConfig
+from pdserve.config import EngineConfig
 from pdserve.engine.logprobs import TokenLogprob
 from pdserve.engine.output import RequestOutput
 from pdserve.engine.sampling import MAX_N, SamplingParams, sample_seed
 from pdserve.v1 import generation_pb2 as pb
 from router.admission import parse_request, parse_wire
-from router.cluster import Cluster
 from router.server import GenerationService, Router, RouterConfig
+
+from conftest import smol_1p1d_engine_config
 
 TOLERANCE = 1e-4
 PROMPT = "The capital of France is"
@@ -110,31 +111,17 @@ def test_a_response_without_logprobs_is_the_old_message():
 
 # -- a served cluster ----------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def engine_config():
-    from pdserve.model.loader import default_model_path
-
-    try:
-        default_model_path()
-    except FileNotFoundError as e:
-        pytest.skip(str(e))
-    return EngineConfig(cache=CacheConfig(block_size=16, num_blocks=512),
-                        scheduler=SchedulerConfig(max_num_batched_tokens=512, max_num_seqs=64))
-
-
-@pytest.fixture(scope="module")
-def offline(engine_config):
+def offline():
     from pdserve.engine import LLMEngine
 
-    return LLMEngine(engine_config)
+    return LLMEngine(smol_1p1d_engine_config())
 
 
 @pytest.fixture(scope="module")
-def cluster(ray_local, aloop, engine_config):
-    c = Cluster(ClusterConfig(engine=engine_config, prefill=PoolConfig(1, num_cpus=0.25),
-                              decode=PoolConfig(1, num_cpus=0.25)))
-    aloop.run(c.start(), timeout=600)
-    yield c
-    aloop.run(c.shutdown())
+def cluster(smol_1p1d):
+    """SmolLM2 on one prefill and one decode worker: the cluster this module shares with the other API modules
+    (conftest.smol_1p1d)."""
+    return smol_1p1d
 
 
 def start_router(aloop, cluster, **kw) -> Router:

@@ -16,8 +16,6 @@ import openai
 import pytest
 
 from pdserve.client import Client
-from pdserve.config import CacheConfig, ClusterConfig, EngineConfig, PoolConfig, SchedulerConfig
-from router.cluster import Cluster
 from router.server import Router, RouterConfig, request_size_bounds
 
 from conftest import wait_for
@@ -30,19 +28,10 @@ CHAT = [{"role": "user", "content": "Name three colours."}]
 
 
 @pytest.fixture(scope="module")
-def cluster(ray_local, aloop):
-    from pdserve.model.loader import default_model_path
-
-    try:
-        default_model_path()
-    except FileNotFoundError as e:
-        pytest.skip(str(e))
-    engine = EngineConfig(cache=CacheConfig(block_size=16, num_blocks=512),
-                          scheduler=SchedulerConfig(max_num_batched_tokens=512, max_num_seqs=64))
-    c = Cluster(ClusterConfig(engine=engine, prefill=PoolConfig(1, num_cpus=0.25), decode=PoolConfig(1, num_cpus=0.25)))
-    aloop.run(c.start(), timeout=600)
-    yield c
-    aloop.run(c.shutdown())
+def cluster(smol_1p1d):
+    """SmolLM2 on one prefill and one decode worker: the cluster this module shares with the other API modules
+    (conftest.smol_1p1d)."""
+    return smol_1p1d
 
 
 def start(aloop, cluster, **kw) -> Router:
