@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from types import SimpleNamespace
 
 import grpc
 import openai
@@ -48,6 +49,7 @@ class ScriptedCluster:
     def __init__(self, info):
         self.info = info
         self.config = ClusterConfig()
+        self.scaling = SimpleNamespace(workers=[], catch_up=None)  # the pools, as router.weights reads them: none
         self.params = []  # the SamplingParams of every request it was given
 
     def queued(self, tier: ServiceTier) -> int:

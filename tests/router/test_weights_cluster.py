@@ -200,8 +200,9 @@ def test_a_request_in_flight_across_an_update_follows_its_policy(client, served,
 
 
 def test_pause_abort_ends_requests_in_flight_and_new_ones_wait_for_resume(client, served, versions):
-    s = Stream(client, 200)
-    wait_for(lambda: len(s.tokens) >= 4, timeout=60, what="the request's first tokens")
+    # Paused (keep) first, so the request is surely in flight when the abort comes (unpaused, the tiny model can
+    # stream its 200 tokens before the abort reaches the router).
+    s = paused_mid_stream(client, "recompute")
     client.pause("abort", timeout=60)
     s.join()
     assert s.finish == "abort" and s.tokens == reference(versions.path, PROMPT, 200)[:len(s.tokens)]
