@@ -77,6 +77,7 @@ class EngineCore:
         # Requests a weight update found holding older KV, by what their policy did: recomputed, kept, aborted.
         self.version_outcomes: collections.Counter[str] = collections.Counter()
         self._spare: StagedUpdate | None = None  # the update committed last (stage_weights reuses its memory)
+        self._arena: list[torch.Tensor] = []  # a trainer's updates arrive here, a buffer per bucket (receive_weights)
 
     @staticmethod
     def _model_runner(config: EngineConfig, loaded: LoadedModel | None, role: Role, ranks,
@@ -191,11 +192,15 @@ class EngineCore:
             for _ in group.receive(metas, bucket_bytes):
                 pass
             return None
+        # Each bucket arrives in a buffer of the engine's arena and its tensors are staged where they landed (no
+        # copy before the commit's); the arena is written again by the next update only, after this one's commit.
+        self._spare = None  # its memory may be the arena's
         if tp > 1:
-            spare, self._spare = self._spare, None
             return self.runner.receive_weights(metas, bucket_bytes, lambda: stage(
-                self.runner.runner.model, self.model_config, group.receive(metas, bucket_bytes), tp, 0, spare=spare))
-        return self.stage_weights(group.receive(metas, bucket_bytes))
+                self.runner.runner.model, self.model_config, group.receive(metas, bucket_bytes, self._arena), tp, 0,
+                adopt=True))
+        return stage(self.runner.model, self.model_config, group.receive(metas, bucket_bytes, self._arena),
+                     adopt=True)
 
     def export_weights(self, directory: str) -> int:
         """Write the weights this engine serves as a checkpoint (safetensors + config.json) that another engine

@@ -110,6 +110,7 @@ class RankShare:
         self.model_config = loaded.info.config  # the whole model's (a weight update's tensors are whole)
         self._staged = self._spare = None  # a weight update staged here, and the one committed before it
         self._weight_group = None  # this rank's place in a trainer's weight group (pdserve.weights.group)
+        self._arena: list[torch.Tensor] = []  # the buffers a trainer's updates arrive in, one per bucket
         _loaded(store, rank, tp)
         self.group, self.control = _new_groups(self.device, store, rank, tp, timeout_s)
         loaded.model.set_tensor_parallel(self.group)
@@ -162,11 +163,11 @@ class RankShare:
         elif "stage" in command:
             spare, self._spare = self._spare, None
             self._reply(lambda: stage_checkpoint(model, cfg, command["stage"], tp, rank, spare=spare), "_staged")
-        elif "receive" in command:
-            spare, self._spare = self._spare, None
+        elif "receive" in command:  # staged where it lands in the arena, as EngineCore.receive_weights does
+            self._spare = None
             metas, bucket_bytes = command["receive"]
-            self._reply(lambda: stage(model, cfg, self._group().receive(metas, bucket_bytes), tp, rank, spare=spare),
-                        "_staged")
+            self._reply(lambda: stage(model, cfg, self._group().receive(metas, bucket_bytes, self._arena), tp, rank,
+                                      adopt=True), "_staged")
         elif "commit" in command:
             self._staged.commit(self.runner.model)
             self._spare, self._staged = self._staged, None

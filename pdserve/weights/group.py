@@ -190,21 +190,24 @@ class WeightGroup:
             self._live().barrier().wait()
         return sent
 
-    def receive(self, metas: Sequence[TensorMeta], bucket_bytes: int) -> Iterator[tuple[str, torch.Tensor]]:
+    def receive(self, metas: Sequence[TensorMeta], bucket_bytes: int,
+                arena: list[torch.Tensor] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         """Other ranks: yield (name, tensor) with the metas' shapes/dtypes, bucket by bucket (a bucket's tensors
         are yielded as soon as it has arrived, as views of the group's receive buffer: each is valid until the
-        generator moves past its bucket, so a consumer copies what it keeps). The generator must be exhausted:
-        the last step tells the trainer the update arrived. An update abandoned part way leaves the group out of
-        step with the trainer: it is closed."""
+        generator moves past its bucket, so a consumer copies what it keeps). arena: the caller's list of one
+        buffer per bucket (grown here as needed, kept for the next update): bucket k arrives in arena[k], and its
+        tensors stay valid until the arena is given to another receive, so a consumer may keep them uncopied.
+        The generator must be exhausted: the last step tells the trainer the update arrived. An update
+        abandoned part way leaves the group out of step with the trainer: it is closed."""
         if self.rank == TRAINER_RANK:
             raise RuntimeError(f"rank 0 of group {self.address.name!r} sends; ranks 1.. receive")
         self._live()
         metas = list(metas)
         plan = plan_buckets(metas, bucket_bytes)
-        return self._receive(metas, plan, bucket_bytes)
+        return self._receive(metas, plan, bucket_bytes, arena)
 
-    def _receive(self, metas: list[TensorMeta], plan: list[list[int]],
-                 bucket_bytes: int) -> Iterator[tuple[str, torch.Tensor]]:
+    def _receive(self, metas: list[TensorMeta], plan: list[list[int]], bucket_bytes: int,
+                 arena: list[torch.Tensor] | None) -> Iterator[tuple[str, torch.Tensor]]:
         finished = False
         try:
             with self._failing("receiving an update"):
@@ -216,14 +219,14 @@ class WeightGroup:
                     raise WeightGroupError(f"rank {self.rank} of group {self.address.name!r} expects another "
                                            f"update than the trainer sends: trainer {theirs}, this rank {mine} "
                                            f"(names, shapes, dtypes and bucket_bytes must agree)")
-            # Bucket k + 1 is received while the consumer takes bucket k: two buffers take turns.
-            pending = self._post(metas, plan, 0)
+            # Bucket k + 1 is received while the consumer takes bucket k: two buffers take turns (or the arena's).
+            pending = self._post(metas, plan, 0, arena)
             for k in range(len(plan)):
                 flat, work = pending
                 if work is not None:
                     with self._failing("receiving an update"):
                         work.wait()
-                pending = self._post(metas, plan, k + 1)
+                pending = self._post(metas, plan, k + 1, arena)
                 yield from _unpack(flat, [metas[i] for i in plan[k]])
             with self._failing("receiving an update"):
                 self._live().barrier().wait()  # tell the trainer the update arrived whole
@@ -233,12 +236,20 @@ class WeightGroup:
                 self._broken = True
                 self.close()
 
-    def _post(self, metas: list[TensorMeta], plan: list[list[int]],
-              k: int) -> tuple[torch.Tensor, dist.Work | None]:
-        """Start receiving bucket k (if there is one) into buffer k % 2: the buffer and the broadcast's work."""
+    def _post(self, metas: list[TensorMeta], plan: list[list[int]], k: int,
+              arena: list[torch.Tensor] | None) -> tuple[torch.Tensor, dist.Work | None]:
+        """Start receiving bucket k (if there is one) into arena[k], or buffer k % 2 without an arena: the buffer
+        and the broadcast's work."""
         if k >= len(plan):
             return torch.empty(0, dtype=torch.uint8), None
-        flat = self._buffer(_packed_nbytes([metas[i] for i in plan[k]]), k % 2)
+        nbytes = _packed_nbytes([metas[i] for i in plan[k]])
+        if arena is None:
+            flat = self._buffer(nbytes, k % 2)
+        else:
+            arena.extend([torch.empty(0, dtype=torch.uint8)] * (k + 1 - len(arena)))
+            if arena[k].numel() < nbytes:
+                arena[k] = torch.empty(nbytes, dtype=torch.uint8)
+            flat = arena[k][:nbytes]
         if not flat.numel():
             return flat, None
         with self._failing("receiving an update"):

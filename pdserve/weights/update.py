@@ -167,14 +167,16 @@ def _quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def stage(model: LlamaModel, cfg: ModelConfig, tensors: Iterable[tuple[str, torch.Tensor]],
-          tp: int = 1, rank: int = 0, spare: StagedUpdate | None = None) -> StagedUpdate:
+          tp: int = 1, rank: int = 0, spare: StagedUpdate | None = None, adopt: bool = False) -> StagedUpdate:
     """Stage Hugging Face-named full tensors for model, rank `rank` of a TP `tp` worker (tp 1: the whole
     model); cfg is the whole model's config. Each tensor is validated as check_metas does (WeightError: the
     update is dropped), cut to the rank's share, converted to the model's format and kept on its device. A
     subset of the model's tensors is a valid (partial) update. spare: an update already committed, whose memory
     this one reuses where a value has the same destination (memory written for the first time costs page
-    faults: on a CPU host several times the copy itself)."""
-    return _stage(model, cfg, tensors, tp, rank, spare)
+    faults: on a CPU host several times the copy itself). adopt: a tensor (or its rank's share) already in the
+    model's dtype, on its device and contiguous is staged as it is, not copied: the caller gives tensors it will
+    not change before the commit (a weight group's receive arena)."""
+    return _stage(model, cfg, tensors, tp, rank, spare, adopt)
 
 
 def stage_checkpoint(model: LlamaModel, cfg: ModelConfig, path: str, tp: int = 1, rank: int = 0,
@@ -194,7 +196,7 @@ def stage_checkpoint(model: LlamaModel, cfg: ModelConfig, path: str, tp: int = 1
 
 @torch.no_grad()
 def _stage(model: LlamaModel, cfg: ModelConfig, weights: Iterable[tuple[str, Any]], tp: int,
-           rank: int, spare: StagedUpdate | None = None) -> StagedUpdate:
+           rank: int, spare: StagedUpdate | None = None, adopt: bool = False) -> StagedUpdate:
     """stage() of tensors or lazy file slices (only a slice's share is read, after its metadata passed)."""
     want = rank_config(cfg, tp)  # raises if tp cannot lay out cfg
     if not 0 <= rank < tp:
@@ -220,16 +222,16 @@ def _stage(model: LlamaModel, cfg: ModelConfig, weights: Iterable[tuple[str, Any
             fused, piece = _FUSED[parts[-2]]
             module = ".".join(parts[:-2] + [fused])
             start = sum(rows[fused][:piece])
-        _place(update, model, module, attr, start, share, dtype, device, reuse)
+        _place(update, model, module, attr, start, share, dtype, device, reuse, adopt)
         if key == "embed_tokens.weight" and separate_head:  # a tied LM head quantized apart from the embedding
-            _place(update, model, "lm_head", "weight", None, share, dtype, device, reuse)
+            _place(update, model, "lm_head", "weight", None, share, dtype, device, reuse, adopt)
         update.names.append(name)
     return update
 
 
 def _place(update: StagedUpdate, model: LlamaModel, module: str, attr: str, start: int | None,
            share: torch.Tensor, dtype: torch.dtype, device: torch.device,
-           reuse: dict[tuple[str, str, int | None], torch.Tensor]) -> None:
+           reuse: dict[tuple[str, str, int | None], torch.Tensor], adopt: bool = False) -> None:
     """Stage share as model.<module>.<attr>[start:] holds it: the model's dtype, or int8 and its rows' scales."""
     mod = model.get_submodule(module)
     dst = getattr(mod, attr)
@@ -239,10 +241,13 @@ def _place(update: StagedUpdate, model: LlamaModel, module: str, attr: str, star
         raise WeightError(f"{module}.{attr}: share {tuple(share.shape)}, the model holds {tuple(dst.shape)}")
     # As the loader does: copy into the model's dtype (then quantize, for an int8 layer's weight).
     want = dtype if dst.dtype == torch.int8 else dst.dtype
-    value = reuse.pop((module, attr, start), None)
-    if value is None or value.shape != share.shape or value.dtype != want or value.device != device:
-        value = torch.empty(share.shape, dtype=want, device=device)
-    value.copy_(share)
+    if adopt and share.dtype == want and share.device == device and share.is_contiguous():
+        value = share  # already as the model holds it (int8 layers quantize from it below, leaving it as is)
+    else:
+        value = reuse.pop((module, attr, start), None)
+        if value is None or value.shape != share.shape or value.dtype != want or value.device != device:
+            value = torch.empty(share.shape, dtype=want, device=device)
+        value.copy_(share)
     if isinstance(mod, Linear) and attr == "weight" and mod.scale is not None:
         q, scale = _quantize_int8(value)
         update._add(module, "weight", start, q)

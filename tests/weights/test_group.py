@@ -79,6 +79,7 @@ def _assert_port_free(port: int) -> None:
 def _worker(rank: int, commands: mp.Queue, results: mp.Queue) -> None:
     """A worker rank: runs the test's commands in order, reporting each outcome as (rank, kind, ...)."""
     group: WeightGroup | None = None
+    arena: list[torch.Tensor] = []
     results.put((rank, "ready"))
     while True:
         cmd, *args = commands.get()
@@ -97,6 +98,11 @@ def _worker(rank: int, commands: mp.Queue, results: mp.Queue) -> None:
                     if progress:
                         results.put((rank, "progress", len(got)))
                 results.put((rank, "received", got))
+            elif cmd == "receive_arena":  # into the arena kept across commands; tensors kept uncopied
+                metas, bucket_bytes = args
+                kept = list(group.receive(metas, bucket_bytes, arena))
+                results.put((rank, "received", [_digest(name, t) for name, t in kept],
+                             [buf.data_ptr() for buf in arena]))
             elif cmd == "bandwidth":
                 results.put((rank, "bandwidth", measure_bandwidth(group, args[0])))
             elif cmd == "close":
@@ -225,6 +231,27 @@ def test_update_arrives_bit_exact_on_every_rank(workers):
             assert [g[:4] for g in got] == expected, f"rank {rank}, buckets of {bucket_bytes} bytes"
     with pytest.raises(RuntimeError, match="ranks 1.. receive"):
         group.receive(metas, SMALL_BUCKET)
+    _close_all(workers, group)
+
+
+def test_an_arena_keeps_every_bucket_and_is_reused_by_the_next_update(workers):
+    """Received into an arena, every tensor is still whole once the update has arrived (a worker stages them
+    where they landed), and the next update of the same tensors lands in the same buffers (no new memory)."""
+    first = _tensors(0)
+    second = [(name, t + 1) for name, t in first]
+    metas = _metas(first)
+    group = _join_all(workers, "arena")
+    pointers = None
+    for tensors in (first, second):
+        workers.tell("receive_arena", metas, SMALL_BUCKET)
+        group.send(tensors, SMALL_BUCKET)
+        received = workers.collect("received")
+        for rank, (got, ptrs) in received.items():
+            assert [g[:4] for g in got] == [_digest(name, t) for name, t in tensors], f"rank {rank}"
+            assert len(ptrs) == len(plan_buckets(metas, SMALL_BUCKET))
+            if pointers is not None:
+                assert ptrs == pointers[rank], f"rank {rank}: the arena was not reused"
+        pointers = {rank: ptrs for rank, (_, ptrs) in received.items()}
     _close_all(workers, group)
 
 

@@ -126,6 +126,32 @@ def test_an_update_to_b_equals_loading_b(ckpts, kind, dtype):
     assert_same(tensors_of(model), want)
 
 
+@pytest.mark.parametrize("kind, tp, quantization, dtype", [
+    ("llama", 1, None, "float32"), ("llama", 1, "int8", "float32"), ("qwen2-tied", 1, None, "bfloat16"),
+    ("llama", 2, None, "float32"), ("qwen2-tied", 2, "int8", "float32")])
+def test_adopted_tensors_are_staged_uncopied_and_equal_loading_b(ckpts, kind, tp, quantization, dtype):
+    """adopt (a weight group's arena): a tensor or rank's share already as the model holds it is staged where it
+    is, never written (int8 layers quantize from it); one in another dtype or not contiguous is copied. The
+    commit equals loading B either way."""
+    a, b = ckpts[kind]
+    for rank in range(tp):
+        loaded = load_shard(engine_config(a, dtype=dtype, quantization=quantization), tp, rank)
+        model, cfg = loaded.model, loaded.info.config
+        want = tensors_of(load_shard(engine_config(b, dtype=dtype, quantization=quantization), tp, rank).model)
+        given = file_tensors(b)
+        copies = [t.clone() for _, t in given]
+        memory = {t.untyped_storage().data_ptr() for _, t in given}
+        update = stage(model, cfg, given, tp=tp, rank=rank, adopt=True)
+        assert all(torch.equal(t, c) for (_, t), c in zip(given, copies))  # nothing written into what was given
+        adopted = [v.untyped_storage().data_ptr() in memory for v in update.buffers().values()]
+        if (tp, quantization, dtype) == (1, None, "float32"):
+            assert all(adopted)  # every value is the given tensor itself (a fused piece: its rows of it)
+        if dtype == "bfloat16":
+            assert not any(adopted)  # fp32 files into a bf16 model: converted copies
+        commit_checked(update, model)
+        assert_same(tensors_of(model), want)
+
+
 def test_a_trainers_state_dict_applies(ckpts):
     """A bf16 trainer's state_dict of a tied model: "model."-prefixed names and a tied lm_head.weight (skipped)."""
     import transformers
