@@ -8,7 +8,29 @@ import torch
 
 from pdserve.tiers import TiersConfig
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral")  # the families
+# The registry of checkpoints served: a config.json's `architectures` entry -> the family pdserve.model builds
+# (one decoder, pdserve.model.llama, whose options each family sets in ModelConfig.from_hf).
+ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "MixtralForCausalLM": "mixtral",
+}
+
+
+def family_of(cfg: dict[str, Any]) -> str:
+    """The family of a Hugging Face config.json: by its `architectures` (ValueError naming an unsupported one
+    and the supported list), else by its model_type (configs written without architectures)."""
+    names = cfg.get("architectures") or []
+    for name in names:
+        if name in ARCHITECTURES:
+            return ARCHITECTURES[name]
+    if names:
+        raise ValueError(f"unsupported architecture {names[0]!r}; supported: {', '.join(ARCHITECTURES)}")
+    return cfg.get("model_type", "llama")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -31,7 +53,9 @@ class RopeScaling:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Shape of a Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3)."""
+    """Shape of a Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3), dense or with mixture-of-experts
+    blocks in place of some or all MLPs (Qwen3-MoE, Mixtral). `architecture` is the family's key
+    (ARCHITECTURES maps a checkpoint's `architectures` to it)."""
 
     architecture: str
     vocab_size: int
@@ -50,6 +74,14 @@ class ModelConfig:
     qk_norm: bool = False  # Qwen3: RMSNorm over each head of q and k before RoPE
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    # Mixture of experts (0 experts: a dense model). The layers in moe_layers have a router over num_experts
+    # experts (each a gated MLP of moe_intermediate_size), num_experts_per_tok of them per token, their
+    # weights renormalised to sum 1 when norm_topk_prob; the other layers a dense MLP of intermediate_size.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    moe_layers: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -66,6 +98,26 @@ class ModelConfig:
             )
         if self.head_dim % 2:
             raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
+        if self.moe_layers:
+            if not 1 <= self.num_experts_per_tok <= self.num_experts or self.moe_intermediate_size < 1:
+                raise ValueError(f"a mixture of experts needs 1 <= num_experts_per_tok ({self.num_experts_per_tok}) "
+                                 f"<= num_experts ({self.num_experts}) and moe_intermediate_size >= 1 "
+                                 f"({self.moe_intermediate_size})")
+            if any(not 0 <= i < self.num_layers for i in self.moe_layers):
+                raise ValueError(f"moe_layers {self.moe_layers} out of range for {self.num_layers} layers")
+
+    @property
+    def is_moe(self) -> bool:
+        return bool(self.moe_layers)
+
+    def mlp_params(self, layer: int, active: bool = False) -> int:
+        """Matmul parameters of a layer's MLP or MoE block (its router included); active: those one token
+        uses (its num_experts_per_tok experts)."""
+        h = self.hidden_size
+        if layer not in self.moe_layers:
+            return 3 * h * self.intermediate_size
+        experts = self.num_experts_per_tok if active else self.num_experts
+        return h * self.num_experts + experts * 3 * h * self.moe_intermediate_size
 
     @property
     def q_size(self) -> int:
@@ -78,20 +130,28 @@ class ModelConfig:
     @property
     def num_params(self) -> int:
         """Parameter count, counting tied embeddings once."""
-        h, i = self.hidden_size, self.intermediate_size
+        h = self.hidden_size
         attn = h * (self.q_size + 2 * self.kv_size) + self.q_size * h
         if self.attention_bias:
             attn += self.q_size + 2 * self.kv_size
         if self.qk_norm:
             attn += 2 * self.head_dim
-        layer = attn + 3 * h * i + 2 * h
+        layers = self.num_layers * (attn + 2 * h) + sum(self.mlp_params(i) for i in range(self.num_layers))
         embed = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
-        return self.num_layers * layer + embed + h
+        return layers + embed + h
+
+    @property
+    def num_active_params(self) -> int:
+        """Parameters one token uses (a mixture of experts: its experts only); num_params for a dense model."""
+        return self.num_params - sum(self.mlp_params(i) - self.mlp_params(i, active=True)
+                                     for i in self.moe_layers)
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> ModelConfig:
-        """Build from a Hugging Face config.json dict (transformers 4.x and 5.x layouts)."""
-        model_type = cfg.get("model_type", "llama")
+        """Build from a Hugging Face config.json dict (transformers 4.x and 5.x layouts). The family is the
+        one its `architectures` names (pdserve.model.registry; ValueError naming it if unsupported), or its
+        model_type where it names none."""
+        model_type = family_of(cfg)
         num_heads = cfg["num_attention_heads"]
         hidden = cfg["hidden_size"]
         # transformers 5 moves rope_theta and rope_scaling under rope_parameters.
@@ -132,10 +192,31 @@ class ModelConfig:
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             # Qwen2 always has q/k/v biases; others say so with attention_bias.
             attention_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
-            qk_norm=model_type == "qwen3",
+            qk_norm=model_type in ("qwen3", "qwen3_moe"),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
+            **_moe_fields(model_type, cfg),
         )
+
+
+def _moe_fields(model_type: str, cfg: dict[str, Any]) -> dict[str, Any]:
+    """ModelConfig's mixture-of-experts fields from a Hugging Face config: Qwen3-MoE (every
+    decoder_sparse_step-th layer not in mlp_only_layers; norm_topk_prob as given) and Mixtral (every layer,
+    top-k weights always renormalised)."""
+    if model_type == "mixtral":
+        return dict(num_experts=cfg["num_local_experts"], num_experts_per_tok=cfg["num_experts_per_tok"],
+                    moe_intermediate_size=cfg["intermediate_size"], norm_topk_prob=True,
+                    moe_layers=tuple(range(cfg["num_hidden_layers"])))
+    # The hub's Qwen3-MoE configs say num_experts; transformers 5 writes num_local_experts.
+    experts = cfg.get("num_experts", cfg.get("num_local_experts", 0))
+    if model_type == "qwen3_moe" and experts > 0:
+        step, dense = cfg.get("decoder_sparse_step", 1), set(cfg.get("mlp_only_layers") or ())
+        return dict(num_experts=experts, num_experts_per_tok=cfg["num_experts_per_tok"],
+                    moe_intermediate_size=cfg["moe_intermediate_size"],
+                    norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+                    moe_layers=tuple(i for i in range(cfg["num_hidden_layers"])
+                                     if i not in dense and (i + 1) % step == 0))
+    return {}
 
 
 @dataclass(frozen=True)

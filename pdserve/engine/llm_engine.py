@@ -100,9 +100,12 @@ class EngineCore:
         loaded = loaded or load(config)
         num_blocks = config.cache.resolve_num_blocks(loaded.info.config, config.torch_dtype, tp)
         cuda = torch.device(config.device).type == "cuda"
+        if config.cuda_graphs and loaded.info.config.is_moe:
+            raise ValueError("CUDA graphs of a mixture-of-experts model are not supported yet (cuda_graphs=False)")
         # The fast path's graphs and pipelining are one process's: a tensor-parallel engine runs without them.
+        # A mixture of experts groups its tokens by expert on the host (pdserve.model.moe): no graph holds it.
         graphs = (config.cuda_graphs if config.cuda_graphs is not None else cuda) and role is not Role.PREFILL \
-            and tp == 1
+            and tp == 1 and not loaded.info.config.is_moe
         runner = ModelRunner(loaded.model, num_blocks, config.cache.block_size, cuda_graphs=graphs,
                              max_num_seqs=config.scheduler.max_num_seqs, max_model_len=loaded.info.max_model_len)
         if tp_runner is not None:

@@ -41,10 +41,11 @@ class DevicePeaks:
 
 
 def linear_flops_per_token(cfg: ModelConfig) -> int:
-    """Matmul FLOPs of one token through the decoder layers (q/k/v/o and the MLP), without the lm_head."""
+    """Matmul FLOPs of one token through the decoder layers (q/k/v/o and the MLP, or the router and the
+    token's experts in a mixture-of-experts layer), without the lm_head."""
     h = cfg.hidden_size
-    per_layer = 2 * h * (cfg.q_size + 2 * cfg.kv_size) + 2 * cfg.q_size * h + 2 * 3 * h * cfg.intermediate_size
-    return cfg.num_layers * per_layer
+    attention = 2 * h * (cfg.q_size + 2 * cfg.kv_size) + 2 * cfg.q_size * h
+    return sum(attention + 2 * cfg.mlp_params(i, active=True) for i in range(cfg.num_layers))
 
 
 def attention_flops(cfg: ModelConfig, context_len: int) -> int:
@@ -68,7 +69,8 @@ def step_flops(cfg: ModelConfig, chunks: Sequence[tuple[int, int]], sampled_rows
 
 
 def weight_bytes(cfg: ModelConfig, dtype_bytes: int) -> int:
-    """Bytes of the matmul weights a step reads once, whatever its batch: layers and lm_head."""
+    """Bytes of the matmul weights a step reads once, whatever its batch: layers and lm_head (a mixture of
+    experts: one token's experts only, the least a step reads; a batch reads every expert it touches)."""
     return (linear_flops_per_token(cfg) // 2 + cfg.hidden_size * cfg.vocab_size) * dtype_bytes
 
 

@@ -1,4 +1,5 @@
-"""Llama-family decoder: Llama 2/3, Mistral, Qwen2 (q/k/v biases), Qwen3 (q/k norm).
+"""Llama-family decoder: Llama 2/3, Mistral, Qwen2 (q/k/v biases), Qwen3 (q/k norm), and with mixture-of-
+experts blocks (pdserve.model.moe) in place of some or all MLPs: Qwen3-MoE, Mixtral.
 
 With tensor parallelism each rank holds a share (pdserve.parallel.layout) and all-reduces the outputs
 of o_proj and down_proj (set_tensor_parallel). The model never sees requests: ``forward(input_ids, positions, attention metadata, kv_cache)`` returns
@@ -17,6 +18,7 @@ from pdserve.config import ModelConfig
 from pdserve.model import layer_ops
 from pdserve.model.attention import AttentionMetadata, paged_attention
 from pdserve.model.linear import Linear
+from pdserve.model.moe import MoE
 
 
 class RMSNorm(nn.Module):
@@ -95,12 +97,12 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, index: int):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = MoE(cfg) if index in cfg.moe_layers else MLP(cfg)
 
     def forward(self, h: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
                 rope: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata, kv_layer: torch.Tensor
@@ -123,7 +125,7 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         # Tensor parallelism: this rank's embedding and LM head rows are the whole vocabulary's
@@ -196,39 +198,75 @@ class LlamaModel(nn.Module):
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy Hugging Face-named tensors into the (fused) parameters; every parameter must be set."""
+        """Copy Hugging Face-named tensors into the (fused) parameters; every parameter must be set. Experts
+        come one tensor set per expert (Qwen3-MoE's gate/up/down_proj, Mixtral's w1/w3/w2 under
+        block_sparse_moe) or packed 3-D (experts.gate_up_proj, experts.down_proj)."""
         params = dict(self.named_parameters())  # tied lm_head appears once, as embed_tokens.weight
-        fused = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
-                 "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
-        sizes = {"qkv_proj": (self.cfg.q_size, self.cfg.kv_size, self.cfg.kv_size),
-                 "gate_up_proj": (self.cfg.intermediate_size, self.cfg.intermediate_size)}
         loaded: set[str] = set()
         for name, tensor in weights:
             name = name.removeprefix("model.")
             if "rotary_emb" in name or (name == "lm_head.weight" and self.cfg.tie_word_embeddings):
                 continue
-            parts = name.split(".")
-            target, shard = name, None
-            if len(parts) >= 2 and parts[-2] in fused:
-                fused_name, shard = fused[parts[-2]]
-                target = ".".join(parts[:-2] + [fused_name, parts[-1]])
+            target, piece = self._place(name)
             if target not in params:
                 raise ValueError(f"checkpoint tensor {name!r} has no place in the model")
-            param = params[target]
-            if shard is None:
-                dst = param
-            else:
-                sz = sizes[target.split(".")[-2]]
-                off = sum(sz[:shard])
-                dst = param.narrow(0, off, sz[shard])
+            dst = params[target]
+            if piece is not None:
+                expert, off, rows = piece
+                dst = (dst if expert is None else dst[expert]).narrow(0, off, rows)
             if dst.shape != tensor.shape:
                 raise ValueError(f"shape mismatch for {name!r}: checkpoint {tuple(tensor.shape)}, model {tuple(dst.shape)}")
             dst.copy_(tensor)
-            loaded.add(f"{target}#{shard}")
-        expected = set()
-        for target, p in params.items():
-            kind = target.split(".")[-2] if "." in target else ""
-            expected |= {f"{target}#{i}" for i in range(len(sizes[kind]))} if kind in sizes else {f"{target}#None"}
-        missing = sorted(expected - loaded)
+            loaded.add(f"{target}#{piece}")
+        missing = [t for t in params if not self._covered(t, loaded)]
         if missing:
             raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:3]}")
+
+    def _pieces(self, target: str) -> list[tuple[int | None, int, int]]:
+        """The pieces a fused or stacked parameter is loaded in from a per-tensor checkpoint: (expert or None,
+        first row, rows); [] for a parameter loaded whole."""
+        c = self.cfg
+        kind = target.rsplit(".", 2)[-2:]
+        if kind[0] == "qkv_proj":
+            return [(None, 0, c.q_size), (None, c.q_size, c.kv_size), (None, c.q_size + c.kv_size, c.kv_size)]
+        if kind[0] == "gate_up_proj":
+            return [(None, 0, c.intermediate_size), (None, c.intermediate_size, c.intermediate_size)]
+        if kind == ["experts", "gate_up_proj"]:
+            i = c.moe_intermediate_size
+            return [(e, off, i) for e in range(c.num_experts) for off in (0, i)]
+        if kind == ["experts", "down_proj"]:
+            return [(e, 0, c.hidden_size) for e in range(c.num_experts)]
+        return []
+
+    def _covered(self, target: str, loaded: set[str]) -> bool:
+        """Whether a parameter was loaded whole or in all its pieces (a stacked one may come either way)."""
+        whole, pieces = f"{target}#None" in loaded, self._pieces(target)
+        if not pieces:
+            return whole
+        return all(f"{target}#{p}" in loaded for p in pieces) or (whole and ".experts." in target)
+
+    def _place(self, name: str) -> tuple[str, tuple[int | None, int, int] | None]:
+        """A Hugging Face tensor name -> (the parameter it goes to, its piece of it or None for all of it)."""
+        c = self.cfg
+        name = name.replace(".block_sparse_moe.", ".mlp.")  # Mixtral's name for the MoE block
+        parts = name.split(".")
+        if len(parts) == 7 and parts[3] == "experts":  # layers.L.mlp.experts.E.<proj>.weight: one expert's
+            e, proj = int(parts[4]), _EXPERT_PROJ.get(parts[5])
+            if proj is None:
+                return name, None
+            param, index = proj
+            rows = c.hidden_size if param == "down_proj" else c.moe_intermediate_size
+            return ".".join(parts[:4] + [param]), (e, index * c.moe_intermediate_size, rows)
+        if len(parts) >= 2 and parts[-2] in _FUSED:
+            fused, index = _FUSED[parts[-2]]
+            target = ".".join(parts[:-2] + [fused, parts[-1]])
+            return target, self._pieces(target)[index]
+        return name, None
+
+
+# A per-tensor checkpoint's names for the pieces of the fused parameters: (parameter, piece).
+_FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+          "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+# One expert's tensors in a checkpoint with a tensor set per expert: (stacked parameter, piece).
+_EXPERT_PROJ = {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1), "down_proj": ("down_proj", 0),
+                "w1": ("gate_up_proj", 0), "w3": ("gate_up_proj", 1), "w2": ("down_proj", 0)}

@@ -134,6 +134,9 @@ def rank_config(cfg: ModelConfig, tp: int) -> ModelConfig:
     """The shape of one rank's share: its attention heads, its KV heads, its slice of the MLP and of the
     vocabulary (vocab_size is its rows of the embedding and LM head); the hidden size and everything else
     unchanged."""
+    if tp > 1 and cfg.is_moe:
+        raise ValueError(f"tensor parallelism of a mixture-of-experts model ({cfg.architecture}) is not supported "
+                         f"yet: serve it at tensor-parallel size 1")
     layout = TPLayout(cfg.num_heads, cfg.num_kv_heads, tp)
     if cfg.intermediate_size % tp:
         raise ValueError(f"tensor-parallel size {tp} does not divide the model's MLP size {cfg.intermediate_size}")

@@ -53,6 +53,9 @@ class TensorMeta:
 
 def expected_tensors(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every tensor a checkpoint of this (whole-model) config holds, by its Hugging Face name -> full shape."""
+    if cfg.is_moe:
+        raise NotImplementedError(f"weight updates of a mixture-of-experts model ({cfg.architecture}) are not "
+                                  f"supported yet")
     h, i, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
     out: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (cfg.vocab_size, h)}
     for n in range(cfg.num_layers):
