@@ -31,6 +31,8 @@ def family_of(cfg: dict[str, Any]) -> str:
     if names:
         raise ValueError(f"unsupported architecture {names[0]!r}; supported: {', '.join(ARCHITECTURES)}")
     return cfg.get("model_type", "llama")
+
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -149,8 +151,8 @@ class ModelConfig:
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> ModelConfig:
         """Build from a Hugging Face config.json dict (transformers 4.x and 5.x layouts). The family is the
-        one its `architectures` names (pdserve.model.registry; ValueError naming it if unsupported), or its
-        model_type where it names none."""
+        one its `architectures` names (ARCHITECTURES; ValueError naming it if unsupported), or its model_type
+        where it names none."""
         model_type = family_of(cfg)
         num_heads = cfg["num_attention_heads"]
         hidden = cfg["hidden_size"]

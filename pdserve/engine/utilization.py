@@ -60,9 +60,9 @@ def lm_head_flops(cfg: ModelConfig) -> int:
 def step_flops(cfg: ModelConfig, chunks: Sequence[tuple[int, int]], sampled_rows: int) -> int:
     """FLOPs of one step. chunks: (start, num_tokens) of each sequence's new tokens; the lm_head runs
     only on the sampled rows."""
-    total = 0
+    total, per_token = 0, linear_flops_per_token(cfg)  # a sum over the layers: once a step, not once a chunk
     for start, n in chunks:
-        total += n * linear_flops_per_token(cfg)
+        total += n * per_token
         # Token i of the chunk attends to start + i + 1 tokens: sum over the chunk in closed form.
         total += attention_flops(cfg, 1) * (n * start + n * (n + 1) // 2)
     return total + sampled_rows * lm_head_flops(cfg)

@@ -59,7 +59,7 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [tokens, hidden] -> [tokens, hidden]."""
         weights, ids = self.route(x)
-        flat = ids.reshape(-1)  # [tokens * k]: slot j is token j // k's (j % k)-th choice
+        flat, slot_weights = ids.reshape(-1), weights.reshape(-1)  # [tokens * k]: slot j is token j // k's choice
         order = torch.argsort(flat, stable=True)  # the slots grouped by expert, in expert order
         counts = torch.bincount(flat, minlength=self.num_experts)
         out = torch.zeros_like(x)
@@ -72,5 +72,5 @@ class MoE(nn.Module):
             tokens = slots // self.top_k
             h = layer_ops.silu_and_mul(F.linear(x[tokens], self.experts.gate_up_proj[e]))  # [n, moe_intermediate]
             h = F.linear(h, self.experts.down_proj[e])  # [n, hidden]
-            out.index_add_(0, tokens, h * weights.reshape(-1)[slots, None])
+            out.index_add_(0, tokens, h * slot_weights[slots, None])
         return out
