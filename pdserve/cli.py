@@ -101,7 +101,8 @@ def generate_offline(args: argparse.Namespace) -> int:
                                     quantization=args.quantization, device=args.device,
                                     cuda_graphs=False if args.enforce_eager else None,
                                     pipelined_decode=args.pipelined_decode,
-                                    tensor_parallel_size=args.tensor_parallel_size, sim_gpu=args.sim_gpu,
+                                    tensor_parallel_size=args.tensor_parallel_size,
+                                    expert_parallel_size=args.expert_parallel_size, sim_gpu=args.sim_gpu,
                                     sim_kv_scale=args.sim_kv_scale, sim_time_scale=args.sim_time_scale))
     try:
         return _generate_offline(engine, params, args)

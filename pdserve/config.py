@@ -84,6 +84,9 @@ class ModelConfig:
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = True
     moe_layers: tuple[int, ...] = ()
+    # One rank's share under expert parallelism (pdserve.parallel.layout.rank_config): the experts it holds,
+    # consecutive; 0: all num_experts.
+    experts_per_rank: int = 0
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -308,6 +311,11 @@ class EngineConfig:
     # Tensor parallelism (pdserve.parallel.layout, pdserve.engine.tp_runner): the model split over this many
     # processes, one per device; rank 0 schedules. In a cluster, each pool may set its own (PoolConfig).
     tensor_parallel_size: int = 1
+    # Expert parallelism (a mixture of experts, pdserve.model.moe): 1, each expert sliced over the worker's ranks
+    # like a dense MLP, or the rank count, the experts split whole over the ranks and tokens sent to them
+    # (all-to-all). Attention stays tensor-parallel over the same ranks: an expert-parallel size above 1 with
+    # tensor_parallel_size 1 makes the worker that many ranks.
+    expert_parallel_size: int = 1
     # Every wait on the worker's ranks is bounded by this: a rank that dies or hangs takes the worker
     # down within it (at once, for a rank whose process ends).
     tensor_parallel_timeout_s: float = 60.0
@@ -340,6 +348,13 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.expert_parallel_size < 1:
+            raise ValueError(f"expert_parallel_size must be >= 1, got {self.expert_parallel_size}")
+        if self.expert_parallel_size > 1 and self.tensor_parallel_size == 1:
+            object.__setattr__(self, "tensor_parallel_size", self.expert_parallel_size)
+        if self.expert_parallel_size not in (1, self.tensor_parallel_size):
+            raise ValueError(f"expert_parallel_size ({self.expert_parallel_size}) must be 1 or the worker's rank count, "
+                             f"tensor_parallel_size ({self.tensor_parallel_size}): attention and experts share the ranks")
         if self.tensor_parallel_timeout_s <= 0:
             raise ValueError(f"tensor_parallel_timeout_s must be positive, got {self.tensor_parallel_timeout_s}")
         if not isinstance(self.weight_version, int) or self.weight_version < 0:
@@ -382,10 +397,14 @@ class PoolConfig:
     # Each worker of the pool is this many ranks (tensor parallelism), each taking num_cpus, num_gpus and
     # resources, packed on one node by a placement group. None: the cluster engine's.
     tensor_parallel_size: int | None = None
+    # Of a mixture of experts: 1, or the worker's ranks (EngineConfig.expert_parallel_size). None: the engine's.
+    expert_parallel_size: int | None = None
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size is not None and self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.expert_parallel_size is not None and self.expert_parallel_size < 1:
+            raise ValueError(f"expert_parallel_size must be >= 1, got {self.expert_parallel_size}")
         if self.num_workers < 1:
             raise ValueError(f"a pool needs at least one worker, got {self.num_workers}")
         if self.max_workers is not None and self.max_workers < self.num_workers:
@@ -474,7 +493,9 @@ class ClusterConfig:
             lane = replace(decode.scheduler, max_num_seqs=self.tiers.fast_lane_max_running)
             object.__setattr__(self, "fast", replace(self.fast, scheduler=lane, cache=self.fast.cache or decode.cache,
                                                      tensor_parallel_size=self.fast.tensor_parallel_size
-                                                     or decode.tensor_parallel_size))
+                                                     or decode.tensor_parallel_size,
+                                                     expert_parallel_size=self.fast.expert_parallel_size
+                                                     or decode.expert_parallel_size))
         if self.mode == "disaggregated":
             sizes = {name: self.engine_for(pool).cache.block_size for name, pool in self.pools.items()}
             if len(set(sizes.values())) > 1:  # KV moves between the pools block for block
@@ -513,5 +534,7 @@ class ClusterConfig:
         scheduler = pool.scheduler or self.engine.scheduler
         if scheduler.flex_min_share != self.tiers.flex_min_share:
             scheduler = replace(scheduler, flex_min_share=self.tiers.flex_min_share)
+        ep = pool.expert_parallel_size or self.engine.expert_parallel_size
+        tp = pool.tensor_parallel_size or (1 if pool.expert_parallel_size else self.engine.tensor_parallel_size)
         return replace(self.engine, scheduler=scheduler, cache=pool.cache or self.engine.cache,
-                       tensor_parallel_size=pool.tensor_parallel_size or self.engine.tensor_parallel_size)
+                       tensor_parallel_size=tp, expert_parallel_size=ep)

@@ -70,6 +70,11 @@ def add_serve_parser(sub: Any) -> argparse.ArgumentParser:
     serve.add_argument("--decode-tensor-parallel-size", type=int, default=None, metavar="B",
                        help="ranks (devices) per decode and fast-lane worker (default: --tensor-parallel-size); "
                             "KV moves between any A and B the model's heads allow")
+    serve.add_argument("--prefill-expert-parallel-size", type=int, default=None, metavar="A",
+                       help="a mixture of experts: expert-parallel size of each prefill worker, 1 or its rank count "
+                            "(default: --expert-parallel-size)")
+    serve.add_argument("--decode-expert-parallel-size", type=int, default=None, metavar="B",
+                       help="expert-parallel size of each decode and fast-lane worker (default: --expert-parallel-size)")
     serve.add_argument("--tensor-parallel-timeout", type=float, default=60.0, metavar="SECONDS",
                        help="a rank of a worker that has not answered its collective this long is given up, "
                             "and its worker with it (one whose process ends is given up at once)")
@@ -233,11 +238,16 @@ def cluster_config_from_args(args: argparse.Namespace):
     from pdserve.config import AutoscaleConfig, CacheConfig, ClusterConfig, EngineConfig, PoolConfig, SchedulerConfig
     from pdserve.tiers import TiersConfig, parse_tier_slos
 
-    tp = {"prefill": args.prefill_tensor_parallel_size or args.tensor_parallel_size,
-          "decode": args.decode_tensor_parallel_size or args.tensor_parallel_size,
-          "colocated": args.tensor_parallel_size}
-    if args.mode == "colocated" and (args.prefill_tensor_parallel_size or args.decode_tensor_parallel_size):
-        raise ValueError("a colocated worker has one size: --tensor-parallel-size")
+    ep = {"prefill": args.prefill_expert_parallel_size or args.expert_parallel_size,
+          "decode": args.decode_expert_parallel_size or args.expert_parallel_size,
+          "colocated": args.expert_parallel_size}
+    given = {"prefill": args.prefill_tensor_parallel_size, "decode": args.decode_tensor_parallel_size, "colocated": None}
+    # A worker's ranks: its tensor-parallel size, raised to its expert-parallel size where only that is given.
+    tp = {name: given[name] or (ep[name] if ep[name] > 1 and args.tensor_parallel_size == 1 else args.tensor_parallel_size)
+          for name in ep}
+    if args.mode == "colocated" and (args.prefill_tensor_parallel_size or args.decode_tensor_parallel_size
+                                     or args.prefill_expert_parallel_size or args.decode_expert_parallel_size):
+        raise ValueError("a colocated worker has one size: --tensor-parallel-size and --expert-parallel-size")
     gpu = args.device.startswith("cuda")
     cpus = args.worker_cpus if args.worker_cpus is not None else (1.0 if gpu else 0.5)
     gpus = args.worker_gpus if args.worker_gpus is not None else (1.0 if gpu else 0.0)
@@ -251,11 +261,11 @@ def cluster_config_from_args(args: argparse.Namespace):
             args.prefill_workers[1] * tp["prefill"] + (args.decode_workers[1] + args.fast_lane_workers[1]) * tp["decode"]
         threads = max(1, (os.cpu_count() or 1) // ranks)
 
-    def pool(n: int | tuple[int, int], scheduler: SchedulerConfig, resources: list[str], tp: int) -> PoolConfig:
+    def pool(n: int | tuple[int, int], scheduler: SchedulerConfig, resources: list[str], name: str) -> PoolConfig:
         lo, hi = (n, n) if isinstance(n, int) else n
         return PoolConfig(num_workers=lo, max_workers=hi if hi > lo else None, num_cpus=cpus, num_gpus=gpus,
                           resources=parse_resources(resources), scheduler=scheduler, cache=cache, torch_threads=threads,
-                          tensor_parallel_size=tp)
+                          tensor_parallel_size=tp[name], expert_parallel_size=ep[name])
 
     # Each role batches for its own bottleneck: prefill by prompt tokens, decode by running requests.
     prefill = SchedulerConfig(max_num_batched_tokens=args.prefill_token_budget)
@@ -273,7 +283,7 @@ def cluster_config_from_args(args: argparse.Namespace):
                           quantization=args.quantization, device=args.device,
                           cuda_graphs=False if args.enforce_eager else None, pipelined_decode=args.pipelined_decode,
                           cache=cache, peak_flops=peaks[0], peak_bytes_per_second=peaks[1],
-                          tensor_parallel_size=args.tensor_parallel_size,
+                          tensor_parallel_size=args.tensor_parallel_size, expert_parallel_size=args.expert_parallel_size,
                           tensor_parallel_timeout_s=args.tensor_parallel_timeout,
                           sim_gpu=args.sim_gpu, sim_kv_scale=args.sim_kv_scale, sim_time_scale=args.sim_time_scale)
     if engine.load_format == "sim":
@@ -283,13 +293,13 @@ def cluster_config_from_args(args: argparse.Namespace):
         from pdserve.model.loader import load_info
 
         logging.getLogger(__name__).info("every worker is a %s", sim_plan(engine, load_info(engine)).describe())
-    pools = dict(colocated=pool(args.colocated_workers, colocated, [], tp["colocated"])) if args.mode == "colocated" \
-        else dict(prefill=pool(args.prefill_workers, prefill, args.prefill_resource, tp["prefill"]),
-                  decode=pool(args.decode_workers, decode, args.decode_resource, tp["decode"]))
+    pools = dict(colocated=pool(args.colocated_workers, colocated, [], "colocated")) if args.mode == "colocated" \
+        else dict(prefill=pool(args.prefill_workers, prefill, args.prefill_resource, "prefill"),
+                  decode=pool(args.decode_workers, decode, args.decode_resource, "decode"))
     if args.fast_lane_workers[0]:
         if args.mode == "colocated":
             raise ValueError("the fast lane (--fast-lane-workers) is a set of decode workers: it needs disaggregated mode")
-        pools["fast"] = pool(args.fast_lane_workers, decode, args.decode_resource, tp["decode"])
+        pools["fast"] = pool(args.fast_lane_workers, decode, args.decode_resource, "decode")
     tiers = TiersConfig(fast_lane_max_running=args.fast_lane_max_running, fast_lane_when_full=args.fast_lane_when_full,
                         fast_lane_max_wait_s=args.fast_lane_max_wait, flex_max_queued=args.flex_max_queued,
                         flex_min_share=args.flex_min_share, slo=parse_tier_slos(args.tier_slo))

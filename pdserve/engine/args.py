@@ -24,6 +24,11 @@ def add_model_args(p: argparse.ArgumentParser, simulated: bool = True) -> None:
     p.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="split the model over this many processes (ranks), one per device; for serve, every "
                         "worker's, unless --prefill-/--decode-tensor-parallel-size say otherwise")
+    p.add_argument("--expert-parallel-size", type=int, default=1,
+                   help="a mixture of experts: 1, each expert sliced over the ranks, or the rank count, the experts "
+                        "split whole over them and tokens sent to their experts' ranks (all-to-all); above 1 with "
+                        "--tensor-parallel-size 1 it makes each worker that many ranks, attention split over them; "
+                        "for serve, every worker's, unless --prefill-/--decode-expert-parallel-size say otherwise")
     p.add_argument("--enforce-eager", action="store_true",
                    help="no CUDA graphs for decode (on by default with --device cuda)")
     p.add_argument("--pipelined-decode", action=argparse.BooleanOptionalAction, default=None,

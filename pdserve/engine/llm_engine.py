@@ -79,6 +79,12 @@ class EngineCore:
         self._spare: StagedUpdate | None = None  # the update committed last (stage_weights reuses its memory)
         self._arena: list[torch.Tensor] = []  # a trainer's updates arrive here, a buffer per bucket (receive_weights)
 
+    def expert_tokens(self) -> tuple[int, ...]:
+        """A mixture of experts: tokens routed to each expert so far, over its layers; () for a dense or
+        simulated model."""
+        model = getattr(self.runner, "model", None)
+        return tuple(model.expert_tokens()) if model is not None and self.model_config.is_moe else ()
+
     @staticmethod
     def _model_runner(config: EngineConfig, loaded: LoadedModel | None, role: Role, ranks,
                       on_fatal: Callable[[str], None] | None, threads: int | None) -> tuple[ModelInfo, ModelRunner]:

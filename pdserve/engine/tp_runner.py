@@ -113,7 +113,7 @@ class RankShare:
         self._arena: list[torch.Tensor] = []  # the buffers a trainer's updates arrive in, one per bucket
         _loaded(store, rank, tp)
         self.group, self.control = _new_groups(self.device, store, rank, tp, timeout_s)
-        loaded.model.set_tensor_parallel(self.group)
+        loaded.model.set_tensor_parallel(self.group, rank, config.expert_parallel_size > 1)
         self.runner = ModelRunner(loaded.model, num_blocks, config.cache.block_size)
         self.num_layers = loaded.model.cfg.num_layers
         self._cond = threading.Condition()
@@ -268,6 +268,7 @@ class TPRunner:
         self.tp = tp
         self.runner: ModelRunner | None = None
         self.timeout_s = config.tensor_parallel_timeout_s
+        self.expert_parallel = config.expert_parallel_size > 1
         self.ranks = ranks if ranks is not None else ProcessRanks()
         self._on_fatal = on_fatal
         self.steps = 0
@@ -288,7 +289,7 @@ class TPRunner:
         self.runner = runner
         _loaded(self._store, 0, self.tp)
         self.group, self.control = _new_groups(runner.device, self._store, 0, self.tp, self.timeout_s)
-        runner.model.set_tensor_parallel(self.group)
+        runner.model.set_tensor_parallel(self.group, 0, self.expert_parallel)
         self.control.barrier().wait()  # every rank is ready to serve
         self._last = time.monotonic()
         threading.Thread(target=self._heartbeat, name="tp-heartbeat", daemon=True).start()

@@ -32,15 +32,10 @@ class Linear(nn.Module):
         self.register_buffer("scale", None)  # [out] fp32 for int8 weights
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [tokens, in] -> [tokens, out]
-        if x.dim() == 2 and self.weight.dtype in (torch.float32, torch.bfloat16, torch.int8) \
-                and cpu_kernels.applies(x):
-            return torch.ops.pdserve.linear(x, self.weight, self.scale, self.bias)
-        return F.linear(x, self.dequantized(x.dtype), self.bias)
+        return linear(x, self.weight, self.scale, self.bias)
 
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
-        if self.scale is None:
-            return self.weight
-        return (self.weight.to(torch.float32) * self.scale[:, None]).to(dtype)
+        return dequantized(self.weight, self.scale, dtype)
 
     @torch.no_grad()
     def quantize_int8(self) -> None:
@@ -58,10 +53,27 @@ class Linear(nn.Module):
                 f"weight={str(self.weight.dtype).removeprefix('torch.')}")
 
 
+def linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None,
+           bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [tokens, in] @ weight [out, in].T (+ bias): the CPU kernel where it applies, else F.linear; an int8
+    weight with its per-row scale (a dense layer's, or one expert's of a mixture of experts)."""
+    if x.dim() == 2 and weight.dtype in (torch.float32, torch.bfloat16, torch.int8) and cpu_kernels.applies(x):
+        return torch.ops.pdserve.linear(x, weight, scale, bias)
+    return F.linear(x, dequantized(weight, scale, x.dtype), bias)
+
+
+def dequantized(weight: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    if scale is None:
+        return weight
+    return (weight.to(torch.float32) * scale[:, None]).to(dtype)
+
+
 def quantize(model: nn.Module, method: str) -> None:
-    """Quantise every pdserve Linear of the model in place (the embedding table stays as it is)."""
+    """Quantise every pdserve Linear of the model, and every mixture-of-experts block's experts
+    (pdserve.model.moe.Experts), in place: each module with a quantize_int8 (the embedding table and the
+    experts' router stay as they are)."""
     if method not in QUANTIZATIONS:
         raise ValueError(f"unsupported quantization {method!r}; expected one of {list(QUANTIZATIONS)}")
     for module in model.modules():
-        if isinstance(module, Linear):
+        if callable(getattr(module, "quantize_int8", None)):
             module.quantize_int8()

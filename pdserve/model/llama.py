@@ -147,14 +147,27 @@ class LlamaModel(nn.Module):
         self.rope_cos = freqs.cos()
         self.rope_sin = freqs.sin()
 
-    def set_tensor_parallel(self, group) -> None:
-        """This model is one rank's share (pdserve.parallel.layout): all-reduce the row-parallel layers
+    def set_tensor_parallel(self, group, rank: int = 0, expert_parallel: bool = False) -> None:
+        """This model is rank's share (pdserve.parallel.layout): all-reduce the row-parallel layers
         (o_proj, down_proj) and the vocab-parallel embedding over group, a process group of the worker's
-        ranks, and all-gather the vocab-parallel LM head's logits."""
+        ranks, and all-gather the vocab-parallel LM head's logits. A mixture of experts' blocks all-reduce
+        their experts' slices too, or, expert_parallel, dispatch tokens to the ranks holding their experts."""
         self.tp_group = group
         for layer in self.layers:
             layer.self_attn.tp_group = group
-            layer.mlp.tp_group = group
+            if expert_parallel and isinstance(layer.mlp, MoE):
+                layer.mlp.set_expert_parallel(group, rank)
+            else:
+                layer.mlp.tp_group = group
+
+    def expert_tokens(self) -> list[int]:
+        """Tokens routed to each expert so far, summed over the mixture-of-experts layers (every rank routes
+        every token: rank 0's counts are the worker's); [] for a dense model."""
+        blocks = [layer.mlp for layer in self.layers if isinstance(layer.mlp, MoE)]
+        counts = [b.counts for b in blocks if b.counts is not None]
+        if not counts:
+            return [0] * blocks[0].num_experts if blocks else []
+        return torch.stack(counts).sum(0).tolist()
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp_group is None:
@@ -231,11 +244,12 @@ class LlamaModel(nn.Module):
             return [(None, 0, c.q_size), (None, c.q_size, c.kv_size), (None, c.q_size + c.kv_size, c.kv_size)]
         if kind[0] == "gate_up_proj":
             return [(None, 0, c.intermediate_size), (None, c.intermediate_size, c.intermediate_size)]
+        experts = c.experts_per_rank or c.num_experts  # this share's
         if kind == ["experts", "gate_up_proj"]:
             i = c.moe_intermediate_size
-            return [(e, off, i) for e in range(c.num_experts) for off in (0, i)]
+            return [(e, off, i) for e in range(experts) for off in (0, i)]
         if kind == ["experts", "down_proj"]:
-            return [(e, 0, c.hidden_size) for e in range(c.num_experts)]
+            return [(e, 0, c.hidden_size) for e in range(experts)]
         return []
 
     def _covered(self, target: str, loaded: set[str]) -> bool:

@@ -34,6 +34,14 @@ DUMMY_PRESETS: dict[str, dict] = {
                        num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8,
                        max_position_embeddings=8192, rms_norm_eps=1e-5, rope_theta=500000.0,
                        tie_word_embeddings=False, eos_token_id=128001),
+    # Qwen3-30B-A3B: a mixture of 128 experts of 768 in all 48 layers, 8 a token (30.5B parameters, 3.3B active).
+    # A dummy one is built only when asked for (--load-format dummy): 61 GB in bf16.
+    "qwen3-30b-a3b": dict(model_type="qwen3_moe", vocab_size=151936, hidden_size=2048, intermediate_size=6144,
+                          num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+                          max_position_embeddings=40960, rms_norm_eps=1e-6, rope_theta=1000000.0,
+                          tie_word_embeddings=False, num_experts=128, num_experts_per_tok=8,
+                          moe_intermediate_size=768, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+                          bos_token_id=151643, eos_token_id=151645),
 }
 
 
@@ -120,13 +128,17 @@ def load_shard(config: EngineConfig, tp: int, rank: int, info: ModelInfo | None 
 
     path, fmt = resolve_format(config.model, config.load_format)
     info = info or load_info(config)
-    model = _empty_model(rank_config(info.config, tp), config)
+    ep = config.expert_parallel_size
+    model = _empty_model(rank_config(info.config, tp, ep), config)
     model.vocab_start, model.vocab_size = rank * model.cfg.vocab_size, info.config.vocab_size
     if fmt == "dummy":
         _init_dummy(model, config.seed + rank)
+        for name, p in model.named_parameters():  # the routers, whole on every rank, must agree
+            if name.endswith(".mlp.gate.weight"):
+                p.normal_(0.0, 0.02, generator=torch.Generator(device=p.device).manual_seed(config.seed))
     else:
         lazy = _safetensors_weights(_weights_dir(path, fmt), lazy=True)  # a rank reads its share's bytes only
-        model.load_weights(shard_weights(lazy, info.config, tp, rank))
+        model.load_weights(shard_weights(lazy, info.config, tp, rank, ep))
     if config.quantization:
         quantize(model, config.quantization)
     return LoadedModel(model, info)

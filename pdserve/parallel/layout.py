@@ -130,22 +130,37 @@ def vocab_rows(vocab_size: int, tp: int) -> int:
     return -(-vocab_size // tp)
 
 
-def rank_config(cfg: ModelConfig, tp: int) -> ModelConfig:
+def rank_config(cfg: ModelConfig, tp: int, ep: int = 1) -> ModelConfig:
     """The shape of one rank's share: its attention heads, its KV heads, its slice of the MLP and of the
     vocabulary (vocab_size is its rows of the embedding and LM head); the hidden size and everything else
-    unchanged."""
-    if tp > 1 and cfg.is_moe:
-        raise ValueError(f"tensor parallelism of a mixture-of-experts model ({cfg.architecture}) is not supported "
-                         f"yet: serve it at tensor-parallel size 1")
+    unchanged. A mixture of experts' experts are sliced like the MLP (ep 1) or split whole over the ranks
+    (ep = tp: experts_per_rank of them each; pdserve.model.moe)."""
     layout = TPLayout(cfg.num_heads, cfg.num_kv_heads, tp)
-    if cfg.intermediate_size % tp:
+    if ep != 1 and ep != tp:
+        raise ValueError(f"expert-parallel size {ep} must be 1 or the worker's rank count ({tp}): the experts are "
+                         f"split over the same ranks as the attention heads")
+    if ep > 1 and not cfg.is_moe:
+        raise ValueError(f"expert parallelism needs a mixture-of-experts model; {cfg.architecture} is dense")
+    dense = len(cfg.moe_layers) < cfg.num_layers
+    if dense and cfg.intermediate_size % tp:
         raise ValueError(f"tensor-parallel size {tp} does not divide the model's MLP size {cfg.intermediate_size}")
+    moe = {}
+    if cfg.is_moe and ep > 1:
+        if cfg.num_experts % ep:
+            raise ValueError(f"expert-parallel size {ep} does not divide the model's {cfg.num_experts} experts")
+        moe = dict(experts_per_rank=cfg.num_experts // ep)
+    elif cfg.is_moe:
+        if cfg.moe_intermediate_size % tp:
+            raise ValueError(f"tensor-parallel size {tp} does not divide the experts' MLP size "
+                             f"{cfg.moe_intermediate_size}: split the experts instead (expert parallelism)")
+        moe = dict(moe_intermediate_size=cfg.moe_intermediate_size // tp)
     return replace(cfg, num_heads=layout.heads_per_rank, num_kv_heads=layout.kv_heads_per_rank,
-                   intermediate_size=cfg.intermediate_size // tp, vocab_size=vocab_rows(cfg.vocab_size, tp))
+                   intermediate_size=max(cfg.intermediate_size // tp, 1), vocab_size=vocab_rows(cfg.vocab_size, tp),
+                   **moe)
 
 
 def shard_weights(weights: Iterable[tuple[str, Any]], cfg: ModelConfig, tp: int,
-                  rank: int) -> Iterator[tuple[str, torch.Tensor]]:
+                  rank: int, ep: int = 1) -> Iterator[tuple[str, torch.Tensor]]:
     """Hugging Face-named weights cut to one rank's share (Megatron-style), one tensor at a time, so a
     rank never holds the whole model: q/k/v and gate/up by output rows (column-parallel), o_proj and
     down_proj by input columns (row-parallel: their outputs are partial sums, all-reduced); embedding and
@@ -153,7 +168,10 @@ def shard_weights(weights: Iterable[tuple[str, Any]], cfg: ModelConfig, tp: int,
 
     Each weight is a tensor or a lazy slice of a file (safetensors' get_slice): every cut is one
     contiguous range (a rank's heads, MLP columns and vocabulary rows are consecutive), so from a file
-    a rank reads its share's bytes only."""
+    a rank reads its share's bytes only.
+
+    Experts (pdserve.model.moe): at ep 1 each expert is cut like the MLP, by its own intermediate size; at
+    ep = tp a rank gets its experts whole, renumbered from 0, and none of the others'."""
     layout = TPLayout(cfg.num_heads, cfg.num_kv_heads, tp)
     d, inter = cfg.head_dim, cfg.intermediate_size // tp
     q = layout.q_heads(rank)
@@ -164,6 +182,11 @@ def shard_weights(weights: Iterable[tuple[str, Any]], cfg: ModelConfig, tp: int,
            "gate_proj": (0, mlp), "up_proj": (0, mlp), "down_proj": (1, mlp)}
     rows = vocab_rows(cfg.vocab_size, tp)
     for name, weight in weights:
+        if ".experts." in name:
+            share = _expert_share(name, weight, cfg, tp, rank, ep)
+            if share is not None:
+                yield share
+            continue
         parts = name.split(".")
         kind = parts[-2] if len(parts) >= 2 else ""
         if kind in ("embed_tokens", "lm_head"):
@@ -181,6 +204,38 @@ def shard_weights(weights: Iterable[tuple[str, Any]], cfg: ModelConfig, tp: int,
         else:
             tensor = _read(weight)
         yield name, tensor
+
+
+# A per-expert tensor's kind -> the dimension its intermediate size is on (gate/up rows, down columns).
+_EXPERT_CUT = {"gate_proj": 0, "up_proj": 0, "w1": 0, "w3": 0, "down_proj": 1, "w2": 1}
+
+
+def _expert_share(name: str, weight, cfg: ModelConfig, tp: int, rank: int,
+                  ep: int) -> tuple[str, torch.Tensor] | None:
+    """One rank's share of an expert tensor: one expert's (...experts.E.<proj>.weight) or all experts' packed
+    (...experts.gate_up_proj [experts, 2 * inter, hidden], ...experts.down_proj [experts, hidden, inter]);
+    None for an expert another rank holds."""
+    parts = name.split(".")
+    at = parts.index("experts")
+    if ep > 1:
+        per = cfg.num_experts // ep
+        first = rank * per
+        if parts[at + 1].isdigit():  # one expert's tensor: this rank's, renumbered, or none
+            e = int(parts[at + 1])
+            if not first <= e < first + per:
+                return None
+            return ".".join(parts[: at + 1] + [str(e - first)] + parts[at + 2:]), _read(weight)
+        return name, _read(weight, 0, first, first + per)
+    if tp == 1:
+        return name, _read(weight)
+    inter = cfg.moe_intermediate_size // tp
+    lo, hi = rank * inter, (rank + 1) * inter
+    if parts[at + 1].isdigit():
+        return name, _read(weight, _EXPERT_CUT[parts[at + 2]], lo, hi)
+    if parts[-1] == "down_proj":
+        return name, _read(weight, 2, lo, hi)
+    full = cfg.moe_intermediate_size  # gate_up_proj: this rank's gate rows and its up rows
+    return name, torch.cat([_read(weight, 1, lo, hi), _read(weight, 1, full + lo, full + hi)], dim=1)
 
 
 def _shape(weight) -> tuple[int, ...]:

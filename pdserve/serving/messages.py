@@ -180,6 +180,8 @@ class WorkerStats:
     weight_update_bytes: int = 0
     weight_update_failures: int = 0
     version_outcomes: dict = field(default_factory=dict)
+    # A mixture of experts: tokens routed to each expert, summed over its layers (load balance); () if dense.
+    expert_tokens: tuple[int, ...] = ()
 
     @property
     def busy_fraction(self) -> float:

@@ -268,6 +268,13 @@ class WorkerCollector(Collector):
             for outcome in ("recomputed", "kept", "aborted"):
                 f.add_metric([s.pool, s.worker_id, outcome], (s.version_outcomes or {}).get(outcome, 0))
         yield f
+        f = CounterMetricFamily("pdserve_worker_expert_tokens", "A mixture of experts: tokens routed to each expert, "
+                                "summed over the model's expert layers (each token counts once per expert it chose; "
+                                "max over mean across experts is the load imbalance)", labels=labels + ["expert"])
+        for s in stats:
+            for e, n in enumerate(s.expert_tokens):
+                f.add_metric([s.pool, s.worker_id, str(e)], n)
+        yield f
         moving = [s for s in stats if s.transfer]
         for kind, name, doc, key in (
                 (CounterMetricFamily, "pdserve_kv_transfers",

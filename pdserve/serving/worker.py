@@ -443,5 +443,5 @@ class WorkerActor:
             weight_version=c.weight_version, paused=self.loop.paused if self.loop else False,
             weight_updates=self.weight_updates, weight_update_seconds=self.weight_update_seconds,
             weight_update_bytes=self.weight_update_bytes, weight_update_failures=self.weight_update_failures,
-            version_outcomes=dict(c.version_outcomes),
+            version_outcomes=dict(c.version_outcomes), expert_tokens=c.expert_tokens(),
             **self._extra_stats())

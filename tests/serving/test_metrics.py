@@ -271,16 +271,22 @@ def _matches(labels: dict[str, str], matchers: str) -> bool:
     return True
 
 
-def test_every_queried_series_exists_at_zero_from_the_start():
+# Series a mixture of experts' workers alone export (a dense model's panels for them read "no data").
+MOE_ONLY = {"pdserve_worker_expert_tokens_total"}
+
+
+@pytest.mark.parametrize("experts", [0, 8])
+def test_every_queried_series_exists_at_zero_from_the_start(experts):
     """A router just started with default flags (fixed pools, nothing served, no transfer yet): every series
     a dashboard panel or a rule selects is there, so a panel reads 0 rather than "no data"; the counters of
-    what has not happened (requests, scale events, failures) read 0."""
+    what has not happened (requests, scale events, failures) read 0. The expert panels' series exist where the
+    model is a mixture of experts (8 experts), one per expert."""
     from pdserve.serving.metrics import PoolScale
     from pdserve.transfer.channel import TransferStats
     from pdserve.transfer.protocol import SecondsHistogram
 
     zeros = dict(steps=0, tokens_processed=0, busy_seconds=0.0, flops=0, bytes_read=0, waiting=0, waiting_tokens=0,
-                 running=0, kv_blocks_used=0, transfer=TransferStats().snapshot())
+                 running=0, kv_blocks_used=0, transfer=TransferStats().snapshot(), expert_tokens=(0,) * experts)
     workers = [stats("prefill", "prefill-0", **zeros),
                stats("decode", "decode-0", **zeros, handoff=SecondsHistogram().snapshot(),
                      reservation_wait=SecondsHistogram().snapshot())]
@@ -293,9 +299,12 @@ def test_every_queried_series_exists_at_zero_from_the_start():
             name, matchers = sel.groups()
             if _OR_ZERO.match(expr, sel.end()):  # `(... failed requests ...) or vector(0)`: none failed yet
                 continue
+            if name in MOE_ONLY and not experts:
+                continue
             if not any(n == name and _matches(labels, matchers) for n, labels, _ in exposed):
                 missing.append(f"{name}{{{matchers or ''}}} in {expr}")
     assert not missing, missing
+    assert len([n for n, labels, _ in exposed if n in MOE_ONLY and labels["pool"] == "decode"]) == experts
     for name in ("pdserve_requests_total", "pdserve_scale_events_total", "pdserve_kv_transfer_failures_total",
                  "pdserve_request_time_to_first_token_seconds_count", "pdserve_tier_slo_requests_total"):
         values = [v for n, _, v in exposed if n == name]
@@ -316,7 +325,7 @@ def test_dashboard_is_grafana_shaped():
     assert d["templating"]["list"][0]["type"] == "datasource"
     rows = [p["title"] for p in d["panels"] if p["type"] == "row"]
     assert rows == ["Prefill pool", "Decode pool", "Latency", "KV transfer", "Pool sizes (autoscaling)",
-                    "Service tiers", "Weights (RL updates)"]
+                    "Service tiers", "Weights (RL updates)", "Mixture of experts"]
     for p in d["panels"]:
         if p["type"] != "row":
             assert p["datasource"]["uid"] == "${datasource}" and p["targets"]
@@ -380,13 +389,17 @@ def prometheus(tmp_path):
         p.wait(30)
 
 
-def test_prometheus_scrapes_every_dashboard_and_rule_expression(ray_local, aloop, tiny_checkpoints, prometheus):
+def test_prometheus_scrapes_every_dashboard_and_rule_expression(ray_local, aloop, tmp_path, prometheus):
     from pdserve.client import AsyncClient
     from router.cluster import Cluster
     from router.server import Router, RouterConfig
 
+    from moe_models import build
+
+    # A tiny mixture of experts (a dense first layer, then experts): the dense model's series and the experts'.
+    model = build(tmp_path / "moe", "qwen3_moe-mixed", packed=True)
     cache = CacheConfig(block_size=4, num_blocks=256)
-    engine = EngineConfig(model=str(tiny_checkpoints["llama"]), cache=cache)
+    engine = EngineConfig(model=str(model), cache=cache)
     pool = PoolConfig(1, num_cpus=0.25, cache=cache, scheduler=SchedulerConfig(max_num_batched_tokens=64))
     # Default flags: fixed pools, no autoscaling, no fast lane, no HTTP door. Every panel must still read
     # a number (a zero included), never "no data": the series of features that are off exist at 0.
@@ -454,6 +467,12 @@ def test_prometheus_scrapes_every_dashboard_and_rule_expression(ray_local, aloop
         # The utilization series are real numbers, not just present.
         mfu = prom_query(prom_port, 'pdserve:worker_mfu:ratio_rate1m{pool="prefill"}')
         assert 0 < float(mfu[0]["value"][1]) < 1
+        # Every expert of both pools' workers has its series; the busiest expert's load is the mean's or more.
+        experts = prom_query(prom_port, "pdserve_worker_expert_tokens_total")
+        assert sorted(int(r["metric"]["expert"]) for r in experts if r["metric"]["pool"] == "decode") == list(range(8))
+        assert sum(float(r["value"][1]) for r in experts) > 0
+        imbalance = [e for e in exprs if e.startswith("max by (pool) (sum by (pool, expert)")][0]
+        assert all(float(r["value"][1]) >= 1 for r in prom_query(prom_port, imbalance))
         source = prom_query(prom_port, "pdserve_worker_peak_flops")[0]["metric"]["source"]
         assert source == "measured"
     finally:
