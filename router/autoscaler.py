@@ -28,9 +28,9 @@ log = logging.getLogger(__name__)
 STARTUP_GUESS_S = 30.0
 
 
-def cluster_costs(cluster: Cluster, tp: int = 1) -> StepCosts:
-    """The cost model the autoscaler sizes a pool of TP size tp with: the configured profile, or the
-    configured GPU's roofline for a worker of tp such GPUs."""
+def cluster_costs(cluster: Cluster, tp: int = 1, ep: int = 1) -> StepCosts:
+    """The cost model the autoscaler sizes a pool of TP size tp (expert-parallel size ep) with: the configured
+    profile, or the configured GPU's roofline for a worker of tp such GPUs."""
     a, info = cluster.config.autoscale, cluster.info
     engine = cluster.config.engine
     if engine.load_format == "sim" and a.profile is None and a.gpu is None:
@@ -46,7 +46,7 @@ def cluster_costs(cluster: Cluster, tp: int = 1) -> StepCosts:
         return costs
     from pdserve.perf.hardware import gpu, roofline
 
-    return roofline(info.config, gpu(a.gpu), cluster.config.engine.torch_dtype.itemsize, tp)
+    return roofline(info.config, gpu(a.gpu), cluster.config.engine.torch_dtype.itemsize, tp, ep)
 
 
 def _sim_plan(cluster: Cluster, engine=None):
@@ -71,7 +71,8 @@ class AutoscaleLoop:
             limits[name] = PoolLimits(blocks, engine.cache.block_size, engine.scheduler.max_num_seqs,
                                       engine.scheduler.max_num_batched_tokens)
         a = c.autoscale
-        costs = {name: cluster_costs(cluster, c.engine_for(c.pools[name]).tensor_parallel_size) for name in c.ranges}
+        engines = {name: c.engine_for(c.pools[name]) for name in c.ranges}
+        costs = {name: cluster_costs(cluster, e.tensor_parallel_size, e.expert_parallel_size) for name, e in engines.items()}
         self.policy = Autoscaler(costs, limits, c.ranges, a.ttft_target_s, a.tpot_target_s,
                                  a.scale_down_delay_s, cluster.scaling.last_start_seconds() or STARTUP_GUESS_S,
                                  c.tiers.slo_of(ServiceTier.PRIORITY).tpot_s)

@@ -13,8 +13,9 @@ worker's step mixes both.
 
 Two models answer: `MeasuredCosts`, fitted to what `pdserve profile` measured on a device (least squares,
 each term non-negative), and `RooflineCosts`, from the model's FLOPs and bytes against a GPU's
-datasheet peaks (pdserve.perf.hardware). Both describe the KV hand-off the same way: a latency and
-a bandwidth of the transport between two workers.
+datasheet peaks (pdserve.perf.hardware; mixtures of experts, tensor and expert parallelism included).
+Both describe the KV hand-off the same way: a latency and a bandwidth of the transport between two
+workers.
 """
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ import numpy as np
 
 from pdserve.config import ModelConfig
 from pdserve.parallel.layout import TPLayout
+from pdserve.perf.shapes import LatentAttentionShape
 from pdserve.transfer.protocol import MIN_PART_BYTES
 
 
@@ -195,11 +197,28 @@ def _shard(n: int, tp: int) -> int:
     return -(-n // tp)
 
 
+def expected_experts(num_experts: int, k: int, tokens: int) -> float:
+    """Distinct experts that `tokens` tokens touch between them, on average, each picking k of num_experts.
+
+    A given expert is among one token's k with probability k / E, so it escapes all of them with probability
+    (1 - k / E) ** tokens: E (1 - (1 - k / E) ** tokens) are touched. Routing is taken as uniform and
+    independent from token to token, what a balanced router gives over unrelated requests; skewed routing
+    touches fewer, so this is the most a step reads on average. One token touches k experts; a batch of a few
+    times E / k tokens nearly all of them."""
+    if tokens <= 0:
+        return 0.0
+    return num_experts * (1.0 - (1.0 - k / num_experts) ** tokens)
+
+
+def _shared_experts(model: ModelConfig) -> int:
+    return model.num_shared_experts if isinstance(model, LatentAttentionShape) else 0
+
+
 @dataclass(frozen=True)
 class RooflineCosts:
     """Step times from FLOPs and bytes against a device's peaks, each derated by an efficiency factor:
 
-        step = overhead_s + max(FLOPs / (peak_flops * mfu), bytes / (peak_bandwidth * mbu)) + all-reduces
+        step = overhead_s + max(FLOPs / (peak_flops * mfu), bytes / (peak_bandwidth * mbu)) + collectives
 
     FLOPs: the matmuls of every new token (pdserve.engine.utilization), attention over the pairs each chunk
     computes and over each decoding request's context, the LM head of every sampled row. Bytes: every
@@ -213,6 +232,15 @@ class RooflineCosts:
     all-reduce of B bytes takes latency + 2 (tp - 1) / tp * B / bus bandwidth (`collective`), and is
     added to the step, not overlapped with it. The embedding's all-reduce and the logits' gather (one
     each per step, against 2 * num_layers) are left out.
+
+    A mixture of experts: FLOPs count the parameters each token runs (its router, its k experts, any shared
+    expert); a step's weight bytes count every dense weight and, in each MoE layer, the experts its rows
+    touch (expected_experts), each read once; the memory a rank needs (weight_bytes, resident_weight_bytes)
+    counts every expert it holds. Over tp ranks the experts are sliced like an MLP (ep 1: a rank reads its
+    slice of every expert touched) or split whole (ep = tp: a rank holds num_experts / ep of them and, with
+    uniform routing, reads 1/ep of those touched; the busiest rank reads more, which is left out). The two
+    read the same bytes and do the same FLOPs a rank on average: they differ in their collectives
+    (collective_time) and in how wide each expert's matmuls are, which a roofline does not see.
     """
 
     model: ModelConfig
@@ -224,10 +252,11 @@ class RooflineCosts:
     overhead_s: float
     transport: Transport
     tp: int = 1
-    collective: Transport | None = None  # the all-reduce between the tp ranks: latency per call, bus bandwidth
+    collective: Transport | None = None  # the collectives between the tp ranks: latency per call, bus bandwidth
+    ep: int = 1  # a mixture of experts over the tp ranks: 1, every expert sliced; tp, the experts split whole
 
     def slowed(self, factor: float) -> RooflineCosts:
-        """The same device `factor` times slower: every step (compute, memory reads, overhead, all-reduces)
+        """The same device `factor` times slower: every step (compute, memory reads, overhead, collectives)
         takes factor times as long, as a simulated worker's do (--sim-time-scale). The KV link between
         workers (transport) is left as it is: a simulated hand-off moves real, smaller tensors."""
         if not factor > 0:
@@ -245,6 +274,13 @@ class RooflineCosts:
         kv_heads_per_rank(self.model, self.tp)
         if self.tp > 1 and self.collective is None:
             raise ValueError(f"tensor-parallel size {self.tp} needs the all-reduce's link (collective)")
+        if self.ep != 1:
+            m = self.model
+            if not m.is_moe:
+                raise ValueError(f"expert parallelism needs a mixture of experts; this {m.architecture} is dense")
+            if self.ep != self.tp or m.num_experts % self.ep:
+                raise ValueError(f"expert-parallel size {self.ep} must be the worker's rank count ({self.tp}) and "
+                                 f"divide the model's {m.num_experts} experts")
 
     @property
     def kv_size_per_rank(self) -> int:
@@ -252,19 +288,59 @@ class RooflineCosts:
 
     @property
     def kv_bytes_per_token(self) -> int:
-        return 2 * self.model.num_layers * self.kv_size_per_rank * self.dtype_bytes
+        m = self.model
+        if isinstance(m, LatentAttentionShape):  # the latent and the RoPE key, whole on every rank
+            return m.num_layers * m.kv_values_per_token_per_layer * self.dtype_bytes
+        return 2 * m.num_layers * self.kv_size_per_rank * self.dtype_bytes
 
-    def _linear_params_per_layer(self) -> int:
-        m, tp = self.model, self.tp
-        h, q = m.hidden_size, m.q_size // tp
-        return h * (q + 2 * self.kv_size_per_rank) + q * h + 3 * h * _shard(m.intermediate_size, tp)
+    def _attention_params(self) -> int:
+        """One layer's attention matmul weights on one rank."""
+        m = self.model
+        if isinstance(m, LatentAttentionShape):
+            return m.attention_params(self.tp)
+        h, q = m.hidden_size, m.q_size // self.tp
+        return h * (q + 2 * self.kv_size_per_rank) + q * h
+
+    def _layer_params(self) -> int:
+        """Matmul weights of the layers on one rank that every step reads, whatever its tokens: attention, the
+        dense MLPs and, in each MoE layer, the router (whole on every rank: every rank routes every token) and
+        any shared expert (sliced like an MLP)."""
+        m, tp, h = self.model, self.tp, self.model.hidden_size
+        moe, mlp = len(m.moe_layers), 3 * h * _shard(m.intermediate_size, tp)
+        params = m.num_layers * self._attention_params() + (m.num_layers - moe) * mlp
+        if moe:
+            params += moe * (h * m.num_experts + 3 * h * _shard(_shared_experts(m) * m.moe_intermediate_size, tp))
+        return params
+
+    def _expert_params(self) -> int:
+        """One routed expert's matmul weights on one rank: its slice (ep 1), or all of it (ep = tp)."""
+        m = self.model
+        inter = m.moe_intermediate_size if self.ep > 1 else _shard(m.moe_intermediate_size, self.tp)
+        return 3 * m.hidden_size * inter
+
+    @property
+    def experts_per_rank(self) -> int:
+        return self.model.num_experts // self.ep
 
     @property
     def weight_bytes(self) -> int:
-        """Bytes of the matmul weights a step reads once, on one rank: the layers and the LM head."""
+        """Bytes of the matmul weights one rank holds, the layers' and the LM head, every expert of its share
+        included: what a dense model's step reads once, the most a mixture of experts' step can read
+        (step_weight_bytes)."""
         m = self.model
-        return (m.num_layers * self._linear_params_per_layer()
-                + m.hidden_size * _shard(m.vocab_size, self.tp)) * self.dtype_bytes
+        experts = len(m.moe_layers) * self.experts_per_rank * self._expert_params()
+        return (self._layer_params() + experts + m.hidden_size * _shard(m.vocab_size, self.tp)) * self.dtype_bytes
+
+    def step_weight_bytes(self, rows: int) -> float:
+        """Bytes of the matmul weights a step of `rows` new tokens reads on one rank, each once: weight_bytes
+        for a dense model; for a mixture of experts, the dense weights and in each MoE layer the experts its
+        rows touch (expected_experts; split whole over ep ranks, 1/ep of them on each)."""
+        m = self.model
+        if not m.is_moe:
+            return self.weight_bytes
+        touched = expected_experts(m.num_experts, m.num_experts_per_tok, rows) / self.ep
+        lm_head = m.hidden_size * _shard(m.vocab_size, self.tp)
+        return (self._layer_params() + len(m.moe_layers) * touched * self._expert_params() + lm_head) * self.dtype_bytes
 
     @property
     def resident_weight_bytes(self) -> int:
@@ -276,28 +352,62 @@ class RooflineCosts:
             per_layer += m.q_size // self.tp + 2 * self.kv_size_per_rank
         if m.qk_norm:
             per_layer += 2 * m.head_dim
+        if isinstance(m, LatentAttentionShape):
+            per_layer += m.attention_norm_params
         embed = 0 if m.tie_word_embeddings else m.hidden_size * _shard(m.vocab_size, self.tp)
         return self.weight_bytes + (m.num_layers * per_layer + embed + m.hidden_size) * self.dtype_bytes
+
+    def _attention_flops_per_pair(self, decode: bool) -> int:
+        """QK^T and PV of one query and one key, over all layers, on one rank."""
+        m = self.model
+        heads = m.num_heads // self.tp
+        qk = pv = m.head_dim
+        if isinstance(m, LatentAttentionShape):
+            # A decode step attends in the latent (keys kv_lora_rank + rope wide, values kv_lora_rank); a
+            # prefill with keys and values expanded per head (head_dim + rope, and head_dim).
+            qk, pv = ((m.kv_lora_rank + m.qk_rope_head_dim, m.kv_lora_rank) if decode
+                      else (m.head_dim + m.qk_rope_head_dim, m.head_dim))
+        return 2 * heads * (qk + pv) * m.num_layers
 
     def flops(self, prefill_tokens: int, prefill_pairs: int, prefill_seqs: int, decode_seqs: int,
               decode_context: int) -> float:
         m = self.model
-        linear = 2 * m.num_layers * self._linear_params_per_layer()  # at tp 1: pdserve.engine.utilization's
+        linear = 2 * self._layer_params()  # at tp 1: pdserve.engine.utilization's
+        if m.is_moe:  # a token's k experts: k slices on every rank (ep 1), or k / ep whole ones a rank on average
+            linear += 2 * len(m.moe_layers) * m.num_experts_per_tok * self._expert_params() / self.ep
         lm_head = 2 * m.hidden_size * _shard(m.vocab_size, self.tp)
-        attn_per_pair = 2 * 2 * (m.q_size // self.tp) * m.num_layers  # QK^T and PV
         return ((prefill_tokens + decode_seqs) * linear
-                + attn_per_pair * (prefill_pairs + decode_context)
+                + self._attention_flops_per_pair(decode=False) * prefill_pairs
+                + self._attention_flops_per_pair(decode=True) * decode_context
                 + (prefill_seqs + decode_seqs) * lm_head)
 
     def bytes(self, prefill_tokens: int, decode_seqs: int, decode_context: int) -> float:
-        return self.weight_bytes + self.kv_bytes_per_token * (decode_context + prefill_tokens + decode_seqs)
+        return (self.step_weight_bytes(prefill_tokens + decode_seqs)
+                + self.kv_bytes_per_token * (decode_context + prefill_tokens + decode_seqs))
 
-    def allreduce_time(self, rows: int) -> float:
-        """The step's all-reduces: two per layer of rows x hidden activations, ring over the tp ranks."""
+    def collective_time(self, rows: int) -> float:
+        """The step's collectives over the tp ranks for `rows` new tokens.
+
+        Every layer all-reduces its attention output (rows x hidden; a ring moves 2 (tp - 1) / tp of it over
+        each rank's link) and its MLP's, or its sliced experts', output. Experts split whole (ep = tp) instead
+        send each token's k rows to their experts' ranks and the results back (two all-to-alls: a rank owns
+        ceil(rows / ep) of the tokens and sends their k rows each, (ep - 1) / ep of them to other ranks), then
+        all-gather the tokens' outputs ((ep - 1) / ep of the rows reach each rank from the others), as
+        pdserve.model.moe does; a shared expert, sliced, is all-reduced apart.
+        """
         if self.tp == 1 or not rows:
             return 0.0
-        nbytes = rows * self.model.hidden_size * self.dtype_bytes
-        return 2 * self.model.num_layers * self.collective.send_time(2 * (self.tp - 1) / self.tp * nbytes)
+        m, link, tp = self.model, self.collective, self.tp
+        row_bytes = m.hidden_size * self.dtype_bytes
+        nbytes = rows * row_bytes
+        allreduce = link.send_time(2 * (tp - 1) / tp * nbytes)
+        if self.ep == 1:
+            return 2 * m.num_layers * allreduce
+        moe, owned, others = len(m.moe_layers), -(-rows // self.ep), (self.ep - 1) / self.ep
+        all_to_all = link.send_time(others * owned * m.num_experts_per_tok * row_bytes)
+        all_gather = link.send_time(others * owned * self.ep * row_bytes)
+        shared = allreduce if _shared_experts(m) else 0.0
+        return (2 * m.num_layers - moe) * allreduce + moe * (2 * all_to_all + all_gather + shared)
 
     def step_time(self, prefill_tokens: int, prefill_pairs: int, prefill_seqs: int, decode_seqs: int,
                   decode_context: int) -> float:
@@ -306,4 +416,4 @@ class RooflineCosts:
         compute = self.flops(prefill_tokens, prefill_pairs, prefill_seqs, decode_seqs, decode_context) / (
             self.peak_flops * self.mfu)
         memory = self.bytes(prefill_tokens, decode_seqs, decode_context) / (self.peak_bytes_per_s * self.mbu)
-        return self.overhead_s + max(compute, memory) + self.allreduce_time(prefill_tokens + decode_seqs)
+        return self.overhead_s + max(compute, memory) + self.collective_time(prefill_tokens + decode_seqs)

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from pdserve.config import ModelConfig
 from pdserve.perf.costs import RooflineCosts, Transport
+from pdserve.perf.shapes import ROOFLINE_ONLY_SHAPES
 
 
 @dataclass(frozen=True)
@@ -70,13 +71,16 @@ def gpu(name: str) -> Gpu:
     raise ValueError(f"unknown GPU {name!r}; the roofline knows {', '.join(GPUS)} (or give --profile FILE)")
 
 
-def roofline(model: ModelConfig, device: Gpu, dtype_bytes: int = 2, tp: int = 1) -> RooflineCosts:
+def roofline(model: ModelConfig, device: Gpu, dtype_bytes: int = 2, tp: int = 1, ep: int = 1) -> RooflineCosts:
     """The step and hand-off costs of `model` on `device`, from its datasheet peaks; with tp > 1, of a
-    worker of tp such GPUs (every figure one rank's). The roofline takes one efficiency for both phases'
-    work: whichever bound (compute or memory) dominates a step is derated by its own factor."""
+    worker of tp such GPUs (every figure one rank's), a mixture of experts' experts sliced over them (ep 1)
+    or split whole (ep = tp). The roofline takes one efficiency for both phases' work: whichever bound
+    (compute or memory) dominates a step is derated by its own factor. All-to-alls cross the same link as
+    all-reduces, at the same latency per call."""
     link = device.link_bytes_per_s * LINK_EFFICIENCY
     return RooflineCosts(model, dtype_bytes, device.flops, device.bytes_per_s, PREFILL_MFU, DECODE_MBU,
-                         STEP_OVERHEAD_S, Transport(LINK_LATENCY_S, link), tp, Transport(ALLREDUCE_LATENCY_S, link))
+                         STEP_OVERHEAD_S, Transport(LINK_LATENCY_S, link), tp, Transport(ALLREDUCE_LATENCY_S, link),
+                         ep)
 
 
 def kv_budget_bytes(device: Gpu, weight_bytes: int) -> int:
@@ -95,17 +99,22 @@ def _key(name: str) -> str:
 
 def resolve_model(name_or_path: str) -> tuple[str, ModelConfig]:
     """(name, shape) from a preset name (pdserve.model.loader.DUMMY_PRESETS: smollm2-135m, llama-3-8b,
-    llama-3-70b; dashes and case do not matter), a config.json, a Hugging Face directory or a .gguf."""
+    llama-3-70b, qwen3-30b-a3b; or a shape only the roofline knows, pdserve.perf.shapes: deepseek-v3-shape;
+    dashes and case do not matter), a config.json, a Hugging Face directory or a .gguf."""
     from pdserve.config import EngineConfig
     from pdserve.model.loader import DUMMY_PRESETS, load_info
 
     for preset, cfg in DUMMY_PRESETS.items():
         if _key(preset) == _key(name_or_path):
             return preset, ModelConfig.from_hf(dict(cfg))
+    for name, shape in ROOFLINE_ONLY_SHAPES.items():
+        if _key(name) == _key(name_or_path):
+            return name, shape
     path = Path(name_or_path)
     if path.is_file() and path.suffix == ".json":
         return path.stem, ModelConfig.from_hf(json.loads(path.read_text()))
     if not path.exists():
-        raise ValueError(f"unknown model {name_or_path!r}: give a preset ({', '.join(DUMMY_PRESETS)}), "
-                         "a config.json, a Hugging Face directory or a .gguf file")
+        raise ValueError(f"unknown model {name_or_path!r}: give a preset ({', '.join(DUMMY_PRESETS)}; for the "
+                         f"roofline only, {', '.join(ROOFLINE_ONLY_SHAPES)}), a config.json, a Hugging Face directory "
+                         "or a .gguf file")
     return path.name, load_info(EngineConfig(model=str(path))).config

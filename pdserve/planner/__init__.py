@@ -7,7 +7,8 @@ simulator.py  a discrete-event simulator of the cluster (router, prefill, hand-o
 autoscale.py  how many workers each pool needs now, by the cost model: the policy the router and the
               simulator both run
 pricing.py    what each service tier costs: the fast lane's size and batch cap, device time per token
-parallel.py   tensor-parallel sizes compared: which fit a GPU, which wins for prefill and for decode
+parallel.py   tensor-parallel sizes (a mixture of experts: each with its experts sliced or split) compared: which
+              fit a GPU, which wins for prefill and for decode
 plan.py       candidate configurations, their predicted serving statistics, the ranking and the plot
 cli.py        the `profile` and `plan` commands
 

@@ -55,13 +55,16 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     src.add_argument("--profile", default=None, metavar="PROFILE.json", help="measured by `pdserve profile`")
     src.add_argument("--gpu", default=None, help="a roofline of this GPU's datasheet: H100, H200, A100, L40S, L4")
     src.add_argument("--model", default=None,
-                     help="with --gpu: a preset (llama-3-8b, llama-3-70b, smollm2-135m), config.json, HF directory or "
-                          ".gguf; one worker is one GPU unless --tensor-parallel-sizes splits it (a model that fits no "
-                          "single GPU, like llama-3-70b in bf16, is compared at TP 1, 2, 4 and 8 by itself)")
+                     help="with --gpu: a preset (llama-3-8b, llama-3-70b, smollm2-135m, qwen3-30b-a3b; for the "
+                          "roofline only, deepseek-v3-shape), config.json, HF directory or .gguf; one worker is one "
+                          "GPU unless --tensor-parallel-sizes splits it (a model that fits no single GPU, like "
+                          "llama-3-70b in bf16, and a mixture of experts, with its experts sliced or split, are "
+                          "compared at TP 1, 2, 4 and 8 by themselves)")
     src.add_argument("--dtype-bytes", type=int, default=2, help="with --gpu: bytes per weight and KV value (2: bf16)")
     src.add_argument("--tensor-parallel-sizes", type=_sizes, default=None, metavar="1,2,4,8",
                      help="with --gpu: compare these tensor-parallel sizes (which fit, prefill time, decode tokens/s "
-                          "per GPU) and simulate with every worker at the smallest that fits (give one to simulate it)")
+                          "per GPU; a mixture of experts at EP 1 and EP = TP each) and simulate with every worker at "
+                          "the smallest that fits (give one to simulate it)")
     add_workload_args(p)
     g = p.add_argument_group("SLOs (goodput counts requests that meet every one given)")
     g.add_argument("--slo-ttft-ms", type=float, default=None)
@@ -109,9 +112,11 @@ def _sizes(text: str) -> list[int]:
     return sorted(set(sizes))
 
 
-def _costs_and_model(args: argparse.Namespace, tp: int = 1) -> tuple[Any, dict[str, Any], int | None, int]:
+def _costs_and_model(args: argparse.Namespace, tp: int = 1,
+                     ep: int = 1) -> tuple[Any, dict[str, Any], int | None, int]:
     """(costs, model facts, default KV cache bytes, block size) from --profile or --gpu/--model; with --gpu, of
-    workers of tp GPUs each (costs and KV cache one GPU's)."""
+    workers of tp GPUs each, a mixture of experts' experts split over them when ep = tp (costs and KV cache
+    one GPU's)."""
     if (args.profile is None) == (args.gpu is None):
         raise ValueError("give --profile FILE, or --gpu NAME with --model M")
     if args.profile:
@@ -126,37 +131,41 @@ def _costs_and_model(args: argparse.Namespace, tp: int = 1) -> tuple[Any, dict[s
         raise ValueError("--gpu needs --model (a preset, config.json, HF directory or .gguf)")
     device = gpu(args.gpu)
     name, cfg = resolve_model(args.model)
-    costs = roofline(cfg, device, args.dtype_bytes, tp)
+    costs = roofline(cfg, device, args.dtype_bytes, tp, ep)
     model = {"name": name, "path": None, "vocab_size": cfg.vocab_size, "eos_token_ids": list(cfg.eos_token_ids),
              "max_model_len": cfg.max_position_embeddings, "num_params": cfg.num_params}
     return costs, model, kv_budget_bytes(device, costs.resident_weight_bytes), args.block_size or 16
 
 
-# The sizes compared when a model's weights do not fit one GPU and no --tensor-parallel-sizes is given.
+# The sizes compared when a model's weights do not fit one GPU, or it is a mixture of experts, and no
+# --tensor-parallel-sizes is given.
 AUTO_TP_SIZES = (1, 2, 4, 8)
 
 
-def _auto_tp_sizes(args: argparse.Namespace) -> list[int] | None:
-    """With --gpu and --model and no --tensor-parallel-sizes: None if the weights fit one GPU, else the
-    sizes of AUTO_TP_SIZES the model's heads and MLP allow."""
+def _auto_tp_sizes(args: argparse.Namespace) -> tuple[list[int], str] | None:
+    """With --gpu and --model and no --tensor-parallel-sizes: None for a dense model whose weights fit one
+    GPU; else the sizes of AUTO_TP_SIZES the model's shape allows, and why they are compared. A mixture of
+    experts is compared even when it fits one GPU: whether to split its experts is the question."""
     from pdserve.perf.hardware import gpu, kv_budget_bytes, resolve_model, roofline
-    from pdserve.parallel.layout import rank_config
+    from pdserve.planner.parallel import parallel_choices
 
     device = gpu(args.gpu)
     _, cfg = resolve_model(args.model)
     try:
         kv_budget_bytes(device, roofline(cfg, device, args.dtype_bytes).resident_weight_bytes)
-        return None
+        if not cfg.is_moe:
+            return None
+        why = "is a mixture of experts"
     except ValueError:
-        pass
+        why = f"does not fit one {args.gpu}"
     sizes = []
     for tp in AUTO_TP_SIZES:
         try:
-            rank_config(cfg, tp)
+            parallel_choices(cfg, [tp])
             sizes.append(tp)
         except ValueError:
             pass
-    return sizes
+    return sizes, why
 
 
 def _compare_tp(args: argparse.Namespace) -> dict[str, Any]:
@@ -179,8 +188,9 @@ def _compare_tp(args: argparse.Namespace) -> dict[str, Any]:
         from pdserve.planner.parallel import format_tp
 
         print(format_tp(table))
-        raise ValueError(f"no tensor-parallel size of {args.tensor_parallel_sizes} fits a {device.name}: "
-                         "give larger ones")
+        raise ValueError(f"no tensor-parallel size of {args.tensor_parallel_sizes} fits a {device.name}: give larger "
+                         f"ones (the weights alone need {table['gpus_for_weights']} GPUs), or fewer bytes a value "
+                         "(--dtype-bytes)")
     return table
 
 
@@ -234,16 +244,27 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.num_prompts is None and args.trace is None and (args.concurrency is not None or args.arrival == "closed"):
         # bench ends such a run by its clock, which a simulation does not have before it runs
         raise ValueError("pdserve plan needs --num-prompts with --concurrency or --arrival closed")
-    tp, tp_table = 1, None
-    if not args.tensor_parallel_sizes and args.gpu and args.model:
-        args.tensor_parallel_sizes = _auto_tp_sizes(args)
-        if args.tensor_parallel_sizes:
-            print(f"{args.model} does not fit one {args.gpu}: comparing tensor-parallel sizes "
-                  f"{','.join(map(str, args.tensor_parallel_sizes))} (--tensor-parallel-sizes chooses)\n")
+    tp, ep, tp_table = 1, 1, None
+    if args.gpu and args.model:
+        from pdserve.perf.hardware import resolve_model
+        from pdserve.perf.shapes import LatentAttentionShape
+
+        shape = resolve_model(args.model)[1]
+        if isinstance(shape, LatentAttentionShape):
+            print(f"{args.model}: {shape.note}\n")
+        auto = None if args.tensor_parallel_sizes else _auto_tp_sizes(args)
+        if auto:
+            args.tensor_parallel_sizes, why = auto
+            experts = ", each with its experts sliced (EP 1) and split whole (EP = TP)" if shape.is_moe else ""
+            print(f"{args.model} {why}: comparing tensor-parallel sizes "
+                  f"{','.join(map(str, args.tensor_parallel_sizes))}{experts} (--tensor-parallel-sizes chooses)\n")
     if args.tensor_parallel_sizes:
         tp_table = _compare_tp(args)
+        # The smallest size that fits; of a mixture of experts' two choices there, the faster decode.
         tp = tp_table["fitting"][0]
-    costs, model, kv_default, block_size = _costs_and_model(args, tp)
+        ep = max((r for r in tp_table["sizes"] if r["fits"] and r["tp"] == tp),
+                 key=lambda r: (r["decode_tokens_per_s_per_gpu"], -r["ep"]))["ep"]
+    costs, model, kv_default, block_size = _costs_and_model(args, tp, ep)
     tokenizer = None
     if args.trace and model.get("path"):
         from pdserve.model.tokenizer import Tokenizer
@@ -255,7 +276,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     workload = workload_from_args(args, model["vocab_size"], model["eos_token_ids"], model["max_model_len"], tokenizer)
     if tp_table:
         print(format_tp(tp_table))
-        print(f"simulated below: every worker is TP {tp} ({tp} GPUs; KV figures per GPU)\n")
+        label = f"TP {tp} EP {ep}" if tp_table["expert_parallel"] else f"TP {tp}"
+        print(f"simulated below: every worker is {label} ({tp} GPUs; KV figures per GPU)\n")
     kv_bytes = (args.kv_cache_mib << 20) if args.kv_cache_mib is not None else kv_default
     settings = PoolSettings(
         kv_cache_bytes=kv_bytes, block_size=args.block_size or block_size, token_budget=args.prefill_token_budget,
@@ -268,6 +290,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     plan["model"] = model["name"]
     plan["costs"] = args.profile or f"roofline of {args.gpu}"
     plan["tensor_parallel_size"] = tp
+    plan["expert_parallel_size"] = ep
     if tp_table:
         plan["tensor_parallel"] = tp_table
     print(f"{plan['requests']} requests: {workload.description['workload']}; model {model['name']}; costs: "

@@ -97,9 +97,9 @@ def test_a_size_that_does_not_divide_the_heads_is_an_error():
 def test_allreduce_is_two_ring_all_reduces_a_layer():
     c = costs(4, collective=Transport(latency_s=1e-6, bytes_per_s=1e9))
     # 3 rows x 8 hidden x 2 bytes = 48 B; a ring moves 2 * 3/4 of it: 1 us + 72 B / 1 GB/s, 2 a layer, 2 layers
-    assert c.allreduce_time(3) == pytest.approx(4 * (1e-6 + 72e-9), rel=1e-12)
-    assert costs(1, collective=None).allreduce_time(3) == 0.0
-    assert c.allreduce_time(0) == 0.0
+    assert c.collective_time(3) == pytest.approx(4 * (1e-6 + 72e-9), rel=1e-12)
+    assert costs(1, collective=None).collective_time(3) == 0.0
+    assert c.collective_time(0) == 0.0
 
 
 def test_step_adds_the_all_reduces_to_the_roofline():
@@ -145,7 +145,7 @@ def test_compare_tp_on_h100():
     allreduce = 160 * (ALLREDUCE_LATENCY_S + 2 * 7 / 8 * 64 * 8192 * 2 / (450e9 * LINK_EFFICIENCY))
     step = STEP_OVERHEAD_S + read / (3.35e12 * DECODE_MBU) + allreduce
     assert rows[8]["decode_step_s"] == pytest.approx(step, rel=1e-12)
-    assert rows[8]["decode_allreduce_share"] == pytest.approx(allreduce / step, rel=1e-12)
+    assert rows[8]["decode_collective_share"] == pytest.approx(allreduce / step, rel=1e-12)
     assert rows[8]["decode_tokens_per_s_per_gpu"] == pytest.approx(64 / step / 8, rel=1e-12)
     assert t["prefill_winner"] == 8 and t["decode_winner"] == 4
     assert rows[2]["prefill_s"] > rows[4]["prefill_s"] > rows[8]["prefill_s"]
