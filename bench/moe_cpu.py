@@ -10,7 +10,8 @@ bandwidth measured in the same run (the best of 5 sums over a 1 GiB fp32 tensor)
 every layer, the LM head, each layer's router, and the experts the batch's tokens touched in that step
 (counted from pdserve's routing, per layer), each read once. A step's time is the median of --steps
 decode-only steps of pdserve's engine (continuous batching, paged cache) with --batch requests running;
-transformers' is the median of as many single-token forwards of the same batch with its KV cache.
+transformers' is the median of as many single-token forwards of the same batch with its KV cache. Last, one
+expert's matmul over 1..128 rows through the CPU kernel and through F.linear (where the experts switch).
 """
 from __future__ import annotations
 
@@ -140,6 +141,32 @@ def main() -> None:
         theirs = time.perf_counter() - t0
     print(f"prefill of {args.prefill_len} tokens: pdserve {args.prefill_len / ours:.0f} tok/s, transformers "
           f"{args.prefill_len / theirs:.0f} tok/s ({theirs / ours:.2f}x)")
+    expert_matmul_rows(cfg.hidden_size, cfg.moe_intermediate_size)
+
+
+def expert_matmul_rows(hidden: int, inter: int) -> None:
+    """One expert's gate/up matmul over n rows: the CPU kernel (pdserve.model.linear.linear) against F.linear,
+    median of 200 (what pdserve.model.moe.KERNEL_MAX_ROWS is set from)."""
+    import torch.nn.functional as F
+
+    from pdserve.model.linear import linear
+
+    w = torch.randn(2 * inter, hidden)
+    t = Table(("rows", 5, "d"), ("kernel us", 9, ".1f"), ("F.linear us", 11, ".1f"), ("F.linear / kernel", 17, ".2f"))
+    print(t.header())
+    for n in (1, 4, 8, 16, 32, 64, 128):
+        x = torch.randn(n, hidden)
+        times = []
+        for fn in (lambda: linear(x, w), lambda: F.linear(x, w)):
+            for _ in range(20):
+                fn()
+            samples = []
+            for _ in range(200):
+                t0 = time.perf_counter()
+                fn()
+                samples.append(time.perf_counter() - t0)
+            times.append(statistics.median(samples) * 1e6)
+        print(t.row(n, times[0], times[1], times[1] / times[0]))
 
 
 if __name__ == "__main__":
