@@ -8,7 +8,7 @@ import torch
 
 from pdserve.tiers import TiersConfig
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral")  # the families
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "mixtral")  # the families
 # The registry of checkpoints served: a config.json's `architectures` entry -> the family pdserve.model builds
 # (one decoder, pdserve.model.llama, whose options each family sets in ModelConfig.from_hf).
 ARCHITECTURES = {
@@ -16,6 +16,7 @@ ARCHITECTURES = {
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Qwen2MoeForCausalLM": "qwen2_moe",
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "MixtralForCausalLM": "mixtral",
 }
@@ -87,6 +88,9 @@ class ModelConfig:
     # One rank's share under expert parallelism (pdserve.parallel.layout.rank_config): the experts it holds,
     # consecutive; 0: all num_experts.
     experts_per_rank: int = 0
+    # Qwen2-MoE: a shared expert (a gated MLP of this size) every token runs beside its k, scaled by
+    # sigmoid(shared_expert_gate . x); 0: none.
+    shared_expert_intermediate_size: int = 0
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -122,7 +126,8 @@ class ModelConfig:
         if layer not in self.moe_layers:
             return 3 * h * self.intermediate_size
         experts = self.num_experts_per_tok if active else self.num_experts
-        return h * self.num_experts + experts * 3 * h * self.moe_intermediate_size
+        shared = 3 * h * self.shared_expert_intermediate_size + h if self.shared_expert_intermediate_size else 0
+        return h * self.num_experts + experts * 3 * h * self.moe_intermediate_size + shared
 
     @property
     def q_size(self) -> int:
@@ -196,7 +201,7 @@ class ModelConfig:
             rope_scaling=scaling,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             # Qwen2 always has q/k/v biases; others say so with attention_bias.
-            attention_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
+            attention_bias=model_type in ("qwen2", "qwen2_moe") or bool(cfg.get("attention_bias", False)),
             qk_norm=model_type in ("qwen3", "qwen3_moe"),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
@@ -205,8 +210,9 @@ class ModelConfig:
 
 
 def _moe_fields(model_type: str, cfg: dict[str, Any]) -> dict[str, Any]:
-    """ModelConfig's mixture-of-experts fields from a Hugging Face config: Qwen3-MoE (every
-    decoder_sparse_step-th layer not in mlp_only_layers; norm_topk_prob as given) and Mixtral (every layer,
+    """ModelConfig's mixture-of-experts fields from a Hugging Face config: Qwen2-MoE and Qwen3-MoE (every
+    decoder_sparse_step-th layer not in mlp_only_layers; norm_topk_prob as given; Qwen2-MoE's shared expert)
+    and Mixtral (every layer,
     top-k weights always renormalised)."""
     if model_type == "mixtral":
         return dict(num_experts=cfg["num_local_experts"], num_experts_per_tok=cfg["num_experts_per_tok"],
@@ -214,13 +220,15 @@ def _moe_fields(model_type: str, cfg: dict[str, Any]) -> dict[str, Any]:
                     moe_layers=tuple(range(cfg["num_hidden_layers"])))
     # The hub's Qwen3-MoE configs say num_experts; transformers 5 writes num_local_experts.
     experts = cfg.get("num_experts", cfg.get("num_local_experts", 0))
-    if model_type == "qwen3_moe" and experts > 0:
+    if model_type in ("qwen2_moe", "qwen3_moe") and experts > 0:
         step, dense = cfg.get("decoder_sparse_step", 1), set(cfg.get("mlp_only_layers") or ())
         return dict(num_experts=experts, num_experts_per_tok=cfg["num_experts_per_tok"],
                     moe_intermediate_size=cfg["moe_intermediate_size"],
                     norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
                     moe_layers=tuple(i for i in range(cfg["num_hidden_layers"])
-                                     if i not in dense and (i + 1) % step == 0))
+                                     if i not in dense and (i + 1) % step == 0),
+                    shared_expert_intermediate_size=cfg.get("shared_expert_intermediate_size", 0)
+                    if model_type == "qwen2_moe" else 0)
     return {}
 
 

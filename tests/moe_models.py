@@ -1,5 +1,5 @@
 """Tiny seeded mixture-of-experts checkpoints built with transformers' own config classes (no hub download):
-Qwen3-MoE (renormalised, and not with a dense first layer) and Mixtral, with a tensor set per expert or with
+Qwen3-MoE (renormalised, and not with a dense first layer), Qwen2-MoE (a shared expert) and Mixtral, with a tensor set per expert or with
 packed 3-D expert tensors. Shared by the model tests and the expert-parallel cluster tests."""
 from __future__ import annotations
 
@@ -17,8 +17,12 @@ MODELS = {
     "qwen3_moe-mixed": dict(head_dim=16, num_experts=EXPERTS, num_experts_per_tok=TOP_K, moe_intermediate_size=32,
                             norm_topk_prob=False, mlp_only_layers=[0]),
     "mixtral": dict(num_local_experts=EXPERTS, num_experts_per_tok=TOP_K, sliding_window=None),
+    # A shared expert beside the routed ones, with its sigmoid gate; q/k/v biases; top-k not renormalised.
+    "qwen2_moe": dict(num_experts=EXPERTS, num_experts_per_tok=TOP_K, moe_intermediate_size=32,
+                      shared_expert_intermediate_size=48, norm_topk_prob=False),
 }
 CLASSES = {"qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
+           "qwen2_moe": (transformers.Qwen2MoeConfig, transformers.Qwen2MoeForCausalLM),
            "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM)}
 
 

@@ -1,5 +1,5 @@
 """Llama-family decoder: Llama 2/3, Mistral, Qwen2 (q/k/v biases), Qwen3 (q/k norm), and with mixture-of-
-experts blocks (pdserve.model.moe) in place of some or all MLPs: Qwen3-MoE, Mixtral.
+experts blocks (pdserve.model.moe) in place of some or all MLPs: Qwen2-MoE, Qwen3-MoE, Mixtral.
 
 With tensor parallelism each rank holds a share (pdserve.parallel.layout) and all-reduces the outputs
 of o_proj and down_proj (set_tensor_parallel). The model never sees requests: ``forward(input_ids, positions, attention metadata, kv_cache)`` returns
@@ -243,7 +243,8 @@ class LlamaModel(nn.Module):
         if kind[0] == "qkv_proj":
             return [(None, 0, c.q_size), (None, c.q_size, c.kv_size), (None, c.q_size + c.kv_size, c.kv_size)]
         if kind[0] == "gate_up_proj":
-            return [(None, 0, c.intermediate_size), (None, c.intermediate_size, c.intermediate_size)]
+            i = c.shared_expert_intermediate_size if ".shared_expert." in target else c.intermediate_size
+            return [(None, 0, i), (None, i, i)]
         experts = c.experts_per_rank or c.num_experts  # this share's
         if kind == ["experts", "gate_up_proj"]:
             i = c.moe_intermediate_size
@@ -263,6 +264,7 @@ class LlamaModel(nn.Module):
         """A Hugging Face tensor name -> (the parameter it goes to, its piece of it or None for all of it)."""
         c = self.cfg
         name = name.replace(".block_sparse_moe.", ".mlp.")  # Mixtral's name for the MoE block
+        name = name.replace(".mlp.shared_expert_gate.", ".mlp.shared_expert.gate.")  # Qwen2-MoE's
         parts = name.split(".")
         if len(parts) == 7 and parts[3] == "experts":  # layers.L.mlp.experts.E.<proj>.weight: one expert's
             e, proj = int(parts[4]), _EXPERT_PROJ.get(parts[5])

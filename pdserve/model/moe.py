@@ -1,4 +1,4 @@
-"""A mixture-of-experts block, in place of a decoder layer's MLP (Qwen3-MoE, Mixtral).
+"""A mixture-of-experts block, in place of a decoder layer's MLP (Qwen2-MoE, Qwen3-MoE, Mixtral).
 
 Each token's router logits pick its top-k experts (softmax in fp32, then top-k; the k weights renormalised
 to sum 1 where the family does so), the tokens are grouped by expert, each expert touched runs one gated
@@ -38,7 +38,7 @@ from torch import nn
 
 from pdserve.config import ModelConfig
 from pdserve.model import layer_ops
-from pdserve.model.linear import linear
+from pdserve.model.linear import Linear, linear
 
 
 log = logging.getLogger(__name__)
@@ -103,6 +103,18 @@ class Experts(nn.Module):
             setattr(self, f"{name.removesuffix('_proj')}_scale", scale)
 
 
+class SharedExpert(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.shared_expert_intermediate_size, bias=False)
+        self.down_proj = Linear(cfg.shared_expert_intermediate_size, cfg.hidden_size, bias=False)
+        self.gate = Router(cfg.hidden_size, 1)  # shared_expert_gate: one logit a token, kept in the model's dtype
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.down_proj(layer_ops.silu_and_mul(self.gate_up_proj(x)))
+        return torch.sigmoid(F.linear(x, self.gate.weight)) * h
+
+
 class MoE(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -110,6 +122,10 @@ class MoE(nn.Module):
         self.gate = Router(cfg.hidden_size, cfg.num_experts)
         self.local_experts = cfg.experts_per_rank or cfg.num_experts
         self.experts = Experts(self.local_experts, cfg.hidden_size, cfg.moe_intermediate_size)
+        # Qwen2-MoE: a shared expert every token runs, scaled by sigmoid(shared_expert_gate . x). Sliced over
+        # the ranks like the experts (its partial sums join theirs in the all-reduce) or, with expert
+        # parallelism, whole on every rank (pdserve.parallel.layout).
+        self.shared_expert = SharedExpert(cfg) if cfg.shared_expert_intermediate_size else None
         self.tp_group = None  # experts sliced over the ranks: their partial sums are all-reduced over it
         self.ep_group, self.ep_rank = None, 0  # experts split over the ranks (set_expert_parallel)
         # Tokens routed to each expert so far (its load: pdserve_worker_expert_tokens), on the device; made at
@@ -138,10 +154,13 @@ class MoE(nn.Module):
             self.counts = torch.zeros(self.num_experts, dtype=torch.int64, device=x.device)
         self.counts.scatter_add_(0, flat, torch.ones_like(flat))  # no host synchronisation
         if self.ep_group is not None:
-            return self._expert_parallel(x, flat, slot_weights)
+            out = self._expert_parallel(x, flat, slot_weights)
+            return out if self.shared_expert is None else out + self.shared_expert(x)
         kernel = _triton_moe() if x.is_cuda else None  # every expert in two launches, grouped on the device
         if kernel is not None and kernel.supports(x, self.experts.gate_up_proj, self.experts.down_proj):
             out = kernel.fused_moe(x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids)
+            if self.shared_expert is not None:
+                out += self.shared_expert(x)
             if self.tp_group is not None:
                 self.tp_group.allreduce([out]).wait()
             return out
@@ -149,6 +168,8 @@ class MoE(nn.Module):
         out = torch.zeros_like(x)
         rows = self._run(x[order // self.top_k], flat[order], slot_weights[order], first=0)
         out.index_add_(0, order // self.top_k, rows)
+        if self.shared_expert is not None:
+            out += self.shared_expert(x)
         if self.tp_group is not None:
             self.tp_group.allreduce([out]).wait()
         return out

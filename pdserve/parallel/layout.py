@@ -150,10 +150,12 @@ def rank_config(cfg: ModelConfig, tp: int, ep: int = 1) -> ModelConfig:
             raise ValueError(f"expert-parallel size {ep} does not divide the model's {cfg.num_experts} experts")
         moe = dict(experts_per_rank=cfg.num_experts // ep)
     elif cfg.is_moe:
-        if cfg.moe_intermediate_size % tp:
+        if cfg.moe_intermediate_size % tp or cfg.shared_expert_intermediate_size % tp:
             raise ValueError(f"tensor-parallel size {tp} does not divide the experts' MLP size "
-                             f"{cfg.moe_intermediate_size}: split the experts instead (expert parallelism)")
-        moe = dict(moe_intermediate_size=cfg.moe_intermediate_size // tp)
+                             f"{cfg.moe_intermediate_size} (or the shared expert's, "
+                             f"{cfg.shared_expert_intermediate_size}): split the experts instead (expert parallelism)")
+        moe = dict(moe_intermediate_size=cfg.moe_intermediate_size // tp,
+                   shared_expert_intermediate_size=cfg.shared_expert_intermediate_size // tp)
     return replace(cfg, num_heads=layout.heads_per_rank, num_kv_heads=layout.kv_heads_per_rank,
                    intermediate_size=max(cfg.intermediate_size // tp, 1), vocab_size=vocab_rows(cfg.vocab_size, tp),
                    **moe)
@@ -181,7 +183,15 @@ def shard_weights(weights: Iterable[tuple[str, Any]], cfg: ModelConfig, tp: int,
            "v_proj": (0, (kv[0] * d, (kv[-1] + 1) * d)), "o_proj": (1, (q.start * d, q.stop * d)),
            "gate_proj": (0, mlp), "up_proj": (0, mlp), "down_proj": (1, mlp)}
     rows = vocab_rows(cfg.vocab_size, tp)
+    shared = cfg.shared_expert_intermediate_size // tp
     for name, weight in weights:
+        if ".shared_expert." in name:  # Qwen2-MoE's: sliced like an MLP (ep 1), whole on every rank (ep = tp)
+            parts = name.split(".")
+            if ep > 1 or parts[-2] not in ("gate_proj", "up_proj", "down_proj"):
+                yield name, _read(weight)
+            else:
+                yield name, _read(weight, 1 if parts[-2] == "down_proj" else 0, rank * shared, (rank + 1) * shared)
+            continue
         if ".experts." in name:
             share = _expert_share(name, weight, cfg, tp, rank, ep)
             if share is not None:

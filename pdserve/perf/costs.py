@@ -309,7 +309,9 @@ class RooflineCosts:
         moe, mlp = len(m.moe_layers), 3 * h * _shard(m.intermediate_size, tp)
         params = m.num_layers * self._attention_params() + (m.num_layers - moe) * mlp
         if moe:
-            params += moe * (h * m.num_experts + 3 * h * _shard(_shared_experts(m) * m.moe_intermediate_size, tp))
+            shared = m.shared_expert_intermediate_size + _shared_experts(m) * m.moe_intermediate_size
+            # sliced like an MLP, or (ep = tp) whole on every rank, as pdserve.model.moe holds it
+            params += moe * (h * m.num_experts + 3 * h * (_shard(shared, tp) if self.ep == 1 else shared))
         return params
 
     def _expert_params(self) -> int:

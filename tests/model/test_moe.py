@@ -42,7 +42,7 @@ def test_the_two_layouts_are_the_two_on_disk(checkpoints):
 
 
 def assert_matches_transformers(engine: LLMEngine, checkpoints, kind: str) -> None:
-    """Greedy tokens equal transformers' generate and every sampled row's fp32 logits are within 1e-4 of its
+    """Greedy tokens equal transformers' generate and every sampled row's fp32 logits are within 1e-4 (or 2e-5 of its largest) of its
     forward's; no KV block is left used."""
     cfg = engine.model_config
     assert cfg.num_experts == EXPERTS and cfg.moe_layers == ((1, 2) if kind.endswith("mixed") else (0, 1, 2))
@@ -58,7 +58,8 @@ def assert_matches_transformers(engine: LLMEngine, checkpoints, kind: str) -> No
             ref = hf.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0)
             ref_logits = hf(ref[:, :-1]).logits[0, len(prompt) - 1:]
         assert toks == ref[0, len(prompt):].tolist()
-        torch.testing.assert_close(lg, ref_logits, atol=1e-4, rtol=0)
+        # 1e-4, or 2e-5 of the largest logit where that is more (Qwen2-MoE's shared expert: logits up to 13)
+        torch.testing.assert_close(lg, ref_logits, atol=max(1e-4, 2e-5 * ref_logits.abs().max().item()), rtol=0)
     assert engine.pool.num_used_blocks == 0
 
 
@@ -71,7 +72,8 @@ def test_greedy_tokens_and_logits_match_transformers(checkpoints, kind, layout):
 # (ranks, expert-parallel size, model, layout): each model and each layout at each layout of the experts.
 PARALLEL = [(2, 1, "qwen3_moe", "packed"), (2, 1, "mixtral", "per-expert"),
             (2, 2, "qwen3_moe-mixed", "per-expert"), (2, 2, "mixtral", "packed"),
-            (4, 4, "qwen3_moe", "per-expert"), (4, 4, "qwen3_moe-mixed", "packed")]
+            (4, 4, "qwen3_moe", "per-expert"), (4, 4, "qwen3_moe-mixed", "packed"),
+            (2, 1, "qwen2_moe", "packed"), (2, 2, "qwen2_moe", "per-expert")]
 
 
 @pytest.mark.parametrize("tp, ep, kind, layout", PARALLEL)
