@@ -38,6 +38,19 @@ __all__ = ["GroupAddress", "TensorMeta", "WeightGroup", "WeightGroupError", "fre
            "plan_buckets"]
 
 
+def _reachable(host: str, port: int, deadline: float) -> None:
+    """Return once a TCP connection to host:port succeeds; TimeoutError at the deadline."""
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError(f"nothing listens on {host}:{port}")
+        try:
+            socket.create_connection((host, port), timeout=min(left, 0.5)).close()
+            return
+        except OSError:
+            time.sleep(min(0.05, max(deadline - time.monotonic(), 0)))
+
+
 class WeightGroupError(RuntimeError):
     """The group failed: a rank died, the trainer vanished, a timeout."""
 
@@ -125,10 +138,13 @@ class WeightGroup:
         timeout = timedelta(seconds=timeout_s)
         deadline = time.monotonic() + timeout_s
         try:
-            # A client retries connecting until the timeout: the ranks may start in any order.
-            store = dist.TCPStore(address.host, address.port, address.world_size, rank == TRAINER_RANK, timeout,
-                                  wait_for_workers=False)
-        except RuntimeError as e:
+            # The ranks may start in any order: a client retries until rank 0's store answers. Probed here with
+            # a bounded connect, since the store's own retries back off past their timeout under load.
+            if rank != TRAINER_RANK:
+                _reachable(address.host, address.port, deadline)
+            store = dist.TCPStore(address.host, address.port, address.world_size, rank == TRAINER_RANK,
+                                  timedelta(seconds=max(deadline - time.monotonic(), 0.5)), wait_for_workers=False)
+        except (RuntimeError, TimeoutError) as e:
             if rank == TRAINER_RANK:
                 raise WeightGroupError(f"rank 0 of {where} cannot host the group's store: {e}") from e
             raise WeightGroupError(f"rank {rank} of {where} could not reach rank 0's store within "

@@ -9,10 +9,8 @@ exactly as between TP workers of those sizes.
 """
 from __future__ import annotations
 
-import asyncio
 import os
 import signal
-import time
 
 import pytest
 
@@ -24,7 +22,7 @@ from router.cluster import Cluster
 from conftest import wait_for
 from moe_models import build
 from served import collect_all
-from test_tp_cluster import _alive, prompts, rank_pids, used_blocks
+from test_tp_cluster import _alive, prompts, rank_pids, streams_through_a_fault, used_blocks
 
 TIMEOUT_S = 20.0
 NEW_TOKENS = 12
@@ -90,36 +88,16 @@ def test_an_expert_rank_killed_mid_stream_resumes_token_exact(ray_local, aloop, 
     victim = cluster.pools["decode"][0]
     pids = rank_pids(aloop, victim)
     got: list[list[int]] = [[] for _ in batch]
-    times: list[float] = []  # the fault, the worker out of its pool, the last stream's end
-
-    async def stream(i: int) -> str | None:
-        async for out in cluster.generate(batch[i], greedy):
-            got[i] += out.new_token_ids
-            if out.error is not None:
-                return out.error
-        return None
-
-    async def run() -> list[str | None]:
-        tasks = [asyncio.create_task(stream(i)) for i in range(len(batch))]
-        deadline = time.monotonic() + 120
-        while not (victim.requests and all(len(g) >= 4 for g in got)):  # mid-stream, some on the victim
-            assert time.monotonic() < deadline, "the streams never got going"
-            await asyncio.sleep(0.01)
-        times.append(time.monotonic())
-        os.kill(pids[1], signal.SIGKILL)
-        while victim.alive:
-            await asyncio.sleep(0.01)
-        times.append(time.monotonic())
-        out = await asyncio.wait_for(asyncio.gather(*tasks), 120)
-        times.append(time.monotonic())
-        return out
+    lost: list[float] = []
+    ended: list[float] = []
+    run = lambda: streams_through_a_fault(  # noqa: E731
+        cluster, batch, greedy, got, victim, lambda: os.kill(pids[1], signal.SIGKILL), lost, ended, bound_s=120)
 
     try:
         assert aloop.run(run(), timeout=300) == [None] * len(batch)
         assert got == expected
-        print(f"SIGKILL of expert rank 1: worker lost after {times[1] - times[0]:.2f} s, every stream ended after "
-              f"{times[2] - times[0]:.2f} s")
-        assert times[1] - times[0] < TIMEOUT_S  # seen by the rank's end, not by a collective's timeout
+        print(f"SIGKILL of expert rank 1: worker lost after {lost[0]:.2f} s, every stream ended after {ended[0]:.2f} s")
+        assert lost[0] < TIMEOUT_S  # seen by the rank's end, not by a collective's timeout
         wait_for(lambda: not any(_alive(p) for p in pids), timeout=30, what="every rank of the lost worker to end")
         wait_for(lambda: len(cluster.pools["decode"]) == 2 and victim not in cluster.pools["decode"], timeout=120,
                  what="a replacement decode worker")

@@ -198,6 +198,33 @@ def test_the_rank_rows_are_in_docs_faults():
     assert all(f"`{row}`" in text for row in rows)
 
 
+async def streams_through_a_fault(cluster, batch, params, got: list[list[int]], victim, fault,
+                                  lost: list[float], ended: list[float], bound_s: float = 0.0) -> list[str | None]:
+    """Stream every prompt (tokens into got); once all are mid-stream with some on the victim worker, call
+    fault(); record the seconds from it to the victim out of its pool (lost) and to the last stream's end
+    (ended). Returns each stream's error, None where it ended well."""
+    async def stream(i: int) -> str | None:
+        async for out in cluster.generate(batch[i], params):
+            got[i] += out.new_token_ids
+            if out.error is not None:
+                return out.error
+        return None
+
+    tasks = [asyncio.create_task(stream(i)) for i in range(len(batch))]
+    deadline = time.monotonic() + 120
+    while not (victim.requests and all(len(g) >= 4 for g in got)):  # mid-stream, some on the victim
+        assert time.monotonic() < deadline, "the streams never got going"
+        await asyncio.sleep(0.01)
+    t_fault = time.monotonic()
+    fault()
+    while victim.alive:
+        await asyncio.sleep(0.01)
+    lost.append(time.monotonic() - t_fault)
+    out = await asyncio.wait_for(asyncio.gather(*tasks), bound_s or RESUME_BOUND_S)
+    ended.append(time.monotonic() - t_fault)
+    return out
+
+
 @pytest.mark.parametrize("rank, how", [(1, "SIGKILL"), (1, "SIGSTOP"), (0, "SIGKILL")])
 def test_a_decode_rank_lost_mid_stream(ray_local, aloop, gqa, tp_fault_engine, rank, how, caplog):
     """One prefill worker, two decode workers of TP 2. Rank 1 of a decode worker that is streaming is
@@ -211,31 +238,10 @@ def test_a_decode_rank_lost_mid_stream(ray_local, aloop, gqa, tp_fault_engine, r
     victim = cluster.pools["decode"][0]
     pids = rank_pids(aloop, victim)
     got: list[list[int]] = [[] for _ in batch]
-    t_fault: list[float] = []
     lost: list[float] = []  # seconds from the fault to the worker out of its pool
     ended: list[float] = []  # to the last stream's end
-
-    async def stream(i: int) -> str | None:
-        async for out in cluster.generate(batch[i], greedy):
-            got[i] += out.new_token_ids
-            if out.error is not None:
-                return out.error
-        return None
-
-    async def run() -> list[str | None]:
-        tasks = [asyncio.create_task(stream(i)) for i in range(len(batch))]
-        deadline = time.monotonic() + 120
-        while not (victim.requests and all(len(g) >= 4 for g in got)):  # mid-stream, some on the victim
-            assert time.monotonic() < deadline, "the streams never got going"
-            await asyncio.sleep(0.01)
-        t_fault.append(time.monotonic())
-        os.kill(pids[rank], signal.SIGKILL if how == "SIGKILL" else signal.SIGSTOP)
-        while victim.alive:
-            await asyncio.sleep(0.01)
-        lost.append(time.monotonic() - t_fault[0])
-        out = await asyncio.wait_for(asyncio.gather(*tasks), RESUME_BOUND_S)
-        ended.append(time.monotonic() - t_fault[0])
-        return out
+    run = lambda: streams_through_a_fault(  # noqa: E731
+        cluster, batch, greedy, got, victim, lambda: os.kill(pids[rank], getattr(signal, how)), lost, ended)
 
     try:
         errors = aloop.run(run(), timeout=RESUME_BOUND_S + 180)
