@@ -146,7 +146,7 @@ def main() -> None:
 
 def expert_matmul_rows(hidden: int, inter: int) -> None:
     """One expert's gate/up matmul over n rows: the CPU kernel (pdserve.model.linear.linear) against F.linear,
-    median of 200 (what pdserve.model.moe.KERNEL_MAX_ROWS is set from)."""
+    median of 200 (bench/linear_rows.py measures the dense shapes that pdserve.model.linear.KERNEL_MAX_ROWS is set from)."""
     import torch.nn.functional as F
 
     from pdserve.model.linear import linear

@@ -350,16 +350,16 @@ class EngineConfig:
             raise ValueError(f"sim_kv_scale must be an integer >= 1, got {self.sim_kv_scale!r}")
         if not self.sim_time_scale > 0:
             raise ValueError(f"sim_time_scale must be positive, got {self.sim_time_scale!r}")
+        if self.expert_parallel_size < 1:
+            raise ValueError(f"expert_parallel_size must be >= 1, got {self.expert_parallel_size}")
+        if self.expert_parallel_size > 1 and self.tensor_parallel_size == 1:
+            object.__setattr__(self, "tensor_parallel_size", self.expert_parallel_size)
         if self.load_format == "sim":
             self._check_simulated()
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
-        if self.expert_parallel_size < 1:
-            raise ValueError(f"expert_parallel_size must be >= 1, got {self.expert_parallel_size}")
-        if self.expert_parallel_size > 1 and self.tensor_parallel_size == 1:
-            object.__setattr__(self, "tensor_parallel_size", self.expert_parallel_size)
         if self.expert_parallel_size not in (1, self.tensor_parallel_size):
             raise ValueError(f"expert_parallel_size ({self.expert_parallel_size}) must be 1 or the worker's rank count, "
                              f"tensor_parallel_size ({self.tensor_parallel_size}): attention and experts share the ranks")
@@ -543,6 +543,7 @@ class ClusterConfig:
         if scheduler.flex_min_share != self.tiers.flex_min_share:
             scheduler = replace(scheduler, flex_min_share=self.tiers.flex_min_share)
         ep = pool.expert_parallel_size or self.engine.expert_parallel_size
-        tp = pool.tensor_parallel_size or (1 if pool.expert_parallel_size else self.engine.tensor_parallel_size)
+        # A pool that sets only an expert-parallel size above 1 is that many ranks; otherwise the engine's ranks.
+        tp = pool.tensor_parallel_size or (1 if (pool.expert_parallel_size or 1) > 1 else self.engine.tensor_parallel_size)
         return replace(self.engine, scheduler=scheduler, cache=pool.cache or self.engine.cache,
                        tensor_parallel_size=tp, expert_parallel_size=ep)

@@ -245,6 +245,10 @@ def cluster_config_from_args(args: argparse.Namespace):
     # A worker's ranks: its tensor-parallel size, raised to its expert-parallel size where only that is given.
     tp = {name: given[name] or (ep[name] if ep[name] > 1 and args.tensor_parallel_size == 1 else args.tensor_parallel_size)
           for name in ep}
+    for name in ep:
+        if ep[name] > 1 and tp[name] != ep[name]:
+            raise ValueError(f"the {name} pool's expert-parallel size {ep[name]} must equal its ranks, its tensor-parallel "
+                             f"size ({tp[name]}): experts and attention share the ranks")
     if args.mode == "colocated" and (args.prefill_tensor_parallel_size or args.decode_tensor_parallel_size
                                      or args.prefill_expert_parallel_size or args.decode_expert_parallel_size):
         raise ValueError("a colocated worker has one size: --tensor-parallel-size and --expert-parallel-size")

@@ -169,9 +169,9 @@ class Pools:
         c = self.config
         self.info = info
         for name, pool in c.pools.items():  # a TP size the model cannot take is an error now, not a failed start
-            tp = c.engine_for(pool).tensor_parallel_size
+            engine = c.engine_for(pool)
             try:
-                rank_config(info.config, tp)
+                rank_config(info.config, engine.tensor_parallel_size, engine.expert_parallel_size)
             except ValueError as e:
                 raise ValueError(f"the {name} pool: {e}") from None
         sizes = {name: pool.num_workers for name, pool in c.pools.items()}

@@ -1,7 +1,7 @@
 """Linear layers whose weights are stored as the model's dtype or as int8 (weight-only quantisation).
 
-At decode a linear layer is a matrix-vector product: its cost is reading the weight once. On CPU
-``forward`` runs ``torch.ops.pdserve.linear`` (pdserve/kernels/csrc/linear.cpp, built by pdserve.kernels.cpu_kernels),
+At decode a linear layer is a matrix-vector product: its cost is reading the weight once. On CPU, for up to
+KERNEL_MAX_ROWS rows, ``forward`` runs ``torch.ops.pdserve.linear`` (pdserve/kernels/csrc/linear.cpp, built by pdserve.kernels.cpu_kernels),
 which streams fp32, bf16 or int8 weights at close to the memory bandwidth; elsewhere, or when the kernel
 is unavailable or forced off, it runs ``F.linear`` (dequantising int8 weights on the fly).
 
@@ -53,11 +53,19 @@ class Linear(nn.Module):
                 f"weight={str(self.weight.dtype).removeprefix('torch.')}")
 
 
+# The most rows of x for which the CPU kernel runs a weight of this dtype; above, F.linear (an int8 weight
+# dequantized first). The kernel streams the weight once for up to 4 rows at a time, which wins at a decode
+# step's few rows; a blocked GEMM wins over many. Measured by bench/linear_rows.py on a 2-core AMD EPYC (AVX2):
+# F.linear took 0.8-1.05x the kernel's time at 16 fp32 rows, 0.7x at 256; 0.9-1.1x at 3 bf16 rows (no bf16
+# in AVX2: the kernel widens each weight), 0.16x at 256; int8 0.6-0.95x from 256 rows, 1.2-1.5x at 64.
+KERNEL_MAX_ROWS = {torch.float32: 16, torch.bfloat16: 2, torch.int8: 128}
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None,
            bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [tokens, in] @ weight [out, in].T (+ bias): the CPU kernel where it applies, else F.linear; an int8
-    weight with its per-row scale (a dense layer's, or one expert's of a mixture of experts)."""
-    if x.dim() == 2 and weight.dtype in (torch.float32, torch.bfloat16, torch.int8) and cpu_kernels.applies(x):
+    """x [tokens, in] @ weight [out, in].T (+ bias): the CPU kernel where it applies and pays (KERNEL_MAX_ROWS),
+    else F.linear; an int8 weight with its per-row scale (a dense layer's, or one expert's)."""
+    if x.dim() == 2 and x.shape[0] <= KERNEL_MAX_ROWS.get(weight.dtype, 0) and cpu_kernels.applies(x):
         return torch.ops.pdserve.linear(x, weight, scale, bias)
     return F.linear(x, dequantized(weight, scale, x.dtype), bias)
 

@@ -133,9 +133,13 @@ def load_shard(config: EngineConfig, tp: int, rank: int, info: ModelInfo | None 
     model.vocab_start, model.vocab_size = rank * model.cfg.vocab_size, info.config.vocab_size
     if fmt == "dummy":
         _init_dummy(model, config.seed + rank)
-        for name, p in model.named_parameters():  # the routers, whole on every rank, must agree
-            if name.endswith(".mlp.gate.weight"):
-                p.normal_(0.0, 0.02, generator=torch.Generator(device=p.device).manual_seed(config.seed))
+        # What every rank holds whole must agree: the routers, a shared expert's gate, and under expert
+        # parallelism the whole shared expert (every rank's routing, hence its all-to-all sizes, depends on them).
+        whole = torch.Generator(device=config.device).manual_seed(config.seed)
+        for name, p in model.named_parameters():
+            if name.endswith((".mlp.gate.weight", ".shared_expert.gate.weight")) or (
+                    config.expert_parallel_size > 1 and ".shared_expert." in name):
+                p.normal_(0.0, 0.02, generator=whole)
     else:
         lazy = _safetensors_weights(_weights_dir(path, fmt), lazy=True)  # a rank reads its share's bytes only
         model.load_weights(shard_weights(lazy, info.config, tp, rank, ep))

@@ -43,9 +43,6 @@ from pdserve.model.linear import Linear, linear
 
 log = logging.getLogger(__name__)
 
-# An expert's matmul over more rows than this runs as F.linear rather than the CPU kernel (Experts.apply).
-KERNEL_MAX_ROWS = 16
-
 
 @functools.cache
 def _triton_moe() -> ModuleType | None:
@@ -79,15 +76,11 @@ class Experts(nn.Module):
         self.register_buffer("gate_up_scale", None)  # [experts, 2 * intermediate] fp32, int8 weights only
         self.register_buffer("down_scale", None)  # [experts, hidden]
 
-    def apply(self, name: str, e: int, x: torch.Tensor) -> torch.Tensor:
-        """x @ expert e's gate_up_proj or down_proj. Few rows (decode: a few tokens an expert) go through the
-        dense layers' path (pdserve.model.linear: on CPU the kernel that streams the weight once for up to 4
-        rows at a time); more, in fp32 or bf16, through F.linear, whose blocked GEMM wins from about 16 rows
-        (F.linear took 0.95x the kernel's time at 16 rows, 0.72x at 64, fp32 on AVX2: bench/moe_cpu.py)."""
-        w, scale = getattr(self, name)[e], getattr(self, f"{name.removesuffix('_proj')}_scale")
-        if scale is None and x.shape[0] > KERNEL_MAX_ROWS:
-            return F.linear(x, w)
-        return linear(x, w, None if scale is None else scale[e])
+    def matmul(self, name: str, e: int, x: torch.Tensor) -> torch.Tensor:
+        """x @ expert e's gate_up_proj or down_proj, through the dense layers' path (pdserve.model.linear: on
+        CPU the kernel for a decode step's few rows an expert, F.linear for a prefill's many)."""
+        scale = getattr(self, f"{name.removesuffix('_proj')}_scale")
+        return linear(x, getattr(self, name)[e], None if scale is None else scale[e])
 
     @torch.no_grad()
     def quantize_int8(self) -> None:
@@ -185,8 +178,8 @@ class MoE(nn.Module):
                 continue
             rows = slice(start, start + n)
             start += n
-            h = layer_ops.silu_and_mul(self.experts.apply("gate_up_proj", e, x[rows]))
-            h = self.experts.apply("down_proj", e, h)  # [n, hidden]
+            h = layer_ops.silu_and_mul(self.experts.matmul("gate_up_proj", e, x[rows]))
+            h = self.experts.matmul("down_proj", e, h)  # [n, hidden]
             out[rows] = h * weights[rows, None]
         return out
 

@@ -408,8 +408,8 @@ class RooflineCosts:
         moe, owned, others = len(m.moe_layers), -(-rows // self.ep), (self.ep - 1) / self.ep
         all_to_all = link.send_time(others * owned * m.num_experts_per_tok * row_bytes)
         all_gather = link.send_time(others * owned * self.ep * row_bytes)
-        shared = allreduce if _shared_experts(m) else 0.0
-        return (2 * m.num_layers - moe) * allreduce + moe * (2 * all_to_all + all_gather + shared)
+        # a shared expert is whole on every rank under expert parallelism (pdserve.model.moe): no all-reduce of its own
+        return (2 * m.num_layers - moe) * allreduce + moe * (2 * all_to_all + all_gather)
 
     def step_time(self, prefill_tokens: int, prefill_pairs: int, prefill_seqs: int, decode_seqs: int,
                   decode_context: int) -> float:

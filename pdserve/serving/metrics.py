@@ -270,7 +270,8 @@ class WorkerCollector(Collector):
         yield f
         f = CounterMetricFamily("pdserve_worker_expert_tokens", "A mixture of experts: tokens routed to each expert, "
                                 "summed over the model's expert layers (each token counts once per expert it chose; "
-                                "max over mean across experts is the load imbalance)", labels=labels + ["expert"])
+                                "max over mean across experts is a lower bound on a layer's load imbalance: hot experts "
+                                "of different layers even out in the sum)", labels=labels + ["expert"])
         for s in stats:
             for e, n in enumerate(s.expert_tokens):
                 f.add_metric([s.pool, s.worker_id, str(e)], n)

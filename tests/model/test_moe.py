@@ -270,3 +270,41 @@ def test_a_disaggregated_cluster_serves_a_mixture_of_experts_token_exact(ray_loc
         s.settle()
     finally:
         s.close()
+
+
+def test_dummy_shares_agree_on_what_every_rank_holds_whole(checkpoints):
+    """Random (dummy) weights over 2 expert-parallel ranks: the routers and Qwen2-MoE's shared expert, whole on
+    every rank, are the same on both (their routing decides the all-to-all sizes every rank computes alone);
+    the experts each rank holds are its own."""
+    from pdserve.model.loader import load_shard
+
+    config = EngineConfig(model=str(checkpoints["qwen2_moe", "packed"]), load_format="dummy", expert_parallel_size=2)
+    ranks = [dict(load_shard(config, 2, r).model.named_parameters()) for r in range(2)]
+    whole = [n for n in ranks[0] if n.endswith(".mlp.gate.weight") or ".shared_expert." in n]
+    assert len(whole) == 3 * 4  # each layer's router, shared expert (gate_up, down) and its gate
+    assert all(torch.equal(ranks[0][n], ranks[1][n]) for n in whole)
+    assert not torch.equal(ranks[0]["layers.0.mlp.experts.gate_up_proj"], ranks[1]["layers.0.mlp.experts.gate_up_proj"])
+
+
+def test_pool_and_engine_sizes_combine_as_documented(tmp_path):
+    """A pool's expert-parallel size above 1 makes it that many ranks; a pool that sets EP 1 alone keeps the
+    engine's ranks (its experts sliced over them); a simulated engine refuses EP (one GPU a worker); the serve
+    command refuses a pool whose given TP differs from its EP."""
+    from pdserve.config import ClusterConfig, PoolConfig
+    from router.cli import build_parser, cluster_config_from_args
+
+    engine = EngineConfig(model="smollm2-135m", load_format="dummy", tensor_parallel_size=4, expert_parallel_size=4)
+    cluster = ClusterConfig(engine=engine, prefill=PoolConfig(expert_parallel_size=1),
+                            decode=PoolConfig(expert_parallel_size=2))
+    assert (cluster.engine_for(cluster.prefill).tensor_parallel_size, cluster.engine_for(cluster.prefill)
+            .expert_parallel_size) == (4, 1)
+    assert (cluster.engine_for(cluster.decode).tensor_parallel_size, cluster.engine_for(cluster.decode)
+            .expert_parallel_size) == (2, 2)
+    with pytest.raises(ValueError, match="a simulated engine stands for one GPU"):
+        EngineConfig(model="llama3-8b", load_format="sim", dtype="bfloat16", expert_parallel_size=2)
+    args = build_parser().parse_args(["serve", "--expert-parallel-size", "2", "--prefill-tensor-parallel-size", "1"])
+    with pytest.raises(ValueError, match="the prefill pool's expert-parallel size 2 must equal its ranks"):
+        cluster_config_from_args(args)
+    args = build_parser().parse_args(["serve", "--decode-expert-parallel-size", "2"])
+    pools = cluster_config_from_args(args).pools
+    assert (pools["decode"].tensor_parallel_size, pools["prefill"].tensor_parallel_size) == (2, 1)
