@@ -95,6 +95,35 @@ def test_linear_takes_kernel_unless_forced_off(monkeypatch):
         assert torch.equal(lin(x), kernel)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8])
+def test_linear_takes_the_kernel_up_to_its_row_limit(dtype, monkeypatch):
+    """Up to KERNEL_MAX_ROWS rows of x a layer runs the kernel, one row more F.linear (an int8 weight
+    dequantized), and computes what that path computes, bit for bit."""
+    from pdserve.model import linear as module
+
+    torch.manual_seed(2)
+    lin = Linear(576, 64)
+    with torch.no_grad():
+        lin.weight.normal_()
+    act = torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
+    if dtype == torch.int8:
+        lin.quantize_int8()
+    else:
+        lin.weight.data = lin.weight.data.to(dtype)
+    calls = []
+    f_linear = F.linear
+    monkeypatch.setattr(module.F, "linear", lambda *a: calls.append(a[0].shape[0]) or f_linear(*a))
+    limit = module.KERNEL_MAX_ROWS[dtype]
+    for rows, kernel in ((limit, True), (limit + 1, False)):
+        x = torch.randn(rows, 576).to(act)
+        expected = torch.ops.pdserve.linear(x, lin.weight, lin.scale, None) if kernel else \
+            f_linear(x, lin.dequantized(act))
+        calls.clear()
+        with torch.no_grad():
+            assert torch.equal(lin(x), expected)
+        assert calls == ([] if kernel else [rows])
+
+
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-6), (torch.bfloat16, 1e-2)])
 @pytest.mark.parametrize("with_x", [False, True])
 def test_add_rms_norm_matches_reference(monkeypatch, dtype, tol, with_x):
