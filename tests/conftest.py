@@ -17,6 +17,16 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+def triton_device(interpreter: bool) -> torch.device:
+    """Where the Triton kernels' tests run: CPU tensors in the interpreter, else the GPU."""
+    if interpreter:
+        return torch.device("cpu")
+    if torch.cuda.is_available():
+        return torch.device("cuda")
+    raise RuntimeError("triton was imported without TRITON_INTERPRET=1 on a machine without CUDA: set it before "
+                       "triton's first import (tests/conftest.py does) to run these tests in the interpreter")
+
+
 def build_tiny_checkpoint(directory: Path, arch: str, **overrides) -> Path:
     """A seeded random Hugging Face checkpoint (config.json + safetensors) of a tiny model.
 

@@ -29,13 +29,9 @@ from pdserve.model.attention import (
     paged_attention,
 )
 
-if triton_attention.INTERPRETER:
-    DEVICE = torch.device("cpu")
-elif torch.cuda.is_available():
-    DEVICE = torch.device("cuda")
-else:
-    raise RuntimeError("triton was imported without TRITON_INTERPRET=1 on a machine without CUDA: set it before "
-                       "triton's first import (tests/conftest.py does) to run these tests in the interpreter")
+from conftest import triton_device
+
+DEVICE = triton_device(triton_attention.INTERPRETER)
 
 pytestmark = pytest.mark.triton
 

@@ -198,6 +198,16 @@ def test_the_rank_rows_are_in_docs_faults():
     assert all(f"`{row}`" in text for row in rows)
 
 
+def assert_worker_replaced(aloop, cluster, victim, pids: list[int]) -> None:
+    """After a decode worker's loss: every process of it ended, a replacement joined its pool of 2 (one
+    restart), and no KV block is left used."""
+    wait_for(lambda: not any(_alive(p) for p in pids), timeout=30, what="every rank of the lost worker to end")
+    wait_for(lambda: len(cluster.pools["decode"]) == 2 and victim not in cluster.pools["decode"], timeout=120,
+             what="a replacement decode worker")
+    assert cluster.restarts["decode"] == 1
+    wait_for(lambda: used_blocks(aloop, cluster) == 0, timeout=30, what="zero used KV blocks")
+
+
 async def streams_through_a_fault(cluster, batch, params, got: list[list[int]], victim, fault,
                                   lost: list[float], ended: list[float], bound_s: float = 0.0) -> list[str | None]:
     """Stream every prompt (tokens into got); once all are mid-stream with some on the victim worker, call
@@ -260,11 +270,7 @@ def test_a_decode_rank_lost_mid_stream(ray_local, aloop, gqa, tp_fault_engine, r
         assert lost[0] < (FAULT_TIMEOUT_S if how == "SIGKILL" else cluster.config.worker_timeout_s), lost
         if how == "SIGSTOP":  # nothing saw the stopped rank before its hung collective had waited most of its timeout
             assert lost[0] >= FAULT_TIMEOUT_S / 2, lost
-        wait_for(lambda: not any(_alive(p) for p in pids), timeout=30, what="every rank of the lost worker to end")
-        wait_for(lambda: len(cluster.pools["decode"]) == 2 and victim not in cluster.pools["decode"], timeout=120,
-                 what="a replacement decode worker")
-        assert cluster.restarts["decode"] == 1
-        wait_for(lambda: used_blocks(aloop, cluster) == 0, timeout=30, what="zero used KV blocks")
+        assert_worker_replaced(aloop, cluster, victim, pids)
     finally:
         for p in pids:
             if _alive(p):
