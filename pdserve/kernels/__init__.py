@@ -10,3 +10,22 @@ triton_moe.py        a mixture-of-experts block's experts on the GPU, grouped by
 
 Imports only pdserve.cache (where the built extension is kept): kernels know tensors, not models.
 """
+from __future__ import annotations
+
+import functools
+import importlib
+import logging
+from types import ModuleType
+
+log = logging.getLogger(__name__)
+
+
+@functools.cache
+def triton_kernels(name: str, instead: str) -> ModuleType | None:
+    """pdserve.kernels.<name> (a Triton module), imported at its first CUDA call; None, logged once, where triton
+    does not import (`instead` says what runs then)."""
+    try:
+        return importlib.import_module(f"pdserve.kernels.{name}")
+    except ImportError as e:
+        log.warning("triton does not import (%s): %s", e, instead)
+        return None

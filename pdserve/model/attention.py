@@ -26,17 +26,14 @@ the step's metadata is built (pdserve.engine.runner), not in this per-layer call
 """
 from __future__ import annotations
 
-import functools
-import logging
 from dataclasses import dataclass
 from types import ModuleType
 
 import torch
 import torch.nn.functional as F
 
-from pdserve.kernels import cpu_attention, cpu_kernels
+from pdserve.kernels import cpu_attention, cpu_kernels, triton_kernels
 
-log = logging.getLogger(__name__)
 
 GPU_ENV_VAR = "PDSERVE_GPU_ATTENTION"  # 'torch' forces the torch path on CUDA; 'auto' (or unset) the kernels
 
@@ -184,12 +181,5 @@ def gpu_decode_in_place() -> bool:
     return _triton_attention() is not None and cpu_kernels.enabled(GPU_ENV_VAR)
 
 
-@functools.cache
 def _triton_attention() -> ModuleType | None:
-    """Imported at the first CUDA call; None (logged once) where triton does not import."""
-    try:
-        from pdserve.kernels import triton_attention
-    except ImportError as e:
-        log.warning("triton does not import (%s): attention on CUDA uses the torch path", e)
-        return None
-    return triton_attention
+    return triton_kernels("triton_attention", "attention on CUDA uses the torch path")

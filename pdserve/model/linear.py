@@ -41,9 +41,7 @@ class Linear(nn.Module):
     def quantize_int8(self) -> None:
         """Replace the weight by its int8 values and per-channel scales (in place, once)."""
         assert self.scale is None, "already quantised"
-        w = self.weight.detach().to(torch.float32)
-        scale = w.abs().amax(dim=1).clamp(min=1e-12) / 127.0  # [out]
-        q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+        q, scale = quantize_rows(self.weight)
         del self.weight
         self.register_buffer("weight", q)
         self.scale = scale
@@ -68,6 +66,15 @@ def linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = N
     if x.dim() == 2 and x.shape[0] <= KERNEL_MAX_ROWS.get(weight.dtype, 0) and cpu_kernels.applies(x):
         return torch.ops.pdserve.linear(x, weight, scale, bias)
     return F.linear(x, dequantized(weight, scale, x.dtype), bias)
+
+
+def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """int8 values and fp32 scales of a weight [..., rows, in], one symmetric scale per row (its last dim):
+    w ~= q * scale[..., None], scale = max|row| / 127. A dense layer's weight, a stack of experts' weights, and
+    a weight update's staged rows (pdserve.weights.update) all quantize here, so they agree bit for bit."""
+    w = w.detach().to(torch.float32)
+    scale = w.abs().amax(dim=-1).clamp(min=1e-12) / 127.0  # [..., rows]
+    return torch.round(w / scale[..., None]).clamp_(-127, 127).to(torch.int8), scale
 
 
 def dequantized(weight: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:

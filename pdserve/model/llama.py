@@ -220,7 +220,7 @@ class LlamaModel(nn.Module):
             name = name.removeprefix("model.")
             if "rotary_emb" in name or (name == "lm_head.weight" and self.cfg.tie_word_embeddings):
                 continue
-            target, piece = self._place(name)
+            target, piece = self.locate(name)
             if target not in params:
                 raise ValueError(f"checkpoint tensor {name!r} has no place in the model")
             dst = params[target]
@@ -260,8 +260,9 @@ class LlamaModel(nn.Module):
             return whole
         return all(f"{target}#{p}" in loaded for p in pieces) or (whole and ".experts." in target)
 
-    def _place(self, name: str) -> tuple[str, tuple[int | None, int, int] | None]:
-        """A Hugging Face tensor name -> (the parameter it goes to, its piece of it or None for all of it)."""
+    def locate(self, name: str) -> tuple[str, tuple[int | None, int, int] | None]:
+        """A Hugging Face tensor name (without "model.") -> (the parameter it goes to, its piece of it or None for
+        all of it); also where a weight update puts it (pdserve.weights.update)."""
         c = self.cfg
         name = name.replace(".block_sparse_moe.", ".mlp.")  # Mixtral's name for the MoE block
         name = name.replace(".mlp.shared_expert_gate.", ".mlp.shared_expert.gate.")  # Qwen2-MoE's

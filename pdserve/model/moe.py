@@ -27,8 +27,6 @@ hidden state after it) the experts are laid out one of two ways (pdserve.paralle
 """
 from __future__ import annotations
 
-import functools
-import logging
 from types import ModuleType
 
 import torch
@@ -37,22 +35,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdserve.config import ModelConfig
+from pdserve.kernels import triton_kernels
 from pdserve.model import layer_ops
-from pdserve.model.linear import Linear, linear
+from pdserve.model.linear import Linear, linear, quantize_rows
 
 
-log = logging.getLogger(__name__)
-
-
-@functools.cache
 def _triton_moe() -> ModuleType | None:
-    """pdserve.kernels.triton_moe, imported at the first CUDA forward; None (logged once) without triton."""
-    try:
-        from pdserve.kernels import triton_moe
-    except ImportError as e:
-        log.warning("triton does not import (%s): mixture-of-experts blocks on CUDA run expert by expert", e)
-        return None
-    return triton_moe
+    return triton_kernels("triton_moe", "mixture-of-experts blocks on CUDA run expert by expert")
 
 
 class Router(nn.Module):
@@ -88,9 +77,7 @@ class Experts(nn.Module):
         for a dense layer (the router stays in the model's dtype)."""
         assert self.gate_up_scale is None, "already quantised"
         for name in ("gate_up_proj", "down_proj"):
-            w = getattr(self, name).detach().to(torch.float32)
-            scale = w.abs().amax(dim=2).clamp(min=1e-12) / 127.0  # [experts, rows]
-            q = torch.round(w / scale[..., None]).clamp_(-127, 127).to(torch.int8)
+            q, scale = quantize_rows(getattr(self, name))  # scale: [experts, rows]
             delattr(self, name)
             self.register_buffer(name, q)
             setattr(self, f"{name.removesuffix('_proj')}_scale", scale)
@@ -152,15 +139,11 @@ class MoE(nn.Module):
         kernel = _triton_moe() if x.is_cuda else None  # every expert in two launches, grouped on the device
         if kernel is not None and kernel.supports(x, self.experts.gate_up_proj, self.experts.down_proj):
             out = kernel.fused_moe(x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids)
-            if self.shared_expert is not None:
-                out += self.shared_expert(x)
-            if self.tp_group is not None:
-                self.tp_group.allreduce([out]).wait()
-            return out
-        order = torch.argsort(flat, stable=True)  # the slots grouped by expert, in expert order
-        out = torch.zeros_like(x)
-        rows = self._run(x[order // self.top_k], flat[order], slot_weights[order], first=0)
-        out.index_add_(0, order // self.top_k, rows)
+        else:
+            order = torch.argsort(flat, stable=True)  # the slots grouped by expert, in expert order
+            tokens = order // self.top_k
+            out = torch.zeros_like(x)
+            out.index_add_(0, tokens, self._run(x[tokens], flat[order], slot_weights[order], first=0))
         if self.shared_expert is not None:
             out += self.shared_expert(x)
         if self.tp_group is not None:

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from pdserve.config import ModelConfig
-from pdserve.model.linear import Linear
+from pdserve.model.linear import Linear, quantize_rows
 from pdserve.model.llama import LlamaModel
 from pdserve.model.loader import _safetensors_weights, _weights_dir, resolve_format
 from pdserve.parallel.layout import rank_config, shard_weights
@@ -29,10 +29,6 @@ _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # The config fields that decide which tensors a model holds and their shapes.
 _SHAPE_FIELDS = ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim", "intermediate_size",
                  "vocab_size", "tie_word_embeddings", "attention_bias", "qk_norm")
-
-# Hugging Face projection -> (fused parameter, its piece); as LlamaModel.load_weights maps them.
-_FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
-          "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
 
 # safetensors' dtype names (a lazy slice's get_dtype()).
 _FILE_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64,
@@ -160,15 +156,6 @@ class StagedUpdate:
             dst.copy_(e.value)
 
 
-def _quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """int8 values and fp32 per-row scales of a weight [rows, in]. Must equal Linear.quantize_int8
-    (pdserve.model.linear) bit for bit: a staged int8 weight is what loading it would have made."""
-    w = w.detach().to(torch.float32)
-    scale = w.abs().amax(dim=1).clamp(min=1e-12) / 127.0  # [rows]
-    q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
-    return q, scale
-
-
 def stage(model: LlamaModel, cfg: ModelConfig, tensors: Iterable[tuple[str, torch.Tensor]],
           tp: int = 1, rank: int = 0, spare: StagedUpdate | None = None, adopt: bool = False) -> StagedUpdate:
     """Stage Hugging Face-named full tensors for model, rank `rank` of a TP `tp` worker (tp 1: the whole
@@ -207,8 +194,6 @@ def _stage(model: LlamaModel, cfg: ModelConfig, weights: Iterable[tuple[str, Any
     diff = [f for f in _SHAPE_FIELDS if getattr(model.cfg, f) != getattr(want, f)]
     if diff:
         raise ValueError(f"the model is not rank {rank} of a TP {tp} share of this config (differs in {diff})")
-    rc = model.cfg  # the rank's shape: where each piece sits in a fused parameter
-    rows = {"qkv_proj": (rc.q_size, rc.kv_size, rc.kv_size), "gate_up_proj": (rc.intermediate_size,) * 2}
     dtype, device = model.embed_tokens.weight.dtype, model.embed_tokens.weight.device  # the embedding is never int8
     separate_head = cfg.tie_word_embeddings and model.lm_head.weight is not model.embed_tokens.weight  # int8
     check = _Checker(cfg)
@@ -219,17 +204,20 @@ def _stage(model: LlamaModel, cfg: ModelConfig, weights: Iterable[tuple[str, Any
             continue
         _, share = next(shard_weights([(name, weight)], cfg, tp, rank))
         key = name.removeprefix("model.")
-        parts = key.split(".")
-        module, attr, start = ".".join(parts[:-1]), parts[-1], None
-        if parts[-2] in _FUSED:
-            fused, piece = _FUSED[parts[-2]]
-            module = ".".join(parts[:-2] + [fused])
-            start = sum(rows[fused][:piece])
+        module, attr, start = _destination(model, key)
         _place(update, model, module, attr, start, share, dtype, device, reuse, adopt)
         if key == "embed_tokens.weight" and separate_head:  # a tied LM head quantized apart from the embedding
             _place(update, model, "lm_head", "weight", None, share, dtype, device, reuse, adopt)
         update.names.append(name)
     return update
+
+
+def _destination(model: LlamaModel, key: str) -> tuple[str, str, int | None]:
+    """(submodule, parameter, first row of its piece or None) a Hugging Face name goes to in this model (its
+    rank's shape), as loading places it (LlamaModel.locate)."""
+    target, piece = model.locate(key)
+    module, attr = target.rsplit(".", 1)
+    return module, attr, None if piece is None else piece[1]
 
 
 def _place(update: StagedUpdate, model: LlamaModel, module: str, attr: str, start: int | None,
@@ -252,7 +240,7 @@ def _place(update: StagedUpdate, model: LlamaModel, module: str, attr: str, star
             value = torch.empty(share.shape, dtype=want, device=device)
         value.copy_(share)
     if isinstance(mod, Linear) and attr == "weight" and mod.scale is not None:
-        q, scale = _quantize_int8(value)
+        q, scale = quantize_rows(value)  # as loading it quantizes, bit for bit
         update._add(module, "weight", start, q)
         update._add(module, "scale", start, scale)
     else:
@@ -277,15 +265,8 @@ def model_tensors(model: LlamaModel, cfg: ModelConfig) -> Iterator[tuple[str, to
     """A whole model's weights by their Hugging Face names and full shapes, as a checkpoint holds them: fused
     parameters split again, int8 weights dequantized (fp32; quantizing them again gives the same int8 values
     and scales: each row's largest value is 127 x its scale). Not for a tensor-parallel rank's share."""
-    rc = model.cfg
-    rows = {"qkv_proj": (rc.q_size, rc.kv_size, rc.kv_size), "gate_up_proj": (rc.intermediate_size,) * 2}
     for name, shape in expected_tensors(cfg).items():
-        parts = name.removeprefix("model.").split(".")
-        module, attr, start = ".".join(parts[:-1]), parts[-1], None
-        if parts[-2] in _FUSED:
-            fused, piece = _FUSED[parts[-2]]
-            module = ".".join(parts[:-2] + [fused])
-            start = sum(rows[fused][:piece])
+        module, attr, start = _destination(model, name.removeprefix("model."))
         mod = model.get_submodule(module)
         value = getattr(mod, attr)
         if isinstance(mod, Linear) and attr == "weight" and mod.scale is not None:

@@ -13,13 +13,12 @@ from safetensors.torch import load_file, save_file
 from pdserve.config import CacheConfig, EngineConfig, SchedulerConfig
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.sampling import SamplingParams
-from pdserve.model.linear import Linear
+from pdserve.model.linear import Linear, quantize_rows
 from pdserve.model.loader import load, load_shard
 from pdserve.weights.update import (
     StagedUpdate,
     TensorMeta,
     WeightError,
-    _quantize_int8,
     check_metas,
     expected_tensors,
     stage,
@@ -179,7 +178,7 @@ def test_int8_rows_are_linear_quantize_int8s_bit_for_bit():
         lin = Linear(40, 48).to(dtype)
         lin.weight.data.copy_(w)
         lin.quantize_int8()
-        q, scale = _quantize_int8(w)
+        q, scale = quantize_rows(w)  # what stage quantizes staged rows with
         assert q.dtype == torch.int8 and torch.equal(q, lin.weight)
         assert scale.dtype == torch.float32 and torch.equal(scale, lin.scale)
 
