@@ -34,7 +34,7 @@ from pdserve.model.loader import ModelInfo
 from pdserve.parallel.layout import rank_config
 from pdserve.serving.colocated import ColocatedActor
 from pdserve.serving.messages import StepOutput, WorkerStats
-from pdserve.serving.link import Link, LinkServer
+from pdserve.serving.link import CallFailed, Link, LinkServer
 from pdserve.serving.tp_ranks import TPPlacement
 from prefill_worker.actor import PrefillActor
 from router.placement import PrefixIndex
@@ -278,16 +278,20 @@ class Pools:
         return [w.stats for w in self.workers if w.stats is not None]
 
     async def _poll_stats(self) -> None:
-        """The heartbeat: every worker must answer within worker_timeout_s, or it is declared stuck."""
+        """The heartbeat: every worker must answer within worker_timeout_s, or it is declared stuck. Asked on
+        the worker's link where it has one: a Ray actor call and its result cost the router about 1 ms of
+        CPU, a worker each second (docs/benchmarks.md); a link whose worker died ends by itself
+        (_until_link_ends)."""
         workers = self.workers
         results = await asyncio.gather(
-            *(asyncio.wait_for(w.handle.stats.remote(), self.config.worker_timeout_s) for w in workers),
+            *(asyncio.wait_for(w.link.call("stats") if w.link is not None else w.handle.stats.remote(),
+                               self.config.worker_timeout_s) for w in workers),
             return_exceptions=True)
         for w, r in zip(workers, results):
             if isinstance(r, WorkerStats):
                 w.stats = r
                 self.notify()
-            elif isinstance(r, (asyncio.TimeoutError, ray.exceptions.RayError)):
+            elif isinstance(r, (asyncio.TimeoutError, ray.exceptions.RayError, CallFailed)):
                 self.lose(w, "stuck: no heartbeat" if isinstance(r, asyncio.TimeoutError) else f"dead: {r}")
 
     async def _heartbeat(self) -> None:

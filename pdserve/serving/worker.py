@@ -177,7 +177,8 @@ class WorkerActor:
     def _commands(self) -> dict[str, Callable]:
         """The calls the router makes on this worker's link, each run on the link's reader thread in
         arrival order; one returns its value or a concurrent Future of it (pdserve.serving.link)."""
-        return {"cancel": self._cancel_soon}
+        # stats: the router's heartbeat. Run on the step thread, so a worker whose steps hang does not answer.
+        return {"cancel": self._cancel_soon, "stats": lambda: self.loop.call(self._stats)}
 
     def _cancel_soon(self, request_id: str) -> None:
         """cancel() without waiting for the step thread to have done it."""

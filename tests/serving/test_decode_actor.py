@@ -131,8 +131,12 @@ def test_reservations_and_cancels_on_the_link(decode, aloop):
     aloop.run(reserve_then_cancel())
     wait_for(lambda: ray.get(handle.recent_cancels.remote()) and
              ray.get(handle.recent_cancels.remote())[-1].request_id == "b", 30, what="b's cancel")
+    # The heartbeat's stats, asked on the link (router.pools): the step thread's count, as Ray's call gives it.
+    assert call("stats").kv_blocks_used > 0
     link.send("cancel", "a")
-    wait_for(lambda: ray.get(handle.stats.remote()).kv_blocks_used == 0, 30, what="every block freed")
+    wait_for(lambda: call("stats").kv_blocks_used == 0, 30, what="every block freed")
+    assert ray.get(handle.stats.remote()).kv_blocks_used == 0
+    assert call("stats").worker_id == "decode-t"
     assert ray.get(notices.seen.remote())[0] == ("a",)
 
 
