@@ -3,7 +3,9 @@
     .venv/bin/python bench/router_floors.py [--messages 20000] [--items 1000]
 
 1. gRPC: an asyncio gRPC server streams `GenerateResponse` messages of k tokens each (k = 1, 4, 16) to 16
-   concurrent streams of a client in another process; the server's CPU per message and per token. And
+   concurrent streams of a client in another process; the server's CPU per message and per token; then
+   one token a message paced as a decode worker paces them (every stream's next message a step later,
+   so nothing queues behind a write: the floor of one token a message in serving). And
    per request: --requests calls of Generate (32 at a time), each answered with two messages, the
    shortest a streamed request can be; the server's CPU per call, with no work of its own.
 2. Ray: an async actor yields StepOutputs of 16 token events from a streaming generator (one every 3 ms,
@@ -60,31 +62,45 @@ asyncio.run(main(int(sys.argv[1])))
 """
 
 
-async def _server_cpu(per_call: int, k: int, client: str) -> float:
+async def _server_cpu(per_call: int, k: int, client: str, step: float = 0.0) -> float:
     """Server CPU seconds while `client` (a script given the port) runs against a Generate that answers
-    each call with `per_call` messages of k tokens."""
+    each call with `per_call` messages of k tokens: back to back, or (step > 0) one message on every call
+    each `step` seconds, as a decode step's tokens reach the router."""
+    loop = asyncio.get_running_loop()
+    tick = [loop.create_future()]
+
+    async def steps() -> None:
+        while True:
+            await asyncio.sleep(step)
+            done, tick[0] = tick[0], loop.create_future()
+            done.set_result(None)
 
     class Service(pb_grpc.GenerationServicer):
         async def Generate(self, request, context):
             for i in range(per_call):
+                if step:
+                    await tick[0]
                 yield pb.GenerateResponse(request_id="req-0123456789abcdef", text=" token" * k, token_ids=[i] * k)
 
     server = grpc.aio.server()
     pb_grpc.add_GenerationServicer_to_server(Service(), server)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
+    stepper = asyncio.create_task(steps()) if step else None
     t0 = time.process_time()
     proc = await asyncio.create_subprocess_exec(sys.executable, "-c", client, str(port))
     await proc.wait()
     cpu = time.process_time() - t0
+    if stepper is not None:
+        stepper.cancel()
     await server.stop(None)
     return cpu
 
 
-async def grpc_floor(messages: int, k: int) -> float:
-    """Server CPU seconds for `messages` messages of k tokens over STREAMS streams."""
+async def grpc_floor(messages: int, k: int, step: float = 0.0) -> float:
+    """Server CPU seconds for `messages` messages of k tokens over STREAMS streams (step: see _server_cpu)."""
     root = str(Path(__file__).resolve().parents[1])
-    return await _server_cpu(messages // STREAMS, k, _CLIENT.format(root=root, streams=STREAMS))
+    return await _server_cpu(messages // STREAMS, k, _CLIENT.format(root=root, streams=STREAMS), step)
 
 
 async def grpc_request_floor(requests: int) -> float:
@@ -144,6 +160,8 @@ def main() -> None:
     p.add_argument("--messages", type=int, default=20000)
     p.add_argument("--items", type=int, default=1000)
     p.add_argument("--requests", type=int, default=4000)
+    p.add_argument("--paced-messages", type=int, default=4800, help="messages of the paced row (16 a step)")
+    p.add_argument("--step-ms", type=float, default=10.0, help="the paced row's decode step")
     args = p.parse_args()
     cpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
     model = next((line.split(":", 1)[1].strip() for line in cpu.splitlines() if line.startswith("Model name")), "?")
@@ -154,6 +172,12 @@ def main() -> None:
         secs = asyncio.run(grpc_floor(n, k))
         print(f"| gRPC asyncio server stream, {k} token(s) a message | {1e6 * secs / n:.0f} us | "
               f"{1e6 * secs / (n * k):.1f} us |")
+    # Paced: what a router pays per message in serving, where each stream's next token comes a step later
+    # (and the server's step timer, one wake-up a step for all streams, is counted in).
+    n = args.paced_messages
+    secs = asyncio.run(grpc_floor(n, 1, args.step_ms / 1e3))
+    print(f"| gRPC asyncio server stream, 1 token a message, every stream's next message {args.step_ms:g} ms later "
+          f"| {1e6 * secs / n:.0f} us | {1e6 * secs / n:.1f} us |")
     secs = asyncio.run(grpc_request_floor(args.requests))
     print(f"| gRPC asyncio Generate call of 2 messages (per request) | {1e6 * secs / args.requests:.0f} us | |")
     secs = ray_floor(args.items)
