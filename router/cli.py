@@ -15,6 +15,8 @@ from typing import Any
 from pdserve.client.grpc_client import API_KEY_ENV, read_api_key
 from pdserve.engine.args import add_model_args
 
+SIM_WORKER_CPUS = 1 / 16  # Ray CPUs of a simulated worker by default (--load-format sim)
+
 
 def add_serve_parser(sub: Any) -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="start the worker pools and the gRPC router")
@@ -79,7 +81,8 @@ def add_serve_parser(sub: Any) -> argparse.ArgumentParser:
                        help="a rank of a worker that has not answered its collective this long is given up, "
                             "and its worker with it (one whose process ends is given up at once)")
     serve.add_argument("--worker-cpus", type=float, default=None,
-                       help="Ray CPUs per worker, per rank of a TP worker (default: 0.5 on CPU, 1 with --device cuda)")
+                       help="Ray CPUs per worker, per rank of a TP worker (default: 0.5 on CPU, 1 with --device cuda, "
+                            "1/16 with --load-format sim)")
     serve.add_argument("--worker-gpus", type=float, default=None,
                        help="Ray GPUs per worker, per rank of a TP worker (default: 1 with --device cuda)")
     serve.add_argument("--prefill-resource", action="append", default=[], metavar="NAME=AMOUNT",
@@ -253,13 +256,14 @@ def cluster_config_from_args(args: argparse.Namespace):
                                      or args.prefill_expert_parallel_size or args.decode_expert_parallel_size):
         raise ValueError("a colocated worker has one size: --tensor-parallel-size and --expert-parallel-size")
     gpu = args.device.startswith("cuda")
-    cpus = args.worker_cpus if args.worker_cpus is not None else (1.0 if gpu else 0.5)
+    # A simulated worker sleeps through its steps: 1/16 of a CPU each, so dozens fit on a small machine.
+    cpus = args.worker_cpus if args.worker_cpus is not None else \
+        (1.0 if gpu else SIM_WORKER_CPUS if args.load_format == "sim" else 0.5)
     gpus = args.worker_gpus if args.worker_gpus is not None else (1.0 if gpu else 0.0)
     cache = CacheConfig(block_size=args.block_size, memory_bytes=args.kv_cache_mib << 20)
     threads = args.torch_threads
     if threads is None and not gpu and not args.ray_address:
         # A local CPU cluster: split the cores between the workers instead of oversubscribing them.
-        # Autoscaled pools count at their largest.
         # Autoscaled pools count at their largest; a TP worker counts each of its ranks.
         ranks = args.colocated_workers * tp["colocated"] if args.mode == "colocated" else \
             args.prefill_workers[1] * tp["prefill"] + (args.decode_workers[1] + args.fast_lane_workers[1]) * tp["decode"]

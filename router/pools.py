@@ -62,6 +62,25 @@ def init_local_ray(num_cpus: int | None = None, object_store_bytes: int = 128 <<
     log.info("Ray ready (%.1f s)", time.monotonic() - t0)
 
 
+def demand(c: ClusterConfig) -> dict[str, float]:
+    """The Ray resources the pools' workers ask for at their starting sizes (every rank of a TP worker)."""
+    total: dict[str, float] = collections.Counter()
+    for pc in c.pools.values():
+        ranks = pc.num_workers * c.engine_for(pc).tensor_parallel_size
+        for name, amount in (("CPU", pc.num_cpus), ("GPU", pc.num_gpus), *pc.resources.items()):
+            total[name] += ranks * amount
+    return {k: v for k, v in total.items() if v > 0}
+
+
+def shortfall(asked: dict[str, float], cluster: dict[str, float]) -> str:
+    """What of `asked` the cluster's resources cannot hold at once, in words ("" if it all fits)."""
+    return ", ".join(f"{k}: {v:g} asked, {cluster.get(k, 0):g} in the cluster" for k, v in sorted(asked.items())
+                     if v > cluster.get(k, 0) + 1e-9)
+
+
+# A start still waiting says which workers it waits for, this often.
+START_NOTICE_S = 30.0
+
 # A replacement that fails to start is tried again after 1 s, then twice as long each time, up to 30 s.
 REPLACE_BACKOFF_S = (1.0, 30.0)
 
@@ -186,15 +205,30 @@ class Pools:
         if self.router is not None:
             await self._join()
             return
+        short = shortfall(demand(c), ray.cluster_resources())
+        if short:
+            log.warning("the pools ask Ray for more than this cluster has (%s): some workers wait until it grows "
+                        "(--worker-cpus, --worker-gpus: a worker's share)", short)
         starting = [self._spawn(pool, slot, f"{pool}-{slot}") for pool, n in sizes.items() for slot in range(n)]
+        waiting = {w.worker_id for w in starting}
 
         async def ready(w: Worker) -> None:
             await w.handle.ready.remote()
             await self._connect(w)
+            waiting.discard(w.worker_id)
             self.start_seconds[w.pool].append(time.monotonic() - t0)
             log.info("worker %s ready (%.1f s)", w.worker_id, self.start_seconds[w.pool][-1])
 
-        await asyncio.gather(*(ready(w) for w in starting))
+        async def say_who_is_late() -> None:  # a start that waits says so, not silence
+            while True:
+                await asyncio.sleep(START_NOTICE_S)
+                log.info("still starting after %.0f s: %s", time.monotonic() - t0, ", ".join(sorted(waiting)))
+
+        notice = asyncio.create_task(say_who_is_late())
+        try:
+            await asyncio.gather(*(ready(w) for w in starting))
+        finally:
+            notice.cancel()
         for w in starting:
             w.state = "ready"
             self.by_name[w.pool].append(w)

@@ -82,3 +82,32 @@ def test_dtype_and_quantization_reach_every_worker(tmp_path):
     assert cluster_config_from_args(parse_args(["serve"])).engine.quantization is None
     with pytest.raises(SystemExit):
         parse_args(["serve", "--quantization", "int4"])
+
+
+def test_the_pools_ray_demand_and_what_a_cluster_lacks():
+    """At start the router compares what the pools ask Ray for with what the cluster has, and warns where it
+    cannot hold them all (workers past it would wait without a word): every rank of a TP worker counts."""
+    from pdserve.config import ClusterConfig, EngineConfig, PoolConfig
+    from router.pools import demand, shortfall
+
+    c = ClusterConfig(engine=EngineConfig(model="m"), prefill=PoolConfig(2, num_cpus=0.5),
+                      decode=PoolConfig(10, num_cpus=0.5, resources={"decode": 1}))
+    assert demand(c) == {"CPU": 6.0, "decode": 10.0}
+    assert shortfall(demand(c), {"CPU": 2.0, "memory": 1e9}) == \
+        "CPU: 6 asked, 2 in the cluster, decode: 10 asked, 0 in the cluster"
+    assert shortfall(demand(c), {"CPU": 6.0, "decode": 12.0}) == ""
+    tp = ClusterConfig(engine=EngineConfig(model="m"), prefill=PoolConfig(1, num_cpus=1, num_gpus=1),
+                       decode=PoolConfig(3, num_cpus=1, num_gpus=1, tensor_parallel_size=2))
+    assert demand(tp) == {"CPU": 7.0, "GPU": 7.0}
+    assert shortfall(demand(tp), {"CPU": 16.0, "GPU": 4.0}) == "GPU: 7 asked, 4 in the cluster"
+
+
+def test_a_simulated_worker_takes_a_sixteenth_of_a_cpu_unless_told():
+    """Simulated workers sleep through their steps: by default 32 of them fit in a 2-CPU Ray cluster."""
+    def cpus(*flags):
+        c = cluster_config_from_args(parse_args(["serve", *flags]))
+        return c.prefill.num_cpus, c.decode.num_cpus
+
+    assert cpus("--load-format", "sim", "--model", "llama3-8b", "--dtype", "bfloat16") == (1 / 16, 1 / 16)
+    assert cpus("--load-format", "sim", "--model", "llama3-8b", "--dtype", "bfloat16", "--worker-cpus", "0.25") == (0.25, 0.25)
+    assert cpus() == (0.5, 0.5)
