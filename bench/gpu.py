@@ -160,6 +160,11 @@ def measure_peaks(device: torch.device, small: bool) -> dict:
 
 
 def make_core(args, device: torch.device, max_batched: int, prefix_caching: bool):
+    """The engine core on the dummy-weight shape, with the device's default fast path. Where building it
+    fails (CUDA-graph capture is the step most likely to), the failure is recorded and a core without
+    graphs is built instead, so the eager figures still come."""
+    from dataclasses import replace
+
     from pdserve.config import CacheConfig, EngineConfig, SchedulerConfig
     from pdserve.engine import EngineCore
 
@@ -168,8 +173,18 @@ def make_core(args, device: torch.device, max_batched: int, prefix_caching: bool
                        scheduler=SchedulerConfig(max_num_seqs=max(64, max(args.batches)),
                                                  max_num_batched_tokens=max_batched))
     t = time.perf_counter()
-    core = EngineCore(cfg)
+    try:
+        core = EngineCore(cfg)
+    except Exception as e:  # noqa: BLE001 - reported, then the eager core
+        print(traceback.format_exc(), flush=True)
+        RESULTS["errors"]["engine_with_graphs"] = f"{type(e).__name__}: {e}"
+        free_memory()
+        core = EngineCore(replace(cfg, cuda_graphs=False))
     sync(device)
+    graphs = core.runner.graphs
+    RESULTS.setdefault("env", {})["graph_buckets_captured"] = graphs.captured if graphs is not None else None
+    print(f"CUDA graphs captured for buckets {graphs.captured if graphs is not None else None} "
+          f"({time.perf_counter() - t:.1f} s with the load)", flush=True)
     print(f"EngineCore({args.model}, {args.dtype}, {device}): {time.perf_counter() - t:.1f} s, "
           f"{core.pool.num_blocks} KV blocks", flush=True)
     return core
@@ -277,8 +292,7 @@ def decode_row(core, device, args, b: int, rng: random.Random, wbytes: int, kv_t
     row["host_prep_s"] = (time.perf_counter() - t0) / args.steps
     if b == args.busy_batch or not args.small:
         row["busy"] = profile_decode(core, device, args.profile_steps, step_s, b)
-    if b == args.busy_batch:
-        row["busy_modes"] = busy_modes(core, device, args, b)
+    row["modes"] = busy_modes(core, device, args, b, profile=b == args.busy_batch)
     print(f"batch {b:3d} ctx~{row['context_mid']}: step {step_s * 1e3:8.2f} ms  floor {floor_s * 1e3:7.2f} ms  "
           f"({floor_s / step_s:5.1%} of floor)  {b / step_s:9.1f} tok/s  host prep "
           f"{row['host_prep_s'] * 1e3:.2f} ms", flush=True)
@@ -298,8 +312,9 @@ def set_mode(core, graphs, use_graphs: bool, pipelined: bool) -> None:
     core.pipelined = pipelined
 
 
-def busy_modes(core, device: torch.device, args, batch: int) -> dict:
-    """Step time and GPU busy fraction of the same decode batch in each of BUSY_MODES."""
+def busy_modes(core, device: torch.device, args, batch: int, profile: bool) -> dict:
+    """Step time of the same decode batch in each of BUSY_MODES, and (profile) its GPU busy fraction.
+    A mode that fails is recorded and the next one runs."""
     graphs, pipelined = core.runner.graphs, core.pipelined
     out = {}
     try:
@@ -307,17 +322,24 @@ def busy_modes(core, device: torch.device, args, batch: int) -> dict:
             if use_graphs and graphs is None:
                 out[name] = {"skipped": "no CUDA graphs on this device"}
                 continue
-            set_mode(core, graphs, use_graphs, pipe)
-            for _ in range(3):
-                core.step()
-            sync(device)
-            t0 = time.perf_counter()
-            for _ in range(args.steps):
-                core.step()
-            sync(device)
-            step_s = (time.perf_counter() - t0) / args.steps
-            print(f"[{name}] batch {batch}: step {step_s * 1e3:.2f} ms", flush=True)
-            out[name] = dict(step_s=step_s, **profile_decode(core, device, args.profile_steps, step_s, batch))
+            try:
+                set_mode(core, graphs, use_graphs, pipe)
+                for _ in range(3):
+                    core.step()
+                sync(device)
+                t0 = time.perf_counter()
+                for _ in range(args.steps):
+                    core.step()
+                sync(device)
+                step_s = (time.perf_counter() - t0) / args.steps
+                print(f"[{name}] batch {batch}: step {step_s * 1e3:.2f} ms", flush=True)
+                out[name] = dict(step_s=step_s)
+                if profile:
+                    out[name].update(profile_decode(core, device, args.profile_steps, step_s, batch))
+            except Exception as e:  # noqa: BLE001 - the next mode still runs
+                print(traceback.format_exc(), flush=True)
+                out[name] = {"error": f"{type(e).__name__}: {e}"}
+                RESULTS["errors"][f"decode batch {batch} {name}"] = out[name]["error"]
     finally:
         set_mode(core, graphs, graphs is not None, pipelined)
     return out
@@ -354,6 +376,65 @@ def profile_decode(core, device: torch.device, steps: int, unprofiled_step_s: fl
     for k, s, n in res["top_cpu_ops"]:
         print(f"   {s * 1e3:8.3f} ms/step {n:7.0f} calls  {k}")
     return res
+
+
+@section("hf_decode")
+def bench_hf_decode(args, device: torch.device, peaks: dict | None) -> dict:
+    """transformers' decode step on the same shape (random weights, bf16, its default SDPA attention and
+    DynamicCache), at each decode batch: B prompts of --context tokens, generate() with max_new_tokens n1
+    and n2 (greedy, no EOS), per step = (t(n2) - t(n1)) / (n2 - n1), the prefill and set-up cancelling out."""
+    import transformers
+    from pdserve.config import ModelConfig, kv_bytes_per_token
+    from pdserve.engine.utilization import weight_bytes
+    from pdserve.model.loader import DUMMY_PRESETS
+
+    shape = {k: v for k, v in DUMMY_PRESETS[args.model].items() if k not in ("model_type", "eos_token_id")}
+    cfg = transformers.LlamaConfig(**shape, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    dtype = torch.bfloat16
+    default = torch.get_default_dtype()
+    t = time.perf_counter()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = transformers.LlamaForCausalLM(cfg).eval()
+    finally:
+        torch.set_default_dtype(default)
+    sync(device)
+    print(f"transformers LlamaForCausalLM({args.model}) on {device}: {time.perf_counter() - t:.1f} s, "
+          f"attention {model.config._attn_implementation}", flush=True)
+    mcfg = ModelConfig.from_hf(DUMMY_PRESETS[args.model])
+    wbytes = weight_bytes(mcfg, 2)
+    kv_tok = kv_bytes_per_token(mcfg, dtype)
+    bw = peaks["copy_bw_read_plus_write"] if peaks else float("nan")
+    n1, n2 = args.hf_new_tokens
+    g = torch.Generator().manual_seed(0)
+    rows = []
+    for b in args.batches:
+        ids = torch.randint(3, cfg.vocab_size, (b, args.context), generator=g).to(device)
+        mask = torch.ones_like(ids)
+
+        def gen(n: int) -> float:
+            sync(device)
+            t0 = time.perf_counter()
+            with torch.inference_mode():
+                out = model.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                                     pad_token_id=0)
+            sync(device)
+            assert out.shape == (b, args.context + n), out.shape
+            return time.perf_counter() - t0
+        gen(2)  # warm-up
+        t1, t2 = gen(n1), gen(n2)
+        step_s = (t2 - t1) / (n2 - n1)
+        ctx_mid = args.context + (n1 + n2) // 2
+        floor_s = (wbytes + b * ctx_mid * kv_tok) / bw
+        rows.append(dict(batch=b, step_s=step_s, floor_s=floor_s, tokens_per_s=b / step_s, t_n1=t1, t_n2=t2))
+        print(f"transformers batch {b:3d}: step {step_s * 1e3:8.2f} ms  floor {floor_s * 1e3:7.2f} ms  "
+              f"{b / step_s:9.1f} tok/s", flush=True)
+        free_memory()
+    del model
+    free_memory()
+    return dict(model=args.model, dtype="bfloat16", new_tokens=(n1, n2), context=args.context, rows=rows,
+                transformers=transformers.__version__)
 
 
 @section("prefill")
@@ -908,10 +989,23 @@ def table() -> str:
                              f"(union of GPU op intervals, torch.profiler) / profiled wall "
                              f"{b['profiled_wall_s'] / b['steps'] * 1e3:.2f} ms/step = {b['busy_profiled']:.1%}; "
                              f"/ unprofiled step {r['step_s'] * 1e3:.2f} ms = {b['busy_vs_unprofiled']:.1%}")
-            for name, m in (r.get("busy_modes") or {}).items():
-                lines.append(f"    {name:17}: " + (m["skipped"] if "skipped" in m else
-                             f"step {m['step_s'] * 1e3:7.2f} ms, GPU {m['gpu_s_per_step'] * 1e3:7.2f} ms/step, "
-                             f"busy {m['busy_vs_unprofiled']:6.1%} (target with graphs+pipelined: >= 95%)"))
+        hf = {r["batch"]: r for r in (s.get("hf_decode") or {}).get("rows", [])}
+        lines.append(f"    by mode (step ms; x floor = step / weight+KV read floor): {'batch':>5} "
+                     + " ".join(f"{n:>22}" for n, _, _ in BUSY_MODES) + f" {'transformers':>22}")
+        for r in d["rows"]:
+            cells = []
+            for name, _, _ in BUSY_MODES:
+                m = (r.get("modes") or {}).get(name, {})
+                cells.append(f"{m['step_s'] * 1e3:9.2f} ({m['step_s'] / r['floor_s']:5.2f}x fl)" if "step_s" in m
+                             else f"{m.get('skipped', m.get('error', '-'))[:22]:>22}")
+            h = hf.get(r["batch"])
+            cells.append(f"{h['step_s'] * 1e3:9.2f} ({h['step_s'] / r['floor_s']:5.2f}x fl)" if h else f"{'-':>22}")
+            lines.append(f"    {'':58}{r['batch']:5d} " + " ".join(f"{c:>22}" for c in cells))
+            for name, m in (r.get("modes") or {}).items():
+                if "busy_vs_unprofiled" in m:
+                    lines.append(f"    busy at batch {r['batch']}, {name:17}: GPU {m['gpu_s_per_step'] * 1e3:7.2f} ms/step of "
+                                 f"{m['step_s'] * 1e3:7.2f} = {m['busy_vs_unprofiled']:6.1%} "
+                                 f"(profiled wall: {m['busy_profiled']:6.1%})")
     pf = s.get("prefill")
     if pf:
         lines.append(f"(c) prefill {pf['tokens']} tokens: {pf['step_s'] * 1e3:.2f} ms, {pf['model_flops'] / 1e12:.2f} "
@@ -996,7 +1090,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--small", action="store_true", help="tiny shapes: a smoke test of every section")
-    ap.add_argument("--sections", default="peaks,decode,prefill,experiments,offline,cluster,checksum")
+    ap.add_argument("--sections", default="peaks,decode,prefill,hf_decode,offline,cluster,checksum,experiments")
     ap.add_argument("--json", default=None)
     ap.add_argument("--transfer-timeout", type=float, default=10.0, help="cluster section: KV transfer timeout")
     ap.add_argument("--handoff-lengths", type=int, nargs="+", default=None,
@@ -1013,6 +1107,7 @@ def main() -> None:
     args.warmup, args.steps, args.profile_steps = (1, 3, 2) if small else (5, 20, 10)
     args.prefill_tokens = 256 if small else 4096
     args.prefill_reps = 1 if small else 5
+    args.hf_new_tokens = (2, 6) if small else (4, 36)
     args.init_range = 0.1
     args.num_prompts = 4 if small else 64
     args.min_len, args.max_len = (16, 48) if small else (128, 512)
@@ -1050,6 +1145,8 @@ def main() -> None:
     if hasattr(args, "_core"):
         del args._core
         free_memory()
+    if "hf_decode" in wanted:
+        bench_hf_decode(args, device, peaks)
     if "offline" in wanted:
         bench_offline(args, device)
     if "cluster" in wanted:
