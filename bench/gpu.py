@@ -293,6 +293,8 @@ def decode_row(core, device, args, b: int, rng: random.Random, wbytes: int, kv_t
     if b == args.busy_batch or not args.small:
         row["busy"] = profile_decode(core, device, args.profile_steps, step_s, b)
     row["modes"] = busy_modes(core, device, args, b, profile=b == args.busy_batch)
+    if b == args.busy_batch and device.type == "cuda" and core.runner.graphs is not None:
+        row["modes"][TORCH_OPS_MODE] = torch_ops_mode(core, device, args, b)
     print(f"batch {b:3d} ctx~{row['context_mid']}: step {step_s * 1e3:8.2f} ms  floor {floor_s * 1e3:7.2f} ms  "
           f"({floor_s / step_s:5.1%} of floor)  {b / step_s:9.1f} tok/s  host prep "
           f"{row['host_prep_s'] * 1e3:.2f} ms", flush=True)
@@ -302,6 +304,9 @@ def decode_row(core, device, args, b: int, rng: random.Random, wbytes: int, kv_t
 # The GPU busy fraction of decode by what hides the host's work: neither, CUDA graphs only, and graphs
 # with pipelined decode (the default on CUDA).
 BUSY_MODES = (("eager", False, False), ("graphs", True, False), ("graphs+pipelined", True, True))
+# At the busy batch, the default mode again with the layer ops in torch (PDSERVE_GPU_KERNELS=torch, the
+# graphs captured again): what the fused Triton layer ops (pdserve.kernels.triton_layer_ops) buy.
+TORCH_OPS_MODE = "graphs+pipelined, torch layer ops"
 
 
 def set_mode(core, graphs, use_graphs: bool, pipelined: bool) -> None:
@@ -343,6 +348,34 @@ def busy_modes(core, device: torch.device, args, batch: int, profile: bool) -> d
     finally:
         set_mode(core, graphs, graphs is not None, pipelined)
     return out
+
+
+def torch_ops_mode(core, device: torch.device, args, batch: int) -> dict:
+    """The default mode's step with the layer ops in torch: graphs captured again under
+    PDSERVE_GPU_KERNELS=torch, timed and profiled, then captured again with the kernels."""
+    graphs = core.runner.graphs
+    try:
+        set_mode(core, graphs, True, True)
+        os.environ["PDSERVE_GPU_KERNELS"] = "torch"
+        graphs.capture()
+        for _ in range(3):
+            core.step()
+        sync(device)
+        t0 = time.perf_counter()
+        for _ in range(args.steps):
+            core.step()
+        sync(device)
+        step_s = (time.perf_counter() - t0) / args.steps
+        print(f"[{TORCH_OPS_MODE}] batch {batch}: step {step_s * 1e3:.2f} ms", flush=True)
+        return dict(step_s=step_s, **profile_decode(core, device, args.profile_steps, step_s, batch))
+    except Exception as e:  # noqa: BLE001
+        print(traceback.format_exc(), flush=True)
+        RESULTS["errors"][f"decode batch {batch} {TORCH_OPS_MODE}"] = f"{type(e).__name__}: {e}"
+        return {"error": f"{type(e).__name__}: {e}"}
+    finally:
+        os.environ.pop("PDSERVE_GPU_KERNELS", None)
+        set_mode(core, graphs, True, core.pipelined)
+        graphs.capture()
 
 
 def profile_decode(core, device: torch.device, steps: int, unprofiled_step_s: float, batch: int) -> dict:
@@ -446,6 +479,8 @@ def bench_prefill(args, device: torch.device, peaks: dict | None) -> dict:
     n = args.prefill_tokens
     rng = random.Random(1)
     core.cancel_all()
+    # One step is timed: with pipelined decode a step's tokens come back with the next step's call.
+    set_mode(core, core.runner.graphs, core.runner.graphs is not None, pipelined=False)
     times = []
     for i in range(args.prefill_reps + 1):  # the first is a warm-up
         reqs = add_requests(core, 1, n, 1, rng)
@@ -1001,6 +1036,10 @@ def table() -> str:
             h = hf.get(r["batch"])
             cells.append(f"{h['step_s'] * 1e3:9.2f} ({h['step_s'] / r['floor_s']:5.2f}x fl)" if h else f"{'-':>22}")
             lines.append(f"    {'':58}{r['batch']:5d} " + " ".join(f"{c:>22}" for c in cells))
+            m = (r.get("modes") or {}).get(TORCH_OPS_MODE)
+            if m and "step_s" in m:
+                lines.append(f"    {'':58}{r['batch']:5d} {TORCH_OPS_MODE}: {m['step_s'] * 1e3:.2f} ms "
+                             f"({m['step_s'] / r['floor_s']:.2f}x floor)")
             for name, m in (r.get("modes") or {}).items():
                 if "busy_vs_unprofiled" in m:
                     lines.append(f"    busy at batch {r['batch']}, {name:17}: GPU {m['gpu_s_per_step'] * 1e3:7.2f} ms/step of "
@@ -1112,7 +1151,8 @@ def main() -> None:
     args.num_prompts = 4 if small else 64
     args.min_len, args.max_len = (16, 48) if small else (128, 512)
     args.output_len = 8 if small else 128
-    args.eq_prompts, args.eq_tokens = (2, 8) if small else (8, 64)
+    # transformers one prompt at a time is host-bound (~0.1 s a token on the H200's host): 4 x 32 tokens a dtype.
+    args.eq_prompts, args.eq_tokens = (2, 8) if small else (4, 32)
     args.offline_kv_gib = 0.05 if small else 4.0
     args.handoff_lengths = args.handoff_lengths or ([64, 256] if small else [512, 2048])
     args.handoff_reps = args.handoff_reps or (2 if small else 4)

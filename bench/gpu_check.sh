@@ -8,9 +8,9 @@
 #   bash bench/gpu_check.sh            # whole run ends within ~8 minutes; STAGES="tests bench" picks stages
 #
 # Stages, in order (each in its own process, so a CUDA fault in one does not poison the next):
-#   tests    the Triton kernels compiled against the torch reference on CUDA tensors (attention, fused MoE),
-#            CUDA-graph capture and replay, the CUDA engine (fp32 tokens = CPU's, the fast path = eager
-#            plain tokens, pipelined decode), the same-GPU hand-off
+#   kernels  the Triton attention and fused-MoE kernels compiled, against the torch reference on CUDA tensors
+#   tests    the Triton layer ops likewise; CUDA-graph capture and replay; the CUDA engine (fp32 tokens =
+#            CPU's, the fast path = eager plain tokens, pipelined decode), the same-GPU hand-off
 #   bench    peaks, decode at batch 1/8/64 eager / graphs / graphs+pipelined with GPU busy, prefill MFU
 #            at 4096 tokens, transformers' decode step on the same shape
 #   offline  pdserve LLMEngine against transformers generate(), greedy equality
@@ -20,7 +20,7 @@ set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/gpu_check}
 mkdir -p "$OUT"
-STAGES=${STAGES:-"tests bench offline cluster"}
+STAGES=${STAGES:-"kernels tests bench offline cluster"}
 export PYTHONUNBUFFERED=1
 start=$(date +%s)
 
@@ -62,9 +62,12 @@ pytest_cmd=(python3 -m pytest -q -rfEs -p no:cacheprovider --timeout 120)
 
 for s in $STAGES; do
   case $s in
-    tests)
+    kernels)
       stage tests-attention tests.log 60 "${pytest_cmd[@]}" tests/kernels/test_triton_attention.py
       stage tests-moe tests.log 45 "${pytest_cmd[@]}" tests/kernels/test_triton_moe.py
+      ;;
+    tests)
+      stage tests-layer-ops tests.log 45 "${pytest_cmd[@]}" tests/kernels/test_triton_layer_ops.py
       stage tests-graphs tests.log 60 "${pytest_cmd[@]}" tests/engine/test_cuda_graphs.py
       stage tests-cuda tests.log 80 "${pytest_cmd[@]}" tests/kernels/test_gpu.py
       ;;

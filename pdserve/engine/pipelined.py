@@ -78,7 +78,7 @@ class PipelinedDecode:
         """Pipelined decode: a launched step's sampled tokens, now on the host (this waits for them), in
         place of its PENDING tokens; token-level stops; the blocks of requests that ended meanwhile."""
         assert self.launched and self.launched[0] is launched, "steps resolve in launch order"
-        tokens = launched.result.sampled.tolist()
+        tokens = launched.result.tokens()
         logprobs = self.token_logprobs(launched.step, launched.result, tokens)
         self.launched.pop(0)
         # A group's samples first: they share its blocks, which its own first token may end and free.

@@ -27,12 +27,43 @@ from pdserve.model.llama import LlamaModel
 
 @dataclass
 class StepResult:
-    sampled: torch.Tensor  # [sampling chunks] int64, in the order of the chunks that sample
+    sampled: torch.Tensor  # [sampling chunks] int64, in the order of the chunks that sample (on the device)
     logits: torch.Tensor  # [sampling chunks, vocab] fp32
     sampling_chunks: list[int]  # index into the step's chunks of each sampled row
     logprobs: SampledLogprobs | None = None  # of the sampled tokens, if a row asked
     # Chunk index -> the logprobs of the prompt tokens its positions predict (Chunk.prompt_logprobs).
     prompt_logprobs: dict[int, list[TokenLogprob]] = field(default_factory=dict)
+    # CUDA: the sampled tokens in pinned host memory, copied as soon as they are sampled, and the event
+    # that marks the copy done (start_host_copy). None: tokens() reads them from `sampled`.
+    _host: torch.Tensor | None = None
+    _ready: torch.cuda.Event | None = None
+
+    def start_host_copy(self) -> None:
+        """Queue the copy of the sampled tokens (and logprobs) to the host right behind the sampling, without
+        waiting for it. Pipelined decode launches the next step before it reads these tokens: a copy
+        queued only when they are read would run after that next step and wait for it, so no step would
+        overlap the host's work for the one after it."""
+        if not self.sampled.is_cuda:
+            return
+        self._host = _pinned_copy(self.sampled)
+        if self.logprobs is not None:
+            self.logprobs = SampledLogprobs(*(_pinned_copy(t) for t in (
+                self.logprobs.logprob, self.logprobs.rank, self.logprobs.top_ids, self.logprobs.top_logprobs)))
+        self._ready = torch.cuda.Event()
+        self._ready.record()
+
+    def tokens(self) -> list[int]:
+        """The sampled tokens on the host (this waits for them); the logprobs are on the host after it too."""
+        if self._ready is None:
+            return self.sampled.tolist()
+        self._ready.synchronize()
+        return self._host.tolist()
+
+
+def _pinned_copy(t: torch.Tensor) -> torch.Tensor:
+    """A copy of a CUDA tensor into pinned host memory, queued on the current stream (not waited for)."""
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    return host.copy_(t, non_blocking=True)
 
 # Prompt logprobs take the logits of every position they cover: computed this many rows at a time, so a
 # long prompt chunk never holds [chunk tokens, vocabulary] floats at once.
@@ -120,7 +151,9 @@ class ModelRunner:
         if not sample_tokens:
             return StepResult(torch.empty(0, dtype=torch.int64), logits, sampling_chunks)
         sampled, logprobs = sample(logits, self._sampling(chunks, sampling_chunks, previous))
-        return StepResult(sampled, logits, sampling_chunks, logprobs, prompt_logprobs)
+        result = StepResult(sampled, logits, sampling_chunks, logprobs, prompt_logprobs)
+        result.start_host_copy()
+        return result
 
     def _sampling(self, chunks: list[Chunk], sampling_chunks: list[int],
                   previous: torch.Tensor | None) -> SamplingBatch:
@@ -167,7 +200,9 @@ class ModelRunner:
         self._count_work(chunks)
         logits = self.graphs.run(chunks, previous)
         sampled, logprobs = sample(logits, self._sampling(chunks, list(range(len(chunks))), previous))
-        return StepResult(sampled, logits, list(range(len(chunks))), logprobs)
+        result = StepResult(sampled, logits, list(range(len(chunks))), logprobs)
+        result.start_host_copy()
+        return result
 
     def _prepare(self, chunks: list[Chunk]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         bs = self.block_size

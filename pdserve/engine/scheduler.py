@@ -233,7 +233,7 @@ class Scheduler(PipelinedDecode):
             self.kv.cache_computed_blocks(req)
         self.note_prompt_logprobs(step, result)
         out = []
-        tokens = result.sampled.tolist()
+        tokens = result.tokens()
         logprobs = self.token_logprobs(step, result, tokens)
         rows = list(zip(result.sampling_chunks, tokens, logprobs, samples_of(result.sampling_chunks)))
         # A group's samples 1.. first: they share its blocks, which its own first token may end and free.

@@ -1,21 +1,41 @@
-"""The per-layer operations of the decoder, each one call: a fused CPU kernel where it applies
-(pdserve/kernels/csrc/layer_ops.cpp, built by pdserve.kernels.cpu_kernels), the torch reference everywhere else.
+"""The per-layer operations of the decoder, each one call: a fused kernel where one applies (on CPU
+pdserve/kernels/csrc/layer_ops.cpp, built by pdserve.kernels.cpu_kernels; on CUDA the Triton kernels of
+pdserve.kernels.triton_layer_ops), the torch reference everywhere else.
 
-At decode these ops touch a few KB each; on CPU their cost is the count of torch operations around
-them, which the kernels cut from ~35 to ~8 per layer. The torch versions define the semantics.
+At decode these ops touch a few KB each; their cost is the count of operations around them (on CPU torch's
+per-op overhead, on a GPU one kernel launch each), which the kernels cut from ~35 to ~4 per layer. The
+torch versions define the semantics.
 
-Environment: ``PDSERVE_CPU_KERNELS=torch`` forces the torch versions (and F.linear in pdserve.model.linear).
+Environment: ``PDSERVE_CPU_KERNELS=torch`` forces the torch versions on CPU (and F.linear in
+pdserve.model.linear); ``PDSERVE_GPU_KERNELS=torch`` forces them on CUDA.
 """
 from __future__ import annotations
+
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
 
-from pdserve.kernels import cpu_kernels
+from pdserve.kernels import cpu_kernels, triton_kernels
+
+GPU_ENV_VAR = "PDSERVE_GPU_KERNELS"  # 'torch' forces the torch versions on CUDA; 'auto' (or unset) the kernels
+
+
+def _gpu(t: torch.Tensor) -> ModuleType | None:
+    """pdserve.kernels.triton_layer_ops when this CUDA activation takes its kernels, else None (torch)."""
+    if not t.is_cuda:  # the CPU path never imports triton
+        return None
+    module = triton_kernels("triton_layer_ops", "the layer ops on CUDA use the torch versions")
+    if module is None or not module.supports(t) or not cpu_kernels.enabled(GPU_ENV_VAR):
+        return None
+    return module
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x: [..., dim]. Normalised in fp32, rounded to x's dtype, then scaled (as the reference models do)."""
+    gpu = _gpu(x)
+    if gpu is not None:
+        return gpu.rms_norm(x, weight, eps)
     if x.dtype == torch.float32:
         return F.rms_norm(x, weight.shape, weight, eps)
     xf = x.float()
@@ -27,6 +47,9 @@ def add_rms_norm(x: torch.Tensor | None, residual: torch.Tensor, weight: torch.T
     """residual += x (in place, when x is given); returns rms_norm(residual). [tokens, dim] each."""
     if cpu_kernels.applies(residual) and residual.is_contiguous() and (x is None or x.is_contiguous()):
         return torch.ops.pdserve.add_rms_norm(x, residual, weight, eps)
+    gpu = _gpu(residual)
+    if gpu is not None and (x is None or gpu.supports(x)):
+        return gpu.add_rms_norm(x, residual, weight, eps)
     if x is not None:
         residual.add_(x)
     return rms_norm(residual, weight, eps)
@@ -36,6 +59,9 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """gate_up: [tokens, 2 * d] -> silu(gate) * up: [tokens, d]."""
     if cpu_kernels.applies(gate_up) and gate_up.is_contiguous():
         return torch.ops.pdserve.silu_and_mul(gate_up)
+    gpu = _gpu(gate_up)
+    if gpu is not None:
+        return gpu.silu_and_mul(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
 
@@ -71,6 +97,9 @@ def rope_and_cache(qkv: torch.Tensor, positions: torch.Tensor, rope_cos: torch.T
     if cpu_kernels.applies(qkv) and qkv.is_contiguous() and kv_layer.dtype == qkv.dtype and kv_layer.is_contiguous():
         torch.ops.pdserve.rope_and_cache(qkv, positions, rope_cos, rope_sin, kv_layer, slot_mapping, heads, kv_heads)
         return q, k, v  # views of qkv, rotated in place
+    gpu = _gpu(qkv)
+    if gpu is not None and kv_layer.dtype == qkv.dtype and kv_layer.stride(-1) == 1:
+        return gpu.rope_and_cache(qkv, positions, rope_cos, rope_sin, kv_layer, slot_mapping, heads, kv_heads)
     cos = rope_cos[positions].unsqueeze(1).to(qkv.dtype)  # [tokens, 1, head_dim // 2]
     sin = rope_sin[positions].unsqueeze(1).to(qkv.dtype)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)

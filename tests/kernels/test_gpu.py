@@ -51,20 +51,21 @@ def tokens(eng: LLMEngine, batch, params) -> list[list[int]]:
 
 @pytest.fixture
 def no_cpu_kernel(monkeypatch):
-    """A CUDA engine must never build or call the CPU attention kernel."""
-    from pdserve.kernels import cpu_attention
+    """A CUDA engine must never build, load or call the CPU kernels (attention, linear, layer ops): every
+    use of them asks pdserve.kernels.cpu_kernels.available() first."""
+    from pdserve.kernels import cpu_kernels
 
     def refuse():
-        raise AssertionError("the CPU attention kernel was requested by a CUDA run")
-    monkeypatch.setattr(cpu_attention, "_load", refuse)
+        raise AssertionError("the CPU kernels were asked for by a CUDA run")
+    monkeypatch.setattr(cpu_kernels, "available", refuse)
 
 
 def cpu_reference(path, batch, params, monkeypatch) -> list[list[int]]:
-    """CPU fp32 tokens on the torch attention path (the no_cpu_kernel guard stays meaningful for the
-    CUDA run before it; the torch path is the reference the C++ kernel is tested against)."""
-    from pdserve.kernels import cpu_attention
+    """CPU fp32 tokens on the torch paths (the no_cpu_kernel guard stays meaningful for the CUDA run
+    before it; the torch paths are the reference the C++ kernels are tested against)."""
+    from pdserve.kernels import cpu_kernels
 
-    monkeypatch.setattr(cpu_attention, "_load", lambda: None)
+    monkeypatch.setattr(cpu_kernels, "available", lambda: False)
     return tokens(engine(path, "cpu"), batch, params)
 
 
