@@ -24,9 +24,9 @@ single-token decode (a prefill chunk), more rows than the largest bucket, a cont
 
 ``DecodeGraphs.run`` replays a captured graph on CUDA and, where none is captured (CPU, or before
 ``capture``), runs the same padded computation eagerly on the same buffers: the padding is exercised
-and tested on CPU (tests/engine/test_cuda_graphs.py). Capture itself has only been written against torch's
-documented API (``torch.cuda.graph`` with a shared memory pool, warm-up on a side stream); it has not
-yet run on a GPU.
+and tested on CPU (tests/engine/test_cuda_graphs.py). Capture (``torch.cuda.graph`` with a shared memory pool, warm-up on a
+side stream) ran on an H200: replays equal eager steps, padded and unpadded (the gpu-marked tests), and a
+Llama-3-8B-shaped decode step at batch 64 went from 15.8 ms eager to 6.5 ms (docs/benchmarks.md).
 """
 from __future__ import annotations
 
@@ -209,7 +209,7 @@ class DecodeGraphs:
 
         Each bucket's buffers are filled with padding rows only, so warm-up writes nothing but the scratch
         block; warm-up runs on a side stream (cuBLAS and the allocator settle outside the capture). Call
-        once the model's weights and the cache are in place; never run on a GPU so far.
+        once the model's weights and the cache are in place.
         """
         if self.device.type != "cuda":
             raise RuntimeError(f"CUDA graphs need a CUDA device; this cache is on {self.device}")

@@ -6,7 +6,9 @@ cpu_attention.py     decode attention over the paged KV cache on CPU (the extens
 triton_attention.py  decode and prefill attention over the paged KV cache on the GPU (Triton; runs in
                      Triton's interpreter on CPU tensors for the tests)
 triton_moe.py        a mixture-of-experts block's experts on the GPU, grouped by expert on the device
-                     (Triton; tested in the interpreter only)
+                     (Triton)
+triton_layer_ops.py  the decoder layer's small ops on the GPU, one launch each: add + RMSNorm, RoPE + KV-cache
+                     write, SiLU-and-multiply (Triton)
 
 Imports only pdserve.cache (where the built extension is kept): kernels know tensors, not models.
 """

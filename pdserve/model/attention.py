@@ -20,7 +20,7 @@ On CUDA, decode and prefill with a cached prefix run Triton kernels (pdserve.ker
 the blocks in place the same way, when triton imports (CUDA builds of torch bring it) and the dtype is
 fp32, bf16 or fp16; the torch path gathers the prefix and hands SDPA a dense boolean mask.
 PDSERVE_GPU_ATTENTION=torch (read at every call) forces the torch path there, for A/B runs and as the way
-out if the kernels misbehave: they have only run under Triton's interpreter, never on a GPU.
+out if the kernels misbehave.
 FlashInfer is not wired: its paged kernels take a plan() per step (host-side metadata) that belongs where
 the step's metadata is built (pdserve.engine.runner), not in this per-layer call.
 """

@@ -11,7 +11,8 @@ hidden], gate rows first, and `experts.down_proj` [experts, hidden, moe_intermed
 newer checkpoints have on disk; checkpoints with one tensor set per expert load into them
 (pdserve.model.llama.load_weights). The grouping reads the experts' token counts on the host; on a GPU the
 block runs instead as a fused Triton kernel pair that groups on the device (pdserve.kernels.triton_moe,
-checked only under Triton's interpreter: it has never run on a GPU), except with expert parallelism.
+compiled and checked against the torch block on an H200; no MoE model has been served on a GPU yet), except
+with expert parallelism.
 
 Over the R ranks of a worker (attention tensor-parallel over them, so every rank holds every token's
 hidden state after it) the experts are laid out one of two ways (pdserve.parallel.layout.rank_config):
