@@ -136,7 +136,7 @@ def main() -> None:
         write_json(args.output, {"bench_args": cmd_args, "torch_threads": threads, "cores": cores, "reports": reports})
         print(f"reports: {args.output}")
     if args.plot:
-        from pdserve.bench.plot import plot_reports
+        from pdserve.loadgen.plot import plot_reports
 
         plot_reports(list(reports.items()), args.plot, title=f"disaggregated vs colocated: {a['config']['workload']}")
         print(f"plot: {args.plot}")

@@ -41,8 +41,8 @@ def bench_args(rate: float) -> list[str]:
 
 def plan_for(profile: dict, rate: float, num_prompts: int | None = None, max_workers: int = 2,
              caps: tuple[int, ...] = (64,)) -> dict:
-    from pdserve.bench.cli import add_workload_args
-    from pdserve.bench.stats import Slo
+    from pdserve.loadgen.cli import add_workload_args
+    from pdserve.loadgen.stats import Slo
     from pdserve.perf.costs import MeasuredCosts
     from pdserve.planner.plan import PoolSettings, make_plan, workload_from_args
 

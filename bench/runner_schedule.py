@@ -3,7 +3,7 @@
     .venv/bin/python bench/runner_schedule.py [--repeats 5] [--output runner_schedule.json]
 
 A gRPC server in this process streams max_tokens one-token messages 20 ms apart (no model). Each repeat
-runs the three schedules tests/bench/test_bench.py runs, and measures what that test can only bound from
+runs the three schedules tests/loadgen/test_loadgen.py runs, and measures what that test can only bound from
 one side (a loaded machine makes any upper bound there flaky):
 - bursts: two bursts of three requests, 0.3 s apart: how late each request went out after its time;
 - poisson: 50 requests/s for 0.3 s (seed 0: 19 arrivals before 0.3 s): how many went out, how late;
@@ -50,9 +50,9 @@ async def serve():
 async def one_repeat(target: str) -> dict:
     import itertools
 
-    from pdserve.bench.runner import RunConfig, run_workload
-    from pdserve.bench.stats import Slo, build_report
-    from pdserve.bench.workload import BenchRequest, bursty_arrivals, closed_arrivals, poisson_arrivals
+    from pdserve.loadgen.runner import RunConfig, run_workload
+    from pdserve.loadgen.stats import Slo, build_report
+    from pdserve.loadgen.workload import BenchRequest, bursty_arrivals, closed_arrivals, poisson_arrivals
 
     req = BenchRequest(max_tokens=4, token_ids=(1, 2, 3))
     burst, _ = await run_workload(target, [req] * 6, bursty_arrivals(3, 0.3), RunConfig(num_prompts=6))

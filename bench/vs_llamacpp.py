@@ -278,7 +278,7 @@ def main() -> None:
 
     import torch
 
-    from pdserve.cache import cache_root
+    from pdserve.derived import cache_root
     from pdserve.model.loader import default_model_path
 
     torch.set_num_threads(args.threads)

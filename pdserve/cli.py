@@ -7,7 +7,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from pdserve.bench.cli import add_bench_parser
+from pdserve.loadgen.cli import add_bench_parser
 from pdserve.client.grpc_client import add_connection_args, connection_from_args
 from pdserve.engine.args import add_model_args
 from pdserve.engine.sampling import SamplingParams

@@ -28,7 +28,7 @@ from pdserve.engine.logprobs import TokenLogprob
 from pdserve.engine.output import RequestOutput
 from pdserve.engine.request import FinishReason
 from pdserve.engine.sampling import LOGPROBS_MODES, VERSION_POLICIES
-from pdserve.serving.metrics import PoolScale, RouterMetrics
+from router.metrics import PoolScale, RouterMetrics
 from pdserve.tiers import TIERS, ServiceTier, parse_tier
 from pdserve.v1 import generation_pb2 as pb
 from pdserve.v1 import generation_pb2_grpc as pb_grpc

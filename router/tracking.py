@@ -1,11 +1,11 @@
 """What the router records of each request it serves, whatever the protocol (gRPC or HTTP): one
-timeline per request, observed into the request metrics (pdserve.serving.metrics) when the request ends."""
+timeline per request, observed into the request metrics (router.metrics) when the request ends."""
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
 
-from pdserve.serving.metrics import RouterMetrics
+from router.metrics import RouterMetrics
 
 
 @dataclass

@@ -205,7 +205,7 @@ def cpu_kernels_built():
 
 # -- one SmolLM2 1P1D cluster for the modules that serve the same one ---------------------------------------------
 # tests/router/test_api.py, test_grpc_logprobs.py, test_openai_api.py, test_openai_logprobs.py and the real run of
-# tests/bench/test_bench.py serve SmolLM2 on one prefill and one decode worker; each used to start its own (~15 s
+# tests/loadgen/test_loadgen.py serve SmolLM2 on one prefill and one decode worker; each used to start its own (~15 s
 # on 2 cores). They share one through `smol_1p1d` (each module keeps its own routers on it): their modules run one
 # after another, where the first of them is collected, and the cluster is shut down once the last of them is done,
 # so no other module ever runs beside it. A test of theirs reads what the cluster did as a delta (a cancel by its

@@ -15,29 +15,28 @@ ROOT = Path(__file__).resolve().parent.parent
 SERVICES = ("router", "prefill_worker", "decode_worker")
 
 # What each part may import, besides itself. Lowest first: a part imports only parts above its row. The
-# modules at pdserve/'s root (config, tiers, faults, cache) are the vocabulary every package shares.
+# modules at pdserve/'s root (config, tiers, faults, derived) are the vocabulary every package shares.
 ALLOWED: dict[str, set[str]] = {
     "pdserve.tiers": set(),
     "pdserve.faults": set(),
-    "pdserve.cache": set(),
+    "pdserve.derived": set(),
     "pdserve.v1": set(),  # generated gRPC stubs
     "pdserve.config": {"pdserve.tiers"},
     "pdserve.parallel": {"pdserve.config"},
-    "pdserve.kernels": {"pdserve.cache"},
-    "pdserve.model": {"pdserve.config", "pdserve.cache", "pdserve.parallel", "pdserve.kernels"},
+    "pdserve.kernels": {"pdserve.derived"},
+    "pdserve.model": {"pdserve.config", "pdserve.derived", "pdserve.parallel", "pdserve.kernels"},
     "pdserve.transfer": {"pdserve.config", "pdserve.faults", "pdserve.parallel"},
     "pdserve.perf": {"pdserve.config", "pdserve.parallel", "pdserve.transfer", "pdserve.model"},
     "pdserve.weights": {"pdserve.config", "pdserve.parallel", "pdserve.model", "pdserve.transfer", "pdserve.v1"},
-    "pdserve.engine": {"pdserve.config", "pdserve.tiers", "pdserve.faults", "pdserve.cache", "pdserve.parallel",
+    "pdserve.engine": {"pdserve.config", "pdserve.tiers", "pdserve.faults", "pdserve.derived", "pdserve.parallel",
                        "pdserve.kernels", "pdserve.model", "pdserve.transfer", "pdserve.perf", "pdserve.weights"},
     "pdserve.client": {"pdserve.v1"},
-    "pdserve.bench": {"pdserve.tiers", "pdserve.client"},
+    "pdserve.loadgen": {"pdserve.tiers", "pdserve.client"},
     "pdserve.planner": {"pdserve.config", "pdserve.tiers", "pdserve.parallel", "pdserve.model", "pdserve.transfer",
-                        "pdserve.engine", "pdserve.bench", "pdserve.perf"},
+                        "pdserve.engine", "pdserve.loadgen", "pdserve.perf"},
     "pdserve.serving": {"pdserve.config", "pdserve.tiers", "pdserve.faults", "pdserve.parallel", "pdserve.kernels",
-                        "pdserve.model", "pdserve.transfer", "pdserve.engine", "pdserve.planner", "pdserve.perf",
-                        "pdserve.weights"},
-    "pdserve.cli": {"pdserve.config", "pdserve.tiers", "pdserve.engine", "pdserve.client", "pdserve.bench",
+                        "pdserve.model", "pdserve.transfer", "pdserve.engine", "pdserve.perf", "pdserve.weights"},
+    "pdserve.cli": {"pdserve.config", "pdserve.tiers", "pdserve.engine", "pdserve.client", "pdserve.loadgen",
                     "pdserve.planner"},
     "prefill_worker": {"pdserve"},
     "decode_worker": {"pdserve"},
@@ -179,6 +178,6 @@ def test_the_checks_can_fail():
     assert cycles(edges) == [["pdserve.engine.runner", "pdserve.model.llama"]]
     assert layering_violations(edges) == [
         "pdserve.model.llama imports pdserve.engine.runner (pdserve.model may import "
-        "['pdserve.cache', 'pdserve.config', 'pdserve.kernels', 'pdserve.parallel'])"]
+        "['pdserve.config', 'pdserve.derived', 'pdserve.kernels', 'pdserve.parallel'])"]
     assert layering_violations({"pdserve.newpkg.mod": set()}) == [
         "pdserve.newpkg.mod is in no row of ALLOWED (a new package: give it one)"]

@@ -10,7 +10,7 @@ triton_moe.py        a mixture-of-experts block's experts on the GPU, grouped by
 triton_layer_ops.py  the decoder layer's small ops on the GPU, one launch each: add + RMSNorm, RoPE + KV-cache
                      write, SiLU-and-multiply (Triton)
 
-Imports only pdserve.cache (where the built extension is kept): kernels know tensors, not models.
+Imports only pdserve.derived (where the built extension is kept): kernels know tensors, not models.
 """
 from __future__ import annotations
 

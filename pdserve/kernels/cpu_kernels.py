@@ -5,7 +5,7 @@ It defines the torch ops ``torch.ops.pdserve.paged_decode_attention_out`` (pdser
 path for when the build fails or the inputs do not fit.
 
 Build: compiled on first use with torch.utils.cpp_extension (needs a C++ compiler and ninja) into
-``$TORCH_EXTENSIONS_DIR`` when set, else ``pdserve.cache.cache_root() / "torch_extensions"``
+``$TORCH_EXTENSIONS_DIR`` when set, else ``pdserve.derived.cache_root() / "torch_extensions"``
 (``$PDSERVE_CACHE_DIR``, default ~/.cache/pdserve), in a directory named after the Python and torch
 versions, so processes and runs share one build and rebuild only when a source or a flag changes.
 The first build takes ~30 s on 2 cores; later processes only load the library (workers call
@@ -48,7 +48,7 @@ def build_directory() -> Path:
     if root:
         base = Path(root)
     else:
-        from pdserve.cache import cache_root
+        from pdserve.derived import cache_root
 
         base = cache_root() / "torch_extensions"
     tag = f"py{sys.version_info.major}{sys.version_info.minor}-torch{torch.__version__}".replace("+", "_")

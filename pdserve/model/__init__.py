@@ -10,5 +10,5 @@ loader.py       checkpoints to a model: Hugging Face safetensors, GGUF, dummy we
 gguf_loader.py  GGUF files read into Hugging Face names and config fields
 tokenizer.py    the tokenizer and the per-request streaming detokenizer
 
-May import pdserve.config, pdserve.cache, pdserve.parallel (a rank's share) and pdserve.kernels.
+May import pdserve.config, pdserve.derived, pdserve.parallel (a rank's share) and pdserve.kernels.
 """

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from pdserve.cache import cached_conversion
+from pdserve.derived import cached_conversion
 from pdserve.config import EngineConfig, ModelConfig
 from pdserve.model.linear import quantize
 from pdserve.model.llama import LlamaModel

@@ -12,7 +12,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from pdserve.cache import cached_conversion
+from pdserve.derived import cached_conversion
 
 # Tokens that end a turn in the common chat formats (ChatML, Llama 3, Gemma, Phi-3, Llama 2). Like
 # llama.cpp, generation stops on whichever of them the vocabulary holds as a special token: the

@@ -16,5 +16,5 @@ The cost model it plans with (what a step and a KV hand-off cost, and the GPUs t
 pdserve.perf.costs and pdserve.perf.hardware: the simulated engine runs on it too.
 
 May import pdserve.config, pdserve.tiers, pdserve.parallel, pdserve.model, pdserve.transfer, pdserve.perf, pdserve.engine
-(what a step and a hand-off cost, measured or modelled) and pdserve.bench (the workloads it plans for).
+(what a step and a hand-off cost, measured or modelled) and pdserve.loadgen (the workloads it plans for).
 """

@@ -45,7 +45,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
 
 
 def add_plan_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    from pdserve.bench.cli import add_workload_args
+    from pdserve.loadgen.cli import add_workload_args
 
     p = sub.add_parser("plan", help="size the pools: simulate every configuration of up to N workers on a workload",
                        description="Simulate colocated and every xPyD configuration of at most --max-workers workers "
@@ -203,8 +203,8 @@ def parse_tier_slos(items: list[str]) -> dict[str, Any]:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from pdserve.bench.cli import check_args
-    from pdserve.bench.stats import Slo
+    from pdserve.loadgen.cli import check_args
+    from pdserve.loadgen.stats import Slo
     from pdserve.planner.parallel import format_tp
     from pdserve.planner.plan import (
         FIRST_TOKEN_LATENCY_S,

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from pdserve.bench.stats import Slo
+from pdserve.loadgen.stats import Slo
 from pdserve.perf.costs import StepCosts
 from pdserve.planner.simulator import ClusterShape, PoolShape, SimResult, simulate
 
@@ -51,8 +51,8 @@ class Workload:
 def workload_from_args(args: argparse.Namespace, vocab_size: int, eos_token_ids: list[int], max_model_len: int,
                        tokenizer: Any = None) -> Workload:
     """The requests `pdserve bench` would send with these flags (same generators, same seed), as lengths."""
-    from pdserve.bench.cli import build_workload
-    from pdserve.bench.workload import LengthSampler
+    from pdserve.loadgen.cli import build_workload
+    from pdserve.loadgen.workload import LengthSampler
 
     requests, arrivals, _, num, desc = build_workload(args, vocab_size, eos_token_ids, max_model_len, LengthSampler)
     at_list, in_list, out_list = [], [], []
@@ -272,7 +272,7 @@ def plot_plan(plan_candidates: list[tuple[ClusterShape, int]], costs: StepCosts,
               path: str | Path, factors: tuple[float, ...] = (0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 2.0, 3.0)) -> Path:
     """Predicted goodput against request rate for each configuration: the workload's requests, arriving
     faster or slower by each factor."""
-    from pdserve.bench.plot import pyplot, save_figure
+    from pdserve.loadgen.plot import pyplot, save_figure
 
     plt = pyplot()
     base = workload.mean_rate

@@ -129,7 +129,7 @@ HANDOFF_SECONDS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0
 
 @dataclass
 class SecondsHistogram:
-    """A thread-safe histogram of durations, shipped to the router as a snapshot (pdserve.serving.metrics)."""
+    """A thread-safe histogram of durations, shipped to the router as a snapshot (router.metrics)."""
 
     buckets: tuple[float, ...] = HANDOFF_SECONDS_BUCKETS
     counts: list[int] = field(default_factory=list)  # per bucket and +Inf, not cumulative

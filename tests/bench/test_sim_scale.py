@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 from prometheus_client import generate_latest
 
-from pdserve.bench.cli import add_bench_parser
+from pdserve.loadgen.cli import add_bench_parser
 from pdserve.planner.plan import workload_from_args
 from pdserve.serving.messages import WorkerStats
-from pdserve.serving.metrics import RouterMetrics
+from router.metrics import RouterMetrics
 
 BENCH = Path(__file__).resolve().parents[2] / "bench"
 

@@ -13,7 +13,7 @@ import math
 import numpy as np
 import pytest
 
-from pdserve.bench.stats import Slo
+from pdserve.loadgen.stats import Slo
 from pdserve.config import ModelConfig
 from pdserve.perf.costs import MeasuredCosts, RooflineCosts, Transport, attention_pairs, fit_measured
 from pdserve.perf.hardware import (
@@ -324,7 +324,7 @@ def test_candidates_cover_colocated_and_every_xpyd():
 
 
 def _bench_args(**kw) -> argparse.Namespace:
-    from pdserve.bench.cli import add_workload_args
+    from pdserve.loadgen.cli import add_workload_args
 
     p = argparse.ArgumentParser()
     add_workload_args(p)
@@ -335,7 +335,7 @@ def _bench_args(**kw) -> argparse.Namespace:
 
 
 def test_workload_matches_what_bench_sends():
-    from pdserve.bench.cli import build_workload
+    from pdserve.loadgen.cli import build_workload
 
     args = _bench_args(num_prompts=40, request_rate=2.0, lengths="longtail", input_len=200, output_len=30, seed=7)
     w = workload_from_args(args, 1000, [0], 4096)

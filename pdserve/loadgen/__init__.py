@@ -1,4 +1,5 @@
-"""`pdserve bench`: a load generator for a running router, with the serving statistics of the field.
+"""The load generator `pdserve bench` runs against a router, with the serving statistics of the field. (The
+repository's bench/ holds benchmark scripts; this package is the product's load generator.)
 
 workload.py  length distributions, arrival schedules, JSONL traces (pure, seeded)
 stats.py     per-request records and the aggregate report (pure functions)

@@ -3,7 +3,7 @@ a worker asked for is placeable startup_s later, a drained one leaves once nothi
 from __future__ import annotations
 
 from pdserve.planner.autoscale import Demand
-from pdserve.planner.sim.state import DECODE_READY, PREFILL_READY, SCALE, Decode, Prefill
+from pdserve.planner.simulator.state import DECODE_READY, PREFILL_READY, SCALE, Decode, Prefill
 
 
 class Scaling:

@@ -3,7 +3,7 @@ concurrency cap), the lines prompts wait in (the fast lane's, and the one by tie
 decode worker have room, and placement by router.placement's rules."""
 from __future__ import annotations
 
-from pdserve.planner.sim.state import ROUTER, Decode, Prefill
+from pdserve.planner.simulator.state import ROUTER, Decode, Prefill
 from pdserve.tiers import ServiceTier, flex_floor
 
 

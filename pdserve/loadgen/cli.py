@@ -24,9 +24,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from pdserve.bench.runner import MAX_N
-from pdserve.bench.stats import Slo
-from pdserve.bench.workload import (
+from pdserve.loadgen.runner import MAX_N
+from pdserve.loadgen.stats import Slo
+from pdserve.loadgen.workload import (
     ARRIVALS,
     LENGTH_DISTS,
     BenchRequest,
@@ -140,7 +140,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         Path(args.output).write_text(json.dumps(report, indent=1) + "\n")
         print(f"report: {args.output}")
     if args.plot:
-        from pdserve.bench.plot import plot_reports
+        from pdserve.loadgen.plot import plot_reports
 
         plot_reports([(args.label or report["mode"] or "run", report)], args.plot, title=plot_title(report))
         print(f"plot: {args.plot}")
@@ -278,7 +278,7 @@ def build_workload(args: argparse.Namespace, vocab_size: int, eos_ids: list[int]
 
 
 async def run_bench(args: argparse.Namespace, slo, tier_slos: dict | None = None) -> dict[str, Any]:
-    from pdserve.bench.runner import (
+    from pdserve.loadgen.runner import (
         Progress,
         RunConfig,
         prompt_tokens_between,
@@ -286,7 +286,7 @@ async def run_bench(args: argparse.Namespace, slo, tier_slos: dict | None = None
         warm_up,
         worker_prompt_tokens,
     )
-    from pdserve.bench.stats import build_report
+    from pdserve.loadgen.stats import build_report
     from pdserve.client.grpc_client import AsyncClient, connection_from_args
 
     conn = connection_from_args(args)

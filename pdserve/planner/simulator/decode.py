@@ -7,7 +7,7 @@ import heapq
 import math
 
 from pdserve.perf.costs import attention_pairs
-from pdserve.planner.sim.state import DECODE_END, WAKE, Decode
+from pdserve.planner.simulator.state import DECODE_END, WAKE, Decode
 
 
 class Decoding:

@@ -21,8 +21,8 @@ from typing import TextIO
 
 import grpc
 
-from pdserve.bench.stats import RequestRecord
-from pdserve.bench.workload import BenchRequest
+from pdserve.loadgen.stats import RequestRecord
+from pdserve.loadgen.workload import BenchRequest
 from pdserve.client.grpc_client import FINISH_REASONS, AsyncClient, Connection
 
 MAX_N = 128  # the most samples of a prompt the API takes (GenerateRequest.n)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 
-from pdserve.planner.sim.state import LANDED, PREFILL_END, Prefill, StepWork, completed
+from pdserve.planner.simulator.state import LANDED, PREFILL_END, Prefill, StepWork, completed
 
 
 class Prefilling:

@@ -52,7 +52,7 @@ Per step the work is O(requests joining or finishing), never O(batch): a running
 grows by one token a step, so the decode context of a step is a running sum plus the batch times
 the step index, and finishing steps sit in a heap.
 
-The parts live in pdserve.planner.sim (its docstring lists them): the shapes, the result, the workers'
+The parts live in pdserve.planner.simulator (its docstring lists them): the shapes, the result, the workers'
 records, and the router, prefill, decode, colocated and scaling parts of the simulation, which this
 module puts together around the clock (_Simulation) behind simulate().
 """
@@ -66,14 +66,14 @@ import numpy as np
 
 from pdserve.perf.costs import StepCosts
 from pdserve.planner.autoscale import Autoscaler, DemandWindow
-from pdserve.planner.sim.colocated import Colocating
-from pdserve.planner.sim.decode import Decoding
-from pdserve.planner.sim.prefill import Prefilling
-from pdserve.planner.sim.result import SimResult
-from pdserve.planner.sim.router import Routing
-from pdserve.planner.sim.scaling import Scaling
-from pdserve.planner.sim.shapes import ClusterShape, PoolShape
-from pdserve.planner.sim.state import (
+from pdserve.planner.simulator.colocated import Colocating
+from pdserve.planner.simulator.decode import Decoding
+from pdserve.planner.simulator.prefill import Prefilling
+from pdserve.planner.simulator.result import SimResult
+from pdserve.planner.simulator.router import Routing
+from pdserve.planner.simulator.scaling import Scaling
+from pdserve.planner.simulator.shapes import ClusterShape, PoolShape
+from pdserve.planner.simulator.state import (
     COLOCATED_END,
     DECODE_END,
     DECODE_READY,

@@ -11,9 +11,9 @@ import grpc
 import numpy as np
 import pytest
 
-from pdserve.bench.cli import build_workload, format_report
-from pdserve.bench.runner import RunConfig, prompt_tokens_between, run_workload
-from pdserve.bench.stats import (
+from pdserve.loadgen.cli import build_workload, format_report
+from pdserve.loadgen.runner import RunConfig, prompt_tokens_between, run_workload
+from pdserve.loadgen.stats import (
     RequestRecord,
     Slo,
     build_report,
@@ -23,7 +23,7 @@ from pdserve.bench.stats import (
     timeline,
     timeline_bin,
 )
-from pdserve.bench.workload import (
+from pdserve.loadgen.workload import (
     BenchRequest,
     LengthSpec,
     TokenSampler,
@@ -648,7 +648,7 @@ def test_tier_slo_goodput():
 
 
 def test_tier_slo_flag_merges_with_global():
-    from pdserve.bench.cli import tier_slos_from_args
+    from pdserve.loadgen.cli import tier_slos_from_args
 
     a = parse("--slo-ttft-ms", "375", "--slo-tpot-ms", "250", "--service-tier-mix", MIX,
               "--tier-slo", "priority=500:", "--tier-slo", "flex=:200:9000", "--tier-slo", "auto=100")

@@ -8,7 +8,7 @@ import math
 from collections import deque
 
 from pdserve.perf.costs import attention_pairs
-from pdserve.planner.sim.shapes import PoolShape
+from pdserve.planner.simulator.shapes import PoolShape
 
 
 class Line:

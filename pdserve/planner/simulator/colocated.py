@@ -2,7 +2,7 @@
 the rest of the token budget; its decode-only steps and finished tokens are a decode worker's (decode.py)."""
 from __future__ import annotations
 
-from pdserve.planner.sim.state import COLOCATED_END, Decode, StepWork, completed
+from pdserve.planner.simulator.state import COLOCATED_END, Decode, StepWork, completed
 
 
 class Colocating:

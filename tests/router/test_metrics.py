@@ -35,7 +35,7 @@ from pdserve.engine.utilization import (
 )
 from pdserve.planner.autoscale import REASONS
 from pdserve.serving.messages import WorkerStats
-from pdserve.serving.metrics import RouterMetrics
+from router.metrics import RouterMetrics
 from pdserve.transfer.channel import TRANSFER_SECONDS_BUCKETS
 
 from conftest import wait_for
@@ -281,7 +281,7 @@ def test_every_queried_series_exists_at_zero_from_the_start(experts):
     a dashboard panel or a rule selects is there, so a panel reads 0 rather than "no data"; the counters of
     what has not happened (requests, scale events, failures) read 0. The expert panels' series exist where the
     model is a mixture of experts (8 experts), one per expert."""
-    from pdserve.serving.metrics import PoolScale
+    from router.metrics import PoolScale
     from pdserve.transfer.channel import TransferStats
     from pdserve.transfer.protocol import SecondsHistogram
 
