@@ -30,6 +30,7 @@ from pdserve.config import EngineConfig
 from pdserve.engine.request import RequestStatus
 from pdserve.engine.scheduler_types import Role
 from pdserve.parallel.layout import pair_plan, shares_by_rank
+from pdserve.serving.calls import Call
 from pdserve.serving.messages import DecodeTask, Failure, FailureReason
 from pdserve.serving.worker import StepRun, WorkerActor
 from pdserve.transfer.channel import StoreServer, TransferStats
@@ -69,8 +70,8 @@ class DecodeActor(WorkerActor):
         The router calls it on the link (`_reserve`)."""
         self._reserve(task, prefill)
 
-    def _commands(self) -> dict[str, Callable]:
-        return {**super()._commands(), "reserve": self._reserve}
+    def handlers(self) -> dict[str, Callable]:
+        return {**super().handlers(), Call.RESERVE.value: self._reserve}
 
     def _reserve(self, task: DecodeTask, prefill: Any = None) -> None:
         if prefill is not None:

@@ -26,6 +26,7 @@ from pdserve.engine.output import TextOutput, token_text
 from pdserve.engine.request import Request
 from pdserve.engine.scheduler_types import Role, SampledToken, ScheduledStep
 from pdserve.parallel.layout import pair_plan, shares_by_rank
+from pdserve.serving.calls import Call
 from pdserve.serving.messages import FirstToken, PrefillResult, PrefillTask
 from pdserve.serving.worker import WorkerActor
 from pdserve.transfer.channel import TransferError, TransferStats
@@ -138,8 +139,8 @@ class PrefillActor(WorkerActor):
         self._fail(request_id, asyncio.CancelledError(f"request {request_id} cancelled"))
         return await super().cancel(request_id)
 
-    def _commands(self) -> dict[str, Callable]:
-        return {**super()._commands(), "prefill": self._submit}
+    def handlers(self) -> dict[str, Callable]:
+        return {**super().handlers(), Call.PREFILL.value: self._submit}
 
     def _cancel_soon(self, request_id: str) -> None:
         self._fail(request_id, asyncio.CancelledError(f"request {request_id} cancelled"))

@@ -402,7 +402,7 @@ class Cluster:
                 streamer = pool[pick_decode([self.dispatch.decode_load(x) for x in pool])]
                 placed.append(streamer)
                 streamer.requests.add(wrid)
-                await self._call(streamer, streamer.link.call("generate", task))
+                await self._call(streamer, streamer.calls.generate(task))
             else:
                 # A decode worker only if a token follows the one the prefill worker samples; priority's
                 # is on the fast lane, if the cluster has one.
@@ -422,7 +422,7 @@ class Cluster:
                 # Its prefill at the tier it asked for, even when the fast lane's wait serves it as default.
                 task = replace(task, hand_off=target is not None)
                 try:
-                    prefilled = p.link.call("prefill", task)
+                    prefilled = p.calls.prefill(task)
                     if reserved is not None:
                         await self._call(streamer, reserved)
                     result = await self._call(p, prefilled)
@@ -448,8 +448,8 @@ class Cluster:
                     if target is not None:  # e.g. a stop string in the first token: release both sides
                         if streamer is not None:
                             streamer.requests.discard(wrid)
-                            streamer.link.send("cancel", wrid)
-                        p.link.send("cancel", wrid)
+                            streamer.calls.cancel(wrid)
+                        p.calls.cancel(wrid)
                 else:
                     assert target is not None, "a request with no decode worker ends with its first token"
                 for o in (out, *firsts):
@@ -516,7 +516,7 @@ class Cluster:
                 w.requests.discard(wrid)
                 w.flex.discard(wrid)
                 if not finished and w.alive:
-                    w.link.send("cancel", wrid)  # a retry, the client went away, or an error: free its KV
+                    w.calls.cancel(wrid)  # a retry, the client went away, or an error: free its KV
             if placed:
                 self._pools.notify()  # room on its workers
 
@@ -578,9 +578,9 @@ class Cluster:
         soon as the reservation reaches it): the same prompt and tokens, whenever it is made."""
         known = p.worker_id in streamer.prefill_handles
         streamer.prefill_handles.add(p.worker_id)
-        return streamer.link.call("reserve", DecodeTask(task.request_id, task.prompt_token_ids, task.output_token_ids,
-                                                        task.params, task.seed, p.worker_id, tier=tier,
-                                                        text_offset=task.text_offset), None if known else p.handle)
+        return streamer.calls.reserve(DecodeTask(task.request_id, task.prompt_token_ids, task.output_token_ids,
+                                                 task.params, task.seed, p.worker_id, tier=tier,
+                                                 text_offset=task.text_offset), None if known else p.handle)
 
     async def _kv_destination(self, later: asyncio.Future[Worker], q: _Inbox, wrid: str,
                               placed: list[Worker]) -> Worker:

@@ -34,6 +34,7 @@ from pdserve.model.loader import ModelInfo
 from pdserve.parallel.layout import rank_config
 from pdserve.serving.colocated import ColocatedActor
 from pdserve.serving.messages import StepOutput, WorkerStats
+from pdserve.serving.calls import WorkerCalls
 from pdserve.serving.link import CallFailed, Link, LinkServer
 from pdserve.serving.tp_ranks import TPPlacement
 from prefill_worker.actor import PrefillActor
@@ -103,6 +104,11 @@ class Worker:
     # one is most of a reservation call's cost).
     prefill_handles: set[str] = field(default_factory=set)
     link: Link | None = None  # its connection to the router: per-request calls out, step outputs in (ready on)
+
+    @property
+    def calls(self) -> WorkerCalls:
+        """The router's calls on this worker's link (pdserve.serving.calls)."""
+        return WorkerCalls(self.link)
 
 
 # Placement groups of workers that left, being removed (a call to Ray's GCS, off the event loop); the
@@ -318,7 +324,7 @@ class Pools:
         (_until_link_ends)."""
         workers = self.workers
         results = await asyncio.gather(
-            *(asyncio.wait_for(w.link.call("stats") if w.link is not None else w.handle.stats.remote(),
+            *(asyncio.wait_for(w.calls.stats() if w.link is not None else w.handle.stats.remote(),
                                self.config.worker_timeout_s) for w in workers),
             return_exceptions=True)
         for w, r in zip(workers, results):

@@ -5,6 +5,7 @@ colocated.py   the colocated worker (one engine, both phases)
 tp_ranks.py    ranks 1..n-1 of a tensor-parallel worker as Ray actors in the worker's placement group
 messages.py    the plain dataclasses router and workers exchange
 link.py        each worker's connection to the router: per-request calls in, step outputs and replies out
+calls.py       the router's calls on that link, defined once: names, arguments, results (WorkerCalls, Call)
 
 The prefill and decode actors (prefill_worker/, decode_worker/) build on worker.py. May import every
 package before it (pdserve.engine, pdserve.transfer, pdserve.model, pdserve.parallel); never the planner,

@@ -11,6 +11,7 @@ from concurrent.futures import Future
 
 from pdserve.config import EngineConfig
 from pdserve.engine.scheduler_types import Role
+from pdserve.serving.calls import Call
 from pdserve.serving.messages import PrefillTask
 from pdserve.serving.worker import WorkerActor
 
@@ -30,8 +31,8 @@ class ColocatedActor(WorkerActor):
         The router calls it on the link (`_generate`)."""
         await asyncio.wrap_future(self._generate(task))
 
-    def _commands(self) -> dict[str, Callable]:
-        return {**super()._commands(), "generate": self._generate}
+    def handlers(self) -> dict[str, Callable]:
+        return {**super().handlers(), Call.GENERATE.value: self._generate}
 
     def _generate(self, task: PrefillTask) -> Future[None]:
         req = task.new_request(self.core.tokenizer)

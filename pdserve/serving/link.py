@@ -11,8 +11,10 @@ directions carry frames: a 4-byte big-endian length, then a pickled object.
   completed). A sender thread takes the outputs from the worker's queue and merges those already
   waiting into one frame, so a router that falls behind gets several steps in one read.
 - Router to worker: a call `(call_id, op, args)`, call_id 0 when no reply is wanted (a cancel). A reader
-  thread on the worker runs the op's handler (WorkerActor._commands) in arrival order; a handler returns
+  thread on the worker runs the op's handler (WorkerActor.handlers) in arrival order; a handler returns
   its value, or a concurrent Future whose result is sent when it completes (a prefill's first token).
+
+The calls themselves (names, arguments, results) are defined once in pdserve.serving.calls.
 
 Ray stays the control plane (start, ready, stats, drain, shutdown, the workers' calls to each other).
 Calls on one link run in the order they were sent, which Ray's calls did not promise: a cancel can no

@@ -30,6 +30,7 @@ from pdserve.engine.step_loop import StepLoop, StepLoopStopped
 from pdserve.engine.utilization import device_peaks
 from pdserve.faults import FaultPoints
 from pdserve.model.loader import LoadedModel
+from pdserve.serving.calls import Call
 from pdserve.serving.link import WorkerLink
 from pdserve.serving.messages import (
     CancelRecord,
@@ -139,7 +140,7 @@ class WorkerActor:
         q = queue.SimpleQueue() if self._queues else self._outputs
         self._queues[router] = q
         self._links[router] = await asyncio.to_thread(
-            WorkerLink, q, host, port, token, self.worker_id, self._commands(),
+            WorkerLink, q, host, port, token, self.worker_id, self.handlers(),
             (lambda: self._router_gone(router)) if router else None)
 
     def _router_gone(self, router: str) -> None:
@@ -174,11 +175,11 @@ class WorkerActor:
         for q, ev, fa in by_queue.values():
             q.put(StepOutput(self.worker_id, tuple(ev), tuple(fa), stats))
 
-    def _commands(self) -> dict[str, Callable]:
-        """The calls the router makes on this worker's link, each run on the link's reader thread in
-        arrival order; one returns its value or a concurrent Future of it (pdserve.serving.link)."""
-        # stats: the router's heartbeat. Run on the step thread, so a worker whose steps hang does not answer.
-        return {"cancel": self._cancel_soon, "stats": lambda: self.loop.call(self._stats)}
+    def handlers(self) -> dict[str, Callable]:
+        """This worker's answers to the router's calls on its link (pdserve.serving.calls: Call), each run on
+        the link's reader thread in arrival order; one returns its value or a concurrent Future of it."""
+        # STATS: the router's heartbeat. Run on the step thread, so a worker whose steps hang does not answer.
+        return {Call.CANCEL.value: self._cancel_soon, Call.STATS.value: lambda: self.loop.call(self._stats)}
 
     def _cancel_soon(self, request_id: str) -> None:
         """cancel() without waiting for the step thread to have done it."""

@@ -85,7 +85,7 @@ def test_a_stranger_is_refused_unread(aloop, right_token: bool, worker_id: str) 
 
 
 class _Worker:
-    """The worker's end of a link with a few handlers, as a worker actor has (WorkerActor._commands)."""
+    """The worker's end of a link with a few handlers, as a worker actor has (WorkerActor.handlers)."""
 
     def __init__(self) -> None:
         self.outputs: queue.SimpleQueue = queue.SimpleQueue()
