@@ -1,12 +1,14 @@
-"""What the router checks before a request reaches the cluster: the wire format, the request's
-fields (prompt, messages or token ids; sampling), and admission (how many run, how many may wait); and
-what both doors count of a request's samples as they stream (Samples)."""
+"""What the router checks before a request reaches the cluster: the gRPC wire format, a request as both doors
+hand it over (Ask) and its fields turned into token ids and sampling parameters (prepare), and admission
+(how many run, how many may wait); and what both doors count of a request's samples as they stream
+(Samples)."""
 from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
+from typing import Any
 
 from google.protobuf.message import DecodeError
 
@@ -65,112 +67,111 @@ def parse_wire(data: bytes) -> pb.GenerateRequest | Malformed:
         return Malformed(f"malformed request (text fields must be valid UTF-8): {e}")
 
 
-def parse_request(request: pb.GenerateRequest, info: ModelInfo, limit: int, default_logprobs_mode: str = "raw",
-                  default_version_policy: str = "recompute") -> tuple[list[int], SamplingParams]:
-    """The prompt's token ids and the sampling parameters of a gRPC request; ValueError says what is wrong.
-    limit: characters of text accepted before tokenizing (prompt, or all messages); default_logprobs_mode:
-    the server's, for a request whose logprobs_mode is empty."""
+@dataclass
+class Ask:
+    """A request as either door hands it to the front (router.frontend), its fields as the client gave them:
+    exactly one input (prompt text, chat messages or token ids), SamplingParams' fields by their own names
+    (absent or None: the default; pdserve.engine.sampling says what each does), and what is not sampling.
+    A door translates its wire format into this and nothing more: a field the engine already has reaches it
+    by being put in `sampling` under the engine's name."""
+
+    prompt: str | None = None
+    messages: list[dict[str, str]] | None = None
+    token_ids: list[int] | None = None
+    sampling: dict[str, Any] = field(default_factory=dict)
+    default_max_tokens: int | None = DEFAULT_MAX_TOKENS  # with no max_tokens; None: to the end of the context
+    service_tier: str | None = None  # auto (or None), default, priority, flex (pdserve.tiers)
+    request_id: str | None = None  # None: the router makes one
+
+
+SAMPLING_FIELDS = frozenset(f.name for f in fields(SamplingParams))
+
+
+def ask_from_grpc(request: pb.GenerateRequest) -> Ask:
+    """A gRPC request's fields (an unset optional is the server's default, not the wire's zero)."""
     which = request.WhichOneof("input")
     s = request.sampling
 
-    def given(message, name: str):  # an unset optional is the server's default, not the wire's zero
+    def given(message, name: str):
         return getattr(message, name) if message.HasField(name) else None
 
-    return prepare(
-        info, limit,
-        prompt=request.prompt if which == "prompt" else None,
-        messages=[{"role": m.role, "content": m.content} for m in request.messages.messages]
-        if which == "messages" else None,
-        token_ids=list(request.token_ids.ids) if which == "token_ids" else None,
-        max_tokens=given(request, "max_tokens"),
-        temperature=given(s, "temperature"), top_p=given(s, "top_p"), top_k=given(s, "top_k"), seed=given(s, "seed"),
-        stop=tuple(request.stop), stop_token_ids=tuple(request.stop_token_ids), ignore_eos=request.ignore_eos,
+    sampling = dict(
+        max_tokens=given(request, "max_tokens"), temperature=given(s, "temperature"), top_p=given(s, "top_p"),
+        top_k=given(s, "top_k"), seed=given(s, "seed"), stop=tuple(request.stop),
+        stop_token_ids=tuple(request.stop_token_ids), ignore_eos=request.ignore_eos,
         logprobs=given(request, "logprobs"), prompt_logprobs=given(request, "prompt_logprobs"),
-        logprobs_mode=request.logprobs_mode or None, default_logprobs_mode=default_logprobs_mode,
-        presence_penalty=given(s, "presence_penalty"), frequency_penalty=given(s, "frequency_penalty"),
-        repetition_penalty=given(s, "repetition_penalty"), min_tokens=given(s, "min_tokens"),
-        n=given(request, "n"), version_policy=request.version_policy or None,
-        default_version_policy=default_version_policy, max_staleness=given(request, "max_staleness"))
+        logprobs_mode=request.logprobs_mode or None, presence_penalty=given(s, "presence_penalty"),
+        frequency_penalty=given(s, "frequency_penalty"), repetition_penalty=given(s, "repetition_penalty"),
+        min_tokens=given(s, "min_tokens"), n=given(request, "n"), version_policy=request.version_policy or None,
+        max_staleness=given(request, "max_staleness"))
+    return Ask(prompt=request.prompt if which == "prompt" else None,
+               messages=[{"role": m.role, "content": m.content} for m in request.messages.messages]
+               if which == "messages" else None,
+               token_ids=list(request.token_ids.ids) if which == "token_ids" else None,
+               sampling=sampling, service_tier=request.service_tier, request_id=request.request_id or None)
 
 
-def prepare(info: ModelInfo, limit: int, *, prompt: str | None = None, messages: list[dict[str, str]] | None = None,
-            token_ids: list[int] | None = None, max_tokens: int | None = None, temperature: float | None = None,
-            top_p: float | None = None, top_k: int | None = None, seed: int | None = None,
-            stop: tuple[str, ...] = (), stop_token_ids: tuple[int, ...] = (), ignore_eos: bool = False,
-            default_max_tokens: int | None = DEFAULT_MAX_TOKENS, logprobs: int | None = None,
-            prompt_logprobs: int | None = None, logprobs_mode: str | None = None,
-            default_logprobs_mode: str = "raw", presence_penalty: float | None = None,
-            frequency_penalty: float | None = None, repetition_penalty: float | None = None,
-            min_tokens: int | None = None, n: int | None = None, version_policy: str | None = None,
-            default_version_policy: str = "recompute",
-            max_staleness: int | None = None) -> tuple[list[int], SamplingParams]:
+def prepare(info: ModelInfo, limit: int, ask: Ask, defaults: dict[str, Any] | None = None
+            ) -> tuple[list[int], SamplingParams]:
     """What every protocol's request comes down to: the prompt's token ids (from exactly one of prompt
-    text, chat messages or token ids) and the sampling parameters, checked against the model; None
-    (or an empty logprobs_mode) leaves a default. default_max_tokens None: up to the end of the context
-    (OpenAI's chat API); default_logprobs_mode, default_version_policy: the server's (RouterConfig).
+    text, chat messages or token ids) and the sampling parameters, checked against the model. limit:
+    characters of text accepted before tokenizing (prompt, or all messages); defaults: the server's values
+    of SamplingParams fields a request leaves unset (RouterConfig: logprobs_mode, version_policy).
     ValueError says what is wrong."""
-    tok = info.tokenizer
-    inputs = (("prompt", prompt), ("messages", messages), ("token_ids", token_ids))
-    given = [name for name, v in inputs if v is not None]
-    if not given:
-        raise ValueError("the request has no input: set prompt, messages or token_ids")
-    if len(given) > 1:
-        raise ValueError(f"give one input, not {' and '.join(given)}")
-    if token_ids is not None:
-        ids = list(token_ids)
-    else:
-        if tok is None:
-            raise ValueError("this model has no tokenizer: send token_ids")
-        if prompt is not None:
-            if len(prompt) > limit:
-                raise ValueError(f"prompt has {len(prompt)} characters; the limit is {limit}")
-            if not prompt:
-                raise ValueError("prompt is empty")
-            ids = tok.encode(prompt)
-        else:
-            if not messages:
-                raise ValueError("messages is empty")
-            if sum(len(m["content"]) + len(m["role"]) for m in messages) > limit:
-                raise ValueError(f"messages exceed {limit} characters in all")
-            if any(not m["role"] for m in messages):
-                raise ValueError("every message needs a role")
-            if not tok.has_chat_template:
-                raise ValueError("this model has no chat template: send a prompt or token_ids")
-            ids = tok.apply_chat_template(messages)
-    if not ids:
-        raise ValueError("prompt is empty")
+    ids = _prompt_ids(info, limit, ask)
+    given = {k: v for k, v in ask.sampling.items() if v is not None}
+    unknown = sorted(set(given) - SAMPLING_FIELDS)
+    if unknown:
+        raise ValueError(f"unknown sampling field {unknown[0]!r}")
+    max_tokens = given.pop("max_tokens", None)
     if max_tokens is None:
-        max_tokens = info.max_model_len - len(ids) if default_max_tokens is None else default_max_tokens
-    if max_tokens < 1:
+        max_tokens = info.max_model_len - len(ids) if ask.default_max_tokens is None else ask.default_max_tokens
+    if not isinstance(max_tokens, int) or max_tokens < 1:
         raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
     if len(ids) + max_tokens > info.max_model_len:
         raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds the model's "
                          f"context of {info.max_model_len} tokens")
-    params = SamplingParams(
-        max_tokens=max_tokens,
-        temperature=1.0 if temperature is None else temperature,
-        top_p=1.0 if top_p is None else top_p,
-        top_k=0 if top_k is None else top_k,
-        seed=seed,
-        stop=tuple(stop),
-        stop_token_ids=tuple(stop_token_ids),
-        ignore_eos=ignore_eos,
-        logprobs=logprobs,
-        prompt_logprobs=prompt_logprobs,
-        logprobs_mode=logprobs_mode or default_logprobs_mode,
-        presence_penalty=0.0 if presence_penalty is None else presence_penalty,
-        frequency_penalty=0.0 if frequency_penalty is None else frequency_penalty,
-        repetition_penalty=1.0 if repetition_penalty is None else repetition_penalty,
-        min_tokens=0 if min_tokens is None else min_tokens,
-        n=1 if n is None else n,
-        version_policy=version_policy or default_version_policy,
-        max_staleness=max_staleness,
-    )
+    params = SamplingParams(**{**(defaults or {}), **given, "max_tokens": max_tokens})
     vocab = info.config.vocab_size
     bad = [t for t in (*ids, *params.stop_token_ids) if not 0 <= t < vocab]
     if bad:
         raise ValueError(f"unknown token ids (the vocabulary is [0, {vocab})): {bad[:5]}")
     return ids, params
+
+
+def _prompt_ids(info: ModelInfo, limit: int, ask: Ask) -> list[int]:
+    """The prompt's token ids from the request's one input; the text ones tokenized (chat: templated)."""
+    tok = info.tokenizer
+    inputs = (("prompt", ask.prompt), ("messages", ask.messages), ("token_ids", ask.token_ids))
+    given = [name for name, v in inputs if v is not None]
+    if not given:
+        raise ValueError("the request has no input: set prompt, messages or token_ids")
+    if len(given) > 1:
+        raise ValueError(f"give one input, not {' and '.join(given)}")
+    if ask.token_ids is not None:
+        ids = list(ask.token_ids)
+    elif tok is None:
+        raise ValueError("this model has no tokenizer: send token_ids")
+    elif ask.prompt is not None:
+        if len(ask.prompt) > limit:
+            raise ValueError(f"prompt has {len(ask.prompt)} characters; the limit is {limit}")
+        if not ask.prompt:
+            raise ValueError("prompt is empty")
+        ids = tok.encode(ask.prompt)
+    else:
+        messages = ask.messages
+        if not messages:
+            raise ValueError("messages is empty")
+        if sum(len(m["content"]) + len(m["role"]) for m in messages) > limit:
+            raise ValueError(f"messages exceed {limit} characters in all")
+        if any(not m["role"] for m in messages):
+            raise ValueError("every message needs a role")
+        if not tok.has_chat_template:
+            raise ValueError("this model has no chat template: send a prompt or token_ids")
+        ids = tok.apply_chat_template(messages)
+    if not ids:
+        raise ValueError("prompt is empty")
+    return ids
 
 
 class Samples:

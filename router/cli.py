@@ -24,6 +24,17 @@ def add_serve_parser(sub: Any) -> argparse.ArgumentParser:
                        help="a YAML mapping of any of these flags (without the dashes, - or _), e.g. "
                             "'prefill-workers: 2'; flags given on the command line override it")
     add_model_args(serve)
+    _door_args(serve)
+    _pool_args(serve)
+    _fault_args(serve)
+    _scaling_and_tier_args(serve)
+    _admission_args(serve)
+    serve.set_defaults(func=cmd_serve)
+    return serve
+
+
+def _door_args(serve: argparse.ArgumentParser) -> None:
+    """The doors: addresses and ports, the HTTP API's model name, request defaults, TLS and API key."""
     serve.add_argument("--host", default="127.0.0.1", help="address the router binds (default 127.0.0.1)")
     serve.add_argument("--port", type=int, default=50051)
     serve.add_argument("--http-port", type=int, default=8000,
@@ -55,6 +66,10 @@ def add_serve_parser(sub: Any) -> argparse.ArgumentParser:
     edge.add_argument("--metrics-tls", action="store_true", help="serve /metrics over HTTPS with the same certificate")
     edge.add_argument("--health-port", type=int, default=None,
                       help="also serve grpc.health.v1 alone, in plaintext, on this port (probes that cannot do TLS)")
+
+
+def _pool_args(serve: argparse.ArgumentParser) -> None:
+    """The pools: Ray, the mode, each pool's size and parallelism, a worker's resources, cache and batching."""
     serve.add_argument("--ray-address", default=None,
                        help="join this Ray cluster (e.g. 'auto' inside a Ray head pod); default: start a local one")
     serve.add_argument("--router-name", default=None, metavar="NAME",
@@ -107,6 +122,10 @@ def add_serve_parser(sub: Any) -> argparse.ArgumentParser:
                        help="device peak FLOP/s for MFU (default: known GPUs' datasheet, else measured at start)")
     serve.add_argument("--peak-memory-bandwidth", type=float, default=None,
                        help="device peak bytes/s for MBU (default: known GPUs' datasheet, else measured at start)")
+
+
+def _fault_args(serve: argparse.ArgumentParser) -> None:
+    """Transfers, heartbeats, retries and streaming."""
     serve.add_argument("--transfer-timeout", type=float, default=30.0, help="seconds before a KV transfer fails")
     serve.add_argument("--kv-bind-host", default=None,
                        help="address decode workers listen on for KV transfers, and the router for its workers' links "
@@ -125,6 +144,10 @@ def add_serve_parser(sub: Any) -> argparse.ArgumentParser:
     serve.add_argument("--stream-interval", type=int, default=1, metavar="N",
                        help="tokens a streamed message carries (the first and the last excepted): fewer messages "
                             "cost the router less CPU per token; tokens already waiting always go together")
+
+
+def _scaling_and_tier_args(serve: argparse.ArgumentParser) -> None:
+    """Autoscaling and the service tiers."""
     scale = serve.add_argument_group("autoscaling (pools given as MIN:MAX)")
     scale.add_argument("--profile", default=None, metavar="PROFILE.json",
                        help="the cost model pools are sized by: `pdserve profile` of this model on this device")
@@ -158,6 +181,10 @@ def add_serve_parser(sub: Any) -> argparse.ArgumentParser:
     tiers.add_argument("--tier-slo", action="append", default=[], metavar="TIER=TTFT_MS:TPOT_MS",
                        help="a tier's SLO (repeatable), for the per-tier goodput metrics and the fast lane's sizing; "
                             "defaults: priority=1000:50, default=4000:150, flex=120000:1000")
+
+
+def _admission_args(serve: argparse.ArgumentParser) -> None:
+    """Admission, drain and the bounds on a request's bytes."""
     serve.add_argument("--max-running", type=int, default=256, help="requests on the workers at once")
     serve.add_argument("--max-queued", type=int, default=1024, help="requests waiting; more get RESOURCE_EXHAUSTED")
     serve.add_argument("--drain-timeout", type=float, default=30.0, help="seconds in-flight requests get on shutdown")
@@ -169,8 +196,8 @@ def add_serve_parser(sub: Any) -> argparse.ArgumentParser:
     serve.add_argument("--request-body-budget-bytes", type=int, default=None, metavar="BYTES",
                        help="the most bytes of HTTP request bodies held at once (being read, or read and not yet "
                             "answered); a request that would pass it gets 503 at once (default: 16 of the largest)")
-    serve.set_defaults(func=cmd_serve)
-    return serve
+
+
 
 
 def worker_range(text: str) -> tuple[int, int]:
@@ -199,7 +226,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     import ray
 
-    from router.server import RouterConfig, serve
+    from router.compose import serve
+    from router.config import RouterConfig
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     cluster_config = cluster_config_from_args(args)
@@ -238,14 +266,35 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cluster_config_from_args(args: argparse.Namespace):
-    from pdserve.config import AutoscaleConfig, CacheConfig, ClusterConfig, EngineConfig, PoolConfig, SchedulerConfig
+    from pdserve.config import AutoscaleConfig, ClusterConfig
     from pdserve.tiers import TiersConfig, parse_tier_slos
 
+    engine = _engine_config(args)
+    pools = _pool_configs(args, engine.cache)
+    tiers = TiersConfig(fast_lane_max_running=args.fast_lane_max_running, fast_lane_when_full=args.fast_lane_when_full,
+                        fast_lane_max_wait_s=args.fast_lane_max_wait, flex_max_queued=args.flex_max_queued,
+                        flex_min_share=args.flex_min_share, slo=parse_tier_slos(args.tier_slo))
+    return ClusterConfig(engine=engine, mode=args.mode, **pools, tiers=tiers,
+                         transfer_timeout_s=args.transfer_timeout, bind_host=args.kv_bind_host,
+                         worker_timeout_s=args.worker_timeout, pool_wait_timeout_s=args.pool_wait_timeout,
+                         kv_checksum=args.kv_checksum,
+                         max_retries=args.max_retries, on_decode_failure=args.on_decode_failure,
+                         stream_interval=args.stream_interval,
+                         router_name=socket.gethostname() if args.router_name == "auto" else args.router_name,
+                         autoscale=AutoscaleConfig(profile=args.profile, gpu=args.gpu,
+                                                   ttft_target_s=args.slo_ttft_ms / 1000,
+                                                   tpot_target_s=args.slo_tpot_ms / 1000,
+                                                   interval_s=args.autoscale_interval,
+                                                   scale_down_delay_s=args.scale_down_delay))
+
+
+def _parallel_sizes(args: argparse.Namespace) -> tuple[dict[str, int], dict[str, int]]:
+    """Each pool's (tensor-parallel, expert-parallel) sizes: a worker's ranks are its tensor-parallel size,
+    raised to its expert-parallel size where only that is given."""
     ep = {"prefill": args.prefill_expert_parallel_size or args.expert_parallel_size,
           "decode": args.decode_expert_parallel_size or args.expert_parallel_size,
           "colocated": args.expert_parallel_size}
     given = {"prefill": args.prefill_tensor_parallel_size, "decode": args.decode_tensor_parallel_size, "colocated": None}
-    # A worker's ranks: its tensor-parallel size, raised to its expert-parallel size where only that is given.
     tp = {name: given[name] or (ep[name] if ep[name] > 1 and args.tensor_parallel_size == 1 else args.tensor_parallel_size)
           for name in ep}
     for name in ep:
@@ -255,12 +304,20 @@ def cluster_config_from_args(args: argparse.Namespace):
     if args.mode == "colocated" and (args.prefill_tensor_parallel_size or args.decode_tensor_parallel_size
                                      or args.prefill_expert_parallel_size or args.decode_expert_parallel_size):
         raise ValueError("a colocated worker has one size: --tensor-parallel-size and --expert-parallel-size")
+    return tp, ep
+
+
+def _pool_configs(args: argparse.Namespace, cache) -> dict:
+    """The mode's pools (prefill and decode, or colocated; the fast lane if asked), each batching for its own
+    bottleneck: prefill by prompt tokens, decode by running requests."""
+    from pdserve.config import PoolConfig, SchedulerConfig
+
+    tp, ep = _parallel_sizes(args)
     gpu = args.device.startswith("cuda")
     # A simulated worker sleeps through its steps: 1/16 of a CPU each, so dozens fit on a small machine.
     cpus = args.worker_cpus if args.worker_cpus is not None else \
         (1.0 if gpu else SIM_WORKER_CPUS if args.load_format == "sim" else 0.5)
     gpus = args.worker_gpus if args.worker_gpus is not None else (1.0 if gpu else 0.0)
-    cache = CacheConfig(block_size=args.block_size, memory_bytes=args.kv_cache_mib << 20)
     threads = args.torch_threads
     if threads is None and not gpu and not args.ray_address:
         # A local CPU cluster: split the cores between the workers instead of oversubscribing them.
@@ -275,12 +332,25 @@ def cluster_config_from_args(args: argparse.Namespace):
                           resources=parse_resources(resources), scheduler=scheduler, cache=cache, torch_threads=threads,
                           tensor_parallel_size=tp[name], expert_parallel_size=ep[name])
 
-    # Each role batches for its own bottleneck: prefill by prompt tokens, decode by running requests.
     prefill = SchedulerConfig(max_num_batched_tokens=args.prefill_token_budget)
     decode = SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.decode_token_budget,
                              reservation_headroom_blocks=args.reservation_headroom_blocks)
     colocated = SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.prefill_token_budget)
+    pools = dict(colocated=pool(args.colocated_workers, colocated, [], "colocated")) if args.mode == "colocated" \
+        else dict(prefill=pool(args.prefill_workers, prefill, args.prefill_resource, "prefill"),
+                  decode=pool(args.decode_workers, decode, args.decode_resource, "decode"))
+    if args.fast_lane_workers[0]:
+        if args.mode == "colocated":
+            raise ValueError("the fast lane (--fast-lane-workers) is a set of decode workers: it needs disaggregated mode")
+        pools["fast"] = pool(args.fast_lane_workers, decode, args.decode_resource, "decode")
+    return pools
 
+
+def _engine_config(args: argparse.Namespace):
+    """The model, its dtype and device, the default cache, and the peaks MFU and MBU are read against."""
+    from pdserve.config import CacheConfig, EngineConfig
+
+    cache = CacheConfig(block_size=args.block_size, memory_bytes=args.kv_cache_mib << 20)
     peaks = (args.peak_flops, args.peak_memory_bandwidth)
     if args.load_format == "sim":  # MFU and MBU against the GPU a simulated worker stands for, unless given
         from pdserve.perf.hardware import gpu
@@ -301,28 +371,7 @@ def cluster_config_from_args(args: argparse.Namespace):
         from pdserve.model.loader import load_info
 
         logging.getLogger(__name__).info("every worker is a %s", sim_plan(engine, load_info(engine)).describe())
-    pools = dict(colocated=pool(args.colocated_workers, colocated, [], "colocated")) if args.mode == "colocated" \
-        else dict(prefill=pool(args.prefill_workers, prefill, args.prefill_resource, "prefill"),
-                  decode=pool(args.decode_workers, decode, args.decode_resource, "decode"))
-    if args.fast_lane_workers[0]:
-        if args.mode == "colocated":
-            raise ValueError("the fast lane (--fast-lane-workers) is a set of decode workers: it needs disaggregated mode")
-        pools["fast"] = pool(args.fast_lane_workers, decode, args.decode_resource, "decode")
-    tiers = TiersConfig(fast_lane_max_running=args.fast_lane_max_running, fast_lane_when_full=args.fast_lane_when_full,
-                        fast_lane_max_wait_s=args.fast_lane_max_wait, flex_max_queued=args.flex_max_queued,
-                        flex_min_share=args.flex_min_share, slo=parse_tier_slos(args.tier_slo))
-    return ClusterConfig(engine=engine, mode=args.mode, **pools, tiers=tiers,
-                         transfer_timeout_s=args.transfer_timeout, bind_host=args.kv_bind_host,
-                         worker_timeout_s=args.worker_timeout, pool_wait_timeout_s=args.pool_wait_timeout,
-                         kv_checksum=args.kv_checksum,
-                         max_retries=args.max_retries, on_decode_failure=args.on_decode_failure,
-                         stream_interval=args.stream_interval,
-                         router_name=socket.gethostname() if args.router_name == "auto" else args.router_name,
-                         autoscale=AutoscaleConfig(profile=args.profile, gpu=args.gpu,
-                                                   ttft_target_s=args.slo_ttft_ms / 1000,
-                                                   tpot_target_s=args.slo_tpot_ms / 1000,
-                                                   interval_s=args.autoscale_interval,
-                                                   scale_down_delay_s=args.scale_down_delay))
+    return engine
 
 
 def parse_resources(items: list[str]) -> dict[str, float]:

@@ -18,7 +18,8 @@ from pdserve.engine.request import Request
 from pdserve.tiers import ServiceTier, flex_floor
 from router.line import Entry, Line
 from router.placement import DecodeLoad, PrefillLoad, pick_decode, pick_prefill
-from router.pools import Pools, Worker
+from router.pools import Pools
+from router.workers import Worker
 
 log = logging.getLogger(__name__)
 

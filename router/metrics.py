@@ -131,7 +131,7 @@ class RouterMetrics:
         r.register(ScaleCollector(scale))
 
     def tier_queued(self, queued: Callable[[ServiceTier], int]) -> None:
-        """Where the requests waiting by tier are counted (router.server)."""
+        """Where the requests waiting by tier are counted (router.frontend)."""
         self._tier_queued = queued
 
     def observe_request(self, *, finish_reason: str, code: str, queue_s: float | None, ttft_s: float | None,

@@ -15,10 +15,12 @@ status code the router's metrics record for it.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict
+
+from router.admission import DEFAULT_MAX_TOKENS, Ask
 
 
 class HTTPError(Exception):
@@ -72,6 +74,24 @@ class BaseCompletionRequest(BaseModel):
     # auto (or absent), default, priority or flex (pdserve.tiers); the tier served is in the response.
     service_tier: str | None = None
 
+    # Fields passed to SamplingParams under their own names (pdserve.engine.sampling says what each does): a
+    # new one the engine has is declared above and named here, and reaches the engine as it is.
+    SAMPLING: ClassVar[tuple[str, ...]] = ("temperature", "top_p", "top_k", "seed", "stop_token_ids", "ignore_eos", "n", "presence_penalty",
+                "frequency_penalty", "repetition_penalty", "min_tokens", "prompt_logprobs", "logprobs_mode",
+                "version_policy", "max_staleness")
+
+    def ask(self) -> Ask:
+        """The request as the front takes it (router.admission.Ask)."""
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+        sampling = {name: getattr(self, name) for name in self.SAMPLING}
+        sampling.update(stop=stop, stop_token_ids=tuple(self.stop_token_ids or ()), max_tokens=self.max_tokens,
+                        logprobs=self.logprobs_k())
+        return Ask(sampling=sampling, service_tier=self.service_tier, **self.inputs())
+
+    def inputs(self) -> dict[str, Any]:
+        """The request's input (prompt, messages or token_ids) and, beside it, the default for max_tokens."""
+        raise NotImplementedError
+
     def logprobs_k(self) -> int | None:
         """SamplingParams.logprobs: how many alternatives each generated token's logprob comes with; None:
         no logprobs."""
@@ -98,6 +118,15 @@ class CompletionRequest(BaseCompletionRequest):
 
     def logprobs_k(self) -> int | None:
         return self.logprobs
+
+    def inputs(self) -> dict[str, Any]:
+        prompt = self.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+            if len(prompt) != 1:
+                raise HTTPError(400, "a batch of prompts is not supported: send one prompt per request", param="prompt")
+            prompt = prompt[0]
+        given = dict(token_ids=list(prompt)) if isinstance(prompt, list) else dict(prompt=prompt)
+        return dict(given, default_max_tokens=DEFAULT_MAX_TOKENS)
 
     def refused(self) -> list[tuple[str, str]]:
         out = super().refused()
@@ -127,6 +156,17 @@ class ChatCompletionRequest(BaseCompletionRequest):
     def logprobs_k(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
 
+    def ask(self) -> Ask:
+        ask = super().ask()
+        if self.max_completion_tokens is not None:
+            ask.sampling["max_tokens"] = self.max_completion_tokens
+        return ask
+
+    def inputs(self) -> dict[str, Any]:
+        # As OpenAI's chat API: with no limit given, up to the end of the context.
+        return dict(messages=[{"role": m.role, "content": _text(m.content, i)} for i, m in enumerate(self.messages)],
+                    default_max_tokens=None)
+
     def param(self, name: str) -> str:
         if name == "logprobs":  # the count is top_logprobs; logprobs only turns them on
             return "top_logprobs"
@@ -147,3 +187,17 @@ class ChatCompletionRequest(BaseCompletionRequest):
             out.append(("response_format", "only the text response format is supported"))
         return out
 
+
+def _text(content, index: int) -> str:
+    """A chat message's content as text: a string, or the text parts of a list of parts."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    parts = []
+    for part in content:
+        if part.get("type") != "text":
+            raise HTTPError(400, f"messages[{index}]: only text content is supported, got {part.get('type')!r}",
+                            param=f"messages.{index}.content")
+        parts.append(str(part.get("text", "")))
+    return "".join(parts)

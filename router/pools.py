@@ -19,27 +19,25 @@ import collections
 import itertools
 import logging
 import os
-import threading
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import ray
-from ray.util.placement_group import remove_placement_group
 
 from decode_worker.actor import DecodeActor, FastLaneActor
 from pdserve.config import ClusterConfig, PoolConfig
 from pdserve.model.loader import ModelInfo
 from pdserve.parallel.layout import rank_config
 from pdserve.serving.colocated import ColocatedActor
+from pdserve.serving.link import CallFailed, LinkServer
 from pdserve.serving.messages import StepOutput, WorkerStats
-from pdserve.serving.calls import WorkerCalls
-from pdserve.serving.link import CallFailed, Link, LinkServer
 from pdserve.serving.tp_ranks import TPPlacement
 from prefill_worker.actor import PrefillActor
 from router.placement import PrefixIndex
-from router.registry import LEASE_S, REGISTRY_NAME, Listed, Registry
+from router.pool_scaling import PoolScaling
+from router.replicas import Replicas, actor_name
+from router.workers import REMOVE_GROUPS_TIMEOUT_S, Worker, kill
 
 log = logging.getLogger(__name__)
 
@@ -86,60 +84,9 @@ START_NOTICE_S = 30.0
 REPLACE_BACKOFF_S = (1.0, 30.0)
 
 
-@dataclass
-class Worker:
-    worker_id: str
-    handle: Any
-    pool: str
-    slot: int  # position in its pool; replacements take the same slot under a new id
-    requests: set[str] = field(default_factory=set)  # worker-side ids routed here and not finished
-    flex: set[str] = field(default_factory=set)  # those of the flex tier (decode workers preempt them for others)
-    queued_tokens: int = 0  # prefill: prompt tokens sent and not yet ingested
-    stats: WorkerStats | None = None
-    prefix: PrefixIndex = field(default_factory=lambda: PrefixIndex(0))  # prefill workers only
-    alive: bool = True
-    state: str = "starting"  # starting | ready | draining
-    placement_group: Any = None  # a tensor-parallel worker's: its ranks' bundles, removed when it leaves
-    # Decode workers: the prefill workers whose handles it was given (a handle is sent once: pickling
-    # one is most of a reservation call's cost).
-    prefill_handles: set[str] = field(default_factory=set)
-    link: Link | None = None  # its connection to the router: per-request calls out, step outputs in (ready on)
-
-    @property
-    def calls(self) -> WorkerCalls:
-        """The router's calls on this worker's link (pdserve.serving.calls)."""
-        return WorkerCalls(self.link)
 
 
-# Placement groups of workers that left, being removed (a call to Ray's GCS, off the event loop); the
-# pools' shutdown waits this long for them, at most.
-REMOVE_GROUPS_TIMEOUT_S = 5.0
-
-
-def _kill(w: Worker) -> threading.Thread | None:
-    """End a worker's actor for good, and a TP worker's other ranks with its placement group (removed
-    on a thread of its own: it is a blocking call to Ray's GCS); the thread, if any."""
-    ray.kill(w.handle, no_restart=True)
-    group, w.placement_group = w.placement_group, None
-    if group is None:
-        return None
-
-    def remove() -> None:
-        try:
-            remove_placement_group(group)
-        except Exception as e:  # noqa: BLE001 - Ray is going away; its groups go with it
-            log.warning("placement group of %s not removed: %s", w.worker_id, e)
-
-    t = threading.Thread(target=remove, name=f"remove-group-{w.worker_id}", daemon=True)
-    t.start()
-    return t
-
-
-# How often a draining worker is checked for its last request.
-DRAIN_POLL_S = 0.1
-
-
-class Pools:
+class Pools(PoolScaling):
     """The pools of a cluster; on_output(worker, StepOutput) gets every streamed step output and
     on_lost(worker, why) every worker taken out of its pool (before its replacement is started)."""
 
@@ -167,14 +114,21 @@ class Pools:
         # Router replicas (router.registry): this router's name; whether it owns the pools (spawns, replaces,
         # scales and drains workers; the only router always does); the registry and the owner's epoch.
         self.router = config.router_name
-        self.owner = self.router is None
-        self._registry: Any = None
-        self._epoch = 0
-        self._adopting: set[str] = set()  # listed workers this router is linking to
+        # Router replicas (router.replicas): which router owns the pools; None: this is the only router.
+        self.replicas = Replicas(self, self.router) if self.router is not None else None
         # Called with a worker that has started, before it is routable (router.weights: it brings the worker's
         # weights to the version the cluster serves); a failure fails the start.
         self.catch_up: Callable[[Worker], Awaitable[None]] | None = None
-        self._gone: set[str] = set()  # workers this router lost (ids are never reused): not adopted again
+
+    @property
+    def owner(self) -> bool:
+        """Whether this router spawns, replaces, scales and drains the workers (the only router always does)."""
+        return self.replicas is None or self.replicas.owner
+
+    def publish(self) -> None:
+        """Tell the other routers, if any, the ready workers (the owner lists them in the registry)."""
+        if self.replicas is not None:
+            self.replicas.publish()
 
     @property
     def workers(self) -> list[Worker]:
@@ -199,6 +153,7 @@ class Pools:
                 rank_config(info.config, engine.tensor_parallel_size, engine.expert_parallel_size)
             except ValueError as e:
                 raise ValueError(f"the {name} pool: {e}") from None
+        await asyncio.to_thread(_build_cpu_kernels, c.engine.device)
         sizes = {name: pool.num_workers for name, pool in c.pools.items()}
         t0 = time.monotonic()
         log.info("starting %s (each loads the model)", ", ".join(
@@ -208,8 +163,8 @@ class Pools:
         # knows it (loopback on a local cluster, the pod's IP on Kubernetes).
         self._links = LinkServer(self.config.bind_host or ray.util.get_node_ip_address())
         await self._links.start()
-        if self.router is not None:
-            await self._join()
+        if self.replicas is not None:
+            await self.replicas.join()
             return
         short = shortfall(demand(c), ray.cluster_resources())
         if short:
@@ -220,7 +175,7 @@ class Pools:
 
         async def ready(w: Worker) -> None:
             await w.handle.ready.remote()
-            await self._connect(w)
+            await self.connect(w)
             waiting.discard(w.worker_id)
             self.start_seconds[w.pool].append(time.monotonic() - t0)
             log.info("worker %s ready (%.1f s)", w.worker_id, self.start_seconds[w.pool][-1])
@@ -241,8 +196,8 @@ class Pools:
         log.info("%d workers ready (%.1f s)", len(starting), time.monotonic() - t0)
         await self._poll_stats()
         for w in starting:
-            self._watch(w)
-        self._task(self._heartbeat())
+            self.watch(w)
+        self.run_task(self.heartbeat())
 
     def _spawn(self, pool: str, slot: int, worker_id: str) -> Worker:
         c = self.config
@@ -254,16 +209,16 @@ class Pools:
         engine = c.engine_for(pc)
         options = dict(num_cpus=pc.num_cpus, num_gpus=pc.num_gpus, resources=pc.resources, max_restarts=0)
         if self.router is not None:  # it outlives this router: the next owner adopts it by name
-            options.update(name=_actor_name(worker_id), lifetime="detached")
+            options.update(name=actor_name(worker_id), lifetime="detached")
         group = None
         if engine.tensor_parallel_size > 1:  # its ranks packed on one node; this actor is rank 0, in bundle 0
             placement = TPPlacement.create(f"tp-{worker_id}", engine.tensor_parallel_size, pc.num_cpus, pc.num_gpus,
                                            pc.resources)
             extra, options, group = dict(extra, placement=placement), placement.options(0), placement.group
         handle = ray.remote(cls).options(**options).remote(worker_id, engine, torch_threads=pc.torch_threads, **extra)
-        return self._worker(worker_id, handle, pool, slot, group)
+        return self.make_worker(worker_id, handle, pool, slot, group)
 
-    def _worker(self, worker_id: str, handle: Any, pool: str, slot: int, group: Any = None) -> Worker:
+    def make_worker(self, worker_id: str, handle: Any, pool: str, slot: int, group: Any = None) -> Worker:
         w = Worker(worker_id, handle, pool, slot, placement_group=group)
         if pool == "prefill":
             engine = self.config.engine_for(getattr(self.config, pool))
@@ -274,16 +229,16 @@ class Pools:
     def _new_id(self, pool: str, slot: int) -> str:
         """A worker id never used before in this cluster (an owner's epoch keeps replicas' ids apart)."""
         n = next(self._incarnations)
-        return f"{pool}-{slot}.{n}" if self.router is None else f"{pool}-{slot}.e{self._epoch}.{n}"
+        return f"{pool}-{slot}.{n}" if self.replicas is None else f"{pool}-{slot}.e{self.replicas.epoch}.{n}"
 
-    def _task(self, coro) -> asyncio.Task:
+    def run_task(self, coro) -> asyncio.Task:
         t = asyncio.create_task(coro)
         self._tasks.add(t)
         t.add_done_callback(self._tasks.discard)
         return t
 
-    def _watch(self, w: Worker) -> None:
-        self._task(self._until_link_ends(w))
+    def watch(self, w: Worker) -> None:
+        self.run_task(self._until_link_ends(w))
 
     async def shutdown(self) -> None:
         self._closing = True
@@ -292,16 +247,15 @@ class Pools:
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        if self.router is not None:  # the workers serve the other routers: only this router's links end
-            if self.owner:
-                await asyncio.gather(self._registry.release.remote(self.router), return_exceptions=True)
+        if self.replicas is not None:  # the workers serve the other routers: only this router's links end
+            await self.replicas.release()
             if self._links is not None:
                 await self._links.close()
             return
         await asyncio.gather(*(w.handle.shutdown.remote() for w in self.workers), return_exceptions=True)
         if self._links is not None:
             await self._links.close()
-        removals = [t for t in map(_kill, everyone) if t is not None]
+        removals = [t for t in map(kill, everyone) if t is not None]
         deadline = time.monotonic() + REMOVE_GROUPS_TIMEOUT_S
         for t in removals:
             await asyncio.to_thread(t.join, max(deadline - time.monotonic(), 0))
@@ -334,7 +288,7 @@ class Pools:
             elif isinstance(r, (asyncio.TimeoutError, ray.exceptions.RayError, CallFailed)):
                 self.lose(w, "stuck: no heartbeat" if isinstance(r, asyncio.TimeoutError) else f"dead: {r}")
 
-    async def _heartbeat(self) -> None:
+    async def heartbeat(self) -> None:
         while True:
             await asyncio.sleep(self.config.stats_interval_s)
             await self._poll_stats()
@@ -350,7 +304,7 @@ class Pools:
                 log.info("worker %s left (%s)", w.worker_id, why)
             else:
                 log.warning("worker %s lost (%s); the pools' owner replaces it", w.worker_id, why)
-            self._gone.add(w.worker_id)
+            self.replicas.gone.add(w.worker_id)
             for ws in (*self.by_name.values(), self.draining):
                 if w in ws:
                     ws.remove(w)
@@ -362,7 +316,7 @@ class Pools:
         replace = w.state != "draining"
         log.warning("worker %s lost (%s)%s", w.worker_id, why, "; replacing it" if replace else " while draining")
         (self.by_name[w.pool] if replace else self.draining).remove(w)
-        _kill(w)  # a stuck actor must not come back and act on stale requests
+        kill(w)  # a stuck actor must not come back and act on stale requests
         if w.link is not None:
             w.link.close(why)  # the calls waiting on it fail over now
         self._tell_peers(w)
@@ -370,8 +324,8 @@ class Pools:
         self.notify()
         if replace:
             self.restarts[w.pool] += 1
-            self._task(self._replace(w))
-        self._publish()
+            self.run_task(self._replace(w))
+        self.publish()
 
     def notify(self) -> None:
         """Wake whatever waits for a pool to change, and tell the listeners (router.cluster's line)."""
@@ -404,92 +358,26 @@ class Pools:
         t0 = time.monotonic()
         try:
             await asyncio.wait_for(w.handle.ready.remote(), self.config.worker_start_timeout_s)
-            await self._connect(w)
+            await self.connect(w)
             if self.catch_up is not None:
                 await self.catch_up(w)
         except Exception as e:  # noqa: BLE001 - a worker that cannot start is killed, never half-joined
             log.error("worker %s did not start: %s", w.worker_id, e)
-            _kill(w)
+            kill(w)
             self.start_failures[w.pool] += 1
             return False
         finally:
             self.starting[w.pool].remove(w)
         if self._closing:
-            _kill(w)
+            kill(w)
             return False
         self.start_seconds[w.pool].append(time.monotonic() - t0)
         w.state = "ready"
         self.by_name[w.pool].append(w)  # routable only now that it is ready
-        self._watch(w)
+        self.watch(w)
         self.notify()
-        self._publish()
+        self.publish()
         return True
-
-    # -- scaling ----------------------------------------------------------------------------------
-    def grow(self, pool: str, n: int, reason: str) -> None:
-        """Start n more workers in the pool; each becomes routable once ready."""
-        self._grow(pool, n, reason)
-
-    def _grow(self, pool: str, n: int, reason: str) -> list[asyncio.Task]:
-        if not self.owner:
-            return []
-        tasks = []
-        for _ in range(n):
-            used = {w.slot for w in self.by_name[pool] + self.starting[pool] + self.draining if w.pool == pool}
-            slot = next(i for i in itertools.count() if i not in used)
-            w = self._spawn(pool, slot, self._new_id(pool, slot))
-            self.starting[pool].append(w)  # now, so that the next one takes another slot
-            self.scale_events[(pool, "up", reason)] += 1
-            log.info("scaling %s up (%s): starting %s", pool, reason, w.worker_id)
-            tasks.append(self._task(self._started(w)))
-        return tasks
-
-    async def _started(self, w: Worker) -> None:
-        if await self._bring_up(w):
-            log.info("worker %s ready in %.1f s", w.worker_id, self.start_seconds[w.pool][-1])
-
-    def drain(self, pool: str, n: int, reason: str) -> None:
-        """Take n ready workers out of placement (those with the fewest requests) and let each leave
-        once its requests have finished. The pool keeps at least one ready worker."""
-        if not self.owner:
-            return
-        ready = self.by_name[pool]
-        for w in sorted(ready, key=lambda x: (len(x.requests), x.queued_tokens, -x.slot))[:min(n, len(ready) - 1)]:
-            self.drain_worker(w, reason)
-
-    def drain_worker(self, w: Worker, reason: str) -> None:
-        """Take one ready worker out of placement; it leaves once its requests have finished."""
-        assert w.state == "ready" and len(self.by_name[w.pool]) > 1, "a pool keeps one ready worker"
-        self.by_name[w.pool].remove(w)
-        w.state = "draining"
-        self.draining.append(w)
-        self.scale_events[(w.pool, "down", reason)] += 1
-        log.info("scaling %s down (%s): draining %s (%d requests on it)", w.pool, reason, w.worker_id,
-                 len(w.requests))
-        self._task(self._leave(w))
-        self._publish()
-
-    async def _leave(self, w: Worker) -> None:
-        t0 = time.monotonic()
-        while w.requests and w.alive:  # the request flow discards each as it finishes
-            await asyncio.sleep(DRAIN_POLL_S)
-        if self.router is not None:
-            # The other routers' requests too: they stop placing here once they see it unlisted (their next
-            # look at the registry), and its heartbeat's stats count every router's requests.
-            await asyncio.sleep(2 * self.config.stats_interval_s)
-            while w.alive and (w.requests or w.stats is None or w.stats.running + w.stats.waiting > 0):
-                await asyncio.sleep(DRAIN_POLL_S)
-        if not w.alive:  # lost while draining: its requests were failed over like any loss
-            return
-        w.alive = False  # leaving: no longer counted among the workers, its outputs' end is not a loss
-        self._tell_peers(w)
-        try:
-            await asyncio.wait_for(w.handle.shutdown.remote(), self.config.worker_timeout_s)
-        except Exception as e:  # noqa: BLE001 - it is leaving either way
-            log.warning("worker %s did not shut down cleanly: %s", w.worker_id, e)
-        _kill(w)
-        self.draining.remove(w)  # it has left: its actor is gone
-        log.info("worker %s drained in %.1f s and left the %s pool", w.worker_id, time.monotonic() - t0, w.pool)
 
     async def alive(self, pool: str) -> list[Worker]:
         """The pool's live workers, waiting (bounded) for a replacement if none is left ([] after that)."""
@@ -504,7 +392,7 @@ class Pools:
                 pass
         return self.by_name[pool]
 
-    async def _connect(self, w: Worker) -> None:
+    async def connect(self, w: Worker) -> None:
         """Open the worker's link (pdserve.serving.link): its step outputs and replies in, in order; the
         router's per-request calls out."""
 
@@ -533,144 +421,15 @@ class Pools:
             self._links.forget(w.worker_id)
         self.lose(w, why)
 
-    # -- router replicas (router.registry) ----------------------------------------------------------
-    async def _join(self) -> None:
-        """Start as one of several routers: own the pools if the lease is free, else follow its owner."""
-        if any(self.config.engine_for(pc).tensor_parallel_size > 1 for pc in self.config.pools.values()):
-            raise ValueError("router replicas (router_name) do not serve tensor-parallel workers yet")
-        self._registry = ray.remote(Registry).options(
-            name=REGISTRY_NAME, lifetime="detached", get_if_exists=True, num_cpus=0, max_restarts=-1,
-            max_task_retries=-1).remote()
-        epoch = await self._registry.claim.remote(self.router)
-        _, owner, _, listed = await self._registry.view.remote()
-        if epoch is not None:
-            await self._take_over(epoch, listed, first=True)
-        else:
-            log.info("router %s follows the pools' owner %s (%d workers listed)", self.router, owner, len(listed))
-            await asyncio.gather(*(self._adopt(x) for x in listed))
-        self._task(self._lease())
-        self._task(self._heartbeat())
+def _build_cpu_kernels(device: str) -> None:
+    """Build the CPU kernels here, once, before the workers start: they then load the built extension
+    instead of racing to build it, and the one slow first build is a stage the user sees."""
+    from pdserve.kernels import cpu_kernels
 
-    async def _lease(self) -> None:
-        """The owner renews its lease; the others follow the registry and claim the lease when it lapses."""
-        while True:
-            await asyncio.sleep(LEASE_S / 3 if self.owner else self.config.stats_interval_s)
-            try:
-                if self.owner:
-                    epoch = await self._registry.claim.remote(self.router)
-                    if epoch is not None:
-                        if epoch != self._epoch:  # the registry was restarted (its state lost): list again
-                            self._epoch = epoch
-                            self._publish()
-                        continue
-                    log.error("router %s lost the pools' lease: another router owns them now", self.router)
-                    self.owner = False
-                version, owner, _, listed = await self._registry.view.remote()
-                if owner is None or owner == self.router:
-                    epoch = await self._registry.claim.remote(self.router)
-                    if epoch is not None:
-                        await self._take_over(epoch, listed)
-                        continue
-                if version:  # 0: a registry restarted, nothing published again yet
-                    self._follow(listed)
-            except ray.exceptions.RayError as e:  # the registry restarts (max_restarts): try again
-                log.warning("router %s: the registry did not answer: %s", self.router, e)
-
-    def _follow(self, listed: tuple[Listed, ...]) -> None:
-        """Link to the workers the owner lists; stop placing on those it no longer lists (drained or lost)."""
-        names = {x.worker_id for x in listed}
-        known = {w.worker_id for w in self.workers}
-        for x in listed:
-            if x.worker_id not in known | self._gone | self._adopting:
-                self._task(self._adopt(x))
-        for w in [w for w in self.draining if w.worker_id in names and w.alive]:  # listed again
-            self.draining.remove(w)
-            w.state = "ready"
-            self.by_name[w.pool].append(w)
-            self.notify()
-        for pool in self.by_name.values():
-            for w in [w for w in pool if w.worker_id not in names]:
-                pool.remove(w)  # it leaves once the owner shuts it down (its link ends)
-                w.state = "draining"
-                self.draining.append(w)
-                self.notify()
-
-    async def _adopt(self, x: Listed) -> Worker | None:
-        """Link to a worker another router started, and place on it."""
-        self._adopting.add(x.worker_id)
-        try:
-            handle = await asyncio.to_thread(ray.get_actor, x.actor_name)
-            w = self._worker(x.worker_id, handle, x.pool, x.slot)
-            w.stats = await asyncio.wait_for(handle.stats.remote(), self.config.worker_timeout_s)
-            await self._connect(w)
-        except Exception as e:  # noqa: BLE001 - dead or not reachable: tried again while it is listed
-            log.warning("router %s could not link to worker %s: %s", self.router, x.worker_id, e)
-            return None
-        finally:
-            self._adopting.discard(x.worker_id)
-        w.state = "ready"
-        self.by_name[w.pool].append(w)
-        self._watch(w)
-        self.notify()
-        return w  # not published: a follower never does, and an owner taking over does once it has adopted all
-
-    async def _take_over(self, epoch: int, listed: tuple[Listed, ...], first: bool = False) -> None:
-        """Become the pools' owner: adopt the listed workers, end the workers nobody lists (an owner died
-        while starting them), and bring each pool back to the size its last owner published (the
-        configured sizes when nothing was ever published)."""
-        self._epoch, self.owner = epoch, True
-        log.warning("router %s owns the pools (epoch %d; %d workers listed)", self.router, epoch, len(listed))
-        known = {w.worker_id for w in self.workers}
-        await asyncio.gather(*(self._adopt(x) for x in listed
-                               if x.worker_id not in known | self._gone | self._adopting))
-        while self._adopting:  # adoptions an earlier look began (each bounded): their workers count below
-            await asyncio.sleep(DRAIN_POLL_S)
-        mine = {_actor_name(w.worker_id) for w in self.workers + [w for ws in self.starting.values() for w in ws]}
-        for name in await asyncio.to_thread(_named_workers):
-            if name not in mine:
-                log.warning("router %s ends worker %s: started by an owner that died, never listed", self.router, name)
-                await asyncio.to_thread(_kill_named, name)
-        targets = collections.Counter(x.pool for x in listed) if listed else \
-            {pool: pc.num_workers for pool, pc in self.config.pools.items()}
-        started = [t for pool, n in targets.items()
-                   for t in self._grow(pool, max(n - self.size(pool), 0), "start" if first else "takeover")]
-        self._publish()
-        if first and started:
-            await asyncio.gather(*started)
-            if any(not self.by_name[pool] for pool in targets):
-                raise RuntimeError("a pool has no worker ready: see the workers' errors above")
-
-    def _publish(self) -> None:
-        """The owner lists its ready workers in the registry (the other routers place on them)."""
-        if self._registry is None or not self.owner:
-            return
-        listed = tuple(Listed(w.worker_id, w.pool, w.slot, _actor_name(w.worker_id))
-                       for ws in self.by_name.values() for w in ws)
-        self._task(self._published(self._registry.publish.remote(self._epoch, listed)))
-
-    async def _published(self, ref: Any) -> None:
-        try:
-            if not await ref and self.owner:
-                log.error("router %s: its list of workers was refused (another router owns the pools)", self.router)
-                self.owner = False
-        except ray.exceptions.RayError as e:
-            log.warning("router %s: the registry did not take its list of workers: %s", self.router, e)
-
-
-WORKER_NAME_PREFIX = "pdserve-worker-"
-
-
-def _actor_name(worker_id: str) -> str:
-    return WORKER_NAME_PREFIX + worker_id
-
-
-def _named_workers() -> list[str]:
-    """The live named worker actors of the cluster's namespace (router replicas)."""
-    return [n for n in ray.util.list_named_actors() if isinstance(n, str) and n.startswith(WORKER_NAME_PREFIX)]
-
-
-def _kill_named(name: str) -> None:
-    try:
-        ray.kill(ray.get_actor(name), no_restart=True)
-    except ValueError:  # gone meanwhile
-        pass
+    if not device.startswith("cpu") or not cpu_kernels.enabled():
+        return
+    t0 = time.monotonic()
+    log.info("CPU kernels: loading (built once per machine into %s)", cpu_kernels.build_directory())
+    ok = cpu_kernels.available()
+    log.info("CPU kernels: %s (%.1f s)", "ready" if ok else "unavailable, the workers use the torch paths",
+             time.monotonic() - t0)

@@ -16,7 +16,8 @@ from pdserve.engine import LLMEngine
 from pdserve.engine.sampling import SamplingParams
 from pdserve.serving.messages import CancelRecord, WorkerStats
 from router.cluster import Cluster
-from router.server import Router, RouterConfig
+from router.compose import build_router
+from router.config import RouterConfig
 
 from conftest import wait_for
 
@@ -28,7 +29,7 @@ class Served:
         self.aloop = aloop
         self.cluster = Cluster(config)
         aloop.run(self.cluster.start(), timeout=600)
-        self.router = Router(self.cluster, router or RouterConfig(port=0))
+        self.router = build_router(self.cluster, router or RouterConfig(port=0))
         aloop.run(self.router.start())
         self.target = f"127.0.0.1:{self.router.port}"
         self.sizes = {name: pool.num_workers for name, pool in config.pools.items()}

@@ -23,13 +23,14 @@ def rl():
 @pytest.mark.slow
 def test_rl_loop_sync_and_async(rl, ray_local, aloop, tmp_path):
     from router.cluster import Cluster
-    from router.server import Router, RouterConfig
+    from router.compose import build_router
+    from router.config import RouterConfig
 
     s = rl.Settings(steps=3, prompts=2, n=2, max_tokens=4)
     model = rl.build_policy(tmp_path, s.seed)
     cluster = Cluster(rl.cluster_config(tmp_path))
     aloop.run(cluster.start(), timeout=600)
-    router = Router(cluster, RouterConfig(port=0))
+    router = build_router(cluster, RouterConfig(port=0))
     try:
         port = aloop.run(router.start())
         results = rl.run(f"127.0.0.1:{port}", model, s, ["sync", "async-1"])

@@ -483,9 +483,10 @@ def test_real_bench_run(aloop, smol_1p1d, tmp_path):
     """SmolLM2 on one prefill and one decode worker: the cluster tests/router's API modules share
     (conftest.smol_1p1d); what the run reads of the workers it reads as deltas over the run."""
     from pdserve.cli import main
-    from router.server import Router, RouterConfig
+    from router.compose import build_router
+    from router.config import RouterConfig
 
-    router = Router(smol_1p1d, RouterConfig(port=0))
+    router = build_router(smol_1p1d, RouterConfig(port=0))
     try:
         port = aloop.run(router.start())
         out, png = tmp_path / "run.json", tmp_path / "run.png"

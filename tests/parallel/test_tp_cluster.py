@@ -126,7 +126,7 @@ def test_colocated_tp2_is_token_exact_and_reported(ray_local, aloop, gqa, refere
     """A colocated worker of TP 2 behind the gRPC router: token-exact, two processes, and the cluster
     status says TP 2."""
     from pdserve.client import Client
-    from router.server import RouterConfig
+    from router.config import RouterConfig
 
     from served import Served
 

@@ -15,7 +15,10 @@ from pdserve.client import AsyncClient, Client, build_request
 from pdserve.engine import LLMEngine
 from pdserve.engine.sampling import SamplingParams
 from pdserve.v1 import generation_pb2 as pb
-from router.server import SERVICE_NAME, Router, RouterConfig
+from router.compose import build_router
+from router.config import RouterConfig
+from router.grpc_api import SERVICE_NAME
+from router.server import Router
 
 from conftest import smol_1p1d_engine_config, wait_for
 from served import CANCEL_WITHIN_STEPS_SMOL, CancelWatch
@@ -37,7 +40,7 @@ def cluster(smol_1p1d):
 
 
 def start_router(aloop, cluster, **kw) -> Router:
-    r = Router(cluster, RouterConfig(port=0, **kw))
+    r = build_router(cluster, RouterConfig(port=0, **kw))
     aloop.run(r.start())
     return r
 

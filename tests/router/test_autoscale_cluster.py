@@ -25,7 +25,7 @@ from pdserve.client import AsyncClient
 from pdserve.config import AutoscaleConfig, CacheConfig, ClusterConfig, EngineConfig, PoolConfig, SchedulerConfig
 from pdserve.perf.costs import MeasuredCosts, Transport
 from pdserve.model.loader import load_info
-from router.server import RouterConfig
+from router.config import RouterConfig
 
 from conftest import wait_for
 from served import Served, Streams, assert_exact, prompts

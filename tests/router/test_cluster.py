@@ -362,7 +362,7 @@ def test_smol_lagging_client_gets_the_waiting_tokens_in_one_message(aloop, smol_
                 async for out in gen:
                     outs.append(out)
                     if len(outs) == 2:  # lag until the decode worker's tokens up to the last one wait here
-                        inbox, deadline = cluster._streams["lagging"], time.monotonic() + 60
+                        inbox, deadline = cluster.streams.inbox("lagging"), time.monotonic() + 60
                         while not any(e.finish_reason for e in inbox.items) and time.monotonic() < deadline:
                             await asyncio.sleep(0.01)
             return outs

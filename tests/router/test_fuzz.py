@@ -18,7 +18,10 @@ from pdserve.client import Client
 from pdserve.config import CacheConfig, ClusterConfig, EngineConfig, PoolConfig, SchedulerConfig
 from pdserve.v1 import generation_pb2 as pb
 from router.cluster import Cluster
-from router.server import SERVICE_NAME, Router, RouterConfig
+from router.compose import build_router
+from router.config import RouterConfig
+from router.grpc_api import SERVICE_NAME
+from router.server import Router
 
 STRUCTURED_CASES = 250
 BYTES_CASES = 250
@@ -35,7 +38,7 @@ def served(ray_local, aloop, tiny_checkpoints):
     cluster = Cluster(ClusterConfig(engine=engine, prefill=PoolConfig(1, num_cpus=0.25),
                                     decode=PoolConfig(1, num_cpus=0.25)))
     aloop.run(cluster.start(), timeout=600)
-    router = Router(cluster, RouterConfig(port=0))
+    router = build_router(cluster, RouterConfig(port=0))
     aloop.run(router.start())
     with Client(f"127.0.0.1:{router.port}") as client:
         yield cluster, router, client
@@ -100,8 +103,8 @@ def assert_nothing_left(aloop, cluster: Cluster, router: Router, client: Client)
 
     assert client.health(timeout=10) == "SERVING"
     wait_for(lambda: sum(s.kv_blocks_used for s in aloop.run(cluster.stats())) == 0, 30, what="zero used KV blocks")
-    assert router.service.admission.running == 0 and router.service.admission.queued == 0
-    assert not cluster._streams and not cluster._owner
+    assert router.front.admission.running == 0 and router.front.admission.queued == 0
+    assert cluster.streams.empty
     ok = client.complete(token_ids=[1, 2, 3], max_tokens=4, temperature=0.0, ignore_eos=True, timeout=30)
     assert ok.finish_reason == "length" and len(ok.token_ids) == 4
 
@@ -147,14 +150,15 @@ def test_max_tokens_defaults_per_protocol(tiny_checkpoints):
     """gRPC and /v1/completions default to 16 new tokens; /v1/chat/completions, like OpenAI's, to the rest
     of the context. An explicit value wins, and one past the context is refused."""
     from pdserve.model.loader import load_info
-    from router.admission import DEFAULT_MAX_TOKENS, prepare
+    from router.admission import DEFAULT_MAX_TOKENS, Ask, prepare
 
     info = load_info(EngineConfig(model=str(tiny_checkpoints["llama"])))
     ids = [5, 6, 7]
-    assert prepare(info, 1000, token_ids=ids)[1].max_tokens == DEFAULT_MAX_TOKENS
-    assert prepare(info, 1000, token_ids=ids, default_max_tokens=None)[1].max_tokens == info.max_model_len - 3
-    assert prepare(info, 1000, token_ids=ids, max_tokens=4, default_max_tokens=None)[1].max_tokens == 4
+    assert prepare(info, 1000, Ask(token_ids=ids))[1].max_tokens == DEFAULT_MAX_TOKENS
+    assert prepare(info, 1000, Ask(token_ids=ids, default_max_tokens=None))[1].max_tokens == info.max_model_len - 3
+    assert prepare(info, 1000, Ask(token_ids=ids, sampling=dict(max_tokens=4), default_max_tokens=None)
+                   )[1].max_tokens == 4
     with pytest.raises(ValueError, match="context"):
-        prepare(info, 1000, token_ids=ids, max_tokens=info.max_model_len)
+        prepare(info, 1000, Ask(token_ids=ids, sampling=dict(max_tokens=info.max_model_len)))
     with pytest.raises(ValueError, match="one input"):
-        prepare(info, 1000, token_ids=ids, prompt="x")
+        prepare(info, 1000, Ask(token_ids=ids, prompt="x"))

@@ -22,7 +22,8 @@ from pdserve.engine.sampling import MAX_N
 from pdserve.tiers import ServiceTier
 from pdserve.v1 import generation_pb2 as pb
 from router.admission import Samples
-from router.server import Router, RouterConfig
+from router.compose import build_router
+from router.config import RouterConfig
 
 pytestmark = pytest.mark.slow  # it reads SmolLM2's tokenizer (and chat template) from its file
 MODEL = "scripted"
@@ -93,7 +94,7 @@ def served(aloop):
     except FileNotFoundError as e:
         pytest.skip(str(e))
     cluster = ScriptedCluster(load_info(EngineConfig()))  # the model's shapes and tokenizer; no weights
-    router = Router(cluster, RouterConfig(port=0, http_port=0, served_model_name=MODEL))
+    router = build_router(cluster, RouterConfig(port=0, http_port=0, served_model_name=MODEL))
     aloop.run(router.start())
     yield cluster, router
     aloop.run(router.stop(grace=5))

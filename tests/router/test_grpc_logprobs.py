@@ -16,8 +16,11 @@ from pdserve.engine.logprobs import TokenLogprob
 from pdserve.engine.output import RequestOutput
 from pdserve.engine.sampling import MAX_N, SamplingParams, sample_seed
 from pdserve.v1 import generation_pb2 as pb
-from router.admission import parse_request, parse_wire
-from router.server import GenerationService, Router, RouterConfig
+from router.admission import ask_from_grpc, parse_wire, prepare
+from router.compose import build_router
+from router.config import RouterConfig
+from router.grpc_api import response_message
+from router.server import Router
 
 from conftest import smol_1p1d_engine_config
 
@@ -38,7 +41,7 @@ def info():
 def parse(info, default_mode="raw", **fields) -> SamplingParams:
     """A request as the client builds it, through its wire bytes, to what the router makes of it."""
     wire = parse_wire(build_request(token_ids=[1, 2, 3], max_tokens=8, **fields).SerializeToString())
-    return parse_request(wire, info, 1000, default_mode)[1]
+    return prepare(info, 1000, ask_from_grpc(wire), dict(logprobs_mode=default_mode))[1]
 
 
 def test_new_request_fields_reach_the_sampling_params(info):
@@ -92,7 +95,7 @@ def test_response_logprobs_reach_the_client_as_the_engine_gave_them():
     then = RequestOutput("r", [4], "c", None, 3, 3, logprobs=[lp(4, -1.5, 2, (1, -1.0), (4, -1.5), (0, -2.0))])
     out = Completion()
     for o in (first, then):
-        r = pb.GenerateResponse.FromString(GenerationService._response(o, None).SerializeToString())
+        r = pb.GenerateResponse.FromString(response_message(o, None).SerializeToString())
         assert len(r.logprobs) == len(r.token_ids)
         out.add(r)
     assert out.token_ids == [7, 9, 4]
@@ -103,10 +106,10 @@ def test_response_logprobs_reach_the_client_as_the_engine_gave_them():
 
 def test_a_response_without_logprobs_is_the_old_message():
     out = RequestOutput("r", [7, 9], "ab", None, 3, 2)
-    r = GenerationService._response(out, None)
+    r = response_message(out, None)
     assert r.SerializeToString() == pb.GenerateResponse(request_id="r", text="ab", token_ids=[7, 9]).SerializeToString()
     # Asked for, with no token in this message: nothing either.
-    assert not GenerationService._response(RequestOutput("r", [], "", None, 3, 2, logprobs=[]), None).logprobs
+    assert not response_message(RequestOutput("r", [], "", None, 3, 2, logprobs=[]), None).logprobs
 
 
 # -- a served cluster ----------------------------------------------------------------------------------------
@@ -125,7 +128,7 @@ def cluster(smol_1p1d):
 
 
 def start_router(aloop, cluster, **kw) -> Router:
-    r = Router(cluster, RouterConfig(port=0, **kw))
+    r = build_router(cluster, RouterConfig(port=0, **kw))
     aloop.run(r.start())
     return r
 

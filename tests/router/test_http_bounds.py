@@ -1,5 +1,5 @@
 """The HTTP door's bounds on request bodies (#37) without a cluster: the default's arithmetic, the setting
-(flag, config-file key, RouterConfig), and router.openai_api's _BodyLimit driven as plain ASGI. The bounds
+(flag, config-file key, RouterConfig), and router.openai_api's BodyLimit driven as plain ASGI. The bounds
 against a real router over loopback are in test_openai_api.py."""
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import asyncio
 import pytest
 
 from router.cli import parse_args
-from router.openai_api import BodyBudget, _BodyLimit
-from router.server import RouterConfig, request_size_bounds
+from router.http_limits import BodyBudget, BodyLimit
+from router.config import RouterConfig, request_size_bounds
 
 MiB = 1 << 20
 
@@ -45,10 +45,10 @@ def test_the_flags_and_the_config_file_keys(tmp_path):
     assert (args.max_request_body_bytes, args.request_body_budget_bytes) == (4 * MiB, 64 * MiB)
 
 
-# -- _BodyLimit as plain ASGI ---------------------------------------------------------------------------------------
+# -- BodyLimit as plain ASGI ---------------------------------------------------------------------------------------
 
 def drive(limit: int, total: int, messages: list[dict], headers=(), held: int = 0):
-    """Runs one request through _BodyLimit over an app that reads its body and answers 200 (then asks
+    """Runs one request through BodyLimit over an app that reads its body and answers 200 (then asks
     receive once more). Returns (the statuses sent, what the app read, the budget after, held inside)."""
     bodies = BodyBudget(limit, total)
     bodies.held = held
@@ -72,7 +72,7 @@ def drive(limit: int, total: int, messages: list[dict], headers=(), held: int = 
             sent.append(message["status"])
 
     scope = {"type": "http", "method": "POST", "path": "/v1/completions", "headers": list(headers)}
-    asyncio.run(_BodyLimit(app, bodies, None)(scope, receive, send))
+    asyncio.run(BodyLimit(app, bodies, None)(scope, receive, send))
     return sent, seen, bodies
 
 

@@ -392,7 +392,8 @@ def prometheus(tmp_path):
 def test_prometheus_scrapes_every_dashboard_and_rule_expression(ray_local, aloop, tmp_path, prometheus):
     from pdserve.client import AsyncClient
     from router.cluster import Cluster
-    from router.server import Router, RouterConfig
+    from router.compose import build_router
+    from router.config import RouterConfig
 
     from moe_models import build
 
@@ -405,7 +406,7 @@ def test_prometheus_scrapes_every_dashboard_and_rule_expression(ray_local, aloop
     # a number (a zero included), never "no data": the series of features that are off exist at 0.
     cluster = Cluster(ClusterConfig(engine=engine, prefill=pool, decode=pool, stats_interval_s=0.5))
     aloop.run(cluster.start(), timeout=600)
-    router = Router(cluster, RouterConfig(port=0, metrics_port=0))
+    router = build_router(cluster, RouterConfig(port=0, metrics_port=0))
     aloop.run(router.start())
     try:
         prom_port = prometheus(router.metrics_port)

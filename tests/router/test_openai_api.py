@@ -16,7 +16,9 @@ import openai
 import pytest
 
 from pdserve.client import Client
-from router.server import Router, RouterConfig, request_size_bounds
+from router.compose import build_router
+from router.config import RouterConfig, request_size_bounds
+from router.server import Router
 
 from conftest import wait_for
 from served import CANCEL_WITHIN_STEPS_SMOL, CancelWatch
@@ -35,7 +37,7 @@ def cluster(smol_1p1d):
 
 
 def start(aloop, cluster, **kw) -> Router:
-    r = Router(cluster, RouterConfig(port=0, http_port=0, served_model_name=MODEL, metrics_port=0, **kw))
+    r = build_router(cluster, RouterConfig(port=0, http_port=0, served_model_name=MODEL, metrics_port=0, **kw))
     aloop.run(r.start())
     return r
 
@@ -188,9 +190,9 @@ def test_client_disconnect_cancels_and_frees_kv(aloop, cluster, router, streamed
                 task = asyncio.create_task(client.post(url, json=body, headers=headers))
                 await asyncio.sleep(0)
                 wait = asyncio.get_running_loop().time() + 60
-                while router.service.admission.running == 0 and asyncio.get_running_loop().time() < wait:
+                while router.front.admission.running == 0 and asyncio.get_running_loop().time() < wait:
                     await asyncio.sleep(0.02)
-                assert router.service.admission.running == 1
+                assert router.front.admission.running == 1
                 task.cancel()  # the client gives up before the answer: the connection closes
                 with pytest.raises(asyncio.CancelledError):
                     await task
@@ -200,7 +202,7 @@ def test_client_disconnect_cancels_and_frees_kv(aloop, cluster, router, streamed
 
     record = asyncio.run(go())
     assert record.status == "running" or not streamed, record
-    wait_for(lambda: router.service.admission.running == 0, 10, what="the request to leave admission")
+    wait_for(lambda: router.front.admission.running == 0, 10, what="the request to leave admission")
     wait_for(lambda: used_blocks(aloop, cluster) == 0, 30, what="zero used KV blocks")
 
 
@@ -243,7 +245,7 @@ def test_drain_lets_http_streams_finish(aloop, cluster):
     events = asyncio.run(run())
     assert events[-1] == "[DONE]"
     assert json.loads(events[-2])["usage"]["completion_tokens"] == 30  # the whole answer, not cut by the drain
-    assert not r.service.serving
+    assert not r.front.serving
 
 
 # -- bad input at the edge (#37): request bodies bounded while they are read ------------------------------------------

@@ -11,8 +11,10 @@ import openai
 import pytest
 
 from pdserve.client import Client
-from router.openai_api import MIN_LOGPROB, _Vocab
-from router.server import Router, RouterConfig
+from router.openai_choices import MIN_LOGPROB, Vocab
+from router.compose import build_router
+from router.config import RouterConfig
+from router.server import Router
 
 pytestmark = pytest.mark.slow
 MODEL = "smollm2"
@@ -30,7 +32,7 @@ def cluster(smol_1p1d):
 
 
 def start(aloop, cluster, **kw) -> Router:
-    r = Router(cluster, RouterConfig(port=0, http_port=0, served_model_name=MODEL, **kw))
+    r = build_router(cluster, RouterConfig(port=0, http_port=0, served_model_name=MODEL, **kw))
     aloop.run(r.start())
     return r
 
@@ -80,12 +82,12 @@ def test_token_bytes_are_the_tokens_raw_bytes(tokenizer):
     tokens' bytes together are the text's UTF-8. Special tokens are shown; without a tokenizer, ids are."""
     text = "héllo 日本語 wörld"
     ids = tokenizer.encode(text)
-    vocab = _Vocab(tokenizer)
+    vocab = Vocab(tokenizer)
     assert any(vocab(i)[0] == "\ufffd" for i in ids)  # the text does split a character
     assert b"".join(bytes(vocab(i)[1]) for i in ids) == text.encode()
     assert vocab(tokenizer.eos_token_ids[0])[0] == tokenizer.decode([tokenizer.eos_token_ids[0]],
                                                                     skip_special_tokens=False) != ""
-    assert _Vocab(None)(42) == ("token_id:42", list(b"token_id:42"))
+    assert Vocab(None)(42) == ("token_id:42", list(b"token_id:42"))
 
 
 # -- chat ---------------------------------------------------------------------------------------------------

@@ -21,7 +21,10 @@ from pdserve.engine import LLMEngine
 from pdserve.engine.sampling import SamplingParams
 from pdserve.v1 import generation_pb2 as pb
 from router.cluster import Cluster
-from router.server import SERVICE_NAME, Router, RouterConfig
+from router.compose import build_router
+from router.config import RouterConfig
+from router.grpc_api import SERVICE_NAME
+from router.server import Router
 
 ROOT = Path(__file__).resolve().parents[2]
 KEY = "s3cret-key-for-tests"
@@ -64,7 +67,7 @@ def reference(tiny_checkpoints):
 
 
 def serve(aloop, cluster, **kw) -> Router:
-    r = Router(cluster, RouterConfig(port=0, **kw))
+    r = build_router(cluster, RouterConfig(port=0, **kw))
     aloop.run(r.start())
     return r
 

@@ -20,7 +20,8 @@ from pdserve.engine import LLMEngine
 from pdserve.engine.sampling import SamplingParams
 from pdserve.tiers import ServiceTier, TiersConfig
 from router.cluster import Cluster
-from router.server import Router, RouterConfig
+from router.compose import build_router
+from router.config import RouterConfig
 
 from conftest import wait_for
 
@@ -42,7 +43,7 @@ def served(ray_local, aloop, tiny_checkpoints):
                           flex_min_share=0.5))
     cluster = Cluster(config)
     aloop.run(cluster.start(), timeout=600)
-    router = Router(cluster, RouterConfig(port=0, http_port=0))
+    router = build_router(cluster, RouterConfig(port=0, http_port=0))
     aloop.run(router.start())
     yield cluster, router, LLMEngine(engine)
     aloop.run(router.stop(grace=5))
@@ -168,7 +169,7 @@ def test_flex_refused_past_its_bound_preempted_for_default_and_resumed_exact(ser
             flex = [asyncio.create_task(one(p, "flex", i)) for i, p in enumerate(batch)]
             deadline = time.monotonic() + 60
             # Two in line, and two decoding on the decode worker (a second token: the decode worker's).
-            while router.service.queued(ServiceTier.FLEX) < 2 or sum(n >= 2 for n in progress) < 2:
+            while router.front.queued(ServiceTier.FLEX) < 2 or sum(n >= 2 for n in progress) < 2:
                 assert time.monotonic() < deadline, "flex requests never filled the decode slots and the line"
                 await asyncio.sleep(0.005)
             default = await one(prompt(20), "default")

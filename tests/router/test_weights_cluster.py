@@ -18,7 +18,7 @@ from pdserve.config import CacheConfig, ClusterConfig, EngineConfig, PoolConfig,
 from pdserve.engine import LLMEngine
 from pdserve.engine.sampling import SamplingParams
 from pdserve.v1 import generation_pb2 as pb
-from router.server import RouterConfig
+from router.config import RouterConfig
 
 from conftest import keep_reference, wait_for
 from served import Served
@@ -207,7 +207,7 @@ def test_pause_abort_ends_requests_in_flight_and_new_ones_wait_for_resume(client
     s.join()
     assert s.finish == "abort" and s.tokens == reference(versions.path, PROMPT, 200)[:len(s.tokens)]
     late = Stream(client, 8)  # waits at the gate until the resume
-    wait_for(lambda: served.router.service.admitted == 1, timeout=30, what="the late request to be admitted")
+    wait_for(lambda: served.router.front.admitted == 1, timeout=30, what="the late request to be admitted")
     assert not late.tokens and not late.finish
     client.resume(timeout=60)
     late.join()

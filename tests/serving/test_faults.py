@@ -56,12 +56,13 @@ def test_decode_killed_fail_policy_ends_with_unavailable(ray_local, aloop, tiny_
     UNAVAILABLE naming the decode side, before its own deadline; the loss is seen at once (the worker's
     calls fail), not when the heartbeat times out; the pool is whole again and no KV block is left used."""
     from pdserve.client import AsyncClient
-    from router.server import Router, RouterConfig
+    from router.compose import build_router
+    from router.config import RouterConfig
 
     _, config = configs(tiny_checkpoints["llama"], on_decode_failure="fail")
     cluster = start(aloop, config)
     caplog.set_level(logging.WARNING, logger="router.pools")  # "worker <id> lost (<why>)": how the router saw it
-    router = Router(cluster, RouterConfig(port=0))
+    router = build_router(cluster, RouterConfig(port=0))
     aloop.run(router.start())
     try:
         async def run():

@@ -1,0 +1,104 @@
+"""The router's own settings (RouterConfig: its doors, admission, the edge's TLS and key, the bounds on a
+request's bytes) and the bounds derived from the model's context."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from pdserve.engine.sampling import LOGPROBS_MODES, VERSION_POLICIES
+
+# What the largest valid request can take on the wire, from the limits the router checks a request against
+# (router.admission.prepare), so that the doors refuse what no valid request can be before reading it:
+# - text: max_input_chars characters of prompt or messages. JSON writes a character as at most 12 bytes (one
+#   outside the BMP escaped as a surrogate pair, "\ud83d\ude00", which clients that escape non-ASCII send:
+#   Python's json and requests among them); protobuf as at most 4 (UTF-8).
+# - per token of the context (max_model_len): a token id as JSON is at most 8 digits and ", " (10 bytes); a
+#   chat message, each of which takes at least one token of the template, adds {"role": "", "content": ""},
+#   (29 bytes) beside its characters: 32 bytes a token in JSON; in protobuf a varint id or a message's tags
+#   and lengths, 8.
+# - 1 MiB for every other field (sampling, stop strings, names).
+# With the defaults (1 Mi characters) and SmolLM2's 8,192-token context: HTTP 12 MiB + 256 KiB + 1 MiB =
+# 13,893,632 bytes; gRPC 4 MiB + 64 KiB + 1 MiB = 5,308,416 (gRPC's own default, 4 MiB, refused a valid
+# 1 Mi-character prompt of 4-byte characters). A 128k-token context adds 4 MiB to HTTP's, 1 MiB to gRPC's.
+JSON_BYTES_PER_CHAR, JSON_BYTES_PER_TOKEN = 12, 32
+PROTO_BYTES_PER_CHAR, PROTO_BYTES_PER_TOKEN = 4, 8
+REQUEST_HEADROOM_BYTES = 1 << 20
+BODY_BUDGET_REQUESTS = 16  # the HTTP door holds at most this many of the largest bodies at once, by default
+
+
+def request_size_bounds(max_input_chars: int, max_model_len: int) -> tuple[int, int]:
+    """(HTTP body, gRPC message): the bytes the largest valid request can take in each door's encoding."""
+    return (JSON_BYTES_PER_CHAR * max_input_chars + JSON_BYTES_PER_TOKEN * max_model_len + REQUEST_HEADROOM_BYTES,
+            PROTO_BYTES_PER_CHAR * max_input_chars + PROTO_BYTES_PER_TOKEN * max_model_len + REQUEST_HEADROOM_BYTES)
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    host: str = "127.0.0.1"
+    port: int = 50051  # 0: any free port
+    max_running: int = 256  # requests on the workers at once
+    max_queued: int = 1024  # more wait for admission, in order; past that: RESOURCE_EXHAUSTED
+    max_input_chars: int = 1 << 20  # text accepted before tokenizing (prompt or all messages)
+    drain_timeout_s: float = 30.0  # graceful shutdown: in-flight requests get this long to finish
+    metrics_host: str = "127.0.0.1"
+    metrics_port: int | None = None  # Prometheus /metrics; None: no endpoint and no recording
+    # The edge (router.security): TLS on the gRPC port with this certificate and key; client certificates
+    # signed by ssl_ca_certs required if given; an API key every RPC but health must carry.
+    ssl_certfile: str | None = None
+    ssl_keyfile: str | None = None
+    ssl_ca_certs: str | None = None
+    api_key: str | None = None
+    metrics_tls: bool = False  # /metrics over HTTPS with the same certificate
+    health_port: int | None = None  # grpc.health.v1 alone, plaintext, on this port too (for probes)
+    http_port: int | None = None  # the OpenAI-compatible HTTP API (router.openai_api) on host:http_port
+    served_model_name: str | None = None  # the model's name in the HTTP API; None: its file or directory name
+    # The distribution sampled tokens' logprobs come from when a request does not say (either API):
+    # "raw" or "processed" (pdserve.engine.sampling.SamplingParams.logprobs_mode).
+    logprobs_mode: str = "raw"
+    # What a request in flight does when the weights change, when it does not say (router.weights):
+    # "recompute", "keep" or "abort" (pdserve.engine.sampling.SamplingParams.version_policy).
+    version_policy: str = "recompute"
+    # The bytes of one request either door reads, an HTTP body or a gRPC message: past it HTTP answers 413
+    # before reading on, gRPC RESOURCE_EXHAUSTED. None: what the largest valid request can take in that door's
+    # encoding (request_size_bounds).
+    max_request_body_bytes: int | None = None
+    # The bytes of HTTP request bodies the door holds at once (being read, or read and not yet answered); a
+    # request that would pass it is answered 503 at once. None: BODY_BUDGET_REQUESTS of the largest.
+    request_body_budget_bytes: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_running < 1 or self.max_queued < 0:
+            raise ValueError("max_running must be >= 1 and max_queued >= 0")
+        if any(n is not None and n < 1 for n in (self.max_request_body_bytes, self.request_body_budget_bytes)):
+            raise ValueError("max_request_body_bytes and request_body_budget_bytes must be >= 1")
+        if None not in (self.max_request_body_bytes, self.request_body_budget_bytes) \
+                and self.request_body_budget_bytes < self.max_request_body_bytes:
+            raise ValueError("request_body_budget_bytes must be >= max_request_body_bytes (one body must fit)")
+        if bool(self.ssl_certfile) != bool(self.ssl_keyfile):
+            raise ValueError("TLS needs both a certificate (--ssl-certfile) and its key (--ssl-keyfile)")
+        if (self.ssl_ca_certs or self.metrics_tls) and not self.ssl_certfile:
+            raise ValueError("--ssl-ca-certs and --metrics-tls need --ssl-certfile and --ssl-keyfile")
+        if self.logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(f"logprobs_mode must be one of {', '.join(LOGPROBS_MODES)}, got {self.logprobs_mode!r}")
+        if self.version_policy not in VERSION_POLICIES:
+            raise ValueError(f"version_policy must be one of {', '.join(VERSION_POLICIES)}, "
+                             f"got {self.version_policy!r}")
+        if self.api_key is not None and not self.api_key:
+            raise ValueError("the API key is empty")
+        for path in (self.ssl_certfile, self.ssl_keyfile, self.ssl_ca_certs):
+            if path is not None and not os.path.isfile(path):  # now, not once the pools have loaded the model
+                raise FileNotFoundError(f"no such file: {path}")
+
+    @property
+    def tls(self) -> bool:
+        return self.ssl_certfile is not None
+
+    def request_bounds(self, max_model_len: int) -> tuple[int, int, int]:
+        """(HTTP body, gRPC message, HTTP bodies held at once) in bytes, for a model of this context."""
+        http, grpc_ = request_size_bounds(self.max_input_chars, max_model_len)
+        if self.max_request_body_bytes is not None:
+            http = grpc_ = self.max_request_body_bytes
+        budget = self.request_body_budget_bytes or BODY_BUDGET_REQUESTS * http
+        if budget < http:
+            raise ValueError(f"request_body_budget_bytes ({budget}) is below one request body's bound ({http})")
+        return http, grpc_, budget

@@ -1,0 +1,166 @@
+"""The one front behind both doors: a request's checks, admission, its run through the cluster, and the counts.
+
+The gRPC door (router.grpc_api) and the HTTP door (router.openai_api) each turn their wire format into an
+Ask (router.admission) and the outputs back into theirs; everything between is here, once: the request's
+fields into token ids and sampling parameters (with the server's defaults), its tier, admission (flex has
+one of its own, so flex never takes the other tiers' places), the cluster's stream of outputs recorded on
+the request's timeline, the queue counts and pool sizes the metrics and the status read, the autoscaler
+that follows the demand seen here, and whether the router still serves (a drain turns it off for both).
+"""
+from __future__ import annotations
+
+import collections
+import contextlib
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from pdserve.engine.output import RequestOutput
+from pdserve.engine.request import FinishReason
+from pdserve.engine.sampling import SamplingParams
+from pdserve.model.loader import ModelInfo
+from pdserve.serving.messages import WorkerStats
+from pdserve.tiers import ServiceTier, parse_tier
+from router.admission import Admission, Ask, Overloaded, RequestFailed, prepare
+from router.autoscaler import AutoscaleLoop
+from router.cluster import Cluster
+from router.config import RouterConfig
+from router.metrics import PoolScale, RouterMetrics
+from router.workers import Worker
+from router.tracking import Timeline
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """A request the front has checked: its prompt's token ids, sampling parameters, tier and id."""
+
+    prompt: list[int]
+    params: SamplingParams
+    tier: ServiceTier
+    request_id: str | None
+
+
+@dataclass(frozen=True)
+class PoolView:
+    """One pool as the status shows it: its scale, its members (ready, starting, draining) with each one's
+    state and its latest stats (None while it starts)."""
+
+    scale: PoolScale
+    members: list[tuple[Worker, WorkerStats | None]]
+
+
+class Frontend:
+    def __init__(self, cluster: Cluster, config: RouterConfig, metrics: RouterMetrics | None = None):
+        self.cluster = cluster
+        self.config = config
+        self.metrics = metrics
+        self.admission = Admission(config.max_running, config.max_queued)
+        self.flex_admission = Admission(config.max_running, cluster.config.tiers.flex_max_queued)
+        self._waiting: collections.Counter[ServiceTier] = collections.Counter()  # for admission, by tier
+        self.serving = True
+        self._defaults = dict(logprobs_mode=config.logprobs_mode, version_policy=config.version_policy)
+        # Autoscaled pools follow the demand seen here (the admission queue included).
+        self.autoscaler = AutoscaleLoop(cluster, lambda: self.admitting) if cluster.config.ranges else None
+        if metrics is not None:
+            metrics.running.set_function(lambda: self.admitted)
+            metrics.queued.set_function(lambda: self.admitting)
+            metrics.tier_queued(self.queued)
+
+    @property
+    def info(self) -> ModelInfo:
+        return self.cluster.info
+
+    def prepare(self, ask: Ask) -> Prepared:
+        """The request's token ids, sampling parameters (the server's defaults where it gave none) and tier;
+        ValueError says what is wrong, naming the field."""
+        prompt, params = prepare(self.info, self.config.max_input_chars, ask, self._defaults)
+        return Prepared(prompt, params, parse_tier(ask.service_tier), ask.request_id)
+
+    async def run(self, request: Prepared, t: Timeline) -> AsyncIterator[RequestOutput]:
+        """A checked request through admission and the cluster: its outputs, recorded on its timeline as
+        they stream. Raises Overloaded (the admission queue is full, or flex's queue is), ValueError (the
+        cluster's own checks: context length, a duplicate request id, ...) or RequestFailed (the workers
+        failed it). Closing it early cancels the request on every worker."""
+        tier = request.tier
+        t.service_tier = t.served_tier = tier.value
+        t.prompt_tokens = len(request.prompt)
+        bound = self.cluster.config.tiers.flex_max_queued
+        if tier is ServiceTier.FLEX and self.queued(tier) >= bound:
+            raise Overloaded(f"the flex tier's queue is full ({bound} waiting); retry later")
+        admission = self.flex_admission if tier is ServiceTier.FLEX else self.admission
+        self._waiting[tier] += 1
+        waiting = True
+        try:
+            async with admission.slot():
+                self._waiting[tier] -= 1
+                waiting = False
+                t.admitted = time.monotonic()
+                outs = self.cluster.generate(request.prompt, request.params, request.request_id, tier)
+                async with contextlib.aclosing(outs):
+                    async for out in outs:
+                        self._observe(out, t)
+                        yield out
+        finally:
+            if waiting:
+                self._waiting[tier] -= 1
+
+    @staticmethod
+    def _observe(out: RequestOutput, t: Timeline) -> None:
+        t.served_tier = out.service_tier
+        if out.finish_reason is FinishReason.ERROR:
+            t.finish_reason = "error"
+            raise RequestFailed(out.error or "the request failed on a worker")
+        t.tokens(len(out.new_token_ids))
+        t.token_versions += out.weight_versions
+        if out.finish_reason is not None:
+            t.finish_reason = out.finish_reason.value
+
+    # -- counts -------------------------------------------------------------------------------------
+    @property
+    def admitted(self) -> int:
+        """Requests admitted to the cluster, every tier's admission together."""
+        return self.admission.running + self.flex_admission.running
+
+    @property
+    def admitting(self) -> int:
+        """Requests waiting for admission, every tier's together."""
+        return self.admission.queued + self.flex_admission.queued
+
+    def queued(self, tier: ServiceTier) -> int:
+        """Requests of a tier waiting: for admission, or in the cluster's line for workers."""
+        return self._waiting[tier] + self.cluster.queued(tier)
+
+    def pool_scale(self) -> list[PoolScale]:
+        """Each pool's size by state, its target and range, its scale events and start-up times."""
+        pools, out = self.cluster.scaling, []
+        for name, pc in self.cluster.config.pools.items():
+            lo, hi = pc.num_workers, max(pc.num_workers, pc.max_workers or 0)
+            desired = self.autoscaler.desired(name) if self.autoscaler is not None else None
+            events = {(d, r): n for (p, d, r), n in pools.scale_events.items() if p == name}
+            out.append(PoolScale(name, len(pools.by_name[name]), len(pools.starting[name]),
+                                 sum(w.pool == name for w in pools.draining),
+                                 desired if desired is not None else pools.size(name) if lo < hi else lo,
+                                 lo, hi, tuple(pools.start_seconds[name]), events,
+                                 self.cluster.config.engine_for(pc).tensor_parallel_size))
+        return out
+
+    async def pools(self) -> list[PoolView]:
+        """Every pool with its members and their fresh stats (one call to each worker)."""
+        stats = {s.worker_id: s for s in await self.cluster.stats()}
+        pools, out = self.cluster.scaling, []
+        for scale in self.pool_scale():
+            name = scale.pool
+            members = pools.starting[name] + pools.by_name[name] + [w for w in pools.draining if w.pool == name]
+            out.append(PoolView(scale, [(w, stats.get(w.worker_id)) for w in members]))
+        return out
+
+    # -- life ---------------------------------------------------------------------------------------
+    def start(self) -> None:
+        if self.autoscaler is not None:
+            self.autoscaler.start()
+
+    async def drain(self) -> None:
+        """Refuse new requests at both doors; the pools keep their size while the router drains."""
+        self.serving = False
+        if self.autoscaler is not None:
+            await self.autoscaler.stop()

@@ -1,0 +1,111 @@
+"""The HTTP door's guards, before a request reaches its handler: the API key, and request bodies bounded
+while they are read (one body's bytes, and a budget for all the bodies held at once). Plain ASGI middleware:
+Starlette's BaseHTTPMiddleware would wrap `receive` and hide a client's disconnect from the handler (and
+with it the cancel on the workers)."""
+from __future__ import annotations
+
+import hmac
+
+from router.openai_schema import HTTPError
+from router.tracking import Timeline
+
+
+class ApiKey:
+    """Every path but /health needs `Authorization: Bearer <key>`, checked before the body is read. A
+    plain ASGI middleware: Starlette's BaseHTTPMiddleware would wrap `receive` and hide a client's
+    disconnect from the handler (and with it the cancel on the workers)."""
+
+    def __init__(self, app, expected: bytes):
+        self.app, self.expected = app, expected
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["path"] != "/health":
+            given = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
+            if not hmac.compare_digest(given, self.expected):
+                error = HTTPError(401, "missing or wrong API key: send the header 'Authorization: Bearer <key>'",
+                                  code="invalid_api_key", grpc_code="UNAUTHENTICATED")
+                await error.response()(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+class BodyBudget:
+    """The HTTP door's bounds on request bodies, and the bytes of them it holds now."""
+
+    def __init__(self, limit: int, total: int):
+        self.limit, self.total = limit, total
+        self.held = 0  # bytes of bodies being read, or read and their request not yet answered
+
+    def check(self, size: int, more: int) -> HTTPError | None:
+        """The answer to a request whose body has reached `size` bytes (or says it will) and needs `more`
+        of the budget now; None: go on."""
+        if size > self.limit:
+            return HTTPError(413, f"the request body has more than {self.limit} bytes, the most this server reads "
+                                  "(--max-request-body-bytes)", code="request_too_large",
+                             grpc_code="RESOURCE_EXHAUSTED")
+        if self.held + more > self.total:
+            return HTTPError(503, f"the server holds {self.held} bytes of request bodies and this one would pass its "
+                                  f"budget of {self.total} (--request-body-budget-bytes); retry shortly",
+                             kind="server_error", code="server_busy", grpc_code="UNAVAILABLE",
+                             headers={"Retry-After": "1"})
+        return None
+
+
+class BodyLimit:
+    """Request bodies bounded while they are read (plain ASGI, as _ApiKey). A Content-Length over the
+    bound is answered 413 before a byte of the body is read; a body without one (chunked) is counted as
+    it arrives and answered 413 the moment it passes the bound, what was read of it dropped at once. The
+    bodies the door holds at once (being read, or read and their request not yet answered) have a budget
+    in bytes: a request that would pass it is answered 503 at once (Retry-After: 1), never kept waiting.
+    Behind a refusal the server (uvicorn) reads the rest of the body and drops it, so a client that sends
+    its whole body before it reads gets the answer too, and nothing of it stays in memory.
+
+    The body is read here, whole, before the app runs (FastAPI reads it whole anyway): one message is
+    handed on as it came, several are joined once (the join Starlette would do), so a normal body is not
+    copied again; later receives pass through (disconnects)."""
+
+    def __init__(self, app, bodies: BodyBudget, metrics):
+        self.app, self.bodies, self.metrics = app, bodies, metrics
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        bodies, held, chunks = self.bodies, 0, []
+        try:
+            length = next((v for k, v in scope["headers"] if k == b"content-length"), None)
+            error = bodies.check(int(length), int(length)) if length is not None and length.isdigit() else None
+            while error is None:
+                message = await receive()
+                if message["type"] != "http.request":
+                    return  # the client went away before its body was whole: nobody to answer
+                chunk = message.get("body", b"")
+                error = bodies.check(held + len(chunk), len(chunk))
+                if error is None:
+                    bodies.held += len(chunk)
+                    held += len(chunk)
+                    chunks.append(chunk)
+                    if not message.get("more_body", False):
+                        break
+            if error is not None:
+                chunks.clear()
+                bodies.held -= held
+                held = 0
+                t = Timeline("http")
+                t.code = error.grpc_code
+                t.record(self.metrics)
+                await error.response()(scope, receive, send)
+                return
+            body: bytes | None = b"".join(chunks)  # one chunk: that very object, no copy
+            chunks.clear()
+
+            async def replay():
+                nonlocal body
+                if body is None:
+                    return await receive()
+                message, body = {"type": "http.request", "body": body, "more_body": False}, None
+                return message
+
+            await self.app(scope, replay, send)
+        finally:
+            bodies.held -= held

@@ -1,0 +1,211 @@
+"""A request's choices in the OpenAI API's shape: each sample's text, finish reason, logprobs (chat's content
+entries, completions' tokens / token_logprobs / top_logprobs / text_offset) and token ids, streamed piece by
+piece or gathered whole; the prompt's fields (prompt_token_ids, prompt_logprobs) once. Token strings are the
+tokenizer's text of each id alone (special tokens shown), bytes their raw bytes where the tokenizer is
+byte-level; a model without a tokenizer names a token "token_id:<id>". A logprob of -inf (a token the
+"processed" distribution masked out) is written as MIN_LOGPROB, JSON having no -inf."""
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from pdserve.engine.logprobs import PromptLogprobs, TokenLogprob
+from pdserve.engine.output import RequestOutput
+from pdserve.engine.request import FinishReason
+from pdserve.engine.sampling import SamplingParams
+from pdserve.model.tokenizer import IncrementalDetokenizer, Tokenizer
+
+FINISH = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length", FinishReason.ABORT: "abort"}
+MIN_LOGPROB = -9999.0  # what a logprob of -inf is written as: JSON has no -inf
+
+
+def _logprob(x: float) -> float:
+    return max(x, MIN_LOGPROB)
+
+
+class Vocab:
+    """Token ids as logprobs show them: each id's text (the tokenizer's decode of it alone, special tokens
+    shown) and its bytes, made once per id. A byte-level BPE token gives its raw bytes, so a token holding
+    part of a UTF-8 character (whose text is U+FFFD) still gives exact bytes; a byte-fallback piece
+    (<0xE6>) gives its byte; other tokens the UTF-8 of their text. Without a tokenizer: "token_id:<id>"."""
+
+    _BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+    def __init__(self, tokenizer: Tokenizer | None):
+        self._tok = tokenizer
+        self._known: dict[int, tuple[str, list[int]]] = {}
+        self._byte_level: dict[str, int] | None = None
+        self._added: dict[int, str] = {}
+        if tokenizer is not None:
+            from tokenizers.decoders import ByteLevel
+
+            hf = tokenizer.hf_tokenizer
+            self._added = {int(i): t.content for i, t in hf.added_tokens_decoder.items()}
+            backend = getattr(hf, "backend_tokenizer", None)
+            if backend is not None and isinstance(backend.decoder, ByteLevel):
+                self._byte_level = _byte_level_alphabet()
+
+    def __call__(self, token_id: int) -> tuple[str, list[int]]:
+        """(text, bytes) of a token id."""
+        known = self._known.get(token_id)
+        if known is None:
+            known = self._known[token_id] = self._make(token_id)
+        return known
+
+    def text(self, token_id: int) -> str:
+        return self(token_id)[0]
+
+    def _make(self, token_id: int) -> tuple[str, list[int]]:
+        if self._tok is None:
+            text = f"token_id:{token_id}"
+            return text, list(text.encode())
+        text = self._tok.decode([token_id], skip_special_tokens=False)
+        if token_id in self._added:
+            return text, list(self._added[token_id].encode())
+        piece = self._tok.hf_tokenizer.convert_ids_to_tokens(token_id)
+        if isinstance(piece, str):
+            if self._byte_level is not None and all(c in self._byte_level for c in piece):
+                return text, [self._byte_level[c] for c in piece]
+            if (m := self._BYTE_PIECE.fullmatch(piece)) is not None:
+                return text, [int(m[1], 16)]
+        return text, list(text.encode())
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """Byte-level BPE's character for each byte, inverted: printable bytes stand for themselves, the other
+    68 for the characters from U+0100 on, in byte order."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1),
+                 *range(ord("\u00ae"), ord("\u00ff") + 1)]
+    chars = {b: chr(b) for b in printable}
+    for n, b in enumerate(b for b in range(256) if b not in chars):
+        chars[b] = chr(256 + n)
+    return {c: b for b, c in chars.items()}
+
+
+class Choice:
+    """A request's choice (the sample of its index) in the API's shape, built from that sample's outputs:
+    streamed (piece() per output) or whole (add() per output, then whole()). Beside the text: logprobs
+    (when asked), the token ids (return_token_ids), and, choice 0 alone, the prompt's fields once
+    (prompt_token_ids, prompt_logprobs), which chat puts on the response and completions on the choice."""
+
+    def __init__(self, chat: bool, vocab: Vocab, tokenizer: Tokenizer | None, prompt: list[int],
+                 params: SamplingParams, token_ids: bool, index: int = 0):
+        self.chat, self.vocab, self.prompt, self.token_ids, self.index = chat, vocab, prompt, token_ids, index
+        self.logprobs = params.logprobs is not None
+        self.prompt_logprobs = params.prompt_logprobs is not None
+        # Completions' text_offset: each token's offset is the length of the text of the tokens before it,
+        # decoded as the completion's text is (with the prompt's last tokens as context). A token that ends
+        # within a character the next completes is at that character's offset.
+        self._offsets = (IncrementalDetokenizer(tokenizer, prompt)
+                         if self.logprobs and not chat and tokenizer is not None else None)
+        self._offset = 0  # characters of that text so far
+        self._prompt_sent = index > 0 or not (token_ids or self.prompt_logprobs)
+        self.text, self.finish = "", None
+        # What add() gathers: the choice's fields, in their shape even if no token comes; the prompt's.
+        empty = {"content": []} if chat else {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        self._fields: dict[str, Any] = {"logprobs": empty if self.logprobs else None}
+        if token_ids:
+            self._fields["token_ids"] = []
+            self._fields["weight_versions"] = []
+        self._prompt: dict[str, Any] = {}
+
+    @property
+    def extras(self) -> bool:
+        """Whether an output without text still has something to send (its tokens' logprobs or ids)."""
+        return self.logprobs or self.token_ids
+
+    def piece(self, out: RequestOutput) -> tuple[dict[str, Any], dict[str, Any]]:
+        """What `out` adds: the choice's fields (logprobs, token_ids) and the prompt's, the latter once: on the
+        output that carries the prompt's logprobs if they were asked, else on the first (on the last at the
+        latest)."""
+        fields: dict[str, Any] = {"logprobs": None}
+        if self.logprobs:
+            fields["logprobs"] = self._chat_logprobs(out.logprobs) if self.chat else self._completion_logprobs(out)
+        if self.token_ids:
+            fields["token_ids"] = list(out.new_token_ids)
+            fields["weight_versions"] = list(out.weight_versions)  # each token's (router.weights)
+        return fields, self.prompt_fields(out, last=out.finished)
+
+    def no_tokens(self) -> dict[str, Any]:
+        """The choice's fields of a chunk without tokens (chat's first, which says the role)."""
+        return {"logprobs": None, **({"token_ids": [], "weight_versions": []} if self.token_ids else {})}
+
+    def prompt_fields(self, out: RequestOutput | None, last: bool = False) -> dict[str, Any]:
+        """The prompt's fields if they are due with `out` (or, `last`, due at all) and not yet given."""
+        if self._prompt_sent or not last and (out is None or self.prompt_logprobs and out.prompt_logprobs is None):
+            return {}
+        self._prompt_sent = True
+        fields: dict[str, Any] = {}
+        if self.token_ids:
+            fields["prompt_token_ids"] = list(self.prompt)
+        if self.prompt_logprobs:
+            given = out.prompt_logprobs if out is not None else None
+            fields["prompt_logprobs"] = None if given is None else self._prompt_logprobs(given)
+        return fields
+
+    def add(self, out: RequestOutput) -> None:
+        self.text += out.new_text
+        if out.finished:
+            self.finish = FINISH.get(out.finish_reason)
+        fields, prompt = self.piece(out)
+        for name, value in fields.items():
+            if isinstance(value, list):  # token_ids, weight_versions
+                self._fields[name].extend(value)
+            elif isinstance(value, dict):  # logprobs: each of its lists grows
+                for key, items in value.items():
+                    self._fields[name][key].extend(items)
+        self._prompt.update(prompt)
+
+    def whole(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        """(the choice, the response's own fields) once every output is in."""
+        self._prompt.update(self.prompt_fields(None, last=True))
+        choice: dict[str, Any] = {"index": self.index, "finish_reason": self.finish, **self._fields}
+        if self.chat:
+            choice["message"] = {"role": "assistant", "content": self.text}
+            return choice, self._prompt
+        return {**choice, "text": self.text, **self._prompt}, {}
+
+    def _entry(self, token_id: int, logprob: float) -> dict[str, Any]:
+        text, raw = self.vocab(token_id)
+        return {"token": text, "logprob": _logprob(logprob), "bytes": raw}
+
+    def _chat_logprobs(self, logprobs: list[TokenLogprob] | None) -> dict[str, Any]:
+        return {"content": [{**self._entry(lp.token_id, lp.logprob),
+                             "top_logprobs": [self._entry(t, x) for t, x in lp.top]} for lp in logprobs or ()]}
+
+    def _completion_logprobs(self, out: RequestOutput) -> dict[str, Any]:
+        offsets = []
+        for token_id in out.new_token_ids:
+            offsets.append(self._offset)
+            if self._offsets is not None:
+                self._offset += len(self._offsets.add([token_id]))
+        tokens, token_logprobs, tops = [], [], []
+        for lp in out.logprobs or ():
+            tokens.append(self.vocab.text(lp.token_id))
+            token_logprobs.append(_logprob(lp.logprob))
+            # The k most likely and the chosen token, by text (ids of the same text: the likelier one's).
+            top: dict[str, float] = {}
+            for t, x in (*lp.top, (lp.token_id, lp.logprob)):
+                top.setdefault(self.vocab.text(t), _logprob(x))
+            tops.append(top)
+        return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops,
+                "text_offset": offsets[:len(tokens)]}
+
+    def _prompt_logprobs(self, logprobs: PromptLogprobs) -> list[dict[str, Any] | None]:
+        """Per prompt token (None for the first) {"<id>": {logprob, rank, decoded_token}} for the token itself
+        and the k most likely there."""
+        out: list[dict[str, Any] | None] = []
+        for lp in logprobs:
+            if lp is None:
+                out.append(None)
+                continue
+            ranked = {str(lp.token_id): {"logprob": _logprob(lp.logprob), "rank": lp.rank,
+                                         "decoded_token": self.vocab.text(lp.token_id)}}
+            higher = 0  # of the top entries before this one, those strictly likelier (ties share a rank)
+            for i, (t, x) in enumerate(lp.top):
+                if i and lp.top[i - 1][1] > x:
+                    higher = i
+                ranked.setdefault(str(t), {"logprob": _logprob(x), "rank": higher + 1,
+                                           "decoded_token": self.vocab.text(t)})
+            out.append(ranked)
+        return out
