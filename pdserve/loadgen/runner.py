@@ -126,15 +126,7 @@ async def run_workload(target: str | Connection, requests: Iterable[BenchRequest
                     if r.HasField("usage"):  # the last message
                         rec.input_tokens = r.usage.prompt_tokens or rec.input_tokens
                 rec.end = rec.chunks[-1][0] if rec.chunks else clock()
-                rec.finish_reason = finished[-1] if finished else ""
-                failed = next((f for f in finished if f in ("cancelled", "error")), None)
-                if not finished:
-                    rec.error_code, rec.error = "INCOMPLETE", "the stream ended without a finish reason"
-                elif failed is not None:
-                    rec.error_code, rec.error = f"FINISH_{failed.upper()}", "finished by the server"
-                elif len(finished) < cfg.n:
-                    rec.error_code = "INCOMPLETE"
-                    rec.error = f"the stream ended with {len(finished)} of {cfg.n} samples finished"
+                _judge(rec, finished, cfg.n)
             except grpc.aio.AioRpcError as e:
                 rec.end = clock()
                 rec.error_code, rec.error = e.code().name, e.details() or ""
@@ -175,6 +167,20 @@ async def run_workload(target: str | Connection, requests: Iterable[BenchRequest
                 progress.draw(final=True)
     wall = max((r.end for r in records if r.end is not None), default=0.0)
     return records, wall
+
+
+def _judge(rec: RequestRecord, finished: list[str], n: int) -> None:
+    """A stream that ended: its finish reason, and an error if it did not end well (no finish reason, the server
+    cancelled or failed it, or fewer of its n samples finished than it asked for)."""
+    rec.finish_reason = finished[-1] if finished else ""
+    failed = next((f for f in finished if f in ("cancelled", "error")), None)
+    if not finished:
+        rec.error_code, rec.error = "INCOMPLETE", "the stream ended without a finish reason"
+    elif failed is not None:
+        rec.error_code, rec.error = f"FINISH_{failed.upper()}", "finished by the server"
+    elif len(finished) < n:
+        rec.error_code = "INCOMPLETE"
+        rec.error = f"the stream ended with {len(finished)} of {n} samples finished"
 
 
 async def worker_prompt_tokens(target: str | Connection) -> dict[str, tuple[int, int]] | None:

@@ -203,20 +203,56 @@ def parse_tier_slos(items: list[str]) -> dict[str, Any]:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
+    from pdserve.planner.parallel import format_tp
+    from pdserve.planner.plan import candidates, format_plan, make_plan, plot_plan, workload_from_args
+
+    mix, tier_slos, slo = _check_plan_args(args)
+    tp, ep, tp_table = _parallel_sizes(args)
+    costs, model, kv_default, block_size = _costs_and_model(args, tp, ep)
+    tokenizer = None
+    if args.trace and model.get("path"):
+        from pdserve.model.tokenizer import Tokenizer
+
+        try:
+            tokenizer = Tokenizer.from_pretrained(model["path"])
+        except Exception:  # only text traces need it; they say so
+            tokenizer = None
+    workload = workload_from_args(args, model["vocab_size"], model["eos_token_ids"], model["max_model_len"], tokenizer)
+    if tp_table:
+        print(format_tp(tp_table))
+        label = f"TP {tp} EP {ep}" if tp_table["expert_parallel"] else f"TP {tp}"
+        print(f"simulated below: every worker is {label} ({tp} GPUs; KV figures per GPU)\n")
+    settings = _pool_settings(args, kv_default, block_size)
+    plan = make_plan(costs, workload, slo, args.max_workers, sorted(set(args.max_num_seqs)), settings,
+                     args.min_attainment)
+    plan.update(model=model["name"], costs=args.profile or f"roofline of {args.gpu}", tensor_parallel_size=tp,
+                expert_parallel_size=ep)
+    if tp_table:
+        plan["tensor_parallel"] = tp_table
+    print(f"{plan['requests']} requests: {workload.description['workload']}; model {model['name']}; costs: "
+          f"{plan['costs']}")
+    print(format_plan(plan))
+    print(f"simulated {plan['requests']} requests through {len(plan['candidates'])} configurations in "
+          f"{plan['simulation_seconds']:.2f} s")
+    if mix:
+        _tier_prices(args, plan, costs, settings, workload, mix, tier_slos)
+    if args.output:
+        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.output).write_text(json.dumps(plan, indent=1) + "\n")
+        print(f"plan: {args.output}")
+    if args.plot:
+        shapes = candidates(args.max_workers, sorted(set(args.max_num_seqs)), settings, costs.kv_bytes_per_token)
+        plot_plan(shapes, costs, workload, slo, args.plot)
+        print(f"plot: {args.plot}")
+    return 0
+
+
+def _check_plan_args(args: argparse.Namespace):
+    """The tier mix and its SLOs (None without --tier-mix) and the SLO the plan is judged by; every bound on the
+    flags checked (ValueError says which)."""
     from pdserve.loadgen.cli import check_args
     from pdserve.loadgen.stats import Slo
-    from pdserve.planner.parallel import format_tp
-    from pdserve.planner.plan import (
-        FIRST_TOKEN_LATENCY_S,
-        TOKEN_LATENCY_S,
-        PoolSettings,
-        candidates,
-        format_plan,
-        make_plan,
-        plot_plan,
-        workload_from_args,
-    )
-    from pdserve.tiers import ServiceTier, parse_mix
+    from pdserve.tiers import parse_mix
 
     mix = parse_mix(args.tier_mix) if args.tier_mix else None
     if args.tier_slo and mix is None:
@@ -244,7 +280,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.num_prompts is None and args.trace is None and (args.concurrency is not None or args.arrival == "closed"):
         # bench ends such a run by its clock, which a simulation does not have before it runs
         raise ValueError("pdserve plan needs --num-prompts with --concurrency or --arrival closed")
-    tp, ep, tp_table = 1, 1, None
+    return mix, tier_slos, slo
+
+
+def _parallel_sizes(args: argparse.Namespace) -> tuple[int, int, dict | None]:
+    """(TP, EP, the table comparing tensor-parallel sizes, if any): the smallest size that fits; of a mixture of
+    experts' two choices there, the faster decode."""
     if args.gpu and args.model:
         from pdserve.perf.hardware import resolve_model
         from pdserve.perf.shapes import LatentAttentionShape
@@ -258,64 +299,38 @@ def cmd_plan(args: argparse.Namespace) -> int:
             experts = ", each with its experts sliced (EP 1) and split whole (EP = TP)" if shape.is_moe else ""
             print(f"{args.model} {why}: comparing tensor-parallel sizes "
                   f"{','.join(map(str, args.tensor_parallel_sizes))}{experts} (--tensor-parallel-sizes chooses)\n")
-    if args.tensor_parallel_sizes:
-        tp_table = _compare_tp(args)
-        # The smallest size that fits; of a mixture of experts' two choices there, the faster decode.
-        tp = tp_table["fitting"][0]
-        ep = max((r for r in tp_table["sizes"] if r["fits"] and r["tp"] == tp),
-                 key=lambda r: (r["decode_tokens_per_s_per_gpu"], -r["ep"]))["ep"]
-    costs, model, kv_default, block_size = _costs_and_model(args, tp, ep)
-    tokenizer = None
-    if args.trace and model.get("path"):
-        from pdserve.model.tokenizer import Tokenizer
+    if not args.tensor_parallel_sizes:
+        return 1, 1, None
+    tp_table = _compare_tp(args)
+    tp = tp_table["fitting"][0]
+    ep = max((r for r in tp_table["sizes"] if r["fits"] and r["tp"] == tp),
+             key=lambda r: (r["decode_tokens_per_s_per_gpu"], -r["ep"]))["ep"]
+    return tp, ep, tp_table
 
-        try:
-            tokenizer = Tokenizer.from_pretrained(model["path"])
-        except Exception:  # only text traces need it; they say so
-            tokenizer = None
-    workload = workload_from_args(args, model["vocab_size"], model["eos_token_ids"], model["max_model_len"], tokenizer)
-    if tp_table:
-        print(format_tp(tp_table))
-        label = f"TP {tp} EP {ep}" if tp_table["expert_parallel"] else f"TP {tp}"
-        print(f"simulated below: every worker is {label} ({tp} GPUs; KV figures per GPU)\n")
+
+def _pool_settings(args: argparse.Namespace, kv_default: int, block_size: int):
+    from pdserve.planner.plan import FIRST_TOKEN_LATENCY_S, TOKEN_LATENCY_S, PoolSettings
+
     kv_bytes = (args.kv_cache_mib << 20) if args.kv_cache_mib is not None else kv_default
-    settings = PoolSettings(
+    return PoolSettings(
         kv_cache_bytes=kv_bytes, block_size=args.block_size or block_size, token_budget=args.prefill_token_budget,
         headroom_blocks=args.reservation_headroom_blocks, max_running=args.max_running, max_queued=args.max_queued,
         first_token_latency_s=FIRST_TOKEN_LATENCY_S if args.first_token_latency_ms is None
         else args.first_token_latency_ms / 1e3,
         token_latency_s=TOKEN_LATENCY_S if args.token_latency_ms is None else args.token_latency_ms / 1e3)
-    plan = make_plan(costs, workload, slo, args.max_workers, sorted(set(args.max_num_seqs)), settings,
-                     args.min_attainment)
-    plan["model"] = model["name"]
-    plan["costs"] = args.profile or f"roofline of {args.gpu}"
-    plan["tensor_parallel_size"] = tp
-    plan["expert_parallel_size"] = ep
-    if tp_table:
-        plan["tensor_parallel"] = tp_table
-    print(f"{plan['requests']} requests: {workload.description['workload']}; model {model['name']}; costs: "
-          f"{plan['costs']}")
-    print(format_plan(plan))
-    print(f"simulated {plan['requests']} requests through {len(plan['candidates'])} configurations in "
-          f"{plan['simulation_seconds']:.2f} s")
-    if mix:
-        from pdserve.planner.autoscale import PoolLimits
-        from pdserve.planner.pricing import format_prices, tier_prices
 
-        bsize = settings.block_size
-        limits = PoolLimits(kv_bytes // (costs.kv_bytes_per_token * bsize), bsize, max(args.max_num_seqs),
-                            args.prefill_token_budget)
-        plan["tiers"] = tier_prices(costs, limits, float(workload.input_len.mean()), float(workload.output_len.mean()),
-                                    {t: tier_slos[t.value] for t in ServiceTier}, mix, workload.mean_rate)
-        print()
-        print(format_prices(plan["tiers"]))
-    if args.output:
-        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.output).write_text(json.dumps(plan, indent=1) + "\n")
-        print(f"plan: {args.output}")
-    if args.plot:
-        shapes = candidates(args.max_workers, sorted(set(args.max_num_seqs)), settings, costs.kv_bytes_per_token)
-        plot_plan(shapes, costs, workload, slo, args.plot)
-        print(f"plot: {args.plot}")
-    return 0
+
+def _tier_prices(args: argparse.Namespace, plan: dict, costs, settings, workload, mix, tier_slos) -> None:
+    """The service tiers' prices for the mix (plan["tiers"]), printed."""
+    from pdserve.planner.autoscale import PoolLimits
+    from pdserve.planner.pricing import format_prices, tier_prices
+    from pdserve.tiers import ServiceTier
+
+    bsize = settings.block_size
+    limits = PoolLimits(settings.kv_cache_bytes // (costs.kv_bytes_per_token * bsize), bsize, max(args.max_num_seqs),
+                        args.prefill_token_budget)
+    plan["tiers"] = tier_prices(costs, limits, float(workload.input_len.mean()), float(workload.output_len.mean()),
+                                {t: tier_slos[t.value] for t in ServiceTier}, mix, workload.mean_rate)
+    print()
+    print(format_prices(plan["tiers"]))
 
