@@ -576,8 +576,7 @@ def load_hf(directory: Path, dtype: torch.dtype, device: torch.device):
 
 
 def hf_generate(model, prompts: list[list[int]], new_tokens: int, device: torch.device) -> list[list[int]]:
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from offline_vs_hf import hf_generate as batched_generate
+    from bench.common import hf_generate as batched_generate
 
     return batched_generate(model, prompts, new_tokens, device, exact=False)[:, max(map(len, prompts)):].tolist()
 

@@ -2,8 +2,8 @@
 trains a tiny Llama by policy gradient on rollouts that pdserve samples, pushing its weights after every step;
 synchronous and asynchronous (bounded staleness) in one run, same seed, same steps.
 
-    .venv/bin/python bench/rl_loop.py [--steps 12] [--prompts 8] [--n 4] [--max-tokens 16] [--lr 0.01]
-                                      [--modes sync,async-1,async-2] [--seed 0] [--json out.json]
+    .venv/bin/python -m bench.cluster.rl_loop [--steps 12] [--prompts 8] [--n 4] [--max-tokens 16] [--lr 0.01]
+                                              [--modes sync,async-1,async-2] [--seed 0] [--json out.json]
 
 The model is a seeded random tiny Llama (vocab 320, hidden 128, 4 layers) saved to a temporary directory;
 a 1P1D cluster serves it on a local Ray cluster, with the gRPC router in this process (each worker and the
@@ -44,7 +44,7 @@ from pathlib import Path
 
 import torch
 
-from common import Table, local_cluster, local_router, parser, write_json
+from bench.common import Table, local_cluster, local_router, parser, write_json
 
 GOOD_TOKENS = frozenset(range(10, 20))  # the toy reward's tokens
 PROMPT_TOKENS = (20, 320)  # prompts draw from these ids: none of them is good

@@ -1,12 +1,12 @@
 """`pdserve plan`'s predictions against `pdserve bench` on real clusters, side by side in one run.
 
-    .venv/bin/python bench/plan_vs_bench.py [--profile profile.json] [--rates 0.15 0.3] [--output out.json]
+    .venv/bin/python -m bench.cluster.plan_vs_bench [--profile profile.json] [--rates 0.15 0.3] [--output out.json]
 
 1. Profile this machine (`pdserve profile`, one torch thread as each of two workers gets), unless
    --profile names one.
-2. For each request rate: plan the workload of bench/compare_modes.py (its seeded defaults at that
+2. For each request rate: plan the workload of bench.cluster.compare_modes (its seeded defaults at that
    rate) for up to 2 workers with compare_modes' pool settings (token budget 512, 256 MiB of KV, 64
-   running), then run compare_modes.py itself: 1P1D and colocated x2 on a local Ray cluster, each
+   running), then run compare_modes itself: 1P1D and colocated x2 on a local Ray cluster, each
    driven by `pdserve bench` in its own process.
 3. Print, per rate and configuration, predicted beside measured median and p99 TTFT and TPOT, goodput
    and SLO attainment, with the ratio and whether it is within the targets (median within 25 %, p99
@@ -18,15 +18,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from common import ROOT, parser, pdserve_profile, write_json
-from compare_modes import DEFAULT_BENCH_ARGS
+from bench.common import MODES_BENCH_ARGS, ROOT, parser, pdserve_profile, write_json
 
 KEYS = (("median_ttft_ms", 0.25), ("p99_ttft_ms", 0.5), ("median_tpot_ms", 0.25), ("p99_tpot_ms", 0.5))
 TIE = 0.1
@@ -34,7 +32,7 @@ CONFIGS = {"1P1D": "disaggregated 1P1D", "colocated x2": "colocated x2"}
 
 
 def bench_args(rate: float) -> list[str]:
-    args = list(DEFAULT_BENCH_ARGS)
+    args = list(MODES_BENCH_ARGS)
     args[args.index("--request-rate") + 1] = str(rate)
     return args
 
@@ -71,8 +69,6 @@ def main() -> None:
     ap.add_argument("--output", default=None, metavar="FILE.json")
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="pdserve-plan-vs-bench-"))
-    py = sys.executable
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
     prof_path = Path(args.profile) if args.profile else tmp / "profile.json"
     if not args.profile:
         pdserve_profile(prof_path)
@@ -91,8 +87,8 @@ def main() -> None:
         plan = plan_for(profile, rate)
         print(f"\n## plan at {rate} req/s\n{format_plan(plan)}", flush=True)
         out = tmp / f"measured-{rate}.json"
-        subprocess.run([py, str(ROOT / "bench" / "compare_modes.py"), "--output", str(out), "--request-rate", str(rate)],
-                       check=True, cwd=ROOT, env=env)
+        subprocess.run([sys.executable, "-m", "bench.cluster.compare_modes", "--output", str(out), "--request-rate",
+                        str(rate)], check=True, cwd=ROOT)
         measured = json.loads(out.read_text())["reports"]
         predicted = {c["label"].split(",")[0]: c for c in plan["candidates"]}
         results.append({"rate": rate, "predicted": {k: predicted[k] for k in CONFIGS},

@@ -1,6 +1,6 @@
 """Autoscaled pools against a fixed cluster on bursty load, on this machine, side by side in one run.
 
-    .venv/bin/python bench/autoscale_bursts.py [--profile profile.json] [--output out.json]
+    .venv/bin/python -m bench.cluster.autoscale_bursts [--profile profile.json] [--output out.json]
         [--scale-down-delay 15] [--slo-ttft-ms 10000] [--slo-tpot-ms 120] [any `pdserve bench` flag ...]
 
 1. Profile this machine (`pdserve profile`, about 2 minutes, one torch thread as each worker gets),
@@ -17,6 +17,9 @@
 Both clusters give every worker one torch thread and the same Ray CPU share. On a 2-core machine more
 workers add no cores: the fixed 2P2D cluster is four workers time-sharing two cores, so what its extra
 workers buy here is batching room and queues, not compute; on GPUs each worker is its own device.
+
+bench.simulated.autoscale_sim asks the same question of GPUs at scale (the roofline, RL waves of thousands of
+requests, GPU-hours) through the planner's simulator; this script measures real workers, on this machine.
 """
 from __future__ import annotations
 
@@ -28,7 +31,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import Table, bench_report, local_cluster, local_router, parser, pdserve_bench, pdserve_profile, write_json
+from bench.common import (Table, bench_report, local_cluster, local_router, parser, pdserve_bench, pdserve_profile,
+                          write_json)
 
 BENCH_ARGS = ["--num-prompts", "48", "--arrival", "bursty", "--burst-size", "24", "--burst-interval", "60",
               "--lengths", "uniform", "--input-len", "128", "--output-len", "96", "--range-ratio", "0.25",

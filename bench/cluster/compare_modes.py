@@ -1,7 +1,7 @@
 """Disaggregated (xPyD) versus colocated on the same machine: one seeded workload, one table.
 
-    .venv/bin/python bench/compare_modes.py [--prefill-workers 1] [--decode-workers 1] [--output both.json]
-                                            [--plot both.png] [any `pdserve bench` flag ...]
+    .venv/bin/python -m bench.cluster.compare_modes [--prefill-workers 1] [--decode-workers 1] [--output both.json]
+                                                    [--plot both.png] [any `pdserve bench` flag ...]
 
 In one run: start a local Ray cluster (loopback); start the pools in disaggregated mode (P prefill + D
 decode workers) and the gRPC router, run `pdserve bench` against it in a separate process, shut it down;
@@ -11,8 +11,11 @@ seeded workload. Prints one table: goodput, SLO attainment, throughput, TTFT/TPO
 of each mode and their ratio (disaggregated / colocated: below 1 is better for a latency, above 1 for
 goodput and throughput).
 
-Flags this script does not know go to `pdserve bench` after its defaults (DEFAULT_BENCH_ARGS), so
+Flags this script does not know go to `pdserve bench` after its defaults (bench.common.MODES_BENCH_ARGS), so
 `--request-rate 2` or `--num-prompts 32` overrides them.
+
+bench.simulated.sim_modes asks the same question of GPUs (the simulated engine, `pdserve plan`'s best of each
+mode on N GPUs, measured beside planned); this script runs the real model on this machine, the xPyD you name.
 """
 from __future__ import annotations
 
@@ -22,14 +25,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import Table, bench_report, local_cluster, local_router, parser, pdserve_bench, write_json
-
-# 32 requests at 0.3/s: about 2 minutes a mode on 2 cores with SmolLM2, both modes below saturation.
-# Prompts of 384-640 tokens make each prefill (~2 s on one thread) long enough to stall the decodes
-# it shares a colocated worker with; 48-80 output tokens.
-DEFAULT_BENCH_ARGS = ["--num-prompts", "32", "--request-rate", "0.3", "--lengths", "uniform", "--input-len", "512",
-                      "--output-len", "64", "--range-ratio", "0.25", "--seed", "0",
-                      "--slo-ttft-ms", "4000", "--slo-tpot-ms", "150", "--timeout", "300"]
+from bench.common import (MODES_BENCH_ARGS, Table, bench_report, local_cluster, local_router, parser, pdserve_bench,
+                          write_json)
 
 ROWS = [  # (label, report key, format, better when higher)
     ("completed / failed", None, "", None),
@@ -110,7 +107,7 @@ def main() -> None:
                                               decode=pool(args.decode_workers)),
         f"colocated x{workers}": ClusterConfig(engine=engine, mode="colocated", colocated=pool(workers)),
     }
-    cmd_args = [*DEFAULT_BENCH_ARGS, *bench_args]
+    cmd_args = [*MODES_BENCH_ARGS, *bench_args]
     print(f"{cores} cores; {workers} workers per mode, {threads} torch thread(s) each; "
           f"pdserve bench {' '.join(cmd_args)}", flush=True)
     init_local_ray()

@@ -1,6 +1,6 @@
 """What one message costs the router, with nothing of pdserve in the way: the floors under its hot path.
 
-    .venv/bin/python bench/router_floors.py [--messages 20000] [--items 1000]
+    .venv/bin/python -m bench.router.router_floors [--messages 20000] [--items 1000]
 
 1. gRPC: an asyncio gRPC server streams `GenerateResponse` messages of k tokens each (k = 1, 4, 16) to 16
    concurrent streams of a client in another process; the server's CPU per message and per token; then
@@ -18,22 +18,20 @@ from __future__ import annotations
 import argparse
 import asyncio
 import queue
-import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
 import grpc
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from pdserve.v1 import generation_pb2 as pb  # noqa: E402
-from pdserve.v1 import generation_pb2_grpc as pb_grpc  # noqa: E402
+from bench.common import ROOT, cpu_model
+from pdserve.v1 import generation_pb2 as pb
+from pdserve.v1 import generation_pb2_grpc as pb_grpc
 
 STREAMS = 16
+# The clients run in their own process from the checkout's root (pdserve on their sys.path).
 _CLIENT = """
 import asyncio, sys, grpc
-sys.path.insert(0, {root!r})
 from pdserve.v1 import generation_pb2 as pb, generation_pb2_grpc as pb_grpc
 async def main(port):
     async with grpc.aio.insecure_channel(f"127.0.0.1:{{port}}") as ch:
@@ -46,7 +44,6 @@ asyncio.run(main(int(sys.argv[1])))
 """
 _CALLS = """
 import asyncio, sys, grpc
-sys.path.insert(0, {root!r})
 from pdserve.v1 import generation_pb2 as pb, generation_pb2_grpc as pb_grpc
 async def main(port):
     async with grpc.aio.insecure_channel(f"127.0.0.1:{{port}}") as ch:
@@ -88,7 +85,7 @@ async def _server_cpu(per_call: int, k: int, client: str, step: float = 0.0) -> 
     await server.start()
     stepper = asyncio.create_task(steps()) if step else None
     t0 = time.process_time()
-    proc = await asyncio.create_subprocess_exec(sys.executable, "-c", client, str(port))
+    proc = await asyncio.create_subprocess_exec(sys.executable, "-c", client, str(port), cwd=ROOT)
     await proc.wait()
     cpu = time.process_time() - t0
     if stepper is not None:
@@ -99,14 +96,12 @@ async def _server_cpu(per_call: int, k: int, client: str, step: float = 0.0) -> 
 
 async def grpc_floor(messages: int, k: int, step: float = 0.0) -> float:
     """Server CPU seconds for `messages` messages of k tokens over STREAMS streams (step: see _server_cpu)."""
-    root = str(Path(__file__).resolve().parents[1])
-    return await _server_cpu(messages // STREAMS, k, _CLIENT.format(root=root, streams=STREAMS), step)
+    return await _server_cpu(messages // STREAMS, k, _CLIENT.format(streams=STREAMS), step)
 
 
 async def grpc_request_floor(requests: int) -> float:
     """Server CPU seconds for `requests` Generate calls of two messages each, 32 at a time."""
-    root = str(Path(__file__).resolve().parents[1])
-    return await _server_cpu(2, 1, _CALLS.format(root=root, requests=requests))
+    return await _server_cpu(2, 1, _CALLS.format(requests=requests))
 
 
 def ray_floor(items: int) -> float:
@@ -163,9 +158,7 @@ def main() -> None:
     p.add_argument("--paced-messages", type=int, default=4800, help="messages of the paced row (16 a step)")
     p.add_argument("--step-ms", type=float, default=10.0, help="the paced row's decode step")
     args = p.parse_args()
-    cpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-    model = next((line.split(":", 1)[1].strip() for line in cpu.splitlines() if line.startswith("Model name")), "?")
-    print(f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {model}")
+    print(f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {cpu_model()}")
     print("| path | per message | per token |\n|---|---:|---:|")
     for k in (1, 4, 16):
         n = args.messages // k

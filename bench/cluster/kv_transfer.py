@@ -1,8 +1,8 @@
 """KV transfer over a gloo PairChannel between two Ray actors vs an in-process copy of the same bytes,
 then the whole prefill -> decode hand-off of real workers.
 
-    .venv/bin/python bench/kv_transfer.py [--reps 20] [--warmup 2] [--tokens 16 256 2048] [--extra-mb 64]
-                                          [--handoff-tokens 128 512 2048] [--handoff-reps 5] [--no-handoff]
+    .venv/bin/python -m bench.cluster.kv_transfer [--reps 20] [--warmup 2] [--tokens 16 256 2048] [--extra-mb 64]
+                                                  [--handoff-tokens 128 512 2048] [--handoff-reps 5] [--no-handoff]
 
 Payloads are the KV blocks of --tokens tokens of SmolLM2-135M (30 layers, 3 KV heads, head_dim 64,
 fp32, 16-token blocks, so whole blocks move), plus one flat payload of --extra-mb MiB. A local Ray
@@ -30,8 +30,8 @@ import time
 
 import ray
 import torch
-from common import Table, parser
 
+from bench.common import Table, parser
 from pdserve.transfer.channel import PairChannel, StoreServer
 
 LAYERS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 30, 3, 64, 16  # SmolLM2-135M

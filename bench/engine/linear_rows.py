@@ -1,7 +1,7 @@
 """Where pdserve's CPU linear kernel beats F.linear: one matmul x [rows, in] @ W.T at SmolLM2-135M's MLP shapes,
 fp32, bf16 and int8 weights, over 1..512 rows (decode batches to prefill chunks), median of --repeat.
 
-    .venv/bin/python bench/linear_rows.py [--repeat 30] [--engine]
+    .venv/bin/python -m bench.engine.linear_rows [--repeat 30] [--engine]
 
 The kernel (pdserve/kernels/csrc/linear.cpp) streams the weight once for up to 4 rows of x at a time: at a
 decode step's few rows it reads the weight at close to the memory bandwidth, where F.linear's blocked GEMM
@@ -19,8 +19,8 @@ import time
 
 import torch
 import torch.nn.functional as F
-from common import Table, parser
 
+from bench.common import Table, parser
 from pdserve.kernels import cpu_kernels
 from pdserve.model.linear import Linear
 

@@ -4,7 +4,7 @@
 # requests of 128 prompt tokens and 2 output tokens at concurrency 32, so that the per-request work
 # dominates; the CPU seconds of the serve process (the router and its doors) are read from /proc around
 # that run. Run from the project root after `make setup`:
-#   bench/router_request_cpu.sh [serve flags...]        (PD=path/to/pdserve, PORT=... to override)
+#   bench/router/router_request_cpu.sh [serve flags...]        (PD=path/to/pdserve, PORT=... to override)
 set -euo pipefail
 PD=${PD:-.venv/bin/pdserve}; port=${PORT:-50093}
 log=$(mktemp)

@@ -1,11 +1,11 @@
 """Dozens of simulated workers under an RL-like bursty trace, and the planner's simulator on the same trace
 and cluster, side by side in one run (issue #31).
 
-    .venv/bin/python bench/sim_scale.py [--prefill-workers 8] [--decode-workers 24] [--gpu H100]
+    .venv/bin/python -m bench.simulated.sim_scale [--prefill-workers 8] [--decode-workers 24] [--gpu H100]
         [--model llama3-8b] [--waves 2] [--requests-per-wave 256] [--burst 5] [--period 40]
         [--input-mean 512] [--output-mean 128] [--time-scale 8] [--autoscale] [--json FILE]
 
-The trace is bench/autoscale_sim.py's (waves of rollouts arriving within --burst seconds, one every --period
+The trace is bench.simulated.autoscale_sim's (waves of rollouts arriving within --burst seconds, one every --period
 seconds; log-normal prompts and outputs, seeded), in the simulated GPU's time. The cluster: `pdserve serve
 --load-format sim` with --prefill-workers + --decode-workers simulated workers of the model on the GPU (each
 step sleeps the roofline's time x --time-scale, its KV held --sim-kv-scale times smaller), driven by `pdserve
@@ -28,6 +28,9 @@ the workers' late steps (a step whose host work outlasted its simulated time: th
 the run no longer stands for the GPU; raise --time-scale), failed requests, and median and p99 TTFT and TPOT
 of the cluster beside the planner's, with their ratio and whether the medians are within 15 %, and the
 GPU-seconds each used.
+
+bench.router.router_scale also drives simulated workers, to measure the router (its tokens/s, added latency and
+CPU); this script measures the workers and the planner's simulator against each other, the router in the way.
 """
 from __future__ import annotations
 
@@ -38,15 +41,13 @@ import sys
 import tempfile
 import threading
 import time
-import urllib.request
 from datetime import datetime
 from pathlib import Path
 
 import numpy as np
-from autoscale_sim import rl_trace
-from common import ROOT, parser, write_json
-from router_scale import Server, run_header, session_pids
 
+from bench.common import (ROOT, Server, bench_report, late_steps, parser, pool_sums, rl_trace, run_header,
+                          session_pids, write_json)
 from pdserve.perf.hardware import gpu, kv_budget_bytes, resolve_model, roofline
 from pdserve.planner.autoscale import Autoscaler, PoolLimits
 from pdserve.planner.simulator import ClusterShape, PoolShape, simulate
@@ -73,24 +74,6 @@ def worker_memory(server: Server) -> list[dict]:
     return out
 
 
-def pool_sums(text: str, name: str) -> dict[str, float]:
-    """A worker series (a counter's _total, or a gauge) of a /metrics page, summed by pool."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    out: dict[str, float] = {}
-    for fam in text_string_to_metric_families(text):
-        for s in fam.samples if fam.name == name else ():
-            if s.name.endswith("_total") or fam.type == "gauge":
-                out[s.labels["pool"]] = out.get(s.labels["pool"], 0.0) + s.value
-    return out
-
-
-def metric_sum(server: Server, name: str) -> dict[str, float]:
-    """A worker series summed by pool, from the router's /metrics."""
-    url = f"http://127.0.0.1:{server.metrics_port}/metrics"
-    return pool_sums(urllib.request.urlopen(url, timeout=10).read().decode(), name)
-
-
 class WorkerSeconds:
     """Workers of every state (starting, ready, draining) summed over time while the block runs, from
     /metrics every 0.5 s: the cluster's worker-seconds, as the planner counts them (asked for to gone)."""
@@ -106,7 +89,7 @@ class WorkerSeconds:
         last = time.monotonic()
         while not self._stop.wait(0.5):
             try:
-                n = sum(metric_sum(self.server, "pdserve_pool_workers").values())
+                n = sum(pool_sums(self.server.metrics_page(), "pdserve_pool_workers").values())
             except OSError:
                 continue
             now = time.monotonic()
@@ -115,10 +98,9 @@ class WorkerSeconds:
 
     def _watch_first(self) -> None:
         """The wall-clock time the router first has a request running (polled every 20 ms)."""
-        url = f"http://127.0.0.1:{self.server.metrics_port}/metrics"
         while self.first_request_at is None and not self._stop.wait(0.02):
             try:
-                page = urllib.request.urlopen(url, timeout=10).read().decode()
+                page = self.server.metrics_page()
             except OSError:
                 continue
             if any(ln.startswith("pdserve_router_requests_running ") and float(ln.split()[1]) > 0
@@ -149,25 +131,12 @@ def start_seconds(server: Server) -> float | None:
     """The workers' mean time from start to ready (pdserve_worker_start_seconds), over every pool."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    url = f"http://127.0.0.1:{server.metrics_port}/metrics"
     total = count = 0.0
-    for fam in text_string_to_metric_families(urllib.request.urlopen(url, timeout=10).read().decode()):
+    for fam in text_string_to_metric_families(server.metrics_page()):
         for smp in fam.samples if fam.name == "pdserve_worker_start_seconds" else ():
             total += smp.value if smp.name.endswith("_sum") else 0.0
             count += smp.value if smp.name.endswith("_count") else 0.0
     return total / count if count else None
-
-
-def late_steps(server: Server) -> tuple[dict[str, float], dict[str, float]]:
-    """The workers' late steps and all their steps, by pool."""
-    return metric_sum(server, "pdserve_worker_late_steps"), metric_sum(server, "pdserve_worker_steps")
-
-
-def bench_report(rc: int, out: Path, cmd: list[str], log: str) -> dict:
-    """`pdserve bench`'s JSON report, or exit with its command and the server log's end."""
-    if rc != 0 or not out.exists():
-        raise SystemExit(f"pdserve bench failed (exit {rc}): {shlex.join(cmd)}\n{log[-3000:]}")
-    return json.loads(out.read_text())
 
 
 def main() -> None:
@@ -231,7 +200,7 @@ def main() -> None:
             server.wait_ready(2 if args.autoscale else args.prefill_workers + args.decode_workers, args.start_timeout)
             ready_s = time.monotonic() - t0
             memory = worker_memory(server)
-            blocks = metric_sum(server, "pdserve_worker_kv_blocks")
+            blocks = pool_sums(server.metrics_page(), "pdserve_worker_kv_blocks")
             out = Path(tmp) / "bench.json"
             span = float(arrival.max()) * args.time_scale
             cmd = [sys.executable, "-m", "pdserve.cli", "bench", "--target", f"127.0.0.1:{server.port}", "--trace",
@@ -251,7 +220,7 @@ def main() -> None:
             late, steps = late_steps(server)
         finally:
             server.stop()
-        rep = bench_report(rc, out, cmd, log)
+        rep = bench_report(out, rc, f"pdserve bench failed: {shlex.join(cmd)}", log)
 
     # The planner's simulator: the same shape (pools, or their ranges and the autoscaler), costs and trace.
     pool = lambda n: PoolShape(n, kv_blocks, args.block_size, args.max_num_seqs, args.token_budget)  # noqa: E731

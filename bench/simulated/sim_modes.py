@@ -2,7 +2,7 @@
 best disaggregated and best colocated configuration, each then run as a cluster of simulated workers on
 the same workload, side by side in one run.
 
-    .venv/bin/python bench/sim_modes.py [--gpus 8] [--gpu H100] [--model llama-3-8b] [--time-scale 8]
+    .venv/bin/python -m bench.simulated.sim_modes [--gpus 8] [--gpu H100] [--model llama-3-8b] [--time-scale 8]
         [--workloads default long-prompt] [--num-prompts 400] [--json FILE]
 
 Workloads (in the GPU's time; Poisson arrivals, seeded, long-tailed lengths):
@@ -21,19 +21,21 @@ millisecond of GPU time.
 Printed per workload: each configuration's goodput (req/s), SLO attainment, TTFT p50/p99, TPOT p50/p99 and
 ITL p99 (ms; measured only: the planner has no gaps), measured and (planned), and disaggregated / colocated
 goodput.
+
+bench.cluster.compare_modes runs the same comparison with the real model (SmolLM2) on this machine, for an
+xPyD named on its command line and no plan; this script lets the planner pick, on GPUs this machine has not.
 """
 from __future__ import annotations
 
 import json
+import shlex
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from common import ROOT, parser, write_json
-from router_scale import Server, run_header
-from sim_scale import bench_report, late_steps
+from bench.common import ROOT, Server, bench_report, late_steps, parser, run_header, write_json
 
 WORKLOADS = {"default": (512, 256), "long-prompt": (4096, 256)}
 SHOWN = (("goodput", "request_goodput", ".2f"), ("SLO ok", "slo_attainment", ".0%"),
@@ -92,7 +94,7 @@ def run(args, name: str, c: dict, tmp: Path) -> dict:
         log = server.log.read_text()
     finally:
         server.stop()
-    rep = bench_report(rc, out, cmd, log)
+    rep = bench_report(out, rc, f"pdserve bench failed: {shlex.join(cmd)}", log)
     s = args.time_scale
     scaled = {k: None if rep.get(k) is None else rep[k] / s for _, k, _ in SHOWN[2:]}
     measured = {"request_goodput": (rep["request_goodput"] or 0.0) * s, "slo_attainment": rep["slo_attainment"],

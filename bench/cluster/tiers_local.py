@@ -1,6 +1,6 @@
 """Service tiers on this machine: 1 prefill, 1 default decode and 1 fast-lane decode worker, one table.
 
-    .venv/bin/python bench/tiers_local.py [--output tiers.json] [any `pdserve bench` flag ...]
+    .venv/bin/python -m bench.cluster.tiers_local [--output tiers.json] [any `pdserve bench` flag ...]
 
 In one run: start a local Ray cluster (loopback) with the pools and the gRPC router in this process;
 check that one prompt with one seed gives the same tokens on every tier (priority on the fast lane,
@@ -10,6 +10,9 @@ tier's device seconds from the workers. Prints, per tier: completed / failed / r
 median and p99 TTFT and TPOT, and device seconds per output token; then priority's ratios to default.
 
 Flags this script does not know go to `pdserve bench` after its defaults (DEFAULT_BENCH_ARGS).
+
+bench.simulated.tiers_sim weighs one shared cluster against separate ones in GPU-hours, on GPUs at scale
+through the planner's simulator; this script measures what each tier gets from real workers here.
 """
 from __future__ import annotations
 
@@ -18,7 +21,7 @@ import os
 import tempfile
 from pathlib import Path
 
-from common import bench_report, local_cluster, local_router, parser, pdserve_bench, write_json
+from bench.common import bench_report, local_cluster, local_router, parser, pdserve_bench, write_json
 
 # Poisson at 1.5 req/s, 100 requests of 24-40 prompt and 144-240 output tokens: decode is the
 # bottleneck, the default pool (32 running) stays full and a line forms at the router; priority is 10 %,

@@ -1,6 +1,6 @@
 """A decode worker killed from outside (kill -9 of its process) while greedy streams run: token-exact?
 
-    .venv/bin/python bench/kill_decode.py [--decode-workers 2] [--streams 12] [--max-tokens 160]
+    .venv/bin/python -m bench.cluster.kill_decode [--decode-workers 2] [--streams 12] [--max-tokens 160]
                                          [--kill-at 20] [--repeat 3] [--port 50071]
 
 Starts `pdserve serve` (the default model, SmolLM2-135M) with one prefill and N decode workers as a
@@ -22,8 +22,8 @@ import time
 from pathlib import Path
 
 import grpc
-from common import ROOT
 
+from bench.common import ROOT
 from pdserve.client.grpc_client import Client
 
 

@@ -1,7 +1,7 @@
 """Offline engine vs Hugging Face transformers generate(), same checkpoint, same machine, one run.
 
-    .venv/bin/python bench/offline_vs_hf.py [--model PATH] [--num-prompts 32] [--min-len 16]
-                                            [--max-len 512] [--output-len 128]
+    .venv/bin/python -m bench.engine.offline_vs_hf [--model PATH] [--num-prompts 32] [--min-len 16]
+                                                   [--max-len 512] [--output-len 128]
 
 Prompts are seeded random token ids of uniformly drawn lengths; every request produces exactly
 --output-len tokens (EOS ignored) so both sides do the same work. transformers runs all prompts as
@@ -13,10 +13,10 @@ from __future__ import annotations
 import os
 import random
 import time
-import warnings
 
 import torch
-from common import Table, add_prompt_args, parser
+
+from bench.common import Table, add_prompt_args, hf_generate, load_hf, parser
 
 
 def main() -> None:
@@ -33,7 +33,7 @@ def main() -> None:
 
     path, fmt = resolve_format(args.model, "auto")
     engine = LLMEngine(EngineConfig(model=path, scheduler=SchedulerConfig(max_num_seqs=max(64, args.num_prompts))))
-    hf, hf_name = load_hf(path, fmt)
+    hf, hf_name = load_hf(path, fmt), os.path.basename(path)
 
     rng = random.Random(args.seed)
     vocab = engine.model_config.vocab_size
@@ -76,35 +76,6 @@ def timed(fn) -> float:
     t0 = time.perf_counter()
     fn()
     return time.perf_counter() - t0
-
-
-def load_hf(path: str, fmt: str):
-    warnings.filterwarnings("ignore")
-    import transformers
-    from transformers.utils import logging
-
-    logging.set_verbosity_error()
-    if fmt == "gguf":
-        d, name = os.path.split(path)
-        model = transformers.AutoModelForCausalLM.from_pretrained(d, gguf_file=name, dtype=torch.float32)
-    else:
-        model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    return model.eval(), os.path.basename(path)
-
-
-@torch.inference_mode()
-def hf_generate(model, prompts: list[list[int]], new_tokens: int, device: torch.device | str = "cpu",
-                exact: bool = True) -> torch.Tensor:
-    """Greedy generate() of all prompts as one left-padded batch: [prompts, width + generated]. exact: new_tokens
-    each, EOS suppressed until then; else up to new_tokens (bench/gpu.py compares tokens that way)."""
-    width = max(map(len, prompts))
-    ids = torch.zeros(len(prompts), width, dtype=torch.long)
-    mask = torch.zeros(len(prompts), width, dtype=torch.long)
-    for i, p in enumerate(prompts):  # left padding, as batched generation requires
-        ids[i, width - len(p):] = torch.tensor(p)
-        mask[i, width - len(p):] = 1
-    return model.generate(ids.to(device), attention_mask=mask.to(device), max_new_tokens=new_tokens,
-                          min_new_tokens=new_tokens if exact else None, do_sample=False, pad_token_id=0)
 
 
 if __name__ == "__main__":

@@ -2,8 +2,8 @@
 cluster, against the raw gloo broadcast of the same bytes to as many processes, measured in the same run;
 and the same update loaded by the workers from a checkpoint path.
 
-    .venv/bin/python bench/weight_update.py [--repeat 3] [--bucket-mb 64] [--streams 4] [--stream-tokens 160]
-                                            [--json out.json]
+    .venv/bin/python -m bench.cluster.weight_update [--repeat 3] [--bucket-mb 64] [--streams 4] [--stream-tokens 160]
+                                                    [--json out.json]
 
 The cluster (router, one prefill and one decode worker) runs on a local Ray cluster; this process is the
 trainer (pdserve.weights.trainer.WeightSync: rank 0 of a gloo group whose other ranks are the two workers).
@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from common import Table, local_cluster, local_router, parser, write_json
+from bench.common import Table, local_cluster, local_router, parser, write_json
 
 PROMPT = [1, 504, 3458, 314, 253, 1892, 30, 2, 198, 504]
 

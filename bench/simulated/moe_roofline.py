@@ -1,7 +1,7 @@
 """A mixture of experts' decode step on the roofline against a dense model of the same active size.
 
-    .venv/bin/python bench/moe_roofline.py [--gpu H100] [--model qwen3-30b-a3b] [--context 1024]
-                                           [--batches 1 8 32 64 256]
+    .venv/bin/python -m bench.simulated.moe_roofline [--gpu H100] [--model qwen3-30b-a3b] [--context 1024]
+                                                     [--batches 1 8 32 64 256]
 
 Computed, not measured (pdserve.perf.costs.RooflineCosts at TP 1, bf16). For each batch: the experts a
 layer's tokens touch (E (1 - (1 - k/E)^B), uniform routing), the weight bytes the step reads, its time and
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from common import Table, parser
+from bench.common import Table, parser
 
 
 def main() -> None:

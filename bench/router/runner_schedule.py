@@ -1,6 +1,6 @@
 """How closely `pdserve bench`'s runner keeps to its schedule on this machine, against a scripted server.
 
-    .venv/bin/python bench/runner_schedule.py [--repeats 5] [--output runner_schedule.json]
+    .venv/bin/python -m bench.router.runner_schedule [--repeats 5] [--output runner_schedule.json]
 
 A gRPC server in this process streams max_tokens one-token messages 20 ms apart (no model). Each repeat
 runs the three schedules tests/loadgen/test_loadgen.py runs, and measures what that test can only bound from
@@ -18,7 +18,7 @@ import asyncio
 import statistics
 import sys
 
-from common import parser, write_json
+from bench.common import parser, write_json
 
 SPACING_S = 0.02  # the scripted server's gap between two messages
 

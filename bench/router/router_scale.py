@@ -1,7 +1,7 @@
 """Router scale (issue #31): the streamed tokens/s and requests/s the router sustains against N simulated
 decode workers, the latency it adds (p50, p99), and its CPU per token and per request.
 
-    .venv/bin/python bench/router_scale.py [--prefill-workers 1] [--decode-workers 2 4] [--stream-interval 1 16]
+    .venv/bin/python -m bench.router.router_scale [--prefill-workers 1] [--decode-workers 2 4] [--stream-interval 1 16]
         [--concurrency 16 64 128] [--num-prompts 256] [--output-len 128] [--short-len 16] [--routers 1 2]
         [--json FILE] [other `pdserve serve` flags, passed through: --sim-time-scale 2, --max-num-seqs 128, ...]
 
@@ -30,6 +30,9 @@ Derived, and ESTIMATES (the workers report aggregates, no per-token timestamps):
 - router CPU per token and per request: each run's router CPU less its idle rate x wall time, the long and short
   runs solved for cpu = a x tokens + b x requests (as ../shared/tools/router-cpu does). It includes the
   router's metrics (every gap into a histogram), on here for the workers' counters.
+
+bench.simulated.sim_scale also serves simulated workers, to check them and the planner's simulator against each
+other; this script measures the router between them and the clients.
 """
 from __future__ import annotations
 
@@ -39,20 +42,15 @@ import os
 import resource
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
-from datetime import datetime, timezone
 from pathlib import Path
 
-from common import ROOT, parser, write_json
+from bench.common import RAY_TOKEN_ENV, ROOT, Server, free_port, parser, run_header, session_pids, write_json
 
 TCK = os.sysconf("SC_CLK_TCK")
-# `ray start` turns Ray's token authentication on (the token in ~/.ray): routers joining it say they use it.
-RAY_TOKEN_ENV = {**os.environ, "RAY_AUTH_MODE": "token"}
 COLUMNS = (("conc", "concurrency", "d"), ("tok/s", "tokens_per_s", ".0f"), ("req/s", "requests_per_s", ".2f"),
            ("ITL p50", "itl_p50_ms", ".2f"), ("ITL p99", "itl_p99_ms", ".2f"), ("decode step", "decode_step_ms", ".2f"),
            ("+ITL p50", "added_itl_p50_ms", ".2f"), ("+ITL p99", "added_itl_p99_ms", ".2f"),
@@ -64,26 +62,10 @@ COLUMNS = (("conc", "concurrency", "d"), ("tok/s", "tokens_per_s", ".0f"), ("req
 
 
 # -- measurements ------------------------------------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def proc_cpu(pid: int) -> float:
     """CPU seconds (user + system) of a process so far, from /proc (fields after the command's ')')."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / TCK
-
-
-def session_pids(sid: int) -> list[int]:
-    """Processes of session sid: the server's, Ray's (raylet, GCS, actors) included: they do not setsid."""
-    def session(d: Path) -> int | None:
-        try:
-            return int((d / "stat").read_text().rsplit(")", 1)[1].split()[3])
-        except (OSError, ValueError, IndexError):  # gone meanwhile
-            return None
-    return [int(d.name) for d in Path("/proc").iterdir() if d.name.isdigit() and session(d) == sid]
 
 
 def parse_worker_counters(text: str) -> dict[tuple[str, str], dict[str, float]]:
@@ -145,55 +127,7 @@ def markdown(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-# -- the server and the runs ---------------------------------------------------------------------------------
-class Server:
-    """`pdserve serve` in its own session; stop() sends SIGINT, waits, then kills whatever of the session is left."""
-
-    def __init__(self, argv: list[str], log: Path):
-        self.port, self.metrics_port = free_port(), free_port()
-        self.argv = [sys.executable, "-m", "router.cli", "serve", "--host", "127.0.0.1", "--port", str(self.port),
-                     "--metrics-host", "127.0.0.1", "--metrics-port", str(self.metrics_port), "--http-port", "0", *argv]
-        self.log = log
-        self.proc = subprocess.Popen(self.argv, cwd=ROOT, stdout=log.open("w"), stderr=subprocess.STDOUT,
-                                     start_new_session=True, env=RAY_TOKEN_ENV)
-
-    def wait_ready(self, workers: int, timeout: float) -> None:
-        from pdserve.client.grpc_client import Client
-
-        deadline, last = time.monotonic() + timeout, None
-        with Client(f"127.0.0.1:{self.port}") as client:
-            while time.monotonic() < deadline:
-                if self.proc.poll() is not None:
-                    raise SystemExit(f"pdserve serve exited {self.proc.returncode}:\n{self.log.read_text()[-2000:]}")
-                try:
-                    st = client.cluster_status(timeout=5)
-                    if st.serving and sum(w.state == "ready" for p in st.pools for w in p.workers) >= workers:
-                        return
-                except Exception as e:  # noqa: BLE001 - not up yet
-                    last = e
-                time.sleep(2)
-        raise SystemExit(f"pdserve serve not ready in {timeout:.0f} s ({last}):\n{self.log.read_text()[-2000:]}")
-
-    def counters(self) -> dict:
-        url = f"http://127.0.0.1:{self.metrics_port}/metrics"
-        return parse_worker_counters(urllib.request.urlopen(url, timeout=10).read().decode())
-
-    def stop(self, timeout: float = 60) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                print(f"pdserve serve did not stop in {timeout:.0f} s: killing its session", file=sys.stderr)
-        deadline = time.monotonic() + 5  # Ray's processes end shortly after the driver; kill what is left
-        while (left := session_pids(self.proc.pid)) and time.monotonic() < deadline:
-            time.sleep(0.5)
-        for pid in left:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        self.proc.wait(10)
-
-
+# -- the Ray head and the runs ------------------------------------------------------------------------------
 class RayHead:
     """`ray start --head --block` on loopback in its own session, for router replicas; stop() ends it."""
 
@@ -245,10 +179,11 @@ def run_bench(servers: list[Server], args, concurrency: int, output_len: int, nu
              "--seed", str(5 + i), "--warmup", "0", "--output", str(o), "--no-progress"]
             for i, (server, o) in enumerate(zip(servers, outs))]
     cpu = lambda: sum(proc_cpu(s.proc.pid) for s in servers)  # noqa: E731
-    c0, k0, r0, t0 = servers[0].counters(), cpu(), resource.getrusage(resource.RUSAGE_CHILDREN), time.monotonic()
+    counters = lambda: parse_worker_counters(servers[0].metrics_page())  # noqa: E731
+    c0, k0, r0, t0 = counters(), cpu(), resource.getrusage(resource.RUSAGE_CHILDREN), time.monotonic()
     procs = [subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL) for cmd in cmds]
     rcs = [p.wait(args.run_timeout) for p in procs]
-    wall, k1, r1, c1 = time.monotonic() - t0, cpu(), resource.getrusage(resource.RUSAGE_CHILDREN), servers[0].counters()
+    wall, k1, r1, c1 = time.monotonic() - t0, cpu(), resource.getrusage(resource.RUSAGE_CHILDREN), counters()
     for rc, cmd, o in zip(rcs, cmds, outs):
         if rc != 0 or not o.exists():
             raise SystemExit(f"pdserve bench failed (exit {rc}): {shlex.join(cmd)}")
@@ -292,23 +227,6 @@ def run_config(args, serve_extra: list[str], decode: int, interval: int, routers
     return {"prefill_workers": args.prefill_workers, "decode_workers": decode, "stream_interval": interval,
             "routers": routers, "serve_command": shlex.join(servers[0].argv), "ready_s": ready_s, "router_idle_cores": idle,
             "client_startup_cpu_s": warm["client_cpu_s"], "rows": rows, "runs": runs}
-
-
-def machine() -> str:
-    out = subprocess.run(["lscpu"], capture_output=True, text=True, check=False).stdout
-    model = next((ln.split(":", 1)[1].strip() for ln in out.splitlines() if ln.startswith("Model name")), "?")
-    return f"{model}, {os.cpu_count()} cores"
-
-
-def run_header() -> dict:
-    """The run's machine, date, command and load, printed and returned; a SIGTERM then exits through the
-    callers' `finally` (their servers stop)."""
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    head = {"machine": machine(), "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            "command": shlex.join([Path(sys.executable).name, *sys.argv]), "load_before": os.getloadavg()}
-    print(f"machine: {head['machine']}; date: {head['date']}; load average before: "
-          f"{' '.join(f'{x:.2f}' for x in head['load_before'])}\ncommand: {head['command']}", flush=True)
-    return head
 
 
 def main() -> None:

@@ -1,7 +1,7 @@
 """GPU-hours of autoscaled pools against a fixed cluster sized for the peak, on an RL-like bursty trace,
 by the simulator (pdserve.planner.simulator) with the autoscaler the router runs (pdserve.planner.autoscale).
 
-    .venv/bin/python bench/autoscale_sim.py [--gpu H100] [--model llama-3-8b] [--waves 6]
+    .venv/bin/python -m bench.simulated.autoscale_sim [--gpu H100] [--model llama-3-8b] [--waves 6]
         [--requests-per-wave 4096] [--period 900] [--max-prefill 16] [--max-decode 48] [--startup 30 120]
 
 The trace: waves of rollouts. Each wave's requests all arrive within --burst seconds (a trainer sending
@@ -15,6 +15,9 @@ worker it asks for is placeable --startup seconds
 later (pod on a warm node + weights from the node's cache; a node the cloud must provision first takes
 minutes). Printed per configuration: GPU-hours, SLO attainment (TTFT and TPOT within the targets),
 median and p99 TTFT and TPOT, each wave's makespan (first arrival to last token), and the ratio of GPU-hours.
+
+bench.cluster.autoscale_bursts asks the same question of real workers on this machine (a measured profile,
+SmolLM2, two bursts, worker-seconds); this script asks it of GPUs at scale, where only the simulator reaches.
 """
 from __future__ import annotations
 
@@ -23,19 +26,10 @@ import sys
 import time
 
 import numpy as np
-from common import BLOCK, lognormal, roofline_of, write_json
 
+from bench.common import BLOCK, rl_trace, roofline_of, write_json
 from pdserve.planner.autoscale import Autoscaler, PoolLimits
 from pdserve.planner.simulator import ClusterShape, PoolShape, simulate
-
-
-def rl_trace(waves: int, per_wave: int, burst_s: float, period_s: float, input_mean: float, output_mean: float,
-             max_len: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    g = np.random.default_rng(seed)
-    arrival = np.concatenate([w * period_s + np.sort(g.uniform(0, burst_s, per_wave)) for w in range(waves)])
-    inputs = lognormal(g, len(arrival), input_mean, 0.5, 32, max_len // 4)
-    outputs = lognormal(g, len(arrival), output_mean, 0.8, 16, max_len - max_len // 4)
-    return arrival, inputs, outputs
 
 
 def main() -> int:

@@ -2,7 +2,7 @@
 traffic, one for flex), by the simulator (pdserve.planner.simulator) with the autoscaler the router runs
 (pdserve.planner.autoscale), and the fast lane's computed price multiplier (pdserve.planner.pricing).
 
-    .venv/bin/python bench/tiers_sim.py [--gpu H100] [--model llama-3-8b] [--minutes 60]
+    .venv/bin/python -m bench.simulated.tiers_sim [--gpu H100] [--model llama-3-8b] [--minutes 60]
         [--default-rate 40] [--priority-rate 2] [--flex-wave 4096] [--flex-period 600] [--priority-tpot-ms 12]
 
 The trace: steady default traffic (Poisson), a small priority share (Poisson), and flex in RL-rollout-like
@@ -20,6 +20,10 @@ new worker placeable --startup seconds after it is asked for. Each tier's SLO at
 own SLO (TiersConfig's defaults, priority's TPOT set by --priority-tpot-ms). flex's queue is unbounded
 here (flex_max_queued: a rollout trainer does not retry). One GPU per worker; the costs are the GPU's
 roofline (pdserve.perf.hardware), never checked against a GPU.
+
+bench.cluster.tiers_local runs the tiers on real workers on this machine (one fast-lane and one default decode
+worker: each tier's latency and device seconds per token, the same tokens on every tier); this script weighs
+the GPU-hours of sharing one cluster against splitting it, at a scale only the simulator reaches.
 """
 from __future__ import annotations
 
@@ -28,8 +32,8 @@ import sys
 import time
 
 import numpy as np
-from common import BLOCK, lognormal, roofline_of, write_json
 
+from bench.common import BLOCK, lognormal, roofline_of, write_json
 from pdserve.planner.autoscale import Autoscaler, PoolLimits
 from pdserve.planner.pricing import format_prices, tier_prices
 from pdserve.planner.simulator import ClusterShape, PoolShape, simulate

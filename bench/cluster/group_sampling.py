@@ -1,8 +1,8 @@
 """n samples of each prompt as one request (SamplingParams.n) against n requests of one sample each, and
 the cost of logprobs: prompt tokens computed, KV moved, output tokens/s, side by side in one run.
 
-    .venv/bin/python bench/group_sampling.py [--prompts 8] [--n 8] [--prompt-len 512] [--max-tokens 16]
-                                             [--logprobs 20] [--repeat 2] [--json out.json]
+    .venv/bin/python -m bench.cluster.group_sampling [--prompts 8] [--n 8] [--prompt-len 512] [--max-tokens 16]
+                                                     [--logprobs 20] [--repeat 2] [--json out.json]
 
 A 1P1D cluster of the default model (SmolLM2-135M, fp32, no prefix cache) on a local Ray cluster in this
 process; every way runs once unmeasured first. Each
@@ -19,7 +19,8 @@ import asyncio
 import time
 
 import torch
-from common import Table, local_cluster, parser, write_json
+
+from bench.common import Table, local_cluster, parser, write_json
 
 
 async def run(cluster, prompts, params_list) -> tuple[list[list[list[int]]], float, int]:

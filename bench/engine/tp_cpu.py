@@ -1,6 +1,6 @@
 """Tensor parallelism on this CPU: TP 1 against TP 2, and what one decode step's all-reduces cost over gloo.
 
-    .venv/bin/python bench/tp_cpu.py [--model PATH] [--prompt-len 512] [--batch 8] [--steps 20]
+    .venv/bin/python -m bench.engine.tp_cpu [--model PATH] [--prompt-len 512] [--batch 8] [--steps 20]
 
 In one run, with the same model and the same seeded prompts (default: a random checkpoint of
 SmolLM2-135M's size, fp32, with 8 attention heads over 2 KV heads instead of its 9 over 3, which TP 2
@@ -26,19 +26,8 @@ from datetime import timedelta
 from pathlib import Path
 
 import torch
-from common import Table, parser
 
-
-def smollm2_sized_checkpoint(directory: Path) -> Path:
-    """A seeded random Llama checkpoint of SmolLM2-135M's size with 8 heads over 2 KV heads."""
-    import transformers
-
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-                                   num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=2048,
-                                   tie_word_embeddings=True)
-    transformers.LlamaForCausalLM(cfg).save_pretrained(directory, safe_serialization=True)
-    return directory
+from bench.common import Table, parser, smollm2_sized_checkpoint
 
 
 def time_engine(model: str | None, tp: int, prompt_len: int, batch: int, steps: int) -> dict:

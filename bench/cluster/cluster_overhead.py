@@ -1,7 +1,7 @@
 """The whole serving path versus the offline engine: same requests, same machine, one run.
 
-    .venv/bin/python bench/cluster_overhead.py [--num-prompts 32] [--min-len 16] [--max-len 256]
-                                               [--output-len 64] [--prefill-workers 1] [--decode-workers 1]
+    .venv/bin/python -m bench.cluster.cluster_overhead [--num-prompts 32] [--min-len 16] [--max-len 256]
+                                                       [--output-len 64] [--prefill-workers 1] [--decode-workers 1]
 
 The offline engine (one process, all cores) runs the batch first; then a local Ray cluster with the
 given pools and the gRPC router on loopback serve the same token-id prompts, all sent at once by an
@@ -20,7 +20,7 @@ import statistics
 import time
 import urllib.request
 
-from common import Table, add_prompt_args, local_cluster, local_router, parser
+from bench.common import Table, add_prompt_args, local_cluster, local_router, parser
 
 
 def main() -> None:

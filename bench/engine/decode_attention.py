@@ -1,6 +1,6 @@
 """CPU decode attention: the torch path vs the C++ kernel (pdserve.kernels.cpu_attention), per layer and per step.
 
-    .venv/bin/python bench/decode_attention.py [--reps 300] [--steps 24] [--seed 0] [--skip-engine]
+    .venv/bin/python -m bench.engine.decode_attention [--reps 300] [--steps 24] [--seed 0] [--skip-engine]
 
 Part 1, one layer's decode attention for SmolLM2-135M shapes (9 heads, 3 KV heads, head_dim 64, fp32,
 16-token blocks) at batch 1, 8 and 32, context lengths uniform in [100, 600], block ids shuffled.
@@ -25,8 +25,8 @@ import statistics
 import time
 
 import torch
-from common import Table
 
+from bench.common import Table
 from pdserve.engine.runner import group_by_length
 from pdserve.kernels import cpu_attention, cpu_kernels
 from pdserve.model.attention import _decode_attention

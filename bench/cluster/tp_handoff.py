@@ -1,6 +1,6 @@
 """The prefill -> decode hand-off between workers of different tensor-parallel sizes, on this machine.
 
-    .venv/bin/python bench/tp_handoff.py [--layouts 1:1,2:1,1:2,2:2] [--prompt-len 512] [--requests 12]
+    .venv/bin/python -m bench.cluster.tp_handoff [--layouts 1:1,2:1,1:2,2:2] [--prompt-len 512] [--requests 12]
 
 In one run, for each (prefill TP A, decode TP B), a local Ray cluster of one prefill and one decode
 worker serves the same seeded prompts one at a time (greedy, 4 tokens each), on a random checkpoint of
@@ -23,8 +23,8 @@ import time
 from pathlib import Path
 
 import torch
-from common import Table, local_cluster, parser
-from tp_cpu import smollm2_sized_checkpoint
+
+from bench.common import Table, local_cluster, parser, smollm2_sized_checkpoint
 
 
 async def run_layout(model: str, a: int, b: int, prompts: list[list[int]]) -> dict:
