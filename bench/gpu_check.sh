@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# The GPU check in one call: the CUDA tests, then bench/gpu.py's sections, each bounded, logs under $OUT.
+# The GPU check in one call: the CUDA tests, then the sections of bench.gpu, each bounded, logs under $OUT.
 #
 # Prepared on a CPU machine (no GPU time spent there):
 #   ../shared/tools/device-wheels            # .whl/: Ray, gguf, ... for the GPU image (add /.whl/ to .git/info/exclude)
-#   .venv/bin/python bench/gpu.py --device cpu --small   # every section passes on the CPU
+#   .venv/bin/python -m bench.gpu --device cpu --small   # every section passes on the CPU
 # Run on the GPU machine from the repository root, the wheels carried:
 #   bash bench/gpu_check.sh            # whole run ends within ~8 minutes; STAGES="tests bench" picks stages
 #
@@ -72,13 +72,13 @@ for s in $STAGES; do
       stage tests-cuda tests.log 80 "${pytest_cmd[@]}" tests/kernels/test_gpu.py
       ;;
     bench)
-      stage bench bench.log 160 python3 bench/gpu.py --sections peaks,decode,prefill,hf_decode --json "$OUT/bench.json"
+      stage bench bench.log 160 python3 -m bench.gpu --sections peaks,decode,prefill,hf_decode --json "$OUT/bench.json"
       ;;
     offline)
-      stage offline offline.log 60 python3 bench/gpu.py --sections offline --json /tmp/gpu_offline.json
+      stage offline offline.log 60 python3 -m bench.gpu --sections offline --json /tmp/gpu_offline.json
       ;;
     cluster)
-      stage cluster cluster.log 80 python3 bench/gpu.py --sections cluster --json /tmp/gpu_cluster.json
+      stage cluster cluster.log 80 python3 -m bench.gpu --sections cluster --json /tmp/gpu_cluster.json
       ;;
     *) echo "unknown stage $s"; exit 2 ;;
   esac

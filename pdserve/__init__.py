@@ -11,7 +11,7 @@ Packages, lowest first; each may import only those before it (tests/test_layerin
     engine/     requests, sampling, the paged KV cache and its block pool, the scheduler, the runner, CUDA
                 graphs, the step loop and the offline engine (`from pdserve.engine import LLMEngine`)
     client/     the Python gRPC client (`from pdserve.client import Client`)
-    bench/      `pdserve bench`, the load generator
+    loadgen/    `pdserve bench`, the load generator
     planner/    `pdserve profile` and `pdserve plan`: costs, rooflines, the cluster simulator, the autoscaling policy
     serving/    what runs inside a worker actor: the actor base, the colocated worker, TP rank actors, the
                 messages workers and router exchange, and every metric

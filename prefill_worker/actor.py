@@ -69,7 +69,7 @@ class PrefillActor(WorkerActor):
     def __init__(self, worker_id: str, config: EngineConfig, transfer_timeout_s: float, torch_threads: int | None = None,
                  push_layerwise: bool = True, kv_checksum: bool = False, placement=None):
         """push_layerwise=False sends a prompt's KV once its whole forward has run (to measure what the
-        layer-by-layer push hides: bench/kv_transfer.py); kv_checksum=True adds a checksum to every transfer."""
+        layer-by-layer push hides: bench.cluster.kv_transfer); kv_checksum=True adds a checksum to every transfer."""
         super().__init__(worker_id, config, torch_threads, placement=placement)
         self.transfer_timeout_s = transfer_timeout_s
         self.kv_checksum = kv_checksum

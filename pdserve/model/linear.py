@@ -53,7 +53,7 @@ class Linear(nn.Module):
 
 # The most rows of x for which the CPU kernel runs a weight of this dtype; above, F.linear (an int8 weight
 # dequantized first). The kernel streams the weight once for up to 4 rows at a time, which wins at a decode
-# step's few rows; a blocked GEMM wins over many. Measured by bench/linear_rows.py on a 2-core AMD EPYC (AVX2):
+# step's few rows; a blocked GEMM wins over many. Measured by bench.engine.linear_rows on a 2-core AMD EPYC (AVX2):
 # F.linear took 0.8-1.05x the kernel's time at 16 fp32 rows, 0.7x at 256; 0.9-1.1x at 3 bf16 rows (no bf16
 # in AVX2: the kernel widens each weight), 0.16x at 256; int8 0.6-0.95x from 256 rows, 1.2-1.5x at 64.
 KERNEL_MAX_ROWS = {torch.float32: 16, torch.bfloat16: 2, torch.int8: 128}

@@ -1,27 +1,14 @@
-"""bench/rl_loop.py's loop, tiny, on a real 1P1D cluster: a reward per step, versions strictly increasing, the
-staleness bounds held, and in sync mode the trainer's logprobs equal to pdserve's at the sampling weights."""
+"""bench.cluster.rl_loop's loop, tiny, on a real 1P1D cluster: a reward per step, versions strictly increasing,
+the staleness bounds held, and in sync mode the trainer's logprobs equal to pdserve's at the sampling weights."""
 from __future__ import annotations
-
-import importlib
-import sys
-from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[2] / "bench"
-
-
-@pytest.fixture(scope="module")
-def rl():
-    sys.path.insert(0, str(BENCH))  # the script imports its sibling common.py
-    try:
-        yield importlib.import_module("rl_loop")
-    finally:
-        sys.path.remove(str(BENCH))
+from bench.cluster import rl_loop as rl
 
 
 @pytest.mark.slow
-def test_rl_loop_sync_and_async(rl, ray_local, aloop, tmp_path):
+def test_rl_loop_sync_and_async(ray_local, aloop, tmp_path):
     from router.cluster import Cluster
     from router.compose import build_router
     from router.config import RouterConfig

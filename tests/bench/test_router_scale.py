@@ -1,25 +1,12 @@
-"""bench/router_scale.py's arithmetic on canned numbers: the workers' counters from a /metrics page, step
+"""bench.router.router_scale's arithmetic on canned numbers: the workers' counters from a /metrics page, step
 times, router CPU per token and per request, a table row and the markdown (no cluster)."""
 from __future__ import annotations
-
-import importlib
-import sys
-from pathlib import Path
 
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily
 
-BENCH = Path(__file__).resolve().parents[2] / "bench"
-
-
-@pytest.fixture(scope="module")
-def rs():
-    sys.path.insert(0, str(BENCH))  # the script imports its sibling common.py
-    try:
-        yield importlib.import_module("router_scale")
-    finally:
-        sys.path.remove(str(BENCH))
+from bench.router import router_scale as rs
 
 
 def metrics_page(counters: dict[tuple[str, str], tuple[float, float]]) -> str:
@@ -37,7 +24,7 @@ def metrics_page(counters: dict[tuple[str, str], tuple[float, float]]) -> str:
     return generate_latest(reg).decode()
 
 
-def test_counters_and_step_times(rs):
+def test_counters_and_step_times():
     before = rs.parse_worker_counters(metrics_page({("prefill", "p0"): (1.0, 10), ("decode", "d0"): (2.0, 100),
                                                     ("decode", "d1"): (3.0, 200)}))
     assert before[("decode", "d1")] == {"busy": 3.0, "steps": 200}
@@ -57,7 +44,7 @@ def run(tokens: int, requests: int, router_cpu: float, wall: float, client_cpu: 
             "decode_step_ms": 8.0, "prefill_step_ms": 25.0}
 
 
-def test_cpu_per_token_and_request(rs):
+def test_cpu_per_token_and_request():
     # 100 us a token, 5 ms a request, and an idle router taking 1 % of a core through each run's wall time
     idle, per_tok, per_req = 0.01, 100e-6, 5e-3
     long = run(8192, 64, 8192 * per_tok + 64 * per_req + idle * 10, 10.0, client_cpu=4.0)
@@ -76,7 +63,7 @@ def test_cpu_per_token_and_request(rs):
     assert row["tokens_per_s"] == pytest.approx(8192 / 5)
 
 
-def test_markdown(rs):
+def test_markdown():
     long, short = run(8192, 64, 1.0, 10.0), run(1024, 64, 0.5, 4.0)
     row = rs.row_of(32, long, short, 0.0, 0.0)
     row["decode_step_ms"] = row["added_itl_p50_ms"] = None  # a pool with no steps in the run
@@ -88,7 +75,7 @@ def test_markdown(rs):
     assert cells[titles.index("tok/s")] == "1638"
 
 
-def test_two_clients_reports_merge(rs):
+def test_two_clients_reports_merge():
     """Two routers' clients at once: rates and counts add up, p50s average, p99s take the worse."""
     a = {"output_throughput": 1000.0, "request_throughput": 8.0, "total_output_tokens": 4096, "completed": 32,
          "failed": 0, "duration": 4.0, "median_later_itl_ms": 9.0, "p99_later_itl_ms": 20.0, "median_ttft_ms": 100.0,

@@ -1,32 +1,22 @@
-"""bench/sim_scale.py and bench/sim_modes.py without a cluster: the per-pool sums they read from a /metrics
-page made by the router's own collector, and the claim that stretching a workload by the time scale (rate
-/ scale, SLOs x scale, same seed) sends the same requests at the same moments, scaled."""
+"""bench.simulated.sim_scale and bench.simulated.sim_modes without a cluster: the per-pool sums they read from
+a /metrics page made by the router's own collector (bench.common.pool_sums), the router's listening line, and
+the claim that stretching a workload by the time scale (rate / scale, SLOs x scale, same seed) sends the same
+requests at the same moments, scaled."""
 from __future__ import annotations
 
 import argparse
-import importlib
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 from prometheus_client import generate_latest
 
+from bench.common import pool_sums
+from bench.simulated import sim_modes
+from bench.simulated.sim_scale import serving_since
 from pdserve.loadgen.cli import add_bench_parser
 from pdserve.planner.plan import workload_from_args
 from pdserve.serving.messages import WorkerStats
 from router.metrics import RouterMetrics
-
-BENCH = Path(__file__).resolve().parents[2] / "bench"
-
-
-@pytest.fixture(scope="module")
-def scripts():
-    sys.path.insert(0, str(BENCH))  # the scripts import their siblings
-    try:
-        yield importlib.import_module("sim_scale"), importlib.import_module("sim_modes")
-    finally:
-        sys.path.remove(str(BENCH))
 
 
 def stats(pool: str, worker: str, steps: int, late: int) -> WorkerStats:
@@ -34,18 +24,16 @@ def stats(pool: str, worker: str, steps: int, late: int) -> WorkerStats:
                        kv_blocks_total=100, steps=steps, late_steps=late)
 
 
-def test_late_steps_and_steps_are_summed_by_pool(scripts):
-    sim_scale, _ = scripts
+def test_late_steps_and_steps_are_summed_by_pool():
     workers = [stats("prefill", "prefill-0", 10, 1), stats("decode", "decode-0", 300, 2),
                stats("decode", "decode-1", 200, 0)]
     page = generate_latest(RouterMetrics(lambda: workers).registry).decode()
-    assert sim_scale.pool_sums(page, "pdserve_worker_late_steps") == {"prefill": 1, "decode": 2}
-    assert sim_scale.pool_sums(page, "pdserve_worker_steps") == {"prefill": 10, "decode": 500}
-    assert sim_scale.pool_sums(page, "pdserve_worker_kv_blocks") == {"prefill": 100, "decode": 200}  # a gauge
+    assert pool_sums(page, "pdserve_worker_late_steps") == {"prefill": 1, "decode": 2}
+    assert pool_sums(page, "pdserve_worker_steps") == {"prefill": 10, "decode": 500}
+    assert pool_sums(page, "pdserve_worker_kv_blocks") == {"prefill": 100, "decode": 200}  # a gauge
 
 
-def test_a_stretched_workload_is_the_same_requests_later(scripts):
-    _, sim_modes = scripts
+def test_a_stretched_workload_is_the_same_requests_later():
     opts = argparse.Namespace(rate=80.0, long_rate=25.0, num_prompts=50, slo_ttft_ms=500.0, slo_tpot_ms=40.0)
 
     def workload(name: str, scale: float):
@@ -63,13 +51,12 @@ def test_a_stretched_workload_is_the_same_requests_later(scripts):
     assert gpu.input_len.mean() > 1000  # the long-prompt workload
 
 
-def test_serving_since_reads_the_routers_listening_line(scripts):
+def test_serving_since_reads_the_routers_listening_line():
     import logging
 
-    sim_scale, _ = scripts
     # A line as the router's logging writes it (local time, milliseconds after a comma).
     record = logging.LogRecord("router.server", logging.INFO, "", 0, "pdserve listening on 127.0.0.1:5 (x)", (), None)
     line = logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s").format(record)
     log = "2026-11-25 07:58:16,522 INFO router.pools: starting 1 prefill worker\n" + line + "\n"
-    assert sim_scale.serving_since(log) == pytest.approx(record.created, abs=1e-3)
-    assert sim_scale.serving_since("no such line\n") is None
+    assert serving_since(log) == pytest.approx(record.created, abs=1e-3)
+    assert serving_since("no such line\n") is None

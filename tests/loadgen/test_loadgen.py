@@ -411,7 +411,7 @@ def test_runner_against_scripted_server():
 
     # Nothing below depends on how loaded the machine is: the bounds are the script's own (the server
     # sleeps 20 ms before each message; a schedule is never sent early) and the order of events. How
-    # closely the runner keeps to its schedule is measured by bench/runner_schedule.py.
+    # closely the runner keeps to its schedule is measured by bench.router.runner_schedule.
     (closed, wall), (burst, _), (timed, _) = asyncio.run(asyncio.wait_for(main(), 60))
     rep = build_report(closed, Slo(ttft_ms=1000), wall)
     assert rep["completed"] == 5 and rep["failed_by_code"] == {"RESOURCE_EXHAUSTED": 1}

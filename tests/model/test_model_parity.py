@@ -108,7 +108,7 @@ def test_torch_path_matches_transformers(tiny_checkpoints, monkeypatch):
 # step, over every step while the tokens agree, with the worst case measured over the three tiny
 # checkpoints in brackets: bf16 0.15 (0.036-0.108), int8 weights 0.2 (0.047-0.135), both 0.2 (0.063-0.138).
 # (Random tiny models have large logits and no training to make them robust; the real model's greedy
-# tokens are compared in bench/vs_llamacpp.py.) Where tokens part, fp32's margin measured 0.02-1.03 x
+# tokens are compared in bench.engine.vs_llamacpp.) Where tokens part, fp32's margin measured 0.02-1.03 x
 # the step's error.
 REDUCED = [("bfloat16", None, 0.15), ("float32", "int8", 0.2), ("bfloat16", "int8", 0.2)]
 

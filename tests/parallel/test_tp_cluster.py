@@ -266,7 +266,7 @@ def test_a_decode_rank_lost_mid_stream(ray_local, aloop, gqa, tp_fault_engine, r
         # How it ended, told apart by the configured timeouts rather than by a speed: a killed rank is seen
         # at once (rank 0 watches it; a killed rank 0 is the worker), before any collective could time out;
         # a stopped one when rank 0's collective times out, long before the router's heartbeat would have.
-        # (How fast, on this machine: bench/kill_decode.py and docs/faults.md's measured column.)
+        # (How fast, on this machine: bench.cluster.kill_decode and docs/faults.md's measured column.)
         assert lost[0] < (FAULT_TIMEOUT_S if how == "SIGKILL" else cluster.config.worker_timeout_s), lost
         if how == "SIGSTOP":  # nothing saw the stopped rank before its hung collective had waited most of its timeout
             assert lost[0] >= FAULT_TIMEOUT_S / 2, lost

@@ -1,0 +1,4 @@
+"""The router's own costs, with the workers out of the way: the gRPC and Ray floors under its hot path
+(scripted servers), the tokens/s and requests/s it sustains and the CPU it spends a token and a request
+(against simulated workers, also as two replicas), and how closely `pdserve bench`'s runner keeps to its
+schedule (a scripted server)."""
