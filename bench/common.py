@@ -68,9 +68,10 @@ async def local_cluster(config):
 async def local_router(cluster, **settings):
     """The gRPC router over cluster on 127.0.0.1, any free port (router.port), RouterConfig's other settings
     as given; stopped on the way out (5 s for requests in flight)."""
-    from router.server import Router, RouterConfig
+    from router.compose import build_router
+    from router.config import RouterConfig
 
-    router = Router(cluster, RouterConfig(port=0, **settings))
+    router = build_router(cluster, RouterConfig(port=0, **settings))
     await router.start()
     try:
         yield router

@@ -84,7 +84,7 @@ def main() -> None:
 
             async def sample() -> None:
                 while not stop.is_set():
-                    depth[0] = max(depth[0], router.service.queued(ServiceTier.FLEX))
+                    depth[0] = max(depth[0], router.front.queued(ServiceTier.FLEX))
                     await asyncio.sleep(0.02)
 
             sampler = asyncio.create_task(sample())
