@@ -6,7 +6,7 @@ WorkerCalls (each a typed method), a worker answers them with the handlers its a
 following a request goes from `WorkerCalls.prefill` to the handler named in `Call.PREFILL`'s line below.
 
     call       args                                  result (the router's future)     answered by
-    CANCEL     request_id                            none: sent, not awaited           every worker: WorkerActor._cancel_soon
+    CANCEL     request_id                            none: sent, not awaited           every worker: Cancels._cancel_soon
     STATS      -                                     WorkerStats (the heartbeat)       every worker, from its step thread
     PREFILL    PrefillTask                           PrefillResult (the first tokens)  PrefillActor._submit
     RESERVE    DecodeTask, prefill worker's handle   None, once queued                 DecodeActor._reserve

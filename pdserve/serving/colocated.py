@@ -47,5 +47,5 @@ class ColocatedActor(WorkerActor):
         step = self.core.scheduler.schedule()
         if not step.chunks and not self.core.scheduler.launched:
             return False
-        self._publish(self._run(step))
+        self._publish(*self._run(step))
         return True
