@@ -64,16 +64,12 @@ class DecodeActor(WorkerActor):
         self._self_handle: Any = None
         self._start()
 
-    async def reserve(self, task: DecodeTask, prefill: Any = None) -> None:
-        """Take a request whose KV the prefill worker task.prefill_worker computes; returns once it is
-        queued. `prefill` is that worker's actor handle, given with the first reservation for it only.
-        The router calls it on the link (`_reserve`)."""
-        self._reserve(task, prefill)
-
     def handlers(self) -> dict[str, Callable]:
         return {**super().handlers(), Call.RESERVE.value: self._reserve}
 
     def _reserve(self, task: DecodeTask, prefill: Any = None) -> None:
+        """Call.RESERVE: take a request whose KV the prefill worker task.prefill_worker computes; returns once
+        it is queued. `prefill` is that worker's actor handle, given with the first reservation for it only."""
         if prefill is not None:
             self._prefill[task.prefill_worker] = prefill
         req = task.new_request(self.core.tokenizer)

@@ -90,13 +90,9 @@ class PrefillActor(WorkerActor):
         self._pushing: set[str] = set()  # in a push job not yet done
         self._start()
 
-    async def prefill(self, task: PrefillTask) -> PrefillResult:
-        """Ingest the prompt; returns as soon as the first token is sampled (the KV goes on to the decode
-        worker that reserves room for it, `kv_ready`). The router calls it on the link (`_submit`)."""
-        return await asyncio.wrap_future(self._submit(task))
-
     def _submit(self, task: PrefillTask) -> Future[PrefillResult]:
-        """Queue the prompt (any thread); the future resolves with its first token."""
+        """Call.PREFILL: queue the prompt (any thread); the future resolves as soon as its first token is
+        sampled (the KV goes on to the decode worker that reserves room for it, `kv_ready`)."""
         req = task.new_request(self.core.tokenizer)
         if self.core.kv.blocks_needed(req.num_tokens) > self.core.pool.num_blocks:
             raise ValueError(f"prompt of {req.num_tokens} tokens does not fit this worker's KV cache "

@@ -11,7 +11,7 @@ following a request goes from `WorkerCalls.prefill` to the handler named in `Cal
     PREFILL    PrefillTask                           PrefillResult (the first tokens)  PrefillActor._submit
     RESERVE    DecodeTask, prefill worker's handle   None, once queued                 DecodeActor._reserve
                (None when this decode worker has it already)
-    GENERATE   PrefillTask                           None, once the request is done    ColocatedActor._generate
+    GENERATE   PrefillTask                           None, once queued                 ColocatedActor._generate
 
 A handler returns its value or a concurrent.futures.Future of it; a ValueError it raises reaches the
 router as a ValueError (the request was refused), anything else as CallFailed. A call's name travels as the
@@ -62,5 +62,6 @@ class WorkerCalls:
         return self.link.call(Call.RESERVE.value, task, prefill_handle)
 
     def generate(self, task: PrefillTask) -> asyncio.Future[None]:
-        """A colocated worker serves the whole request; the future resolves when it has ended."""
+        """A colocated worker serves the whole request (its tokens come with the step outputs); the future
+        resolves once it is queued."""
         return self.link.call(Call.GENERATE.value, task)
