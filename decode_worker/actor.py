@@ -32,7 +32,7 @@ from pdserve.engine.scheduler_types import Role
 from pdserve.parallel.layout import pair_plan, shares_by_rank
 from pdserve.serving.calls import Call
 from pdserve.serving.messages import DecodeTask, Failure, FailureReason
-from pdserve.serving.worker import StepRun, WorkerActor
+from pdserve.serving.worker import WorkerActor
 from pdserve.transfer.channel import StoreServer, TransferStats
 from pdserve.transfer.protocol import KVAnnounce, SecondsHistogram
 from pdserve.transfer.receiver import InboundTable, KVIntake
@@ -64,16 +64,12 @@ class DecodeActor(WorkerActor):
         self._self_handle: Any = None
         self._start()
 
-    async def reserve(self, task: DecodeTask, prefill: Any = None) -> None:
-        """Take a request whose KV the prefill worker task.prefill_worker computes; returns once it is
-        queued. `prefill` is that worker's actor handle, given with the first reservation for it only.
-        The router calls it on the link (`_reserve`)."""
-        self._reserve(task, prefill)
-
     def handlers(self) -> dict[str, Callable]:
         return {**super().handlers(), Call.RESERVE.value: self._reserve}
 
     def _reserve(self, task: DecodeTask, prefill: Any = None) -> None:
+        """Call.RESERVE: take a request whose KV the prefill worker task.prefill_worker computes; returns once
+        it is queued. `prefill` is that worker's actor handle, given with the first reservation for it only."""
         if prefill is not None:
             self._prefill[task.prefill_worker] = prefill
         req = task.new_request(self.core.tokenizer)
@@ -89,7 +85,8 @@ class DecodeActor(WorkerActor):
 
         def failed(f) -> None:  # e.g. a duplicate id: the router hears of it like any failed request
             if f.exception() is not None:
-                self._put((), (Failure(task.request_id, FailureReason.REJECTED, f"decode worker: {f.exception()}"),))
+                self._publish((), (Failure(task.request_id, FailureReason.REJECTED,
+                                           f"decode worker: {f.exception()}"),))
 
         # Not awaited: the step thread takes it between two steps, and the caller need not wait for that.
         self.loop.call(add).add_done_callback(failed)
@@ -174,7 +171,7 @@ class DecodeActor(WorkerActor):
             ended = [end for req in going_on if req.kv_version != core.weight_version
                      and (end := core.version_policy(req)) is not None]
             if ended:
-                self._publish(StepRun(ended, []))
+                self._publish(ended)
 
     def _kv_never_comes(self, request_ids, error: str, reason: FailureReason = FailureReason.TRANSFER_FAILED) -> None:
         """Step thread: these reservations' KV will not come; each one no intake is writing into is failed
@@ -188,7 +185,7 @@ class DecodeActor(WorkerActor):
         req = self.core.scheduler.requests.get(request_id)
         if req is not None and req.status is RequestStatus.WAITING_FOR_KV and self.core.cancel(request_id):
             self._source.pop(request_id, None)
-            self._publish(StepRun([], []), (Failure(request_id, reason, f"KV transfer failed: {error}"),))
+            self._publish((), (Failure(request_id, reason, f"KV transfer failed: {error}"),))
 
     def _cancel(self, request_id: str) -> bool:
         req = self.core.scheduler.requests.get(request_id)
@@ -209,7 +206,7 @@ class DecodeActor(WorkerActor):
             run = self._run(step)
             for f in run.failed:  # the step raised: the whole queue and batch were failed
                 self._source.pop(f.request_id, None)
-            self._publish(run)
+            self._publish(*run)
         return bool(step.chunks or step.reserved or launched)
 
     def _announce_reserved(self, reserved) -> None:

@@ -16,12 +16,13 @@ import asyncio
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import FIRST_EXCEPTION, Future, InvalidStateError, wait
 from dataclasses import dataclass
 from typing import Any
 
 from pdserve.config import EngineConfig
+from pdserve.engine.llm_engine import EngineCore
 from pdserve.engine.output import TextOutput, token_text
 from pdserve.engine.request import Request
 from pdserve.engine.scheduler_types import Role, SampledToken, ScheduledStep
@@ -89,13 +90,9 @@ class PrefillActor(WorkerActor):
         self._pushing: set[str] = set()  # in a push job not yet done
         self._start()
 
-    async def prefill(self, task: PrefillTask) -> PrefillResult:
-        """Ingest the prompt; returns as soon as the first token is sampled (the KV goes on to the decode
-        worker that reserves room for it, `kv_ready`). The router calls it on the link (`_submit`)."""
-        return await asyncio.wrap_future(self._submit(task))
-
     def _submit(self, task: PrefillTask) -> Future[PrefillResult]:
-        """Queue the prompt (any thread); the future resolves with its first token."""
+        """Call.PREFILL: queue the prompt (any thread); the future resolves as soon as its first token is
+        sampled (the KV goes on to the decode worker that reserves room for it, `kv_ready`)."""
         req = task.new_request(self.core.tokenizer)
         if self.core.kv.blocks_needed(req.num_tokens) > self.core.pool.num_blocks:
             raise ValueError(f"prompt of {req.num_tokens} tokens does not fit this worker's KV cache "
@@ -233,7 +230,7 @@ class PrefillActor(WorkerActor):
         step = scheduler.schedule()
         if not step.chunks:
             return False
-        pushes = _StepPushes(self, step)
+        pushes = _StepPushes(step, self.core, self._hand_off, self.push_layerwise, self._claim_ready, self._push)
         try:
             pushes.layer_done(-1)  # destinations already ready: their KV goes out layer by layer
             sampled, failed = self._run(step, pushes.layer_done)
@@ -286,6 +283,14 @@ class PrefillActor(WorkerActor):
             self._pushed(job, f"decode worker {job.destination} is gone")
         else:
             d.pusher.push(job)
+
+    def _claim_ready(self, request_ids: Iterable[str]) -> dict[str, str]:
+        """Those of these requests whose decode worker has reserved room, each with that worker: their push
+        starts now (any thread)."""
+        with self._lock:
+            claimed = {rid: self._ready.pop(rid)[1] for rid in request_ids if rid in self._ready}
+            self._pushing.update(claimed)
+        return claimed
 
     def _held_jobs(self, destination: str, items: list[tuple[str, _HeldKV]]) -> list[PushJob]:
         """Pushes of computed KV, one per service tier (all of their layers are there, and so are the first
@@ -355,47 +360,48 @@ class PrefillActor(WorkerActor):
 class _StepPushes:
     """The pushes of one prefill step: prompts completing in it whose decode worker is ready go out
     layer by layer, one job per decode worker; a reservation that arrives mid-forward joins at the next
-    layer (the layers already computed go first)."""
+    layer (the layers already computed go first).
 
-    def __init__(self, actor: PrefillActor, step: ScheduledStep):
-        self.actor = actor
-        self.num_layers = actor.core.model_config.num_layers
+    What it needs of its prefill worker is passed in: the engine, the requests whose KV goes to a decode
+    worker (`hand_off`), whether pushes go layer by layer, `claim` (PrefillActor._claim_ready: which of
+    them have their reservation, each taken for a push) and `push` (PrefillActor._push: queue a job)."""
+
+    def __init__(self, step: ScheduledStep, core: EngineCore, hand_off: set[str], layerwise: bool,
+                 claim: Callable[[Iterable[str]], dict[str, str]], push: Callable[[PushJob], None]):
+        self.layerwise = layerwise
+        self.claim = claim
+        self.push = push
+        self.num_layers = core.model_config.num_layers
         # request -> (its service tier's rank, its KV blocks): those whose KV goes to a decode worker
         self.candidates: dict[str, tuple[int, list[int]]] = {}
         self.samples: dict[str, int] = {}  # first tokens each candidate samples (a group's n)
         self.versions: dict[str, int] = {}  # the weight version computing each candidate's KV (this step's)
         for req, chunk in zip(step.requests, step.chunks):
-            if chunk.sample is not None and req.request_id in actor._hand_off:
-                self.candidates[req.request_id] = (req.tier,
-                                                   req.block_ids[: actor.core.kv.blocks_needed(req.num_tokens)])
+            if chunk.sample is not None and req.request_id in hand_off:
+                self.candidates[req.request_id] = (req.tier, req.block_ids[: core.kv.blocks_needed(req.num_tokens)])
                 self.samples[req.request_id] = chunk.fanout
                 self.versions[req.request_id] = req.kv_version
         self.started: dict[str, PushJob] = {}
         self.jobs: list[PushJob] = []
         # The engine step about to run (a TP worker's runner counts them; its other ranks wait for it).
-        self.step = getattr(actor.core.runner, "steps", -1) + 1
+        self.step = getattr(core.runner, "steps", -1) + 1
 
     def layer_done(self, layer: int) -> None:
         for job in self.jobs:  # the pushes under way may send this layer now
             if layer >= 0:
                 job.layer_done(layer)
-        if len(self.started) == len(self.candidates) or (not self.actor.push_layerwise and layer < self.num_layers - 1):
+        if len(self.started) == len(self.candidates) or (not self.layerwise and layer < self.num_layers - 1):
             return
-        a = self.actor
         groups: dict[tuple[int, str], list[str]] = {}  # one job per (tier, decode worker), highest tier first
-        with a._lock:
-            for rid, (tier, _) in self.candidates.items():
-                if rid not in self.started and rid in a._ready:
-                    dest = a._ready.pop(rid)[1]  # the decode worker that reserved its room
-                    a._pushing.add(rid)
-                    groups.setdefault((tier, dest), []).append(rid)
+        for rid, dest in self.claim([rid for rid in self.candidates if rid not in self.started]).items():
+            groups.setdefault((self.candidates[rid][0], dest), []).append(rid)
         for (tier, dest), rids in sorted(groups.items()):
             job = PushJob(dest, rids, [self.candidates[r][1] for r in rids], self.num_layers, layer + 1, tier=tier,
                           step=self.step, samples=[self.samples[r] for r in rids],
                           versions=[self.versions[r] for r in rids])
             self.jobs.append(job)
             self.started.update((r, job) for r in rids)
-            a._push(job)
+            self.push(job)
 
     def sampled(self, tokens: dict[str, list[int]]) -> None:
         for job in self.jobs:

@@ -25,7 +25,9 @@ for the request. Medians of --handoff-reps requests after one warm-up each.
 """
 from __future__ import annotations
 
+import asyncio
 import statistics
+import threading
 import time
 
 import ray
@@ -122,13 +124,36 @@ def handoff_table(lengths: list[int], reps: int) -> None:
     from decode_worker.actor import DecodeActor
     from pdserve.config import CacheConfig, EngineConfig, SchedulerConfig
     from pdserve.engine.sampling import SamplingParams
+    from pdserve.serving.calls import WorkerCalls
+    from pdserve.serving.link import LinkServer
     from pdserve.serving.messages import DecodeTask, PrefillTask
     from prefill_worker.actor import PrefillActor
+
+    # The router's end of the workers' links, on a loop of its own: requests reach the workers as the
+    # router's calls on their links (pdserve.serving.calls), as in the cluster.
+    loop = asyncio.new_event_loop()
+    threading.Thread(target=loop.run_forever, daemon=True).start()
+
+    def on_loop(make):
+        """make() on the loop, its awaitable awaited there; the result."""
+        async def run():
+            return await make()
+        return asyncio.run_coroutine_threadsafe(run(), loop).result(TIMEOUT_S)
+
+    server = LinkServer("127.0.0.1")
+    on_loop(server.start)
+
+    async def linked(handle, worker_id: str) -> WorkerCalls:
+        link = server.expect(worker_id, lambda out: None)  # the outputs are not read here: stats tell
+        await handle.link_to.remote(server.host, server.port, server.token)
+        await link.wait_open(TIMEOUT_S)
+        return WorkerCalls(link)
 
     config = EngineConfig(cache=CacheConfig(memory_bytes=512 << 20),
                           scheduler=SchedulerConfig(max_num_batched_tokens=max(lengths)))
     decode = ray.remote(DecodeActor).options(num_cpus=0.5).remote("decode-0", config, TIMEOUT_S, 1)
     ray.get(decode.ready.remote())
+    to_decode = on_loop(lambda: linked(decode, "decode-0"))
     params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
     print("\nhand-off, prefill worker -> decode worker (SmolLM2, fp32, 1 torch thread each)")
     table = Table(("prompt", 8, ""), ("push", 20, ""), ("prefill step ms", 16, ".1f"), ("hand-off ms", 12, ".1f"),
@@ -140,6 +165,7 @@ def handoff_table(lengths: list[int], reps: int) -> None:
         prefill = ray.remote(PrefillActor).options(num_cpus=0.5).remote(pid, config, TIMEOUT_S, 1, layerwise,
                                                                           checksum)
         ray.get(prefill.ready.remote())
+        to_prefill = on_loop(lambda: linked(prefill, pid))
         for n in lengths:
             steps, handoffs = [], []
             for rep in range(reps + 1):
@@ -147,8 +173,8 @@ def handoff_table(lengths: list[int], reps: int) -> None:
                 rid = f"r{k}"
                 prompt = tuple(100 + (k * 7919 + i) % 20000 for i in range(n))  # no prefix-cache hits
                 before_p, before_d = ray.get([prefill.stats.remote(), decode.stats.remote()])
-                ray.get(decode.reserve.remote(DecodeTask(rid, prompt, (), params, 0, pid), prefill))
-                ray.get(prefill.prefill.remote(PrefillTask(rid, prompt, params, 0, hand_off=True)))
+                on_loop(lambda: to_decode.reserve(DecodeTask(rid, prompt, (), params, 0, pid), prefill))
+                on_loop(lambda: to_prefill.prefill(PrefillTask(rid, prompt, params, 0, hand_off=True)))
                 deadline = time.monotonic() + TIMEOUT_S
                 # Stats are read on the decode worker's step thread: the request has run by then.
                 while (after_d := ray.get(decode.stats.remote())).handoff["counts"] == before_d.handoff["counts"]:
@@ -164,6 +190,8 @@ def handoff_table(lengths: list[int], reps: int) -> None:
         ray.get(prefill.shutdown.remote())
         ray.kill(prefill)
     ray.get(decode.shutdown.remote())
+    on_loop(server.close)
+    loop.call_soon_threadsafe(loop.stop)
 
 
 def main() -> None:

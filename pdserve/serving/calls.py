@@ -6,12 +6,12 @@ WorkerCalls (each a typed method), a worker answers them with the handlers its a
 following a request goes from `WorkerCalls.prefill` to the handler named in `Call.PREFILL`'s line below.
 
     call       args                                  result (the router's future)     answered by
-    CANCEL     request_id                            none: sent, not awaited           every worker: WorkerActor._cancel_soon
+    CANCEL     request_id                            none: sent, not awaited           every worker: Cancels._cancel_soon
     STATS      -                                     WorkerStats (the heartbeat)       every worker, from its step thread
     PREFILL    PrefillTask                           PrefillResult (the first tokens)  PrefillActor._submit
     RESERVE    DecodeTask, prefill worker's handle   None, once queued                 DecodeActor._reserve
                (None when this decode worker has it already)
-    GENERATE   PrefillTask                           None, once the request is done    ColocatedActor._generate
+    GENERATE   PrefillTask                           None, once queued                 ColocatedActor._generate
 
 A handler returns its value or a concurrent.futures.Future of it; a ValueError it raises reaches the
 router as a ValueError (the request was refused), anything else as CallFailed. A call's name travels as the
@@ -62,5 +62,6 @@ class WorkerCalls:
         return self.link.call(Call.RESERVE.value, task, prefill_handle)
 
     def generate(self, task: PrefillTask) -> asyncio.Future[None]:
-        """A colocated worker serves the whole request; the future resolves when it has ended."""
+        """A colocated worker serves the whole request (its tokens come with the step outputs); the future
+        resolves once it is queued."""
         return self.link.call(Call.GENERATE.value, task)

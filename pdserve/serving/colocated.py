@@ -5,7 +5,6 @@ streams the same StepOutputs, so the router can compare the two architectures on
 """
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Callable
 from concurrent.futures import Future
 
@@ -26,15 +25,12 @@ class ColocatedActor(WorkerActor):
         super().__init__(worker_id, config, torch_threads, placement=placement)
         self._start()
 
-    async def generate(self, task: PrefillTask) -> None:
-        """Queue a whole request; its tokens (the first one included) go out with the step outputs (link_to).
-        The router calls it on the link (`_generate`)."""
-        await asyncio.wrap_future(self._generate(task))
-
     def handlers(self) -> dict[str, Callable]:
         return {**super().handlers(), Call.GENERATE.value: self._generate}
 
     def _generate(self, task: PrefillTask) -> Future[None]:
+        """Call.GENERATE: queue a whole request; its tokens (the first one included) go out with the step
+        outputs on the link; the future resolves once it is queued."""
         req = task.new_request(self.core.tokenizer)
 
         def add() -> None:
@@ -47,5 +43,5 @@ class ColocatedActor(WorkerActor):
         step = self.core.scheduler.schedule()
         if not step.chunks and not self.core.scheduler.launched:
             return False
-        self._publish(self._run(step))
+        self._publish(*self._run(step))
         return True

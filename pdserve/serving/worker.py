@@ -1,11 +1,17 @@
-"""What every worker actor shares: the engine in its role, the step thread, timing, stats, and failure.
+"""What every worker actor shares: the engine in its role, the step thread, timing, outputs, stats, and failure.
 
 A worker actor (prefill, decode, colocated) is a Ray actor around one EngineCore. The step thread
 (pdserve.engine.step_loop) owns the engine; actor methods hand it functions. This base holds the skeleton:
-ready / stats / cancel (and the record of what cancels did) / shutdown, the timed step with its
-fail-the-batch path, the link to the router (step outputs out, the router's per-request calls in), and
-the stats report. A subclass says what differs: its role and pool name, its step, and how it counts
-waiting and running requests.
+ready / stats / shutdown, the timed step with its fail-the-batch path, a step's tokens made into outputs
+(with their text) for the links to the routers, the call table the links answer, and the stats report.
+A subclass says what differs: its role and pool name, its step, and how it counts waiting and running
+requests.
+
+Its other jobs are parts of their own, each in its module: the weight-update calls
+(pdserve.serving.weight_calls), cancels (pdserve.serving.cancels) and the tests' fault calls
+(pdserve.serving.fault_calls) are mixins, because Ray finds an actor's methods on its class; the links to
+the routers (pdserve.serving.router_links) are an object it holds, since nothing there is a Ray call.
+Each mixin sets its own state in its `__init__`, run first by `WorkerActor.__init__` (super().__init__()).
 """
 from __future__ import annotations
 
@@ -13,10 +19,9 @@ import asyncio
 import collections
 import logging
 import os
-import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import NamedTuple
 
 import torch
@@ -26,27 +31,18 @@ from pdserve.engine.llm_engine import EngineCore
 from pdserve.engine.output import TextOutput, token_text
 from pdserve.engine.request import FinishReason, Request
 from pdserve.engine.scheduler_types import Role, SampledToken, ScheduledStep
-from pdserve.engine.step_loop import StepLoop, StepLoopStopped
+from pdserve.engine.step_loop import StepLoop
 from pdserve.engine.utilization import device_peaks
-from pdserve.faults import FaultPoints
 from pdserve.model.loader import LoadedModel
 from pdserve.serving.calls import Call
-from pdserve.serving.link import WorkerLink
-from pdserve.serving.messages import (
-    CancelRecord,
-    Failure,
-    FailureReason,
-    StepOutput,
-    TokenEvent,
-    WeightUpdateReport,
-    WorkerStats,
-)
+from pdserve.serving.cancels import Cancels
+from pdserve.serving.fault_calls import FaultCalls
+from pdserve.serving.messages import Failure, FailureReason, TokenEvent, WorkerStats
+from pdserve.serving.router_links import RouterLinks
+from pdserve.serving.weight_calls import WeightCalls
 from pdserve.tiers import ServiceTier
 
 log = logging.getLogger(__name__)
-
-TOMBSTONE_TTL_S = 60.0  # the race it covers lasts milliseconds
-CANCELS_KEPT = 64  # the recent cancels a worker can tell (recent_cancels)
 
 
 class StepRun(NamedTuple):
@@ -54,7 +50,7 @@ class StepRun(NamedTuple):
     failed: list[Failure]  # the whole queue and batch, if the step raised
 
 
-class WorkerActor:
+class WorkerActor(WeightCalls, Cancels, FaultCalls):
     """Subclasses set `pool` and `role`, implement `_step`, and call `_start()` last in __init__."""
 
     pool: str
@@ -64,6 +60,7 @@ class WorkerActor:
                  loaded: LoadedModel | None = None, placement=None):
         """placement: a tensor-parallel worker's placement group (pdserve.serving.tp_ranks.TPPlacement); this
         actor is rank 0 and starts the other ranks in it."""
+        super().__init__()  # the mixins' own state
         if torch_threads:
             torch.set_num_threads(torch_threads)
         self.worker_id = worker_id
@@ -81,26 +78,7 @@ class WorkerActor:
         self.busy_seconds = 0.0
         self.tier_seconds: collections.Counter[str] = collections.Counter()  # busy seconds by tier
         self.started = time.monotonic()
-        # Outputs go out on the links to the routers (pdserve.serving.link), one queue each, by the router
-        # whose tag begins a request's id ("tag/..."); with one router, everything goes on its link.
-        self._outputs: queue.SimpleQueue[StepOutput] = queue.SimpleQueue()  # the first router's
-        self._queues: dict[str, queue.SimpleQueue[StepOutput]] = {}  # router tag -> its link's queue
-        self._links: dict[str, WorkerLink] = {}  # router tag -> its link
-        # Ids cancelled before their request arrived here (Ray may run a cancel ahead of the call that
-        # adds the request): the add then refuses them. Step thread; expire after TOMBSTONE_TTL_S.
-        self._tombstones: collections.OrderedDict[str, float] = collections.OrderedDict()
-        # What cancels did here (step thread): how many ended a request, and the latest ones' records.
-        self.cancelled = 0
-        self._cancels: collections.deque[CancelRecord] = collections.deque(maxlen=CANCELS_KEPT)
-        self.faults = FaultPoints()  # inert unless a test arms one (pdserve.faults)
-        # A weight update read and converted, waiting for commit_weights: (version, staged, seconds to stage).
-        self._staged: tuple[int, object, float] | None = None
-        self._group = None  # a trainer's weight group (pdserve.weights.group.WeightGroup), once joined
-        self._receiving: asyncio.Future | None = None  # an update being received on it
-        self.weight_updates = 0
-        self.weight_update_seconds = 0.0
-        self.weight_update_bytes = 0
-        self.weight_update_failures = 0
+        self.links = RouterLinks(worker_id)
         self.loop: StepLoop | None = None
 
     def _start(self) -> None:
@@ -114,17 +92,6 @@ class WorkerActor:
     async def stats(self) -> WorkerStats:
         return await asyncio.wrap_future(self.loop.call(self._stats))
 
-    async def cancel(self, request_id: str) -> bool:
-        """End a request here wherever it stands and free its KV (False: this worker does not have it)."""
-        try:
-            return await asyncio.wrap_future(self.loop.call(lambda: self._cancel_or_remember(request_id)))
-        except StepLoopStopped:  # shutting down: nothing left to free
-            return False
-
-    async def recent_cancels(self) -> list[CancelRecord]:
-        """The last CANCELS_KEPT cancels that ended a request here, oldest first: a cancel's arrival, checkable."""
-        return await asyncio.wrap_future(self.loop.call(lambda: list(self._cancels)))
-
     async def link_to(self, host: str, port: int, token: bytes, router: str = "") -> None:
         """Connect to the router at host:port (pdserve.serving.link): the router's per-request calls come
         from there, and the outputs of its requests go there; returns once connected.
@@ -132,48 +99,8 @@ class WorkerActor:
         `router` is the router's tag when several routers serve the cluster (router replicas): each has
         a link here, its requests' ids begin with "tag/", and when its link ends (the router died) the
         requests it placed here are cancelled, their KV freed."""
-        old = self._links.get(router)
-        if old is not None and old.alive:
-            raise RuntimeError(f"{self.worker_id} is already linked to router {router!r}")
-        # A queue of its own (a router that comes back under its name gets a new one: the old one ended
-        # with its link); the first link takes what was published before it.
-        q = queue.SimpleQueue() if self._queues else self._outputs
-        self._queues[router] = q
-        self._links[router] = await asyncio.to_thread(
-            WorkerLink, q, host, port, token, self.worker_id, self.handlers(),
-            (lambda: self._router_gone(router)) if router else None)
-
-    def _router_gone(self, router: str) -> None:
-        """A router's link ended (it died): cancel what it placed here; its clients retry elsewhere."""
-        prefix = f"{router}/"
-
-        def cancel_its_requests() -> None:
-            mine = [rid for rid in self.core.scheduler.requests if rid.startswith(prefix)]
-            for rid in mine:
-                self._cancel_soon(rid)
-            log.warning("%s: router %s is gone; %d of its requests cancelled here", self.worker_id, router, len(mine))
-
-        self.loop.call(cancel_its_requests)
-
-    def _queue(self, request_id: str) -> queue.SimpleQueue[StepOutput]:
-        """The queue of the link to the router that placed the request."""
-        if len(self._queues) <= 1:
-            return next(iter(self._queues.values()), self._outputs)
-        return self._queues.get(request_id.split("/", 1)[0], self._outputs)
-
-    def _put(self, events: tuple[TokenEvent, ...], failed: tuple[Failure, ...]) -> None:
-        """One StepOutput per router whose requests have events or failures, each with the stats."""
-        stats = self._stats()
-        if len(self._queues) <= 1:
-            self._queue("").put(StepOutput(self.worker_id, events, failed, stats))
-            return
-        by_queue: dict[int, tuple[queue.SimpleQueue, list, list]] = {}
-        for items, i in ((events, 1), (failed, 2)):
-            for item in items:
-                q = self._queue(item.request_id)
-                by_queue.setdefault(id(q), (q, [], []))[i].append(item)
-        for q, ev, fa in by_queue.values():
-            q.put(StepOutput(self.worker_id, tuple(ev), tuple(fa), stats))
+        await self.links.connect(router, host, port, token, self.handlers(),
+                                 (lambda: self._router_gone(router)) if router else None)
 
     def handlers(self) -> dict[str, Callable]:
         """This worker's answers to the router's calls on its link (pdserve.serving.calls: Call), each run on
@@ -181,142 +108,15 @@ class WorkerActor:
         # STATS: the router's heartbeat. Run on the step thread, so a worker whose steps hang does not answer.
         return {Call.CANCEL.value: self._cancel_soon, Call.STATS.value: lambda: self.loop.call(self._stats)}
 
-    def _cancel_soon(self, request_id: str) -> None:
-        """cancel() without waiting for the step thread to have done it."""
-        self.loop.call(lambda: self._cancel_or_remember(request_id))
-
     async def peer_lost(self, worker_id: str) -> None:
         """A worker of another pool has left its pool (dead or stuck): drop what this one holds for it."""
 
     async def shutdown(self) -> None:
         await self.leave_weight_group()
         self.loop.stop()
-        for link in list(self._links.values()):
-            await asyncio.to_thread(link.close)
+        await self.links.close()
         self._close()
         await asyncio.to_thread(self.core.close)  # a TP worker's other ranks (collectives: off the event loop)
-
-    # -- weights (pdserve.weights) ------------------------------------------------------------------
-    async def stage_weights(self, source: str, version: int) -> int:
-        """Read and convert checkpoint `source` for weight version `version`, held aside until commit_weights
-        (the worker serves meanwhile); its bytes. Raises with nothing applied if it does not fit the model."""
-        await asyncio.to_thread(self.faults.hit, "stage_weights")
-        t0 = time.perf_counter()
-        try:
-            staged = await asyncio.to_thread(self.core.stage_weights, source)
-        except Exception:
-            self.weight_update_failures += 1
-            raise
-        self._staged = (version, staged, time.perf_counter() - t0)
-        return staged.num_bytes if staged is not None else 0
-
-    async def commit_weights(self, version: int) -> WeightUpdateReport:
-        """Between two steps: the staged update becomes the weights served, as `version`; requests holding
-        older KV follow their version policy (aborted ones end with FinishReason.ABORT)."""
-        if self._staged is None or self._staged[0] != version:
-            raise ValueError(f"{self.worker_id} has no update staged for weight version {version}")
-        _, staged, stage_s = self._staged
-        self._staged = None
-        t0 = time.perf_counter()
-        await asyncio.wrap_future(self.loop.call(lambda: self._commit_weights(staged, version)))
-        commit_s = time.perf_counter() - t0
-        num_bytes = staged.num_bytes if staged is not None else 0
-        self.weight_updates += 1
-        self.weight_update_seconds += stage_s + commit_s
-        self.weight_update_bytes += num_bytes
-        log.info("%s: weight version %d (staged in %.2f s, committed in %.3f s, %.1f MB)", self.worker_id, version,
-                 stage_s, commit_s, num_bytes / 1e6)
-        return WeightUpdateReport(self.worker_id, version, stage_s, commit_s, num_bytes)
-
-    async def update_weights(self, source: str, version: int) -> WeightUpdateReport:
-        """stage_weights, then commit_weights (a rolling update: this worker switches as soon as it can)."""
-        await self.stage_weights(source, version)
-        return await self.commit_weights(version)
-
-    async def join_weight_group(self, address, rank: int, timeout_s: float) -> None:
-        """Join a trainer's weight group (pdserve.weights.group) as `rank` (a tensor-parallel worker's rank r as
-        rank + r); returns once every rank has."""
-        await self.leave_weight_group()
-        self._group = await asyncio.to_thread(self.core.join_weight_group, address, rank, timeout_s)
-
-    async def receive_weights(self, metas: list, bucket_bytes: int, version: int) -> None:
-        """Start receiving an update broadcast on the weight group, staging each tensor as it arrives (the worker
-        serves meanwhile); weights_received() waits for the end."""
-        if self._group is None:
-            raise RuntimeError(f"{self.worker_id} is in no weight group")
-        group = self._group
-        loop = asyncio.get_running_loop()
-
-        def receive() -> None:
-            t0 = time.perf_counter()
-            staged = self.core.receive_weights(group, metas, bucket_bytes)
-            self._staged = (version, staged, time.perf_counter() - t0)
-
-        self._receiving = loop.run_in_executor(None, receive)
-
-    async def weights_received(self, version: int) -> int:
-        """Wait for the update being received; its bytes. If it failed (the trainer gone, a timeout), the group is
-        closed and this raises: nothing is staged."""
-        receiving, self._receiving = self._receiving, None
-        if receiving is None:
-            raise RuntimeError(f"{self.worker_id} is receiving no update")
-        try:
-            await receiving
-        except Exception:
-            self.weight_update_failures += 1
-            await self.leave_weight_group()
-            raise
-        return self._staged[1].num_bytes if self._staged and self._staged[1] is not None else 0
-
-    async def leave_weight_group(self) -> None:
-        group, self._group = self._group, None
-        if group is not None:
-            await asyncio.to_thread(self.core.leave_weight_group, group)
-
-    async def export_weights(self, directory: str) -> int:
-        """Write the weights served as a checkpoint in `directory` (EngineCore.export_weights), on the step
-        thread: between two steps, so never half of an update; its bytes."""
-        return await asyncio.wrap_future(self.loop.call(lambda: self.core.export_weights(directory)))
-
-    async def pause(self) -> None:
-        """Stop stepping after the step under way (requests stay where they are); returns once stopped."""
-        await asyncio.wrap_future(self.loop.call(lambda: setattr(self.loop, "paused", True)))
-
-    async def resume(self) -> None:
-        await asyncio.wrap_future(self.loop.call(lambda: setattr(self.loop, "paused", False)))
-
-    def _commit_weights(self, staged, version: int) -> None:
-        """Step thread. A commit that fails part-way leaves a mix of two versions: the worker must not serve
-        it, so it exits, and the router replaces it with a worker loaded at the version the cluster serves."""
-        self.faults.hit("commit_weights")
-        try:
-            sampled = self.core.commit_weights(staged, version)
-        except ValueError:
-            raise  # refused before anything was applied (e.g. a version not newer)
-        except BaseException as e:  # noqa: BLE001
-            log.error("%s: weight update to version %d failed part-way (%s); the worker exits", self.worker_id,
-                      version, e)
-            for handler in logging.getLogger().handlers:
-                handler.flush()
-            os._exit(71)
-        self._publish(StepRun(sampled, []))
-
-    async def rank_pids(self) -> list[int]:
-        """The processes of this worker's ranks, rank 0 (this one) first."""
-        others = await asyncio.to_thread(self.ranks.pids) if self.ranks is not None else []
-        return [os.getpid(), *others]
-
-    async def inject_fault(self, point: str, seconds: float = 0.0, count: int = 1, skip: int = 0) -> None:
-        """Tests only: arm a fault point (pdserve.faults) for `count` hits after the next `skip`."""
-        self.faults.arm(point, seconds, count, skip)
-
-    async def release_fault(self, point: str) -> None:
-        """Tests only: let a fault point armed with seconds=math.inf go on."""
-        self.faults.release(point)
-
-    async def fault_reached(self, point: str, timeout: float = 60.0) -> bool:
-        """Tests only: wait until an armed fault point has been hit (False after the timeout)."""
-        return await asyncio.to_thread(self.faults.wait_reached, point, timeout)
 
     def _rank_lost(self, why: str) -> None:
         """A rank of this TP worker died or hung (pdserve.engine.tp_runner): the worker cannot step any more. It
@@ -336,28 +136,6 @@ class WorkerActor:
     def _step(self) -> bool:
         """One unit of work; whether there was any (pdserve.engine.step_loop)."""
         raise NotImplementedError
-
-    def _cancel(self, request_id: str) -> bool:
-        return self.core.cancel(request_id)
-
-    def _cancel_or_remember(self, request_id: str) -> bool:
-        req = self.core.scheduler.requests.get(request_id)
-        # As it stands before the cancel ends it (a request whose push is under way may have left already).
-        record = CancelRecord(request_id, self.core.steps, req.num_output_tokens if req else 0,
-                              req.status.value if req else "pushing")
-        if self._cancel(request_id):
-            self.cancelled += 1
-            self._cancels.append(record)
-            return True
-        now = time.monotonic()
-        while self._tombstones and now - next(iter(self._tombstones.values())) > TOMBSTONE_TTL_S:
-            self._tombstones.popitem(last=False)
-        self._tombstones[request_id] = now
-        return False
-
-    def _cancelled_already(self, request_id: str) -> bool:
-        """On the step thread, as a request is added: whether its cancel came first (it must not run)."""
-        return self._tombstones.pop(request_id, None) is not None
 
     def _close(self) -> None:
         """Release what the subclass holds besides the step thread (channels, stores)."""
@@ -388,12 +166,13 @@ class WorkerActor:
             for tier, n in tokens:  # each request's share of the step, by the tokens it computed
                 self.tier_seconds[tier] += dt * n / total
 
-    def _publish(self, run: StepRun, extra_failed: tuple[Failure, ...] = ()) -> None:
-        """Put one StepOutput with every request's new token and its text (and the failures), if there is any."""
-        events = tuple(self._event(s) for s in run.sampled)
-        failed = (*run.failed, *extra_failed)
+    def _publish(self, sampled: Iterable[SampledToken], failed: Iterable[Failure] = ()) -> None:
+        """Put one StepOutput with every request's new token and its text (and the failures), if there is any,
+        on the link to the router that placed them."""
+        events = tuple(self._event(s) for s in sampled)
+        failed = tuple(failed)
         if events or failed:
-            self._put(events, failed)
+            self.links.put(events, failed, self._stats())
 
     @staticmethod
     def _text(s: SampledToken) -> tuple[str, FinishReason | None]:

@@ -1,6 +1,6 @@
 """The decode worker actor (decode_worker.actor) on a real local Ray cluster, driven by hand the way the
-router drives it: reservations, a prefill worker lost, cancels; its step outputs read on a real
-link (pdserve.serving.link).
+router drives it: reservations, a prefill worker lost, cancels, each a call on its real link
+(pdserve.serving.link, through pdserve.serving.calls: tests/linked.py), its step outputs read there.
 
 The prefill side is a recording actor, not a prefill worker: what is checked is the notice the decode
 worker sends it (kv_ready) when it has reserved room, which is all a prefill worker would act on. The
@@ -8,7 +8,6 @@ weight-version test pairs it with a real prefill worker (prefill_worker.actor), 
 """
 from __future__ import annotations
 
-import asyncio
 import shutil
 from pathlib import Path
 
@@ -21,11 +20,11 @@ from pdserve.config import CacheConfig, EngineConfig, SchedulerConfig
 from pdserve.engine import LLMEngine
 from pdserve.engine.request import NO_TOKEN, FinishReason
 from pdserve.engine.sampling import SamplingParams
-from pdserve.serving.link import LinkServer
-from pdserve.serving.messages import DecodeTask, FailureReason, PrefillTask, StepOutput
+from pdserve.serving.messages import DecodeTask, FailureReason, PrefillTask
 from prefill_worker.actor import PrefillActor
 
 from conftest import wait_for
+from linked import RouterEnd
 
 BLOCK = 4
 
@@ -46,27 +45,17 @@ class NoticeLog:
 
 @pytest.fixture
 def decode(ray_local, aloop, tiny_checkpoints):
-    """A decode worker with 8 KV blocks of 4 tokens, its outputs collected here, and the router's end of its link."""
+    """A decode worker with 8 KV blocks of 4 tokens, linked to the router's end here (its calls, its outputs)."""
     config = EngineConfig(model=str(tiny_checkpoints["llama"]), cache=CacheConfig(block_size=BLOCK, num_blocks=8),
                           scheduler=SchedulerConfig(max_num_batched_tokens=64))
     handle = ray.remote(DecodeActor).options(num_cpus=0).remote("decode-t", config, 10.0, torch_threads=1,
                                                                 bind_host="127.0.0.1")
-    server = LinkServer("127.0.0.1")
-    outputs: list[StepOutput] = []
-
-    async def connect():
-        await server.start()
-        link = server.expect("decode-t", outputs.append)
-        await handle.link_to.remote(server.host, server.port, server.token)
-        await link.wait_open(30)
-        return link
-
     ray.get(handle.ready.remote(), timeout=120)
-    link = aloop.run(connect())  # the router's end of its link
-    yield handle, outputs, link
+    router = RouterEnd(aloop)
+    yield handle, router.link(handle, "decode-t")
     ray.get(handle.shutdown.remote(), timeout=30)
     ray.kill(handle)
-    aloop.run(server.close())
+    router.close()
 
 
 def task(rid: str, prompt_len: int, prefill_id: str) -> DecodeTask:
@@ -78,17 +67,18 @@ def test_a_lost_prefill_workers_reservations_fail_and_the_others_notices_go_out(
     """Reservations for a prefill worker that was lost while they waited for room are failed (PREFILL_LOST)
     when room comes, and the notice to another prefill worker reserved in the same step still goes out
     (the decode worker holds a prefill worker's handle only until it hears the worker is lost)."""
-    handle, outputs, _ = decode
+    handle, linked = decode
+    outputs = linked.outputs
     lost, alive = NoticeLog.remote(), NoticeLog.remote()
 
     def stats():
         return ray.get(handle.stats.remote(), timeout=30)
 
     # "hold" takes 6 of the 8 blocks (its KV never comes): a and b (3 blocks each) wait for room.
-    ray.get(handle.reserve.remote(task("hold", 20, "p-alive"), alive), timeout=30)
+    linked.call(lambda w: w.reserve(task("hold", 20, "p-alive"), alive))
     wait_for(lambda: ray.get(alive.seen.remote()) == [("hold",)], 30, what="the notice for 'hold'")
-    ray.get(handle.reserve.remote(task("a", 8, "p-lost"), lost), timeout=30)
-    ray.get(handle.reserve.remote(task("b", 8, "p-alive")), timeout=30)  # its handle was given with "hold"'s
+    linked.call(lambda w: w.reserve(task("a", 8, "p-lost"), lost))
+    linked.call(lambda w: w.reserve(task("b", 8, "p-alive")))  # its handle was given with "hold"'s
     wait_for(lambda: stats().waiting == 3, 30, what="a and b to wait for room")
     assert stats().kv_blocks_used == 6
 
@@ -105,38 +95,33 @@ def test_a_lost_prefill_workers_reservations_fail_and_the_others_notices_go_out(
     assert stats().kv_blocks_used == 0
 
 
-def test_reservations_and_cancels_on_the_link(decode, aloop):
+def test_reservations_and_cancels_on_the_link(decode):
     """The router's calls on the decode worker's link, as router.cluster makes them: a reservation (the
     prefill worker's handle pickled with the first one only) is answered once queued and announced to
     that prefill worker; one that cannot fit is refused as the caller's error (ValueError); a cancel
     sent right behind a reservation on the same link frees it (calls run in the order sent)."""
-    handle, _, link = decode
+    handle, linked = decode
     notices = NoticeLog.remote()
 
-    def call(*args):
-        async def go():
-            return await asyncio.wait_for(link.call(*args), 30)
-        return aloop.run(go())
-
-    assert call("reserve", task("a", 8, "p-0"), notices) is None
+    assert linked.call(lambda w: w.reserve(task("a", 8, "p-0"), notices)) is None
     wait_for(lambda: ray.get(notices.seen.remote()) == [("a",)], 30, what="the notice for 'a'")
     with pytest.raises(ValueError, match="needs more KV blocks than this decode worker has"):
-        call("reserve", task("huge", 40, "p-0"))
+        linked.call(lambda w: w.reserve(task("huge", 40, "p-0")))
 
-    async def reserve_then_cancel():
-        answered = link.call("reserve", task("b", 8, "p-0"))
-        link.send("cancel", "b")
-        await asyncio.wait_for(answered, 30)
+    async def reserve_then_cancel(w):
+        answered = w.reserve(task("b", 8, "p-0"))
+        w.cancel("b")
+        await answered
 
-    aloop.run(reserve_then_cancel())
+    linked.call(reserve_then_cancel)
     wait_for(lambda: ray.get(handle.recent_cancels.remote()) and
              ray.get(handle.recent_cancels.remote())[-1].request_id == "b", 30, what="b's cancel")
     # The heartbeat's stats, asked on the link (router.pools): the step thread's count, as Ray's call gives it.
-    assert call("stats").kv_blocks_used > 0
-    link.send("cancel", "a")
-    wait_for(lambda: call("stats").kv_blocks_used == 0, 30, what="every block freed")
+    assert linked.call(lambda w: w.stats()).kv_blocks_used > 0
+    linked.call(lambda w: w.cancel("a"))
+    wait_for(lambda: linked.call(lambda w: w.stats()).kv_blocks_used == 0, 30, what="every block freed")
     assert ray.get(handle.stats.remote()).kv_blocks_used == 0
-    assert call("stats").worker_id == "decode-t"
+    assert linked.call(lambda w: w.stats()).worker_id == "decode-t"
     assert ray.get(notices.seen.remote())[0] == ("a",)
 
 
@@ -149,43 +134,29 @@ def test_two_routers_links_route_outputs_and_a_dead_routers_requests_are_cancell
                           scheduler=SchedulerConfig(max_num_batched_tokens=64))
     handle = ray.remote(DecodeActor).options(num_cpus=0).remote("decode-r", config, 10.0, torch_threads=1,
                                                                 bind_host="127.0.0.1")
-    servers = {r: LinkServer("127.0.0.1") for r in "ab"}
-    outputs: dict[str, list[StepOutput]] = {r: [] for r in "ab"}
     notices = NoticeLog.remote()
-
-    async def connect(r):
-        await servers[r].start()
-        link = servers[r].expect("decode-r", outputs[r].append)
-        await handle.link_to.remote(servers[r].host, servers[r].port, servers[r].token, r)
-        await link.wait_open(30)
-        return link
-
     ray.get(handle.ready.remote(), timeout=120)
-    links = {r: aloop.run(connect(r)) for r in "ab"}
-
-    def call(r, *args):
-        async def go():
-            return await asyncio.wait_for(links[r].call(*args), 30)
-        return aloop.run(go())
+    routers = {r: RouterEnd(aloop, r) for r in "ab"}
+    links = {r: routers[r].link(handle, "decode-r") for r in "ab"}
 
     try:
-        call("a", "reserve", task("a/r1#0", 8, "p-0"), notices)
-        call("b", "reserve", task("b/r2#0", 8, "p-0"))
-        call("b", "reserve", task("b/r2#0", 8, "p-0"))  # the same id again: refused on the step thread
-        failed = wait_for(lambda: [f for o in outputs["b"] for f in o.failed], 30, what="b's duplicate refused")
+        links["a"].call(lambda w: w.reserve(task("a/r1#0", 8, "p-0"), notices))
+        links["b"].call(lambda w: w.reserve(task("b/r2#0", 8, "p-0")))
+        links["b"].call(lambda w: w.reserve(task("b/r2#0", 8, "p-0")))  # the same id again: refused on the step thread
+        failed = wait_for(lambda: [f for o in links["b"].outputs for f in o.failed], 30, what="b's duplicate refused")
         assert [(f.request_id, f.reason) for f in failed] == [("b/r2#0", FailureReason.REJECTED)]
-        assert [f for o in outputs["a"] for f in o.failed] == []  # nothing of b's on a's link
+        assert [f for o in links["a"].outputs for f in o.failed] == []  # nothing of b's on a's link
         wait_for(lambda: ray.get(handle.stats.remote()).kv_blocks_used == 6, 30, what="both reservations")
 
-        aloop.run(servers["b"].close())  # router b dies: its link ends
+        routers["b"].close()  # router b dies: its link ends
         wait_for(lambda: ray.get(handle.stats.remote()).kv_blocks_used == 3, 30, what="b's reservation freed")
         assert [c.request_id for c in ray.get(handle.recent_cancels.remote())] == ["b/r2#0"]
-        call("a", "reserve", task("a/r3#0", 4, "p-0"))  # a's link still works
+        links["a"].call(lambda w: w.reserve(task("a/r3#0", 4, "p-0")))  # a's link still works
         wait_for(lambda: ray.get(handle.stats.remote()).kv_blocks_used == 5, 30, what="a's second reservation")
     finally:
         ray.get(handle.shutdown.remote(), timeout=30)
         ray.kill(handle)
-        aloop.run(servers["a"].close())
+        routers["a"].close()
 
 
 @pytest.fixture(scope="module")
@@ -217,14 +188,7 @@ def test_kv_of_another_weight_version_follows_each_requests_version_policy(ray_l
     prefill = ray.remote(PrefillActor).options(num_cpus=0).remote("prefill-v", config, 10.0, torch_threads=1)
     decode = ray.remote(DecodeActor).options(num_cpus=0).remote("decode-v", config, 10.0, torch_threads=1,
                                                                 bind_host="127.0.0.1")
-    server = LinkServer("127.0.0.1")
-    outputs: list[StepOutput] = []
-
-    async def connect():
-        await server.start()
-        link = server.expect("decode-v", outputs.append)
-        await decode.link_to.remote(server.host, server.port, server.token)
-        await link.wait_open(30)
+    router = None
 
     g = torch.Generator().manual_seed(7)
     names = ["keep", "recompute", "abort", "group", "fresh"]
@@ -234,24 +198,24 @@ def test_kv_of_another_weight_version_follows_each_requests_version_policy(ray_l
               for rid in names}
 
     def prefilled(rid):
-        return ray.get(prefill.prefill.remote(PrefillTask(rid, prompts[rid], params[rid], 0, hand_off=True)),
-                       timeout=60)
+        return to_prefill.call(lambda w: w.prefill(PrefillTask(rid, prompts[rid], params[rid], 0, hand_off=True)), 60)
 
     try:
         ray.get([prefill.ready.remote(), decode.ready.remote()], timeout=120)
-        aloop.run(connect())
+        router = RouterEnd(aloop)
+        to_prefill, to_decode = router.link(prefill, "prefill-v"), router.link(decode, "decode-v")
         ray.get(decode.update_weights.remote(str(newer_weights), 1), timeout=60)
         firsts = {rid: prefilled(rid) for rid in names[:4]}  # version 0, held
         ray.get(prefill.update_weights.remote(str(newer_weights), 1), timeout=60)
         firsts["fresh"] = prefilled("fresh")  # version 1, held
         assert ray.get(prefill.stats.remote(), timeout=30).version_outcomes == {}  # held KV waits for its decode worker
         for i, rid in enumerate(names):
-            ray.get(decode.reserve.remote(DecodeTask(rid, prompts[rid], (), params[rid], 0, "prefill-v"),
-                                          prefill if i == 0 else None), timeout=30)
+            to_decode.call(lambda w: w.reserve(DecodeTask(rid, prompts[rid], (), params[rid], 0, "prefill-v"),
+                                               prefill if i == 0 else None))
 
         def events():
             got: dict[str, list] = {}
-            for o in outputs:
+            for o in to_decode.outputs:
                 for e in o.events:
                     got.setdefault(e.request_id, []).append(e)
             return got
@@ -303,4 +267,5 @@ def test_kv_of_another_weight_version_follows_each_requests_version_policy(ray_l
         for h in (prefill, decode):
             ray.get(h.shutdown.remote(), timeout=30)
             ray.kill(h)
-        aloop.run(server.close())
+        if router is not None:
+            router.close()

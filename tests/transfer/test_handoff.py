@@ -378,22 +378,23 @@ def test_a_prefill_step_tells_its_pushes_of_every_layer():
     from pdserve.engine.chunk import Chunk
     from pdserve.engine.request import Request
     from pdserve.engine.sampling import SamplingParams
-    from prefill_worker.actor import _StepPushes
+    from prefill_worker.actor import PrefillActor, _StepPushes
 
     pushed: list[PushJob] = []
-    actor = SimpleNamespace(
-        push_layerwise=True, _lock=threading.Lock(), _ready={"a": (0.0, "d0")}, _pushing=set(),
-        _hand_off={"a"}, _push=pushed.append,
-        core=SimpleNamespace(model_config=SimpleNamespace(num_layers=LAYERS), runner=SimpleNamespace(steps=6),
-                             kv=SimpleNamespace(blocks_needed=lambda n: -(-n // BLOCK_SIZE))))
+    # The prefill worker's hand-off state, as the step's claim (PrefillActor._claim_ready) takes from it: a's
+    # decode worker has reserved its room.
+    hand_off = SimpleNamespace(_lock=threading.Lock(), _ready={"a": (0.0, "d0")}, _pushing=set())
+    core = SimpleNamespace(model_config=SimpleNamespace(num_layers=LAYERS), runner=SimpleNamespace(steps=6),
+                           kv=SimpleNamespace(blocks_needed=lambda n: -(-n // BLOCK_SIZE)))
     req = Request("a", list(range(6)), SamplingParams(), 0)
     req.block_ids = [3, 4]
     req.kv_version = 4  # the weights this step computes with
     step = SimpleNamespace(requests=[req], chunks=[Chunk(list(range(6)), 0, [3, 4], SamplingParams())])
-    pushes = _StepPushes(actor, step)
+    pushes = _StepPushes(step, core, {"a"}, True, lambda rids: PrefillActor._claim_ready(hand_off, rids),
+                         pushed.append)
     pushes.layer_done(-1)
     (job,) = pushed
-    assert job.block_ids == [[3, 4]] and actor._pushing == {"a"} and actor._ready == {} and job.step == 7
+    assert job.block_ids == [[3, 4]] and hand_off._pushing == {"a"} and hand_off._ready == {} and job.step == 7
     assert job.destination == "d0"  # the decode worker that reserved its room
     assert job.versions == (4,)
     for layer in range(LAYERS):
