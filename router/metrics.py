@@ -170,6 +170,59 @@ class RouterMetrics:
             self.served.labels(service_tier, served_tier or service_tier).inc()
 
 
+# The worker families with one value per worker: (kind, name, help, the value from its stats).
+_PER_WORKER = (
+    (CounterMetricFamily, "pdserve_worker_busy_seconds", "Wall time spent in model steps", lambda s: s.busy_seconds),
+    (GaugeMetricFamily, "pdserve_worker_uptime_seconds", "Seconds since the worker started", lambda s: s.uptime_seconds),
+    (CounterMetricFamily, "pdserve_worker_steps", "Model steps run", lambda s: s.steps),
+    (CounterMetricFamily, "pdserve_worker_tokens", "Tokens computed (prompt chunks and decodes)",
+     lambda s: s.tokens_processed),
+    (CounterMetricFamily, "pdserve_worker_flops", "Model FLOPs executed (matmuls, attention)", lambda s: s.flops),
+    (CounterMetricFamily, "pdserve_worker_read_bytes", "Weight and KV bytes read by model steps",
+     lambda s: s.bytes_read),
+    (GaugeMetricFamily, "pdserve_worker_waiting_requests",
+     "Requests queued (prefill: prompts not yet ingested; decode: KV not yet received)", lambda s: s.waiting),
+    (GaugeMetricFamily, "pdserve_worker_waiting_tokens", "Prompt tokens queued", lambda s: s.waiting_tokens),
+    (GaugeMetricFamily, "pdserve_worker_running_requests",
+     "Running batch (prefill: prompts whose KV is held for transfer)", lambda s: s.running),
+    (GaugeMetricFamily, "pdserve_worker_kv_blocks_used", "KV cache blocks in use", lambda s: s.kv_blocks_used),
+    (GaugeMetricFamily, "pdserve_worker_kv_blocks", "KV cache blocks in all", lambda s: s.kv_blocks_total),
+    (CounterMetricFamily, "pdserve_worker_preemptions",
+     "Running requests sent back to the queue for lack of KV blocks (their KV is recomputed)",
+     lambda s: s.preemptions),
+    (CounterMetricFamily, "pdserve_worker_late_steps",
+     "Simulated engine (load format sim): steps whose host work outlasted their simulated time, so the host did "
+     "not keep up and the step ran late (0 for a real model)", lambda s: s.late_steps),
+    (CounterMetricFamily, "pdserve_worker_prefix_cache_hit_blocks", "Prompt blocks served by the prefix cache",
+     lambda s: s.prefix_hit_blocks),
+    (CounterMetricFamily, "pdserve_worker_prefix_cache_query_blocks", "Prompt blocks looked up in the prefix cache",
+     lambda s: s.prefix_query_blocks),
+    (CounterMetricFamily, "pdserve_worker_prompt_tokens_requested",
+     "Prompt tokens of the requests this worker took to compute (a resumed request's re-ingested output not "
+     "included)", lambda s: s.prompt_tokens_requested),
+    (CounterMetricFamily, "pdserve_worker_prompt_tokens_computed",
+     "Prompt tokens this worker computed: below requested by what the prefix cache served, above it by prompts "
+     "computed again after a preemption", lambda s: s.prompt_tokens_computed),
+    (GaugeMetricFamily, "pdserve_worker_weight_version",
+     "The weight version the worker serves (0: the weights it started with; router.weights)",
+     lambda s: s.weight_version),
+    (GaugeMetricFamily, "pdserve_worker_paused",
+     "1 while the worker's steps are paused (a pause of generation, or a weight update switching)",
+     lambda s: float(s.paused)),
+    (CounterMetricFamily, "pdserve_worker_weight_updates", "Weight updates the worker switched to",
+     lambda s: s.weight_updates),
+    (CounterMetricFamily, "pdserve_worker_weight_update_seconds",
+     "Seconds of the weight updates: reading and converting (the worker serving meanwhile) and the switch",
+     lambda s: s.weight_update_seconds),
+    (CounterMetricFamily, "pdserve_worker_weight_update_bytes", "Bytes of the weight updates staged",
+     lambda s: s.weight_update_bytes),
+    (CounterMetricFamily, "pdserve_worker_weight_update_failures",
+     "Weight updates that failed on the worker before its switch (nothing applied)",
+     lambda s: s.weight_update_failures),
+)
+_WORKER = ["pool", "worker"]
+
+
 class WorkerCollector(Collector):
     """Worker metrics from the latest stats each worker reported, labelled by pool and worker."""
 
@@ -178,92 +231,54 @@ class WorkerCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         stats = list(self.worker_stats())
-        labels = ["pool", "worker"]
-
-        def family(kind, name: str, doc: str, value: Callable[[WorkerStats], float], extra: list[str] = (),
-                   extra_values: Callable[[WorkerStats], list[str]] = lambda s: []):
-            f = kind(name, doc, labels=labels + list(extra))
+        for kind, name, doc, value in _PER_WORKER:
+            f = kind(name, doc, labels=_WORKER)
             for s in stats:
-                f.add_metric([s.pool, s.worker_id, *extra_values(s)], value(s))
-            return f
-
-        yield family(CounterMetricFamily, "pdserve_worker_busy_seconds", "Wall time spent in model steps",
-                     lambda s: s.busy_seconds)
-        yield family(GaugeMetricFamily, "pdserve_worker_uptime_seconds", "Seconds since the worker started",
-                     lambda s: s.uptime_seconds)
-        yield family(CounterMetricFamily, "pdserve_worker_steps", "Model steps run", lambda s: s.steps)
-        yield family(CounterMetricFamily, "pdserve_worker_tokens", "Tokens computed (prompt chunks and decodes)",
-                     lambda s: s.tokens_processed)
-        yield family(CounterMetricFamily, "pdserve_worker_flops", "Model FLOPs executed (matmuls, attention)",
-                     lambda s: s.flops)
-        yield family(CounterMetricFamily, "pdserve_worker_read_bytes", "Weight and KV bytes read by model steps",
-                     lambda s: s.bytes_read)
-        yield family(GaugeMetricFamily, "pdserve_worker_peak_flops",
-                     "The device's peak FLOP/s; source says table, configured or measured",
-                     lambda s: s.peak_flops, ["source"], lambda s: [s.peak_source])
-        yield family(GaugeMetricFamily, "pdserve_worker_peak_read_bytes_per_second",
-                     "The device's peak memory bandwidth; source says table, configured or measured",
-                     lambda s: s.peak_bytes_per_second, ["source"], lambda s: [s.peak_source])
-        yield family(GaugeMetricFamily, "pdserve_worker_waiting_requests",
-                     "Requests queued (prefill: prompts not yet ingested; decode: KV not yet received)",
-                     lambda s: s.waiting)
-        yield family(GaugeMetricFamily, "pdserve_worker_waiting_tokens", "Prompt tokens queued",
-                     lambda s: s.waiting_tokens)
-        yield family(GaugeMetricFamily, "pdserve_worker_running_requests",
-                     "Running batch (prefill: prompts whose KV is held for transfer)", lambda s: s.running)
-        yield family(GaugeMetricFamily, "pdserve_worker_kv_blocks_used", "KV cache blocks in use",
-                     lambda s: s.kv_blocks_used)
-        yield family(GaugeMetricFamily, "pdserve_worker_kv_blocks", "KV cache blocks in all",
-                     lambda s: s.kv_blocks_total)
-        yield family(CounterMetricFamily, "pdserve_worker_preemptions",
-                     "Running requests sent back to the queue for lack of KV blocks (their KV is recomputed)",
-                     lambda s: s.preemptions)
-        yield family(CounterMetricFamily, "pdserve_worker_late_steps",
-                     "Simulated engine (load format sim): steps whose host work outlasted their simulated time, "
-                     "so the host did not keep up and the step ran late (0 for a real model)",
-                     lambda s: s.late_steps)
-        for kind, name, doc, key, label in (
-                (CounterMetricFamily, "pdserve_tier_device_seconds", "Step seconds attributed to each service tier (a "
-                 "step's time shared by its requests by the tokens each computed): the device cost of a tier",
-                 "tier_seconds", "service_tier"),
-                (CounterMetricFamily, "pdserve_tier_preemptions", "Requests preempted, by tier and by outcome: kept "
-                 "(resumed with its KV) or recomputed (its KV freed)", "tier_preemptions", "tier_outcome")):
-            f = kind(name, doc, labels=labels + (["service_tier", "outcome"] if label == "tier_outcome" else [label]))
-            for s in stats:
-                values = getattr(s, key) or {}
-                tiers = [t.value for t in TIERS]
-                keys = [f"{t}/{o}" for t in tiers for o in ("kept", "recomputed")] if label == "tier_outcome" else tiers
-                for k in keys:
-                    f.add_metric([s.pool, s.worker_id, *k.split("/")], values.get(k, 0))
+                f.add_metric([s.pool, s.worker_id], value(s))
             yield f
-        yield family(CounterMetricFamily, "pdserve_worker_prefix_cache_hit_blocks",
-                     "Prompt blocks served by the prefix cache", lambda s: s.prefix_hit_blocks)
-        yield family(CounterMetricFamily, "pdserve_worker_prefix_cache_query_blocks",
-                     "Prompt blocks looked up in the prefix cache", lambda s: s.prefix_query_blocks)
-        yield family(CounterMetricFamily, "pdserve_worker_prompt_tokens_requested",
-                     "Prompt tokens of the requests this worker took to compute (a resumed request's re-ingested "
-                     "output not included)", lambda s: s.prompt_tokens_requested)
-        yield family(CounterMetricFamily, "pdserve_worker_prompt_tokens_computed",
-                     "Prompt tokens this worker computed: below requested by what the prefix cache served, above "
-                     "it by prompts computed again after a preemption", lambda s: s.prompt_tokens_computed)
-        yield family(GaugeMetricFamily, "pdserve_worker_weight_version",
-                     "The weight version the worker serves (0: the weights it started with; router.weights)",
-                     lambda s: s.weight_version)
-        yield family(GaugeMetricFamily, "pdserve_worker_paused", "1 while the worker's steps are paused (a pause "
-                     "of generation, or a weight update switching)", lambda s: float(s.paused))
-        yield family(CounterMetricFamily, "pdserve_worker_weight_updates", "Weight updates the worker switched to",
-                     lambda s: s.weight_updates)
-        yield family(CounterMetricFamily, "pdserve_worker_weight_update_seconds",
-                     "Seconds of the weight updates: reading and converting (the worker serving meanwhile) and "
-                     "the switch", lambda s: s.weight_update_seconds)
-        yield family(CounterMetricFamily, "pdserve_worker_weight_update_bytes", "Bytes of the weight updates staged",
-                     lambda s: s.weight_update_bytes)
-        yield family(CounterMetricFamily, "pdserve_worker_weight_update_failures",
-                     "Weight updates that failed on the worker before its switch (nothing applied)",
-                     lambda s: s.weight_update_failures)
+        yield from self._peaks(stats)
+        yield from self._tiers(stats)
+        yield from self._by_key(stats)
+        yield from self._transfers(stats)
+
+    @staticmethod
+    def _peaks(stats: list[WorkerStats]) -> Iterator[Metric]:
+        for name, doc, value in (
+                ("pdserve_worker_peak_flops", "The device's peak FLOP/s; source says table, configured or measured",
+                 lambda s: s.peak_flops),
+                ("pdserve_worker_peak_read_bytes_per_second",
+                 "The device's peak memory bandwidth; source says table, configured or measured",
+                 lambda s: s.peak_bytes_per_second)):
+            f = GaugeMetricFamily(name, doc, labels=_WORKER + ["source"])
+            for s in stats:
+                f.add_metric([s.pool, s.worker_id, s.peak_source], value(s))
+            yield f
+
+    @staticmethod
+    def _tiers(stats: list[WorkerStats]) -> Iterator[Metric]:
+        tiers = [t.value for t in TIERS]
+        f = CounterMetricFamily("pdserve_tier_device_seconds", "Step seconds attributed to each service tier (a "
+                                "step's time shared by its requests by the tokens each computed): the device cost of "
+                                "a tier", labels=_WORKER + ["service_tier"])
+        for s in stats:
+            for t in tiers:
+                f.add_metric([s.pool, s.worker_id, t], (s.tier_seconds or {}).get(t, 0))
+        yield f
+        f = CounterMetricFamily("pdserve_tier_preemptions", "Requests preempted, by tier and by outcome: kept "
+                                "(resumed with its KV) or recomputed (its KV freed)",
+                                labels=_WORKER + ["service_tier", "outcome"])
+        for s in stats:
+            for t in tiers:
+                for o in ("kept", "recomputed"):
+                    f.add_metric([s.pool, s.worker_id, t, o], (s.tier_preemptions or {}).get(f"{t}/{o}", 0))
+        yield f
+
+    @staticmethod
+    def _by_key(stats: list[WorkerStats]) -> Iterator[Metric]:
+        """The version policies' outcomes, and a mixture of experts' tokens by expert."""
         f = CounterMetricFamily("pdserve_worker_version_outcomes", "Requests holding KV of another weight version "
                                 "than the worker's (at an update, or as their KV landed), by what their version "
-                                "policy did: recomputed, kept or aborted", labels=labels + ["outcome"])
+                                "policy did: recomputed, kept or aborted", labels=_WORKER + ["outcome"])
         for s in stats:
             for outcome in ("recomputed", "kept", "aborted"):
                 f.add_metric([s.pool, s.worker_id, outcome], (s.version_outcomes or {}).get(outcome, 0))
@@ -271,26 +286,28 @@ class WorkerCollector(Collector):
         f = CounterMetricFamily("pdserve_worker_expert_tokens", "A mixture of experts: tokens routed to each expert, "
                                 "summed over the model's expert layers (each token counts once per expert it chose; "
                                 "max over mean across experts is a lower bound on a layer's load imbalance: hot experts "
-                                "of different layers even out in the sum)", labels=labels + ["expert"])
+                                "of different layers even out in the sum)", labels=_WORKER + ["expert"])
         for s in stats:
             for e, n in enumerate(s.expert_tokens):
                 f.add_metric([s.pool, s.worker_id, str(e)], n)
         yield f
+
+    @staticmethod
+    def _transfers(stats: list[WorkerStats]) -> Iterator[Metric]:
         moving = [s for s in stats if s.transfer]
-        for kind, name, doc, key in (
-                (CounterMetricFamily, "pdserve_kv_transfers",
+        for name, doc, key in (
+                ("pdserve_kv_transfers",
                  "KV transfers completed (one per channel: one between TP workers counts each pair of ranks)",
                  "transfers"),
-                (CounterMetricFamily, "pdserve_kv_transfer_bytes", "KV bytes transferred", "bytes"),
-                (CounterMetricFamily, "pdserve_kv_transfer_failures", "KV transfers that failed or timed out",
-                 "failures"),
-                (CounterMetricFamily, "pdserve_kv_transfer_checksum_failures",
+                ("pdserve_kv_transfer_bytes", "KV bytes transferred", "bytes"),
+                ("pdserve_kv_transfer_failures", "KV transfers that failed or timed out", "failures"),
+                ("pdserve_kv_transfer_checksum_failures",
                  "KV transfers that arrived but differed from what was sent (checksum)", "checksum_failures")):
-            f = kind(name, doc, labels=labels)
+            f = CounterMetricFamily(name, doc, labels=_WORKER)
             for s in moving:
                 f.add_metric([s.pool, s.worker_id], s.transfer.get(key, 0))
             yield f
-        yield _histogram("pdserve_kv_transfer_seconds", "Duration of KV transfers", labels, moving,
+        yield _histogram("pdserve_kv_transfer_seconds", "Duration of KV transfers", _WORKER, moving,
                          lambda s: {"buckets": TRANSFER_SECONDS_BUCKETS, "counts": s.transfer["bucket_counts"],
                                     "sum": s.transfer["seconds"]})
         for key, name, doc in (
@@ -298,7 +315,7 @@ class WorkerCollector(Collector):
                  "Per request: first token sampled on the prefill worker -> its KV usable on this decode worker"),
                 ("reservation_wait", "pdserve_kv_reservation_wait_seconds",
                  "Per request: placed on this decode worker -> KV blocks reserved (waits while the cache is full)")):
-            yield _histogram(name, doc, labels, [s for s in stats if getattr(s, key)], lambda s, k=key: getattr(s, k))
+            yield _histogram(name, doc, _WORKER, [s for s in stats if getattr(s, key)], lambda s, k=key: getattr(s, k))
 
 
 def _histogram(name: str, doc: str, labels: list[str], stats: list[WorkerStats],
