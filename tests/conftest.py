@@ -288,3 +288,27 @@ def _smol_1p1d_owner(ray_local, aloop):
 def smol_1p1d(_smol_1p1d_owner, aloop):
     """The shared SmolLM2 1P1D cluster (a router.cluster.Cluster), started by the first module that asks."""
     return _smol_1p1d_owner.get(aloop)
+
+
+# -- time per module, in the terminal summary ----------------------------------------------------------------------
+# CI prints it so the next slow module is seen where it appears, not found by bisecting a slow run. A module's time is
+# its tests' setup + call + teardown, so a fixture shared across modules (a session's Ray, the shared SmolLM2 cluster)
+# is charged to the module that starts it.
+MODULE_TIMES_SHOWN = 25
+_module_seconds: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report) -> None:
+    module = report.nodeid.split("::", 1)[0]
+    _module_seconds[module] = _module_seconds.get(module, 0.0) + report.duration
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    if not _module_seconds:
+        return
+    ranked = sorted(_module_seconds.items(), key=lambda kv: kv[1], reverse=True)
+    terminalreporter.write_sep("-", f"time per module (slowest {min(MODULE_TIMES_SHOWN, len(ranked))} "
+                                    f"of {len(ranked)})")
+    for module, seconds in ranked[:MODULE_TIMES_SHOWN]:
+        terminalreporter.write_line(f"{seconds:8.1f}s  {module}")
+    terminalreporter.write_line(f"{sum(_module_seconds.values()):8.1f}s  total")
