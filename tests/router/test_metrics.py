@@ -347,8 +347,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def prom_query(port: int, expr: str) -> list:
-    url = f"http://127.0.0.1:{port}/api/v1/query?" + urllib.parse.urlencode({"query": expr})
+def prom_query(port: int, expr: str, at: float | None = None) -> list:
+    """An instant query, evaluated now or at `at` (Unix seconds: the query API's `time`)."""
+    params = {"query": expr} if at is None else {"query": expr, "time": repr(at)}
+    url = f"http://127.0.0.1:{port}/api/v1/query?" + urllib.parse.urlencode(params)
     body = json.loads(urllib.request.urlopen(url, timeout=10).read())
     assert body["status"] == "success", body
     return body["data"]["result"]
@@ -389,6 +391,40 @@ def prometheus(tmp_path):
         p.wait(30)
 
 
+RATE_WINDOW_S = 60  # the rules' rate windows ([1m]), and $__rate_interval here
+PREFILL_MFU = 'pdserve:worker_mfu:ratio_rate1m{pool="prefill"}'
+
+
+def _rises(port: int, counter: str, since: float) -> list[tuple[float, float]] | None:
+    """For each series of `counter`: (the time of the last scrape before its first rise at or after `since`,
+    the time of the scrape after the one that saw the rise); None until every series has both."""
+    found = []
+    for series in prom_query(port, f"{counter}[5m]"):
+        values = [(float(t), float(v)) for t, v in series["values"]]
+        rise = next(((t0, t2) for (t0, v0), (t1, v1), (t2, _) in zip(values, values[1:], values[2:])
+                     if t1 >= since and v1 > v0), None)
+        if rise is None:
+            return None
+        found.append(rise)
+    return found or None
+
+
+def evaluation_over_load(port: int, since: float) -> tuple[float, float] | None:
+    """The first evaluation of the prefill's MFU rule over a window that holds, for every worker, the scrape
+    before its FLOPs rose under load and the scrape that saw the rise: (its time, its value); None until
+    Prometheus has one. A scrape's samples are stored once it ends and a target's next scrape starts only
+    then, so an evaluation timed at or after the next scrape sees the rise."""
+    rises = _rises(port, "pdserve_worker_flops_total", since)
+    if rises is None:
+        return None
+    first, last = min(before for before, _ in rises), max(after for _, after in rises)
+    for series in prom_query(port, f"{PREFILL_MFU}[5m]"):
+        for t, v in series["values"]:
+            if last <= float(t) < first + RATE_WINDOW_S:
+                return float(t), float(v)
+    return None
+
+
 def test_prometheus_scrapes_every_dashboard_and_rule_expression(ray_local, aloop, tmp_path, prometheus):
     from pdserve.client import AsyncClient
     from router.cluster import Cluster
@@ -409,10 +445,10 @@ def test_prometheus_scrapes_every_dashboard_and_rule_expression(ray_local, aloop
     aloop.run(router.start())
     try:
         prom_port = prometheus(router.metrics_port)
-        exprs = [e.replace("$__rate_interval", "1m") for e in dashboard_queries()] + rule_queries()
+        exprs = [e.replace("$__rate_interval", f"{RATE_WINDOW_S}s") for e in dashboard_queries()] + rule_queries()
 
-        def empty() -> list[str]:
-            return [e for e in exprs if not prom_query(prom_port, e)]
+        def empty(at: float | None = None) -> list[str]:
+            return [e for e in exprs if not prom_query(prom_port, e, at)]
 
         def samples(expr: str) -> float:
             result = prom_query(prom_port, f"min(count_over_time({expr}[1m]))")
@@ -446,6 +482,7 @@ def test_prometheus_scrapes_every_dashboard_and_rule_expression(ray_local, aloop
                 except Exception:  # noqa: BLE001 - INVALID_ARGUMENT is the point
                     pass
 
+        load_started = time.time()  # Prometheus stamps its samples with this clock
         loader = threading.Thread(target=lambda: asyncio.run(load()))
         loader.start()
 
@@ -464,15 +501,20 @@ def test_prometheus_scrapes_every_dashboard_and_rule_expression(ray_local, aloop
                  interval=0.5, what="the failed request to be scraped")
         missing = empty()
         assert not missing, f"under load, {len(missing)} of {len(exprs)} expressions returned no data: {missing}"
-        # The utilization series are real numbers, not just present.
-        mfu = prom_query(prom_port, 'pdserve:worker_mfu:ratio_rate1m{pool="prefill"}')
-        assert 0 < float(mfu[0]["value"][1]) < 1
+        # The utilization series are real numbers, not just present: read where the rules' windows held the
+        # load's work. Read now, a 1m rate is 0 once the load is over a minute old (as it can be on a slow
+        # host: the last round, the failed request's scrape and the queries above come between).
+        at, mfu = wait_for(lambda: evaluation_over_load(prom_port, load_started), timeout=60, interval=0.5,
+                           what="a rule evaluation of the prefill's MFU over the scrapes of every worker's "
+                                "FLOPs rising under load")
+        assert 0 < mfu < 1
+        assert not empty(at), "an expression returned no data where the load's work was in its window"
         # Every expert of both pools' workers has its series; the busiest expert's load is the mean's or more.
         experts = prom_query(prom_port, "pdserve_worker_expert_tokens_total")
         assert sorted(int(r["metric"]["expert"]) for r in experts if r["metric"]["pool"] == "decode") == list(range(8))
         assert sum(float(r["value"][1]) for r in experts) > 0
         imbalance = [e for e in exprs if e.startswith("max by (pool) (sum by (pool, expert)")][0]
-        assert all(float(r["value"][1]) >= 1 for r in prom_query(prom_port, imbalance))
+        assert all(float(r["value"][1]) >= 1 for r in prom_query(prom_port, imbalance, at))
         source = prom_query(prom_port, "pdserve_worker_peak_flops")[0]["metric"]["source"]
         assert source == "measured"
     finally:
