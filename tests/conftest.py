@@ -211,6 +211,7 @@ def cpu_kernels_built():
 # so no other module ever runs beside it. A test of theirs reads what the cluster did as a delta (a cancel by its
 # request id, KV blocks back to zero, prompt tokens computed over a run), never as a total since it started, and
 # sends no prompt another module's test needs to find uncached.
+# tests/router/test_metrics.py reads every dashboard expression off it: a dense model's scrape without a start-up.
 SMOL_1P1D = "smol_1p1d"
 
 
