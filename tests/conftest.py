@@ -211,6 +211,7 @@ def cpu_kernels_built():
 # so no other module ever runs beside it. A test of theirs reads what the cluster did as a delta (a cancel by its
 # request id, KV blocks back to zero, prompt tokens computed over a run), never as a total since it started, and
 # sends no prompt another module's test needs to find uncached.
+# tests/router/test_metrics.py reads every dashboard expression off it: a dense model's scrape without a start-up.
 SMOL_1P1D = "smol_1p1d"
 
 
@@ -288,3 +289,27 @@ def _smol_1p1d_owner(ray_local, aloop):
 def smol_1p1d(_smol_1p1d_owner, aloop):
     """The shared SmolLM2 1P1D cluster (a router.cluster.Cluster), started by the first module that asks."""
     return _smol_1p1d_owner.get(aloop)
+
+
+# -- time per module, in the terminal summary ----------------------------------------------------------------------
+# CI prints it so the next slow module is seen where it appears, not found by bisecting a slow run. A module's time is
+# its tests' setup + call + teardown, so a fixture shared across modules (a session's Ray, the shared SmolLM2 cluster)
+# is charged to the module that starts it.
+MODULE_TIMES_SHOWN = 25
+_module_seconds: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report) -> None:
+    module = report.nodeid.split("::", 1)[0]
+    _module_seconds[module] = _module_seconds.get(module, 0.0) + report.duration
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    if not _module_seconds:
+        return
+    ranked = sorted(_module_seconds.items(), key=lambda kv: kv[1], reverse=True)
+    terminalreporter.write_sep("-", f"time per module (slowest {min(MODULE_TIMES_SHOWN, len(ranked))} "
+                                    f"of {len(ranked)})")
+    for module, seconds in ranked[:MODULE_TIMES_SHOWN]:
+        terminalreporter.write_line(f"{seconds:8.1f}s  {module}")
+    terminalreporter.write_line(f"{sum(_module_seconds.values()):8.1f}s  total")

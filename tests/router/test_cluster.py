@@ -226,6 +226,10 @@ def test_tiny_cancel_midway_frees_blocks(aloop, tiny_cluster):
 
     async def cancel_after(i, prompt, n):
         rid, max_tokens = f"midway-{i}", cluster.info.max_model_len - len(prompt)
+        # A watch on each worker that may stream it, made before it starts, so that no call to a worker comes
+        # between the client's last read and its close: on a loaded machine the worker stepped on through those
+        # calls (125 tokens past the client's 2, at load 20), which the bounds below would blame on the cancel.
+        watches = {w.worker_id: await CancelWatch.of(w) for w in cluster.pools[streaming]}
         gen = cluster.generate(prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True), rid)
         got = tokens = 0
         async for out in gen:
@@ -235,7 +239,7 @@ def test_tiny_cancel_midway_frees_blocks(aloop, tiny_cluster):
                 break
         wrid = f"{rid}#0"  # the worker-side id of its first attempt (router.cluster)
         (worker,) = [w for w in cluster.pools[streaming] if wrid in w.requests]
-        watch = await CancelWatch.of(worker)
+        watch = watches[worker.worker_id]
         await gen.aclose()
         await watch.client_cancelled()
         return got, tokens, await watch.arrived(max_tokens, wrid)

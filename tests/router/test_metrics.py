@@ -271,8 +271,10 @@ def _matches(labels: dict[str, str], matchers: str) -> bool:
     return True
 
 
-# Series a mixture of experts' workers alone export (a dense model's panels for them read "no data").
+# Series a mixture of experts' workers alone export. A dense model's panels for them read the value their
+# expression falls back to when no such series exists (`or on() vector(N)`), not "no data".
 MOE_ONLY = {"pdserve_worker_expert_tokens_total"}
+_FALLBACK = re.compile(r"\bor on\(\) vector\([\d.]+\)$")
 
 
 @pytest.mark.parametrize("experts", [0, 8])
@@ -280,7 +282,8 @@ def test_every_queried_series_exists_at_zero_from_the_start(experts):
     """A router just started with default flags (fixed pools, nothing served, no transfer yet): every series
     a dashboard panel or a rule selects is there, so a panel reads 0 rather than "no data"; the counters of
     what has not happened (requests, scale events, failures) read 0. The expert panels' series exist where the
-    model is a mixture of experts (8 experts), one per expert."""
+    model is a mixture of experts (8 experts), one per expert; on a dense model those panels fall back to a
+    number."""
     from router.metrics import PoolScale
     from pdserve.transfer.channel import TransferStats
     from pdserve.transfer.protocol import SecondsHistogram
@@ -300,6 +303,8 @@ def test_every_queried_series_exists_at_zero_from_the_start(experts):
             if _OR_ZERO.match(expr, sel.end()):  # `(... failed requests ...) or vector(0)`: none failed yet
                 continue
             if name in MOE_ONLY and not experts:
+                if not _FALLBACK.search(expr):
+                    missing.append(f"{name} (a dense model has none) without a fallback in {expr}")
                 continue
             if not any(n == name and _matches(labels, matchers) for n, labels, _ in exposed):
                 missing.append(f"{name}{{{matchers or ''}}} in {expr}")
@@ -347,8 +352,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def prom_query(port: int, expr: str) -> list:
-    url = f"http://127.0.0.1:{port}/api/v1/query?" + urllib.parse.urlencode({"query": expr})
+def prom_query(port: int, expr: str, at: float | None = None) -> list:
+    """An instant query, evaluated now or at `at` (Unix seconds: the query API's `time`)."""
+    params = {"query": expr} if at is None else {"query": expr, "time": repr(at)}
+    url = f"http://127.0.0.1:{port}/api/v1/query?" + urllib.parse.urlencode(params)
     body = json.loads(urllib.request.urlopen(url, timeout=10).read())
     assert body["status"] == "success", body
     return body["data"]["result"]
@@ -389,35 +396,68 @@ def prometheus(tmp_path):
         p.wait(30)
 
 
-def test_prometheus_scrapes_every_dashboard_and_rule_expression(ray_local, aloop, tmp_path, prometheus):
+RATE_WINDOW_S = 60  # the rules' rate windows ([1m]), and $__rate_interval here
+PREFILL_MFU = 'pdserve:worker_mfu:ratio_rate1m{pool="prefill"}'
+
+
+def _rises(port: int, counter: str, since: float) -> list[tuple[float, float]] | None:
+    """For each series of `counter`: (the time of the last scrape before its first rise at or after `since`,
+    the time of the scrape after the one that saw the rise); None until every series has both."""
+    found = []
+    for series in prom_query(port, f"{counter}[5m]"):
+        values = [(float(t), float(v)) for t, v in series["values"]]
+        rise = next(((t0, t2) for (t0, v0), (t1, v1), (t2, _) in zip(values, values[1:], values[2:])
+                     if t1 >= since and v1 > v0), None)
+        if rise is None:
+            return None
+        found.append(rise)
+    return found or None
+
+
+def evaluation_over_load(port: int, since: float) -> tuple[float, float] | None:
+    """The first evaluation of the prefill's MFU rule over a window that holds, for every worker, the scrape
+    before its FLOPs rose under load and the scrape that saw the rise: (its time, its value); None until
+    Prometheus has one. A scrape's samples are stored once it ends and a target's next scrape starts only
+    then, so an evaluation timed at or after the next scrape sees the rise."""
+    rises = _rises(port, "pdserve_worker_flops_total", since)
+    if rises is None:
+        return None
+    first, last = min(before for before, _ in rises), max(after for _, after in rises)
+    for series in prom_query(port, f"{PREFILL_MFU}[5m]"):
+        for t, v in series["values"]:
+            if last <= float(t) < first + RATE_WINDOW_S:
+                return float(t), float(v)
+    return None
+
+
+def scrape_every_expression(aloop, cluster, prometheus, first_token: int, experts: bool) -> None:
+    """A router with default flags on `cluster` (fixed pools, no autoscaling, no fast lane, no HTTP door),
+    scraped by a real Prometheus with the rules: every dashboard and rule expression reads a number (a zero
+    included), never "no data", idle and then under load (the series of features that are off exist at
+    0). The load's prompts are runs of one token from first_token on (300 of them)."""
     from pdserve.client import AsyncClient
-    from router.cluster import Cluster
     from router.compose import build_router
     from router.config import RouterConfig
 
-    from moe_models import build
-
-    # A tiny mixture of experts (a dense first layer, then experts): the dense model's series and the experts'.
-    model = build(tmp_path / "moe", "qwen3_moe-mixed", packed=True)
-    cache = CacheConfig(block_size=4, num_blocks=256)
-    engine = EngineConfig(model=str(model), cache=cache)
-    pool = PoolConfig(1, num_cpus=0.25, cache=cache, scheduler=SchedulerConfig(max_num_batched_tokens=64))
-    # Default flags: fixed pools, no autoscaling, no fast lane, no HTTP door. Every panel must still read
-    # a number (a zero included), never "no data": the series of features that are off exist at 0.
-    cluster = Cluster(ClusterConfig(engine=engine, prefill=pool, decode=pool, stats_interval_s=0.5))
-    aloop.run(cluster.start(), timeout=600)
     router = build_router(cluster, RouterConfig(port=0, metrics_port=0))
     aloop.run(router.start())
     try:
         prom_port = prometheus(router.metrics_port)
-        exprs = [e.replace("$__rate_interval", "1m") for e in dashboard_queries()] + rule_queries()
+        exprs = [e.replace("$__rate_interval", f"{RATE_WINDOW_S}s") for e in dashboard_queries()] + rule_queries()
+        expert_exprs = [e for e in exprs if "pdserve_worker_expert_tokens_total" in e]
+        assert len(expert_exprs) == 2
 
-        def empty() -> list[str]:
-            return [e for e in exprs if not prom_query(prom_port, e)]
+        def empty(at: float | None = None) -> list[str]:
+            return [e for e in exprs if not prom_query(prom_port, e, at)]
 
         def samples(expr: str) -> float:
             result = prom_query(prom_port, f"min(count_over_time({expr}[1m]))")
             return float(result[0]["value"][1]) if result else 0.0
+
+        def dense_fallbacks(at: float | None = None) -> None:
+            # A dense model's expert panels: one series, no labels, 0 tokens routed and an imbalance of 1.
+            read = [[(r["metric"], r["value"][1]) for r in prom_query(prom_port, e, at)] for e in expert_exprs]
+            assert read == [[({}, "0")], [({}, "1")]]
 
         # From the start, before any request: every panel and rule has its series (zeros, or NaN for a
         # quantile or ratio of zero rates), once rate() has two scrapes and the rules an evaluation.
@@ -431,6 +471,8 @@ def test_prometheus_scrapes_every_dashboard_and_rule_expression(ray_local, aloop
             missing = empty()
         assert not missing, f"idle, {len(missing)} of {len(exprs)} expressions returned no data: {missing}"
         assert prom_query(prom_port, "sum(pdserve_requests_total)")[0]["value"][1] == "0"  # nothing served yet
+        if not experts:
+            dense_fallbacks()
 
         stop = threading.Event()
 
@@ -438,7 +480,7 @@ def test_prometheus_scrapes_every_dashboard_and_rule_expression(ray_local, aloop
             async with AsyncClient(f"127.0.0.1:{router.port}") as c:
                 n = 0
                 while not stop.is_set():
-                    prompts = [[(n + i) % 300 + 1] * (5 + 7 * i) for i in range(6)]
+                    prompts = [[first_token + (n + i) % 300] * (5 + 7 * i) for i in range(6)]
                     await asyncio.gather(*(c.complete(token_ids=p, max_tokens=12, temperature=0.0, ignore_eos=True)
                                            for p in prompts))
                     n += 1
@@ -447,6 +489,7 @@ def test_prometheus_scrapes_every_dashboard_and_rule_expression(ray_local, aloop
                 except Exception:  # noqa: BLE001 - INVALID_ARGUMENT is the point
                     pass
 
+        load_started = time.time()  # Prometheus stamps its samples with this clock
         loader = threading.Thread(target=lambda: asyncio.run(load()))
         loader.start()
 
@@ -465,17 +508,51 @@ def test_prometheus_scrapes_every_dashboard_and_rule_expression(ray_local, aloop
                  interval=0.5, what="the failed request to be scraped")
         missing = empty()
         assert not missing, f"under load, {len(missing)} of {len(exprs)} expressions returned no data: {missing}"
-        # The utilization series are real numbers, not just present.
-        mfu = prom_query(prom_port, 'pdserve:worker_mfu:ratio_rate1m{pool="prefill"}')
-        assert 0 < float(mfu[0]["value"][1]) < 1
-        # Every expert of both pools' workers has its series; the busiest expert's load is the mean's or more.
-        experts = prom_query(prom_port, "pdserve_worker_expert_tokens_total")
-        assert sorted(int(r["metric"]["expert"]) for r in experts if r["metric"]["pool"] == "decode") == list(range(8))
-        assert sum(float(r["value"][1]) for r in experts) > 0
-        imbalance = [e for e in exprs if e.startswith("max by (pool) (sum by (pool, expert)")][0]
-        assert all(float(r["value"][1]) >= 1 for r in prom_query(prom_port, imbalance))
+        # The utilization series are real numbers, not just present: read where the rules' windows held the
+        # load's work. Read now, a 1m rate is 0 once the load is over a minute old (as it can be on a slow
+        # host: the last round, the failed request's scrape and the queries above come between).
+        at, mfu = wait_for(lambda: evaluation_over_load(prom_port, load_started), timeout=60, interval=0.5,
+                           what="a rule evaluation of the prefill's MFU over the scrapes of every worker's "
+                                "FLOPs rising under load")
+        assert 0 < mfu < 1
+        assert not empty(at), "an expression returned no data where the load's work was in its window"
+        if experts:
+            # Every expert of both pools' workers has its series; the busiest expert's load is the mean's or more.
+            routed = prom_query(prom_port, "pdserve_worker_expert_tokens_total")
+            assert sorted(int(r["metric"]["expert"]) for r in routed if r["metric"]["pool"] == "decode") \
+                == list(range(8))
+            assert sum(float(r["value"][1]) for r in routed) > 0
+            assert all(float(r["value"][1]) >= 1 for r in prom_query(prom_port, expert_exprs[1], at))
+        else:
+            dense_fallbacks(at)
         source = prom_query(prom_port, "pdserve_worker_peak_flops")[0]["metric"]["source"]
         assert source == "measured"
     finally:
         aloop.run(router.stop(grace=5))
+
+
+def test_prometheus_scrapes_every_dashboard_and_rule_expression(ray_local, aloop, tmp_path, prometheus):
+    """scrape_every_expression on a mixture of experts: the dense layers' series and the experts'."""
+    from router.cluster import Cluster
+
+    from moe_models import build
+
+    # A tiny mixture of experts (a dense first layer, then experts).
+    model = build(tmp_path / "moe", "qwen3_moe-mixed", packed=True)
+    cache = CacheConfig(block_size=4, num_blocks=256)
+    engine = EngineConfig(model=str(model), cache=cache)
+    pool = PoolConfig(1, num_cpus=0.25, cache=cache, scheduler=SchedulerConfig(max_num_batched_tokens=64))
+    cluster = Cluster(ClusterConfig(engine=engine, prefill=pool, decode=pool, stats_interval_s=0.5))
+    aloop.run(cluster.start(), timeout=600)
+    try:
+        scrape_every_expression(aloop, cluster, prometheus, first_token=1, experts=True)
+    finally:
         aloop.run(cluster.shutdown())
+
+
+@pytest.mark.slow
+def test_prometheus_reads_every_panel_on_a_dense_model(aloop, smol_1p1d, prometheus):
+    """scrape_every_expression on a dense model (SmolLM2, on the suite's shared cluster: no start-up of its
+    own): no expert series exists and the expert panels read their fallbacks. Its prompts (runs of a token
+    from 30000 on) are none another module sends to the shared cluster."""
+    scrape_every_expression(aloop, smol_1p1d, prometheus, first_token=30000, experts=False)

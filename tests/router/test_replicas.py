@@ -9,24 +9,27 @@ from outside the processes.
   all finish, no worker is orphaned or doubled; a worker then SIGKILLed is replaced by the new owner.
 
 What the test reads of the cluster (the registry, the named workers, their stats) it reads through a
-separate Ray driver (`_observe`), since this test process's own Ray is the suite's local cluster.
+separate Ray driver (`_OBSERVER`), since this test process's own Ray is the suite's local cluster. One
+driver answers every look (a driver's start costs seconds of CPU on 2 cores, beside the routers').
 """
 from __future__ import annotations
 
 import asyncio
 import json
 import os
+import queue
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import grpc
 import pytest
 
-from pdserve.client import AsyncClient
+from pdserve.client import AsyncClient, Client
 from router.registry import LEASE_S
 
 from conftest import wait_for
@@ -45,25 +48,27 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+# A look at the cluster for each line read from stdin, printed as one line.
 _OBSERVER = """
 import json, sys, ray
 ray.init(address=sys.argv[1], namespace="pdserve", log_to_driver=False, logging_level="ERROR")
-out = {"named": sorted(n for n in ray.util.list_named_actors() if n.startswith("pdserve-worker-"))}
-try:
-    version, owner, epoch, workers = ray.get(ray.get_actor("pdserve-registry").view.remote(), timeout=30)
-    out.update(owner=owner, epoch=epoch, listed=sorted(w.worker_id for w in workers))
-except ValueError:
-    out.update(owner=None, epoch=0, listed=[])
-stats = {}
-for name in out["named"]:
+for asked in sys.stdin:
+    out = {"named": sorted(n for n in ray.util.list_named_actors() if n.startswith("pdserve-worker-"))}
     try:
-        s = ray.get(ray.get_actor(name).stats.remote(), timeout=30)
-        stats[s.worker_id] = dict(pid=s.pid, pool=s.pool, kv_blocks_used=s.kv_blocks_used, running=s.running,
-                                  waiting=s.waiting)
-    except Exception as e:
-        stats[name] = dict(error=repr(e))
-out["stats"] = stats
-print("OBSERVED " + json.dumps(out))
+        version, owner, epoch, workers = ray.get(ray.get_actor("pdserve-registry").view.remote(), timeout=30)
+        out.update(owner=owner, epoch=epoch, listed=sorted(w.worker_id for w in workers))
+    except ValueError:
+        out.update(owner=None, epoch=0, listed=[])
+    stats = {}
+    for name in out["named"]:
+        try:
+            s = ray.get(ray.get_actor(name).stats.remote(), timeout=30)
+            stats[s.worker_id] = dict(pid=s.pid, pool=s.pool, kv_blocks_used=s.kv_blocks_used, running=s.running,
+                                      waiting=s.waiting)
+        except Exception as e:
+            stats[name] = dict(error=repr(e))
+    out["stats"] = stats
+    print(f"OBSERVED {asked.strip()} " + json.dumps(out), flush=True)
 """
 
 
@@ -75,8 +80,14 @@ class Replicas:
         self.head = subprocess.Popen(
             [str(BIN / "ray"), "start", "--head", "--block", f"--port={self.ray_port}", "--node-ip-address=127.0.0.1",
              "--num-cpus=2", "--include-dashboard=false", "--disable-usage-stats", f"--temp-dir={tmp / 'ray'}"],
-            stdout=open(tmp / "head.log", "w"), stderr=subprocess.STDOUT, start_new_session=True, env=ENV)
+            stdout=open(tmp / "head.log", "w"), stderr=subprocess.STDOUT, start_new_session=True,
+            # No drain at SIGTERM: it waits (30 s by default) for the node to be idle, which its workers, named
+            # actors that live until the head goes, never are; it is for Serve's proxies, which this has none of.
+            env={**ENV, "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0"})
         self.routers: dict[str, tuple[subprocess.Popen, int]] = {}
+        self.observer: subprocess.Popen | None = None
+        self.looks: queue.SimpleQueue = queue.SimpleQueue()
+        self.asked = 0
 
     def start_router(self, name: str) -> int:
         port = _free_port()
@@ -96,18 +107,47 @@ class Replicas:
 
     @staticmethod
     def _serving(port: int) -> bool:
-        r = subprocess.run([str(BIN / "pdserve"), "status", "--target", f"127.0.0.1:{port}"], capture_output=True)
-        return r.returncode == 0
+        # What `pdserve status` asks, from this process: a status command's own start (~3 s of CPU on 2 cores)
+        # every half second would slow the router it waits for.
+        try:
+            with Client(f"127.0.0.1:{port}") as c:
+                c.cluster_status(timeout=10)
+            return True
+        except grpc.RpcError:
+            return False
 
     def log(self, name: str) -> str:
         return (self.tmp / f"router-{name}.log").read_text()
 
     def observe(self) -> dict:
-        r = subprocess.run([sys.executable, "-c", _OBSERVER, self.address], capture_output=True, text=True,
-                           timeout=120, cwd=ROOT, env=ENV)
-        line = next((x for x in r.stdout.splitlines() if x.startswith("OBSERVED ")), None)
-        assert line is not None, r.stdout[-2000:] + r.stderr[-2000:]
-        return json.loads(line[len("OBSERVED "):])
+        """A look at the cluster now, from the observer driver (started at the first look)."""
+        if self.observer is None:
+            self.observer = subprocess.Popen([sys.executable, "-c", _OBSERVER, self.address], stdin=subprocess.PIPE,
+                                             stdout=subprocess.PIPE, stderr=open(self.tmp / "observer.log", "w"),
+                                             text=True, cwd=ROOT, env=ENV)
+            threading.Thread(target=self._read_looks, daemon=True).start()
+        self.asked += 1
+        self.observer.stdin.write(f"{self.asked}\n")
+        self.observer.stdin.flush()
+        deadline = time.monotonic() + 120
+        while True:  # a look asked for before (by a test that failed waiting for it) is not this one
+            try:
+                n, look = self.looks.get(timeout=max(deadline - time.monotonic(), 0))
+            except queue.Empty:
+                raise AssertionError("no look in 120 s: " + self._observer_log()) from None
+            assert look is not None, "the observer ended: " + self._observer_log()
+            if n == self.asked:
+                return look
+
+    def _read_looks(self) -> None:
+        for line in self.observer.stdout:
+            if line.startswith("OBSERVED "):
+                n, look = line[len("OBSERVED "):].split(" ", 1)
+                self.looks.put((int(n), json.loads(look)))
+        self.looks.put((0, None))
+
+    def _observer_log(self) -> str:
+        return (self.tmp / "observer.log").read_text()[-2000:]
 
     def kill_router(self, name: str) -> None:
         proc, _ = self.routers.pop(name)
@@ -115,6 +155,12 @@ class Replicas:
         proc.wait(30)
 
     def close(self) -> None:
+        if self.observer is not None:
+            self.observer.stdin.close()  # its loop ends, and with it its driver
+            try:
+                self.observer.wait(30)
+            except subprocess.TimeoutExpired:
+                self.observer.kill()
         for proc, _ in self.routers.values():
             proc.send_signal(signal.SIGINT)
         for proc, _ in self.routers.values():
