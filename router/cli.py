@@ -12,7 +12,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from pdserve.client.grpc_client import API_KEY_ENV, read_api_key
+from pdserve.client.grpc_client import ADMIN_API_KEY_ENV, API_KEY_ENV, read_api_key
 from pdserve.engine.args import add_model_args
 
 SIM_WORKER_CPUS = 1 / 16  # Ray CPUs of a simulated worker by default (--load-format sim)
@@ -63,9 +63,30 @@ def _door_args(serve: argparse.ArgumentParser) -> None:
                       help=f"every RPC but health must send 'authorization: Bearer KEY', else UNAUTHENTICATED "
                            f"(default: ${API_KEY_ENV}; prefer it or --api-key-file, a flag shows in ps)")
     edge.add_argument("--api-key-file", default=None, metavar="FILE", help="read the API key from this file")
+    _role_args(edge)
     edge.add_argument("--metrics-tls", action="store_true", help="serve /metrics over HTTPS with the same certificate")
     edge.add_argument("--health-port", type=int, default=None,
                       help="also serve grpc.health.v1 alone, in plaintext, on this port (probes that cannot do TLS)")
+
+
+def _role_args(edge) -> None:
+    """Roles (router.security): the admin credential control calls need, and where control is served."""
+    edge.add_argument("--admin-api-key", default=None,
+                      help=f"the admin key: control calls (the Weights service: updates, pause, resume, a trainer's "
+                           f"group; HTTP control routes) need 'authorization: Bearer KEY' with it, and the inference "
+                           f"key (--api-key) is refused them, PERMISSION_DENIED (default: ${ADMIN_API_KEY_ENV}; prefer "
+                           f"it or --admin-api-key-file). It serves inference calls too")
+    edge.add_argument("--admin-api-key-file", default=None, metavar="FILE", help="read the admin key from this file")
+    edge.add_argument("--admin-client-name", action="append", default=[], metavar="NAME",
+                      help="with --ssl-ca-certs (mutual TLS): a client certificate whose common name or DNS name is "
+                           "NAME is admin (repeatable)")
+    edge.add_argument("--control-port", type=int, default=None,
+                      help="serve the Weights service on this port of --control-host only (refused on --port); "
+                           "without an admin credential, whoever reaches it may call it")
+    edge.add_argument("--control-http-port", type=int, default=None,
+                      help="serve the HTTP control routes on this port of --control-host only")
+    edge.add_argument("--control-host", default="127.0.0.1",
+                      help="address of the control ports: loopback (default) or an internal interface")
 
 
 def _pool_args(serve: argparse.ArgumentParser) -> None:
@@ -236,6 +257,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
                                  metrics_host=args.metrics_host, metrics_port=args.metrics_port or None,
                                  ssl_certfile=args.ssl_certfile, ssl_keyfile=args.ssl_keyfile,
                                  ssl_ca_certs=args.ssl_ca_certs, api_key=read_api_key(args.api_key, args.api_key_file),
+                                 admin_api_key=read_api_key(args.admin_api_key, args.admin_api_key_file,
+                                                            ADMIN_API_KEY_ENV),
+                                 admin_client_names=tuple(args.admin_client_name), control_host=args.control_host,
+                                 control_port=args.control_port, control_http_port=args.control_http_port,
                                  metrics_tls=args.metrics_tls, health_port=args.health_port,
                                  http_port=args.http_port or None, served_model_name=args.served_model_name,
                                  logprobs_mode=args.logprobs_mode, version_policy=args.version_policy,

@@ -48,6 +48,15 @@ class RouterConfig:
     ssl_keyfile: str | None = None
     ssl_ca_certs: str | None = None
     api_key: str | None = None
+    # Roles (router.security): control calls (the Weights service, HTTP control routes) need the admin
+    # credential, an admin key or (mutual TLS) a client certificate carrying one of admin_client_names; the
+    # inference key is refused them. With control_port (and control_http_port), control is served there only,
+    # on control_host (loopback by default, or an internal interface), and refused on the public ports.
+    admin_api_key: str | None = None
+    admin_client_names: tuple[str, ...] = ()
+    control_host: str = "127.0.0.1"
+    control_port: int | None = None  # 0: any free port
+    control_http_port: int | None = None
     metrics_tls: bool = False  # /metrics over HTTPS with the same certificate
     health_port: int | None = None  # grpc.health.v1 alone, plaintext, on this port too (for probes)
     http_port: int | None = None  # the OpenAI-compatible HTTP API (router.openai_api) on host:http_port
@@ -85,6 +94,15 @@ class RouterConfig:
                              f"got {self.version_policy!r}")
         if self.api_key is not None and not self.api_key:
             raise ValueError("the API key is empty")
+        if self.admin_api_key is not None and not self.admin_api_key:
+            raise ValueError("the admin API key is empty")
+        if self.admin_api_key is not None and self.admin_api_key == self.api_key:
+            raise ValueError("the admin API key must differ from the inference API key (--api-key)")
+        object.__setattr__(self, "admin_client_names", tuple(self.admin_client_names))
+        if self.admin_client_names and not self.ssl_ca_certs:
+            raise ValueError("--admin-client-name needs client certificates: --ssl-ca-certs (mutual TLS)")
+        if self.control_http_port is not None and self.http_port is None:
+            raise ValueError("--control-http-port needs the HTTP API (--http-port)")
         for path in (self.ssl_certfile, self.ssl_keyfile, self.ssl_ca_certs):
             if path is not None and not os.path.isfile(path):  # now, not once the pools have loaded the model
                 raise FileNotFoundError(f"no such file: {path}")

@@ -1,29 +1,40 @@
-"""The HTTP door's guards, before a request reaches its handler: the API key, and request bodies bounded
+"""The HTTP door's guards, before a request reaches its handler: who may call what (roles), and request bodies bounded
 while they are read (one body's bytes, and a budget for all the bodies held at once). Plain ASGI middleware:
 Starlette's BaseHTTPMiddleware would wrap `receive` and hide a client's disconnect from the handler (and
 with it the cancel on the workers)."""
 from __future__ import annotations
 
-import hmac
+from collections.abc import Callable
 
 from router.openai_schema import HTTPError
+from router.security import NEEDS_PEER, Access, Refusal
 from router.tracking import Timeline
 
 
-class ApiKey:
-    """Every path but /health needs `Authorization: Bearer <key>`, checked before the body is read. A
-    plain ASGI middleware: Starlette's BaseHTTPMiddleware would wrap `receive` and hide a client's
+class Roles:
+    """Who may call what on the HTTP door (router.security.Access): /health needs nothing, a control route
+    (`is_control(path)`) the admin role, every other path the inference role; decided before the body is
+    read. A plain ASGI middleware: Starlette's BaseHTTPMiddleware would wrap `receive` and hide a client's
     disconnect from the handler (and with it the cancel on the workers)."""
 
-    def __init__(self, app, expected: bytes):
-        self.app, self.expected = app, expected
+    def __init__(self, app, access: Access, is_control: Callable[[str], bool]):
+        self.app, self.access, self.is_control = app, access, is_control
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] == "http" and scope["path"] != "/health":
-            given = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
-            if not hmac.compare_digest(given, self.expected):
-                error = HTTPError(401, "missing or wrong API key: send the header 'Authorization: Bearer <key>'",
-                                  code="invalid_api_key", grpc_code="UNAUTHENTICATED")
+            control = self.is_control(scope["path"])
+            bearer = next((v for k, v in scope["headers"] if k == b"authorization"), None)
+            verdict = self.access.by_key(control, bearer)
+            if verdict is NEEDS_PEER:
+                client = scope.get("client")
+                verdict = self.access.by_peer(control, bearer, client[0] if client else "", ())
+            if isinstance(verdict, Refusal):
+                if verdict.code.name == "UNAUTHENTICATED":
+                    error = HTTPError(401, "missing or wrong API key: send the header 'Authorization: Bearer <key>'",
+                                      code="invalid_api_key", grpc_code="UNAUTHENTICATED")
+                else:
+                    error = HTTPError(403, verdict.message, kind="permission_error", code="permission_denied",
+                                      grpc_code="PERMISSION_DENIED")
                 await error.response()(scope, receive, send)
                 return
         await self.app(scope, receive, send)
@@ -52,7 +63,7 @@ class BodyBudget:
 
 
 class BodyLimit:
-    """Request bodies bounded while they are read (plain ASGI, as _ApiKey). A Content-Length over the
+    """Request bodies bounded while they are read (plain ASGI, as Roles). A Content-Length over the
     bound is answered 413 before a byte of the body is read; a body without one (chunked) is counted as
     it arrives and answered 413 the moment it passes the bound, what was read of it dropped at once. The
     bodies the door holds at once (being read, or read and their request not yet answered) have a budget
