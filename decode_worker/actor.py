@@ -72,7 +72,7 @@ class DecodeActor(WorkerActor):
         it is queued. `prefill` is that worker's actor handle, given with the first reservation for it only."""
         if prefill is not None:
             self._prefill[task.prefill_worker] = prefill
-        req = task.new_request(self.core.tokenizer)
+        req = task.new_request(self.core.tokenizer, self.core.model_config.vocab_size)
         if self.core.kv.blocks_needed(req.num_tokens + 1) > self.core.pool.num_blocks:
             raise ValueError(f"request {task.request_id} needs more KV blocks than this decode worker has")
         placed = time.monotonic()

@@ -5,6 +5,7 @@ hand it over (Ask) and its fields turned into token ids and sampling parameters 
 from __future__ import annotations
 
 import asyncio
+import re
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field, fields
@@ -13,11 +14,13 @@ from typing import Any
 from google.protobuf.message import DecodeError
 
 from pdserve.engine.output import RequestOutput
-from pdserve.engine.sampling import SamplingParams
+from pdserve.engine.sampling import MAX_N, SamplingParams
 from pdserve.model.loader import ModelInfo
 from pdserve.v1 import generation_pb2 as pb
+from router.config import REQUEST_ID_CHARS, FieldBounds
 
 DEFAULT_MAX_TOKENS = 16
+_REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]+")
 
 
 class RequestFailed(Exception):
@@ -114,11 +117,13 @@ def ask_from_grpc(request: pb.GenerateRequest) -> Ask:
 def prepare(info: ModelInfo, limit: int, ask: Ask, defaults: dict[str, Any] | None = None
             ) -> tuple[list[int], SamplingParams]:
     """What every protocol's request comes down to: the prompt's token ids (from exactly one of prompt
-    text, chat messages or token ids) and the sampling parameters, checked against the model. limit:
-    characters of text accepted before tokenizing (prompt, or all messages); defaults: the server's values
-    of SamplingParams fields a request leaves unset (RouterConfig: logprobs_mode, version_policy).
-    ValueError says what is wrong."""
-    ids = _prompt_ids(info, limit, ask)
+    text, chat messages or token ids) and the sampling parameters, checked against the model (the bounds
+    of router.config.FieldBounds). limit: characters of text accepted before tokenizing (prompt, or all
+    messages); defaults: the server's values of SamplingParams fields a request leaves unset (RouterConfig:
+    logprobs_mode, version_policy). ValueError says what is wrong, naming the field and its bound."""
+    bounds = FieldBounds(info.config.vocab_size, info.max_model_len, limit)
+    check_request_id(ask.request_id)
+    ids = _prompt_ids(info, bounds, ask)
     given = {k: v for k, v in ask.sampling.items() if v is not None}
     unknown = sorted(set(given) - SAMPLING_FIELDS)
     if unknown:
@@ -132,22 +137,47 @@ def prepare(info: ModelInfo, limit: int, ask: Ask, defaults: dict[str, Any] | No
         raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds the model's "
                          f"context of {info.max_model_len} tokens")
     params = SamplingParams(**{**(defaults or {}), **given, "max_tokens": max_tokens})
-    vocab = info.config.vocab_size
-    bad = [t for t in (*ids, *params.stop_token_ids) if not 0 <= t < vocab]
-    if bad:
-        raise ValueError(f"unknown token ids (the vocabulary is [0, {vocab})): {bad[:5]}")
+    _check_against_model(bounds, ids, params)
     return ids, params
 
 
-def _prompt_ids(info: ModelInfo, limit: int, ask: Ask) -> list[int]:
+def _check_against_model(bounds: FieldBounds, ids: list[int], params: SamplingParams) -> None:
+    """The bounds that depend on the model: the vocabulary, and the logprob entries against the context."""
+    vocab = bounds.vocab_size
+    bad = [t for t in (*ids, *params.stop_token_ids) if not 0 <= t < vocab]
+    if bad:
+        raise ValueError(f"unknown token ids (the vocabulary is [0, {vocab})): {bad[:5]}")
+    if params.top_k > bounds.max_top_k:
+        raise ValueError(f"top_k must be at most {bounds.max_top_k} (the vocabulary's size), got {params.top_k}")
+    entries = 0
+    if params.logprobs is not None:
+        entries += params.n * params.max_tokens * (params.logprobs + 1)
+    if params.prompt_logprobs is not None:
+        entries += len(ids) * (params.prompt_logprobs + 1)
+    if entries > bounds.max_logprob_entries:
+        raise ValueError(f"logprobs asks for {entries} entries (n x max_tokens x (logprobs + 1), with the prompt's); "
+                         f"the most is {bounds.max_logprob_entries} ({MAX_N} samples of the model's context)")
+
+
+def check_request_id(rid: str | None) -> None:
+    """A client's request id: None (the router makes one) or 1 to REQUEST_ID_CHARS of [A-Za-z0-9._:-]."""
+    if rid is not None and (len(rid) > REQUEST_ID_CHARS or not _REQUEST_ID.fullmatch(rid)):
+        raise ValueError(f"request_id must be 1 to {REQUEST_ID_CHARS} characters of A-Z, a-z, 0-9, '.', '_', ':' "
+                         f"and '-', got {rid[:40]!r}{'...' if len(rid) > 40 else ''}")
+
+
+def _prompt_ids(info: ModelInfo, bounds: FieldBounds, ask: Ask) -> list[int]:
     """The prompt's token ids from the request's one input; the text ones tokenized (chat: templated)."""
-    tok = info.tokenizer
+    tok, limit = info.tokenizer, bounds.max_input_chars
     inputs = (("prompt", ask.prompt), ("messages", ask.messages), ("token_ids", ask.token_ids))
     given = [name for name, v in inputs if v is not None]
     if not given:
         raise ValueError("the request has no input: set prompt, messages or token_ids")
     if len(given) > 1:
         raise ValueError(f"give one input, not {' and '.join(given)}")
+    if ask.messages is not None and len(ask.messages) > bounds.max_messages:
+        raise ValueError(f"messages has {len(ask.messages)} messages; the most is {bounds.max_messages} (the model's "
+                         "context: each takes at least one of its tokens)")
     if ask.token_ids is not None:
         ids = list(ask.token_ids)
     elif tok is None:

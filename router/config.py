@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from pdserve.engine.sampling import LOGPROBS_MODES, VERSION_POLICIES
+from pdserve.engine.sampling import LOGPROBS_MODES, MAX_N, VERSION_POLICIES
 
 # What the largest valid request can take on the wire, from the limits the router checks a request against
 # (router.admission.prepare), so that the doors refuse what no valid request can be before reading it:
@@ -24,6 +24,38 @@ JSON_BYTES_PER_CHAR, JSON_BYTES_PER_TOKEN = 12, 32
 PROTO_BYTES_PER_CHAR, PROTO_BYTES_PER_TOKEN = 4, 8
 REQUEST_HEADROOM_BYTES = 1 << 20
 BODY_BUDGET_REQUESTS = 16  # the HTTP door holds at most this many of the largest bodies at once, by default
+
+
+# What a request may ask of the work it sizes, derived from the model as the byte bounds above are (#47):
+# - top_k: at most the vocabulary (a larger k keeps every token: nothing to ask for beyond it).
+# - messages: at most the context's tokens (each takes at least one token of the chat template), so that a
+#   body of half a million empty messages is refused before the template renders it.
+# - logprobs: a request's logprob entries (per generated token of each of its n samples, the token's and the k
+#   most likely: n x max_tokens x (logprobs + 1); per prompt token, prompt_logprobs + 1) at most the tokens the
+#   largest request without logprobs carries, MAX_N samples of the whole context: logprobs never make a
+#   request bigger than one already allowed.
+# - request ids: 1 to 128 characters of [A-Za-z0-9._:-]; the router builds worker-side ids from them
+#   ("<router>/<id>#<attempt>", "<id>~<sample>"), logs them and echoes them.
+REQUEST_ID_CHARS = 128
+
+
+@dataclass(frozen=True)
+class FieldBounds:
+    vocab_size: int
+    max_model_len: int
+    max_input_chars: int  # RouterConfig.max_input_chars
+
+    @property
+    def max_top_k(self) -> int:
+        return self.vocab_size
+
+    @property
+    def max_messages(self) -> int:
+        return self.max_model_len
+
+    @property
+    def max_logprob_entries(self) -> int:
+        return MAX_N * self.max_model_len
 
 
 def request_size_bounds(max_input_chars: int, max_model_len: int) -> tuple[int, int]:
