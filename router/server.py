@@ -25,7 +25,8 @@ from router.config import RouterConfig
 from router.frontend import Frontend
 from router.grpc_api import SERVICE_NAME, GenerationService
 from router.security import Access, Guard, server_credentials
-from router.weights import WEIGHTS_SERVICE_NAME, WeightControl, WeightsService
+from router.weights import WeightControl
+from router.weights_api import WEIGHTS_SERVICE_NAME, WeightsService
 
 log = logging.getLogger(__name__)
 
