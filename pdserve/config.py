@@ -1,6 +1,7 @@
 """Configuration: one small frozen dataclass per component, validated on construction."""
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -337,6 +338,10 @@ class EngineConfig:
     # The version of the weights `model` holds (pdserve.weights): 0 for those a cluster starts with; a worker
     # started after updates comes up on the latest version, loaded from its checkpoint.
     weight_version: int = 0
+    # Where a weight update from a path may read checkpoints (pdserve.weights.update.checkpoint_path: the path
+    # and the files it reads there must resolve under it, symlinks followed). None: the directory that holds
+    # the model (its siblings).
+    weights_root: str | None = None
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
@@ -356,6 +361,8 @@ class EngineConfig:
             object.__setattr__(self, "tensor_parallel_size", self.expert_parallel_size)
         if self.load_format == "sim":
             self._check_simulated()
+        if self.weights_root is not None and not os.path.isabs(self.weights_root):
+            raise ValueError(f"weights_root must be an absolute path, got {self.weights_root!r}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         if self.tensor_parallel_size < 1:

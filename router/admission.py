@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import re
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -62,12 +62,20 @@ class Malformed:
     reason: str
 
 
-def parse_wire(data: bytes) -> pb.GenerateRequest | Malformed:
-    # grpc answers INTERNAL when a deserializer raises; a malformed request is the client's error.
-    try:
-        return pb.GenerateRequest.FromString(data)
-    except DecodeError as e:
-        return Malformed(f"malformed request (text fields must be valid UTF-8): {e}")
+def parser(message: type) -> Callable[[bytes], Any]:
+    """A gRPC request deserializer for `message` that returns Malformed instead of raising: grpc answers INTERNAL
+    when a deserializer raises, and a malformed request is the client's error (the handler answers
+    INVALID_ARGUMENT)."""
+    def parse(data: bytes):
+        try:
+            return message.FromString(data)
+        except DecodeError as e:
+            return Malformed(f"malformed request (text fields must be valid UTF-8): {e}")
+
+    return parse
+
+
+parse_wire = parser(pb.GenerateRequest)
 
 
 @dataclass

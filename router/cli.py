@@ -87,6 +87,9 @@ def _role_args(edge) -> None:
                       help="serve the HTTP control routes on this port of --control-host only")
     edge.add_argument("--control-host", default="127.0.0.1",
                       help="address of the control ports: loopback (default) or an internal interface")
+    edge.add_argument("--weights-root", default=None, metavar="DIR",
+                      help="UpdateWeights reads checkpoints under this directory only (the path and its files, "
+                           "symlinks resolved, on every worker); default: the directory that holds --model")
 
 
 def _pool_args(serve: argparse.ArgumentParser) -> None:
@@ -388,7 +391,8 @@ def _engine_config(args: argparse.Namespace):
                           cache=cache, peak_flops=peaks[0], peak_bytes_per_second=peaks[1],
                           tensor_parallel_size=args.tensor_parallel_size, expert_parallel_size=args.expert_parallel_size,
                           tensor_parallel_timeout_s=args.tensor_parallel_timeout,
-                          sim_gpu=args.sim_gpu, sim_kv_scale=args.sim_kv_scale, sim_time_scale=args.sim_time_scale)
+                          sim_gpu=args.sim_gpu, sim_kv_scale=args.sim_kv_scale, sim_time_scale=args.sim_time_scale,
+                          weights_root=os.path.abspath(args.weights_root) if args.weights_root else None)
     if engine.load_format == "sim":
         import logging
 

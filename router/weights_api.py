@@ -10,7 +10,8 @@ import grpc
 import torch
 
 from pdserve.v1 import generation_pb2 as pb
-from router.weights import NoGroup, NotNewer, UpdateResult, WeightControl, WorldChanged, cause_of
+from router.admission import Malformed, parser
+from router.weights import GroupJoinFailed, NoGroup, NotNewer, UpdateResult, WeightControl, WorldChanged, cause_of
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +38,11 @@ class WeightsService:
                     else grpc.StatusCode.UNIMPLEMENTED if isinstance(cause, NotImplementedError)
                     else grpc.StatusCode.UNAVAILABLE)
             log.warning("weights: %s: %s", type(cause).__name__, cause)
-            await context.abort(code, f"{type(cause).__name__}: {cause}")
+            # The messages of our own checks say what is wrong; anything else (a worker's crash, a connection's
+            # error) may carry internal addresses or paths: its kind only, the details in the router's log.
+            ours = isinstance(cause, (ValueError, FileNotFoundError, NotImplementedError, GroupJoinFailed))
+            await context.abort(code, f"{type(cause).__name__}: {cause}" if ours else
+                                f"the call failed on the cluster ({type(cause).__name__}); the router's log says why")
 
     async def _versions(self) -> pb.WeightVersions:
         c = self.control
@@ -108,7 +113,12 @@ class WeightsService:
 
     def handlers(self) -> dict:
         def unary(fn, req):
-            return grpc.unary_unary_rpc_method_handler(fn, request_deserializer=req.FromString,
+            async def call(request, context):
+                if isinstance(request, Malformed):  # bytes that are no such message: the caller's error
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.reason)
+                return await fn(request, context)
+
+            return grpc.unary_unary_rpc_method_handler(call, request_deserializer=parser(req),
                                                        response_serializer=lambda m: m.SerializeToString())
 
         return {"UpdateWeights": unary(self.UpdateWeights, pb.UpdateWeightsRequest),
