@@ -46,7 +46,7 @@ import json
 import re
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
 from typing import Any
 
@@ -147,13 +147,15 @@ def build_app(front: Frontend, model_name: str, access: Access, max_body_bytes: 
         prepared = replace(prepared, request_id=rid)
         run = _Run(front, t, prepared)
         chat = kind == "chat.completion"
-        params = prepared.params
-        choices = [Choice(chat, vocab, info.tokenizer, prepared.prompt, params, bool(body.return_token_ids), i)
-                   for i in range(params.n)]
+
+        def choices() -> list[Choice]:  # once the run has started: a text prompt is tokenized once admitted
+            return [Choice(chat, vocab, info.tokenizer, prepared.prompt, prepared.params, bool(body.return_token_ids),
+                           i) for i in range(prepared.params.n)]
+
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             first = await run.start()  # errors before the first token are plain HTTP errors
-            return StreamingResponse(_sse(run, first, kind, rid, body.model, include_usage, choices),
+            return StreamingResponse(_sse(run, first, kind, rid, body.model, include_usage, choices()),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         return await _whole(run, request, kind, rid, body.model, choices)
 
@@ -218,7 +220,7 @@ class _Run:
     errors; recorded once, when closed. samples.done: its last output is in."""
 
     def __init__(self, front: Frontend, t: Timeline, prepared: Prepared):
-        self.front, self.t, self.prompt = front, t, prepared.prompt
+        self.front, self.t, self.request = front, t, prepared
         self._outs: AsyncIterator[RequestOutput] = front.run(prepared, t)
         self._closed = False
         self.last: RequestOutput | None = None
@@ -271,16 +273,20 @@ class _Run:
         out = self.last
         n = self.samples.completion_tokens
         cached = out.num_cached_tokens if out is not None else 0  # prompt tokens served by the prefix cache
-        return {"prompt_tokens": len(self.prompt), "completion_tokens": n, "total_tokens": len(self.prompt) + n,
+        prompt = len(self.request.prompt or ())
+        return {"prompt_tokens": prompt, "completion_tokens": n, "total_tokens": prompt + n,
                 "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 async def _whole(run: _Run, request: Request, kind: str, rid: str, model: str,
-                 choices: list[Choice]) -> JSONResponse:
+                 make_choices: Callable[[], list[Choice]]) -> JSONResponse:
     """A non-streamed request: collect it, cancelling it if the client goes away meanwhile."""
+
+    choices: list[Choice] = []
 
     async def collect() -> None:
         out = await run.start()
+        choices.extend(make_choices())
         while out is not None:
             choices[out.index].add(out)
             if run.samples.done:

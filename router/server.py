@@ -221,4 +221,5 @@ class Router:
         if self._metrics_server is not None:
             self._metrics_server.shutdown()
             self._metrics_server.server_close()
+        self.front.close()
         self.weights.close()
