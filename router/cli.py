@@ -220,6 +220,24 @@ def _admission_args(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("--request-body-budget-bytes", type=int, default=None, metavar="BYTES",
                        help="the most bytes of HTTP request bodies held at once (being read, or read and not yet "
                             "answered); a request that would pass it gets 503 at once (default: 16 of the largest)")
+    conn = serve.add_argument_group("connections (each door's bounds on what one client holds open)")
+    conn.add_argument("--max-connections", type=int, default=1024,
+                      help="connections each door takes at once (gRPC refuses more; HTTP answers 503 past this many "
+                           "connections or requests)")
+    conn.add_argument("--max-streams-per-connection", type=int, default=None, metavar="N",
+                      help="gRPC calls one connection carries at once (more wait, client-side; default "
+                           "--max-running + --max-queued)")
+    conn.add_argument("--idle-timeout", type=float, default=300.0, metavar="SECONDS",
+                      help="a gRPC connection without a call this long is closed")
+    conn.add_argument("--keepalive", type=float, default=60.0, metavar="SECONDS",
+                      help="the router pings a gRPC connection silent this long, and closes it if the ping is not "
+                           "answered within --keepalive-timeout")
+    conn.add_argument("--keepalive-timeout", type=float, default=20.0, metavar="SECONDS")
+    conn.add_argument("--min-ping-interval", type=float, default=10.0, metavar="SECONDS",
+                      help="a gRPC client that pings more often than this is disconnected (keepalive enforcement)")
+    conn.add_argument("--http-read-timeout", type=float, default=30.0, metavar="SECONDS",
+                      help="an HTTP request's head, then its body, must arrive within this (else the connection is "
+                           "closed, or 408 and the body dropped)")
 
 
 
@@ -251,24 +269,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import ray
 
     from router.compose import serve
-    from router.config import RouterConfig
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     cluster_config = cluster_config_from_args(args)
-    router_config = RouterConfig(host=args.host, port=args.port, max_running=args.max_running,
-                                 max_queued=args.max_queued, drain_timeout_s=args.drain_timeout,
-                                 metrics_host=args.metrics_host, metrics_port=args.metrics_port or None,
-                                 ssl_certfile=args.ssl_certfile, ssl_keyfile=args.ssl_keyfile,
-                                 ssl_ca_certs=args.ssl_ca_certs, api_key=read_api_key(args.api_key, args.api_key_file),
-                                 admin_api_key=read_api_key(args.admin_api_key, args.admin_api_key_file,
-                                                            ADMIN_API_KEY_ENV),
-                                 admin_client_names=tuple(args.admin_client_name), control_host=args.control_host,
-                                 control_port=args.control_port, control_http_port=args.control_http_port,
-                                 metrics_tls=args.metrics_tls, health_port=args.health_port,
-                                 http_port=args.http_port or None, served_model_name=args.served_model_name,
-                                 logprobs_mode=args.logprobs_mode, version_policy=args.version_policy,
-                                 max_request_body_bytes=args.max_request_body_bytes,
-                                 request_body_budget_bytes=args.request_body_budget_bytes)
+    router_config = router_config_from_args(args)
     if args.ray_address:  # named actors (router replicas' registry and workers) live in one namespace
         ray.init(address=args.ray_address, namespace="pdserve", log_to_driver=False)
     else:
@@ -291,6 +295,28 @@ def cmd_serve(args: argparse.Namespace) -> int:
     finally:
         ray.shutdown()
     return 0
+
+
+def router_config_from_args(args: argparse.Namespace):
+    from router.config import RouterConfig
+
+    return RouterConfig(host=args.host, port=args.port, max_running=args.max_running, max_queued=args.max_queued,
+                        drain_timeout_s=args.drain_timeout, metrics_host=args.metrics_host,
+                        metrics_port=args.metrics_port or None, ssl_certfile=args.ssl_certfile,
+                        ssl_keyfile=args.ssl_keyfile, ssl_ca_certs=args.ssl_ca_certs,
+                        api_key=read_api_key(args.api_key, args.api_key_file),
+                        admin_api_key=read_api_key(args.admin_api_key, args.admin_api_key_file, ADMIN_API_KEY_ENV),
+                        admin_client_names=tuple(args.admin_client_name), control_host=args.control_host,
+                        control_port=args.control_port, control_http_port=args.control_http_port,
+                        metrics_tls=args.metrics_tls, health_port=args.health_port,
+                        http_port=args.http_port or None, served_model_name=args.served_model_name,
+                        logprobs_mode=args.logprobs_mode, version_policy=args.version_policy,
+                        max_request_body_bytes=args.max_request_body_bytes,
+                        request_body_budget_bytes=args.request_body_budget_bytes,
+                        max_connections=args.max_connections, max_streams_per_connection=args.max_streams_per_connection,
+                        idle_timeout_s=args.idle_timeout, keepalive_s=args.keepalive,
+                        keepalive_timeout_s=args.keepalive_timeout, min_ping_interval_s=args.min_ping_interval,
+                        read_timeout_s=args.http_read_timeout)
 
 
 def cluster_config_from_args(args: argparse.Namespace):

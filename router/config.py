@@ -106,6 +106,22 @@ class RouterConfig:
     # The bytes of HTTP request bodies the door holds at once (being read, or read and not yet answered); a
     # request that would pass it is answered 503 at once. None: BODY_BUDGET_REQUESTS of the largest.
     request_body_budget_bytes: int | None = None
+    # Connections (#47): what one client can hold open. gRPC: connections beyond max_connections are refused;
+    # one connection carries at most max_streams_per_connection calls at once (more wait, client-side; None:
+    # max_running + max_queued, all that admission could hold); a connection without a call for
+    # idle_timeout_s is closed (GOAWAY); the router pings a connection after keepalive_s without data and
+    # closes it if no answer comes in keepalive_timeout_s (a client gone without a word); a client that pings
+    # more often than every min_ping_interval_s is disconnected. HTTP: at most max_connections connections and
+    # requests at once (503 past it); a request's head must arrive within read_timeout_s of its connection's
+    # opening (or of the response before it), and its body within read_timeout_s of its head: a stalled
+    # upload is answered 408, its bytes dropped.
+    max_connections: int = 1024
+    max_streams_per_connection: int | None = None
+    idle_timeout_s: float = 300.0
+    keepalive_s: float = 60.0
+    keepalive_timeout_s: float = 20.0
+    min_ping_interval_s: float = 10.0
+    read_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
         if self.max_running < 1 or self.max_queued < 0:
@@ -119,6 +135,12 @@ class RouterConfig:
             raise ValueError("TLS needs both a certificate (--ssl-certfile) and its key (--ssl-keyfile)")
         if (self.ssl_ca_certs or self.metrics_tls) and not self.ssl_certfile:
             raise ValueError("--ssl-ca-certs and --metrics-tls need --ssl-certfile and --ssl-keyfile")
+        if self.max_connections < 1 or (self.max_streams_per_connection is not None
+                                         and self.max_streams_per_connection < 1):
+            raise ValueError("max_connections and max_streams_per_connection must be >= 1")
+        for name in ("idle_timeout_s", "keepalive_s", "keepalive_timeout_s", "min_ping_interval_s", "read_timeout_s"):
+            if not 0 < getattr(self, name) < float("inf"):
+                raise ValueError(f"{name} must be a positive number of seconds, got {getattr(self, name)!r}")
         if self.logprobs_mode not in LOGPROBS_MODES:
             raise ValueError(f"logprobs_mode must be one of {', '.join(LOGPROBS_MODES)}, got {self.logprobs_mode!r}")
         if self.version_policy not in VERSION_POLICIES:
@@ -142,6 +164,21 @@ class RouterConfig:
     @property
     def tls(self) -> bool:
         return self.ssl_certfile is not None
+
+    def grpc_options(self) -> list[tuple[str, int]]:
+        """The gRPC server's bounds on its connections (the fields above, in grpc's channel arguments)."""
+        ms = lambda seconds: int(seconds * 1000)  # noqa: E731
+        return [("grpc.max_allowed_incoming_connections", self.max_connections),
+                ("grpc.max_concurrent_streams", self.max_streams_per_connection or self.max_running + self.max_queued),
+                ("grpc.max_connection_idle_ms", ms(self.idle_timeout_s)),
+                ("grpc.keepalive_time_ms", ms(self.keepalive_s)),
+                ("grpc.keepalive_timeout_ms", ms(self.keepalive_timeout_s)),
+                # grpc 1.85 waits for a ping's answer this long whatever keepalive_timeout_ms says (measured: a
+                # peer that never answers a keepalive ping was kept past 15 s without it)
+                ("grpc.http2.ping_timeout_ms", ms(self.keepalive_timeout_s)),
+                ("grpc.keepalive_permit_without_calls", 1),  # the router's own pings, on an idle connection too
+                ("grpc.http2.min_ping_interval_without_data_ms", ms(self.min_ping_interval_s)),
+                ("grpc.http2.max_ping_strikes", 2)]
 
     def request_bounds(self, max_model_len: int) -> tuple[int, int, int]:
         """(HTTP body, gRPC message, HTTP bodies held at once) in bytes, for a model of this context."""

@@ -4,7 +4,11 @@ Starlette's BaseHTTPMiddleware would wrap `receive` and hide a client's disconne
 with it the cancel on the workers)."""
 from __future__ import annotations
 
+import asyncio
+import time
 from collections.abc import Callable
+
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from router.openai_schema import HTTPError
 from router.security import NEEDS_PEER, Access, Refusal
@@ -41,10 +45,11 @@ class Roles:
 
 
 class BodyBudget:
-    """The HTTP door's bounds on request bodies, and the bytes of them it holds now."""
+    """The HTTP door's bounds on request bodies (one body's bytes, all bodies' bytes, the seconds a body may
+    take to arrive), and the bytes of them it holds now."""
 
-    def __init__(self, limit: int, total: int):
-        self.limit, self.total = limit, total
+    def __init__(self, limit: int, total: int, read_timeout_s: float = 30.0):
+        self.limit, self.total, self.read_timeout_s = limit, total, read_timeout_s
         self.held = 0  # bytes of bodies being read, or read and their request not yet answered
 
     def check(self, size: int, more: int) -> HTTPError | None:
@@ -68,6 +73,8 @@ class BodyLimit:
     it arrives and answered 413 the moment it passes the bound, what was read of it dropped at once. The
     bodies the door holds at once (being read, or read and their request not yet answered) have a budget
     in bytes: a request that would pass it is answered 503 at once (Retry-After: 1), never kept waiting.
+    A body that has not arrived whole within the read timeout of the request's start is answered 408 and
+    dropped: a stalled upload gives its share of the budget back (16 stalled ones held all of it, for ever).
     Behind a refusal the server (uvicorn) reads the rest of the body and drops it, so a client that sends
     its whole body before it reads gets the answer too, and nothing of it stays in memory.
 
@@ -83,11 +90,18 @@ class BodyLimit:
             await self.app(scope, receive, send)
             return
         bodies, held, chunks = self.bodies, 0, []
+        deadline = time.monotonic() + bodies.read_timeout_s
         try:
             length = next((v for k, v in scope["headers"] if k == b"content-length"), None)
             error = bodies.check(int(length), int(length)) if length is not None and length.isdigit() else None
             while error is None:
-                message = await receive()
+                try:
+                    message = await asyncio.wait_for(receive(), max(deadline - time.monotonic(), 0.0))
+                except asyncio.TimeoutError:
+                    error = HTTPError(408, f"the request body did not arrive within {bodies.read_timeout_s:g} s "
+                                           "(--http-read-timeout)", code="request_timeout",
+                                      grpc_code="DEADLINE_EXCEEDED", headers={"Connection": "close"})
+                    break
                 if message["type"] != "http.request":
                     return  # the client went away before its body was whole: nobody to answer
                 chunk = message.get("body", b"")
@@ -120,3 +134,46 @@ class BodyLimit:
             await self.app(scope, replay, send)
         finally:
             bodies.held -= held
+
+
+def head_deadline(read_timeout_s: float) -> type[H11Protocol]:
+    """uvicorn's HTTP/1.1 protocol with a deadline on each request's head: a connection that opens (or is kept
+    alive after a response) and has not sent a whole request line and headers within read_timeout_s is
+    closed. uvicorn times out only a kept-alive connection that sends nothing: one that sends a byte at a time
+    held its place (and a connection of --max-connections) for ever."""
+
+    class DeadlineH11(H11Protocol):
+        def connection_made(self, transport) -> None:
+            super().connection_made(transport)
+            self._head_timer = None
+            self._arm()
+
+        def _arm(self) -> None:
+            self._waiting_for = self.cycle  # a new cycle is the next request's head, whole
+            self._head_timer = self.loop.call_later(read_timeout_s, self._head_late)
+
+        def _disarm(self) -> None:
+            if self._head_timer is not None:
+                self._head_timer.cancel()
+                self._head_timer = None
+
+        def handle_events(self) -> None:
+            super().handle_events()
+            if self._head_timer is not None and self.cycle is not self._waiting_for:
+                self._disarm()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            if not self.transport.is_closing() and self._head_timer is None:
+                self._arm()
+
+        def connection_lost(self, exc) -> None:
+            self._disarm()
+            super().connection_lost(exc)
+
+        def _head_late(self) -> None:
+            self._head_timer = None
+            if self.cycle is self._waiting_for and not self.transport.is_closing():
+                self.transport.close()
+
+    return DeadlineH11

@@ -68,11 +68,11 @@ DISCONNECT_POLL_S = 0.25  # how often a non-streamed request checks that its cli
 
 
 def _guarded_app(access: Access, control: APIRouter | None, metrics, max_body_bytes: int,
-                 body_budget_bytes: int) -> FastAPI:
+                 body_budget_bytes: int, read_timeout_s: float) -> FastAPI:
     """An app with the door's guards (router.http_limits: roles, then bounded bodies), OpenAI's error shape,
     and the control routes, if given (admin only)."""
     app = FastAPI(title="pdserve (OpenAI-compatible)", docs_url=None, redoc_url=None, openapi_url=None)
-    app.state.bodies = BodyBudget(max_body_bytes, body_budget_bytes)
+    app.state.bodies = BodyBudget(max_body_bytes, body_budget_bytes, read_timeout_s)
     app.add_middleware(BodyLimit, bodies=app.state.bodies, metrics=metrics)
     routes = list(control.routes) if control is not None else []
     # Added last, so it runs first: a request refused reads nothing of its body.
@@ -83,18 +83,19 @@ def _guarded_app(access: Access, control: APIRouter | None, metrics, max_body_by
     return app
 
 
-def build_control_app(control: APIRouter, access: Access, metrics, max_body_bytes: int,
-                      body_budget_bytes: int) -> FastAPI:
+def build_control_app(control: APIRouter, access: Access, metrics, max_body_bytes: int, body_budget_bytes: int,
+                      read_timeout_s: float = 30.0) -> FastAPI:
     """The HTTP control routes alone, for the control HTTP port (RouterConfig.control_http_port)."""
-    return _guarded_app(access, control, metrics, max_body_bytes, body_budget_bytes)
+    return _guarded_app(access, control, metrics, max_body_bytes, body_budget_bytes, read_timeout_s)
 
 
 def build_app(front: Frontend, model_name: str, access: Access, max_body_bytes: int, body_budget_bytes: int,
-              control: APIRouter | None = None) -> FastAPI:
+              control: APIRouter | None = None, read_timeout_s: float = 30.0) -> FastAPI:
     """The app over the router's front (router.frontend). access: who may call what (router.security);
     max_body_bytes: the most one request body may have; body_budget_bytes: the most all the bodies the door
-    holds at once may have (app.state.bodies counts them); control: the HTTP control routes, if served here."""
-    app = _guarded_app(access, control, front.metrics, max_body_bytes, body_budget_bytes)
+    holds at once may have (app.state.bodies counts them); control: the HTTP control routes, if served here;
+    read_timeout_s: a body must arrive whole within it (RouterConfig.read_timeout_s)."""
+    app = _guarded_app(access, control, front.metrics, max_body_bytes, body_budget_bytes, read_timeout_s)
     info = front.info
     names = {model_name, info.path}
     vocab = Vocab(info.tokenizer)

@@ -116,7 +116,8 @@ class Router:
         # A gRPC message over the bound is refused by grpc itself (RESOURCE_EXHAUSTED), from its length
         # prefix, before it is read.
         return grpc.aio.server(interceptors=[Guard(self.access(control_port))],
-                               options=[("grpc.max_receive_message_length", self.grpc_max_receive_bytes)])
+                               options=[("grpc.max_receive_message_length", self.grpc_max_receive_bytes),
+                                        *self.config.grpc_options()])
 
     def _bind(self, server: grpc.aio.Server, host: str, port: int) -> int:
         c = self.config
@@ -171,20 +172,22 @@ class Router:
         name = c.served_model_name or Path(self.front.info.path).name
         separate = c.control_http_port is not None
         app = build_app(self.front, name, self.access(), self.max_request_body_bytes, self.request_body_budget_bytes,
-                        None if separate else self.http_control)
+                        None if separate else self.http_control, c.read_timeout_s)
         self.http_app = app
         self.http_port = await self._serve_http(app, c.host, c.http_port)
         log.info("OpenAI-compatible HTTP API on %s://%s:%d/v1 (model %r)", "https" if c.tls else "http", c.host,
                  self.http_port, name)
         if separate:
             control = build_control_app(self.http_control, self.access(control_port=True), self.front.metrics,
-                                        self.max_request_body_bytes, self.request_body_budget_bytes)
+                                        self.max_request_body_bytes, self.request_body_budget_bytes, c.read_timeout_s)
             self.control_http_port = await self._serve_http(control, c.control_host, c.control_http_port)
             log.info("HTTP control routes on %s:%d", c.control_host, self.control_http_port)
 
     async def _serve_http(self, app, host: str, port: int) -> int:
         """Serve an app with uvicorn on this event loop (TLS as the API port's); the port bound."""
         import uvicorn
+
+        from router.http_limits import head_deadline
 
         c = self.config
         tls = {}
@@ -193,8 +196,12 @@ class Router:
                        ssl_cert_reqs=ssl.CERT_REQUIRED if c.ssl_ca_certs else ssl.CERT_NONE)
         # Its drain runs beside gRPC's (the front stops serving for both); what is still open when stop()
         # reaches it gets the drain timeout again, at most.
+        # Bounds on connections (RouterConfig: max_connections, read_timeout_s): uvicorn's own limit, and its
+        # HTTP/1.1 protocol with a deadline on each request's head (router.http_limits.head_deadline).
         server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, lifespan="off", log_level="warning",
-                                               access_log=False, timeout_graceful_shutdown=c.drain_timeout_s, **tls))
+                                               access_log=False, timeout_graceful_shutdown=c.drain_timeout_s,
+                                               limit_concurrency=c.max_connections,
+                                               http=head_deadline(c.read_timeout_s), **tls))
         task = asyncio.create_task(server.serve())
         while not server.started:
             if task.done():  # it could not bind: say why
