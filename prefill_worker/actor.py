@@ -31,7 +31,7 @@ from pdserve.serving.calls import Call
 from pdserve.serving.messages import FailureReason, FirstToken, PrefillResult, PrefillTask
 from pdserve.serving.worker import WorkerActor
 from pdserve.transfer.channel import TransferError, TransferStats
-from pdserve.transfer.protocol import KVAnnounce
+from pdserve.transfer.protocol import KVAnnounce, KVMac
 from pdserve.transfer.sender import KVPusher, PushJob
 from pdserve.transfer.shares import PairLink, open_shares
 
@@ -70,10 +70,13 @@ class PrefillActor(WorkerActor):
     def __init__(self, worker_id: str, config: EngineConfig, transfer_timeout_s: float, torch_threads: int | None = None,
                  push_layerwise: bool = True, kv_checksum: bool = False, placement=None):
         """push_layerwise=False sends a prompt's KV once its whole forward has run (to measure what the
-        layer-by-layer push hides: bench.cluster.kv_transfer); kv_checksum=True adds a checksum to every transfer."""
+        layer-by-layer push hides: bench.cluster.kv_transfer); kv_checksum=True adds a checksum keyed with the
+        cluster's key (config.kv_checksum_key) to every transfer."""
         super().__init__(worker_id, config, torch_threads, placement=placement)
         self.transfer_timeout_s = transfer_timeout_s
-        self.kv_checksum = kv_checksum
+        if kv_checksum and config.kv_checksum_key is None:
+            raise ValueError("kv_checksum needs the cluster's key (EngineConfig.kv_checksum_key)")
+        self.kv_mac = KVMac(config.kv_checksum_key) if kv_checksum else None
         self.transfer_stats = TransferStats()
         self.push_layerwise = push_layerwise
         self._results: dict[str, Future[PrefillResult]] = {}
@@ -173,7 +176,7 @@ class PrefillActor(WorkerActor):
             pusher = KVPusher(self.worker_id, decode_id, self.core.runner.kv_cache,
                               open_pair=lambda gen, did=decode_id: self._open_pair(did, gen),
                               announce=lambda a, h=handle: self._announce(h, a),
-                              done=self._pushed, checksum=self.kv_checksum, faults=self.faults)
+                              done=self._pushed, checksum=self.kv_mac, faults=self.faults)
             d = self._destinations[decode_id] = _Destination(handle, host, port, tp, pusher)
         return d
 

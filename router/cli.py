@@ -160,8 +160,12 @@ def _fault_args(serve: argparse.ArgumentParser) -> None:
                        help="seconds a request waits for a worker when its pool has none alive (a replacement "
                             "starting), then UNAVAILABLE")
     serve.add_argument("--kv-checksum", action=argparse.BooleanOptionalAction, default=False,
-                       help="checksum every KV transfer and verify it on the decode worker (a mismatch fails the "
-                            "transfer, which is retried); off by default: on a CPU it costs 15-30%% of a transfer")
+                       help="checksum every KV transfer with the cluster's key and verify it on the decode worker (a "
+                            "mismatch fails the transfer, which is retried); off by default: on a CPU it costs "
+                            "15-30%% of a transfer")
+    serve.add_argument("--kv-checksum-key-file", default=None, metavar="FILE",
+                       help="the cluster's key of the KV checksum (its first line, at least 16 bytes); default: a "
+                            "random one the router makes. Router replicas need it: every router the same file")
     serve.add_argument("--max-retries", type=int, default=2, help="re-placements of a request whose worker was lost")
     serve.add_argument("--on-decode-failure", choices=["resume", "fail"], default="resume",
                        help="a lost decode worker's requests resume elsewhere, or end with UNAVAILABLE")
@@ -331,7 +335,7 @@ def cluster_config_from_args(args: argparse.Namespace):
     return ClusterConfig(engine=engine, mode=args.mode, **pools, tiers=tiers,
                          transfer_timeout_s=args.transfer_timeout, bind_host=args.kv_bind_host,
                          worker_timeout_s=args.worker_timeout, pool_wait_timeout_s=args.pool_wait_timeout,
-                         kv_checksum=args.kv_checksum,
+                         kv_checksum=args.kv_checksum, kv_checksum_key=_key_file(args.kv_checksum_key_file),
                          max_retries=args.max_retries, on_decode_failure=args.on_decode_failure,
                          stream_interval=args.stream_interval,
                          router_name=socket.gethostname() if args.router_name == "auto" else args.router_name,
@@ -427,6 +431,17 @@ def _engine_config(args: argparse.Namespace):
 
         logging.getLogger(__name__).info("every worker is a %s", sim_plan(engine, load_info(engine)).describe())
     return engine
+
+
+def _key_file(path: str | None) -> bytes | None:
+    """A secret's first line, as bytes (None: no file given)."""
+    if path is None:
+        return None
+    with open(path, "rb") as f:
+        key = f.readline().strip()
+    if not key:
+        raise ValueError(f"{path}: the key file is empty")
+    return key
 
 
 def parse_resources(items: list[str]) -> dict[str, float]:

@@ -169,6 +169,20 @@ def aloop():
     lt.close()
 
 
+def other_address() -> str | None:
+    """An address of this machine that is not loopback, if it has one: a test reaches a server from it to see
+    what a peer elsewhere on the network would get."""
+    import socket
+
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect(("10.255.255.255", 1))  # no packet is sent: only the route is looked up
+            address = s.getsockname()[0]
+    except OSError:
+        return None
+    return None if address.startswith("127.") else address
+
+
 def wait_for(predicate, timeout: float = 30.0, interval: float = 0.05, what: str = "condition"):
     """Poll until predicate() is truthy; fail with `what` after the deadline."""
     import time

@@ -20,6 +20,8 @@ from router.config import RouterConfig
 from router.security import NEEDS_PEER, Access, Refusal, Role, is_loopback
 from router.server import Router
 
+from conftest import other_address
+
 KEY, ADMIN = "inference-key-for-tests", "admin-key-for-tests"
 PROMPT = [5, 17, 99, 3, 42, 7]
 DENIED, UNAUTH = grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICATED
@@ -161,17 +163,6 @@ def test_with_both_keys_control_takes_the_admin_key_only(serve, monkeypatch):
         with WeightSync(channel=admin.channel, metadata=admin.metadata, timeout_s=60) as sync:
             assert len(sync.worker_ids) == 2
     assert generate_ok(target, ADMIN) and generate_ok(target, KEY)
-
-
-def other_address() -> str | None:
-    """An address of this machine that is not loopback, if it has one."""
-    try:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            s.connect(("10.255.255.255", 1))  # no packet is sent: only the route is looked up
-            address = s.getsockname()[0]
-    except OSError:
-        return None
-    return None if address.startswith("127.") else address
 
 
 def test_without_credentials_control_is_for_loopback_peers_only(serve):
