@@ -3,7 +3,6 @@ an inference client cannot pause the cluster, load weights or join a trainer's g
 loopback, a real cluster of the tiny checkpoint; router.security.Access's table on its own first."""
 from __future__ import annotations
 
-import socket
 import ssl
 
 import grpc
