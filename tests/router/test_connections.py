@@ -14,21 +14,17 @@ import httpx
 import pytest
 
 from pdserve.client import Client
-from pdserve.config import CacheConfig, ClusterConfig, EngineConfig, PoolConfig, SchedulerConfig
 from router.cluster import Cluster
-from router.compose import build_router
-from router.config import RouterConfig
 
 from conftest import wait_for
+from served import Routers, tiny_1p1d
 
 PROMPT = [5, 17, 99, 3, 42, 7]
 
 
 @pytest.fixture(scope="module")
 def cluster(ray_local, aloop, tiny_checkpoints):
-    engine = EngineConfig(model=str(tiny_checkpoints["llama"]), cache=CacheConfig(block_size=4, num_blocks=512),
-                          scheduler=SchedulerConfig(max_num_batched_tokens=256))
-    c = Cluster(ClusterConfig(engine=engine, prefill=PoolConfig(1, num_cpus=0.25), decode=PoolConfig(1, num_cpus=0.25)))
+    c = Cluster(tiny_1p1d(tiny_checkpoints["llama"], num_blocks=512))
     aloop.run(c.start(), timeout=600)
     yield c
     aloop.run(c.shutdown())
@@ -36,17 +32,9 @@ def cluster(ray_local, aloop, tiny_checkpoints):
 
 @pytest.fixture
 def serve(aloop, cluster):
-    routers = []
-
-    def start(**kw):
-        r = build_router(cluster, RouterConfig(port=0, **kw))
-        aloop.run(r.start())
-        routers.append(r)
-        return r
-
-    yield start
-    for r in routers:
-        aloop.run(r.stop(grace=2))
+    routers = Routers(aloop, cluster)
+    yield routers.start
+    routers.close()
 
 
 def stream(client: Client, max_tokens: int = 160) -> int:

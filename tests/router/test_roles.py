@@ -3,7 +3,6 @@ an inference client cannot pause the cluster, load weights or join a trainer's g
 loopback, a real cluster of the tiny checkpoint; router.security.Access's table on its own first."""
 from __future__ import annotations
 
-import ssl
 
 import grpc
 import httpx
@@ -11,15 +10,13 @@ import pytest
 import trustme
 
 from pdserve.client import Client
-from pdserve.config import CacheConfig, ClusterConfig, EngineConfig, PoolConfig
 from pdserve.v1 import generation_pb2 as pb
 from router.cluster import Cluster
-from router.compose import build_router
 from router.config import RouterConfig
 from router.security import NEEDS_PEER, Access, Refusal, Role, is_loopback
-from router.server import Router
 
 from conftest import other_address
+from served import Routers, tiny_1p1d
 
 KEY, ADMIN = "inference-key-for-tests", "admin-key-for-tests"
 PROMPT = [5, 17, 99, 3, 42, 7]
@@ -79,8 +76,7 @@ def test_the_access_table():
 
 @pytest.fixture(scope="module")
 def cluster(ray_local, aloop, tiny_checkpoints):
-    engine = EngineConfig(model=str(tiny_checkpoints["llama"]), cache=CacheConfig(block_size=4, num_blocks=256))
-    c = Cluster(ClusterConfig(engine=engine, prefill=PoolConfig(1, num_cpus=0.25), decode=PoolConfig(1, num_cpus=0.25)))
+    c = Cluster(tiny_1p1d(tiny_checkpoints["llama"]))
     aloop.run(c.start(), timeout=600)
     yield c
     aloop.run(c.shutdown())
@@ -88,19 +84,9 @@ def cluster(ray_local, aloop, tiny_checkpoints):
 
 @pytest.fixture
 def serve(aloop, cluster):
-    routers: list[Router] = []
-
-    def start(routes=None, **kw) -> Router:
-        r = build_router(cluster, RouterConfig(port=0, **kw))
-        for path, fn in (routes or {}).items():
-            r.http_control.add_api_route(path, fn, methods=["POST"])
-        aloop.run(r.start())
-        routers.append(r)
-        return r
-
-    yield start
-    for r in routers:
-        aloop.run(r.stop(grace=2))
+    routers = Routers(aloop, cluster)
+    yield routers.start
+    routers.close()
 
 
 def code_of(fn) -> grpc.StatusCode:

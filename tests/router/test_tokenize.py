@@ -11,27 +11,17 @@ import httpx
 import pytest
 
 import router.frontend
-from router.compose import build_router
-from router.config import RouterConfig
-
 from conftest import wait_for
+from served import Routers
 
 MILLION = ("The quick brown fox jumps over the lazy dog. " * 30000)[:1_000_000]
 
 
 @pytest.fixture
 def start(aloop, smol_1p1d):
-    routers = []
-
-    def make(**kw):
-        r = build_router(smol_1p1d, RouterConfig(port=0, http_port=0, served_model_name="smol", **kw))
-        aloop.run(r.start())
-        routers.append(r)
-        return r
-
-    yield make
-    for r in routers:
-        aloop.run(r.stop(grace=5))
+    routers = Routers(aloop, smol_1p1d)
+    yield lambda **kw: routers.start(http_port=0, served_model_name="smol", **kw)
+    routers.close()
 
 
 async def _lag(stop: asyncio.Event, every: float = 0.01) -> float:

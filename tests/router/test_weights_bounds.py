@@ -18,12 +18,11 @@ import ray
 import torch
 
 from pdserve.client import Client
-from pdserve.config import CacheConfig, ClusterConfig, EngineConfig, PoolConfig, SchedulerConfig
 from pdserve.v1 import generation_pb2 as pb
 from router.config import RouterConfig
 
 from conftest import perturbed_checkpoint, wait_for
-from served import Served
+from served import Served, tiny_1p1d
 
 PROMPT = [7, 81, 19, 240, 5, 33]
 INVALID = grpc.StatusCode.INVALID_ARGUMENT
@@ -31,11 +30,7 @@ INVALID = grpc.StatusCode.INVALID_ARGUMENT
 
 @pytest.fixture(scope="module")
 def served(ray_local, aloop, weight_versions):
-    engine = EngineConfig(model=str(weight_versions[0]), cache=CacheConfig(block_size=4, num_blocks=256),
-                          scheduler=SchedulerConfig(max_num_batched_tokens=64))
-    s = Served(aloop, ClusterConfig(engine=engine, prefill=PoolConfig(1, num_cpus=0.25),
-                                    decode=PoolConfig(1, num_cpus=0.25), worker_timeout_s=60),
-               RouterConfig(port=0))
+    s = Served(aloop, tiny_1p1d(weight_versions[0], batched_tokens=64, worker_timeout_s=60), RouterConfig(port=0))
     yield s
     s.close()
 
