@@ -34,7 +34,7 @@ from pdserve.serving.calls import Call
 from pdserve.serving.messages import DecodeTask, Failure, FailureReason
 from pdserve.serving.worker import WorkerActor
 from pdserve.transfer.channel import StoreServer, TransferStats
-from pdserve.transfer.protocol import KVAnnounce, SecondsHistogram
+from pdserve.transfer.protocol import KVAnnounce, KVMac, SecondsHistogram
 from pdserve.transfer.receiver import InboundTable, KVIntake
 from pdserve.transfer.shares import PairLink, open_shares
 
@@ -57,6 +57,8 @@ class DecodeActor(WorkerActor):
         # Prefill workers on other nodes connect here: the node's address, unless told otherwise.
         self.store = StoreServer(bind_host or ray.util.get_node_ip_address())
         self.inbound = InboundTable()
+        # The cluster's keyed KV checksum, for transfers that carry one (a prefill worker of --kv-checksum).
+        self.kv_mac = KVMac(config.kv_checksum_key) if config.kv_checksum_key else None
         self._intakes: dict[str, KVIntake] = {}
         self._lost_peers: set[str] = set()  # prefill workers the router has given up on (ids are never reused)
         self._prefill: dict[str, Any] = {}  # prefill worker id -> handle
@@ -72,7 +74,7 @@ class DecodeActor(WorkerActor):
         it is queued. `prefill` is that worker's actor handle, given with the first reservation for it only."""
         if prefill is not None:
             self._prefill[task.prefill_worker] = prefill
-        req = task.new_request(self.core.tokenizer)
+        req = task.new_request(self.core.tokenizer, self.core.model_config.vocab_size)
         if self.core.kv.blocks_needed(req.num_tokens + 1) > self.core.pool.num_blocks:
             raise ValueError(f"request {task.request_id} needs more KV blocks than this decode worker has")
         placed = time.monotonic()
@@ -151,7 +153,7 @@ class DecodeActor(WorkerActor):
                 prefill_id, self.worker_id, self.core.runner.kv_cache, self.inbound, self.transfer_timeout_s,
                 landed=lambda rid, tokens, at, v: self.loop.call(lambda: self._landed(rid, tokens, at, v)),
                 failed=lambda rid, err: self.loop.call(lambda: self._transfer_failed(rid, err)),
-                cancelled=lambda rid: self.loop.call(lambda: self.core.cancel(rid)))
+                cancelled=lambda rid: self.loop.call(lambda: self.core.cancel(rid)), checksum=self.kv_mac)
         return intake
 
     def _landed(self, request_id: str, tokens: tuple[int, ...], sampled_at: float, version: int = 0) -> None:

@@ -283,7 +283,7 @@ def add_weights_parser(sub) -> None:
                        help="requests in flight: keep (frozen where they are), wait (run to their end) or abort")
     resume = wsub.add_parser("resume", help="end a pause")
     for p in (update, versions, pause, resume):
-        add_connection_args(p)
+        add_connection_args(p, admin=True)
         p.add_argument("--json", action="store_true", help="print the response message as JSON")
         p.add_argument("--timeout", type=float, default=600.0, help="deadline in seconds")
         p.set_defaults(func=cmd_weights)
@@ -303,7 +303,7 @@ def cmd_weights(args: argparse.Namespace) -> int:
     from pdserve.client.grpc_client import Client
 
     try:
-        with Client(connection_from_args(args)) as client:
+        with Client(connection_from_args(args, admin=True)) as client:
             if args.weights_command == "update":
                 r = client.update_weights(args.path, args.version, args.mode, args.pause_mode, timeout=args.timeout)
             elif args.weights_command == "pause":

@@ -1,6 +1,8 @@
 """Configuration: one small frozen dataclass per component, validated on construction."""
 from __future__ import annotations
 
+import os
+import secrets
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -337,6 +339,12 @@ class EngineConfig:
     # The version of the weights `model` holds (pdserve.weights): 0 for those a cluster starts with; a worker
     # started after updates comes up on the latest version, loaded from its checkpoint.
     weight_version: int = 0
+    # Where a weight update from a path may read checkpoints (pdserve.weights.update.checkpoint_path: the path
+    # and the files it reads there must resolve under it, symlinks followed). None: the directory that holds
+    # the model (its siblings).
+    weights_root: str | None = None
+    # The cluster's key of the KV checksum, in a worker whose transfers carry one (ClusterConfig.kv_checksum).
+    kv_checksum_key: bytes | None = field(default=None, repr=False)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
@@ -356,6 +364,8 @@ class EngineConfig:
             object.__setattr__(self, "tensor_parallel_size", self.expert_parallel_size)
         if self.load_format == "sim":
             self._check_simulated()
+        if self.weights_root is not None and not os.path.isabs(self.weights_root):
+            raise ValueError(f"weights_root must be an absolute path, got {self.weights_root!r}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         if self.tensor_parallel_size < 1:
@@ -471,6 +481,10 @@ class ClusterConfig:
     # Each KV transfer carries a checksum the decode worker verifies (a mismatch fails the transfer, which
     # is retried). Off by default: on a CPU it costs 15-30 % of a transfer's time (docs/benchmarks.md).
     kv_checksum: bool = False
+    # The cluster's key for that checksum (pdserve.transfer.protocol.KVMac: keyed, an HMAC at the end). None with
+    # kv_checksum: a random one made here, for a router that owns its workers alone; router replicas, any of
+    # which may start workers, must all be given the same (--kv-checksum-key-file).
+    kv_checksum_key: bytes | None = field(default=None, repr=False)
     max_retries: int = 2  # attempts after the first for a request whose worker was lost
     on_decode_failure: str = "resume"  # or "fail": end the request with UNAVAILABLE
     # Tokens of a request sent in one message (gRPC or SSE), the last ones excepted: each message costs the
@@ -488,6 +502,7 @@ class ClusterConfig:
             raise ValueError(f"router_name must be 1-64 characters without '/', got {self.router_name!r}")
         if self.mode not in ("disaggregated", "colocated"):
             raise ValueError(f"mode must be disaggregated or colocated, got {self.mode!r}")
+        self._check_kv_key()
         mine = ("colocated",) if self.mode == "colocated" else ("prefill", "decode")
         for name in ("prefill", "decode", "colocated"):
             if name in mine and getattr(self, name) is None:
@@ -524,6 +539,15 @@ class ClusterConfig:
             raise ValueError("max_retries must be >= 0; worker_timeout_s, stats_interval_s and pool_wait_timeout_s "
                              "positive")
 
+    def _check_kv_key(self) -> None:
+        if self.kv_checksum_key is not None and len(self.kv_checksum_key) < 16:
+            raise ValueError("the KV checksum's key must have at least 16 bytes")
+        if self.kv_checksum and self.kv_checksum_key is None:
+            if self.router_name is not None:  # another router may start a worker: one key for all
+                raise ValueError("--kv-checksum with router replicas needs the cluster's key, the same for every "
+                                 "router: --kv-checksum-key-file")
+            object.__setattr__(self, "kv_checksum_key", secrets.token_bytes(32))
+
     @property
     def pools(self) -> dict[str, PoolConfig]:
         """The mode's pools by name (with the fast lane, "fast", if there is one)."""
@@ -546,4 +570,5 @@ class ClusterConfig:
         # A pool that sets only an expert-parallel size above 1 is that many ranks; otherwise the engine's ranks.
         tp = pool.tensor_parallel_size or (1 if (pool.expert_parallel_size or 1) > 1 else self.engine.tensor_parallel_size)
         return replace(self.engine, scheduler=scheduler, cache=pool.cache or self.engine.cache,
-                       tensor_parallel_size=tp, expert_parallel_size=ep)
+                       tensor_parallel_size=tp, expert_parallel_size=ep,
+                       kv_checksum_key=self.kv_checksum_key if self.kv_checksum else None)

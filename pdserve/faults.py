@@ -13,7 +13,9 @@ about time (a transfer that outlasts its timeout).
 Points: "step" (a step with work, before it runs), "send" (a KV transfer, before its header),
 "mid_send" (a KV transfer, after its first part), "corrupt" (a KV transfer: one of its parts is
 altered after its checksum was taken), "stage_weights" (a weight update, before it is read; the worker
-serves on), "commit_weights" (a weight update, staged, before its switch: the step thread waits).
+serves on), "commit_weights" (a weight update, staged, before its switch: the step thread waits),
+"request_data" (a request whose data fails every step it is in, and the worker's check of it: a bad value
+the validation missed; armed with a key, the worker-side request id's beginning, it hits that request only).
 """
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ import math
 import threading
 import time
 
-POINTS = ("step", "send", "mid_send", "corrupt", "stage_weights", "commit_weights")
+POINTS = ("step", "send", "mid_send", "corrupt", "stage_weights", "commit_weights", "request_data")
 # A hit armed with seconds=math.inf is held until the test releases it (or the process dies); a test
 # that never does (it failed first) lets it go after this long, so no worker is kept forever.
 HOLD_LIMIT_S = 600.0
@@ -35,28 +37,34 @@ class FaultPoints:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._armed: dict[str, list[float | None]] = {}  # point -> each coming hit: its stall, None to pass
+        self._keys: dict[str, str] = {}  # point -> the key a hit must begin with to count (none: every hit)
         self._reached: dict[str, threading.Event] = {p: threading.Event() for p in POINTS}
         self._released: dict[str, threading.Event] = {p: threading.Event() for p in POINTS}
 
-    def arm(self, point: str, seconds: float = 0.0, count: int = 1, skip: int = 0) -> None:
-        """The `count` hits after the next `skip` ones stall `seconds` each (and act, for "corrupt");
-        math.inf holds each until `release`."""
+    def arm(self, point: str, seconds: float = 0.0, count: int = 1, skip: int = 0, key: str | None = None) -> None:
+        """The `count` hits after the next `skip` ones stall `seconds` each (and act, for "corrupt" and
+        "request_data"); math.inf holds each until `release`. key: only hits whose key begins with it count."""
         if point not in POINTS:
             raise ValueError(f"unknown fault point {point!r}; the points are {', '.join(POINTS)}")
         if count < 1 or skip < 0:
             raise ValueError(f"count must be at least 1 and skip at least 0, not {count} and {skip}")
         with self._lock:
             self._armed[point] = [seconds] * count + [None] * skip  # popped from the end
+            if key is None:
+                self._keys.pop(point, None)
+            else:
+                self._keys[point] = key
             self._reached[point].clear()
             self._released[point].clear()
 
-    def hit(self, point: str) -> bool:
-        """At the point: whether it was armed (and stall as armed, after saying it was reached)."""
+    def hit(self, point: str, key: str = "") -> bool:
+        """At the point: whether it was armed (and stall as armed, after saying it was reached). key: what
+        this hit is about (a request's id), for a point armed for one."""
         if not self._armed:  # the common case: nothing armed, no lock taken
             return False
         with self._lock:
             stalls = self._armed.get(point)
-            if not stalls:
+            if not stalls or not key.startswith(self._keys.get(point, "")):
                 return False
             seconds = stalls.pop()
             if not stalls:

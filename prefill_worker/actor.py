@@ -28,10 +28,10 @@ from pdserve.engine.request import Request
 from pdserve.engine.scheduler_types import Role, SampledToken, ScheduledStep
 from pdserve.parallel.layout import pair_plan, shares_by_rank
 from pdserve.serving.calls import Call
-from pdserve.serving.messages import FirstToken, PrefillResult, PrefillTask
+from pdserve.serving.messages import FailureReason, FirstToken, PrefillResult, PrefillTask
 from pdserve.serving.worker import WorkerActor
 from pdserve.transfer.channel import TransferError, TransferStats
-from pdserve.transfer.protocol import KVAnnounce
+from pdserve.transfer.protocol import KVAnnounce, KVMac
 from pdserve.transfer.sender import KVPusher, PushJob
 from pdserve.transfer.shares import PairLink, open_shares
 
@@ -70,10 +70,13 @@ class PrefillActor(WorkerActor):
     def __init__(self, worker_id: str, config: EngineConfig, transfer_timeout_s: float, torch_threads: int | None = None,
                  push_layerwise: bool = True, kv_checksum: bool = False, placement=None):
         """push_layerwise=False sends a prompt's KV once its whole forward has run (to measure what the
-        layer-by-layer push hides: bench.cluster.kv_transfer); kv_checksum=True adds a checksum to every transfer."""
+        layer-by-layer push hides: bench.cluster.kv_transfer); kv_checksum=True adds a checksum keyed with the
+        cluster's key (config.kv_checksum_key) to every transfer."""
         super().__init__(worker_id, config, torch_threads, placement=placement)
         self.transfer_timeout_s = transfer_timeout_s
-        self.kv_checksum = kv_checksum
+        if kv_checksum and config.kv_checksum_key is None:
+            raise ValueError("kv_checksum needs the cluster's key (EngineConfig.kv_checksum_key)")
+        self.kv_mac = KVMac(config.kv_checksum_key) if kv_checksum else None
         self.transfer_stats = TransferStats()
         self.push_layerwise = push_layerwise
         self._results: dict[str, Future[PrefillResult]] = {}
@@ -93,7 +96,7 @@ class PrefillActor(WorkerActor):
     def _submit(self, task: PrefillTask) -> Future[PrefillResult]:
         """Call.PREFILL: queue the prompt (any thread); the future resolves as soon as its first token is
         sampled (the KV goes on to the decode worker that reserves room for it, `kv_ready`)."""
-        req = task.new_request(self.core.tokenizer)
+        req = task.new_request(self.core.tokenizer, self.core.model_config.vocab_size)
         if self.core.kv.blocks_needed(req.num_tokens) > self.core.pool.num_blocks:
             raise ValueError(f"prompt of {req.num_tokens} tokens does not fit this worker's KV cache "
                              f"({self.core.pool.num_blocks} blocks of {self.core.pool.block_size})")
@@ -132,6 +135,11 @@ class PrefillActor(WorkerActor):
         for job in self._held_jobs(decode_id, held):
             self._push(job)
 
+    async def prompts_submitted(self) -> int:
+        """Prompts submitted whose first token is not answered yet: a test holding the step thread at a fault
+        point waits on it (stats would wait for the step thread) until every prompt it sent is here."""
+        return len(self._results)
+
     async def cancel(self, request_id: str) -> bool:
         self._fail(request_id, asyncio.CancelledError(f"request {request_id} cancelled"))
         return await super().cancel(request_id)
@@ -168,7 +176,7 @@ class PrefillActor(WorkerActor):
             pusher = KVPusher(self.worker_id, decode_id, self.core.runner.kv_cache,
                               open_pair=lambda gen, did=decode_id: self._open_pair(did, gen),
                               announce=lambda a, h=handle: self._announce(h, a),
-                              done=self._pushed, checksum=self.kv_checksum, faults=self.faults)
+                              done=self._pushed, checksum=self.kv_mac, faults=self.faults)
             d = self._destinations[decode_id] = _Destination(handle, host, port, tp, pusher)
         return d
 
@@ -234,19 +242,23 @@ class PrefillActor(WorkerActor):
         try:
             pushes.layer_done(-1)  # destinations already ready: their KV goes out layer by layer
             sampled, failed = self._run(step, pushes.layer_done)
+            # Requests whose own data failed the step fail alone (the step ran again without them); any other
+            # failure is the whole step's.
+            bad = {f.request_id for f in failed if f.reason is FailureReason.BAD_REQUEST}
+            whole = len(bad) < len(failed)
             firsts: dict[str, list[SampledToken]] = {}  # a group's n first tokens, in sample order
             for s in sampled:
                 firsts.setdefault(s.request.request_id, []).append(s)
-            if not failed:
+            if not whole:
                 pushes.sampled({rid: [s.token for s in group] for rid, group in firsts.items()})
         except BaseException as e:  # a push that never hears of its layers or tokens would wait forever
             pushes.abort(f"{type(e).__name__}: {e}")
             raise
-        if failed:  # the step raised: its pushes cannot complete, its requests fail
+        for f in failed:
+            self._forget(f.request_id)
+            self._fail(f.request_id, ValueError(f.detail) if f.request_id in bad else RuntimeError(f.detail))
+        if whole:  # the step raised: its pushes cannot complete, its requests fail
             pushes.abort(failed[0].detail)
-            for f in failed:
-                self._forget(f.request_id)
-                self._fail(f.request_id, RuntimeError(f.detail))
             return True
         sampled_at = time.time()
         late: dict[str, list[tuple[str, _HeldKV]]] = {}
@@ -404,8 +416,11 @@ class _StepPushes:
             self.push(job)
 
     def sampled(self, tokens: dict[str, list[int]]) -> None:
+        """The first tokens, into every push's trailer. A request whose own data failed the step has none (the
+        step ran again without it): a push it shares with others still completes, with token 0 in its place;
+        its router has failed it and cancels it on the decode worker, which frees what lands for it."""
         for job in self.jobs:
-            job.sampled([t for r in job.request_ids for t in tokens[r]])
+            job.sampled([t for r in job.request_ids for t in tokens.get(r, [0] * self.samples[r])])
 
     def abort(self, reason: str) -> None:
         for job in self.jobs:

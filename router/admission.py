@@ -5,7 +5,8 @@ hand it over (Ask) and its fields turned into token ids and sampling parameters 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+import re
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -13,11 +14,13 @@ from typing import Any
 from google.protobuf.message import DecodeError
 
 from pdserve.engine.output import RequestOutput
-from pdserve.engine.sampling import SamplingParams
+from pdserve.engine.sampling import MAX_N, SamplingParams
 from pdserve.model.loader import ModelInfo
 from pdserve.v1 import generation_pb2 as pb
+from router.config import REQUEST_ID_CHARS, FieldBounds
 
 DEFAULT_MAX_TOKENS = 16
+_REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]+")
 
 
 class RequestFailed(Exception):
@@ -59,12 +62,20 @@ class Malformed:
     reason: str
 
 
-def parse_wire(data: bytes) -> pb.GenerateRequest | Malformed:
-    # grpc answers INTERNAL when a deserializer raises; a malformed request is the client's error.
-    try:
-        return pb.GenerateRequest.FromString(data)
-    except DecodeError as e:
-        return Malformed(f"malformed request (text fields must be valid UTF-8): {e}")
+def parser(message: type) -> Callable[[bytes], Any]:
+    """A gRPC request deserializer for `message` that returns Malformed instead of raising: grpc answers INTERNAL
+    when a deserializer raises, and a malformed request is the client's error (the handler answers
+    INVALID_ARGUMENT)."""
+    def parse(data: bytes):
+        try:
+            return message.FromString(data)
+        except DecodeError as e:
+            return Malformed(f"malformed request (text fields must be valid UTF-8): {e}")
+
+    return parse
+
+
+parse_wire = parser(pb.GenerateRequest)
 
 
 @dataclass
@@ -111,45 +122,118 @@ def ask_from_grpc(request: pb.GenerateRequest) -> Ask:
                sampling=sampling, service_tier=request.service_tier, request_id=request.request_id or None)
 
 
+@dataclass(frozen=True)
+class Checked:
+    """A request checked as far as it can be before its text is tokenized: its input, its request id and
+    every sampling field (params: as given, max_tokens provisional where its default depends on the prompt's
+    length); the rest (the context, the logprob entries) once the prompt's ids are known (finish)."""
+
+    ask: Ask
+    bounds: FieldBounds
+    sampling: dict[str, Any]  # the fields given, over the server's defaults, without max_tokens
+    params: SamplingParams
+
+
 def prepare(info: ModelInfo, limit: int, ask: Ask, defaults: dict[str, Any] | None = None
             ) -> tuple[list[int], SamplingParams]:
     """What every protocol's request comes down to: the prompt's token ids (from exactly one of prompt
-    text, chat messages or token ids) and the sampling parameters, checked against the model. limit:
-    characters of text accepted before tokenizing (prompt, or all messages); defaults: the server's values
-    of SamplingParams fields a request leaves unset (RouterConfig: logprobs_mode, version_policy).
-    ValueError says what is wrong."""
-    ids = _prompt_ids(info, limit, ask)
+    text, chat messages or token ids) and the sampling parameters, checked against the model (the bounds
+    of router.config.FieldBounds). limit: characters of text accepted before tokenizing (prompt, or all
+    messages); defaults: the server's values of SamplingParams fields a request leaves unset (RouterConfig:
+    logprobs_mode, version_policy). ValueError says what is wrong, naming the field and its bound.
+
+    In three parts, which the router's front (router.frontend) runs apart: check (cheap, before admission),
+    tokenize (the slow part: after admission, off the event loop), finish."""
+    checked = check(info, limit, ask, defaults)
+    return finish(info, checked, tokenize(info, ask))
+
+
+def check(info: ModelInfo, limit: int, ask: Ask, defaults: dict[str, Any] | None = None) -> Checked:
+    """Everything about a request that needs no tokenizing (prepare's arguments; ValueError)."""
+    bounds = FieldBounds(info.config.vocab_size, info.max_model_len, limit)
+    check_request_id(ask.request_id)
+    _check_input(info, bounds, ask)
     given = {k: v for k, v in ask.sampling.items() if v is not None}
     unknown = sorted(set(given) - SAMPLING_FIELDS)
     if unknown:
         raise ValueError(f"unknown sampling field {unknown[0]!r}")
     max_tokens = given.pop("max_tokens", None)
+    if max_tokens is None:  # chat's default, the rest of the context, is known once the prompt is
+        max_tokens = info.max_model_len if ask.default_max_tokens is None else ask.default_max_tokens
+    _check_max_tokens(max_tokens)
+    sampling = {**(defaults or {}), **given}
+    params = SamplingParams(**sampling, max_tokens=max_tokens)
+    _check_vocab(bounds, ask.token_ids or [], params)
+    return Checked(ask, bounds, sampling, params)
+
+
+def finish(info: ModelInfo, checked: Checked, ids: list[int]) -> tuple[list[int], SamplingParams]:
+    """The prompt's ids and the request's final parameters (its max_tokens default), checked against the
+    context and the model."""
+    ask = checked.ask
+    max_tokens = ask.sampling.get("max_tokens")
     if max_tokens is None:
         max_tokens = info.max_model_len - len(ids) if ask.default_max_tokens is None else ask.default_max_tokens
-    if not isinstance(max_tokens, int) or max_tokens < 1:
-        raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+    _check_max_tokens(max_tokens)
     if len(ids) + max_tokens > info.max_model_len:
         raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds the model's "
                          f"context of {info.max_model_len} tokens")
-    params = SamplingParams(**{**(defaults or {}), **given, "max_tokens": max_tokens})
-    vocab = info.config.vocab_size
-    bad = [t for t in (*ids, *params.stop_token_ids) if not 0 <= t < vocab]
-    if bad:
-        raise ValueError(f"unknown token ids (the vocabulary is [0, {vocab})): {bad[:5]}")
+    params = checked.params if max_tokens == checked.params.max_tokens else \
+        SamplingParams(**checked.sampling, max_tokens=max_tokens)
+    _check_vocab(checked.bounds, ids, params)
+    _check_entries(checked.bounds, ids, params)
     return ids, params
 
 
-def _prompt_ids(info: ModelInfo, limit: int, ask: Ask) -> list[int]:
-    """The prompt's token ids from the request's one input; the text ones tokenized (chat: templated)."""
-    tok = info.tokenizer
+def _check_max_tokens(max_tokens) -> None:
+    if not isinstance(max_tokens, int) or max_tokens < 1:
+        raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+
+
+def _check_vocab(bounds: FieldBounds, ids: list[int], params: SamplingParams) -> None:
+    """The bounds that depend on the model's vocabulary."""
+    vocab = bounds.vocab_size
+    bad = [t for t in (*ids, *params.stop_token_ids) if not 0 <= t < vocab]
+    if bad:
+        raise ValueError(f"unknown token ids (the vocabulary is [0, {vocab})): {bad[:5]}")
+    if params.top_k > bounds.max_top_k:
+        raise ValueError(f"top_k must be at most {bounds.max_top_k} (the vocabulary's size), got {params.top_k}")
+
+
+def _check_entries(bounds: FieldBounds, ids: list[int], params: SamplingParams) -> None:
+    """The logprob entries a request asks for, against the context."""
+    entries = 0
+    if params.logprobs is not None:
+        entries += params.n * params.max_tokens * (params.logprobs + 1)
+    if params.prompt_logprobs is not None:
+        entries += len(ids) * (params.prompt_logprobs + 1)
+    if entries > bounds.max_logprob_entries:
+        raise ValueError(f"logprobs asks for {entries} entries (n x max_tokens x (logprobs + 1), with the prompt's); "
+                         f"the most is {bounds.max_logprob_entries} ({MAX_N} samples of the model's context)")
+
+
+def check_request_id(rid: str | None) -> None:
+    """A client's request id: None (the router makes one) or 1 to REQUEST_ID_CHARS of [A-Za-z0-9._:-]."""
+    if rid is not None and (len(rid) > REQUEST_ID_CHARS or not _REQUEST_ID.fullmatch(rid)):
+        raise ValueError(f"request_id must be 1 to {REQUEST_ID_CHARS} characters of A-Z, a-z, 0-9, '.', '_', ':' "
+                         f"and '-', got {rid[:40]!r}{'...' if len(rid) > 40 else ''}")
+
+
+def _check_input(info: ModelInfo, bounds: FieldBounds, ask: Ask) -> None:
+    """The request's one input: given, within its bounds, and something this model can tokenize."""
+    tok, limit = info.tokenizer, bounds.max_input_chars
     inputs = (("prompt", ask.prompt), ("messages", ask.messages), ("token_ids", ask.token_ids))
     given = [name for name, v in inputs if v is not None]
     if not given:
         raise ValueError("the request has no input: set prompt, messages or token_ids")
     if len(given) > 1:
         raise ValueError(f"give one input, not {' and '.join(given)}")
+    if ask.messages is not None and len(ask.messages) > bounds.max_messages:
+        raise ValueError(f"messages has {len(ask.messages)} messages; the most is {bounds.max_messages} (the model's "
+                         "context: each takes at least one of its tokens)")
     if ask.token_ids is not None:
-        ids = list(ask.token_ids)
+        if not ask.token_ids:
+            raise ValueError("prompt is empty")
     elif tok is None:
         raise ValueError("this model has no tokenizer: send token_ids")
     elif ask.prompt is not None:
@@ -157,7 +241,6 @@ def _prompt_ids(info: ModelInfo, limit: int, ask: Ask) -> list[int]:
             raise ValueError(f"prompt has {len(ask.prompt)} characters; the limit is {limit}")
         if not ask.prompt:
             raise ValueError("prompt is empty")
-        ids = tok.encode(ask.prompt)
     else:
         messages = ask.messages
         if not messages:
@@ -168,7 +251,15 @@ def _prompt_ids(info: ModelInfo, limit: int, ask: Ask) -> list[int]:
             raise ValueError("every message needs a role")
         if not tok.has_chat_template:
             raise ValueError("this model has no chat template: send a prompt or token_ids")
-        ids = tok.apply_chat_template(messages)
+
+
+def tokenize(info: ModelInfo, ask: Ask) -> list[int]:
+    """The prompt's token ids from a checked request's one input: the text ones tokenized (chat: templated).
+    Up to --max-input-chars characters: the router runs it off its event loop (router.frontend)."""
+    if ask.token_ids is not None:
+        return list(ask.token_ids)
+    tok = info.tokenizer
+    ids = tok.encode(ask.prompt) if ask.prompt is not None else tok.apply_chat_template(ask.messages)
     if not ids:
         raise ValueError("prompt is empty")
     return ids

@@ -12,7 +12,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from pdserve.client.grpc_client import API_KEY_ENV, read_api_key
+from pdserve.client.grpc_client import ADMIN_API_KEY_ENV, API_KEY_ENV, read_api_key
 from pdserve.engine.args import add_model_args
 
 SIM_WORKER_CPUS = 1 / 16  # Ray CPUs of a simulated worker by default (--load-format sim)
@@ -63,9 +63,33 @@ def _door_args(serve: argparse.ArgumentParser) -> None:
                       help=f"every RPC but health must send 'authorization: Bearer KEY', else UNAUTHENTICATED "
                            f"(default: ${API_KEY_ENV}; prefer it or --api-key-file, a flag shows in ps)")
     edge.add_argument("--api-key-file", default=None, metavar="FILE", help="read the API key from this file")
+    _role_args(edge)
     edge.add_argument("--metrics-tls", action="store_true", help="serve /metrics over HTTPS with the same certificate")
     edge.add_argument("--health-port", type=int, default=None,
                       help="also serve grpc.health.v1 alone, in plaintext, on this port (probes that cannot do TLS)")
+
+
+def _role_args(edge) -> None:
+    """Roles (router.security): the admin credential control calls need, and where control is served."""
+    edge.add_argument("--admin-api-key", default=None,
+                      help=f"the admin key: control calls (the Weights service: updates, pause, resume, a trainer's "
+                           f"group; HTTP control routes) need 'authorization: Bearer KEY' with it, and the inference "
+                           f"key (--api-key) is refused them, PERMISSION_DENIED (default: ${ADMIN_API_KEY_ENV}; prefer "
+                           f"it or --admin-api-key-file). It serves inference calls too")
+    edge.add_argument("--admin-api-key-file", default=None, metavar="FILE", help="read the admin key from this file")
+    edge.add_argument("--admin-client-name", action="append", default=[], metavar="NAME",
+                      help="with --ssl-ca-certs (mutual TLS): a client certificate whose common name or DNS name is "
+                           "NAME is admin (repeatable)")
+    edge.add_argument("--control-port", type=int, default=None,
+                      help="serve the Weights service on this port of --control-host only (refused on --port); "
+                           "without an admin credential, whoever reaches it may call it")
+    edge.add_argument("--control-http-port", type=int, default=None,
+                      help="serve the HTTP control routes on this port of --control-host only")
+    edge.add_argument("--control-host", default="127.0.0.1",
+                      help="address of the control ports: loopback (default) or an internal interface")
+    edge.add_argument("--weights-root", default=None, metavar="DIR",
+                      help="UpdateWeights reads checkpoints under this directory only (the path and its files, "
+                           "symlinks resolved, on every worker); default: the directory that holds --model")
 
 
 def _pool_args(serve: argparse.ArgumentParser) -> None:
@@ -136,8 +160,12 @@ def _fault_args(serve: argparse.ArgumentParser) -> None:
                        help="seconds a request waits for a worker when its pool has none alive (a replacement "
                             "starting), then UNAVAILABLE")
     serve.add_argument("--kv-checksum", action=argparse.BooleanOptionalAction, default=False,
-                       help="checksum every KV transfer and verify it on the decode worker (a mismatch fails the "
-                            "transfer, which is retried); off by default: on a CPU it costs 15-30%% of a transfer")
+                       help="checksum every KV transfer with the cluster's key and verify it on the decode worker (a "
+                            "mismatch fails the transfer, which is retried); off by default: on a CPU it costs "
+                            "15-30%% of a transfer")
+    serve.add_argument("--kv-checksum-key-file", default=None, metavar="FILE",
+                       help="the cluster's key of the KV checksum (its first line, at least 16 bytes); default: a "
+                            "random one the router makes. Router replicas need it: every router the same file")
     serve.add_argument("--max-retries", type=int, default=2, help="re-placements of a request whose worker was lost")
     serve.add_argument("--on-decode-failure", choices=["resume", "fail"], default="resume",
                        help="a lost decode worker's requests resume elsewhere, or end with UNAVAILABLE")
@@ -196,6 +224,24 @@ def _admission_args(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("--request-body-budget-bytes", type=int, default=None, metavar="BYTES",
                        help="the most bytes of HTTP request bodies held at once (being read, or read and not yet "
                             "answered); a request that would pass it gets 503 at once (default: 16 of the largest)")
+    conn = serve.add_argument_group("connections (each door's bounds on what one client holds open)")
+    conn.add_argument("--max-connections", type=int, default=1024,
+                      help="connections each door takes at once (gRPC refuses more; HTTP answers 503 past this many "
+                           "connections or requests)")
+    conn.add_argument("--max-streams-per-connection", type=int, default=None, metavar="N",
+                      help="gRPC calls one connection carries at once (more wait, client-side; default "
+                           "--max-running + --max-queued)")
+    conn.add_argument("--idle-timeout", type=float, default=300.0, metavar="SECONDS",
+                      help="a gRPC connection without a call this long is closed")
+    conn.add_argument("--keepalive", type=float, default=60.0, metavar="SECONDS",
+                      help="the router pings a gRPC connection silent this long, and closes it if the ping is not "
+                           "answered within --keepalive-timeout")
+    conn.add_argument("--keepalive-timeout", type=float, default=20.0, metavar="SECONDS")
+    conn.add_argument("--min-ping-interval", type=float, default=10.0, metavar="SECONDS",
+                      help="a gRPC client that pings more often than this is disconnected (keepalive enforcement)")
+    conn.add_argument("--http-read-timeout", type=float, default=30.0, metavar="SECONDS",
+                      help="an HTTP request's head, then its body, must arrive within this (else the connection is "
+                           "closed, or 408 and the body dropped)")
 
 
 
@@ -227,20 +273,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import ray
 
     from router.compose import serve
-    from router.config import RouterConfig
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     cluster_config = cluster_config_from_args(args)
-    router_config = RouterConfig(host=args.host, port=args.port, max_running=args.max_running,
-                                 max_queued=args.max_queued, drain_timeout_s=args.drain_timeout,
-                                 metrics_host=args.metrics_host, metrics_port=args.metrics_port or None,
-                                 ssl_certfile=args.ssl_certfile, ssl_keyfile=args.ssl_keyfile,
-                                 ssl_ca_certs=args.ssl_ca_certs, api_key=read_api_key(args.api_key, args.api_key_file),
-                                 metrics_tls=args.metrics_tls, health_port=args.health_port,
-                                 http_port=args.http_port or None, served_model_name=args.served_model_name,
-                                 logprobs_mode=args.logprobs_mode, version_policy=args.version_policy,
-                                 max_request_body_bytes=args.max_request_body_bytes,
-                                 request_body_budget_bytes=args.request_body_budget_bytes)
+    router_config = router_config_from_args(args)
     if args.ray_address:  # named actors (router replicas' registry and workers) live in one namespace
         ray.init(address=args.ray_address, namespace="pdserve", log_to_driver=False)
     else:
@@ -265,6 +301,28 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def router_config_from_args(args: argparse.Namespace):
+    from router.config import RouterConfig
+
+    return RouterConfig(host=args.host, port=args.port, max_running=args.max_running, max_queued=args.max_queued,
+                        drain_timeout_s=args.drain_timeout, metrics_host=args.metrics_host,
+                        metrics_port=args.metrics_port or None, ssl_certfile=args.ssl_certfile,
+                        ssl_keyfile=args.ssl_keyfile, ssl_ca_certs=args.ssl_ca_certs,
+                        api_key=read_api_key(args.api_key, args.api_key_file),
+                        admin_api_key=read_api_key(args.admin_api_key, args.admin_api_key_file, ADMIN_API_KEY_ENV),
+                        admin_client_names=tuple(args.admin_client_name), control_host=args.control_host,
+                        control_port=args.control_port, control_http_port=args.control_http_port,
+                        metrics_tls=args.metrics_tls, health_port=args.health_port,
+                        http_port=args.http_port or None, served_model_name=args.served_model_name,
+                        logprobs_mode=args.logprobs_mode, version_policy=args.version_policy,
+                        max_request_body_bytes=args.max_request_body_bytes,
+                        request_body_budget_bytes=args.request_body_budget_bytes,
+                        max_connections=args.max_connections, max_streams_per_connection=args.max_streams_per_connection,
+                        idle_timeout_s=args.idle_timeout, keepalive_s=args.keepalive,
+                        keepalive_timeout_s=args.keepalive_timeout, min_ping_interval_s=args.min_ping_interval,
+                        read_timeout_s=args.http_read_timeout)
+
+
 def cluster_config_from_args(args: argparse.Namespace):
     from pdserve.config import AutoscaleConfig, ClusterConfig
     from pdserve.tiers import TiersConfig, parse_tier_slos
@@ -277,7 +335,7 @@ def cluster_config_from_args(args: argparse.Namespace):
     return ClusterConfig(engine=engine, mode=args.mode, **pools, tiers=tiers,
                          transfer_timeout_s=args.transfer_timeout, bind_host=args.kv_bind_host,
                          worker_timeout_s=args.worker_timeout, pool_wait_timeout_s=args.pool_wait_timeout,
-                         kv_checksum=args.kv_checksum,
+                         kv_checksum=args.kv_checksum, kv_checksum_key=_key_file(args.kv_checksum_key_file),
                          max_retries=args.max_retries, on_decode_failure=args.on_decode_failure,
                          stream_interval=args.stream_interval,
                          router_name=socket.gethostname() if args.router_name == "auto" else args.router_name,
@@ -363,7 +421,8 @@ def _engine_config(args: argparse.Namespace):
                           cache=cache, peak_flops=peaks[0], peak_bytes_per_second=peaks[1],
                           tensor_parallel_size=args.tensor_parallel_size, expert_parallel_size=args.expert_parallel_size,
                           tensor_parallel_timeout_s=args.tensor_parallel_timeout,
-                          sim_gpu=args.sim_gpu, sim_kv_scale=args.sim_kv_scale, sim_time_scale=args.sim_time_scale)
+                          sim_gpu=args.sim_gpu, sim_kv_scale=args.sim_kv_scale, sim_time_scale=args.sim_time_scale,
+                          weights_root=os.path.abspath(args.weights_root) if args.weights_root else None)
     if engine.load_format == "sim":
         import logging
 
@@ -372,6 +431,17 @@ def _engine_config(args: argparse.Namespace):
 
         logging.getLogger(__name__).info("every worker is a %s", sim_plan(engine, load_info(engine)).describe())
     return engine
+
+
+def _key_file(path: str | None) -> bytes | None:
+    """A secret's first line, as bytes (None: no file given)."""
+    if path is None:
+        return None
+    with open(path, "rb") as f:
+        key = f.readline().strip()
+    if not key:
+        raise ValueError(f"{path}: the key file is empty")
+    return key
 
 
 def parse_resources(items: list[str]) -> dict[str, float]:

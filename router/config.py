@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from pdserve.engine.sampling import LOGPROBS_MODES, VERSION_POLICIES
+from pdserve.engine.sampling import LOGPROBS_MODES, MAX_N, VERSION_POLICIES
 
 # What the largest valid request can take on the wire, from the limits the router checks a request against
 # (router.admission.prepare), so that the doors refuse what no valid request can be before reading it:
@@ -24,6 +24,38 @@ JSON_BYTES_PER_CHAR, JSON_BYTES_PER_TOKEN = 12, 32
 PROTO_BYTES_PER_CHAR, PROTO_BYTES_PER_TOKEN = 4, 8
 REQUEST_HEADROOM_BYTES = 1 << 20
 BODY_BUDGET_REQUESTS = 16  # the HTTP door holds at most this many of the largest bodies at once, by default
+
+
+# What a request may ask of the work it sizes, derived from the model as the byte bounds above are (#47):
+# - top_k: at most the vocabulary (a larger k keeps every token: nothing to ask for beyond it).
+# - messages: at most the context's tokens (each takes at least one token of the chat template), so that a
+#   body of half a million empty messages is refused before the template renders it.
+# - logprobs: a request's logprob entries (per generated token of each of its n samples, the token's and the k
+#   most likely: n x max_tokens x (logprobs + 1); per prompt token, prompt_logprobs + 1) at most the tokens the
+#   largest request without logprobs carries, MAX_N samples of the whole context: logprobs never make a
+#   request bigger than one already allowed.
+# - request ids: 1 to 128 characters of [A-Za-z0-9._:-]; the router builds worker-side ids from them
+#   ("<router>/<id>#<attempt>", "<id>~<sample>"), logs them and echoes them.
+REQUEST_ID_CHARS = 128
+
+
+@dataclass(frozen=True)
+class FieldBounds:
+    vocab_size: int
+    max_model_len: int
+    max_input_chars: int  # RouterConfig.max_input_chars
+
+    @property
+    def max_top_k(self) -> int:
+        return self.vocab_size
+
+    @property
+    def max_messages(self) -> int:
+        return self.max_model_len
+
+    @property
+    def max_logprob_entries(self) -> int:
+        return MAX_N * self.max_model_len
 
 
 def request_size_bounds(max_input_chars: int, max_model_len: int) -> tuple[int, int]:
@@ -48,6 +80,15 @@ class RouterConfig:
     ssl_keyfile: str | None = None
     ssl_ca_certs: str | None = None
     api_key: str | None = None
+    # Roles (router.security): control calls (the Weights service, HTTP control routes) need the admin
+    # credential, an admin key or (mutual TLS) a client certificate carrying one of admin_client_names; the
+    # inference key is refused them. With control_port (and control_http_port), control is served there only,
+    # on control_host (loopback by default, or an internal interface), and refused on the public ports.
+    admin_api_key: str | None = None
+    admin_client_names: tuple[str, ...] = ()
+    control_host: str = "127.0.0.1"
+    control_port: int | None = None  # 0: any free port
+    control_http_port: int | None = None
     metrics_tls: bool = False  # /metrics over HTTPS with the same certificate
     health_port: int | None = None  # grpc.health.v1 alone, plaintext, on this port too (for probes)
     http_port: int | None = None  # the OpenAI-compatible HTTP API (router.openai_api) on host:http_port
@@ -65,6 +106,22 @@ class RouterConfig:
     # The bytes of HTTP request bodies the door holds at once (being read, or read and not yet answered); a
     # request that would pass it is answered 503 at once. None: BODY_BUDGET_REQUESTS of the largest.
     request_body_budget_bytes: int | None = None
+    # Connections (#47): what one client can hold open. gRPC: connections beyond max_connections are refused;
+    # one connection carries at most max_streams_per_connection calls at once (more wait, client-side; None:
+    # max_running + max_queued, all that admission could hold); a connection without a call for
+    # idle_timeout_s is closed (GOAWAY); the router pings a connection after keepalive_s without data and
+    # closes it if no answer comes in keepalive_timeout_s (a client gone without a word); a client that pings
+    # more often than every min_ping_interval_s is disconnected. HTTP: at most max_connections connections and
+    # requests at once (503 past it); a request's head must arrive within read_timeout_s of its connection's
+    # opening (or of the response before it), and its body within read_timeout_s of its head: a stalled
+    # upload is answered 408, its bytes dropped.
+    max_connections: int = 1024
+    max_streams_per_connection: int | None = None
+    idle_timeout_s: float = 300.0
+    keepalive_s: float = 60.0
+    keepalive_timeout_s: float = 20.0
+    min_ping_interval_s: float = 10.0
+    read_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
         if self.max_running < 1 or self.max_queued < 0:
@@ -78,6 +135,12 @@ class RouterConfig:
             raise ValueError("TLS needs both a certificate (--ssl-certfile) and its key (--ssl-keyfile)")
         if (self.ssl_ca_certs or self.metrics_tls) and not self.ssl_certfile:
             raise ValueError("--ssl-ca-certs and --metrics-tls need --ssl-certfile and --ssl-keyfile")
+        if self.max_connections < 1 or (self.max_streams_per_connection is not None
+                                         and self.max_streams_per_connection < 1):
+            raise ValueError("max_connections and max_streams_per_connection must be >= 1")
+        for name in ("idle_timeout_s", "keepalive_s", "keepalive_timeout_s", "min_ping_interval_s", "read_timeout_s"):
+            if not 0 < getattr(self, name) < float("inf"):
+                raise ValueError(f"{name} must be a positive number of seconds, got {getattr(self, name)!r}")
         if self.logprobs_mode not in LOGPROBS_MODES:
             raise ValueError(f"logprobs_mode must be one of {', '.join(LOGPROBS_MODES)}, got {self.logprobs_mode!r}")
         if self.version_policy not in VERSION_POLICIES:
@@ -85,6 +148,15 @@ class RouterConfig:
                              f"got {self.version_policy!r}")
         if self.api_key is not None and not self.api_key:
             raise ValueError("the API key is empty")
+        if self.admin_api_key is not None and not self.admin_api_key:
+            raise ValueError("the admin API key is empty")
+        if self.admin_api_key is not None and self.admin_api_key == self.api_key:
+            raise ValueError("the admin API key must differ from the inference API key (--api-key)")
+        object.__setattr__(self, "admin_client_names", tuple(self.admin_client_names))
+        if self.admin_client_names and not self.ssl_ca_certs:
+            raise ValueError("--admin-client-name needs client certificates: --ssl-ca-certs (mutual TLS)")
+        if self.control_http_port is not None and self.http_port is None:
+            raise ValueError("--control-http-port needs the HTTP API (--http-port)")
         for path in (self.ssl_certfile, self.ssl_keyfile, self.ssl_ca_certs):
             if path is not None and not os.path.isfile(path):  # now, not once the pools have loaded the model
                 raise FileNotFoundError(f"no such file: {path}")
@@ -92,6 +164,21 @@ class RouterConfig:
     @property
     def tls(self) -> bool:
         return self.ssl_certfile is not None
+
+    def grpc_options(self) -> list[tuple[str, int]]:
+        """The gRPC server's bounds on its connections (the fields above, in grpc's channel arguments)."""
+        ms = lambda seconds: int(seconds * 1000)  # noqa: E731
+        return [("grpc.max_allowed_incoming_connections", self.max_connections),
+                ("grpc.max_concurrent_streams", self.max_streams_per_connection or self.max_running + self.max_queued),
+                ("grpc.max_connection_idle_ms", ms(self.idle_timeout_s)),
+                ("grpc.keepalive_time_ms", ms(self.keepalive_s)),
+                ("grpc.keepalive_timeout_ms", ms(self.keepalive_timeout_s)),
+                # grpc 1.85 waits for a ping's answer this long whatever keepalive_timeout_ms says (measured: a
+                # peer that never answers a keepalive ping was kept past 15 s without it)
+                ("grpc.http2.ping_timeout_ms", ms(self.keepalive_timeout_s)),
+                ("grpc.keepalive_permit_without_calls", 1),  # the router's own pings, on an idle connection too
+                ("grpc.http2.min_ping_interval_without_data_ms", ms(self.min_ping_interval_s)),
+                ("grpc.http2.max_ping_strikes", 2)]
 
     def request_bounds(self, max_model_len: int) -> tuple[int, int, int]:
         """(HTTP body, gRPC message, HTTP bodies held at once) in bytes, for a model of this context."""

@@ -9,7 +9,9 @@ that follows the demand seen here, and whether the router still serves (a drain 
 """
 from __future__ import annotations
 
+import asyncio
 import collections
+import concurrent.futures
 import contextlib
 import time
 from collections.abc import AsyncIterator
@@ -21,7 +23,7 @@ from pdserve.engine.sampling import SamplingParams
 from pdserve.model.loader import ModelInfo
 from pdserve.serving.messages import WorkerStats
 from pdserve.tiers import ServiceTier, parse_tier
-from router.admission import Admission, Ask, Overloaded, RequestFailed, prepare
+from router.admission import Admission, Ask, Checked, Overloaded, RequestFailed, check, finish, tokenize
 from router.autoscaler import AutoscaleLoop
 from router.cluster import Cluster
 from router.config import RouterConfig
@@ -30,11 +32,14 @@ from router.workers import Worker
 from router.tracking import Timeline
 
 
-@dataclass(frozen=True)
+@dataclass
 class Prepared:
-    """A request the front has checked: its prompt's token ids, sampling parameters, tier and id."""
+    """A request the front has checked: its prompt's token ids, sampling parameters, tier and id. A prompt of
+    text is tokenized once the request is admitted (Frontend.run): until then `prompt` is None and `params`
+    provisional (chat's default max_tokens is the rest of the context); both are final once run() yields."""
 
-    prompt: list[int]
+    checked: Checked
+    prompt: list[int] | None
     params: SamplingParams
     tier: ServiceTier
     request_id: str | None
@@ -59,6 +64,9 @@ class Frontend:
         self._waiting: collections.Counter[ServiceTier] = collections.Counter()  # for admission, by tier
         self.serving = True
         self._defaults = dict(logprobs_mode=config.logprobs_mode, version_policy=config.version_policy)
+        # One thread: HF tokenizers are not to be entered by two threads at once ("Already borrowed"), and the
+        # event loop is what must stay free; requests tokenize in admission order.
+        self._tokenizer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tokenizer")
         # Autoscaled pools follow the demand seen here (the admission queue included).
         self.autoscaler = AutoscaleLoop(cluster, lambda: self.admitting) if cluster.config.ranges else None
         if metrics is not None:
@@ -71,19 +79,32 @@ class Frontend:
         return self.cluster.info
 
     def prepare(self, ask: Ask) -> Prepared:
-        """The request's token ids, sampling parameters (the server's defaults where it gave none) and tier;
-        ValueError says what is wrong, naming the field."""
-        prompt, params = prepare(self.info, self.config.max_input_chars, ask, self._defaults)
-        return Prepared(prompt, params, parse_tier(ask.service_tier), ask.request_id)
+        """The request checked (router.admission.check: every field, the server's defaults where it gave none)
+        and its tier; token ids given are checked against the context here too. ValueError says what is wrong,
+        naming the field. Text is tokenized later, once admitted (run)."""
+        checked = check(self.info, self.config.max_input_chars, ask, self._defaults)
+        prompt, params = finish(self.info, checked, list(ask.token_ids)) if ask.token_ids is not None \
+            else (None, checked.params)
+        return Prepared(checked, prompt, params, parse_tier(ask.service_tier), ask.request_id)
+
+    async def _tokenized(self, request: Prepared) -> None:
+        """A text prompt's token ids and its final parameters, into the request: rendered and tokenized on the
+        front's tokenizer thread, not the event loop every stream of both doors is served from (a million
+        characters take about a second). ValueError: the prompt does not fit the context, ..."""
+        if request.prompt is None:
+            ids = await asyncio.get_running_loop().run_in_executor(self._tokenizer, tokenize, self.info,
+                                                                   request.checked.ask)
+            request.prompt, request.params = finish(self.info, request.checked, ids)
 
     async def run(self, request: Prepared, t: Timeline) -> AsyncIterator[RequestOutput]:
         """A checked request through admission and the cluster: its outputs, recorded on its timeline as
-        they stream. Raises Overloaded (the admission queue is full, or flex's queue is), ValueError (the
-        cluster's own checks: context length, a duplicate request id, ...) or RequestFailed (the workers
-        failed it). Closing it early cancels the request on every worker."""
+        they stream. A text prompt is tokenized once admitted (request.prompt and request.params are final from
+        the first output on). Raises Overloaded (the admission queue is full, or flex's queue is), ValueError
+        (the checks that need the prompt's ids: context length, logprob entries; the cluster's own: a
+        duplicate request id, ...) or RequestFailed (the workers failed it). Closing it early cancels the
+        request on every worker."""
         tier = request.tier
         t.service_tier = t.served_tier = tier.value
-        t.prompt_tokens = len(request.prompt)
         bound = self.cluster.config.tiers.flex_max_queued
         if tier is ServiceTier.FLEX and self.queued(tier) >= bound:
             raise Overloaded(f"the flex tier's queue is full ({bound} waiting); retry later")
@@ -95,6 +116,8 @@ class Frontend:
                 self._waiting[tier] -= 1
                 waiting = False
                 t.admitted = time.monotonic()
+                await self._tokenized(request)  # only once admitted: a queued request costs no tokenizing
+                t.prompt_tokens = len(request.prompt)
                 outs = self.cluster.generate(request.prompt, request.params, request.request_id, tier)
                 async with contextlib.aclosing(outs):
                     async for out in outs:
@@ -164,3 +187,7 @@ class Frontend:
         self.serving = False
         if self.autoscaler is not None:
             await self.autoscaler.stop()
+
+    def close(self) -> None:
+        """After the drain: the tokenizer's thread ends."""
+        self._tokenizer.shutdown(wait=False)

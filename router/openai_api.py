@@ -32,7 +32,7 @@ What OpenAI's API has and pdserve does not (echo, suffix, best_of, tools, logit 
 400 that names the field, and so is a value out of range (the field as the request named
 it: top_logprobs, presence_penalty, min_tokens, ...). Every error uses OpenAI's shape,
 {"error": {"message", "type", "param", "code"}}: 400 bad input (a body that is not a JSON object
-included), 401 missing or wrong key, 404 unknown model or path, 405 wrong method, 413 a body over
+included), 401 missing or wrong key, 403 a control route without the admin credential, 404 unknown model or path, 405 wrong method, 413 a body over
 the bound, 429 admission queue full, 503 draining, the workers failed the request, or the door holds
 its budget of request bodies. The request bodies and the error are in router.openai_schema.
 
@@ -46,11 +46,11 @@ import json
 import re
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -58,28 +58,48 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from pdserve.engine.output import RequestOutput
 from router.admission import Overloaded, RequestFailed, Samples
 from router.frontend import Frontend, Prepared
-from router.http_limits import ApiKey, BodyBudget, BodyLimit
+from router.http_limits import BodyBudget, BodyLimit, Roles
 from router.openai_choices import FINISH, Choice, Vocab
 from router.openai_schema import BaseCompletionRequest, ChatCompletionRequest, CompletionRequest, HTTPError
+from router.security import Access
 from router.tracking import Timeline
 
 DISCONNECT_POLL_S = 0.25  # how often a non-streamed request checks that its client is still there
 
 
-def build_app(front: Frontend, model_name: str, api_key: str | None, max_body_bytes: int,
-              body_budget_bytes: int) -> FastAPI:
-    """The app over the router's front (router.frontend). max_body_bytes: the most one request body may have;
-    body_budget_bytes: the most all the bodies the door holds at once may have (app.state.bodies counts them)."""
+def _guarded_app(access: Access, control: APIRouter | None, metrics, max_body_bytes: int,
+                 body_budget_bytes: int, read_timeout_s: float) -> FastAPI:
+    """An app with the door's guards (router.http_limits: roles, then bounded bodies), OpenAI's error shape,
+    and the control routes, if given (admin only)."""
     app = FastAPI(title="pdserve (OpenAI-compatible)", docs_url=None, redoc_url=None, openapi_url=None)
-    app.state.bodies = BodyBudget(max_body_bytes, body_budget_bytes)
-    app.add_middleware(BodyLimit, bodies=app.state.bodies, metrics=front.metrics)
-    if api_key:  # added last, so it runs first: a request without the key reads nothing of its body
-        app.add_middleware(ApiKey, expected=f"Bearer {api_key}".encode())
+    app.state.bodies = BodyBudget(max_body_bytes, body_budget_bytes, read_timeout_s)
+    app.add_middleware(BodyLimit, bodies=app.state.bodies, metrics=metrics)
+    routes = list(control.routes) if control is not None else []
+    # Added last, so it runs first: a request refused reads nothing of its body.
+    app.add_middleware(Roles, access=access, is_control=lambda path: any(r.path_regex.match(path) for r in routes))
+    if control is not None:
+        app.include_router(control)
+    _error_handlers(app)
+    return app
+
+
+def build_control_app(control: APIRouter, access: Access, metrics, max_body_bytes: int, body_budget_bytes: int,
+                      read_timeout_s: float = 30.0) -> FastAPI:
+    """The HTTP control routes alone, for the control HTTP port (RouterConfig.control_http_port)."""
+    return _guarded_app(access, control, metrics, max_body_bytes, body_budget_bytes, read_timeout_s)
+
+
+def build_app(front: Frontend, model_name: str, access: Access, max_body_bytes: int, body_budget_bytes: int,
+              control: APIRouter | None = None, read_timeout_s: float = 30.0) -> FastAPI:
+    """The app over the router's front (router.frontend). access: who may call what (router.security);
+    max_body_bytes: the most one request body may have; body_budget_bytes: the most all the bodies the door
+    holds at once may have (app.state.bodies counts them); control: the HTTP control routes, if served here;
+    read_timeout_s: a body must arrive whole within it (RouterConfig.read_timeout_s)."""
+    app = _guarded_app(access, control, front.metrics, max_body_bytes, body_budget_bytes, read_timeout_s)
     info = front.info
     names = {model_name, info.path}
     vocab = Vocab(info.tokenizer)
     created = int(time.time())
-    _error_handlers(app)
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -128,13 +148,15 @@ def build_app(front: Frontend, model_name: str, api_key: str | None, max_body_by
         prepared = replace(prepared, request_id=rid)
         run = _Run(front, t, prepared)
         chat = kind == "chat.completion"
-        params = prepared.params
-        choices = [Choice(chat, vocab, info.tokenizer, prepared.prompt, params, bool(body.return_token_ids), i)
-                   for i in range(params.n)]
+
+        def choices() -> list[Choice]:  # once the run has started: a text prompt is tokenized once admitted
+            return [Choice(chat, vocab, info.tokenizer, prepared.prompt, prepared.params, bool(body.return_token_ids),
+                           i) for i in range(prepared.params.n)]
+
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             first = await run.start()  # errors before the first token are plain HTTP errors
-            return StreamingResponse(_sse(run, first, kind, rid, body.model, include_usage, choices),
+            return StreamingResponse(_sse(run, first, kind, rid, body.model, include_usage, choices()),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         return await _whole(run, request, kind, rid, body.model, choices)
 
@@ -199,7 +221,7 @@ class _Run:
     errors; recorded once, when closed. samples.done: its last output is in."""
 
     def __init__(self, front: Frontend, t: Timeline, prepared: Prepared):
-        self.front, self.t, self.prompt = front, t, prepared.prompt
+        self.front, self.t, self.request = front, t, prepared
         self._outs: AsyncIterator[RequestOutput] = front.run(prepared, t)
         self._closed = False
         self.last: RequestOutput | None = None
@@ -252,16 +274,20 @@ class _Run:
         out = self.last
         n = self.samples.completion_tokens
         cached = out.num_cached_tokens if out is not None else 0  # prompt tokens served by the prefix cache
-        return {"prompt_tokens": len(self.prompt), "completion_tokens": n, "total_tokens": len(self.prompt) + n,
+        prompt = len(self.request.prompt or ())
+        return {"prompt_tokens": prompt, "completion_tokens": n, "total_tokens": prompt + n,
                 "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 async def _whole(run: _Run, request: Request, kind: str, rid: str, model: str,
-                 choices: list[Choice]) -> JSONResponse:
+                 make_choices: Callable[[], list[Choice]]) -> JSONResponse:
     """A non-streamed request: collect it, cancelling it if the client goes away meanwhile."""
+
+    choices: list[Choice] = []
 
     async def collect() -> None:
         out = await run.start()
+        choices.extend(make_choices())
         while out is not None:
             choices[out.index].add(out)
             if run.samples.done:

@@ -3,8 +3,9 @@
 Each attempt (router.attempt) runs under its own worker-side id (`<tag><id>#<n>`) and continues from the
 tokens, and the characters of text, the request already streamed. A failed attempt raises Retry with its
 FailureReason; the policy is keyed on it: a failed KV transfer is tried once more, a lost worker up to
-max_retries times, an empty pool not again (its wait was already bounded); a lost decode worker's stream
-resumes elsewhere unless on_decode_failure is "fail".
+max_retries times, an empty pool not again (its wait was already bounded), a request whose own data failed a
+step never (ValueError: the client's error); a lost decode worker's stream resumes elsewhere unless
+on_decode_failure is "fail".
 """
 from __future__ import annotations
 
@@ -25,6 +26,13 @@ from router.attempt import Attempt, Parts, Retry
 from router.streams import Aborted
 
 log = logging.getLogger(__name__)
+
+
+def _own_fault(e: Retry) -> None:
+    """A request whose own data failed a worker's step (its neighbours went on) is the client's error, never
+    tried again: the next worker's step would fail on it the same way."""
+    if e.reason is FailureReason.BAD_REQUEST:
+        raise ValueError(str(e)) from None
 
 
 class Runs:
@@ -59,6 +67,7 @@ class Runs:
                             yield out
                     return
                 except Retry as e:
+                    _own_fault(e)
                     failures[e.reason] += 1
                     avoid = e.workers
                     if self.give_up(e, failures, rid, attempt):
@@ -107,6 +116,7 @@ class Runs:
                                         index=i)
             return
         except Retry as e:
+            _own_fault(e)
             if self.give_up(e, collections.Counter([e.reason]), rid, 0) and e.reason.loses_the_stream:
                 yield RequestOutput(rid, [], "", FinishReason.ERROR, group.num_prompt_tokens, 0,
                                     error=f"{e} (attempt 1)")

@@ -1,9 +1,11 @@
 """The servers of one router: its ports bound at start, drained at stop.
 
 The gRPC port (the Generation and Weights services, health, reflection), a plaintext health port for
-probes, the HTTP door (uvicorn on this event loop, beside gRPC: one admission, one cluster) and the
-Prometheus /metrics endpoint. What they serve is built by the composition root (router.compose); this
-module only binds, starts and stops them.
+probes, the HTTP door (uvicorn on this event loop, beside gRPC: one admission, one cluster), the Prometheus
+/metrics endpoint and, if configured, the control ports: the Weights service (gRPC) and the HTTP control
+routes on an address of their own (RouterConfig.control_host), refused on the public ports. Who may call
+what on each port is router.security's. What they serve is built by the composition root (router.compose);
+this module only binds, starts and stops them.
 """
 from __future__ import annotations
 
@@ -22,8 +24,9 @@ from router.admission import parse_wire
 from router.config import RouterConfig
 from router.frontend import Frontend
 from router.grpc_api import SERVICE_NAME, GenerationService
-from router.security import ApiKeyInterceptor, server_credentials
-from router.weights import WEIGHTS_SERVICE_NAME, WeightControl, WeightsService
+from router.security import Access, Guard, server_credentials
+from router.weights import WeightControl
+from router.weights_api import WEIGHTS_SERVICE_NAME, WeightsService
 
 log = logging.getLogger(__name__)
 
@@ -49,10 +52,25 @@ class Router:
         self._health_server: grpc.aio.Server | None = None
         self.http_port: int | None = None
         self.http_app = None
-        self._http_server = None
-        self._http_task: asyncio.Task | None = None
+        self._http: list[tuple] = []  # (uvicorn server, its task): the HTTP door, and the HTTP control port's
+        self.control_port: int | None = None
+        self._control_server: grpc.aio.Server | None = None
+        self.control_http_port: int | None = None
+        # The HTTP control routes: admin only, served on the HTTP door or on the control HTTP port. None exist
+        # yet; whoever adds one (/pause, /update_weights_from_disk, ...) adds it here, before start().
+        from fastapi import APIRouter
+
+        self.http_control = APIRouter()
         # Request bytes each door reads (RouterConfig.max_request_body_bytes) and the HTTP door's budget; at start.
         self.max_request_body_bytes = self.grpc_max_receive_bytes = self.request_body_budget_bytes = 0
+
+    def access(self, control_port: bool = False) -> Access:
+        """Who may call what on the public ports, or on the control ports (router.security)."""
+        c = self.config
+        if control_port:  # only control is served there: the inference key means nothing
+            return Access(None, c.admin_api_key, c.admin_client_names, control_port=True)
+        return Access(c.api_key, c.admin_api_key, c.admin_client_names,
+                      control_elsewhere=c.control_port is not None)
 
     async def start(self) -> int:
         c = self.config
@@ -66,6 +84,8 @@ class Router:
             if self.health_port == 0:
                 raise OSError(f"could not bind {c.host}:{c.health_port}")
             await self._health_server.start()
+        if c.control_port is not None:
+            await self._start_control()
         if c.http_port is not None:
             await self._start_http()
         if self.metrics is not None:
@@ -78,17 +98,39 @@ class Router:
         self.front.start()
         for name in ("", SERVICE_NAME):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
-        log.info("pdserve listening on %s (%s mode; %s; %s)", address.rsplit(":", 1)[0] + f":{self.port}",
+        keys = "API key required" if c.api_key else "no API key"
+        log.info("pdserve listening on %s (%s mode; %s; %s; control: %s)", address.rsplit(":", 1)[0] + f":{self.port}",
                  self.cluster.config.mode, "TLS" + (" with client certificates" if c.ssl_ca_certs else "")
-                 if c.tls else "plaintext", "API key required" if c.api_key else "no API key")
+                 if c.tls else "plaintext", keys, self._control_said())
         return self.port
+
+    def _control_said(self) -> str:
+        c = self.config
+        where = f"port {self.control_port} on {c.control_host}" if self.control_port else "the API port"
+        who = "admin key" if c.admin_api_key else "admin certificates" if c.admin_client_names else \
+            "callers of the control port" if self.control_port else \
+            "loopback peers only" if self.access().no_credentials else "nobody (no admin credential)"
+        return f"{where}, {who}"
+
+    def _grpc_server(self, control_port: bool) -> grpc.aio.Server:
+        # A gRPC message over the bound is refused by grpc itself (RESOURCE_EXHAUSTED), from its length
+        # prefix, before it is read.
+        return grpc.aio.server(interceptors=[Guard(self.access(control_port))],
+                               options=[("grpc.max_receive_message_length", self.grpc_max_receive_bytes),
+                                        *self.config.grpc_options()])
+
+    def _bind(self, server: grpc.aio.Server, host: str, port: int) -> int:
+        c = self.config
+        address = f"{host}:{port}"
+        bound = server.add_secure_port(address, server_credentials(c.ssl_certfile, c.ssl_keyfile, c.ssl_ca_certs)) \
+            if c.tls else server.add_insecure_port(address)
+        if bound == 0:
+            raise OSError(f"could not bind {address}")
+        return bound
 
     async def _start_grpc(self) -> str:
         c = self.config
-        # A gRPC message over the bound is refused by grpc itself (RESOURCE_EXHAUSTED), from its length
-        # prefix, before it is read.
-        server = grpc.aio.server(interceptors=[ApiKeyInterceptor(c.api_key)] if c.api_key else None,
-                                 options=[("grpc.max_receive_message_length", self.grpc_max_receive_bytes)])
+        server = self._grpc_server(control_port=False)
         handlers = {
             "Generate": grpc.unary_stream_rpc_method_handler(
                 self.service.Generate, request_deserializer=parse_wire,
@@ -100,62 +142,91 @@ class Router:
                 self.service.GetClusterStatus, request_deserializer=pb.GetClusterStatusRequest.FromString,
                 response_serializer=pb.ClusterStatus.SerializeToString),
         }
-        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),
-                                         grpc.method_handlers_generic_handler(WEIGHTS_SERVICE_NAME,
-                                                                              self.weights_service.handlers())))
+        services = [grpc.method_handlers_generic_handler(SERVICE_NAME, handlers)]
+        if c.control_port is None:  # else on the control port only (the Guard refuses control calls here)
+            services.append(grpc.method_handlers_generic_handler(WEIGHTS_SERVICE_NAME, self.weights_service.handlers()))
+        server.add_generic_rpc_handlers(tuple(services))
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         reflection.enable_server_reflection((SERVICE_NAME, WEIGHTS_SERVICE_NAME, health.SERVICE_NAME,
                                              reflection.SERVICE_NAME), server)
-        address = f"{c.host}:{c.port}"
-        self.port = server.add_secure_port(address, server_credentials(c.ssl_certfile, c.ssl_keyfile, c.ssl_ca_certs)) \
-            if c.tls else server.add_insecure_port(address)
-        if self.port == 0:
-            raise OSError(f"could not bind {address}")
+        self.port = self._bind(server, c.host, c.port)
         await server.start()
         self.server = server
-        return address
+        return f"{c.host}:{c.port}"
+
+    async def _start_control(self) -> None:
+        """The Weights service alone on control_host:control_port (TLS as the API port's)."""
+        c = self.config
+        server = self._grpc_server(control_port=True)
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(WEIGHTS_SERVICE_NAME,
+                                                                              self.weights_service.handlers()),))
+        self.control_port = self._bind(server, c.control_host, c.control_port)
+        await server.start()
+        self._control_server = server
+        log.info("control (the Weights service) on %s:%d", c.control_host, self.control_port)
 
     async def _start_http(self) -> None:
-        import uvicorn
-
-        from router.openai_api import build_app
+        from router.openai_api import build_app, build_control_app
 
         c = self.config
         name = c.served_model_name or Path(self.front.info.path).name
-        app = build_app(self.front, name, c.api_key, self.max_request_body_bytes, self.request_body_budget_bytes)
+        separate = c.control_http_port is not None
+        app = build_app(self.front, name, self.access(), self.max_request_body_bytes, self.request_body_budget_bytes,
+                        None if separate else self.http_control, c.read_timeout_s)
         self.http_app = app
+        self.http_port = await self._serve_http(app, c.host, c.http_port)
+        log.info("OpenAI-compatible HTTP API on %s://%s:%d/v1 (model %r)", "https" if c.tls else "http", c.host,
+                 self.http_port, name)
+        if separate:
+            control = build_control_app(self.http_control, self.access(control_port=True), self.front.metrics,
+                                        self.max_request_body_bytes, self.request_body_budget_bytes, c.read_timeout_s)
+            self.control_http_port = await self._serve_http(control, c.control_host, c.control_http_port)
+            log.info("HTTP control routes on %s:%d", c.control_host, self.control_http_port)
+
+    async def _serve_http(self, app, host: str, port: int) -> int:
+        """Serve an app with uvicorn on this event loop (TLS as the API port's); the port bound."""
+        import uvicorn
+
+        from router.http_limits import head_deadline
+
+        c = self.config
         tls = {}
         if c.tls:
             tls = dict(ssl_certfile=c.ssl_certfile, ssl_keyfile=c.ssl_keyfile, ssl_ca_certs=c.ssl_ca_certs,
                        ssl_cert_reqs=ssl.CERT_REQUIRED if c.ssl_ca_certs else ssl.CERT_NONE)
         # Its drain runs beside gRPC's (the front stops serving for both); what is still open when stop()
         # reaches it gets the drain timeout again, at most.
-        server = uvicorn.Server(uvicorn.Config(app, host=c.host, port=c.http_port, lifespan="off",
-                                               log_level="warning", access_log=False,
-                                               timeout_graceful_shutdown=c.drain_timeout_s, **tls))
-        self._http_task = asyncio.create_task(server.serve())
+        # Bounds on connections (RouterConfig: max_connections, read_timeout_s): uvicorn's own limit, and its
+        # HTTP/1.1 protocol with a deadline on each request's head (router.http_limits.head_deadline).
+        server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, lifespan="off", log_level="warning",
+                                               access_log=False, timeout_graceful_shutdown=c.drain_timeout_s,
+                                               limit_concurrency=c.max_connections,
+                                               http=head_deadline(c.read_timeout_s), **tls))
+        task = asyncio.create_task(server.serve())
         while not server.started:
-            if self._http_task.done():  # it could not bind: say why
-                self._http_task.result()
-                raise OSError(f"the HTTP server on {c.host}:{c.http_port} did not start")
+            if task.done():  # it could not bind: say why
+                task.result()
+                raise OSError(f"the HTTP server on {host}:{port} did not start")
             await asyncio.sleep(0.01)
-        self._http_server = server
-        self.http_port = server.servers[0].sockets[0].getsockname()[1]
-        log.info("OpenAI-compatible HTTP API on %s://%s:%d/v1 (model %r)", "https" if c.tls else "http", c.host,
-                 self.http_port, name)
+        self._http.append((server, task))
+        return server.servers[0].sockets[0].getsockname()[1]
 
     async def stop(self, grace: float | None = None) -> None:
         """Refuse new requests and let in-flight ones finish within the grace period (the cluster stays up)."""
         await self.front.drain()
         await self.health.enter_graceful_shutdown()
-        if self.server is not None:
-            await self.server.stop(self.config.drain_timeout_s if grace is None else grace)
+        grace = self.config.drain_timeout_s if grace is None else grace
+        for server in (self.server, self._control_server):
+            if server is not None:
+                await server.stop(grace)
         if self._health_server is not None:
             await self._health_server.stop(0)
-        if self._http_server is not None:
-            self._http_server.should_exit = True  # after the gRPC drain: in-flight HTTP streams had it too
-            await self._http_task
+        for server, _ in self._http:
+            server.should_exit = True  # after the gRPC drain: in-flight HTTP streams had it too
+        for _, task in self._http:
+            await task
         if self._metrics_server is not None:
             self._metrics_server.shutdown()
             self._metrics_server.server_close()
+        self.front.close()
         self.weights.close()

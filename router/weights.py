@@ -20,14 +20,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import time
 from dataclasses import dataclass
 
-import grpc
-import torch
-
 from pdserve.serving.messages import WeightUpdateReport
-from pdserve.v1 import generation_pb2 as pb
+from pdserve.weights.update import checkpoint_path, default_weights_root
 from router.cluster import Cluster
 
 log = logging.getLogger(__name__)
@@ -64,12 +62,50 @@ class NoGroup(ValueError):
     """A group update without its group (or its Begin)."""
 
 
+class GroupJoinFailed(RuntimeError):
+    """Workers could not join a trainer's group (unreachable, or the timeout passed)."""
+
+
+# The bounds of a control call's values (#47). Versions: every token carries its version as an int64
+# (GenerateResponse.weight_versions): a larger one was accepted, then every Generate failed to serialize.
+# Timeouts: finite and bounded, so no call holds the router's state for ever: a pause waits for requests in
+# flight at most MAX_WAIT_S (an hour), a group's join and collectives at most MAX_GROUP_TIMEOUT_S.
+MAX_VERSION = (1 << 63) - 1
+MAX_WAIT_S = 3600.0
+MAX_GROUP_TIMEOUT_S = 600.0
+MAX_BUCKET_BYTES = 1 << 32
+_GROUP_NAME = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+_HOST = re.compile(r"[A-Za-z0-9.:\[\]-]{1,253}")
+
+
+def check_version(version: int) -> None:
+    if not 1 <= version <= MAX_VERSION:
+        raise ValueError(f"version must be in [1, 2**63 - 1], got {version}")
+
+
+def check_timeout(name: str, seconds: float, most: float) -> None:
+    if not 0 < seconds <= most:  # NaN fails it too
+        raise ValueError(f"{name} must be in (0, {most:g}] seconds, got {seconds!r}")
+
+
+def check_group(host: str, port: int, name: str, timeout_s: float) -> None:
+    """A trainer's group address: a host name or IP address, a port, a name the store keys are prefixed with."""
+    if not _HOST.fullmatch(host or ""):
+        raise ValueError("host must be a host name or an IP address (the trainer's, as the workers reach it)")
+    if not 1 <= port <= 65535:
+        raise ValueError(f"port must be in [1, 65535], got {port}")
+    if not _GROUP_NAME.fullmatch(name or ""):
+        raise ValueError("name must be 1 to 128 characters of A-Z, a-z, 0-9, '.', '_', ':' and '-'")
+    check_timeout("timeout_seconds", timeout_s, MAX_GROUP_TIMEOUT_S)
+
+
 class WeightControl:
     def __init__(self, cluster: Cluster):
         self.cluster = cluster
         self.version = 0  # the last version every worker switched to
         self.paused = False  # Pause without its Resume yet (an update's own pause is not this)
-        self._lock = asyncio.Lock()  # one update, pause or resume at a time
+        self._lock = asyncio.Lock()  # one update, pause, resume or catch-up at a time
+        self._group_lock = asyncio.Lock()  # the trainer's group: made, joined, torn down (never across _lock)
         self._members: list = []  # the workers in the trainer's weight group, rank 1 first
         self._incoming: int | None = None  # the version being received on it
         # The checkpoint of the version served, for a worker that starts (catch_up): the update's path, or one a
@@ -94,6 +130,10 @@ class WeightControl:
         applied) for a version not newer than the one served, a mode unknown, or a checkpoint a worker
         refuses (pdserve.weights.update.WeightError, FileNotFoundError)."""
         _check_modes(mode, pause_mode)
+        check_version(version)
+        c = self.cluster
+        # Refused here at once if outside the weights root; each worker checks again on its own filesystem.
+        path = checkpoint_path(path, c.config.engine.weights_root or default_weights_root(c.info.path))
         async with self._lock:
             if version <= self.version:
                 raise NotNewer(f"weight version {version} is not newer than the version served, {self.version}")
@@ -133,7 +173,7 @@ class WeightControl:
         if not reports:  # no worker switched: the update did not happen
             raise failed[0][1]
         for w, e in failed:
-            log.warning("weight version %d: %s did not switch (%s); it is replaced", version, w.worker_id, _cause(e))
+            log.warning("weight version %d: %s did not switch (%s); it is replaced", version, w.worker_id, cause_of(e))
         self._source = (path, version) if path is not None else None
         self.version = version
         for w in workers:
@@ -154,7 +194,8 @@ class WeightControl:
                 self._source = (await self._snapshot(), self.version)
             path, version = self._source
             log.info("worker %s catches up to weight version %d from %s", w.worker_id, version, path)
-            await w.handle.update_weights.remote(path, version)
+            # A checkpoint this router had written is its own (outside the weights root, wherever tempfile puts it).
+            await w.handle.update_weights.remote(path, version, path == self._snapshot_dir)
 
     async def _snapshot(self) -> str:
         """A checkpoint of the version served, written by a worker that serves it (the previous one removed)."""
@@ -193,10 +234,15 @@ class WeightControl:
                          timeout_s: float = 60.0) -> list[str]:
         """Every rank of every worker joins the trainer's group as ranks 1.. (the trainer joins as rank 0
         meanwhile; a tensor-parallel worker's ranks take consecutive ranks); the workers' ids in rank order.
-        ValueError if world_size is not 1 + the workers' ranks."""
+        ValueError for a bad address or timeout, or a world_size that is not 1 + the workers' ranks.
+
+        The join waits on the trainer (up to timeout_s) holding the group's own lock only: updates, pauses and
+        workers catching up before they are routable (a replacement) go on meanwhile. A failed join says so
+        without the address's details (they are logged): no port scans through the router."""
         from pdserve.weights.group import GroupAddress
 
-        async with self._lock:
+        check_group(host, port, name, timeout_s)
+        async with self._group_lock:
             await self._destroy_group()
             workers = sorted(self.cluster.scaling.workers, key=lambda w: w.worker_id)
             ranks = [self._ranks(w.pool) for w in workers]
@@ -205,14 +251,16 @@ class WeightControl:
                                    f"{len(workers)} workers of {sum(ranks)} ranks ({1 + sum(ranks)})")
             address = GroupAddress(host, port, world_size, name)
             firsts = [1 + sum(ranks[:i]) for i in range(len(workers))]
-            try:
-                await asyncio.gather(*(w.handle.join_weight_group.remote(address, first, timeout_s)
-                                       for first, w in zip(firsts, workers)))
-            except BaseException:
-                self._members = workers
-                await self._destroy_group()
-                raise
+            results = await asyncio.gather(*(w.handle.join_weight_group.remote(address, first, timeout_s)
+                                             for first, w in zip(firsts, workers)), return_exceptions=True)
             self._members = workers
+            failed = [(w, r) for w, r in zip(workers, results) if isinstance(r, BaseException)]
+            if failed:
+                await self._destroy_group()
+                for w, e in failed:
+                    log.warning("weight group %r: %s did not join: %s", name, w.worker_id, cause_of(e))
+                raise GroupJoinFailed(f"{len(failed)} of {len(workers)} workers could not join the weight group "
+                                      f"{name!r} within {timeout_s:g} s (the router's log says why)")
             return [w.worker_id for w in workers]
 
     async def begin(self, metas: list, version: int, bucket_bytes: int) -> None:
@@ -220,12 +268,14 @@ class WeightControl:
         receiving it."""
         from pdserve.weights.update import check_metas
 
+        check_version(version)
         if not self._members:
             raise NoGroup("no weight group: make one first (InitWeightGroup)")
         if version <= self.version:
             raise NotNewer(f"weight version {version} is not newer than the version served, {self.version}")
-        if bucket_bytes <= 0:
-            raise ValueError("bucket_bytes must be positive")
+        if not 0 < bucket_bytes <= MAX_BUCKET_BYTES:
+            raise ValueError(f"bucket_bytes must be in [1, {MAX_BUCKET_BYTES}] (each worker holds a bucket twice "
+                             f"while it receives), got {bucket_bytes}")
         check_metas(metas, self.cluster.info.config)
         await asyncio.gather(*(w.handle.receive_weights.remote(metas, bucket_bytes, version)
                                for w in self._members))
@@ -236,6 +286,7 @@ class WeightControl:
         """Wait for every member to hold the whole update, then switch them all (update()'s modes). A member
         whose receive failed fails the update: nothing is applied anywhere, and the group is torn down."""
         _check_modes(mode, pause_mode)
+        check_version(version)
         if self._incoming != version:
             raise NoGroup(f"no update of version {version} is being received (BeginWeightUpdate first)")
         self._incoming = None
@@ -244,14 +295,14 @@ class WeightControl:
         try:
             await asyncio.gather(*(w.handle.weights_received.remote(version) for w in members))
         except BaseException:
-            async with self._lock:
+            async with self._group_lock:
                 await self._destroy_group()
             raise
         async with self._lock:
             return await self._commit(members, version, None, mode, pause_mode, wait_timeout_s, t0)
 
     async def destroy_group(self) -> None:
-        async with self._lock:
+        async with self._group_lock:
             await self._destroy_group()
 
     async def _destroy_group(self) -> None:
@@ -265,6 +316,7 @@ class WeightControl:
         wait_timeout_s, still paused) or "abort" (they end now, FinishReason.ABORT)."""
         if mode not in PAUSE_MODES:
             raise ValueError(f"pause mode must be one of {', '.join(PAUSE_MODES)}, got {mode!r}")
+        check_timeout("timeout_seconds", wait_timeout_s, MAX_WAIT_S)
         async with self._lock:
             self.paused = True
             await self._pause(mode, wait_timeout_s)
@@ -298,121 +350,6 @@ def _check_modes(mode: str, pause_mode: str) -> None:
         raise ValueError(f"pause_mode must be one of {', '.join(PAUSE_MODES)}, got {pause_mode!r}")
 
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def _cause(e: BaseException) -> BaseException:
+def cause_of(e: BaseException) -> BaseException:
     """The worker's own exception behind a failed actor call (Ray wraps it)."""
     return getattr(e, "cause", None) or e
-
-
-class WeightsService:
-    """The gRPC service `pdserve.v1.Weights` over a WeightControl."""
-
-    def __init__(self, control: WeightControl):
-        self.control = control
-
-    async def _answer(self, context: grpc.aio.ServicerContext, work) -> None:
-        """Run work(); a failure becomes the RPC's status (the worker's own error where a worker raised it)."""
-        try:
-            await work
-        except asyncio.TimeoutError:
-            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "requests in flight did not end in time")
-        except Exception as e:  # noqa: BLE001 - mapped to a status, the server stays up
-            cause = _cause(e)
-            code = (grpc.StatusCode.FAILED_PRECONDITION if isinstance(cause, (NotNewer, WorldChanged, NoGroup))
-                    else grpc.StatusCode.INVALID_ARGUMENT if isinstance(cause, (ValueError, FileNotFoundError))
-                    else grpc.StatusCode.UNIMPLEMENTED if isinstance(cause, NotImplementedError)
-                    else grpc.StatusCode.UNAVAILABLE)
-            log.warning("weights: %s: %s", type(cause).__name__, cause)
-            await context.abort(code, f"{type(cause).__name__}: {cause}")
-
-    async def _versions(self) -> pb.WeightVersions:
-        c = self.control
-        return pb.WeightVersions(version=c.version, paused=c.paused, workers=[
-            pb.WorkerWeightVersion(worker_id=v.worker_id, pool=v.pool, version=v.version, paused=v.paused,
-                                   ranks=v.ranks)
-            for v in await c.versions()])
-
-    async def UpdateWeights(self, request: pb.UpdateWeightsRequest, context) -> pb.UpdateWeightsResponse:
-        if not request.path:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "path is required")
-        result: list[UpdateResult] = []
-
-        async def work():
-            result.append(await self.control.update(request.path, request.version, request.mode or "pause",
-                                                    request.pause_mode or "keep"))
-
-        await self._answer(context, work())
-        return _update_response(result[0])
-
-    async def GetWeightVersions(self, request, context) -> pb.WeightVersions:
-        return await self._versions()
-
-    async def Pause(self, request: pb.PauseRequest, context) -> pb.WeightVersions:
-        timeout = request.timeout_seconds if request.HasField("timeout_seconds") else 600.0
-        await self._answer(context, self.control.pause(request.mode or "keep", timeout))
-        return await self._versions()
-
-    async def Resume(self, request, context) -> pb.WeightVersions:
-        await self._answer(context, self.control.resume())
-        return await self._versions()
-
-    async def InitWeightGroup(self, request: pb.InitWeightGroupRequest, context) -> pb.WeightGroupInfo:
-        timeout = request.timeout_seconds if request.HasField("timeout_seconds") else 60.0
-        ids: list[list[str]] = []
-
-        async def work():
-            ids.append(await self.control.init_group(request.host, request.port, request.world_size,
-                                                     request.name, timeout))
-
-        await self._answer(context, work())
-        return pb.WeightGroupInfo(world_size=request.world_size, worker_ids=ids[0])
-
-    async def BeginWeightUpdate(self, request: pb.BeginWeightUpdateRequest, context) -> pb.BeginWeightUpdateResponse:
-        from pdserve.weights.update import TensorMeta
-
-        bad = [m.dtype for m in request.tensors if m.dtype not in DTYPES]
-        if bad:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"dtype {bad[0]!r} is not one of {', '.join(DTYPES)}")
-        metas = [TensorMeta(m.name, tuple(m.shape), DTYPES[m.dtype]) for m in request.tensors]
-        await self._answer(context, self.control.begin(metas, request.version, request.bucket_bytes))
-        return pb.BeginWeightUpdateResponse()
-
-    async def FinishWeightUpdate(self, request: pb.FinishWeightUpdateRequest, context) -> pb.UpdateWeightsResponse:
-        result: list[UpdateResult] = []
-
-        async def work():
-            result.append(await self.control.finish(request.version, request.mode or "pause",
-                                                    request.pause_mode or "keep"))
-
-        await self._answer(context, work())
-        return _update_response(result[0])
-
-    async def DestroyWeightGroup(self, request, context) -> pb.DestroyWeightGroupResponse:
-        await self._answer(context, self.control.destroy_group())
-        return pb.DestroyWeightGroupResponse()
-
-    def handlers(self) -> dict:
-        def unary(fn, req):
-            return grpc.unary_unary_rpc_method_handler(fn, request_deserializer=req.FromString,
-                                                       response_serializer=lambda m: m.SerializeToString())
-
-        return {"UpdateWeights": unary(self.UpdateWeights, pb.UpdateWeightsRequest),
-                "GetWeightVersions": unary(self.GetWeightVersions, pb.GetWeightVersionsRequest),
-                "Pause": unary(self.Pause, pb.PauseRequest),
-                "Resume": unary(self.Resume, pb.ResumeRequest),
-                "InitWeightGroup": unary(self.InitWeightGroup, pb.InitWeightGroupRequest),
-                "BeginWeightUpdate": unary(self.BeginWeightUpdate, pb.BeginWeightUpdateRequest),
-                "FinishWeightUpdate": unary(self.FinishWeightUpdate, pb.FinishWeightUpdateRequest),
-                "DestroyWeightGroup": unary(self.DestroyWeightGroup, pb.DestroyWeightGroupRequest)}
-
-
-def _update_response(r: UpdateResult) -> pb.UpdateWeightsResponse:
-    return pb.UpdateWeightsResponse(version=r.version, seconds=r.seconds, workers=[
-        pb.WorkerWeightUpdate(worker_id=w.worker_id, stage_seconds=w.stage_seconds, commit_seconds=w.commit_seconds,
-                              bytes=w.num_bytes) for w in r.workers])
-
-
-WEIGHTS_SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Weights"].full_name

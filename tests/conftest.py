@@ -91,11 +91,11 @@ def keep_reference(old: Path, new: Path, prompt: list[int], tokens: list[int], n
 
 @pytest.fixture(scope="session")
 def weight_versions(tiny_checkpoints, tmp_path_factory) -> list[Path]:
-    """Three versions of the tiny Llama: v0 as built, v1 and v2 each perturbed from the one before."""
-    root = tmp_path_factory.mktemp("versions")
+    """Three versions of the tiny Llama: v0 as built, v1 and v2 each perturbed from the one before, beside it
+    (under the weights root a cluster serving v0 has by default: the directory that holds it)."""
     v0 = tiny_checkpoints["llama"]
-    v1 = perturbed_checkpoint(v0, root / "v1", seed=1)
-    return [v0, v1, perturbed_checkpoint(v1, root / "v2", seed=2)]
+    v1 = perturbed_checkpoint(v0, v0.parent / "llama-v1", seed=1)
+    return [v0, v1, perturbed_checkpoint(v1, v0.parent / "llama-v2", seed=2)]
 
 
 @pytest.fixture(scope="session")
@@ -167,6 +167,20 @@ def aloop():
     lt = LoopThread()
     yield lt
     lt.close()
+
+
+def other_address() -> str | None:
+    """An address of this machine that is not loopback, if it has one: a test reaches a server from it to see
+    what a peer elsewhere on the network would get."""
+    import socket
+
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect(("10.255.255.255", 1))  # no packet is sent: only the route is looked up
+            address = s.getsockname()[0]
+    except OSError:
+        return None
+    return None if address.startswith("127.") else address
 
 
 def wait_for(predicate, timeout: float = 30.0, interval: float = 0.05, what: str = "condition"):

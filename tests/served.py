@@ -11,7 +11,7 @@ import ray
 import torch
 
 from pdserve.client import AsyncClient
-from pdserve.config import ClusterConfig
+from pdserve.config import CacheConfig, ClusterConfig, EngineConfig, PoolConfig, SchedulerConfig
 from pdserve.engine import LLMEngine
 from pdserve.engine.sampling import SamplingParams
 from pdserve.serving.messages import CancelRecord, WorkerStats
@@ -20,6 +20,35 @@ from router.compose import build_router
 from router.config import RouterConfig
 
 from conftest import wait_for
+
+
+def tiny_1p1d(path, batched_tokens: int = 256, num_blocks: int = 256, **cluster) -> ClusterConfig:
+    """The tiny checkpoint at `path` on one prefill and one decode worker of a quarter CPU each (4-token blocks),
+    with ClusterConfig's other settings as given."""
+    engine = EngineConfig(model=str(path), cache=CacheConfig(block_size=4, num_blocks=num_blocks),
+                          scheduler=SchedulerConfig(max_num_batched_tokens=batched_tokens))
+    return ClusterConfig(engine=engine, prefill=PoolConfig(1, num_cpus=0.25), decode=PoolConfig(1, num_cpus=0.25),
+                         **cluster)
+
+
+class Routers:
+    """Routers over one started cluster, each with its RouterConfig settings (port 0), all stopped at close();
+    routes: HTTP control routes (path: handler, POST) added before a router starts."""
+
+    def __init__(self, aloop, cluster: Cluster):
+        self.aloop, self.cluster, self.started = aloop, cluster, []
+
+    def start(self, routes=None, **settings):
+        r = build_router(self.cluster, RouterConfig(port=0, **settings))
+        for path, fn in (routes or {}).items():
+            r.http_control.add_api_route(path, fn, methods=["POST"])
+        self.aloop.run(r.start())
+        self.started.append(r)
+        return r
+
+    def close(self) -> None:
+        for r in self.started:
+            self.aloop.run(r.stop(grace=2))
 
 
 class Served:

@@ -10,7 +10,7 @@ cluster bound to 127.0.0.1 runs two actors: the decode side (StoreServer, rank 1
 prefill side (rank 0, sends). A transfer's time is what the receiver waits for one recv_into, header
 included; the baseline is `dst.copy_(src)` into a preallocated tensor inside the receiving actor.
 Each figure is the median of --reps repetitions, after a sweep of --warmup unrecorded ones per
-payload. The checksum column is pdserve.transfer.protocol.kv_checksum of the payload in the receiving actor; a
+payload. The checksum column is pdserve.transfer.protocol.KVMac of the payload in the receiving actor; a
 transfer computes it on both ends, so its cost is twice that, shown as a share of the gloo time.
 Prints one table.
 
@@ -83,7 +83,9 @@ class Endpoint:
         return seconds
 
     def checksum(self, shape: tuple[int, ...], count: int) -> list[float]:
-        from pdserve.transfer.protocol import kv_checksum
+        from pdserve.transfer.protocol import KVMac
+
+        kv_checksum = KVMac(b"a key of the bench's own").checksum
 
         data = torch.randn(shape)
         if data.dim() != 6:  # a flat payload, seen as blocks of SmolLM2's shape

@@ -133,7 +133,8 @@ def main() -> None:
     from router.pools import init_local_ray
 
     init_local_ray(num_cpus=2)
-    engine = EngineConfig(dtype="float32", cache=CacheConfig(num_blocks=512))
+    # The checkpoints written below go to the temporary directory: the workers may read them there.
+    engine = EngineConfig(dtype="float32", cache=CacheConfig(num_blocks=512), weights_root=tempfile.gettempdir())
     config = ClusterConfig(engine=engine, mode="disaggregated", prefill=PoolConfig(1, num_cpus=0.5),
                            decode=PoolConfig(1, num_cpus=0.5))
     base = default_tensors()

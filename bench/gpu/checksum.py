@@ -10,9 +10,11 @@ from bench.gpu.timing import event_time, section
 
 @section("checksum")
 def bench_checksum(args, device: torch.device) -> dict:
-    """The KV checksum (pdserve.transfer.protocol.kv_checksum, --kv-checksum) against moving the same bytes: a
+    """The KV checksum (pdserve.transfer.protocol.KVMac, --kv-checksum) against moving the same bytes: a
     transfer computes it on both ends, so the cost is twice one sum. Default off unless this is < 5 %."""
-    from pdserve.transfer.protocol import kv_checksum
+    from pdserve.transfer.protocol import KVMac
+
+    kv_checksum = KVMac(b"a key of the bench's own").checksum
 
     layers, kv_heads, head_dim, block = (30, 3, 64, 16) if args.small else (32, 8, 128, 16)
     out = {}

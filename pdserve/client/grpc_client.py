@@ -28,6 +28,7 @@ from pdserve.v1 import generation_pb2_grpc as pb_grpc
 
 DEFAULT_TARGET = "127.0.0.1:50051"
 API_KEY_ENV = "PDSERVE_API_KEY"
+ADMIN_API_KEY_ENV = "PDSERVE_ADMIN_API_KEY"  # the admin key (control calls: weights, pause, resume)
 FINISH_REASONS = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length",
                   pb.FINISH_REASON_CANCELLED: "cancelled", pb.FINISH_REASON_ERROR: "error",
                   pb.FINISH_REASON_ABORT: "abort"}
@@ -193,12 +194,17 @@ class Connection:
         return (("authorization", f"Bearer {key}"),) if key else ()
 
 
-def add_connection_args(p) -> None:
-    """The command-line options that say how to reach a router (pdserve generate / status / bench)."""
-    p.add_argument("--target", default=DEFAULT_TARGET, help="router address (HOST:PORT)")
+def add_connection_args(p, admin: bool = False) -> None:
+    """The command-line options that say how to reach a router (pdserve generate / status / bench); admin: for
+    control calls (pdserve weights), whose key is the admin key."""
+    p.add_argument("--target", default=DEFAULT_TARGET, help="router address (HOST:PORT)" +
+                   (": its API port, or its control port (--control-port)" if admin else ""))
     g = p.add_argument_group("TLS and API key (for a router started with them)")
-    g.add_argument("--api-key", default=None, help=f"sent as 'authorization: Bearer KEY' (default: ${API_KEY_ENV}; "
-                                                   "prefer the variable or --api-key-file: a flag shows in ps)")
+    env = ADMIN_API_KEY_ENV if admin else API_KEY_ENV
+    g.add_argument("--api-key", default=None, help=f"sent as 'authorization: Bearer KEY' (default: ${env}; "
+                                                   "prefer the variable or --api-key-file: a flag shows in ps)" +
+                   ("; the router's admin key (--admin-api-key): control calls refuse the inference key" if admin
+                    else ""))
     g.add_argument("--api-key-file", default=None, metavar="FILE", help="read the API key from this file")
     g.add_argument("--ssl-ca-certs", default=None, metavar="FILE", help="CA certificates (PEM) to verify the router")
     g.add_argument("--ssl-certfile", default=None, metavar="FILE", help="client certificate (PEM), for mutual TLS")
@@ -208,18 +214,20 @@ def add_connection_args(p) -> None:
                                                        "target's host")
 
 
-def connection_from_args(args) -> Connection:
-    return Connection(args.target, read_api_key(args.api_key, args.api_key_file), args.ssl_ca_certs,
+def connection_from_args(args, admin: bool = False) -> Connection:
+    """admin: the key defaults to $PDSERVE_ADMIN_API_KEY (and no key is sent without one)."""
+    key = read_api_key(args.api_key, args.api_key_file, ADMIN_API_KEY_ENV if admin else API_KEY_ENV)
+    return Connection(args.target, "" if admin and key is None else key, args.ssl_ca_certs,
                       args.ssl_certfile, args.ssl_keyfile, args.tls, args.server_name)
 
 
-def read_api_key(key: str | None, key_file: str | None) -> str | None:
-    """The key given, else the first line of key_file, else $PDSERVE_API_KEY (None if there is none)."""
+def read_api_key(key: str | None, key_file: str | None, env: str = API_KEY_ENV) -> str | None:
+    """The key given, else the first line of key_file, else $env (None if there is none)."""
     if key is None and key_file is not None:
         key = Path(key_file).read_text().strip()
         if not key:
             raise ValueError(f"{key_file}: the API key file is empty")
-    return key if key is not None else (os.environ.get(API_KEY_ENV) or None)
+    return key if key is not None else (os.environ.get(env) or None)
 
 
 def _channel(grpc_module, conn: Connection):

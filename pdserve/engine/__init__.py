@@ -10,6 +10,7 @@ pipelined.py    pipelined decode: steps launched before the last resolved (a bas
 chunk.py        one sequence's part of a step
 runner.py       a step on the model: inputs, forward, sampling; CUDA graphs (cuda_graphs.py) for decode
 tp_runner.py    a tensor-parallel engine's ranks: rank 0 schedules, every rank runs the forward
+tp_wire.py      what rank 0 tells the other ranks (steps, weight commands), as JSON: no pickle of a peer's bytes
 sim_runner.py   the simulated engine's runner (load_format "sim"): a step sleeps the cost model's time for
                 it (pdserve.perf)
 llm_engine.py   EngineCore (a worker's engine) and LLMEngine (the offline engine, the cluster's reference)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -20,6 +20,20 @@ _MASK64 = (1 << 64) - 1
 MAX_LOGPROBS = 20  # the most alternatives a request may ask for at each position
 LOGPROBS_MODES = ("raw", "processed")
 MAX_N = 128  # samples of one prompt a request may ask for
+# What a request may ask of the step thread that every request on its worker shares (#47). Every value
+# below goes into the step's tensors (int64) or its per-token work, so each is bounded here, where every
+# request is built, and again on the worker (the router's checks can be bypassed by an object built past
+# them: unpickling a frozen dataclass runs no __post_init__).
+# - int32 fields of the gRPC API (top_k, max_tokens, min_tokens, token ids): INT32_MAX, the wire's own bound.
+# - stop strings: each generated token's text is searched for every stop string over a window as long as
+#   the longest (pdserve.engine.output.TextOutput), so count x length is the characters scanned per token:
+#   16 x 256 = 4 Ki, a few microseconds (100,000 strings made a token cost 20 ms of the step thread).
+#   OpenAI's API takes 4.
+# - stop_token_ids: looked up for each token, and banned from sampling under min_tokens (a row of the
+#   sampler's mask each): 256.
+INT32_MAX = (1 << 31) - 1
+INT64_MAX = (1 << 63) - 1
+MAX_STOP, MAX_STOP_CHARS, MAX_STOP_TOKEN_IDS = 16, 256, 256
 # What a request holding KV of older weights does when its worker's weights change (pdserve.weights):
 # "recompute" its KV with the new weights (prompt and tokens so far), "keep" decoding over the old KV (up to
 # max_staleness versions old; older is recomputed), or "abort" (it ends, FinishReason.ABORT, with its tokens).
@@ -61,20 +75,17 @@ class SamplingParams:
         # Accept lists from callers but keep the frozen value hashable.
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if not isinstance(self.max_tokens, int) or not 1 <= self.max_tokens <= INT32_MAX:
+            raise ValueError(f"max_tokens must be an integer in [1, {INT32_MAX}], got {self.max_tokens!r}")
         if not math.isfinite(self.temperature) or self.temperature < 0:
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
         if not (0.0 < self.top_p <= 1.0):
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
-            raise ValueError(f"top_k must be an integer >= 0 (0 disables), got {self.top_k!r}")
+        if not isinstance(self.top_k, int) or not 0 <= self.top_k <= INT32_MAX:
+            raise ValueError(f"top_k must be an integer in [0, {INT32_MAX}] (0 disables), got {self.top_k!r}")
         if self.seed is not None and not (0 <= self.seed < 2**63):
             raise ValueError(f"seed must be in [0, 2**63), got {self.seed!r}")
-        if any(not isinstance(s, str) or not s for s in self.stop):
-            raise ValueError(f"stop strings must be non-empty strings, got {self.stop!r}")
-        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
-            raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
+        self._check_stops()
         for name in ("logprobs", "prompt_logprobs"):
             k = getattr(self, name)
             if k is not None and (not isinstance(k, int) or isinstance(k, bool) or not 0 <= k <= MAX_LOGPROBS):
@@ -93,10 +104,28 @@ class SamplingParams:
             raise ValueError(f"version_policy must be one of {', '.join(VERSION_POLICIES)}, "
                              f"got {self.version_policy!r}")
         m = self.max_staleness
-        if m is not None and (not isinstance(m, int) or isinstance(m, bool) or m < 0):
-            raise ValueError(f"max_staleness must be an integer >= 0, got {m!r}")
+        if m is not None and (not isinstance(m, int) or isinstance(m, bool) or not 0 <= m <= INT64_MAX):
+            raise ValueError(f"max_staleness must be an integer in [0, 2**63), got {m!r}")
         if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
             raise ValueError(f"min_tokens must be an integer in [0, max_tokens], got {self.min_tokens!r}")
+
+    def _check_stops(self) -> None:
+        if len(self.stop) > MAX_STOP:
+            raise ValueError(f"stop has {len(self.stop)} strings; the most is {MAX_STOP}")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise ValueError(f"stop must hold non-empty strings, got {_short(self.stop)}")
+        if any(len(s) > MAX_STOP_CHARS for s in self.stop):
+            raise ValueError(f"stop has a string of {max(len(s) for s in self.stop)} characters; the most is "
+                             f"{MAX_STOP_CHARS}")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise ValueError(f"stop_token_ids has {len(self.stop_token_ids)} ids; the most is {MAX_STOP_TOKEN_IDS}")
+        if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t <= INT32_MAX for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be integers in [0, {INT32_MAX}], got {_short(self.stop_token_ids)}")
+
+    def checked(self) -> SamplingParams:
+        """These parameters checked again (a copy, which runs __post_init__): an object that reached a worker
+        over the wire, whose unpickling checked nothing."""
+        return replace(self)
 
     @property
     def greedy(self) -> bool:
@@ -106,6 +135,11 @@ class SamplingParams:
     def penalized(self) -> bool:
         """Whether a penalty changes the logits (then the sampler needs the request's tokens)."""
         return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
+
+def _short(values: tuple) -> str:
+    """A field's values for an error message, cut short (a request may send thousands)."""
+    return repr(values[:5])[:-1] + ", ...)" if len(values) > 5 else repr(values)
 
 
 def sample_seed(seed: int, index: int) -> int:

@@ -23,7 +23,6 @@ from __future__ import annotations
 import logging
 import multiprocessing as mp
 import os
-import pickle
 import threading
 import time
 from collections.abc import Callable
@@ -33,8 +32,10 @@ import torch
 import torch.distributed as dist
 
 from pdserve.config import EngineConfig
+from pdserve.engine import tp_wire
 from pdserve.engine.runner import ModelRunner
 from pdserve.transfer.channel import backend_for, new_process_group
+from pdserve.transfer.store import bound_store
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +58,7 @@ def _loaded(store: dist.Store, rank: int, world: int) -> None:
 def _new_groups(device: torch.device, store: dist.Store, rank: int, world: int,
                 timeout_s: float) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
     """The worker's groups: one on the device's backend for the model's collectives, and one of gloo for
-    the steps' inputs and the heartbeat (pickled host data; NCCL carries device tensors only). On a CPU
+    the steps' inputs and the heartbeat (host data, as JSON: pdserve.engine.tp_wire; NCCL carries device tensors only). On a CPU
     they are one group. (NCCL on CUDA has never run here: one GPU cannot host two ranks.)"""
     timeout = timedelta(seconds=timeout_s)
     backend = backend_for(device)
@@ -68,7 +69,7 @@ def _new_groups(device: torch.device, store: dist.Store, rank: int, world: int,
 
 
 def _broadcast(group: dist.ProcessGroup, chunks, control: int = 0) -> None:
-    payload = pickle.dumps(chunks) if not control else b""
+    payload = tp_wire.encode(chunks) if not control else b""
     size = torch.tensor([control or len(payload)], dtype=torch.int64)
     group.broadcast(size, 0).wait()
     if not control:
@@ -92,7 +93,7 @@ def _receive(group: dist.ProcessGroup):
         return int(size)
     payload = torch.empty(int(size), dtype=torch.uint8)
     group.broadcast(payload, 0).wait()
-    return pickle.loads(payload.numpy().tobytes())
+    return tp_wire.decode(payload.numpy().tobytes())
 
 
 class RankShare:
@@ -275,8 +276,8 @@ class TPRunner:
         self.failed: str | None = None
         self._lock = threading.Lock()  # one collective sequence at a time: a step or a heartbeat
         self._closed = threading.Event()
-        self._store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                                    timeout=timedelta(seconds=START_TIMEOUT_S))
+        # The ranks are on this node: the store listens on loopback alone (pdserve.transfer.store).
+        self._store = bound_store("127.0.0.1", 0, START_TIMEOUT_S)
         if threads is None:
             threads = max(1, (os.cpu_count() or 1) // tp)
             if torch.device(config.device).type == "cpu":

@@ -31,7 +31,7 @@ class ColocatedActor(WorkerActor):
     def _generate(self, task: PrefillTask) -> Future[None]:
         """Call.GENERATE: queue a whole request; its tokens (the first one included) go out with the step
         outputs on the link; the future resolves once it is queued."""
-        req = task.new_request(self.core.tokenizer)
+        req = task.new_request(self.core.tokenizer, self.core.model_config.vocab_size)
 
         def add() -> None:
             if not self._cancelled_already(task.request_id):  # else its attempt is over

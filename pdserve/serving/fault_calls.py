@@ -27,9 +27,11 @@ class FaultCalls:
         super().__init__()
         self.faults = FaultPoints()
 
-    async def inject_fault(self, point: str, seconds: float = 0.0, count: int = 1, skip: int = 0) -> None:
-        """Arm a fault point (pdserve.faults) for `count` hits after the next `skip`."""
-        self.faults.arm(point, seconds, count, skip)
+    async def inject_fault(self, point: str, seconds: float = 0.0, count: int = 1, skip: int = 0,
+                           key: str | None = None) -> None:
+        """Arm a fault point (pdserve.faults) for `count` hits after the next `skip` (whose key begins with
+        `key`, if given)."""
+        self.faults.arm(point, seconds, count, skip, key)
 
     async def release_fault(self, point: str) -> None:
         """Let a fault point armed with seconds=math.inf go on."""

@@ -26,10 +26,19 @@ class _Task:
     tier: int  # its service tier's rank (pdserve.tiers): every queue orders by it
     text_offset: int  # characters of output text the client already has (a resumed request's)
 
-    def new_request(self, tokenizer: Tokenizer | None = None) -> Request:
+    def new_request(self, tokenizer: Tokenizer | None = None, vocab_size: int | None = None) -> Request:
         """Its Request on a worker; with the model's tokenizer, the request's text continues here too
-        (req.text: the worker that samples its tokens detokenizes them and applies its stop strings)."""
-        req = Request(self.request_id, list(self.prompt_token_ids), self.params, self.seed, tier=self.tier)
+        (req.text: the worker that samples its tokens detokenizes them and applies its stop strings).
+
+        Checked again here (ValueError, the caller's error): the router checked it, but the task was unpickled,
+        which checks nothing, and what reaches a step must have been checked, or it fails the step of every
+        request batched with it. vocab_size: the model's (its token ids must be in [0, vocab_size))."""
+        params = self.params.checked()
+        if vocab_size is not None:
+            bad = [t for t in (*self.prompt_token_ids, *self.output_token_ids) if not 0 <= t < vocab_size]
+            if bad or not self.prompt_token_ids:
+                raise ValueError(f"token ids must be in [0, {vocab_size}), got {bad[:5] or 'no prompt'}")
+        req = Request(self.request_id, list(self.prompt_token_ids), params, self.seed, tier=self.tier)
         req.token_ids.extend(self.output_token_ids)
         if tokenizer is not None:
             req.text = TextOutput.resume(tokenizer, list(self.prompt_token_ids), list(self.output_token_ids),
@@ -90,8 +99,8 @@ class DecodeTask(_Task):
     tier: int = 1
     text_offset: int = 0  # before the prefill worker's first token (this worker adds that token's text unsent)
 
-    def new_request(self, tokenizer: Tokenizer | None = None) -> Request:
-        req = super().new_request(tokenizer)
+    def new_request(self, tokenizer: Tokenizer | None = None, vocab_size: int | None = None) -> Request:
+        req = super().new_request(tokenizer, vocab_size)
         req.remote_kv = True
         req.prompt_logprobs = None  # the prefill worker's to compute
         return req
@@ -103,6 +112,7 @@ class FailureReason(str, enum.Enum):
     TRANSFER_FAILED = "transfer_failed"  # its KV did not reach the decode worker
     STEP_FAILED = "step_failed"  # a worker's step raised: the batch it was in was failed
     REJECTED = "rejected"  # a worker refused it (e.g. an id already in use there)
+    BAD_REQUEST = "bad_request"  # its own data failed a step (its neighbours went on): the client's error, not retried
     PREFILL_LOST = "prefill_lost"  # its prefill worker died or hung
     DECODE_LOST = "decode_lost"  # its decode worker died or hung: the streamed tokens survive at the router
     COLOCATED_LOST = "colocated_lost"

@@ -26,7 +26,8 @@ from pdserve.config import EngineConfig
 from pdserve.engine.tp_runner import RankShare
 from pdserve.parallel.layout import HeadTransfer
 from pdserve.transfer.channel import TransferError, TransferStats
-from pdserve.transfer.protocol import KVAnnounce, KVCorrupted, block_index, layer_spans, trailer_len, transfer_rows
+from pdserve.transfer.protocol import (KVAnnounce, KVCorrupted, KVMac, block_index, layer_spans, trailer_len,
+                                       transfer_rows)
 from pdserve.transfer.shares import (
     PairLink,
     is_lead,
@@ -70,6 +71,7 @@ class RankActor:
         torch.set_num_threads(threads)
         self.worker_id, self.rank = worker_id, rank
         self.share = RankShare(config, tp, rank, host, port, num_blocks, timeout_s)
+        self.kv_mac = KVMac(config.kv_checksum_key) if config.kv_checksum_key else None  # the cluster's key
         # On a GPU, its KV is read for sending on a stream of its own, after each layer's event: the sends
         # overlap the forward, as rank 0's pusher's do (the default stream has the whole forward queued).
         device = self.share.kv_cache.device
@@ -116,7 +118,8 @@ class RankActor:
         return self._run(decode_id, a.generation, link, [
             lambda t=t, c=c: send_share(c, a.seq, cache, index, share_heads(t, True, cache), spans,
                                         lambda end: self.share.wait_computed(step, end, timeout), None,
-                                        trailer_len(0, False, a.checksum), a.checksum, stream=self._send_stream)
+                                        trailer_len(0, False, a.checksum), self.kv_mac if a.checksum else None,
+                                        stream=self._send_stream)
             for t, c in link.shares])
 
     def recv_share(self, prefill_id: str, a: KVAnnounce, blocks: list[list[int] | None]) -> list[tuple[int, float]]:
@@ -130,7 +133,8 @@ class RankActor:
         assert not any(is_lead(t) for t, _ in link.shares)
         return self._run(prefill_id, a.generation, link, [
             lambda t=t, c=c: receive_share(c, a.seq, cache, src, dst, share_heads(t, False, cache), sum(a.num_blocks),
-                                           spans, trailer_len(0, False, a.checksum), a.checksum, label)
+                                           spans, trailer_len(0, False, a.checksum), self.kv_mac if a.checksum else None,
+                                           label)
             for t, c in link.shares])
 
     def drop(self, peer: str, generation: int) -> None:

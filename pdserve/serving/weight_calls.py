@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 from pdserve.serving.messages import WeightUpdateReport
+from pdserve.weights.update import checkpoint_path, default_weights_root
 
 if TYPE_CHECKING:
     from pdserve.engine.llm_engine import EngineCore
@@ -50,12 +51,18 @@ class WeightCalls:
         self.weight_update_bytes = 0
         self.weight_update_failures = 0
 
-    async def stage_weights(self, source: str, version: int) -> int:
+    async def stage_weights(self, source: str, version: int, own: bool = False) -> int:
         """Read and convert checkpoint `source` for weight version `version`, held aside until commit_weights
-        (the worker serves meanwhile); its bytes. Raises with nothing applied if it does not fit the model."""
+        (the worker serves meanwhile); its bytes. Raises with nothing applied if it does not fit the model, or
+        if it is not under the weights root (EngineConfig.weights_root: a client's path is read there only,
+        checked here, on the worker's own filesystem); own: a checkpoint the router had a worker write (a
+        catch-up after a trainer's update), wherever it is."""
         await asyncio.to_thread(self.faults.hit, "stage_weights")
         t0 = time.perf_counter()
         try:
+            if not own and self.core.config.load_format != "sim":  # a simulated update reads nothing
+                source = checkpoint_path(source, self.core.config.weights_root or
+                                         default_weights_root(self.core.info.path))
             staged = await asyncio.to_thread(self.core.stage_weights, source)
         except Exception:
             self.weight_update_failures += 1
@@ -81,9 +88,9 @@ class WeightCalls:
                  stage_s, commit_s, num_bytes / 1e6)
         return WeightUpdateReport(self.worker_id, version, stage_s, commit_s, num_bytes)
 
-    async def update_weights(self, source: str, version: int) -> WeightUpdateReport:
+    async def update_weights(self, source: str, version: int, own: bool = False) -> WeightUpdateReport:
         """stage_weights, then commit_weights (a rolling update: this worker switches as soon as it can)."""
-        await self.stage_weights(source, version)
+        await self.stage_weights(source, version, own)
         return await self.commit_weights(version)
 
     async def join_weight_group(self, address, rank: int, timeout_s: float) -> None:

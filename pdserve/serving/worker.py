@@ -141,30 +141,78 @@ class WorkerActor(WeightCalls, Cancels, FaultCalls):
         """Release what the subclass holds besides the step thread (channels, stores)."""
 
     def _run(self, step: ScheduledStep, layer_done: Callable[[int], None] | None = None) -> StepRun:
-        """Run a scheduled step, timed. If it raises, every queued and running request is failed (their
-        state is suspect) and reported; the worker keeps serving.
+        """Run a scheduled step, timed. If it raises, the requests whose own data fails the worker's check
+        fail alone (BAD_REQUEST) and the others run the step again without them (_isolate); if none does,
+        every queued and running request is failed (their state is suspect) and reported; the worker keeps
+        serving either way.
 
         Pipelined decode (EngineCore.pipelined): the step (if it has chunks) is launched, and the step
         launched before it is resolved: the tokens returned are that one's."""
         self.faults.hit("step")
         t0 = time.perf_counter()
         tokens = [(ServiceTier.of_rank(r.tier).value, len(c.token_ids)) for r, c in zip(step.requests, step.chunks)]
-        core = self.core
         try:
-            if core.pipelined:
-                return StepRun(core.run_pipelined(step, layer_done), [])
-            return StepRun(core.account(step, core.execute(step, layer_done)), [])
+            return StepRun(self._execute(step, layer_done), [])
         except Exception as e:  # noqa: BLE001 - the batch fails, not the worker
             log.exception("%s step failed on %s", self.pool, self.worker_id)
-            core.scheduler.abandon_launched()
-            return StepRun([], [Failure(rid, FailureReason.STEP_FAILED, f"{self.pool} step failed: {e}")
-                                for rid in core.cancel_all()])
+            return self._isolate(step, layer_done, e)
         finally:
             dt = time.perf_counter() - t0
             self.busy_seconds += dt
             total = sum(n for _, n in tokens)
             for tier, n in tokens:  # each request's share of the step, by the tokens it computed
                 self.tier_seconds[tier] += dt * n / total
+
+    def _execute(self, step: ScheduledStep, layer_done: Callable[[int], None] | None) -> list[SampledToken]:
+        core = self.core
+        for req in step.requests:  # nothing armed: one check each
+            self._fault_data(req)
+        if core.pipelined:
+            return core.run_pipelined(step, layer_done)
+        return core.account(step, core.execute(step, layer_done))
+
+    def _fault_data(self, req: Request) -> None:
+        """A test's fault point: this request's data fails every step it is in (a bad value the checks missed)."""
+        if self.faults.hit("request_data", req.request_id):
+            raise ValueError("its data fails every step it is in (fault point request_data)")
+
+    def _check_data(self, req: Request) -> None:
+        """Raises if this request's own data is bad: its sampling parameters checked again (they were, at
+        intake: an exception here is a bug or a test's fault point)."""
+        self._fault_data(req)
+        req.params.checked()
+
+    def _isolate(self, step: ScheduledStep, layer_done: Callable[[int], None] | None, error: Exception) -> StepRun:
+        """A step raised: find the requests whose own data fails the check (_check_data). They fail alone,
+        as the client's error (BAD_REQUEST, never retried: the next worker's step would fail the same way),
+        and the others run the step again without them: a request's bad value never fails its neighbours.
+        (Not after a pipelined step, whose launched steps are gone with it, nor on a tensor-parallel worker,
+        whose ranks ran the step too: there the others fail as before, and the router places them again.)"""
+        core = self.core
+        culprits: dict[str, str] = {}
+        for req in step.requests:
+            try:
+                self._check_data(req)
+            except Exception as e:  # noqa: BLE001 - what is wrong with it is what its client is told
+                culprits[req.request_id] = f"{type(e).__name__}: {e}"
+        failed = [Failure(rid, FailureReason.BAD_REQUEST, f"the request's own data failed the {self.pool} step: {why}")
+                  for rid, why in culprits.items()]
+        for rid in culprits:
+            self._cancel(rid)
+        rest = [(r, c) for r, c in zip(step.requests, step.chunks) if r.request_id not in culprits]
+        if culprits and not rest and not core.pipelined:
+            return StepRun([], failed)  # the step was theirs alone: nobody else's state is in doubt
+        if culprits and rest and not core.pipelined and self.tp == 1:
+            try:
+                again = ScheduledStep([r for r, _ in rest], [c for _, c in rest], [])
+                return StepRun(self._execute(again, layer_done), failed)
+            except Exception as e:  # noqa: BLE001 - then as any failed step
+                log.exception("%s step failed again on %s without its %d bad requests", self.pool, self.worker_id,
+                              len(culprits))
+                error = e
+        core.scheduler.abandon_launched()
+        return StepRun([], failed + [Failure(rid, FailureReason.STEP_FAILED, f"{self.pool} step failed: {error}")
+                                     for rid in core.cancel_all()])
 
     def _publish(self, sampled: Iterable[SampledToken], failed: Iterable[Failure] = ()) -> None:
         """Put one StepOutput with every request's new token and its text (and the failures), if there is any,

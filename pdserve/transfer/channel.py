@@ -38,6 +38,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from pdserve.transfer.store import bound_store
+
 SENDER_RANK = 0
 RECEIVER_RANK = 1
 _TAG = 0  # NCCL ignores tags; gloo needs one. Order alone matches operations (see module docstring).
@@ -142,8 +144,7 @@ class StoreServer:
     """The TCPStore a decode worker hosts for the rendezvous of all its pairs (the OS picks the port)."""
 
     def __init__(self, host: str = "127.0.0.1", timeout_s: float = 60.0):
-        self._store: dist.TCPStore | None = dist.TCPStore(
-            host, 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout_s))
+        self._store: dist.TCPStore | None = bound_store(host, 0, timeout_s)  # listening on host alone
         self.host = host
         self.port: int = self._store.port
 

@@ -20,7 +20,7 @@ import torch
 
 from pdserve.parallel.layout import HeadTransfer
 from pdserve.transfer.channel import PairChannel
-from pdserve.transfer.protocol import KVAnnounce, KVCorrupted, layer_spans, trailer_len, transfer_rows
+from pdserve.transfer.protocol import KVAnnounce, KVCorrupted, KVMac, layer_spans, trailer_len, transfer_rows
 from pdserve.transfer.shares import PairLink, as_link, is_lead, receive_share, run_shares, share_heads
 
 log = logging.getLogger(__name__)
@@ -101,7 +101,9 @@ class KVIntake:
 
     def __init__(self, prefill_id: str, decode_id: str, kv_cache: torch.Tensor, table: InboundTable,
                  timeout_s: float, landed: Callable[[str, tuple[int, ...], float, int], None],
-                 failed: Callable[[str, str], None], cancelled: Callable[[str], None]):
+                 failed: Callable[[str, str], None], cancelled: Callable[[str], None], checksum: KVMac | None = None):
+        """checksum: the cluster's keyed checksum (--kv-checksum), for the transfers announced with one."""
+        self.checksum = checksum
         self.prefill_id, self.decode_id = prefill_id, decode_id
         self.kv_cache, self.table, self.timeout_s = kv_cache, table, timeout_s
         self._landed, self._failed, self._cancelled = landed, failed, cancelled
@@ -213,12 +215,14 @@ class KVIntake:
         spans = layer_spans(cache.shape[0], a.num_parts)
         others = link.others(a, blocks) if link.others is not None else []  # the other TP ranks' shares
         label = f"{a.generation}/{a.seq} from {a.prefill_id}"
+        if a.checksum and self.checksum is None:
+            raise KVCorrupted(f"transfer {label} carries a KV checksum and this decode worker has no key to check it")
 
         def share(transfer: HeadTransfer | None, channel: PairChannel) -> list[int]:
             lead = is_lead(transfer)
             trailer = trailer_len(sum(a.tokens_per_request), lead, a.checksum)
             return receive_share(channel, a.seq, cache, src, dst, share_heads(transfer, False, cache), sum(a.num_blocks),
-                                 spans, trailer, a.checksum, label,
+                                 spans, trailer, self.checksum if a.checksum else None, label,
                                  self._stream)
 
         results = run_shares(link, others, [lambda t=t, c=c: share(t, c) for t, c in link.shares], self.timeout_s,

@@ -25,6 +25,7 @@ from pdserve.transfer.channel import PairChannel, TransferError, TransferTimeout
 from pdserve.transfer.protocol import (
     MIN_PART_BYTES,
     KVAnnounce,
+    KVMac,
     block_index,
     layer_spans,
     num_parts_for,
@@ -137,10 +138,10 @@ class KVPusher:
     def __init__(self, prefill_id: str, decode_id: str, kv_cache: torch.Tensor,
                  open_pair: Callable[[int], PairChannel], announce: Callable[[KVAnnounce], None],
                  done: Callable[[PushJob, str | None], None], min_part_bytes: int = MIN_PART_BYTES,
-                 checksum: bool = False, faults: FaultPoints | None = None):
+                 checksum: KVMac | None = None, faults: FaultPoints | None = None):
         self.prefill_id, self.decode_id = prefill_id, decode_id
         self.min_part_bytes = min_part_bytes
-        self.checksum = checksum
+        self.checksum = checksum  # the cluster's keyed checksum on every transfer, if on (--kv-checksum)
         self.faults = faults or FaultPoints()
         self.kv_cache = kv_cache
         self._open_pair, self._announce, self._done = open_pair, announce, done
@@ -187,7 +188,8 @@ class KVPusher:
                     return  # stopped, and nothing left
                 job = heapq.heappop(self._jobs)[2]
                 a = KVAnnounce(self.prefill_id, self._generation, self._next_seq, job.request_ids,
-                               tuple(len(b) for b in job.block_ids), job.num_parts, self.checksum, job.samples,
+                               tuple(len(b) for b in job.block_ids), job.num_parts, self.checksum is not None,
+                               job.samples,
                                job.versions)
                 self._next_seq += 1
             self._announce(a)
@@ -235,7 +237,7 @@ class KVPusher:
             lead = is_lead(transfer)
             send_share(channel, a.seq, cache, index, share_heads(transfer, True, cache), spans,
                        lambda end: job.wait_layers(end, timeout), trailer if lead else None,
-                       trailer_len(sum(a.tokens_per_request), lead, a.checksum), a.checksum,
+                       trailer_len(sum(a.tokens_per_request), lead, a.checksum), self.checksum,
                        self.faults if lead else None, self._stream)
 
         run_shares(link, others, [lambda t=t, c=c: share(t, c) for t, c in link.shares], timeout,

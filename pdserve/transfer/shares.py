@@ -27,7 +27,7 @@ from pdserve.transfer.channel import (
     TransferStats,
     TransferTimeout,
 )
-from pdserve.transfer.protocol import KVCorrupted, kv_checksum, rank_name
+from pdserve.transfer.protocol import KVCorrupted, KVMac, rank_name
 
 log = logging.getLogger(__name__)
 
@@ -95,11 +95,11 @@ def run_concurrently(fns: Sequence[Callable[[], object]]) -> list[object]:
 
 def send_share(channel: PairChannel, seq: int, cache: torch.Tensor, index: torch.Tensor, heads: torch.Tensor | None,
                spans: list[tuple[int, int]], wait_layers: Callable[[int], torch.cuda.Event | None],
-               trailer: Callable[[], list[int]] | None, num_trailer: int, checksum: bool,
+               trailer: Callable[[], list[int]] | None, num_trailer: int, checksum: KVMac | None,
                faults: FaultPoints | None = None, stream: torch.cuda.Stream | None = None) -> None:
     """One rank's share of transfer seq on one channel: for each span of layers, once wait_layers says it
     is computed, the KV of blocks `index` (heads `heads`); then the trailer (trailer() gives its first
-    values; the checksum of the parts ends it)."""
+    values; the keyed checksum of the parts ends it, if `checksum` is given)."""
     faults = faults or FaultPoints()
     wait_layers(spans[0][1])  # the receiver's clock starts with the header: send it once the first part can follow
 
@@ -112,8 +112,8 @@ def send_share(channel: PairChannel, seq: int, cache: torch.Tensor, index: torch
                     stream.wait_event(event)
                 kv = cache[start:end] if heads is None else cache[start:end].index_select(2, heads)
                 part = kv.index_select(3, index)
-                if checksum:
-                    total = kv_checksum(part) if total is None else total + kv_checksum(part)
+                if checksum is not None:
+                    total = checksum.checksum(part) if total is None else total + checksum.checksum(part)
                 if faults.hit("corrupt"):
                     part.view(-1)[:1].view(torch.uint8)[0] ^= 1  # one bit, after the checksum was taken
                 yield part
@@ -121,14 +121,19 @@ def send_share(channel: PairChannel, seq: int, cache: torch.Tensor, index: torch
                 faults.hit("mid_send")
         if num_trailer:
             values = torch.tensor(trailer() if trailer is not None else [], dtype=torch.int64, device=cache.device)
-            yield values if total is None else torch.cat([values, total.view(1)])
+            if total is not None:  # one sync, at the end: the tag is made on the host
+                if stream is not None:
+                    stream.synchronize()  # the sums were queued on the pusher's own stream
+                tag = checksum.tag(channel.prefix, seq, int(total))
+                values = torch.cat([values, torch.tensor([tag], dtype=torch.int64, device=values.device)])
+            yield values
 
     channel.send_parts(seq, parts(), share_numel(cache, heads, index.numel(), num_trailer))
 
 
 def receive_share(channel: PairChannel, seq: int, cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor,
                   heads: torch.Tensor | None, total: int, spans: list[tuple[int, int]], num_trailer: int,
-                  checksum: bool, label: str, stream: torch.cuda.Stream | None = None) -> list[int]:
+                  checksum: KVMac | None, label: str, stream: torch.cuda.Stream | None = None) -> list[int]:
     """One rank's share of transfer seq from one channel: rows `src` of the transfer's `total` blocks go
     into this cache's blocks `dst` (heads `heads`); returns the trailer's values, the checksum checked
     and taken off."""
@@ -144,8 +149,8 @@ def receive_share(channel: PairChannel, seq: int, cache: torch.Tensor, src: torc
     sums = None
     with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
         for (start, end), data in zip(spans, parts):
-            if checksum:
-                sums = kv_checksum(data) if sums is None else sums + kv_checksum(data)
+            if checksum is not None:
+                sums = checksum.checksum(data) if sums is None else sums + checksum.checksum(data)
             if not dst.numel():
                 continue
             if head_list is None:
@@ -158,10 +163,10 @@ def receive_share(channel: PairChannel, seq: int, cache: torch.Tensor, src: torc
         values = trailer.tolist()
     if stream is not None:  # the writes (and the staging buffer's reads) are done before the KV counts as here
         stream.synchronize()
-    if sums is not None and int(sums) != values[-1]:
+    if sums is not None and checksum.tag(channel.prefix, seq, int(sums)) != values[-1]:
         channel.stats.record_checksum_failure()
-        raise KVCorrupted(f"KV checksum mismatch on transfer {label}: sent {values[-1]}, received {int(sums)}")
-    return values[:-1] if checksum else values
+        raise KVCorrupted(f"KV checksum mismatch on transfer {label}")
+    return values[:-1] if checksum is not None else values
 
 
 def open_shares(host: str, port: int, prefill_id: str, decode_id: str, sender: bool,

@@ -191,8 +191,9 @@ class Generation:
 class WeightsStub:
     """Weights that change under the running cluster (an RL trainer's updates, an operator's new checkpoint).
     Each worker serves one complete weight version at a time and switches between two of its steps; every
-    generated token reports the version that sampled it (GenerateResponse.weight_versions). The same API key
-    and TLS as Generation.
+    generated token reports the version that sampled it (GenerateResponse.weight_versions). The same TLS as
+    Generation; a control service: its calls need the router's admin credential (PERMISSION_DENIED with the
+    inference key), and with `pdserve serve --control-port` it is served on that port only.
     """
 
     def __init__(self, channel):
@@ -246,8 +247,9 @@ class WeightsStub:
 class WeightsServicer:
     """Weights that change under the running cluster (an RL trainer's updates, an operator's new checkpoint).
     Each worker serves one complete weight version at a time and switches between two of its steps; every
-    generated token reports the version that sampled it (GenerateResponse.weight_versions). The same API key
-    and TLS as Generation.
+    generated token reports the version that sampled it (GenerateResponse.weight_versions). The same TLS as
+    Generation; a control service: its calls need the router's admin credential (PERMISSION_DENIED with the
+    inference key), and with `pdserve serve --control-port` it is served on that port only.
     """
 
     def UpdateWeights(self, request, context):
@@ -363,8 +365,9 @@ def add_WeightsServicer_to_server(servicer, server):
 class Weights:
     """Weights that change under the running cluster (an RL trainer's updates, an operator's new checkpoint).
     Each worker serves one complete weight version at a time and switches between two of its steps; every
-    generated token reports the version that sampled it (GenerateResponse.weight_versions). The same API key
-    and TLS as Generation.
+    generated token reports the version that sampled it (GenerateResponse.weight_versions). The same TLS as
+    Generation; a control service: its calls need the router's admin credential (PERMISSION_DENIED with the
+    inference key), and with `pdserve serve --control-port` it is served on that port only.
     """
 
     @staticmethod

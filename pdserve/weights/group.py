@@ -29,6 +29,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from pdserve.transfer.store import bound_store
 from pdserve.weights.update import TensorMeta
 
 TRAINER_RANK = 0
@@ -142,8 +143,11 @@ class WeightGroup:
             # a bounded connect, since the store's own retries back off past their timeout under load.
             if rank != TRAINER_RANK:
                 _reachable(address.host, address.port, deadline)
-            store = dist.TCPStore(address.host, address.port, address.world_size, rank == TRAINER_RANK,
-                                  timedelta(seconds=max(deadline - time.monotonic(), 0.5)), wait_for_workers=False)
+            remaining = max(deadline - time.monotonic(), 0.5)
+            # The trainer's store listens on the address the workers are given only (pdserve.transfer.store).
+            store = bound_store(address.host, address.port, remaining, address.world_size) if rank == TRAINER_RANK \
+                else dist.TCPStore(address.host, address.port, address.world_size, False, timedelta(seconds=remaining),
+                                   wait_for_workers=False)
         except (RuntimeError, TimeoutError) as e:
             if rank == TRAINER_RANK:
                 raise WeightGroupError(f"rank 0 of {where} cannot host the group's store: {e}") from e

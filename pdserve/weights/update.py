@@ -10,6 +10,7 @@ in place: no parameter or buffer is rebound, so CUDA graphs captured on the mode
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -169,6 +170,34 @@ def stage(model: LlamaModel, cfg: ModelConfig, tensors: Iterable[tuple[str, torc
     return _stage(model, cfg, tensors, tp, rank, spare, adopt)
 
 
+def default_weights_root(model_path: str) -> str:
+    """Where checkpoints of weight updates may be read from unless configured (EngineConfig.weights_root): the
+    directory that holds the served model (a Hugging Face directory's parent, a .gguf file's directory), so its
+    siblings, the next versions, and nothing else the workers can see."""
+    return str(Path(model_path).resolve().parent)
+
+
+def checkpoint_path(path: str, root: str) -> str:
+    """`path` resolved (symlinks followed, `..` gone), if it and every file an update reads there (config.json,
+    *.safetensors) lie under `root`; WeightError otherwise, which says nothing of what exists outside it."""
+    root_real = os.path.realpath(root)
+
+    def inside(p: str) -> bool:
+        return os.path.commonpath([os.path.realpath(p), root_real]) == root_real
+
+    if not os.path.isabs(path):
+        raise WeightError(f"checkpoint path {path!r} must be absolute (a path on the workers)")
+    if not inside(path):
+        raise WeightError(f"checkpoint path {path!r} is not under the weights root (--weights-root): updates read "
+                          "checkpoints there only")
+    real = os.path.realpath(path)
+    if os.path.isdir(real):
+        for f in sorted(Path(real).glob("*.safetensors")) + [Path(real) / "config.json"]:
+            if f.exists() and not inside(str(f)):
+                raise WeightError(f"checkpoint {path!r}: {f.name} links outside the weights root (--weights-root)")
+    return real
+
+
 def stage_checkpoint(model: LlamaModel, cfg: ModelConfig, path: str, tp: int = 1, rank: int = 0,
                      spare: StagedUpdate | None = None) -> StagedUpdate:
     """Stage every tensor of a checkpoint: a Hugging Face directory of safetensors (a rank reads only its
@@ -199,16 +228,21 @@ def _stage(model: LlamaModel, cfg: ModelConfig, weights: Iterable[tuple[str, Any
     check = _Checker(cfg)
     update = StagedUpdate()
     reuse = spare.buffers() if spare is not None else {}
+    finite: list[tuple[str, torch.Tensor]] = []  # each share's all-finite flag, read once at the end (one sync)
     for name, weight in weights:
         if not check(TensorMeta(name, _shape(weight), _dtype(name, weight))):
             continue
         _, share = next(shard_weights([(name, weight)], cfg, tp, rank))
+        finite.append((name, torch.isfinite(share).all()))
         key = name.removeprefix("model.")
         module, attr, start = _destination(model, key)
         _place(update, model, module, attr, start, share, dtype, device, reuse, adopt)
         if key == "embed_tokens.weight" and separate_head:  # a tied LM head quantized apart from the embedding
             _place(update, model, "lm_head", "weight", None, share, dtype, device, reuse, adopt)
         update.names.append(name)
+    bad = [name for name, ok in finite if not bool(ok)]
+    if bad:  # a NaN or an infinity would poison every token (and the KV) computed with it
+        raise WeightError(f"tensor {bad[0]!r}: NaN or infinite values" + (f" (and {len(bad) - 1} more)" if bad[1:] else ""))
     return update
 
 

@@ -789,11 +789,30 @@ def test_production_serves_tls_and_an_api_key_from_secrets(tmp_path):
     assert secret_of(args.ssl_certfile) == secret_of(args.ssl_keyfile) == "pdserve-tls"
     assert args.ssl_certfile.endswith("/tls.crt") and args.ssl_keyfile.endswith("/tls.key")  # kubernetes.io/tls keys
     assert secret_of(args.api_key_file) == "pdserve-api-key"
+    # The trainer's and operators' admin key: a Secret of its own, never the inference key's (#47).
+    assert args.admin_api_key_file and args.admin_api_key is None
+    assert secret_of(args.admin_api_key_file) == "pdserve-admin-api-key"
     service = one(objs, "Service", "pdserve")
     grpc_port = next(p for p in service["spec"]["ports"] if p["name"] == "grpc")
     assert grpc_port.get("appProtocol") != "kubernetes.io/h2c"  # TLS, not plaintext HTTP/2
     # The key stays out of the command line (and so out of ps).
     assert "--api-key" not in " ".join(serve_argv(objs)).replace("--api-key-file", "")
+    assert "--admin-api-key " not in " ".join(serve_argv(objs)) + " "
+
+
+@pytest.mark.parametrize("name", KUSTOMIZATIONS)
+def test_ray_takes_a_token_and_its_dashboard_stays_on_the_head(name, tmp_path):
+    """#47, finding 9: the dashboard (its Jobs API runs code on every node) bound 0.0.0.0 in the RayCluster,
+    and Ray took no token: a NetworkPolicy alone stood in front of it."""
+    rc = one(rendered(name), "RayCluster")
+    assert rc["spec"]["authOptions"]["mode"] == "token"
+    head = rc["spec"]["headGroupSpec"]
+    params = head["rayStartParams"]
+    assert params.get("include-dashboard") == "false" or params.get("dashboard-host") in ("127.0.0.1", "localhost")
+    assert "--dashboard-host=0.0.0.0" not in kuberay_start_command(head, head=True)
+    assert "dashboard" not in container_ports(head["template"])
+    assert all(not str(g["rayStartParams"].get("dashboard-host", "")).startswith("0.")
+               for g in rc["spec"]["workerGroupSpecs"])
 
 
 def _dockerfile() -> tuple[dict[str, str], list[tuple[str, str]]]:

@@ -102,15 +102,15 @@ def test_bad_updates_are_refused_with_nothing_applied(client, versions, tmp_path
     with pytest.raises(grpc.RpcError) as e:
         client.update_weights(str(tmp_path / "nowhere"), versions.version + 1, timeout=60)
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "nowhere" in e.value.details()
-    other = tmp_path / "other-shape"
-    other.mkdir()
+    other = versions.paths[0].parent / "other-shape"  # under the weights root: refused for its shape
+    other.mkdir(exist_ok=True)
     cfg = json.loads((versions.paths[1] / "config.json").read_text())
     (other / "config.json").write_text(json.dumps({**cfg, "intermediate_size": 96}))
     for f in versions.paths[1].glob("*.safetensors"):
         (other / f.name).write_bytes(f.read_bytes())
     with pytest.raises(grpc.RpcError) as e:
         client.update_weights(str(other), versions.version + 1, timeout=60)
-    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "shape" in e.value.details()
     with pytest.raises(grpc.RpcError) as e:
         client.update_weights(str(versions.paths[1]), versions.version, timeout=60)
     assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "not newer" in e.value.details()

@@ -184,7 +184,7 @@ def test_kv_of_another_weight_version_follows_each_requests_version_policy(ray_l
     first token. Every block is freed at the end."""
     model = str(tiny_checkpoints["llama"])
     config = EngineConfig(model=model, cache=CacheConfig(block_size=BLOCK, num_blocks=64),
-                          scheduler=SchedulerConfig(max_num_batched_tokens=64))
+                          scheduler=SchedulerConfig(max_num_batched_tokens=64), weights_root=str(newer_weights))
     prefill = ray.remote(PrefillActor).options(num_cpus=0).remote("prefill-v", config, 10.0, torch_threads=1)
     decode = ray.remote(DecodeActor).options(num_cpus=0).remote("decode-v", config, 10.0, torch_threads=1,
                                                                 bind_host="127.0.0.1")

@@ -16,7 +16,7 @@ import torch
 
 from pdserve.faults import FaultPoints
 from pdserve.transfer.channel import RECEIVER_RANK, SENDER_RANK, PairChannel, StoreServer
-from pdserve.transfer.protocol import KVAnnounce, kv_checksum, layer_spans, num_parts_for
+from pdserve.transfer.protocol import KVAnnounce, KVMac, layer_spans, num_parts_for
 from pdserve.transfer.receiver import InboundTable, KVIntake
 from pdserve.transfer.sender import KVPusher, PushJob
 
@@ -26,10 +26,14 @@ LAYERS, KV_HEADS, BLOCKS, BLOCK_SIZE, HEAD_DIM = 5, 2, 24, 4, 8
 TIMEOUT_S = 10.0
 
 
+KEY = b"the cluster's KV checksum key"
+
+
 class Pair:
     """A pusher (prefill side) and an intake (decode side) joined like two workers would be."""
 
-    def __init__(self, hold_announcements: bool = False, min_part_bytes: int = 1, checksum: bool = True):
+    def __init__(self, hold_announcements: bool = False, min_part_bytes: int = 1, checksum: bool = True,
+                 sender_key: bytes = KEY):
         g = torch.Generator().manual_seed(1)
         self.src = torch.randn(LAYERS, 2, KV_HEADS, BLOCKS, BLOCK_SIZE, HEAD_DIM, generator=g)
         self.dst = torch.zeros_like(self.src)
@@ -43,13 +47,15 @@ class Pair:
         self.announced: list[KVAnnounce] = []  # as the pusher built them
         self.versions: dict[str, int] = {}  # request -> the weight version its landing reported
         self.faults = FaultPoints()
+        mac = KVMac(KEY) if checksum else None  # the cluster's key, on both sides
         self.intake = KVIntake("p0", "d0", self.dst, self.table, TIMEOUT_S,
                                landed=lambda rid, tok, at, v: self._landed(rid, tok, v),
                                failed=lambda rid, err: self._record("failed", rid, err),
-                               cancelled=lambda rid: self._record("cancelled", rid))
+                               cancelled=lambda rid: self._record("cancelled", rid), checksum=mac)
         self.pusher = KVPusher("p0", "d0", self.src, self._open_pair, self._announce,
                                done=lambda job, err: self._record("done", job.request_ids, err),
-                               min_part_bytes=min_part_bytes, checksum=checksum, faults=self.faults)
+                               min_part_bytes=min_part_bytes, checksum=KVMac(sender_key) if checksum else None,
+                               faults=self.faults)
 
     def _record(self, *event) -> None:
         with self.lock:
@@ -272,17 +278,26 @@ def test_failed_push_fails_both_sides_and_the_next_generation_works(pair):
 
 def test_checksum_sees_a_flipped_bit_and_a_misplaced_block():
     g = torch.Generator().manual_seed(3)
+    mac, other = KVMac(KEY), KVMac(b"another cluster's key")
     for dtype in (torch.float32, torch.bfloat16):
         kv = torch.randn(LAYERS, 2, KV_HEADS, BLOCKS, BLOCK_SIZE, HEAD_DIM, generator=g).to(dtype)
-        base = kv_checksum(kv)
+        base = mac.checksum(kv)
         assert base.dtype == torch.int64 and base.dim() == 0
-        assert kv_checksum(kv.clone()) == base
+        assert mac.checksum(kv.clone()) == base
         flipped = kv.clone()
         flipped.view(-1)[1234:1235].view(torch.uint8)[0] ^= 1  # the lowest bit of one value
-        assert kv_checksum(flipped) != base
+        assert mac.checksum(flipped) != base
         swapped = kv.clone()
         swapped[:, :, :, [2, 7]] = kv[:, :, :, [7, 2]]  # two blocks in each other's place
-        assert kv_checksum(swapped) != base
+        assert mac.checksum(swapped) != base
+        within = kv.clone()  # two values of one row in each other's place: an unkeyed row sum missed it
+        within[0, 0, 0, 0, 0, [0, 1]] = kv[0, 0, 0, 0, 0, [1, 0]]
+        assert mac.checksum(within) != base or torch.equal(within, kv)
+        # Keyed: another key gives another sum, and the tag binds the channel and the transfer.
+        assert other.checksum(kv) != base
+        t = int(base)
+        assert mac.tag("pair/p0/d0/1", 3, t) != other.tag("pair/p0/d0/1", 3, t)
+        assert mac.tag("pair/p0/d0/1", 3, t) != mac.tag("pair/p0/d0/1", 4, t) != mac.tag("pair/p0/d1/1", 3, t)
 
 
 def test_corrupted_transfer_fails_its_requests_and_the_channel_goes_on(pair):
@@ -298,6 +313,20 @@ def test_corrupted_transfer_fails_its_requests_and_the_channel_goes_on(pair):
     assert [e[1:] for e in pair.of("landed")] == [("b", (9,))]
     assert pair.generations == [1]  # everything arrived, so the channel was kept
     assert_moved(pair, [4], [2])
+
+
+def test_a_transfer_checksummed_without_the_clusters_key_is_refused():
+    """Finding 10: the checksum was unkeyed, so whoever could alter a transfer could compute its checksum
+    again. A sender (or anyone on the wire) without the cluster's key cannot make one the decode worker takes."""
+    pair = Pair(sender_key=b"not the cluster's key at all")
+    try:
+        reserve(pair, "a", [1])
+        pair.pusher.push(PushJob("d0", ["a"], [[0]], LAYERS, LAYERS, [5], None))
+        wait_for(lambda: pair.of("failed"), TIMEOUT_S, what="the transfer to fail")
+        assert pair.of("failed")[0][1] == "a" and "checksum" in pair.of("failed")[0][2]
+        assert not pair.of("landed")
+    finally:
+        pair.close()
 
 
 def test_push_without_checksum():
