@@ -349,3 +349,27 @@ BlockPoolMachine.TestCase.settings = settings(
     max_examples=200, stateful_step_count=30, deadline=None
 )
 test_block_pool_random_workload = BlockPoolMachine.TestCase
+
+
+def test_events_say_what_the_cache_stored_and_evicted():
+    from pdserve.engine.block_pool import KVEvents
+
+    pool = BlockPool(num_blocks=3, block_size=2)
+    assert pool.take_events() is None  # not recorded
+    pool.record_events()
+    h = [bytes([i]) * 32 for i in range(4)]
+    blocks = pool.allocate(2)
+    pool.cache_block(blocks[0], h[0])
+    pool.cache_block(blocks[1], h[1])
+    assert pool.take_events() == KVEvents(stored=(h[0], h[1]))
+    assert pool.take_events() is None  # each change said once
+    pool.free(blocks[::-1])  # still cached: freeing evicts nothing
+    assert pool.take_events() is None
+    pool.allocate(3)  # the free queue's head first: block 2 (never cached), then 1, then 0
+    assert pool.take_events() == KVEvents(removed=(h[1], h[0]))
+    other = BlockPool(num_blocks=2, block_size=2)
+    other.record_events()
+    other.cache_block(other.allocate(1)[0], h[2])
+    other.free([0])
+    assert other.reset_prefix_cache()
+    assert other.take_events() == KVEvents(cleared=True)  # what was stored before the reset is gone with it
