@@ -18,6 +18,7 @@ from pdserve.model.loader import ModelInfo
 from pdserve.v1 import generation_pb2 as pb
 
 DEFAULT_MAX_TOKENS = 16
+MAX_SESSION_ID = 256  # characters of a session key
 
 
 class RequestFailed(Exception):
@@ -82,6 +83,7 @@ class Ask:
     default_max_tokens: int | None = DEFAULT_MAX_TOKENS  # with no max_tokens; None: to the end of the context
     service_tier: str | None = None  # auto (or None), default, priority, flex (pdserve.tiers)
     request_id: str | None = None  # None: the router makes one
+    session_id: str | None = None  # a conversation's turns under one key (router.dispatch keeps them together)
 
 
 SAMPLING_FIELDS = frozenset(f.name for f in fields(SamplingParams))
@@ -108,7 +110,8 @@ def ask_from_grpc(request: pb.GenerateRequest) -> Ask:
                messages=[{"role": m.role, "content": m.content} for m in request.messages.messages]
                if which == "messages" else None,
                token_ids=list(request.token_ids.ids) if which == "token_ids" else None,
-               sampling=sampling, service_tier=request.service_tier, request_id=request.request_id or None)
+               sampling=sampling, service_tier=request.service_tier, request_id=request.request_id or None,
+               session_id=request.session_id or None)
 
 
 def prepare(info: ModelInfo, limit: int, ask: Ask, defaults: dict[str, Any] | None = None
@@ -118,6 +121,8 @@ def prepare(info: ModelInfo, limit: int, ask: Ask, defaults: dict[str, Any] | No
     characters of text accepted before tokenizing (prompt, or all messages); defaults: the server's values
     of SamplingParams fields a request leaves unset (RouterConfig: logprobs_mode, version_policy).
     ValueError says what is wrong."""
+    if ask.session_id is not None and not 0 < len(ask.session_id) <= MAX_SESSION_ID:
+        raise ValueError(f"session_id must have 1 to {MAX_SESSION_ID} characters, got {len(ask.session_id)}")
     ids = _prompt_ids(info, limit, ask)
     given = {k: v for k, v in ask.sampling.items() if v is not None}
     unknown = sorted(set(given) - SAMPLING_FIELDS)

@@ -64,8 +64,9 @@ class Attempt:
     """One placement of `req`, continuing from its tokens and the `text_offset` characters of text it
     streamed, under worker-side id `wrid`, avoiding the workers in `avoid` where it can."""
 
-    def __init__(self, parts: Parts, req: Request, text_offset: int, wrid: str, avoid: tuple[str, ...]):
-        self.parts, self.req, self.wrid, self.avoid = parts, req, wrid, avoid
+    def __init__(self, parts: Parts, req: Request, text_offset: int, wrid: str, avoid: tuple[str, ...],
+                 session: str | None = None):
+        self.parts, self.req, self.wrid, self.avoid, self.session = parts, req, wrid, avoid, session
         self.inbox: Inbox = parts.streams.inbox(req.request_id)
         # A resumed attempt's prompt logprobs went out with its first token already: not computed again.
         params = req.params if not req.num_output_tokens or req.params.prompt_logprobs is None \
@@ -114,7 +115,7 @@ class Attempt:
         lane = parts.config.fast is not None and req.tier == ServiceTier.PRIORITY.rank
         target = ("fast" if lane else "decode") if follows else None
         try:
-            p, streamer = await parts.dispatch.place(req, wrid, target, self.avoid)
+            p, streamer = await parts.dispatch.place(req, wrid, target, self.avoid, self.session)
         except PoolEmpty as e:
             raise parts.no_worker(e.pool) from None
         if p is None:  # the decode worker holds most of the prompt: it computes the rest and streams every token

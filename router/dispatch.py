@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import time
 from collections.abc import Sequence
 
 from pdserve.config import ClusterConfig
@@ -30,6 +31,12 @@ log = logging.getLogger(__name__)
 # wait on the prefill worker for a full decode worker. The line's order is by service tier, then arrival
 # (router.line).
 PREFILL_QUEUE_STEPS = 2
+MAX_SESSIONS = 65536  # session keys remembered (each its last decode worker), least recently used dropped
+# Prompts placed on a prefill worker in the last PENDING_S seconds (at most PENDING_PROMPTS of them) count as
+# in its cache until its KV events say so: a burst of prompts with one prefix (a shared system prompt) goes
+# to one worker, which computes that prefix once (pdserve.engine.scheduler holds the rest a step).
+PENDING_S = 30.0
+PENDING_PROMPTS = 64
 
 
 class PoolEmpty(Exception):
@@ -53,6 +60,9 @@ class Dispatch:
         self.in_flight: collections.Counter[ServiceTier] = collections.Counter()  # placed, by tier served
         self.downgrades = 0  # priority requests served as default (the fast lane was full)
         self._counted: dict[str, ServiceTier] = {}  # placed attempts, by the tier in_flight counts them at
+        self._pending: dict[str, collections.deque[tuple[float, list[bytes]]]] = {}  # prefill worker -> placed
+        # Session key -> the decode worker of its last turn (the most recent MAX_SESSIONS sessions).
+        self._sessions: collections.OrderedDict[str, str] = collections.OrderedDict()
         self._seqs = {name: config.engine_for(pc).scheduler.max_num_seqs for name, pc in config.pools.items()}
         if config.mode == "disaggregated":
             budget = config.engine_for(config.prefill).scheduler.max_num_batched_tokens
@@ -68,8 +78,8 @@ class Dispatch:
 
 
 
-    async def place(self, req: Request, wrid: str, target: str | None,
-                    avoid: tuple[str, ...]) -> tuple[Worker | None, Worker | None]:
+    async def place(self, req: Request, wrid: str, target: str | None, avoid: tuple[str, ...],
+                    session: str | None = None) -> tuple[Worker | None, Worker | None]:
         """Wait in line until a prefill worker has room for the prompt and, if a token follows the first,
         a worker of its decode pool (`target`) has room for its KV; returns both, the request counted on
         them. A priority prompt needs prefill room only: it goes to a prefill worker at the head of the
@@ -80,7 +90,7 @@ class Dispatch:
         local_prefill_max_tokens, router.kv_index) computes that suffix itself: the prefill worker is then
         None, and nothing is handed off."""
         e = Entry(wrid, req.num_tokens, target, avoid, req.token_ids, ServiceTier.of_rank(req.tier),
-                  local_ok=self._local_ok(req))
+                  local_ok=self._local_ok(req), session=session)
         if target == "fast" and self.config.tiers.fast_lane_when_full == "downgrade" \
                 and not any(self.decode_room(w, e.tokens) for w in self._pools.by_name["fast"]):
             self.downgrade(req, e)
@@ -182,7 +192,8 @@ class Dispatch:
                     # priority: to its prefill worker now, its KV's destination later (place_kv)
             d = decode[self._pick_decode(e, decode)] if decode else None
             if e.prefill is None:
-                p = prefill[pick_prefill([PrefillLoad(x.queued_tokens, self._cached(x, e)) for x in prefill])]
+                p = prefill[pick_prefill([PrefillLoad(x.queued_tokens, self._cached_prefill(x, e)) for x in prefill])]
+                self._placed_prefill(p, e)
                 p.queued_tokens += e.tokens
                 p.requests.add(e.wrid)  # until its KV has reached the decode worker (the first decode token)
                 self._count(e)
@@ -213,6 +224,11 @@ class Dispatch:
 
     def _set(self, e: Entry, p: Worker | None, d: Worker | None) -> None:
         if d is not None:
+            if e.session is not None:
+                self._sessions[e.session] = d.worker_id
+                self._sessions.move_to_end(e.session)
+                while len(self._sessions) > MAX_SESSIONS:
+                    self._sessions.popitem(last=False)
             d.requests.add(e.wrid)
             if e.tier is ServiceTier.FLEX:
                 d.flex.add(e.wrid)
@@ -228,7 +244,29 @@ class Dispatch:
         version = w.stats.weight_version if w.stats is not None else 0
         return self._pools.kv_index.match(w.worker_id, e.hashes(self.block_size, version)) * self.block_size
 
+    def _cached_prefill(self, w: Worker, e: Entry) -> int:
+        """Tokens of the entry's prompt a prefill worker holds, or will once the prompts placed on it lately are
+        computed (their blocks not yet in its events)."""
+        hashes = e.hashes(self.block_size, w.stats.weight_version if w.stats is not None else 0)
+        recent = self._pending.get(w.worker_id, ())
+        now = time.monotonic()
+        while recent and now - recent[0][0] > PENDING_S:
+            recent.popleft()
+        pending = max((_common(hashes, h) for _, h in recent), default=0) * self.block_size
+        return max(self._cached(w, e), pending)
+
+    def _placed_prefill(self, w: Worker, e: Entry) -> None:
+        hashes = e.hashes(self.block_size, w.stats.weight_version if w.stats is not None else 0)
+        self._pending.setdefault(w.worker_id, collections.deque(maxlen=PENDING_PROMPTS)).append(
+            (time.monotonic(), hashes))
+
     def _pick_decode(self, e: Entry, decode: list[Worker]) -> int:
+        """The decode worker of the session's last turn if it has room (the caller's list holds only those
+        with room), else by where the KV is against the load (router.placement)."""
+        last = self._sessions.get(e.session) if e.session is not None else None
+        for i, w in enumerate(decode):
+            if w.worker_id == last:
+                return i
         return pick_decode([self.decode_load(x, self._cached(x, e)) for x in decode],
                            self.config.placement_load_tokens)
 
@@ -284,3 +322,13 @@ class Dispatch:
 def prefer(pool: list[Worker], avoid: Sequence[str]) -> list[Worker]:
     """The pool without the workers to avoid, unless that leaves nobody."""
     return [w for w in pool if w.worker_id not in avoid] or pool
+
+
+def _common(a: list[bytes], b: list[bytes]) -> int:
+    """Leading block hashes two chains share."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n

@@ -38,6 +38,7 @@ class Prepared:
     params: SamplingParams
     tier: ServiceTier
     request_id: str | None
+    session_id: str | None = None
 
 
 @dataclass(frozen=True)
@@ -74,7 +75,7 @@ class Frontend:
         """The request's token ids, sampling parameters (the server's defaults where it gave none) and tier;
         ValueError says what is wrong, naming the field."""
         prompt, params = prepare(self.info, self.config.max_input_chars, ask, self._defaults)
-        return Prepared(prompt, params, parse_tier(ask.service_tier), ask.request_id)
+        return Prepared(prompt, params, parse_tier(ask.service_tier), ask.request_id, ask.session_id)
 
     async def run(self, request: Prepared, t: Timeline) -> AsyncIterator[RequestOutput]:
         """A checked request through admission and the cluster: its outputs, recorded on its timeline as
@@ -95,7 +96,8 @@ class Frontend:
                 self._waiting[tier] -= 1
                 waiting = False
                 t.admitted = time.monotonic()
-                outs = self.cluster.generate(request.prompt, request.params, request.request_id, tier)
+                outs = self.cluster.generate(request.prompt, request.params, request.request_id, tier,
+                                             request.session_id)
                 async with contextlib.aclosing(outs):
                     async for out in outs:
                         self._observe(out, t)

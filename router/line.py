@@ -38,6 +38,7 @@ class Entry:
     served: ServiceTier | None = None  # the tier it is served at (downgraded: default); None: its tier
     prefill: Any = None  # a prompt already on this prefill worker, its KV held there: it needs decode room only
     local_ok: bool = False  # its decode worker may compute the prompt itself, if it holds most of it
+    session: str | None = None  # its conversation's key: the decode worker of the session's last turn first
     seq: int = 0
     placed: asyncio.Future[Any] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
     _hashes: dict[tuple[int, int], list[bytes]] = field(default_factory=dict)

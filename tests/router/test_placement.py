@@ -55,3 +55,32 @@ def test_kv_events_merge_in_order():
     assert first.merged(KVEvents(stored=(y,), removed=(x,))) == KVEvents(stored=(y,), removed=(x,))
     later = KVEvents(stored=(y,), cleared=True)
     assert first.merged(later) == later  # a reset forgets what came before it
+
+
+def test_a_session_stays_on_its_decode_worker_while_it_has_room():
+    """Dispatch's choice among decode workers with room: the worker of the session's last turn first, however
+    the load compares; a request without a session key by the index and the load."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from pdserve.config import ClusterConfig
+    from pdserve.tiers import ServiceTier
+    from router.dispatch import Dispatch
+    from router.line import Entry
+    from router.workers import Worker
+
+    async def run() -> None:
+        pools = SimpleNamespace(by_name={"prefill": [], "decode": []}, kv_index=KVIndex(), listeners=[])
+        dispatch = Dispatch(ClusterConfig(), pools, block_size=16)
+        busy, idle = Worker("d-busy", None, "decode", 0), Worker("d-idle", None, "decode", 1)
+        busy.requests.update({"x", "y"})
+        prompt = list(range(40))
+        plain = Entry("a#0", 40, "decode", (), prompt, ServiceTier.DEFAULT)
+        assert [busy, idle][dispatch._pick_decode(plain, [busy, idle])] is idle  # by load
+        first = Entry("b#0", 40, "decode", (), prompt, ServiceTier.DEFAULT, session="chat-1")
+        dispatch.line.add(first)
+        dispatch._set(first, None, busy)  # the session's last turn ran on the busy one
+        later = Entry("b#1", 40, "decode", (), prompt, ServiceTier.DEFAULT, session="chat-1")
+        assert [busy, idle][dispatch._pick_decode(later, [busy, idle])] is busy
+        assert [idle][dispatch._pick_decode(later, [idle])] is idle  # no room there (not offered): elsewhere
+    asyncio.run(run())
