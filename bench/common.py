@@ -135,13 +135,18 @@ def session_pids(sid: int) -> list[int]:
 class Server:
     """`pdserve serve` in its own session; stop() sends SIGINT, waits, then kills whatever of the session is left."""
 
-    def __init__(self, argv: list[str], log: Path):
+    def __init__(self, argv: list[str], log: Path, http: bool = False, root: Path = ROOT):
+        """http: the OpenAI door on a free port too (http_port); root: the checkout whose pdserve serves (another
+        commit's, side by side with this one)."""
         self.port, self.metrics_port = free_port(), free_port()
+        self.http_port = free_port() if http else 0
         self.argv = [sys.executable, "-m", "router.cli", "serve", "--host", "127.0.0.1", "--port", str(self.port),
-                     "--metrics-host", "127.0.0.1", "--metrics-port", str(self.metrics_port), "--http-port", "0", *argv]
+                     "--metrics-host", "127.0.0.1", "--metrics-port", str(self.metrics_port),
+                     "--http-port", str(self.http_port), *argv]
         self.log = log
-        self.proc = subprocess.Popen(self.argv, cwd=ROOT, stdout=log.open("w"), stderr=subprocess.STDOUT,
-                                     start_new_session=True, env=RAY_TOKEN_ENV)
+        env = dict(RAY_TOKEN_ENV, PYTHONPATH=str(root)) if root != ROOT else RAY_TOKEN_ENV
+        self.proc = subprocess.Popen(self.argv, cwd=root, stdout=log.open("w"), stderr=subprocess.STDOUT,
+                                     start_new_session=True, env=env)
 
     def wait_ready(self, workers: int, timeout: float) -> None:
         from pdserve.client.grpc_client import Client

@@ -70,8 +70,9 @@ class DecodeActor(WorkerActor):
         return {**super().handlers(), Call.RESERVE.value: self._reserve}
 
     def _reserve(self, task: DecodeTask, prefill: Any = None) -> None:
-        """Call.RESERVE: take a request whose KV the prefill worker task.prefill_worker computes; returns once
-        it is queued. `prefill` is that worker's actor handle, given with the first reservation for it only."""
+        """Call.RESERVE: take a request whose KV the prefill worker task.prefill_worker computes (or, task.local,
+        whose prompt this worker computes itself); returns once it is queued. `prefill` is that worker's actor
+        handle, given with the first reservation for it only."""
         if prefill is not None:
             self._prefill[task.prefill_worker] = prefill
         req = task.new_request(self.core.tokenizer, self.core.model_config.vocab_size)
@@ -83,7 +84,8 @@ class DecodeActor(WorkerActor):
             if self._cancelled_already(task.request_id):
                 return  # its attempt is over: nothing to reserve
             self.core.scheduler.add(req)
-            self._source[task.request_id] = (task.prefill_worker, placed)
+            if not task.local:
+                self._source[task.request_id] = (task.prefill_worker, placed)
 
         def failed(f) -> None:  # e.g. a duplicate id: the router hears of it like any failed request
             if f.exception() is not None:

@@ -491,6 +491,12 @@ class ClusterConfig:
     # router about as much as its tokens' other work together (docs/benchmarks.md). The first token is
     # never held back, and tokens already waiting always go out together, whatever this is.
     stream_interval: int = 1
+    # Placement by where the KV is (router.kv_index, router.placement): a decode worker's request in its batch
+    # weighs as much as this many prompt tokens its prefix cache holds (0: by load alone).
+    placement_load_tokens: int = 256
+    # A decode worker that holds a prefix of a prompt (a conversation's earlier turns) and lacks at most this
+    # many of its tokens computes them itself, with no prefill worker and no hand-off (0: never).
+    local_prefill_max_tokens: int = 512
     autoscale: AutoscaleConfig = field(default_factory=AutoscaleConfig)  # for pools with max_workers
     # Router replicas (router.registry): this router's name among the routers serving one Ray cluster
     # (each gives its own); None: the only router. Its workers are then detached named actors.
@@ -527,6 +533,8 @@ class ClusterConfig:
             raise ValueError(f"transfer_timeout_s must be positive, got {self.transfer_timeout_s}")
         if self.stream_interval < 1:
             raise ValueError(f"stream_interval must be >= 1, got {self.stream_interval}")
+        if self.placement_load_tokens < 0 or self.local_prefill_max_tokens < 0:
+            raise ValueError("placement_load_tokens and local_prefill_max_tokens must be >= 0")
         if self.on_decode_failure not in ("resume", "fail"):
             raise ValueError(f"on_decode_failure must be resume or fail, got {self.on_decode_failure!r}")
         if self.ranges:

@@ -21,6 +21,7 @@ from router.config import REQUEST_ID_CHARS, FieldBounds
 
 DEFAULT_MAX_TOKENS = 16
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]+")
+MAX_SESSION_ID = 256  # characters of a session key
 
 
 class RequestFailed(Exception):
@@ -93,6 +94,7 @@ class Ask:
     default_max_tokens: int | None = DEFAULT_MAX_TOKENS  # with no max_tokens; None: to the end of the context
     service_tier: str | None = None  # auto (or None), default, priority, flex (pdserve.tiers)
     request_id: str | None = None  # None: the router makes one
+    session_id: str | None = None  # a conversation's turns under one key (router.dispatch keeps them together)
 
 
 SAMPLING_FIELDS = frozenset(f.name for f in fields(SamplingParams))
@@ -119,7 +121,8 @@ def ask_from_grpc(request: pb.GenerateRequest) -> Ask:
                messages=[{"role": m.role, "content": m.content} for m in request.messages.messages]
                if which == "messages" else None,
                token_ids=list(request.token_ids.ids) if which == "token_ids" else None,
-               sampling=sampling, service_tier=request.service_tier, request_id=request.request_id or None)
+               sampling=sampling, service_tier=request.service_tier, request_id=request.request_id or None,
+               session_id=request.session_id or None)
 
 
 @dataclass(frozen=True)
@@ -152,6 +155,8 @@ def check(info: ModelInfo, limit: int, ask: Ask, defaults: dict[str, Any] | None
     """Everything about a request that needs no tokenizing (prepare's arguments; ValueError)."""
     bounds = FieldBounds(info.config.vocab_size, info.max_model_len, limit)
     check_request_id(ask.request_id)
+    if ask.session_id is not None and not 0 < len(ask.session_id) <= MAX_SESSION_ID:
+        raise ValueError(f"session_id must have 1 to {MAX_SESSION_ID} characters, got {len(ask.session_id)}")
     _check_input(info, bounds, ask)
     given = {k: v for k, v in ask.sampling.items() if v is not None}
     unknown = sorted(set(given) - SAMPLING_FIELDS)

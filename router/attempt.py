@@ -64,8 +64,9 @@ class Attempt:
     """One placement of `req`, continuing from its tokens and the `text_offset` characters of text it
     streamed, under worker-side id `wrid`, avoiding the workers in `avoid` where it can."""
 
-    def __init__(self, parts: Parts, req: Request, text_offset: int, wrid: str, avoid: tuple[str, ...]):
-        self.parts, self.req, self.wrid, self.avoid = parts, req, wrid, avoid
+    def __init__(self, parts: Parts, req: Request, text_offset: int, wrid: str, avoid: tuple[str, ...],
+                 session: str | None = None):
+        self.parts, self.req, self.wrid, self.avoid, self.session = parts, req, wrid, avoid, session
         self.inbox: Inbox = parts.streams.inbox(req.request_id)
         # A resumed attempt's prompt logprobs went out with its first token already: not computed again.
         params = req.params if not req.num_output_tokens or req.params.prompt_logprobs is None \
@@ -76,6 +77,7 @@ class Attempt:
         self.finished = False
         self.open_samples: set[int] | None = None  # a group's samples still streaming (None: all, none streamed)
         self.later: asyncio.Future[Worker] | None = None  # its decode worker, when chosen while it is prefilled
+        self.local = False  # its decode worker computes the prompt itself (router.dispatch: local prefill)
 
     async def outputs(self) -> AsyncIterator[RequestOutput]:
         self.inbox.clear()  # failures meant for an earlier attempt
@@ -113,9 +115,14 @@ class Attempt:
         lane = parts.config.fast is not None and req.tier == ServiceTier.PRIORITY.rank
         target = ("fast" if lane else "decode") if follows else None
         try:
-            p, streamer = await parts.dispatch.place(req, wrid, target, self.avoid)
+            p, streamer = await parts.dispatch.place(req, wrid, target, self.avoid, self.session)
         except PoolEmpty as e:
             raise parts.no_worker(e.pool) from None
+        if p is None:  # the decode worker holds most of the prompt: it computes the rest and streams every token
+            self.local = True
+            self.placed.append(streamer)
+            await self._call(streamer, streamer.calls.reserve(self._decode_task("", local=True)))
+            return
         self.placed += [p] + ([streamer] if streamer else [])
         # Both at once: the decode worker reserves room while the prefill worker computes. A priority prompt
         # whose decode pool had no room is computed first, its KV held until one has.
@@ -270,18 +277,20 @@ class Attempt:
 
     def _landed(self) -> None:
         """The first decode output has come: the KV landed, and the prefill worker's part is over."""
-        if self.parts.config.mode != "colocated":
+        if self.parts.config.mode != "colocated" and not self.local:
             self.placed[0].requests.discard(self.wrid)
 
     def _reserve(self, streamer: Worker, p: Worker) -> Any:
         """The decode worker's reservation of the KV that prefill worker p computes for this attempt's task
         (pushed as soon as the reservation reaches it): the same prompt and tokens, whenever it is made."""
-        task = self.task
         known = p.worker_id in streamer.prefill_handles
         streamer.prefill_handles.add(p.worker_id)
-        return streamer.calls.reserve(DecodeTask(task.request_id, task.prompt_token_ids, task.output_token_ids,
-                                                 task.params, task.seed, p.worker_id, tier=self.req.tier,
-                                                 text_offset=task.text_offset), None if known else p.handle)
+        return streamer.calls.reserve(self._decode_task(p.worker_id), None if known else p.handle)
+
+    def _decode_task(self, prefill_worker: str, local: bool = False) -> DecodeTask:
+        task = self.task
+        return DecodeTask(task.request_id, task.prompt_token_ids, task.output_token_ids, task.params, task.seed,
+                          prefill_worker, tier=self.req.tier, text_offset=task.text_offset, local=local)
 
     async def _kv_destination(self) -> Worker:
         """The decode worker place_kv finds, unless the attempt fails first (its prefill worker lost)."""

@@ -169,6 +169,13 @@ def _fault_args(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("--max-retries", type=int, default=2, help="re-placements of a request whose worker was lost")
     serve.add_argument("--on-decode-failure", choices=["resume", "fail"], default="resume",
                        help="a lost decode worker's requests resume elsewhere, or end with UNAVAILABLE")
+    serve.add_argument("--placement-load-tokens", type=int, default=256, metavar="N",
+                       help="placement by where the KV is: a running request on a decode worker weighs as much as "
+                            "this many prompt tokens its prefix cache holds (0: decode workers by load alone)")
+    serve.add_argument("--local-prefill-max-tokens", type=int, default=512, metavar="N",
+                       help="a decode worker that holds a prefix of a prompt (a conversation's earlier turns) and "
+                            "lacks at most this many of its tokens computes them itself: no prefill worker, no KV "
+                            "hand-off (0: never)")
     serve.add_argument("--stream-interval", type=int, default=1, metavar="N",
                        help="tokens a streamed message carries (the first and the last excepted): fewer messages "
                             "cost the router less CPU per token; tokens already waiting always go together")
@@ -337,7 +344,8 @@ def cluster_config_from_args(args: argparse.Namespace):
                          worker_timeout_s=args.worker_timeout, pool_wait_timeout_s=args.pool_wait_timeout,
                          kv_checksum=args.kv_checksum, kv_checksum_key=_key_file(args.kv_checksum_key_file),
                          max_retries=args.max_retries, on_decode_failure=args.on_decode_failure,
-                         stream_interval=args.stream_interval,
+                         stream_interval=args.stream_interval, placement_load_tokens=args.placement_load_tokens,
+                         local_prefill_max_tokens=args.local_prefill_max_tokens,
                          router_name=socket.gethostname() if args.router_name == "auto" else args.router_name,
                          autoscale=AutoscaleConfig(profile=args.profile, gpu=args.gpu,
                                                    ttft_target_s=args.slo_ttft_ms / 1000,

@@ -147,10 +147,12 @@ class Cluster:
 
     # -- requests ---------------------------------------------------------------------------------
     async def generate(self, prompt_token_ids: Sequence[int], params: SamplingParams, request_id: str | None = None,
-                       tier: ServiceTier = ServiceTier.DEFAULT) -> AsyncIterator[RequestOutput]:
+                       tier: ServiceTier = ServiceTier.DEFAULT, session: str | None = None
+                       ) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs; closing the iterator early cancels it on every worker. Each output
         says the tier it is served at (`service_tier`) and, with n > 1, which sample it is (`index`): the
-        samples' outputs interleave, and the stream ends when every sample has."""
+        samples' outputs interleave, and the stream ends when every sample has. `session`: the key of a
+        conversation's turns (router.dispatch keeps them on one decode worker while it has room)."""
         info = self.info
         assert info is not None and self._runs is not None, "start() the cluster first"
         prompt = list(prompt_token_ids)
@@ -168,7 +170,8 @@ class Cluster:
         self.tier_demand[tier].arrived(time.monotonic(), len(prompt), params.max_tokens * params.n)
         # Router replicas: a worker sends a request's outputs to the router whose name begins its id.
         tag = f"{self.config.router_name}/" if self.config.router_name else ""
-        run = self._runs.run(req, tier, tag) if params.n == 1 else self._runs.run_group(req, tier, tag)
+        run = self._runs.run(req, tier, tag, session=session) if params.n == 1 \
+            else self._runs.run_group(req, tier, tag, session)
         async with contextlib.aclosing(run) as outs:
             async for out in outs:
                 yield out

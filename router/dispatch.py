@@ -10,10 +10,10 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import time
 from collections.abc import Sequence
 
 from pdserve.config import ClusterConfig
-from pdserve.engine.block_pool import hash_prompt_blocks
 from pdserve.engine.request import Request
 from pdserve.tiers import ServiceTier, flex_floor
 from router.line import Entry, Line
@@ -31,6 +31,12 @@ log = logging.getLogger(__name__)
 # wait on the prefill worker for a full decode worker. The line's order is by service tier, then arrival
 # (router.line).
 PREFILL_QUEUE_STEPS = 2
+MAX_SESSIONS = 65536  # session keys remembered (each its last decode worker), least recently used dropped
+# Prompts placed on a prefill worker in the last PENDING_S seconds (at most PENDING_PROMPTS of them) count as
+# in its cache until its KV events say so: a burst of prompts with one prefix (a shared system prompt) goes
+# to one worker, which computes that prefix once (pdserve.engine.scheduler holds the rest a step).
+PENDING_S = 30.0
+PENDING_PROMPTS = 64
 
 
 class PoolEmpty(Exception):
@@ -54,6 +60,9 @@ class Dispatch:
         self.in_flight: collections.Counter[ServiceTier] = collections.Counter()  # placed, by tier served
         self.downgrades = 0  # priority requests served as default (the fast lane was full)
         self._counted: dict[str, ServiceTier] = {}  # placed attempts, by the tier in_flight counts them at
+        self._pending: dict[str, collections.deque[tuple[float, list[bytes]]]] = {}  # prefill worker -> placed
+        # Session key -> the decode worker of its last turn (the most recent MAX_SESSIONS sessions).
+        self._sessions: collections.OrderedDict[str, str] = collections.OrderedDict()
         self._seqs = {name: config.engine_for(pc).scheduler.max_num_seqs for name, pc in config.pools.items()}
         if config.mode == "disaggregated":
             budget = config.engine_for(config.prefill).scheduler.max_num_batched_tokens
@@ -69,15 +78,19 @@ class Dispatch:
 
 
 
-    async def place(self, req: Request, wrid: str, target: str | None,
-                    avoid: tuple[str, ...]) -> tuple[Worker, Worker | None]:
+    async def place(self, req: Request, wrid: str, target: str | None, avoid: tuple[str, ...],
+                    session: str | None = None) -> tuple[Worker | None, Worker | None]:
         """Wait in line until a prefill worker has room for the prompt and, if a token follows the first,
         a worker of its decode pool (`target`) has room for its KV; returns both, the request counted on
         them. A priority prompt needs prefill room only: it goes to a prefill worker at the head of the
         line at once, and when no worker of its decode pool has room then, its decode worker is None:
-        the caller finds one with `place_kv` while the prompt is computed (the KV held meanwhile)."""
-        e = Entry(wrid, req.num_tokens, target, avoid, hash_prompt_blocks(req.token_ids, self.block_size),
-                  ServiceTier.of_rank(req.tier))
+        the caller finds one with `place_kv` while the prompt is computed (the KV held meanwhile).
+
+        A decode worker that already holds all of the prompt but a short suffix (at most
+        local_prefill_max_tokens, router.kv_index) computes that suffix itself: the prefill worker is then
+        None, and nothing is handed off."""
+        e = Entry(wrid, req.num_tokens, target, avoid, req.token_ids, ServiceTier.of_rank(req.tier),
+                  local_ok=self._local_ok(req), session=session)
         if target == "fast" and self.config.tiers.fast_lane_when_full == "downgrade" \
                 and not any(self.decode_room(w, e.tokens) for w in self._pools.by_name["fast"]):
             self.downgrade(req, e)
@@ -93,7 +106,7 @@ class Dispatch:
         first of the target pool with room. A prompt bound for the fast lane waits for it up to
         fast_lane_max_wait_s, then is served as default, on the decode pool; it keeps its place in line,
         ahead of the prompts that arrived after it."""
-        e = Entry(wrid, req.num_tokens, target, avoid, [], ServiceTier.of_rank(req.tier), prefill=prefill)
+        e = Entry(wrid, req.num_tokens, target, avoid, (), ServiceTier.of_rank(req.tier), prefill=prefill)
         lane_deadline = None
         if target == "fast":
             lane_deadline = asyncio.get_running_loop().time() + self.config.tiers.fast_lane_max_wait_s
@@ -158,6 +171,9 @@ class Dispatch:
         for e in self.line.order(slack):
             if e.placed.done():
                 continue
+            flex = e.tier is ServiceTier.FLEX
+            if e.local_ok and e.target is not None and e.prefill is None and self._place_local(e, blocked, flex):
+                continue
             prefill: list[Worker] = []
             if e.prefill is None:
                 if prefill_full:
@@ -166,42 +182,108 @@ class Dispatch:
                 if not prefill:
                     prefill_full = True  # every prompt behind it that needs a prefill worker waits too
                     continue
-            flex = e.tier is ServiceTier.FLEX
             decode: list[Worker] = []
             if e.target is not None:
-                if (e.target, False) not in blocked and (e.target, flex) not in blocked:
-                    decode = [w for w in prefer(self._pools.by_name[e.target], e.avoid)
-                              if self.decode_room(w, e.tokens, e.tier)]
+                decode = self._with_room(e, blocked, flex)
                 if not decode:
                     blocked.add((e.target, flex))  # the ones behind it bound there wait (flex holds back only flex)
                     if e.prefill is not None or e.tier is not ServiceTier.PRIORITY:
                         continue
                     # priority: to its prefill worker now, its KV's destination later (place_kv)
-            d = decode[pick_decode([self.decode_load(x) for x in decode])] if decode else None
+            d = decode[self._pick_decode(e, decode)] if decode else None
             if e.prefill is None:
-                p = prefill[pick_prefill([PrefillLoad(x.queued_tokens, x.prefix.match(e.hashes) * self.block_size)
-                                          for x in prefill])]
-                p.prefix.add(e.hashes)
+                p = prefill[pick_prefill([PrefillLoad(x.queued_tokens, self._cached_prefill(x, e)) for x in prefill])]
+                self._placed_prefill(p, e)
                 p.queued_tokens += e.tokens
                 p.requests.add(e.wrid)  # until its KV has reached the decode worker (the first decode token)
-                self._counted[e.wrid] = e.served or e.tier
-                self.in_flight[e.served or e.tier] += 1
+                self._count(e)
             else:
                 p = e.prefill
-            if d is not None:
-                d.requests.add(e.wrid)
-                if e.tier is ServiceTier.FLEX:
-                    d.flex.add(e.wrid)
-            self.line.remove(e)
-            e.placed.set_result((p, d))
+            self._set(e, p, d)
 
-    def unplace(self, e: Entry, p: Worker, d: Worker | None) -> None:
+    def _with_room(self, e: Entry, blocked: set[tuple[str, bool]], flex: bool) -> list[Worker]:
+        """The workers of the entry's decode pool with room for its KV (none if that pool is held back)."""
+        if (e.target, False) in blocked or (e.target, flex) in blocked:
+            return []
+        return [w for w in prefer(self._pools.by_name[e.target], e.avoid) if self.decode_room(w, e.tokens, e.tier)]
+
+    def _place_local(self, e: Entry, blocked: set[tuple[str, bool]], flex: bool) -> bool:
+        """Place the entry on a decode worker alone if the one placement would pick holds a prefix of its prompt
+        and lacks at most local_prefill_max_tokens: it computes those itself (no prefill worker, no hand-off).
+        A prompt no decode worker holds any of goes the disaggregated way, however short."""
+        decode = self._with_room(e, blocked, flex)
+        if not decode:
+            return False
+        d = decode[self._pick_decode(e, decode)]
+        cached = self._cached(d, e)
+        if not cached or e.tokens - cached > self.config.local_prefill_max_tokens:
+            return False
+        self._count(e)
+        self._set(e, None, d)
+        return True
+
+    def _set(self, e: Entry, p: Worker | None, d: Worker | None) -> None:
+        if d is not None:
+            if e.session is not None:
+                self._sessions[e.session] = d.worker_id
+                self._sessions.move_to_end(e.session)
+                while len(self._sessions) > MAX_SESSIONS:
+                    self._sessions.popitem(last=False)
+            d.requests.add(e.wrid)
+            if e.tier is ServiceTier.FLEX:
+                d.flex.add(e.wrid)
+        self.line.remove(e)
+        e.placed.set_result((p, d))
+
+    def _count(self, e: Entry) -> None:
+        self._counted[e.wrid] = e.served or e.tier
+        self.in_flight[e.served or e.tier] += 1
+
+    def _cached(self, w: Worker, e: Entry) -> int:
+        """Tokens of the entry's prompt the worker's prefix cache holds (router.kv_index), at its weight version."""
+        version = w.stats.weight_version if w.stats is not None else 0
+        return self._pools.kv_index.match(w.worker_id, e.hashes(self.block_size, version)) * self.block_size
+
+    def _cached_prefill(self, w: Worker, e: Entry) -> int:
+        """Tokens of the entry's prompt a prefill worker holds, or will once the prompts placed on it lately are
+        computed (their blocks not yet in its events)."""
+        hashes = e.hashes(self.block_size, w.stats.weight_version if w.stats is not None else 0)
+        recent = self._pending.get(w.worker_id, ())
+        now = time.monotonic()
+        while recent and now - recent[0][0] > PENDING_S:
+            recent.popleft()
+        pending = max((_common(hashes, h) for _, h in recent), default=0) * self.block_size
+        return max(self._cached(w, e), pending)
+
+    def _placed_prefill(self, w: Worker, e: Entry) -> None:
+        hashes = e.hashes(self.block_size, w.stats.weight_version if w.stats is not None else 0)
+        self._pending.setdefault(w.worker_id, collections.deque(maxlen=PENDING_PROMPTS)).append(
+            (time.monotonic(), hashes))
+
+    def _pick_decode(self, e: Entry, decode: list[Worker]) -> int:
+        """The decode worker of the session's last turn if it has room (the caller's list holds only those
+        with room), else by where the KV is against the load (router.placement)."""
+        last = self._sessions.get(e.session) if e.session is not None else None
+        for i, w in enumerate(decode):
+            if w.worker_id == last:
+                return i
+        return pick_decode([self.decode_load(x, self._cached(x, e)) for x in decode],
+                           self.config.placement_load_tokens)
+
+    def _local_ok(self, req: Request) -> bool:
+        """Whether a decode worker may compute this request's prompt itself: one sample, no prompt logprobs
+        (those are the prefill worker's), disaggregated mode, and local prefill on."""
+        return self.config.mode == "disaggregated" and self.config.local_prefill_max_tokens > 0 \
+            and req.params.n == 1 and req.params.prompt_logprobs is None
+
+    def unplace(self, e: Entry, p: Worker | None, d: Worker | None) -> None:
         if d is not None:
             d.requests.discard(e.wrid)
             d.flex.discard(e.wrid)
         if e.prefill is None:
-            p.queued_tokens -= e.tokens
-            p.requests.discard(e.wrid)
+            if p is not None:
+                p.queued_tokens -= e.tokens
+                p.requests.discard(e.wrid)
             self.released(e.wrid)
 
     def decode_room(self, w: Worker, prompt_tokens: int, tier: ServiceTier = ServiceTier.DEFAULT) -> bool:
@@ -224,10 +306,10 @@ class Dispatch:
         free = s.kv_blocks_total - s.kv_blocks_used - -(-s.waiting_tokens // bs)
         return free >= -(-(prompt_tokens + 1) // bs)
 
-    def decode_load(self, w: Worker) -> DecodeLoad:
+    def decode_load(self, w: Worker, cached_tokens: int = 0) -> DecodeLoad:
         s = w.stats
         free = s.kv_blocks_total - s.kv_blocks_used if s else 0
-        return DecodeLoad(self._active(w), free, s.kv_blocks_total if s else 0)
+        return DecodeLoad(self._active(w), free, s.kv_blocks_total if s else 0, cached_tokens)
 
     def _active(self, w: Worker) -> int:
         """A decode worker's requests: this router's, or with router replicas every router's as the
@@ -240,3 +322,13 @@ class Dispatch:
 def prefer(pool: list[Worker], avoid: Sequence[str]) -> list[Worker]:
     """The pool without the workers to avoid, unless that leaves nobody."""
     return [w for w in pool if w.worker_id not in avoid] or pool
+
+
+def _common(a: list[bytes], b: list[bytes]) -> int:
+    """Leading block hashes two chains share."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n

@@ -43,6 +43,7 @@ class Prepared:
     params: SamplingParams
     tier: ServiceTier
     request_id: str | None
+    session_id: str | None = None
 
 
 @dataclass(frozen=True)
@@ -85,7 +86,7 @@ class Frontend:
         checked = check(self.info, self.config.max_input_chars, ask, self._defaults)
         prompt, params = finish(self.info, checked, list(ask.token_ids)) if ask.token_ids is not None \
             else (None, checked.params)
-        return Prepared(checked, prompt, params, parse_tier(ask.service_tier), ask.request_id)
+        return Prepared(checked, prompt, params, parse_tier(ask.service_tier), ask.request_id, ask.session_id)
 
     async def _tokenized(self, request: Prepared) -> None:
         """A text prompt's token ids and its final parameters, into the request: rendered and tokenized on the
@@ -118,7 +119,8 @@ class Frontend:
                 t.admitted = time.monotonic()
                 await self._tokenized(request)  # only once admitted: a queued request costs no tokenizing
                 t.prompt_tokens = len(request.prompt)
-                outs = self.cluster.generate(request.prompt, request.params, request.request_id, tier)
+                outs = self.cluster.generate(request.prompt, request.params, request.request_id, tier,
+                                             request.session_id)
                 async with contextlib.aclosing(outs):
                     async for out in outs:
                         self._observe(out, t)

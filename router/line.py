@@ -17,10 +17,11 @@ from __future__ import annotations
 import asyncio
 import heapq
 import itertools
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from pdserve.engine.block_pool import hash_prompt_blocks
 from pdserve.tiers import TIERS, ServiceTier
 
 
@@ -32,12 +33,22 @@ class Entry:
     tokens: int  # prompt tokens (those already streamed included)
     target: str | None  # its decode pool ("decode" or "fast"), or None if no token follows the first
     avoid: tuple[str, ...]  # workers it prefers not to use (a retry's previous ones)
-    hashes: list[bytes]  # its prompt's block hashes (prefix-aware placement)
+    token_ids: Sequence[int]  # its prompt (the tokens already streamed included): its blocks' hashes steer placement
     tier: ServiceTier  # its place in line: the tier it asked for
     served: ServiceTier | None = None  # the tier it is served at (downgraded: default); None: its tier
     prefill: Any = None  # a prompt already on this prefill worker, its KV held there: it needs decode room only
+    local_ok: bool = False  # its decode worker may compute the prompt itself, if it holds most of it
+    session: str | None = None  # its conversation's key: the decode worker of the session's last turn first
     seq: int = 0
     placed: asyncio.Future[Any] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+    _hashes: dict[tuple[int, int], list[bytes]] = field(default_factory=dict)
+
+    def hashes(self, block_size: int, version: int = 0) -> list[bytes]:
+        """Its prompt's block hashes, rooted in weight version `version` (a worker's cache holds its version's)."""
+        key = (block_size, version)
+        if key not in self._hashes:
+            self._hashes[key] = hash_prompt_blocks(self.token_ids, block_size, version)
+        return self._hashes[key]
 
 
 class Line:

@@ -137,7 +137,9 @@ def build_app(front: Frontend, model_name: str, access: Access, max_body_bytes: 
                 raise HTTPError(503, "the router is draining; retry on another replica", kind="server_error",
                                 grpc_code="UNAVAILABLE")
             try:
-                prepared = front.prepare(body.ask())
+                ask = body.ask()
+                ask.session_id = ask.session_id or request.headers.get("x-session-id")
+                prepared = front.prepare(ask)
             except ValueError as e:
                 raise _invalid_value(body, e) from None
         except HTTPError as e:

@@ -73,6 +73,9 @@ class BaseCompletionRequest(BaseModel):
     logit_bias: dict[str, float] | None = None
     # auto (or absent), default, priority or flex (pdserve.tiers); the tier served is in the response.
     service_tier: str | None = None
+    # A conversation's turns under one key (an extension; the header x-session-id says the same): they go to the
+    # decode worker that served the session's last turn while it has room. OpenAI's `user` is not it.
+    session_id: str | None = None
 
     # Fields passed to SamplingParams under their own names (pdserve.engine.sampling says what each does): a
     # new one the engine has is declared above and named here, and reaches the engine as it is.
@@ -86,7 +89,7 @@ class BaseCompletionRequest(BaseModel):
         sampling = {name: getattr(self, name) for name in self.SAMPLING}
         sampling.update(stop=stop, stop_token_ids=tuple(self.stop_token_ids or ()), max_tokens=self.max_tokens,
                         logprobs=self.logprobs_k())
-        return Ask(sampling=sampling, service_tier=self.service_tier, **self.inputs())
+        return Ask(sampling=sampling, service_tier=self.service_tier, session_id=self.session_id, **self.inputs())
 
     def inputs(self) -> dict[str, Any]:
         """The request's input (prompt, messages or token_ids) and, beside it, the default for max_tokens."""

@@ -1,7 +1,7 @@
-"""Placement: which prefill worker and which decode worker take a request. Pure functions of pool state."""
+"""Placement: which prefill worker and which decode worker take a request. Pure functions of pool state and of
+what each worker's prefix cache holds of the prompt (router.kv_index)."""
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -9,7 +9,7 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class PrefillLoad:
     queued_tokens: int  # prompt tokens placed on the worker and not yet ingested
-    cached_tokens: int = 0  # leading tokens of this prompt the worker probably still holds in its prefix cache
+    cached_tokens: int = 0  # leading tokens of this prompt the worker's prefix cache holds (router.kv_index)
 
 
 @dataclass(frozen=True)
@@ -17,6 +17,7 @@ class DecodeLoad:
     active: int  # requests placed on the worker and not finished
     free_blocks: int  # as last reported by the worker
     total_blocks: int
+    cached_tokens: int = 0  # leading tokens of this prompt the worker's prefix cache holds (router.kv_index)
 
 
 def pick_prefill(pool: Sequence[PrefillLoad]) -> int:
@@ -25,40 +26,11 @@ def pick_prefill(pool: Sequence[PrefillLoad]) -> int:
     return min(range(len(pool)), key=lambda i: pool[i].queued_tokens - pool[i].cached_tokens)
 
 
-def pick_decode(pool: Sequence[DecodeLoad]) -> int:
-    """Fewest active requests (decode cost grows with the batch), then the most free KV blocks; ties: the first."""
-    return min(range(len(pool)), key=lambda i: (pool[i].active, -pool[i].free_blocks))
-
-
-class PrefixIndex:
-    """The router's estimate of one prefill worker's prefix cache: block hashes it ingested, LRU, bounded.
-
-    It can only be an estimate (the worker evicts on its own), so it steers placement and nothing else.
-    """
-
-    def __init__(self, capacity_blocks: int):
-        self.capacity = capacity_blocks
-        self._hashes: OrderedDict[bytes, None] = OrderedDict()
-
-    def match(self, block_hashes: Sequence[bytes]) -> int:
-        """Number of leading blocks present."""
-        n = 0
-        for h in block_hashes:
-            if h not in self._hashes:
-                break
-            n += 1
-        return n
-
-    def add(self, block_hashes: Sequence[bytes]) -> None:
-        for h in block_hashes:
-            self._hashes[h] = None
-            self._hashes.move_to_end(h)
-        while len(self._hashes) > self.capacity:
-            self._hashes.popitem(last=False)
-
-    def clear(self) -> None:
-        """Forget every block (the worker's weights changed: its cached blocks are another version's)."""
-        self._hashes.clear()
-
-    def __len__(self) -> int:
-        return len(self._hashes)
+def pick_decode(pool: Sequence[DecodeLoad], load_tokens: int = 0) -> int:
+    """The most prompt tokens cached against the load: cached tokens minus `load_tokens` for each active request
+    (a request in the batch weighs as much as that many tokens it need not receive or compute: decode cost
+    grows with the batch); then the most free KV blocks; ties: the first. With nothing cached anywhere: the
+    fewest active requests."""
+    return min(range(len(pool)), key=lambda i: (pool[i].active * load_tokens - pool[i].cached_tokens
+                                                if load_tokens else pool[i].active,
+                                                -pool[i].cached_tokens, -pool[i].free_blocks))

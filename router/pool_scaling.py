@@ -18,6 +18,7 @@ from router.workers import Worker, kill
 
 if TYPE_CHECKING:
     from pdserve.config import ClusterConfig
+    from router.kv_index import KVIndex
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +37,7 @@ class PoolScaling:
     scale_events: collections.Counter[tuple[str, str, str]]
     start_seconds: dict[str, list[float]]
     router: str | None
+    kv_index: KVIndex
 
     def grow(self, pool: str, n: int, reason: str) -> list[asyncio.Task]:
         """Start n more workers in the pool; each becomes routable once ready. The tasks that bring them up."""
@@ -90,6 +92,7 @@ class PoolScaling:
         if not w.alive:  # lost while draining: its requests were failed over like any loss
             return
         w.alive = False  # leaving: no longer counted among the workers, its outputs' end is not a loss
+        self.kv_index.forget(w.worker_id)
         self._tell_peers(w)
         try:
             await asyncio.wait_for(w.handle.shutdown.remote(), self.config.worker_timeout_s)

@@ -34,7 +34,7 @@ from pdserve.serving.link import CallFailed, LinkServer
 from pdserve.serving.messages import StepOutput, WorkerStats
 from pdserve.serving.tp_ranks import TPPlacement
 from prefill_worker.actor import PrefillActor
-from router.placement import PrefixIndex
+from router.kv_index import KVIndex
 from router.pool_scaling import PoolScaling
 from router.replicas import Replicas, actor_name
 from router.workers import REMOVE_GROUPS_TIMEOUT_S, Worker, kill
@@ -95,6 +95,7 @@ class Pools(PoolScaling):
         self.config = config
         self.info: ModelInfo | None = None
         self.by_name: dict[str, list[Worker]] = {"prefill": [], "decode": [], "fast": [], "colocated": []}  # ready
+        self.kv_index = KVIndex()  # what each worker's prefix cache holds, from its events (placement reads it)
         self.starting: dict[str, list[Worker]] = {p: [] for p in self.by_name}
         self.draining: list[Worker] = []
         self._on_output, self._on_lost = on_output, on_lost
@@ -219,12 +220,7 @@ class Pools(PoolScaling):
         return self.make_worker(worker_id, handle, pool, slot, group)
 
     def make_worker(self, worker_id: str, handle: Any, pool: str, slot: int, group: Any = None) -> Worker:
-        w = Worker(worker_id, handle, pool, slot, placement_group=group)
-        if pool == "prefill":
-            engine = self.config.engine_for(getattr(self.config, pool))
-            w.prefix = PrefixIndex(engine.cache.resolve_num_blocks(self.info.config, engine.torch_dtype,
-                                                                   engine.tensor_parallel_size))
-        return w
+        return Worker(worker_id, handle, pool, slot, placement_group=group)
 
     def _new_id(self, pool: str, slot: int) -> str:
         """A worker id never used before in this cluster (an owner's epoch keeps replicas' ids apart)."""
@@ -299,6 +295,7 @@ class Pools(PoolScaling):
         if not w.alive or self._closing:
             return
         w.alive = False
+        self.kv_index.forget(w.worker_id)  # its cache went with it
         if not self.owner:  # a replica that does not own the pools: the owner replaces it; this one lets go
             if w.state == "draining":
                 log.info("worker %s left (%s)", w.worker_id, why)
@@ -397,6 +394,8 @@ class Pools(PoolScaling):
         router's per-request calls out."""
 
         def take(out: StepOutput) -> None:
+            if out.kv is not None:
+                self.kv_index.apply(w.worker_id, out.kv)
             if out.stats is not None:
                 w.stats = out.stats
             self._on_output(w, out)

@@ -47,7 +47,8 @@ class Runs:
         self._on_output = on_output
         self.retries = retries
 
-    async def run(self, req: Request, tier, tag: str, sent: int = 0, attempts: int = 0) -> AsyncIterator[RequestOutput]:
+    async def run(self, req: Request, tier, tag: str, sent: int = 0, attempts: int = 0,
+                  session: str | None = None) -> AsyncIterator[RequestOutput]:
         """A request through its attempts, from the tokens (and the `sent` characters of text) it already
         has: each attempt continues where the last one stopped."""
         rid, streams = req.request_id, self.parts.streams
@@ -59,7 +60,7 @@ class Runs:
                 try:
                     # Closed explicitly (not left to the garbage collector): its cleanup cancels the attempt on
                     # its workers the moment the client goes away.
-                    outs = Attempt(self.parts, req, sent, f"{tag}{rid}#{attempt}", avoid).outputs()
+                    outs = Attempt(self.parts, req, sent, f"{tag}{rid}#{attempt}", avoid, session).outputs()
                     async with contextlib.aclosing(outs):
                         async for out in outs:
                             sent += len(out.new_text)
@@ -89,7 +90,8 @@ class Runs:
                     "; giving up" if give_up else "; trying again")
         return give_up
 
-    async def run_group(self, group: Request, tier, tag: str) -> AsyncIterator[RequestOutput]:
+    async def run_group(self, group: Request, tier, tag: str, session: str | None = None
+                        ) -> AsyncIterator[RequestOutput]:
         """A request of n > 1 samples: one attempt for the group (its prompt computed once, its KV moved once,
         the samples forked where they decode). If that attempt fails, each unfinished sample goes on as a
         request of its own (sample i is the n=1 request seeded sample_seed(seed, i)) from the tokens it has,
@@ -100,7 +102,7 @@ class Runs:
         done = [False] * n
         self.parts.streams.open(rid)
         try:
-            outs = Attempt(self.parts, group, 0, f"{tag}{rid}#0", ()).outputs()
+            outs = Attempt(self.parts, group, 0, f"{tag}{rid}#0", (), session).outputs()
             async with contextlib.aclosing(outs):
                 async for out in outs:
                     tokens[out.index] += out.new_token_ids

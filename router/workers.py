@@ -13,7 +13,6 @@ from ray.util.placement_group import remove_placement_group
 from pdserve.serving.calls import WorkerCalls
 from pdserve.serving.link import Link
 from pdserve.serving.messages import WorkerStats
-from router.placement import PrefixIndex
 
 log = logging.getLogger(__name__)
 
@@ -28,7 +27,6 @@ class Worker:
     flex: set[str] = field(default_factory=set)  # those of the flex tier (decode workers preempt them for others)
     queued_tokens: int = 0  # prefill: prompt tokens sent and not yet ingested
     stats: WorkerStats | None = None
-    prefix: PrefixIndex = field(default_factory=lambda: PrefixIndex(0))  # prefill workers only
     alive: bool = True
     state: str = "starting"  # starting | ready | draining
     placement_group: Any = None  # a tensor-parallel worker's: its ranks' bundles, removed when it leaves

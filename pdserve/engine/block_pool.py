@@ -14,6 +14,7 @@ import hashlib
 import struct
 from collections import OrderedDict
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 HASH_BYTES = 32
 # Stands in for the parent of a prompt's first block so every hashed message has the same layout.
@@ -60,6 +61,29 @@ class OutOfBlocks(Exception):
     """Fewer free blocks than requested; the pool was left unchanged."""
 
 
+@dataclass(frozen=True)
+class KVEvents:
+    """What a worker's prefix cache gained and lost since it last said (router.kv_index keeps the cluster's
+    view): block hashes stored, block hashes removed (evicted), and `cleared` when the whole cache was
+    forgotten first (the hashes after it are since then)."""
+
+    stored: tuple[bytes, ...] = ()
+    removed: tuple[bytes, ...] = ()
+    cleared: bool = False
+
+    def merged(self, later: KVEvents) -> KVEvents:
+        """These events followed by `later` (a hash's last event wins)."""
+        if later.cleared:
+            return later
+        state = dict.fromkeys(self.stored, True) | dict.fromkeys(self.removed, False)
+        for h in later.stored:
+            state[h] = True
+        for h in later.removed:
+            state[h] = False
+        return KVEvents(tuple(h for h, v in state.items() if v), tuple(h for h, v in state.items() if not v),
+                        self.cleared)
+
+
 class BlockPool:
     """Ref-counted block ids with an LRU free queue and an optional prefix cache.
 
@@ -86,6 +110,22 @@ class BlockPool:
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.prefix_hits = 0
         self.prefix_queries = 0
+        # The cache's changes since take_events(), a hash's last change winning (True: stored), when recorded.
+        self._events: dict[bytes, bool] | None = None
+        self._cleared = False
+
+    def record_events(self) -> None:
+        """From now on, keep what the prefix cache stores and evicts for take_events()."""
+        self._events = {}
+
+    def take_events(self) -> KVEvents | None:
+        """The cache's changes since the last call (None if there were none, or if they are not recorded)."""
+        if not self._events and not self._cleared:
+            return None
+        ev = self._events
+        out = KVEvents(tuple(h for h, v in ev.items() if v), tuple(h for h, v in ev.items() if not v), self._cleared)
+        self._events, self._cleared = {}, False
+        return out
 
     @property
     def num_blocks(self) -> int:
@@ -189,6 +229,8 @@ class BlockPool:
             return
         self._cached[block_hash] = block_id
         self._hash[block_id] = block_hash
+        if self._events is not None:
+            self._events[block_hash] = True
 
     def get_cached_prefix(self, block_hashes: Sequence[bytes]) -> list[int]:
         """Blocks of the longest cached prefix of the hash chain, each with one more reference.
@@ -226,6 +268,8 @@ class BlockPool:
             return False
         self._cached.clear()
         self._hash = [None] * self._num_blocks
+        if self._events is not None:
+            self._events, self._cleared = {}, True
         return True
 
     def check_integrity(self) -> None:
@@ -253,6 +297,8 @@ class BlockPool:
             assert self._cached.get(block_hash) == block_id, f"block {block_id} hash not in map"
             del self._cached[block_hash]
             self._hash[block_id] = None
+            if self._events is not None:
+                self._events[block_hash] = False
 
     def _check_id(self, block_id: int) -> None:
         if not 0 <= block_id < self._num_blocks:

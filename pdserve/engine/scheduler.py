@@ -179,6 +179,7 @@ class Scheduler(PipelinedDecode):
                 budget -= n
                 i += 1
         # Admitting while preempting would only thrash: the freed room belongs to the running batch.
+        computing: set[bytes] = set()  # full blocks the prompts admitted in this step compute
         while self.waiting and not preempted and self.num_active < self.config.max_num_seqs:
             req = self.waiting[0]
             if req.unresolved:
@@ -198,6 +199,9 @@ class Scheduler(PipelinedDecode):
                 self.kv.start(req)  # computed by this worker's weights
                 if req.prompt_logprobs is None:  # prompt logprobs need every position computed
                     self.kv.admit_cached_prefix(req)
+                    if self._shares_computing(req, computing):
+                        self.kv.free(req)  # one step later its prefix is in the cache: it waits for that
+                        break
             n = req.num_tokens - req.num_computed_tokens
             if n > budget and not self.config.enable_chunked_prefill:
                 req.kept_kv = kept
@@ -218,6 +222,8 @@ class Scheduler(PipelinedDecode):
             self.running.append(req)
             scheduled.append((req, n))
             budget -= n
+            bs = self.kv.block_size
+            computing.update(req.block_hashes[req.num_computed_tokens // bs:(req.num_computed_tokens + n) // bs])
         self.num_preemptions += preempted
         chunks = [chunk_of(r, n, self.eos_token_ids) for r, n in scheduled]
         return ScheduledStep([r for r, _ in scheduled], chunks, reserved)
@@ -302,6 +308,13 @@ class Scheduler(PipelinedDecode):
         if self.on_fork is not None:
             self.on_fork(group, child)
         return child
+
+    def _shares_computing(self, req: Request, computing: set[bytes]) -> bool:
+        """Whether the first block of req's prompt that its cache hits leave to compute is one a prompt admitted
+        in this step computes: a burst of prompts with one uncached prefix (a shared system prompt) computes it
+        once, the rest taking it from the cache a step later."""
+        i = len(req.block_ids)  # the blocks the cache gave it
+        return self.kv.pool.enable_prefix_caching and i < len(req.block_hashes) and req.block_hashes[i] in computing
 
     def take_block_copies(self) -> list[tuple[int, int]]:
         """The block copies forks asked for, to run before the next step (the runner's copy_blocks)."""

@@ -22,10 +22,12 @@ class StepLoopStopped(RuntimeError):
 
 
 class StepLoop:
-    def __init__(self, step: Callable[[], bool], name: str):
+    def __init__(self, step: Callable[[], bool], name: str, after: Callable[[], None] | None = None):
         """step() runs one unit of work and says whether it did any; when it did none, the loop
-        sleeps until a call arrives instead of spinning."""
+        sleeps until a call arrives instead of spinning. after(), if given, runs on the step thread after
+        each round of calls and step (a worker sends what they changed of its prefix cache)."""
         self._step = step
+        self._after = after
         self._calls: queue.SimpleQueue[tuple[Callable[[], Any], Future] | None] = queue.SimpleQueue()
         self._stopped = threading.Event()
         self.paused = False  # set and cleared by calls (pause / resume): no step runs while it is set
@@ -60,12 +62,17 @@ class StepLoop:
                 break
             if self.paused:
                 busy = False  # calls only, until one resumes it
-                continue
-            try:
-                busy = self._step()
-            except Exception:  # the step function handles its own failures; this is the last resort
-                log.exception("step failed on %s", self._thread.name)
-                busy = False
+            else:
+                try:
+                    busy = self._step()
+                except Exception:  # the step function handles its own failures; this is the last resort
+                    log.exception("step failed on %s", self._thread.name)
+                    busy = False
+            if self._after is not None:
+                try:
+                    self._after()
+                except Exception:  # noqa: BLE001 - the loop goes on; what failed says so
+                    log.exception("after-step hook failed on %s", self._thread.name)
 
     @staticmethod
     def _apply(item: tuple[Callable[[], Any], Future]) -> None:

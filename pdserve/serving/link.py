@@ -58,12 +58,17 @@ class CallFailed(RuntimeError):
 
 
 def merge(outs: list[StepOutput]) -> StepOutput:
-    """Outputs of one worker, in order, as one: events, failures and replies in order, the latest stats."""
+    """Outputs of one worker, in order, as one: events, failures and replies in order, the latest stats, the
+    prefix cache's changes merged."""
     if len(outs) == 1:
         return outs[0]
     stats = next((o.stats for o in reversed(outs) if o.stats is not None), None)
+    kv = None
+    for o in outs:
+        if o.kv is not None:
+            kv = o.kv if kv is None else kv.merged(o.kv)
     return StepOutput(outs[0].worker_id, tuple(e for o in outs for e in o.events),
-                      tuple(f for o in outs for f in o.failed), stats, tuple(r for o in outs for r in o.replies))
+                      tuple(f for o in outs for f in o.failed), stats, tuple(r for o in outs for r in o.replies), kv)
 
 
 def _recv_exactly(sock: socket.socket, n: int) -> bytes:
@@ -246,7 +251,7 @@ class Link:
                 fut.set_exception(ValueError(r.error))
             else:
                 fut.set_exception(CallFailed(f"worker {self.worker_id}: {r.error}"))
-        if out.events or out.failed or out.stats is not None:
+        if out.events or out.failed or out.stats is not None or out.kv is not None:
             self._on_output(out)
 
     def close(self, why: str) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from pdserve.engine.block_pool import KVEvents
 from pdserve.engine.logprobs import PromptLogprobs, TokenLogprob
 from pdserve.engine.output import TextOutput
 from pdserve.engine.request import FinishReason, Request
@@ -88,21 +89,26 @@ class PrefillResult:
 
 @dataclass(frozen=True)
 class DecodeTask(_Task):
-    """A request whose KV a prefill worker computes: the decode worker reserves room for it at once."""
+    """A request whose KV a prefill worker computes: the decode worker reserves room for it at once (or, `local`,
+    one whose prompt the decode worker computes itself)."""
 
     request_id: str
     prompt_token_ids: tuple[int, ...]
     output_token_ids: tuple[int, ...]  # tokens streamed before this attempt; the prefill worker samples the next
     params: SamplingParams
     seed: int
-    prefill_worker: str  # id of the prefill worker that computes and pushes the KV
+    prefill_worker: str  # id of the prefill worker that computes and pushes the KV ("" when local)
     tier: int = 1
     text_offset: int = 0  # before the prefill worker's first token (this worker adds that token's text unsent)
+    # The decode worker computes the prompt itself (it holds most of it: a conversation's earlier turns), with
+    # its prefix cache, and samples the first token too: no prefill worker, no hand-off (router.dispatch).
+    local: bool = False
 
     def new_request(self, tokenizer: Tokenizer | None = None, vocab_size: int | None = None) -> Request:
         req = super().new_request(tokenizer, vocab_size)
-        req.remote_kv = True
-        req.prompt_logprobs = None  # the prefill worker's to compute
+        if not self.local:
+            req.remote_kv = True
+            req.prompt_logprobs = None  # the prefill worker's to compute
         return req
 
 
@@ -232,6 +238,7 @@ class StepOutput:
     failed: tuple[Failure, ...] = ()  # requests the worker had to drop
     stats: WorkerStats | None = None
     replies: tuple[Reply, ...] = ()
+    kv: KVEvents | None = None  # what the worker's prefix cache stored and evicted since its last output
 
 
 @dataclass(frozen=True)

@@ -57,6 +57,11 @@ class RouterLinks:
         for q, ev, fa in by_queue.values():
             q.put(StepOutput(self.worker_id, tuple(ev), tuple(fa), stats))
 
+    def broadcast(self, out: StepOutput) -> None:
+        """An output every router needs (the prefix cache's changes: each places by them)."""
+        for q in self._queues.values() or (self._first,):
+            q.put(out)
+
     async def close(self) -> None:
         """Each link sends what waits for its router, then ends."""
         for link in list(self._links.values()):

@@ -37,7 +37,7 @@ from pdserve.model.loader import LoadedModel
 from pdserve.serving.calls import Call
 from pdserve.serving.cancels import Cancels
 from pdserve.serving.fault_calls import FaultCalls
-from pdserve.serving.messages import Failure, FailureReason, TokenEvent, WorkerStats
+from pdserve.serving.messages import Failure, FailureReason, StepOutput, TokenEvent, WorkerStats
 from pdserve.serving.router_links import RouterLinks
 from pdserve.serving.weight_calls import WeightCalls
 from pdserve.tiers import ServiceTier
@@ -83,7 +83,8 @@ class WorkerActor(WeightCalls, Cancels, FaultCalls):
 
     def _start(self) -> None:
         """Start the step thread: once the subclass's own state exists."""
-        self.loop = StepLoop(self._step, name=f"{self.pool}-{self.worker_id}")
+        self.core.pool.record_events()
+        self.loop = StepLoop(self._step, name=f"{self.pool}-{self.worker_id}", after=self._send_kv_events)
 
     # -- actor methods ----------------------------------------------------------------------------
     async def ready(self) -> str:
@@ -213,6 +214,13 @@ class WorkerActor(WeightCalls, Cancels, FaultCalls):
         core.scheduler.abandon_launched()
         return StepRun([], failed + [Failure(rid, FailureReason.STEP_FAILED, f"{self.pool} step failed: {error}")
                                      for rid in core.cancel_all()])
+
+    def _send_kv_events(self) -> None:
+        """What the prefix cache stored and evicted since the last round, to every router (router.kv_index): they
+        place requests where their KV is."""
+        kv = self.core.pool.take_events()
+        if kv is not None:
+            self.links.broadcast(StepOutput(self.worker_id, (), kv=kv))
 
     def _publish(self, sampled: Iterable[SampledToken], failed: Iterable[Failure] = ()) -> None:
         """Put one StepOutput with every request's new token and its text (and the failures), if there is any,

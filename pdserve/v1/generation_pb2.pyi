@@ -63,7 +63,7 @@ class SamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., min_tokens: _Optional[int] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("prompt", "messages", "token_ids", "sampling", "max_tokens", "stop", "stop_token_ids", "ignore_eos", "request_id", "service_tier", "logprobs", "prompt_logprobs", "logprobs_mode", "n", "version_policy", "max_staleness")
+    __slots__ = ("prompt", "messages", "token_ids", "sampling", "max_tokens", "stop", "stop_token_ids", "ignore_eos", "request_id", "service_tier", "logprobs", "prompt_logprobs", "logprobs_mode", "n", "version_policy", "max_staleness", "session_id")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -80,6 +80,7 @@ class GenerateRequest(_message.Message):
     N_FIELD_NUMBER: _ClassVar[int]
     VERSION_POLICY_FIELD_NUMBER: _ClassVar[int]
     MAX_STALENESS_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     prompt: str
     messages: ChatMessages
     token_ids: TokenIds
@@ -96,7 +97,8 @@ class GenerateRequest(_message.Message):
     n: int
     version_policy: str
     max_staleness: int
-    def __init__(self, prompt: _Optional[str] = ..., messages: _Optional[_Union[ChatMessages, _Mapping]] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., max_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., request_id: _Optional[str] = ..., service_tier: _Optional[str] = ..., logprobs: _Optional[int] = ..., prompt_logprobs: _Optional[int] = ..., logprobs_mode: _Optional[str] = ..., n: _Optional[int] = ..., version_policy: _Optional[str] = ..., max_staleness: _Optional[int] = ...) -> None: ...
+    session_id: str
+    def __init__(self, prompt: _Optional[str] = ..., messages: _Optional[_Union[ChatMessages, _Mapping]] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., max_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., request_id: _Optional[str] = ..., service_tier: _Optional[str] = ..., logprobs: _Optional[int] = ..., prompt_logprobs: _Optional[int] = ..., logprobs_mode: _Optional[str] = ..., n: _Optional[int] = ..., version_policy: _Optional[str] = ..., max_staleness: _Optional[int] = ..., session_id: _Optional[str] = ...) -> None: ...
 
 class Usage(_message.Message):
     __slots__ = ("prompt_tokens", "completion_tokens", "cached_prompt_tokens")

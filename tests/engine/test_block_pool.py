@@ -349,3 +349,59 @@ BlockPoolMachine.TestCase.settings = settings(
     max_examples=200, stateful_step_count=30, deadline=None
 )
 test_block_pool_random_workload = BlockPoolMachine.TestCase
+
+
+def test_events_say_what_the_cache_stored_and_evicted():
+    from pdserve.engine.block_pool import KVEvents
+
+    pool = BlockPool(num_blocks=3, block_size=2)
+    assert pool.take_events() is None  # not recorded
+    pool.record_events()
+    h = [bytes([i]) * 32 for i in range(4)]
+    blocks = pool.allocate(2)
+    pool.cache_block(blocks[0], h[0])
+    pool.cache_block(blocks[1], h[1])
+    assert pool.take_events() == KVEvents(stored=(h[0], h[1]))
+    assert pool.take_events() is None  # each change said once
+    pool.free(blocks[::-1])  # still cached: freeing evicts nothing
+    assert pool.take_events() is None
+    pool.allocate(3)  # the free queue's head first: block 2 (never cached), then 1, then 0
+    assert pool.take_events() == KVEvents(removed=(h[1], h[0]))
+    other = BlockPool(num_blocks=2, block_size=2)
+    other.record_events()
+    other.cache_block(other.allocate(1)[0], h[2])
+    other.free([0])
+    assert other.reset_prefix_cache()
+    assert other.take_events() == KVEvents(cleared=True)  # what was stored before the reset is gone with it
+
+
+def test_a_burst_with_one_uncached_prefix_computes_it_once():
+    """Prompts sharing a prefix nobody holds, arriving together: the first computes it, the others wait one step
+    and take it from the cache (the scheduler holds a prompt whose next block to compute is being computed in
+    the same step); a prompt sharing nothing goes in the first step."""
+    from pdserve.config import SchedulerConfig
+    from pdserve.engine.kv_cache import KVCacheManager
+    from pdserve.engine.request import FinishReason, Request
+    from pdserve.engine.sampling import SamplingParams
+    from pdserve.engine.scheduler import Scheduler
+    from pdserve.engine.scheduler_types import Role
+
+    bs = 4
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=256, max_num_seqs=8),
+                      KVCacheManager(BlockPool(64, bs)), (), 1024, Role.PREFILL)
+    shared = list(range(100, 112))  # three blocks
+    a, b, c = (Request(rid, shared + tail, SamplingParams(max_tokens=1), 0)
+               for rid, tail in (("a", [1, 2, 3]), ("b", [4, 5, 6]), ("c", [7, 8, 9])))
+    other = Request("o", list(range(200, 215)), SamplingParams(max_tokens=1), 0)
+    for r in (a, b, c):
+        sched.add(r)
+    step = sched.schedule()
+    assert [r.request_id for r in step.requests] == ["a"]  # b and c wait: a computes their prefix
+    for r, chunk in zip(step.requests, step.chunks):  # the step ran: a's full blocks are cached
+        r.num_computed_tokens += len(chunk.token_ids)
+        sched.kv.cache_computed_blocks(r)
+        sched.finish(r, FinishReason.LENGTH)  # (its first token sampled and handed off)
+    sched.add(other)
+    step = sched.schedule()
+    assert [r.request_id for r in step.requests] == ["b", "c", "o"]
+    assert b.num_cached_tokens == c.num_cached_tokens == len(shared) and other.num_cached_tokens == 0

@@ -1,0 +1,80 @@
+"""Multi-turn traffic on a real 1P2D cluster: each turn resends the conversation, and the router places it where
+its KV is (router.kv_index, from the workers' events). A later turn goes to the decode worker that served the
+last one and holds all of the conversation but the newest tokens: that worker computes them itself, with no
+prefill worker and no hand-off (local prefill), and every reply equals the offline engine's."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pdserve.config import CacheConfig, ClusterConfig, EngineConfig, PoolConfig, SchedulerConfig
+from pdserve.engine import LLMEngine
+from pdserve.engine.block_pool import hash_prompt_blocks
+from pdserve.engine.sampling import SamplingParams
+from router.cluster import Cluster
+
+from conftest import wait_for
+
+BS = 4
+GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def session_cluster(tiny_checkpoints, ray_local, aloop):
+    engine = EngineConfig(model=str(tiny_checkpoints["llama"]), cache=CacheConfig(block_size=BS, num_blocks=256),
+                          scheduler=SchedulerConfig(max_num_batched_tokens=64))
+    pool = PoolConfig(1, num_cpus=0.25)
+    cfg = ClusterConfig(engine=engine, prefill=pool, decode=PoolConfig(2, num_cpus=0.25), transfer_timeout_s=20.0,
+                        local_prefill_max_tokens=24)
+    cluster = Cluster(cfg)
+    aloop.run(cluster.start(), timeout=600)
+    yield cluster, LLMEngine(engine)
+    aloop.run(cluster.shutdown())
+
+
+async def turn(cluster: Cluster, prompt: list[int]) -> tuple[list[int], tuple[str, ...]]:
+    tokens, placement = [], ()
+    async for out in cluster.generate(prompt, GREEDY):
+        assert out.error is None, out.error
+        tokens += out.new_token_ids
+        placement = out.placement or placement
+    return tokens, placement
+
+
+def stat(aloop, cluster, pool: str, name: str) -> dict[str, int]:
+    return {s.worker_id: getattr(s, name) for s in aloop.run(cluster.stats()) if s.pool == pool}
+
+
+def test_later_turns_go_to_the_decode_worker_holding_the_conversation(session_cluster, aloop):
+    cluster, offline = session_cluster
+    g = torch.Generator().manual_seed(3)
+    conversation = torch.randint(0, 320, (30,), generator=g).tolist()
+    decode_ids = {w.worker_id for w in cluster.pools["decode"]}
+    for n in range(4):
+        prefilled = stat(aloop, cluster, "prefill", "prompt_tokens_computed")
+        moved = sum(t.get("bytes", 0) for s in aloop.run(cluster.stats()) for t in [s.transfer or {}])
+        reply, placement = aloop.run(turn(cluster, conversation))
+        assert reply == offline.generate([conversation], GREEDY)[0].token_ids, f"turn {n}"
+        served_by = placement[-1]
+        assert served_by in decode_ids
+        if n == 0:
+            assert len(placement) == 2  # the first turn: a prefill worker, then the decode worker
+        else:
+            # Its decode worker held all of it but the newest tokens: it computed those itself.
+            assert placement == (served_by,) == (last,), placement
+            assert stat(aloop, cluster, "prefill", "prompt_tokens_computed") == prefilled  # no prefill work
+            assert sum(t.get("bytes", 0) for s in aloop.run(cluster.stats()) for t in [s.transfer or {}]) == moved
+        last = served_by
+        conversation = conversation + reply + torch.randint(0, 320, (9,), generator=g).tolist()
+        # What the next turn is placed by: the decode worker's prefix cache, as its events told the router.
+        held = hash_prompt_blocks(conversation[:len(conversation) - 9 - 1], BS)
+        wait_for(lambda: cluster.scaling.kv_index.match(served_by, held) == len(held), timeout=30,
+                 what="the decode worker's KV events to reach the router")
+
+
+def test_a_prompt_no_decode_worker_holds_goes_the_disaggregated_way(session_cluster, aloop):
+    cluster, offline = session_cluster
+    prompt = torch.randint(0, 320, (12,), generator=torch.Generator().manual_seed(4)).tolist()  # short, uncached
+    reply, placement = aloop.run(turn(cluster, prompt))
+    assert reply == offline.generate([prompt], GREEDY)[0].token_ids
+    assert len(placement) == 2
