@@ -160,7 +160,8 @@ def requests(wild: bool = True) -> st.SearchStrategy[pb.GenerateRequest]:
             r.sampling.CopyFrom(params)
         if max_tokens is not None:
             r.max_tokens = max_tokens
-        n, logprobs, prompt_logprobs, staleness, tier, mode, policy = extra
+        n, logprobs, prompt_logprobs, staleness, tier, mode, policy, session = extra
+        r.session_id = session
         for name, v in (("n", n), ("logprobs", logprobs), ("prompt_logprobs", prompt_logprobs),
                         ("max_staleness", staleness)):
             if v is not None:
@@ -172,7 +173,8 @@ def requests(wild: bool = True) -> st.SearchStrategy[pb.GenerateRequest]:
     extra = st.tuples(st.none() | w(st.integers(1, 3), u32), st.none() | w(st.integers(0, 5), INT32),
                       st.none() | w(st.integers(0, 2), INT32), st.none() | w(st.integers(0, 3), u32),
                       w(st.sampled_from(["", "auto", "default", "priority", "flex"]), text),
-                      w(st.sampled_from(["", "raw", "processed"]), text), w(st.sampled_from(["", "keep", "abort"]), text))
+                      w(st.sampled_from(["", "raw", "processed"]), text), w(st.sampled_from(["", "keep", "abort"]), text),
+                      w(st.sampled_from(["", "chat-1", "agent-7"]), text | st.just("s" * 257)))
     return st.builds(build, st.sampled_from(["token_ids", "token_ids", "prompt", "messages", "none"] if wild else
                                             ["token_ids"]), text, messages, ids, st.none() | sampling(wild),
                      st.none() | w(st.integers(1, 8), st.integers(-3, 12) | INT32),
@@ -272,6 +274,7 @@ def _bodies(wild: bool) -> st.SearchStrategy[tuple[str, dict]]:
         "max_staleness": maybe(st.integers(0, 3)), "service_tier": maybe(st.sampled_from(["auto", "flex"])),
         "logit_bias": maybe(st.just({})), "user": maybe(st.text(max_size=5)),
         "stream_options": maybe(st.just({"include_usage": True})),
+        "session_id": maybe(st.sampled_from(["chat-1", "agent-7"]) | (st.just("s" * 257) if wild else st.nothing())),
     }
     completion = st.fixed_dictionaries({**common, "prompt": ids | st.text(max_size=20) | JSONISH if wild else ids,
                                         "logprobs": maybe(st.integers(0, 5)), "echo": maybe(st.booleans()),
