@@ -176,8 +176,6 @@ class WeightControl:
             log.warning("weight version %d: %s did not switch (%s); it is replaced", version, w.worker_id, cause_of(e))
         self._source = (path, version) if path is not None else None
         self.version = version
-        for w in workers:
-            w.prefix.clear()  # the prefill workers' cached prefixes are another version's now
         result = UpdateResult(version, time.monotonic() - t0, tuple(reports))
         log.info("weight version %d from %s on %d workers (%s mode) in %.2f s", version,
                  path or "the trainer's group", len(workers), mode, result.seconds)
