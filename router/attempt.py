@@ -205,6 +205,8 @@ class Attempt:
                     logprobs.append(ev.logprobs)
                 if ev.prompt_logprobs is not None:  # a colocated worker's, with the first token
                     prompt_logprobs = ev.prompt_logprobs
+                if ev.cached_tokens is not None:  # this worker computed the prompt (colocated, local prefill)
+                    req.num_cached_tokens = ev.cached_tokens
                 reason = ev.finish_reason
             if not tokens and reason is None:
                 continue
@@ -272,6 +274,8 @@ class Attempt:
                 logprobs.append(ev.logprobs)
             if ev.prompt_logprobs is not None:
                 prompt_logprobs = ev.prompt_logprobs
+            if ev.cached_tokens is not None and i == 0:
+                self.req.num_cached_tokens = ev.cached_tokens
             reason[0] = ev.finish_reason
         return batch, prompt_logprobs, None
 

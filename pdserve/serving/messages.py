@@ -146,6 +146,9 @@ class TokenEvent:
     logprobs: TokenLogprob | None = None  # if the request asked
     prompt_logprobs: PromptLogprobs | None = None  # with a colocated request's first token, if it asked
     version: int = 0  # the weight version that sampled the token (pdserve.weights)
+    # Prompt tokens the prefix cache served, where this worker computed the prompt (colocated, or a decode
+    # worker's local prefill); None where the KV came from a prefill worker (its PrefillResult says).
+    cached_tokens: int | None = None
 
 
 @dataclass(frozen=True)

@@ -249,7 +249,9 @@ class WorkerActor(WeightCalls, Cancels, FaultCalls):
         text, reason = self._text(s)
         if reason is not s.finish_reason:
             self.core.scheduler.finish(s.request, reason)
-        return TokenEvent(s.request.request_id, s.token, reason, text, s.logprobs, s.prompt_logprobs, s.version)
+        req = s.request
+        return TokenEvent(req.request_id, s.token, reason, text, s.logprobs, s.prompt_logprobs, s.version,
+                          None if req.remote_kv else req.num_cached_tokens)
 
     # -- stats ------------------------------------------------------------------------------------
     def _load(self) -> tuple[int, int, int]:

@@ -32,12 +32,16 @@ def session_cluster(tiny_checkpoints, ray_local, aloop):
     aloop.run(cluster.shutdown())
 
 
-async def turn(cluster: Cluster, prompt: list[int]) -> tuple[list[int], tuple[str, ...]]:
+async def turn(cluster: Cluster, prompt: list[int], cached: list[int] | None = None
+               ) -> tuple[list[int], tuple[str, ...]]:
+    """The reply's tokens and where it was served; `cached` gets the prompt tokens the prefix cache served."""
     tokens, placement = [], ()
     async for out in cluster.generate(prompt, GREEDY):
         assert out.error is None, out.error
         tokens += out.new_token_ids
         placement = out.placement or placement
+        if cached is not None:
+            cached[:] = [out.num_cached_tokens]
     return tokens, placement
 
 
@@ -53,7 +57,8 @@ def test_later_turns_go_to_the_decode_worker_holding_the_conversation(session_cl
     for n in range(4):
         prefilled = stat(aloop, cluster, "prefill", "prompt_tokens_computed")
         moved = sum(t.get("bytes", 0) for s in aloop.run(cluster.stats()) for t in [s.transfer or {}])
-        reply, placement = aloop.run(turn(cluster, conversation))
+        cached: list[int] = []
+        reply, placement = aloop.run(turn(cluster, conversation, cached))
         assert reply == offline.generate([conversation], GREEDY)[0].token_ids, f"turn {n}"
         served_by = placement[-1]
         assert served_by in decode_ids
@@ -62,6 +67,7 @@ def test_later_turns_go_to_the_decode_worker_holding_the_conversation(session_cl
         else:
             # Its decode worker held all of it but the newest tokens: it computed those itself.
             assert placement == (served_by,) == (last,), placement
+            assert cached == [len(held) * BS]  # the usage's cached tokens: the blocks it held
             assert stat(aloop, cluster, "prefill", "prompt_tokens_computed") == prefilled  # no prefill work
             assert sum(t.get("bytes", 0) for s in aloop.run(cluster.stats()) for t in [s.transfer or {}]) == moved
         last = served_by
