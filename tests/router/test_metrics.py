@@ -350,7 +350,8 @@ def test_dashboard_is_grafana_shaped():
     d = json.loads(DASHBOARD.read_text())
     assert d["templating"]["list"][0]["type"] == "datasource"
     rows = [p["title"] for p in d["panels"] if p["type"] == "row"]
-    assert rows == ["Prefill pool", "Decode pool", "Latency", "KV transfer", "Pool sizes (autoscaling)",
+    assert rows == ["Prefill pool", "Decode pool", "Latency", "KV transfer", "Sessions and prefix cache",
+                    "Pool sizes (autoscaling)",
                     "Service tiers", "Weights (RL updates)", "Mixture of experts"]
     for p in d["panels"]:
         if p["type"] != "row":
