@@ -45,6 +45,17 @@ from pdserve.tiers import ServiceTier
 log = logging.getLogger(__name__)
 
 
+def count_prompts(counts: collections.Counter[str], step: ScheduledStep, hop: Callable[[Request], str]) -> None:
+    """A step's prompt tokens by hop (WorkerStats.hop_tokens): those its chunks compute, and, with a prompt's first
+    chunk after its admission (the chunk that starts where the prefix cache's hit ended), those the cache served."""
+    for r, c in zip(step.requests, step.chunks):
+        computed = min(c.start + len(c.token_ids), r.num_prompt_tokens) - c.start
+        if computed > 0:
+            counts[f"{hop(r)}/computed"] += computed
+        if c.start == r.num_cached_tokens and r.num_cached_tokens:
+            counts[f"{hop(r)}/cached"] += min(r.num_cached_tokens, r.num_prompt_tokens)
+
+
 class StepRun(NamedTuple):
     sampled: list[SampledToken]
     failed: list[Failure]  # the whole queue and batch, if the step raised
@@ -153,7 +164,7 @@ class WorkerActor(WeightCalls, Cancels, FaultCalls):
         self.faults.hit("step")
         t0 = time.perf_counter()
         tokens = [(ServiceTier.of_rank(r.tier).value, len(c.token_ids)) for r, c in zip(step.requests, step.chunks)]
-        self._count_prompts(step)
+        count_prompts(self.hop_tokens, step, self._hop)
         try:
             return StepRun(self._execute(step, layer_done), [])
         except Exception as e:  # noqa: BLE001 - the batch fails, not the worker
@@ -165,17 +176,6 @@ class WorkerActor(WeightCalls, Cancels, FaultCalls):
             total = sum(n for _, n in tokens)
             for tier, n in tokens:  # each request's share of the step, by the tokens it computed
                 self.tier_seconds[tier] += dt * n / total
-
-    def _count_prompts(self, step: ScheduledStep) -> None:
-        """A step's prompt tokens by hop (_hop): those its chunks compute, and, with a prompt's first chunk after
-        its admission (the chunk that starts where the prefix cache's hit ended), those the cache served."""
-        for r, c in zip(step.requests, step.chunks):
-            hop = self._hop(r)
-            computed = min(c.start + len(c.token_ids), r.num_prompt_tokens) - c.start
-            if computed > 0:
-                self.hop_tokens[f"{hop}/computed"] += computed
-            if c.start == r.num_cached_tokens and r.num_cached_tokens:
-                self.hop_tokens[f"{hop}/cached"] += min(r.num_cached_tokens, r.num_prompt_tokens)
 
     def _hop(self, req: Request) -> str:
         """The hop (messages.HOPS) that computes this request's prompt here: the pool's own by default."""
