@@ -21,13 +21,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any
 
 import ray
 
 from pdserve.config import EngineConfig
-from pdserve.engine.request import RequestStatus
+from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.scheduler_types import Role
 from pdserve.parallel.layout import pair_plan, shares_by_rank
 from pdserve.serving.calls import Call
@@ -64,6 +65,10 @@ class DecodeActor(WorkerActor):
         self._prefill: dict[str, Any] = {}  # prefill worker id -> handle
         self._source: dict[str, tuple[str, float]] = {}  # step thread: request -> (prefill worker, placed at)
         self._self_handle: Any = None
+        # Sessions: the requests whose prompt this worker computes itself (DecodeTask.local), while they live here;
+        # local prefills taken, the KV blocks hand-offs brought, and those local prefills kept from moving.
+        self._local: weakref.WeakSet[Request] = weakref.WeakSet()
+        self.local_prefills = self.handoff_blocks = self.handoff_avoided_blocks = 0
         self._start()
 
     def handlers(self) -> dict[str, Callable]:
@@ -86,6 +91,10 @@ class DecodeActor(WorkerActor):
             self.core.scheduler.add(req)
             if not task.local:
                 self._source[task.request_id] = (task.prefill_worker, placed)
+            else:
+                self._local.add(req)
+                self.local_prefills += 1
+                self.handoff_avoided_blocks += self.core.kv.blocks_needed(req.num_tokens)
 
         def failed(f) -> None:  # e.g. a duplicate id: the router hears of it like any failed request
             if f.exception() is not None:
@@ -171,6 +180,7 @@ class DecodeActor(WorkerActor):
                 if reason is None and not first.request.finished:
                     going_on.append(first.request)
             self.handoff_seconds.observe(max(time.time() - sampled_at, 0.0))
+            self.handoff_blocks += core.kv.blocks_needed(firsts[0].request.num_tokens - 1)  # those reserved
             self._source.pop(request_id, None)
             ended = [end for req in going_on if req.kv_version != core.weight_version
                      and (end := core.version_policy(req)) is not None]
@@ -237,10 +247,14 @@ class DecodeActor(WorkerActor):
         s = self.core.scheduler
         return len(s.waiting) + len(s.waiting_for_kv), sum(r.num_tokens for r in s.waiting), len(s.running)
 
+    def _hop(self, req: Request) -> str:
+        return "local_prefill" if req in self._local else "recompute"
+
     def _extra_stats(self) -> dict:
         return dict(transfer=self.transfer_stats.snapshot(), kv_peers=len(self._intakes),
                     handoff=self.handoff_seconds.snapshot(),
-                    reservation_wait=self.reservation_wait_seconds.snapshot())
+                    reservation_wait=self.reservation_wait_seconds.snapshot(), local_prefills=self.local_prefills,
+                    handoff_blocks=self.handoff_blocks, handoff_avoided_blocks=self.handoff_avoided_blocks)
 
 
 class FastLaneActor(DecodeActor):

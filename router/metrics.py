@@ -23,7 +23,7 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 
 from pdserve.planner.autoscale import REASONS
-from pdserve.serving.messages import WorkerStats
+from pdserve.serving.messages import HOPS, WorkerStats
 from pdserve.tiers import TIERS, ServiceTier, TiersConfig, TierSLO
 from pdserve.transfer.channel import TRANSFER_SECONDS_BUCKETS
 
@@ -239,6 +239,7 @@ class WorkerCollector(Collector):
         yield from self._peaks(stats)
         yield from self._tiers(stats)
         yield from self._by_key(stats)
+        yield from self._sessions(stats)
         yield from self._transfers(stats)
 
     @staticmethod
@@ -291,6 +292,35 @@ class WorkerCollector(Collector):
             for e, n in enumerate(s.expert_tokens):
                 f.add_metric([s.pool, s.worker_id, str(e)], n)
         yield f
+
+    @staticmethod
+    def _sessions(stats: list[WorkerStats]) -> Iterator[Metric]:
+        """Sessions and the prefix cache: prompt tokens by hop, cached or computed; decode workers' local
+        prefills and the hand-offs' KV blocks, moved and not moved. Every hop of a worker's pool from the start."""
+        for how, name, doc in (
+                ("cached", "pdserve_worker_prefix_cache_hit_tokens",
+                 "Prompt tokens the prefix cache served when the prompt was admitted, by hop: prefill (a prefill "
+                 "worker's), local_prefill (a decode worker computing a prompt it holds most of), recompute (a "
+                 "decode worker's KV computed again), colocated"),
+                ("computed", "pdserve_worker_prompt_tokens_computed_by_hop",
+                 "Prompt tokens computed, by hop (prefill, local_prefill, recompute, colocated)")):
+            f = CounterMetricFamily(name, doc, labels=_WORKER + ["hop"])
+            for s in stats:
+                for hop in HOPS.get(s.pool, (s.pool,)):
+                    f.add_metric([s.pool, s.worker_id, hop], (s.hop_tokens or {}).get(f"{hop}/{how}", 0))
+            yield f
+        decode = [s for s in stats if "local_prefill" in HOPS.get(s.pool, ())]
+        for name, doc, value in (
+                ("pdserve_worker_local_prefills", "Requests whose prompt this decode worker computed itself (it "
+                 "held most of it): no prefill worker, no hand-off", lambda s: s.local_prefills),
+                ("pdserve_kv_handoff_blocks", "KV blocks hand-offs brought to this decode worker (a request's "
+                 "prompt and earlier output, whole)", lambda s: s.handoff_blocks),
+                ("pdserve_kv_handoff_avoided_blocks", "KV blocks a hand-off did not move: the prompts of the local "
+                 "prefills, which a hand-off would have brought whole", lambda s: s.handoff_avoided_blocks)):
+            f = CounterMetricFamily(name, doc, labels=_WORKER)
+            for s in decode:
+                f.add_metric([s.pool, s.worker_id], value(s))
+            yield f
 
     @staticmethod
     def _transfers(stats: list[WorkerStats]) -> Iterator[Metric]:

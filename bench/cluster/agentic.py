@@ -4,7 +4,8 @@ Sessions of several turns, a few at a time: each turn sends the whole conversati
 every session shares, the earlier turns, the model's own replies) plus a new tool output, and asks for a
 short reply (greedy). Printed: median TTFT by turn; the prompt tokens the workers computed against those
 requested and against those new to the cluster (what no earlier turn or reply held); the KV bytes the
-hand-offs moved against the new tokens' KV; prefix-cache hits by pool; with --check, every reply against
+hand-offs moved against the new tokens' KV; prefix-cache hits by pool; local prefills and the KV blocks they
+kept from moving; with --check, every reply against
 the offline engine's for the same conversation.
 
     python -m bench.cluster.agentic                               # this checkout, 2P2D SmolLM2
@@ -115,7 +116,10 @@ async def drive(args, server: Server, work: Workload) -> dict:
     return dict(wall_s=wall, ttft_by_turn={t: statistics.median(v) for t, v in ttft.items()},
                 computed=delta("pdserve_worker_prompt_tokens_computed"), kv_bytes=delta("pdserve_kv_transfer_bytes"),
                 hits=delta("pdserve_worker_prefix_cache_hit_blocks"),
-                queries=delta("pdserve_worker_prefix_cache_query_blocks"), transcripts=transcripts)
+                queries=delta("pdserve_worker_prefix_cache_query_blocks"),
+                local_prefills=delta("pdserve_worker_local_prefills"),
+                handoff_blocks=delta("pdserve_kv_handoff_blocks"),
+                avoided_blocks=delta("pdserve_kv_handoff_avoided_blocks"), transcripts=transcripts)
 
 
 def check(transcripts: list, model: str | None, max_tokens: int) -> int:
@@ -177,6 +181,9 @@ def main() -> None:
           f"({kv_per_token / 1e3:.1f} KB a token)")
     print("prefix-cache hits by pool: " + ", ".join(f"{p} {res['hits'].get(p, 0):.0f}/{q:.0f} blocks"
                                                    for p, q in res["queries"].items()))
+    if res["local_prefills"]:  # a checkout whose decode workers count them
+        print(f"local prefills {sum(res['local_prefills'].values()):.0f}; KV blocks handed off "
+              f"{sum(res['handoff_blocks'].values()):.0f}, not moved {sum(res['avoided_blocks'].values()):.0f}")
     if args.check:
         bad = check(res["transcripts"], args.model, args.max_tokens)
         print(f"replies equal to the offline engine's: {len(res['transcripts']) - bad} of {len(res['transcripts'])}")

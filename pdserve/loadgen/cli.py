@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from pdserve.loadgen.runner import MAX_N
+from pdserve.loadgen.sessions import SessionSpec, format_sessions, run_session_bench
 from pdserve.loadgen.stats import Slo
 from pdserve.loadgen.workload import (
     ARRIVALS,
@@ -109,6 +110,21 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
                    help="generate exactly the output length (default: on for synthetic prompts, off for traces)")
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--seed", type=int, default=0, help="seeds lengths, prompts and arrivals")
+    g = p.add_argument_group("multi-turn sessions (chat, agents: each turn resends the conversation)")
+    g.add_argument("--sessions", type=int, default=0,
+                   help="send N sessions of --turns turns instead of single requests: each turn is the whole "
+                        "conversation so far (a shared system prompt, every earlier turn, the model's own replies) "
+                        "and --turn-input-len new tokens, with the session's key; sessions start on the arrival "
+                        "schedule, --concurrency of them at a time. The report adds TTFT by turn and the prompt "
+                        "tokens computed against those sent, by pool")
+    g.add_argument("--turns", type=int, default=4, help="turns a session (with --sessions)")
+    g.add_argument("--system-prompt-len", type=int, default=256,
+                   help="tokens of the system prompt every session begins with (with --sessions)")
+    g.add_argument("--turn-input-len", type=int, default=64,
+                   help="new tokens a turn: the user's message or a tool's output (with --sessions; the reply is "
+                        "--output-len tokens)")
+    g.add_argument("--think-time", type=float, default=0.0,
+                   help="seconds from a reply to the session's next turn: a tool call (with --sessions)")
     g = p.add_argument_group("run bounds")
     g.add_argument("--num-prompts", type=int, default=None,
                    help=f"requests to send (default {DEFAULT_NUM_PROMPTS}, or the trace's length, unless --duration)")
@@ -156,6 +172,11 @@ def check_args(args: argparse.Namespace) -> None:
         v = getattr(args, name, None)  # the planner takes the workload's flags, not bench's own (--n)
         if v is not None and not ok(v):
             raise ValueError(f"--{name.replace('_', '-')} out of range: {v}")
+    if session_spec_from_args(args) is not None:
+        if args.trace or getattr(args, "n", 1) > 1 or args.lengths != "fixed":
+            raise ValueError("--sessions takes fixed lengths (--turn-input-len, --output-len), no --trace and no --n")
+        if args.num_prompts is not None:
+            raise ValueError("--sessions counts sessions: --num-prompts has no meaning with it")
     unbounded = args.num_prompts is None and args.concurrency is None and args.duration is not None
     if unbounded and math.isinf(args.request_rate) and args.arrival in (None, "poisson") and not args.trace:
         raise ValueError("--duration with --request-rate inf (all at once) needs --num-prompts or --concurrency")
@@ -164,6 +185,14 @@ def check_args(args: argparse.Namespace) -> None:
         LengthSpec(args.lengths, args.output_len, args.range_ratio, args.max_output_len)
     elif not Path(args.trace).is_file():
         raise FileNotFoundError(f"trace {args.trace} not found")
+
+
+def session_spec_from_args(args: argparse.Namespace) -> SessionSpec | None:
+    """The multi-turn workload of --sessions, or None without it (single requests)."""
+    if not getattr(args, "sessions", 0):
+        return None
+    return SessionSpec(args.sessions, args.turns, args.system_prompt_len, args.turn_input_len, args.output_len,
+                       args.think_time)
 
 
 def tier_mix_from_args(args: argparse.Namespace) -> dict[ServiceTier, float] | None:
@@ -298,6 +327,9 @@ async def run_bench(args: argparse.Namespace, slo, tier_slos: dict | None = None
             mode = ""
     requests, arrivals, _, num, desc = build_workload(args, info.vocab_size, list(info.eos_token_ids),
                                                       info.max_model_len)
+    spec = session_spec_from_args(args)
+    if spec is not None:
+        num = desc["num_prompts"] = spec.sessions * spec.turns
     cfg = RunConfig(num_prompts=num, duration=args.duration, concurrency=args.concurrency, timeout=args.timeout,
                     temperature=args.temperature, n=args.n)
     desc["n"] = args.n
@@ -309,12 +341,18 @@ async def run_bench(args: argparse.Namespace, slo, tier_slos: dict | None = None
         await warm_up(conn, [BenchRequest(max_tokens=4, token_ids=sampler(rng, 16), ignore_eos=True)
                                     for _ in range(args.warmup)], args.temperature)
     progress = None if args.no_progress else Progress(num, args.duration)
-    before = await worker_prompt_tokens(conn)  # after the warm-up: the run's own prompts alone
-    records, wall = await run_workload(conn, requests, arrivals, cfg, progress)
-    requested, computed = prompt_tokens_between(before, await worker_prompt_tokens(conn))
+    if spec is not None:
+        records, wall, sessions = await run_session_bench(conn, spec, info, arrivals, cfg, args.seed, progress)
+        requested, computed = sessions["worker_prompt_tokens_requested"], sessions["worker_prompt_tokens_computed"]
+    else:
+        before = await worker_prompt_tokens(conn)  # after the warm-up: the run's own prompts alone
+        records, wall = await run_workload(conn, requests, arrivals, cfg, progress)
+        requested, computed = prompt_tokens_between(before, await worker_prompt_tokens(conn))
     mix = tier_mix_from_args(args)
     tiers = None if mix is None else [t.value for t, share in mix.items() if share > 0]
     report = build_report(records, slo, wall, tier_slos=tier_slos, tiers=tiers)
+    if spec is not None:
+        report["sessions"] = sessions
     model = {"name": info.name, "architecture": info.architecture, "num_params": info.num_params,
              "dtype": info.dtype, "vocab_size": info.vocab_size, "max_model_len": info.max_model_len}
     # The workers' prompt tokens over the run (other clients' included; null where the router does not say):
@@ -374,6 +412,8 @@ def format_report(rep: dict[str, Any]) -> str:
     row("P99 ITL after the 2nd token (ms):", _f(rep["p99_later_itl_ms"]))
     if rep.get("by_service_tier"):
         lines += format_tiers(rep["by_service_tier"])
+    if rep.get("sessions"):
+        lines += format_sessions(rep["sessions"])
     lines.append("=" * 50)
     return "\n".join(lines)
 

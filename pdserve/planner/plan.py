@@ -37,10 +37,12 @@ class Workload:
     output_len: np.ndarray
     concurrency: int | None
     description: dict[str, Any]
+    cached_len: np.ndarray | None = None  # each prompt's tokens the cluster holds already (None: none)
 
     def scaled(self, factor: float) -> Workload:
         """The same requests arriving factor times as fast (the plot's request-rate axis)."""
-        return Workload(self.arrival / factor, self.input_len, self.output_len, self.concurrency, self.description)
+        return Workload(self.arrival / factor, self.input_len, self.output_len, self.concurrency, self.description,
+                        self.cached_len)
 
     @property
     def mean_rate(self) -> float | None:
@@ -55,6 +57,8 @@ def workload_from_args(args: argparse.Namespace, vocab_size: int, eos_token_ids:
     from pdserve.loadgen.workload import LengthSampler
 
     requests, arrivals, _, num, desc = build_workload(args, vocab_size, eos_token_ids, max_model_len, LengthSampler)
+    if getattr(args, "sessions", 0):
+        return session_workload(args, arrivals, desc, max_model_len)
     at_list, in_list, out_list = [], [], []
     for req, at in zip(requests, arrivals):
         if num is not None and len(at_list) >= num:
@@ -74,6 +78,30 @@ def workload_from_args(args: argparse.Namespace, vocab_size: int, eos_token_ids:
     if not at_list:
         raise ValueError("the workload has no requests")
     return Workload(np.array(at_list, dtype=float), np.array(in_list), np.array(out_list), args.concurrency, desc)
+
+
+def session_workload(args: argparse.Namespace, arrivals, desc: dict[str, Any], max_model_len: int) -> Workload:
+    """The requests of `pdserve bench --sessions` as lengths, with each prompt's cached tokens: a session starts at
+    its arrival, its turn t at that time + t x --think-time (a reply's own time is not known up front), and a
+    turn's cached tokens are those a cluster keeping every session's KV holds (SessionSpec.cached_len: the system
+    prompt, then the conversation so far but the newest tokens). --concurrency caps the requests in flight, as
+    bench's caps the sessions: a session has one request in flight at a time."""
+    from pdserve.loadgen.cli import session_spec_from_args
+
+    spec = session_spec_from_args(args)
+    if spec.longest > max_model_len:
+        raise ValueError(f"a session's last turn needs {spec.longest} tokens; the model's context is {max_model_len}")
+    rows = []
+    for s, start in zip(range(spec.sessions), arrivals):
+        if args.duration is not None and start >= args.duration:
+            break
+        rows += [(start + t * spec.think_time, spec.prompt_len(t), spec.output_len, spec.cached_len(t, s == 0))
+                 for t in range(spec.turns)]
+    if not rows:
+        raise ValueError("the workload has no requests")
+    at, n_in, n_out, cached = (np.array(col) for col in zip(*sorted(rows, key=lambda r: r[0])))
+    desc = {**desc, "sessions": spec.describe(), "num_prompts": len(rows), "cached_fraction": spec.cached_fraction}
+    return Workload(at.astype(float), n_in, n_out, args.concurrency, desc, cached)
 
 
 @dataclass(frozen=True)
@@ -155,7 +183,8 @@ def report(res: SimResult, slo: Slo) -> dict[str, Any]:
 
 
 def evaluate(shape: ClusterShape, cap: int, costs: StepCosts, workload: Workload, slo: Slo) -> dict[str, Any]:
-    res = simulate(shape, costs, workload.arrival, workload.input_len, workload.output_len, workload.concurrency)
+    res = simulate(shape, costs, workload.arrival, workload.input_len, workload.output_len, workload.concurrency,
+                   cached_len=workload.cached_len)
     rep = report(res, slo)
     block_bytes = costs.kv_bytes_per_token * (shape.colocated or shape.decode).block_size
     peaks = {pool: max((v for k, v in res.peak_kv_blocks.items() if k.startswith(pool)), default=0)
@@ -282,7 +311,7 @@ def plot_plan(plan_candidates: list[tuple[ClusterShape, int]], costs: StepCosts,
         ys = []
         for f in factors:
             w = workload.scaled(f)
-            res = simulate(shape, costs, w.arrival, w.input_len, w.output_len, w.concurrency)
+            res = simulate(shape, costs, w.arrival, w.input_len, w.output_len, w.concurrency, cached_len=w.cached_len)
             ys.append(report(res, slo)["request_goodput"] or 0.0)
         ax.plot(xs, ys, marker="o", label=shape.label + (f", batch <= {cap}" if len(
             {c for _, c in plan_candidates}) > 1 else ""))

@@ -151,6 +151,13 @@ class TokenEvent:
     cached_tokens: int | None = None
 
 
+# The hops of a request's path that compute prompt tokens, by the pool whose workers run them: a prefill
+# worker's prompt; a decode worker's local prefill (it holds most of the prompt: router.dispatch) or its
+# recompute (KV computed again after a preemption or a weight update); a colocated worker's prompt.
+HOPS = {"prefill": ("prefill",), "decode": ("local_prefill", "recompute"), "fast": ("local_prefill", "recompute"),
+        "colocated": ("colocated",)}
+
+
 @dataclass(frozen=True)
 class WorkerStats:
     worker_id: str
@@ -201,6 +208,15 @@ class WorkerStats:
     version_outcomes: dict = field(default_factory=dict)
     # A mixture of experts: tokens routed to each expert, summed over its layers (load balance); () if dense.
     expert_tokens: tuple[int, ...] = ()
+    # Sessions and the prefix cache, cumulative. Prompt tokens by the hop that computed them here (HOPS: the
+    # pool's hops) and by how: "HOP/cached" (served by the prefix cache when the prompt was admitted) or
+    # "HOP/computed". Decode workers: the prompts they computed themselves (local prefills, taken instead of a
+    # prefill worker's hand-off), the KV blocks hand-offs brought here, and the blocks local prefills kept from
+    # moving (each one's prompt, which a hand-off would have moved).
+    hop_tokens: dict = field(default_factory=dict)
+    local_prefills: int = 0
+    handoff_blocks: int = 0
+    handoff_avoided_blocks: int = 0
 
     @property
     def busy_fraction(self) -> float:

@@ -45,6 +45,17 @@ from pdserve.tiers import ServiceTier
 log = logging.getLogger(__name__)
 
 
+def count_prompts(counts: collections.Counter[str], step: ScheduledStep, hop: Callable[[Request], str]) -> None:
+    """A step's prompt tokens by hop (WorkerStats.hop_tokens): those its chunks compute, and, with a prompt's first
+    chunk after its admission (the chunk that starts where the prefix cache's hit ended), those the cache served."""
+    for r, c in zip(step.requests, step.chunks):
+        computed = min(c.start + len(c.token_ids), r.num_prompt_tokens) - c.start
+        if computed > 0:
+            counts[f"{hop(r)}/computed"] += computed
+        if c.start == r.num_cached_tokens and r.num_cached_tokens:
+            counts[f"{hop(r)}/cached"] += min(r.num_cached_tokens, r.num_prompt_tokens)
+
+
 class StepRun(NamedTuple):
     sampled: list[SampledToken]
     failed: list[Failure]  # the whole queue and batch, if the step raised
@@ -77,6 +88,7 @@ class WorkerActor(WeightCalls, Cancels, FaultCalls):
         self.peaks = device_peaks(self.core.runner.device, config.peak_flops, config.peak_bytes_per_second)
         self.busy_seconds = 0.0
         self.tier_seconds: collections.Counter[str] = collections.Counter()  # busy seconds by tier
+        self.hop_tokens: collections.Counter[str] = collections.Counter()  # WorkerStats.hop_tokens
         self.started = time.monotonic()
         self.links = RouterLinks(worker_id)
         self.loop: StepLoop | None = None
@@ -152,6 +164,7 @@ class WorkerActor(WeightCalls, Cancels, FaultCalls):
         self.faults.hit("step")
         t0 = time.perf_counter()
         tokens = [(ServiceTier.of_rank(r.tier).value, len(c.token_ids)) for r, c in zip(step.requests, step.chunks)]
+        count_prompts(self.hop_tokens, step, self._hop)
         try:
             return StepRun(self._execute(step, layer_done), [])
         except Exception as e:  # noqa: BLE001 - the batch fails, not the worker
@@ -163,6 +176,10 @@ class WorkerActor(WeightCalls, Cancels, FaultCalls):
             total = sum(n for _, n in tokens)
             for tier, n in tokens:  # each request's share of the step, by the tokens it computed
                 self.tier_seconds[tier] += dt * n / total
+
+    def _hop(self, req: Request) -> str:
+        """The hop (messages.HOPS) that computes this request's prompt here: the pool's own by default."""
+        return self.pool
 
     def _execute(self, step: ScheduledStep, layer_done: Callable[[int], None] | None) -> list[SampledToken]:
         core = self.core
@@ -283,4 +300,5 @@ class WorkerActor(WeightCalls, Cancels, FaultCalls):
             weight_updates=self.weight_updates, weight_update_seconds=self.weight_update_seconds,
             weight_update_bytes=self.weight_update_bytes, weight_update_failures=self.weight_update_failures,
             version_outcomes=dict(c.version_outcomes), expert_tokens=c.expert_tokens(),
+            hop_tokens=dict(self.hop_tokens),
             **self._extra_stats())

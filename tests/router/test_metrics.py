@@ -184,6 +184,27 @@ def test_worker_series_and_transfer_histogram():
     assert g("pdserve_kv_transfer_seconds_sum", lab) == 12.5
 
 
+def test_session_series_by_pool_and_hop():
+    """Prompt tokens by hop, cached or computed, with every hop of each pool at 0 from the start; local prefills and
+    the hand-offs' blocks, moved and not, for decode workers only."""
+    workers = [stats("prefill", "prefill-0", hop_tokens={"prefill/cached": 32, "prefill/computed": 96}),
+               stats("decode", "decode-0", hop_tokens={"local_prefill/cached": 120, "local_prefill/computed": 8},
+                     local_prefills=2, handoff_blocks=7, handoff_avoided_blocks=33),
+               stats("colocated", "colocated-0")]
+    g = RouterMetrics(lambda: workers).registry.get_sample_value
+    d, p = {"pool": "decode", "worker": "decode-0"}, {"pool": "prefill", "worker": "prefill-0"}
+    hit, computed = "pdserve_worker_prefix_cache_hit_tokens_total", "pdserve_worker_prompt_tokens_computed_by_hop_total"
+    assert g(hit, {**p, "hop": "prefill"}) == 32 and g(computed, {**p, "hop": "prefill"}) == 96
+    assert g(hit, {**d, "hop": "local_prefill"}) == 120 and g(computed, {**d, "hop": "local_prefill"}) == 8
+    assert g(hit, {**d, "hop": "recompute"}) == 0 and g(computed, {**d, "hop": "recompute"}) == 0
+    assert g(hit, {**p, "hop": "local_prefill"}) is None  # a prefill worker has no such hop
+    assert g(computed, {"pool": "colocated", "worker": "colocated-0", "hop": "colocated"}) == 0
+    assert g("pdserve_worker_local_prefills_total", d) == 2
+    assert g("pdserve_kv_handoff_blocks_total", d) == 7
+    assert g("pdserve_kv_handoff_avoided_blocks_total", d) == 33
+    assert g("pdserve_kv_handoff_avoided_blocks_total", p) is None
+
+
 def test_weight_series():
     workers = [stats("prefill", "prefill-0"),
                stats("decode", "decode-0", weight_version=3, paused=True, weight_updates=3, weight_update_seconds=1.25,
@@ -329,7 +350,8 @@ def test_dashboard_is_grafana_shaped():
     d = json.loads(DASHBOARD.read_text())
     assert d["templating"]["list"][0]["type"] == "datasource"
     rows = [p["title"] for p in d["panels"] if p["type"] == "row"]
-    assert rows == ["Prefill pool", "Decode pool", "Latency", "KV transfer", "Pool sizes (autoscaling)",
+    assert rows == ["Prefill pool", "Decode pool", "Latency", "KV transfer", "Sessions and prefix cache",
+                    "Pool sizes (autoscaling)",
                     "Service tiers", "Weights (RL updates)", "Mixture of experts"]
     for p in d["panels"]:
         if p["type"] != "row":

@@ -84,3 +84,42 @@ def test_a_prompt_no_decode_worker_holds_goes_the_disaggregated_way(session_clus
     reply, placement = aloop.run(turn(cluster, prompt))
     assert reply == offline.generate([prompt], GREEDY)[0].token_ids
     assert len(placement) == 2
+
+
+def test_the_workers_count_local_prefills_cache_hits_and_the_kv_not_moved(session_cluster, aloop):
+    """The sessions' counters (WorkerStats, exported as pdserve_worker_prefix_cache_hit_tokens_total and its
+    kin): the first turn's prompt is computed by the prefill worker and its blocks handed off; each later turn
+    is a local prefill on its decode worker, its prompt's tokens served by the cache or computed there, and its
+    blocks counted as not moved."""
+    cluster, _ = session_cluster
+    g = torch.Generator().manual_seed(11)
+    conversation = torch.randint(0, 320, (26,), generator=g).tolist()
+    blocks = lambda n: -(-n // BS)  # noqa: E731
+
+    def counters() -> dict[str, dict]:
+        return {s.worker_id: dict(s.hop_tokens, local=s.local_prefills, moved=s.handoff_blocks,
+                                  avoided=s.handoff_avoided_blocks) for s in aloop.run(cluster.stats())}
+
+    held: list[bytes] = []
+    for n in range(3):
+        before = counters()
+        reply, placement = aloop.run(turn(cluster, conversation))
+        after = counters()
+        delta = {w: {k: after[w].get(k, 0) - before[w].get(k, 0) for k in after[w]} for w in after}
+        served_by = placement[-1]
+        if n == 0:
+            p = delta[placement[0]]
+            assert p.get("prefill/cached", 0) + p["prefill/computed"] == len(conversation)
+            assert delta[served_by]["moved"] == blocks(len(conversation))
+            assert delta[served_by]["local"] == delta[served_by]["avoided"] == 0
+        else:
+            d = delta[served_by]
+            assert d["local"] == 1 and d["moved"] == 0
+            assert d["avoided"] == blocks(len(conversation))
+            assert d["local_prefill/cached"] + d["local_prefill/computed"] == len(conversation)
+            assert d["local_prefill/cached"] >= len(held) * BS  # the earlier turns, from its cache
+            assert not any(v for w, dw in delta.items() if w != served_by for v in dw.values())
+        conversation = conversation + reply + torch.randint(0, 320, (9,), generator=g).tolist()
+        held = hash_prompt_blocks(conversation[:len(conversation) - 9 - 1], BS)
+        wait_for(lambda: cluster.scaling.kv_index.match(served_by, held) == len(held), timeout=30,
+                 what="the decode worker's KV events to reach the router")

@@ -20,13 +20,14 @@ class Colocating:
             w.add(r, done, self.n_in[r], k)
         while d.waiting and w.budget > 0 and d.batch + len(d.prefilling) < sh.max_num_seqs:
             r = d.waiting[0]
-            k = min(self.n_in[r], w.budget)
-            if self.blocks(k) > free:
+            c = self.n_cached[r]  # served by the prefix cache: its blocks are taken, nothing computed
+            k = min(self.n_in[r] - c, w.budget)
+            if self.blocks(c + k) > free:
                 break
-            free -= self.blocks(k)
+            free -= self.blocks(c + k)
             d.waiting.popleft()
-            d.prefilling.append([r, 0])
-            w.add(r, 0, self.n_in[r], k)
+            d.prefilling.append([r, c])
+            w.add(r, c, self.n_in[r], k)
         if not w.chunks:
             if d.batch:
                 self.decodes_only(d, now, COLOCATED_END)

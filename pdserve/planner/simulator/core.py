@@ -23,8 +23,15 @@ the request path that decide latency, with each step's duration from a cost mode
 - a colocated worker: one scheduler for both phases, decodes first, then prompt chunks in the rest of
   the token budget, as pdserve.engine.scheduler does.
 
-What it leaves out, and why that is safe for sizing: prefix caching (synthetic prompts share none),
-stop strings and EOS (benchmarks set ignore_eos), preemption (a step whose KV would overflow the
+Prefix caching, given each request's cached tokens (a multi-turn workload: the shared system prompt, and a
+conversation's earlier turns and replies, which its decode worker holds and computes the rest of itself: local
+prefill): a prompt is computed from its first uncached token (its attention over the cached ones still
+counted), its worker's queue and the router's line count only those tokens, and a hand-off moves only their KV.
+The hop is kept as it is (a prefill worker's step and hand-off; a colocated worker's chunk): the work and the
+bytes are what a local prefill costs, the decode worker's own steps are not lengthened by it. Without cached
+tokens (synthetic prompts share none) nothing of this changes anything.
+
+What it leaves out, and why that is safe for sizing: stop strings and EOS (benchmarks set ignore_eos), preemption (a step whose KV would overflow the
 worker's cache is counted in `kv_overflows` and the plan marks the configuration; nothing is
 recomputed), and per-block rounding of a running request's growth (its blocks are its tokens / block
 size plus half a block). Ray and gRPC hops are the constant latencies of ClusterShape.
@@ -97,7 +104,8 @@ PREFILL_QUEUE_STEPS = 2  # router.cluster.PREFILL_QUEUE_STEPS (pdserve/ cannot i
 def simulate(shape: ClusterShape, costs: StepCosts, arrival: np.ndarray, input_len: np.ndarray,
              output_len: np.ndarray, concurrency: int | None = None, autoscaler: Autoscaler | None = None,
              interval_s: float = 2.0, window_s: float = 30.0, startup_s: float = 60.0,
-             tier: np.ndarray | None = None, tiers: TiersConfig | None = None) -> SimResult:
+             tier: np.ndarray | None = None, tiers: TiersConfig | None = None,
+             cached_len: np.ndarray | None = None) -> SimResult:
     """Run the workload (arrays of one entry per request, arrival times non-decreasing) to the end.
 
     concurrency: the client's cap on requests in flight (pdserve bench --concurrency): a request due
@@ -107,9 +115,11 @@ def simulate(shape: ClusterShape, costs: StepCosts, arrival: np.ndarray, input_l
     its ranges have one, from the priority requests' demand.
     tier: each request's service tier (ServiceTier, its name, or its rank); None: all default.
     tiers: the tier settings (floor, fast lane, flex queue bound, SLOs); None: TiersConfig's defaults.
+    cached_len: each request's prompt tokens the cluster holds already (prefix caching: a shared system prompt,
+    a conversation's earlier turns); at least one token of a prompt is computed. None: nothing cached.
     """
     return _Simulation(shape, costs, arrival, input_len, output_len, concurrency, autoscaler, interval_s, window_s,
-                       startup_s, tier, tiers).run()
+                       startup_s, tier, tiers, cached_len).run()
 
 
 class _Simulation(Routing, Prefilling, Decoding, Colocating, Scaling):
@@ -118,7 +128,8 @@ class _Simulation(Routing, Prefilling, Decoding, Colocating, Scaling):
 
     def __init__(self, shape: ClusterShape, costs: StepCosts, arrival: np.ndarray, input_len: np.ndarray,
                  output_len: np.ndarray, concurrency: int | None, autoscaler: Autoscaler | None, interval_s: float,
-                 window_s: float, startup_s: float, tier: np.ndarray | None, tiers: TiersConfig | None):
+                 window_s: float, startup_s: float, tier: np.ndarray | None, tiers: TiersConfig | None,
+                 cached_len: np.ndarray | None = None):
         self.shape, self.concurrency, self.autoscaler = shape, concurrency, autoscaler
         self.input_len, self.output_len = input_len, output_len
         self.interval_s, self.startup_s = interval_s, startup_s
@@ -126,6 +137,10 @@ class _Simulation(Routing, Prefilling, Decoding, Colocating, Scaling):
         self.arr = arr = [float(x) for x in arrival]
         self.n_in = [int(x) for x in input_len]
         self.n_out = [int(x) for x in output_len]
+        # Prefix caching: the tokens of each prompt served from a cache, and those left to compute (and to move).
+        self.n_cached = [0] * n if cached_len is None else [min(max(int(c), 0), k - 1)
+                                                              for c, k in zip(cached_len, self.n_in)]
+        self.n_new = [k - c for k, c in zip(self.n_in, self.n_cached)]
         if any(b < a for a, b in zip(arr, arr[1:])):
             raise ValueError("arrival times must be non-decreasing")
         nan = math.nan

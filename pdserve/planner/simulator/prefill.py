@@ -26,8 +26,9 @@ class Prefilling:
             p.waiting.popleft()
             p.free -= need
             p.peak = max(p.peak, sh.kv_blocks - p.free)
-            p.running.append([r, 0])
-            w.add(r, 0, self.n_in[r], min(self.n_in[r], w.budget))
+            c = self.n_cached[r]  # served by the prefix cache: computed from there on
+            p.running.append([r, c])
+            w.add(r, c, self.n_in[r], min(self.n_in[r] - c, w.budget))
         if not w.chunks:
             p.busy = False
             self.leave_if_done(p, now)
@@ -42,7 +43,7 @@ class Prefilling:
         streamed: dict[int, list[int]] = {}
         after: dict[int, list[int]] = {}
         for r in completed(p.step, p.running, self.n_in):
-            p.queued_tokens -= self.n_in[r]
+            p.queued_tokens -= self.n_new[r]
             self.first[r] = now + self.first_lat
             if self.n_out[r] == 1:
                 p.free += self.blocks(self.n_in[r])
@@ -58,7 +59,7 @@ class Prefilling:
         # The requests of one step bound for one decode worker travel as one transfer; a pair's
         # transfers go one after another, in order.
         for dest, rs in streamed.items():
-            nbytes = sum(self.n_in[r] for r in rs) * self.kv_bytes
+            nbytes = sum(self.n_new[r] for r in rs) * self.kv_bytes
             free_at = self.pair_free.get((pi, dest), 0.0)
             t = now + self.transport.exposed_time(nbytes, dt)
             if free_at > p.step_start:  # the pair was still busy when the layers began to come
@@ -76,5 +77,5 @@ class Prefilling:
 
     def send_whole(self, pi: int, dest: int, rs: list[int], now: float) -> None:
         """Held KV sent at once, after the pair's earlier transfers."""
-        nbytes = sum(self.n_in[r] for r in rs) * self.kv_bytes
+        nbytes = sum(self.n_new[r] for r in rs) * self.kv_bytes
         self.hand_off(pi, dest, rs, max(now, self.pair_free.get((pi, dest), 0.0)) + self.transport.send_time(nbytes))

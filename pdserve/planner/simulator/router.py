@@ -24,7 +24,7 @@ class Routing:
             if not d.busy:
                 self.colocated_step(d, now)
             return
-        self.line_tokens += self.n_in[r]
+        self.line_tokens += self.n_new[r]
         if self.rank[r] == 0 and self.fasts:
             if self.tiers.fast_lane_when_full == "wait":
                 self.push(self.arr[r] + self.tiers.fast_lane_max_wait_s, ROUTER, 0)  # the end of its wait for the lane
@@ -55,7 +55,7 @@ class Routing:
             if not room:
                 return
             self.lane_line.popleft()
-            self.line_tokens -= self.n_in[r]
+            self.line_tokens -= self.n_new[r]
             d = min(open_, key=lambda w: (w.active, -w.free_blocks())) if self.n_out[r] > 1 else None
             self.send_prompt(r, min(room, key=lambda w: w.queued_tokens), d, now)
         while self.prefill_line:
@@ -66,7 +66,7 @@ class Routing:
             if not room or not open_:
                 return
             self.prefill_line.remove(r)
-            self.line_tokens -= self.n_in[r]
+            self.line_tokens -= self.n_new[r]
             self.flex_inflight += self.rank[r] == 2
             d = min(open_, key=lambda w: (w.active, -w.free_blocks())) if self.n_out[r] > 1 else None
             self.send_prompt(r, min(room, key=lambda w: w.queued_tokens), d, now)
@@ -86,7 +86,7 @@ class Routing:
 
     def send_prompt(self, r: int, p: Prefill, d: Decode | None, now: float) -> None:
         self.prefill_of[r] = p.index
-        p.queued_tokens += self.n_in[r]
+        p.queued_tokens += self.n_new[r]
         p.waiting.append(r)
         if self.n_out[r] > 1:
             self.decode_of[r] = d.gid
