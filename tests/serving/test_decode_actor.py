@@ -125,6 +125,44 @@ def test_reservations_and_cancels_on_the_link(decode):
     assert ray.get(notices.seen.remote())[0] == ("a",)
 
 
+def test_a_partial_reservation_pins_the_prefix_it_holds_or_fails_as_prefix_missed(decode):
+    """A partial hand-off's reservation takes the prefix from the worker's own cache and reserves only the rest;
+    one whose prefix is not all there, or was matched at another weight version, fails as PREFIX_MISSED (the
+    router tries it again whole), holding nothing."""
+    handle, linked = decode
+    notices = NoticeLog.remote()
+
+    def stats():
+        return ray.get(handle.stats.remote(), timeout=30)
+
+    turn = tuple(range(1, 13))  # computed here (a local prefill): its 3 full blocks stay in the prefix cache
+    linked.call(lambda w: w.reserve(DecodeTask("turn", turn, (), SamplingParams(max_tokens=2, temperature=0.0,
+                                                                                ignore_eos=True), 0, "", local=True)))
+    wait_for(lambda: any(e.request_id == "turn" and e.finish_reason for o in linked.outputs for e in o.events), 60,
+             what="the first turn to end")
+    wait_for(lambda: stats().kv_blocks_used == 0, 30, what="its blocks freed (and cached)")
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    longer = turn + (20, 21, 22, 23, 24, 25)  # 18 tokens: 5 blocks with the next token's
+
+    def partial(rid: str, held: int, version: int = 0) -> DecodeTask:
+        return DecodeTask(rid, longer, (), params, 0, "p-0", held_blocks=held, held_version=version)
+
+    linked.call(lambda w: w.reserve(partial("other-version", 3, 1), notices))
+    linked.call(lambda w: w.reserve(partial("too-many", 4)))
+    failed = wait_for(lambda: len(f := [f for o in linked.outputs for f in o.failed]) == 2 and f, 30,
+                      what="both refused")
+    assert {(f.request_id, f.reason) for f in failed} == {("other-version", FailureReason.PREFIX_MISSED),
+                                                          ("too-many", FailureReason.PREFIX_MISSED)}
+    assert stats().kv_blocks_used == 0
+    hits = stats().prefix_hit_blocks
+    linked.call(lambda w: w.reserve(partial("a", 3)))
+    wait_for(lambda: ray.get(notices.seen.remote()) == [("a",)], 30, what="the notice for 'a'")
+    s = stats()
+    assert (s.kv_blocks_used, s.prefix_hit_blocks) == (5, hits + 3)  # its 3 blocks from the cache, 2 new
+    linked.call(lambda w: w.cancel("a"))
+    wait_for(lambda: stats().kv_blocks_used == 0, 30, what="every block freed")
+
+
 def test_two_routers_links_route_outputs_and_a_dead_routers_requests_are_cancelled(ray_local, aloop,
                                                                                     tiny_checkpoints):
     """Router replicas: a decode worker linked to routers "a" and "b" sends each request's outputs on the
