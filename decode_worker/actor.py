@@ -42,6 +42,10 @@ from pdserve.transfer.shares import PairLink, open_shares
 log = logging.getLogger(__name__)
 
 
+class PrefixMissed(RuntimeError):
+    """A partial hand-off's prefix is not here (any more): the router tries the request again as a full one."""
+
+
 class DecodeActor(WorkerActor):
     """Wrapped with ray.remote by the router's pool (which sets its resources)."""
 
@@ -88,7 +92,13 @@ class DecodeActor(WorkerActor):
         def add() -> None:
             if self._cancelled_already(task.request_id):
                 return  # its attempt is over: nothing to reserve
-            self.core.scheduler.add(req)
+            if task.held_blocks:
+                self._pin_prefix(req, task)
+            try:
+                self.core.scheduler.add(req)
+            except BaseException:
+                self.core.kv.free(req)  # the prefix pinned above
+                raise
             if not task.local:
                 self._source[task.request_id] = (task.prefill_worker, placed)
             else:
@@ -98,11 +108,26 @@ class DecodeActor(WorkerActor):
 
         def failed(f) -> None:  # e.g. a duplicate id: the router hears of it like any failed request
             if f.exception() is not None:
-                self._publish((), (Failure(task.request_id, FailureReason.REJECTED,
-                                           f"decode worker: {f.exception()}"),))
+                reason = FailureReason.PREFIX_MISSED if isinstance(f.exception(), PrefixMissed) \
+                    else FailureReason.REJECTED
+                self._publish((), (Failure(task.request_id, reason, f"decode worker: {f.exception()}"),))
 
         # Not awaited: the step thread takes it between two steps, and the caller need not wait for that.
         self.loop.call(add).add_done_callback(failed)
+
+    def _pin_prefix(self, req, task: DecodeTask) -> None:
+        """Step thread: a partial hand-off's prefix from this worker's own prefix cache (pinned: nothing evicts it
+        while the rest of the KV comes), or PrefixMissed if the cache no longer holds all of it at the weight
+        version the router matched it at, or this worker serves another version since."""
+        core = self.core
+        if self.faults.hit("evict_prefix", task.request_id):  # a test's: the prefix is evicted right now
+            core.pool.free(core.pool.allocate(core.pool.num_free_blocks))
+        if task.held_version != core.weight_version:
+            raise PrefixMissed(f"the router matched {task.held_blocks} blocks at weight version {task.held_version}; "
+                               f"this worker serves version {core.weight_version}")
+        if not core.kv.pin_prefix(req, task.held_blocks, task.held_version):
+            raise PrefixMissed(f"its prefix cache no longer holds the {task.held_blocks} leading blocks the router "
+                               "counted on")
 
     async def kv_incoming(self, announce: KVAnnounce) -> None:
         """A prefill worker's notice of its next transfer to this worker (the order to receive in)."""
@@ -172,6 +197,11 @@ class DecodeActor(WorkerActor):
         this worker serves another version, the request (and each sample forked from it) follows its version
         policy: kept, recomputed here, or aborted (its ABORT end published, after the first token)."""
         core = self.core
+        held = core.scheduler.waiting_for_kv.get(request_id)
+        if held is not None and held.held_blocks and held.kv_version != version:  # two versions' KV: never mixed
+            self._transfer_failed(request_id, f"its prefix here is of weight version {held.kv_version}, the rest "
+                                  f"came of version {version}", FailureReason.PREFIX_MISSED)
+            return
         firsts = core.scheduler.kv_arrived(request_id, tokens, version)
         if firsts:
             going_on = []  # samples the first token did not end (its stop string included)
@@ -231,7 +261,7 @@ class DecodeActor(WorkerActor):
             rid = req.request_id
             prefill_id, placed = self._source[rid]
             self.reservation_wait_seconds.observe(now - placed)
-            self.inbound.publish(rid, self.core.scheduler.kv_blocks(req))
+            self.inbound.publish(rid, self.core.scheduler.kv_blocks(req)[req.held_blocks:])  # what comes
             by_prefill.setdefault(prefill_id, []).append(rid)
         if self._self_handle is None:
             self._self_handle = ray.get_runtime_context().current_actor

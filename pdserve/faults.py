@@ -15,7 +15,9 @@ Points: "step" (a step with work, before it runs), "send" (a KV transfer, before
 altered after its checksum was taken), "stage_weights" (a weight update, before it is read; the worker
 serves on), "commit_weights" (a weight update, staged, before its switch: the step thread waits),
 "request_data" (a request whose data fails every step it is in, and the worker's check of it: a bad value
-the validation missed; armed with a key, the worker-side request id's beginning, it hits that request only).
+the validation missed; armed with a key, the worker-side request id's beginning, it hits that request only),
+"evict_prefix" (a decode worker taking a partial hand-off: every unused block of its prefix cache is evicted
+just before it pins the prefix the router counted on).
 """
 from __future__ import annotations
 
@@ -24,7 +26,7 @@ import math
 import threading
 import time
 
-POINTS = ("step", "send", "mid_send", "corrupt", "stage_weights", "commit_weights", "request_data")
+POINTS = ("step", "send", "mid_send", "corrupt", "stage_weights", "commit_weights", "request_data", "evict_prefix")
 # A hit armed with seconds=math.inf is held until the test releases it (or the process dies); a test
 # that never does (it failed first) lets it go after this long, so no worker is kept forever.
 HOLD_LIMIT_S = 600.0

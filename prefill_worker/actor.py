@@ -80,7 +80,9 @@ class PrefillActor(WorkerActor):
         self.transfer_stats = TransferStats()
         self.push_layerwise = push_layerwise
         self._results: dict[str, Future[PrefillResult]] = {}
-        self._hand_off: set[str] = set()  # step thread: requests whose KV goes to a decode worker
+        # Step thread: requests whose KV goes to a decode worker, each with its leading blocks not to push (those
+        # the decode worker holds already: PrefillTask.skip_blocks).
+        self._hand_off: dict[str, int] = {}
         # The hand-off's shared state, under _lock.
         self._lock = threading.Lock()
         self._destinations: dict[str, _Destination] = {}
@@ -110,7 +112,7 @@ class PrefillActor(WorkerActor):
                 raise asyncio.CancelledError(f"request {rid} was cancelled before it arrived")
             self.core.scheduler.add(req)
             if task.hand_off:
-                self._hand_off.add(rid)
+                self._hand_off[rid] = task.skip_blocks
 
         self.loop.call(add).add_done_callback(lambda f: f.exception() and self._fail(rid, f.exception()))
         return fut
@@ -265,7 +267,7 @@ class PrefillActor(WorkerActor):
         for rid, group in firsts.items():
             req = group[0].request
             hand_off = rid in self._hand_off
-            self._hand_off.discard(rid)
+            skip = self._hand_off.pop(rid, 0)
             ended = self._resolve(req, group)
             if rid in pushes.started:
                 continue  # freed when its push ends
@@ -273,7 +275,7 @@ class PrefillActor(WorkerActor):
                 self._forget(rid)
                 self.core.cancel(rid)  # nothing follows the first token (of any sample)
                 continue
-            held = _HeldKV(scheduler.kv_blocks(req), tuple(s.token for s in group), sampled_at, req.tier,
+            held = _HeldKV(scheduler.kv_blocks(req)[skip:], tuple(s.token for s in group), sampled_at, req.tier,
                            pushes.step, req.kv_version)
             with self._lock:
                 if rid in self._ready:
@@ -324,7 +326,7 @@ class PrefillActor(WorkerActor):
 
     def _forget(self, request_id: str) -> bool:
         """Drop a request's hand-off state (it ended here); whether a push of its KV is still under way."""
-        self._hand_off.discard(request_id)
+        self._hand_off.pop(request_id, None)
         with self._lock:
             self._ready.pop(request_id, None)
             self._held.pop(request_id, None)
@@ -378,7 +380,7 @@ class _StepPushes:
     worker (`hand_off`), whether pushes go layer by layer, `claim` (PrefillActor._claim_ready: which of
     them have their reservation, each taken for a push) and `push` (PrefillActor._push: queue a job)."""
 
-    def __init__(self, step: ScheduledStep, core: EngineCore, hand_off: set[str], layerwise: bool,
+    def __init__(self, step: ScheduledStep, core: EngineCore, hand_off: dict[str, int], layerwise: bool,
                  claim: Callable[[Iterable[str]], dict[str, str]], push: Callable[[PushJob], None]):
         self.layerwise = layerwise
         self.claim = claim
@@ -390,7 +392,8 @@ class _StepPushes:
         self.versions: dict[str, int] = {}  # the weight version computing each candidate's KV (this step's)
         for req, chunk in zip(step.requests, step.chunks):
             if chunk.sample is not None and req.request_id in hand_off:
-                self.candidates[req.request_id] = (req.tier, req.block_ids[: core.kv.blocks_needed(req.num_tokens)])
+                blocks = req.block_ids[hand_off[req.request_id]:core.kv.blocks_needed(req.num_tokens)]  # what D lacks
+                self.candidates[req.request_id] = (req.tier, blocks)
                 self.samples[req.request_id] = chunk.fanout
                 self.versions[req.request_id] = req.kv_version
         self.started: dict[str, PushJob] = {}

@@ -65,8 +65,11 @@ class Attempt:
     streamed, under worker-side id `wrid`, avoiding the workers in `avoid` where it can."""
 
     def __init__(self, parts: Parts, req: Request, text_offset: int, wrid: str, avoid: tuple[str, ...],
-                 session: str | None = None):
+                 session: str | None = None, full_hand_off: bool = False):
+        """full_hand_off: move all of the prompt's KV even where the decode worker holds a prefix of it (the
+        attempt after a PREFIX_MISSED)."""
         self.parts, self.req, self.wrid, self.avoid, self.session = parts, req, wrid, avoid, session
+        self.full_hand_off = full_hand_off
         self.inbox: Inbox = parts.streams.inbox(req.request_id)
         # A resumed attempt's prompt logprobs went out with its first token already: not computed again.
         params = req.params if not req.num_output_tokens or req.params.prompt_logprobs is None \
@@ -126,11 +129,15 @@ class Attempt:
         self.placed += [p] + ([streamer] if streamer else [])
         # Both at once: the decode worker reserves room while the prefill worker computes. A priority prompt
         # whose decode pool had no room is computed first, its KV held until one has.
-        reserved = self._reserve(streamer, p) if streamer is not None else None
+        # A partial hand-off: the leading blocks the decode worker holds (router.kv_index) are not moved.
+        held, version = 0, 0
+        if streamer is not None and not self.full_hand_off and req.params.n == 1:
+            held, version = parts.dispatch.held_prefix(streamer, req)
+        reserved = self._reserve(streamer, p, held, version) if streamer is not None else None
         if target is not None and streamer is None:
             self.later = asyncio.ensure_future(parts.dispatch.place_kv(req, wrid, p, target, self.avoid))
         # Its prefill at the tier it asked for, even when the fast lane's wait serves it as default.
-        self.task = replace(self.task, hand_off=target is not None)
+        self.task = replace(self.task, hand_off=target is not None, skip_blocks=held)
         try:
             prefilled = p.calls.prefill(self.task)
             if reserved is not None:
@@ -284,12 +291,14 @@ class Attempt:
         if self.parts.config.mode != "colocated" and not self.local:
             self.placed[0].requests.discard(self.wrid)
 
-    def _reserve(self, streamer: Worker, p: Worker) -> Any:
+    def _reserve(self, streamer: Worker, p: Worker, held: int = 0, version: int = 0) -> Any:
         """The decode worker's reservation of the KV that prefill worker p computes for this attempt's task
-        (pushed as soon as the reservation reaches it): the same prompt and tokens, whenever it is made."""
+        (pushed as soon as the reservation reaches it): the same prompt and tokens, whenever it is made; all of
+        it but the `held` leading blocks the decode worker's cache holds at weight version `version`."""
         known = p.worker_id in streamer.prefill_handles
         streamer.prefill_handles.add(p.worker_id)
-        return streamer.calls.reserve(self._decode_task(p.worker_id), None if known else p.handle)
+        return streamer.calls.reserve(replace(self._decode_task(p.worker_id), held_blocks=held, held_version=version),
+                                      None if known else p.handle)
 
     def _decode_task(self, prefill_worker: str, local: bool = False) -> DecodeTask:
         task = self.task

@@ -14,6 +14,7 @@ import time
 from collections.abc import Sequence
 
 from pdserve.config import ClusterConfig
+from pdserve.engine.block_pool import hash_prompt_blocks
 from pdserve.engine.request import Request
 from pdserve.tiers import ServiceTier, flex_floor
 from router.line import Entry, Line
@@ -243,6 +244,13 @@ class Dispatch:
         """Tokens of the entry's prompt the worker's prefix cache holds (router.kv_index), at its weight version."""
         version = w.stats.weight_version if w.stats is not None else 0
         return self._pools.kv_index.match(w.worker_id, e.hashes(self.block_size, version)) * self.block_size
+
+    def held_prefix(self, w: Worker, req: Request) -> tuple[int, int]:
+        """(leading full blocks of the request's tokens a decode worker's prefix cache holds, the weight version it
+        holds them at), by the index: a partial hand-off moves only the rest. The last token is always moved."""
+        version = w.stats.weight_version if w.stats is not None else 0
+        hashes = hash_prompt_blocks(req.token_ids[:req.num_tokens - 1], self.block_size, version)
+        return self._pools.kv_index.match(w.worker_id, hashes), version
 
     def _cached_prefill(self, w: Worker, e: Entry) -> int:
         """Tokens of the entry's prompt a prefill worker holds, or will once the prompts placed on it lately are

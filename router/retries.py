@@ -55,12 +55,13 @@ class Runs:
         streams.open(rid)
         failures: collections.Counter[FailureReason] = collections.Counter()
         avoid: tuple[str, ...] = ()
+        full = False  # every attempt after a PREFIX_MISSED hands all of the KV off
         try:
             for attempt in itertools.count(attempts):
                 try:
                     # Closed explicitly (not left to the garbage collector): its cleanup cancels the attempt on
                     # its workers the moment the client goes away.
-                    outs = Attempt(self.parts, req, sent, f"{tag}{rid}#{attempt}", avoid, session).outputs()
+                    outs = Attempt(self.parts, req, sent, f"{tag}{rid}#{attempt}", avoid, session, full).outputs()
                     async with contextlib.aclosing(outs):
                         async for out in outs:
                             sent += len(out.new_text)
@@ -69,6 +70,11 @@ class Runs:
                     return
                 except Retry as e:
                     _own_fault(e)
+                    if e.reason is FailureReason.PREFIX_MISSED and not full:
+                        # Its decode worker lost the prefix it was to keep: no worker's fault, again at once, whole.
+                        full = True
+                        self.retries[e.reason.value] += 1
+                        continue
                     failures[e.reason] += 1
                     avoid = e.workers
                     if self.give_up(e, failures, rid, attempt):

@@ -50,6 +50,23 @@ class KVCacheManager:
         req.num_computed_tokens = req.num_cached_tokens = len(hits) * self.block_size
         return req.num_computed_tokens
 
+    def pin_prefix(self, req: Request, num_blocks: int, version: int) -> bool:
+        """A partial hand-off's request, with no blocks yet: take the first num_blocks full blocks of its tokens
+        from the prefix cache, at weight version `version` (one more reference each, so nothing evicts them
+        while its KV is on the way). All or nothing: False, and nothing taken, unless the cache holds them all."""
+        assert not req.block_ids and req.num_computed_tokens == 0
+        if num_blocks <= 0 or num_blocks * self.block_size >= req.num_tokens:
+            return num_blocks == 0  # at least one token is always received (the prefill worker's last)
+        self.start(req, version)
+        self._extend_hashes(req, num_blocks)
+        hits = self.pool.get_cached_prefix(req.block_hashes[:num_blocks])
+        if len(hits) < num_blocks:
+            self.pool.free(hits[::-1])
+            return False
+        req.block_ids = hits
+        req.num_registered_blocks = req.held_blocks = num_blocks
+        return True
+
     def allocate_slots(self, req: Request, num_new_tokens: int) -> bool:
         """Make room for num_new_tokens more tokens; False (and nothing changed) if the pool is short."""
         need = self.blocks_needed(req.num_computed_tokens + num_new_tokens) - len(req.block_ids)

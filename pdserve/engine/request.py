@@ -53,6 +53,9 @@ class Request:
     finish_reason: FinishReason | None = None
     # Decode side of a hand-off: the KV of token_ids comes from a prefill worker, with the next token.
     remote_kv: bool = False
+    # A partial hand-off: the leading blocks of that KV this worker's prefix cache held (pinned at reservation,
+    # KVCacheManager.pin_prefix); only the rest comes from the prefill worker.
+    held_blocks: int = 0
     # Its service tier's rank (pdserve.tiers: 0 priority, 1 default, 2 flex): every queue orders by
     # (tier, queue_seq), queue_seq being the order the scheduler took it in.
     tier: int = 1

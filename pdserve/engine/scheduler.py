@@ -395,7 +395,7 @@ class Scheduler(PipelinedDecode):
         return need
 
     def _room_for(self, req: Request) -> bool:
-        need = self.blocks_for(req)
+        need = self.blocks_for(req) - (len(req.block_ids) if req.remote_kv else 0)  # a partial hand-off's own prefix
         return self.kv.pool.num_free_blocks - need >= len(self.running) * self.config.reservation_headroom_blocks
 
     def recompute(self, req: Request) -> None:

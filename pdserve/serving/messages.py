@@ -62,6 +62,9 @@ class PrefillTask(_Task):
     hand_off: bool = False
     tier: int = 1
     text_offset: int = 0
+    # The decode worker holds the first skip_blocks full blocks of the KV already (its prefix cache: a
+    # conversation's earlier turns): they are computed here as always, but not pushed (DecodeTask.held_blocks).
+    skip_blocks: int = 0
 
 
 @dataclass(frozen=True)
@@ -103,6 +106,11 @@ class DecodeTask(_Task):
     # The decode worker computes the prompt itself (it holds most of it: a conversation's earlier turns), with
     # its prefix cache, and samples the first token too: no prefill worker, no hand-off (router.dispatch).
     local: bool = False
+    # A partial hand-off: this worker's prefix cache holds the first held_blocks full blocks of the prompt (as
+    # the router's index said, at weight version held_version): it takes them from its cache and reserves, and
+    # receives, only the rest. If it no longer holds them all, the reservation fails (PREFIX_MISSED).
+    held_blocks: int = 0
+    held_version: int = 0
 
     def new_request(self, tokenizer: Tokenizer | None = None, vocab_size: int | None = None) -> Request:
         req = super().new_request(tokenizer, vocab_size)
@@ -123,6 +131,9 @@ class FailureReason(str, enum.Enum):
     DECODE_LOST = "decode_lost"  # its decode worker died or hung: the streamed tokens survive at the router
     COLOCATED_LOST = "colocated_lost"
     NO_WORKER = "no_worker"  # a pool stayed empty past pool_wait_timeout_s
+    # A partial hand-off's decode worker no longer held the prefix the router counted on (evicted, or of another
+    # weight version): no worker's fault; tried again at once as a full hand-off.
+    PREFIX_MISSED = "prefix_missed"
 
     @property
     def loses_the_stream(self) -> bool:

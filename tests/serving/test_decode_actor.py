@@ -125,6 +125,44 @@ def test_reservations_and_cancels_on_the_link(decode):
     assert ray.get(notices.seen.remote())[0] == ("a",)
 
 
+def test_a_partial_reservation_pins_the_prefix_it_holds_or_fails_as_prefix_missed(decode):
+    """A partial hand-off's reservation takes the prefix from the worker's own cache and reserves only the rest;
+    one whose prefix is not all there, or was matched at another weight version, fails as PREFIX_MISSED (the
+    router tries it again whole), holding nothing."""
+    handle, linked = decode
+    notices = NoticeLog.remote()
+
+    def stats():
+        return ray.get(handle.stats.remote(), timeout=30)
+
+    turn = tuple(range(1, 13))  # computed here (a local prefill): its 3 full blocks stay in the prefix cache
+    linked.call(lambda w: w.reserve(DecodeTask("turn", turn, (), SamplingParams(max_tokens=2, temperature=0.0,
+                                                                                ignore_eos=True), 0, "", local=True)))
+    wait_for(lambda: any(e.request_id == "turn" and e.finish_reason for o in linked.outputs for e in o.events), 60,
+             what="the first turn to end")
+    wait_for(lambda: stats().kv_blocks_used == 0, 30, what="its blocks freed (and cached)")
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    longer = turn + (20, 21, 22, 23, 24, 25)  # 18 tokens: 5 blocks with the next token's
+
+    def partial(rid: str, held: int, version: int = 0) -> DecodeTask:
+        return DecodeTask(rid, longer, (), params, 0, "p-0", held_blocks=held, held_version=version)
+
+    linked.call(lambda w: w.reserve(partial("other-version", 3, 1), notices))
+    linked.call(lambda w: w.reserve(partial("too-many", 4)))
+    failed = wait_for(lambda: len(f := [f for o in linked.outputs for f in o.failed]) == 2 and f, 30,
+                      what="both refused")
+    assert {(f.request_id, f.reason) for f in failed} == {("other-version", FailureReason.PREFIX_MISSED),
+                                                          ("too-many", FailureReason.PREFIX_MISSED)}
+    assert stats().kv_blocks_used == 0
+    hits = stats().prefix_hit_blocks
+    linked.call(lambda w: w.reserve(partial("a", 3)))
+    wait_for(lambda: ray.get(notices.seen.remote()) == [("a",)], 30, what="the notice for 'a'")
+    s = stats()
+    assert (s.kv_blocks_used, s.prefix_hit_blocks) == (5, hits + 3)  # its 3 blocks from the cache, 2 new
+    linked.call(lambda w: w.cancel("a"))
+    wait_for(lambda: stats().kv_blocks_used == 0, 30, what="every block freed")
+
+
 def test_two_routers_links_route_outputs_and_a_dead_routers_requests_are_cancelled(ray_local, aloop,
                                                                                     tiny_checkpoints):
     """Router replicas: a decode worker linked to routers "a" and "b" sends each request's outputs on the
@@ -263,6 +301,52 @@ def test_kv_of_another_weight_version_follows_each_requests_version_policy(ray_l
         assert [(e.token, e.finish_reason) for e in got["abort"]] == [(NO_TOKEN, FinishReason.ABORT)]
         fresh = v1.generate([list(prompts["fresh"])], greedy(8))[0].token_ids
         assert [firsts["fresh"].first_token, *tokens("fresh")] == fresh  # its KV was version 1: no policy
+    finally:
+        for h in (prefill, decode):
+            ray.get(h.shutdown.remote(), timeout=30)
+            ray.kill(h)
+        if router is not None:
+            router.close()
+
+
+def test_a_partial_hand_off_whose_rest_comes_of_another_weight_version_fails_as_prefix_missed(
+        ray_local, aloop, tiny_checkpoints, newer_weights):
+    """The decode worker (version 0) holds a prefix at version 0 and pins it; the prefill worker, updated to version
+    1, computes the prompt and pushes the rest: the two versions' KV are never joined. The request fails as
+    PREFIX_MISSED when the KV lands (the router tries it again whole), and every block is freed. The same prompt
+    pushed whole (the retry) lands and decodes."""
+    config = EngineConfig(model=str(tiny_checkpoints["llama"]), cache=CacheConfig(block_size=BLOCK, num_blocks=64),
+                          scheduler=SchedulerConfig(max_num_batched_tokens=64), weights_root=str(newer_weights))
+    prefill = ray.remote(PrefillActor).options(num_cpus=0).remote("prefill-m", config, 10.0, torch_threads=1)
+    decode = ray.remote(DecodeActor).options(num_cpus=0).remote("decode-m", config, 10.0, torch_threads=1,
+                                                                bind_host="127.0.0.1")
+    router = None
+    greedy = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    turn = tuple(range(1, 13))
+    longer = turn + (20, 21, 22, 23, 24, 25)
+    try:
+        ray.get([prefill.ready.remote(), decode.ready.remote()], timeout=120)
+        router = RouterEnd(aloop)
+        to_prefill, to_decode = router.link(prefill, "prefill-m"), router.link(decode, "decode-m")
+        to_decode.call(lambda w: w.reserve(DecodeTask("turn", turn, (), greedy, 0, "", local=True)))
+        wait_for(lambda: any(e.request_id == "turn" and e.finish_reason for o in to_decode.outputs for e in o.events),
+                 60, what="the first turn to end here")
+        ray.get(prefill.update_weights.remote(str(newer_weights), 1), timeout=60)
+
+        def handed_off(rid: str, held: int, first: bool = False) -> None:
+            to_decode.call(lambda w: w.reserve(DecodeTask(rid, longer, (), greedy, 0, "prefill-m", held_blocks=held),
+                                               prefill if first else None))
+            to_prefill.call(lambda w: w.prefill(PrefillTask(rid, longer, greedy, 0, hand_off=True, skip_blocks=held)),
+                            60)
+
+        handed_off("partial", 3, first=True)
+        failed = wait_for(lambda: [f for o in to_decode.outputs for f in o.failed], 60, what="the landing refused")
+        assert [(f.request_id, f.reason) for f in failed] == [("partial", FailureReason.PREFIX_MISSED)]
+        handed_off("whole", 0)
+        wait_for(lambda: any(e.request_id == "whole" and e.finish_reason for o in to_decode.outputs for e in o.events),
+                 60, what="the whole hand-off to decode")
+        wait_for(lambda: ray.get(decode.stats.remote(), timeout=30).kv_blocks_used == 0, 30, what="every block freed")
+        wait_for(lambda: ray.get(prefill.stats.remote(), timeout=30).kv_blocks_used == 0, 30, what="P's freed")
     finally:
         for h in (prefill, decode):
             ray.get(h.shutdown.remote(), timeout=30)

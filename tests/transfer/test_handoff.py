@@ -399,9 +399,11 @@ def test_parts_go_out_as_layers_finish_before_the_tokens_exist(pair):
     wait_for(lambda: pair.of("landed"), TIMEOUT_S, what="the request to land")
 
 
-def test_a_prefill_step_tells_its_pushes_of_every_layer():
+@pytest.mark.parametrize("skip", [0, 1])
+def test_a_prefill_step_tells_its_pushes_of_every_layer(skip):
     """The prefill worker's per-layer hook: a push started before the forward hears of each layer, and
-    names the engine step about to run (a TP worker's other ranks wait for that step's layers)."""
+    names the engine step about to run (a TP worker's other ranks wait for that step's layers). A partial
+    hand-off's push leaves out the leading blocks its decode worker holds (PrefillTask.skip_blocks)."""
     from types import SimpleNamespace
 
     from pdserve.engine.chunk import Chunk
@@ -419,11 +421,11 @@ def test_a_prefill_step_tells_its_pushes_of_every_layer():
     req.block_ids = [3, 4]
     req.kv_version = 4  # the weights this step computes with
     step = SimpleNamespace(requests=[req], chunks=[Chunk(list(range(6)), 0, [3, 4], SamplingParams())])
-    pushes = _StepPushes(step, core, {"a"}, True, lambda rids: PrefillActor._claim_ready(hand_off, rids),
+    pushes = _StepPushes(step, core, {"a": skip}, True, lambda rids: PrefillActor._claim_ready(hand_off, rids),
                          pushed.append)
     pushes.layer_done(-1)
     (job,) = pushed
-    assert job.block_ids == [[3, 4]] and hand_off._pushing == {"a"} and hand_off._ready == {} and job.step == 7
+    assert job.block_ids == [[3, 4][skip:]] and hand_off._pushing == {"a"} and hand_off._ready == {} and job.step == 7
     assert job.destination == "d0"  # the decode worker that reserved its room
     assert job.versions == (4,)
     for layer in range(LAYERS):

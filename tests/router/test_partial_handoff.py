@@ -1,0 +1,103 @@
+"""The partial hand-off on a real 1P2D cluster: a turn that adds more than local_prefill_max_tokens goes the
+disaggregated way, to the decode worker holding the conversation's earlier turns, and the KV moved is only the
+blocks that worker lacks; if it has lost them by the time it reserves, the request is tried again as a full
+hand-off. Every reply equals the offline engine's."""
+from __future__ import annotations
+
+import pytest
+import ray
+import torch
+
+from pdserve.config import CacheConfig, ClusterConfig, EngineConfig, PoolConfig, SchedulerConfig
+from pdserve.engine import LLMEngine
+from pdserve.engine.block_pool import hash_prompt_blocks
+from pdserve.engine.sampling import SamplingParams
+from router.cluster import Cluster
+
+from conftest import wait_for
+
+BS = 4
+LOCAL_MAX = 8  # a turn adding more than this goes the disaggregated way
+GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def partial_cluster(tiny_checkpoints, ray_local, aloop):
+    engine = EngineConfig(model=str(tiny_checkpoints["llama"]), cache=CacheConfig(block_size=BS, num_blocks=256),
+                          scheduler=SchedulerConfig(max_num_batched_tokens=64))
+    cfg = ClusterConfig(engine=engine, prefill=PoolConfig(1, num_cpus=0.25), decode=PoolConfig(2, num_cpus=0.25),
+                        transfer_timeout_s=20.0, local_prefill_max_tokens=LOCAL_MAX, kv_checksum=True)
+    cluster = Cluster(cfg)
+    aloop.run(cluster.start(), timeout=600)
+    offline = LLMEngine(engine)
+    kv = offline.core.runner.kv_cache  # [layers, 2, kv heads, blocks, block size, head dim]
+    yield cluster, offline, kv[:, :, :, 0].nbytes
+    aloop.run(cluster.shutdown())
+
+
+async def turn(cluster: Cluster, prompt: list[int], request_id: str | None = None):
+    tokens, placement = [], ()
+    async for out in cluster.generate(prompt, GREEDY, request_id=request_id):
+        assert out.error is None, out.error
+        tokens += out.new_token_ids
+        placement = out.placement or placement
+    return tokens, placement
+
+
+def received(aloop, cluster, worker_id: str) -> int:
+    """KV bytes a decode worker has received."""
+    return next((s.transfer or {}).get("bytes", 0) for s in aloop.run(cluster.stats()) if s.worker_id == worker_id)
+
+
+def first_turn(aloop, cluster, offline, prompt: list[int]) -> tuple[list[int], str]:
+    """A new conversation's first turn (a full hand-off), and the decode worker that holds it afterwards."""
+    reply, placement = aloop.run(turn(cluster, prompt))
+    assert reply == offline.generate([prompt], GREEDY)[0].token_ids
+    assert len(placement) == 2
+    served_by = placement[-1]
+    held = hash_prompt_blocks((prompt + reply)[:-1], BS)  # the last token's KV is never computed
+    wait_for(lambda: cluster.scaling.kv_index.match(served_by, held) == len(held), timeout=30,
+             what="the decode worker's KV events to reach the router")
+    return reply, served_by
+
+
+def test_a_long_turn_moves_only_the_blocks_its_decode_worker_lacks(partial_cluster, aloop):
+    cluster, offline, block_bytes = partial_cluster
+    g = torch.Generator().manual_seed(7)
+    conversation = torch.randint(0, 320, (30,), generator=g).tolist()
+    reply, last = first_turn(aloop, cluster, offline, conversation)
+    for n in range(2):
+        conversation = conversation + reply + torch.randint(0, 320, (LOCAL_MAX + 13,), generator=g).tolist()
+        held = cluster.scaling.kv_index.match(last, hash_prompt_blocks(conversation[:-1], BS))
+        assert held >= 8, held  # the earlier turns, the model's replies included
+        before = received(aloop, cluster, last)
+        reply, placement = aloop.run(turn(cluster, conversation))
+        assert reply == offline.generate([conversation], GREEDY)[0].token_ids, f"turn {n + 1}"
+        assert placement == (placement[0], last), placement  # disaggregated, to the worker holding the rest
+        moved = received(aloop, cluster, last) - before
+        missing = -(-len(conversation) // BS) - held
+        # The missing blocks and the trailer (first token, time, checksum): not one block more.
+        assert missing * block_bytes <= moved < (missing + 1) * block_bytes, (moved, missing, held)
+        assert cluster.retries["prefix_missed"] == 0
+        held_now = hash_prompt_blocks((conversation + reply)[:-1], BS)
+        wait_for(lambda: cluster.scaling.kv_index.match(last, held_now) == len(held_now), timeout=30,
+                 what="the decode worker's KV events to reach the router")
+
+
+def test_a_prefix_evicted_before_the_reservation_falls_back_to_a_full_hand_off(partial_cluster, aloop):
+    cluster, offline, block_bytes = partial_cluster
+    g = torch.Generator().manual_seed(8)
+    conversation = torch.randint(0, 320, (30,), generator=g).tolist()
+    reply, last = first_turn(aloop, cluster, offline, conversation)
+    conversation = conversation + reply + torch.randint(0, 320, (LOCAL_MAX + 13,), generator=g).tolist()
+    rid = "evicted-turn"
+    for w in cluster.pools["decode"]:  # whichever takes it: its cache drops the prefix as it reserves
+        ray.get(w.handle.inject_fault.remote("evict_prefix", 0.0, 1, 0, f"{rid}#"))
+    missed = cluster.retries["prefix_missed"]
+    before = received(aloop, cluster, last)
+    reply, placement = aloop.run(turn(cluster, conversation, request_id=rid))
+    assert reply == offline.generate([conversation], GREEDY)[0].token_ids
+    assert cluster.retries["prefix_missed"] == missed + 1  # tried again at once, whole
+    assert cluster.retries["decode_lost"] == cluster.retries["transfer_failed"] == 0
+    if placement[-1] == last:  # the retry moved the whole prompt and its first token's place
+        assert received(aloop, cluster, last) - before >= (len(conversation) + 1) // BS * block_bytes
