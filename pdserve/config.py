@@ -37,6 +37,7 @@ def family_of(cfg: dict[str, Any]) -> str:
 
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+PREFIX_ROUTING = ("exact", "estimate", "random")  # ClusterConfig.prefix_routing
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -497,6 +498,9 @@ class ClusterConfig:
     # A decode worker that holds a prefix of a prompt (a conversation's earlier turns) and lacks at most this
     # many of its tokens computes them itself, with no prefill worker and no hand-off (0: never).
     local_prefill_max_tokens: int = 512
+    # What placement knows of the workers' prefix caches (router.dispatch): "exact" (their KV events), "estimate"
+    # (the router's record of the prompts it placed on each), "random" (nothing: any worker with room).
+    prefix_routing: str = "exact"
     autoscale: AutoscaleConfig = field(default_factory=AutoscaleConfig)  # for pools with max_workers
     # Router replicas (router.registry): this router's name among the routers serving one Ray cluster
     # (each gives its own); None: the only router. Its workers are then detached named actors.
@@ -535,6 +539,8 @@ class ClusterConfig:
             raise ValueError(f"stream_interval must be >= 1, got {self.stream_interval}")
         if self.placement_load_tokens < 0 or self.local_prefill_max_tokens < 0:
             raise ValueError("placement_load_tokens and local_prefill_max_tokens must be >= 0")
+        if self.prefix_routing not in PREFIX_ROUTING:
+            raise ValueError(f"prefix_routing must be one of {PREFIX_ROUTING}, got {self.prefix_routing!r}")
         if self.on_decode_failure not in ("resume", "fail"):
             raise ValueError(f"on_decode_failure must be resume or fail, got {self.on_decode_failure!r}")
         if self.ranges:

@@ -176,6 +176,10 @@ def _fault_args(serve: argparse.ArgumentParser) -> None:
                        help="a decode worker that holds a prefix of a prompt (a conversation's earlier turns) and "
                             "lacks at most this many of its tokens computes them itself: no prefill worker, no KV "
                             "hand-off (0: never)")
+    serve.add_argument("--prefix-routing", choices=("exact", "estimate", "random"), default="exact",
+                       help="what placement knows of the workers' prefix caches: exact (their KV events), estimate "
+                            "(the router's record of the prompts it placed on each) or random (nothing: any worker "
+                            "with room); docs/serving.md")
     serve.add_argument("--stream-interval", type=int, default=1, metavar="N",
                        help="tokens a streamed message carries (the first and the last excepted): fewer messages "
                             "cost the router less CPU per token; tokens already waiting always go together")
@@ -345,7 +349,7 @@ def cluster_config_from_args(args: argparse.Namespace):
                          kv_checksum=args.kv_checksum, kv_checksum_key=_key_file(args.kv_checksum_key_file),
                          max_retries=args.max_retries, on_decode_failure=args.on_decode_failure,
                          stream_interval=args.stream_interval, placement_load_tokens=args.placement_load_tokens,
-                         local_prefill_max_tokens=args.local_prefill_max_tokens,
+                         local_prefill_max_tokens=args.local_prefill_max_tokens, prefix_routing=args.prefix_routing,
                          router_name=socket.gethostname() if args.router_name == "auto" else args.router_name,
                          autoscale=AutoscaleConfig(profile=args.profile, gpu=args.gpu,
                                                    ttft_target_s=args.slo_ttft_ms / 1000,

@@ -4,12 +4,22 @@ placed in the line's order, whenever the pools change (a step's stats, a worker 
 
 router.cluster carries each request through its attempts and asks `Dispatch.place` for its workers;
 which worker of a pool takes it is router.placement's pure choice.
+
+What placement knows of the workers' prefix caches (ClusterConfig.prefix_routing):
+- exact: the workers' KV events (router.kv_index), plus the prompts placed on a prefill worker lately (PENDING_S);
+  a session's turns go to the decode worker of its last turn while it has room.
+- estimate: the router's record of the prompts it placed on each worker (Estimate: block hashes, least recently
+  placed dropped past the worker's KV blocks), on both hops; what a worker evicted or computed beyond the prompt
+  (its replies) is not in it. Session keys are not read.
+- random: nothing; a random worker with room on each hop, never a local prefill.
 """
+
 from __future__ import annotations
 
 import asyncio
 import collections
 import logging
+import random
 import time
 from collections.abc import Sequence
 
@@ -48,6 +58,32 @@ class PoolEmpty(Exception):
         self.pool = pool
 
 
+class Estimate:
+    """The router's record of the prompts it placed on each worker: their block hashes, least recently placed
+    dropped once a worker's record passes its KV blocks (the worker evicts on its own, unseen)."""
+
+    def __init__(self) -> None:
+        self._held: dict[str, collections.OrderedDict[bytes, None]] = {}
+
+    def placed(self, worker_id: str, hashes: Sequence[bytes], capacity: int) -> None:
+        held = self._held.setdefault(worker_id, collections.OrderedDict())
+        for h in hashes:
+            held[h] = None
+            held.move_to_end(h)
+        while capacity > 0 and len(held) > capacity:
+            held.popitem(last=False)
+
+    def match(self, worker_id: str, hashes: Sequence[bytes]) -> int:
+        """How many leading blocks of the chain the router placed on the worker (and has not dropped)."""
+        held = self._held.get(worker_id, {})
+        n = 0
+        for h in hashes:
+            if h not in held:
+                break
+            n += 1
+        return n
+
+
 class Dispatch:
     """The line and the placements made from it: what is waiting, what is in flight, by tier."""
 
@@ -64,6 +100,9 @@ class Dispatch:
         self._pending: dict[str, collections.deque[tuple[float, list[bytes]]]] = {}  # prefill worker -> placed
         # Session key -> the decode worker of its last turn (the most recent MAX_SESSIONS sessions).
         self._sessions: collections.OrderedDict[str, str] = collections.OrderedDict()
+        self.routing = config.prefix_routing
+        self._estimate = Estimate()  # prefix_routing "estimate" only
+        self._random = random.Random(0)  # prefix_routing "random" only
         self._seqs = {name: config.engine_for(pc).scheduler.max_num_seqs for name, pc in config.pools.items()}
         if config.mode == "disaggregated":
             budget = config.engine_for(config.prefill).scheduler.max_num_batched_tokens
@@ -193,7 +232,8 @@ class Dispatch:
                     # priority: to its prefill worker now, its KV's destination later (place_kv)
             d = decode[self._pick_decode(e, decode)] if decode else None
             if e.prefill is None:
-                p = prefill[pick_prefill([PrefillLoad(x.queued_tokens, self._cached_prefill(x, e)) for x in prefill])]
+                p = prefill[self._random.randrange(len(prefill)) if self.routing == "random" else
+                            pick_prefill([PrefillLoad(x.queued_tokens, self._cached_prefill(x, e)) for x in prefill])]
                 self._placed_prefill(p, e)
                 p.queued_tokens += e.tokens
                 p.requests.add(e.wrid)  # until its KV has reached the decode worker (the first decode token)
@@ -225,7 +265,9 @@ class Dispatch:
 
     def _set(self, e: Entry, p: Worker | None, d: Worker | None) -> None:
         if d is not None:
-            if e.session is not None:
+            if self.routing == "estimate":
+                self._record(d, e)
+            if e.session is not None and self.routing == "exact":
                 self._sessions[e.session] = d.worker_id
                 self._sessions.move_to_end(e.session)
                 while len(self._sessions) > MAX_SESSIONS:
@@ -241,9 +283,19 @@ class Dispatch:
         self.in_flight[e.served or e.tier] += 1
 
     def _cached(self, w: Worker, e: Entry) -> int:
-        """Tokens of the entry's prompt the worker's prefix cache holds (router.kv_index), at its weight version."""
+        """Tokens of the entry's prompt the worker's prefix cache holds (router.kv_index), at its weight version;
+        with prefix_routing "estimate", those the router placed there; "random": none."""
+        if self.routing == "random":
+            return 0
         version = w.stats.weight_version if w.stats is not None else 0
-        return self._pools.kv_index.match(w.worker_id, e.hashes(self.block_size, version)) * self.block_size
+        index = self._pools.kv_index if self.routing == "exact" else self._estimate
+        return index.match(w.worker_id, e.hashes(self.block_size, version)) * self.block_size
+
+    def _record(self, w: Worker, e: Entry) -> None:
+        """prefix_routing "estimate": the worker holds the entry's prompt now, as far as the router knows."""
+        version = w.stats.weight_version if w.stats is not None else 0
+        self._estimate.placed(w.worker_id, e.hashes(self.block_size, version),
+                              w.stats.kv_blocks_total if w.stats is not None else 0)
 
     def held_prefix(self, w: Worker, req: Request) -> tuple[int, int]:
         """(leading full blocks of the request's tokens a decode worker's prefix cache holds, the weight version it
@@ -255,6 +307,8 @@ class Dispatch:
     def _cached_prefill(self, w: Worker, e: Entry) -> int:
         """Tokens of the entry's prompt a prefill worker holds, or will once the prompts placed on it lately are
         computed (their blocks not yet in its events)."""
+        if self.routing != "exact":
+            return self._cached(w, e)
         hashes = e.hashes(self.block_size, w.stats.weight_version if w.stats is not None else 0)
         recent = self._pending.get(w.worker_id, ())
         now = time.monotonic()
@@ -264,6 +318,8 @@ class Dispatch:
         return max(self._cached(w, e), pending)
 
     def _placed_prefill(self, w: Worker, e: Entry) -> None:
+        if self.routing == "estimate":
+            self._record(w, e)
         hashes = e.hashes(self.block_size, w.stats.weight_version if w.stats is not None else 0)
         self._pending.setdefault(w.worker_id, collections.deque(maxlen=PENDING_PROMPTS)).append(
             (time.monotonic(), hashes))
@@ -271,6 +327,8 @@ class Dispatch:
     def _pick_decode(self, e: Entry, decode: list[Worker]) -> int:
         """The decode worker of the session's last turn if it has room (the caller's list holds only those
         with room), else by where the KV is against the load (router.placement)."""
+        if self.routing == "random":
+            return self._random.randrange(len(decode))
         last = self._sessions.get(e.session) if e.session is not None else None
         for i, w in enumerate(decode):
             if w.worker_id == last:
@@ -282,6 +340,7 @@ class Dispatch:
         """Whether a decode worker may compute this request's prompt itself: one sample, no prompt logprobs
         (those are the prefill worker's), disaggregated mode, and local prefill on."""
         return self.config.mode == "disaggregated" and self.config.local_prefill_max_tokens > 0 \
+            and self.routing != "random" \
             and req.params.n == 1 and req.params.prompt_logprobs is None
 
     def unplace(self, e: Entry, p: Worker | None, d: Worker | None) -> None:

@@ -84,3 +84,53 @@ def test_a_session_stays_on_its_decode_worker_while_it_has_room():
         assert [busy, idle][dispatch._pick_decode(later, [busy, idle])] is busy
         assert [idle][dispatch._pick_decode(later, [idle])] is idle  # no room there (not offered): elsewhere
     asyncio.run(run())
+
+
+def test_prefix_routing_modes_read_their_own_signal():
+    """ClusterConfig.prefix_routing, through Dispatch.dispatch: the router placed the first 64 tokens of a prompt
+    on p0 and d0 earlier (the estimate's record); the KV events say p1 and d1 hold all 96 (the exact index).
+    exact follows the index, estimate the record, random neither (and never a local prefill)."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from pdserve.config import ClusterConfig
+    from pdserve.tiers import ServiceTier
+    from router.dispatch import Dispatch
+    from router.line import Entry
+    from router.workers import Worker
+
+    prompt = list(range(1000, 1096))  # 6 blocks of 16
+
+    async def place(dispatch: Dispatch, tokens: list[int], local: bool, avoid: tuple[str, ...] = ()):
+        e = Entry(f"r{len(dispatch._counted)}", len(tokens), "decode", avoid, tokens, ServiceTier.DEFAULT,
+                  local_ok=local)
+        dispatch.line.add(e)
+        dispatch.dispatch()
+        p, d = e.placed.result()
+        dispatch.unplace(e, p, d)  # the room back: every placement below sees idle workers
+        return (p.worker_id if p else None), d.worker_id
+
+    async def run(mode: str) -> list[tuple[str | None, str]]:
+        p0, p1 = Worker("p0", None, "prefill", 0), Worker("p1", None, "prefill", 1)
+        d0, d1 = Worker("d0", None, "decode", 0), Worker("d1", None, "decode", 1)
+        pools = SimpleNamespace(by_name={"prefill": [p0, p1], "decode": [d0, d1]}, kv_index=KVIndex(), listeners=[])
+        dispatch = Dispatch(ClusterConfig(prefix_routing=mode), pools, block_size=16)
+        assert await place(dispatch, prompt[:64], False, avoid=("p1", "d1")) == ("p0", "d0")
+        for w in ("p1", "d1"):
+            pools.kv_index.apply(w, KVEvents(stored=tuple(hash_prompt_blocks(prompt, 16))))
+        return [await place(dispatch, prompt, False), await place(dispatch, prompt, True)] + \
+            [await place(dispatch, prompt, i % 2 == 1) for i in range(40)]
+
+    exact, estimate, rand = (asyncio.run(run(m)) for m in ("exact", "estimate", "random"))
+    # Every other placement may be local. The index: both hold all 96; d1 lacks none (local).
+    assert exact[0::2] == [("p1", "d1")] * 21 and exact[1::2] == [(None, "d1")] * 21
+    # The record: 64 of the 96 placed on p0 and d0; d0 lacks 32 (local).
+    assert estimate[0::2] == [("p0", "d0")] * 21 and estimate[1::2] == [(None, "d0")] * 21
+    assert all(p is not None for p, _ in rand)  # no signal: never local
+    assert {p for p, _ in rand} == {"p0", "p1"} and {d for _, d in rand} == {"d0", "d1"}
+    try:
+        ClusterConfig(prefix_routing="approximate")
+    except ValueError as e:
+        assert "prefix_routing" in str(e)
+    else:
+        raise AssertionError("an unknown prefix_routing was accepted")

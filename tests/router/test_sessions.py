@@ -4,7 +4,12 @@ last one and holds all of the conversation but the newest tokens: that worker co
 prefill worker and no hand-off (local prefill), and every reply equals the offline engine's."""
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
+
 import pytest
+import ray
 import torch
 
 from pdserve.config import CacheConfig, ClusterConfig, EngineConfig, PoolConfig, SchedulerConfig
@@ -32,11 +37,11 @@ def session_cluster(tiny_checkpoints, ray_local, aloop):
     aloop.run(cluster.shutdown())
 
 
-async def turn(cluster: Cluster, prompt: list[int], cached: list[int] | None = None
+async def turn(cluster: Cluster, prompt: list[int], cached: list[int] | None = None, session: str | None = None
                ) -> tuple[list[int], tuple[str, ...]]:
     """The reply's tokens and where it was served; `cached` gets the prompt tokens the prefix cache served."""
     tokens, placement = [], ()
-    async for out in cluster.generate(prompt, GREEDY):
+    async for out in cluster.generate(prompt, GREEDY, session=session):
         assert out.error is None, out.error
         tokens += out.new_token_ids
         placement = out.placement or placement
@@ -123,3 +128,83 @@ def test_the_workers_count_local_prefills_cache_hits_and_the_kv_not_moved(sessio
         held = hash_prompt_blocks(conversation[:len(conversation) - 9 - 1], BS)
         wait_for(lambda: cluster.scaling.kv_index.match(served_by, held) == len(held), timeout=30,
                  what="the decode worker's KV events to reach the router")
+
+
+def whole(cluster: Cluster) -> None:
+    """Both decode workers and the prefill worker ready (a killed one's replacement included)."""
+    wait_for(lambda: len(cluster.pools["decode"]) == 2 and len(cluster.pools["prefill"]) == 1, timeout=120,
+             what="the pools back to size")
+
+
+def forgotten(cluster: Cluster, dead: str, held: list[bytes]) -> None:
+    """The dead worker is out of its pool and its blocks out of the router's index."""
+    index = cluster.scaling.kv_index
+    wait_for(lambda: dead not in {w.worker_id for w in cluster.pools["decode"]}
+             and index.blocks(dead) == 0 and index.match(dead, held) == 0, timeout=60,
+             what=f"{dead} to leave its pool and the router's KV index")
+
+
+def test_a_session_goes_on_token_exact_when_its_decode_worker_is_killed_between_turns(session_cluster, aloop):
+    """SIGKILL of the decode worker holding a session's KV between two turns: the router drops its blocks from
+    the index, the next turn goes elsewhere (the conversation computed again) and equals the offline engine's,
+    and the turn after stays on the new worker (local prefill, its KV there now)."""
+    cluster, offline = session_cluster
+    whole(cluster)
+    g = torch.Generator().manual_seed(11)
+    conversation = torch.randint(0, 320, (30,), generator=g).tolist()
+    served = []
+    for n in range(4):
+        reply, placement = aloop.run(turn(cluster, conversation, session="killed-between"))
+        assert reply == offline.generate([conversation], GREEDY)[0].token_ids, f"turn {n}"
+        served.append(placement)
+        conversation = conversation + reply + torch.randint(0, 320, (9,), generator=g).tolist()
+        held = hash_prompt_blocks(conversation[:len(conversation) - 9 - 1], BS)
+        if n == 1:  # the session's KV is on its decode worker, as the router knows: kill it
+            dead = placement[-1]
+            wait_for(lambda: cluster.scaling.kv_index.match(dead, held) == len(held), timeout=30,
+                     what="the decode worker's KV events to reach the router")
+            victim = next(w for w in cluster.pools["decode"] if w.worker_id == dead)
+            os.kill(ray.get(victim.handle.rank_pids.remote(), timeout=30)[0], signal.SIGKILL)
+            forgotten(cluster, dead, held)
+    assert served[1] == (served[0][-1],)  # turn 1: local on the worker of turn 0
+    assert served[2][-1] != dead  # turn 2: elsewhere
+    assert served[3] == (served[2][-1],)  # turn 3: local on the new worker, which holds the conversation now
+
+
+def test_a_session_goes_on_token_exact_when_its_decode_worker_is_killed_mid_stream(session_cluster, aloop):
+    """ray.kill of the decode worker streaming a session's turn: the turn resumes on another decode worker from
+    the tokens streamed, equal to the offline engine's; the killed worker's blocks leave the index; the next
+    turn is token-exact too, on the worker that finished the last one (local prefill)."""
+    cluster, offline = session_cluster
+    whole(cluster)
+    g = torch.Generator().manual_seed(12)
+    conversation = torch.randint(0, 320, (30,), generator=g).tolist()
+    reply, first = aloop.run(turn(cluster, conversation, session="killed-mid"))
+    assert reply == offline.generate([conversation], GREEDY)[0].token_ids
+    conversation = conversation + reply + torch.randint(0, 320, (9,), generator=g).tolist()
+    long = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
+    lost = cluster.retries["decode_lost"]
+
+    async def killed_midway() -> tuple[list[int], str, tuple[str, ...]]:
+        tokens, dead, placement = [], None, ()
+        async with contextlib.aclosing(cluster.generate(conversation, long, "mid", session="killed-mid")) as gen:
+            async for out in gen:
+                assert out.error is None, out.error
+                tokens += out.new_token_ids
+                placement = out.placement or placement
+                if dead is None and len(tokens) >= 3:
+                    victim = next(w for w in cluster.pools["decode"] if "mid#0" in w.requests)
+                    dead = victim.worker_id
+                    ray.kill(victim.handle, no_restart=True)
+        return tokens, dead, placement
+
+    tokens, dead, placement = aloop.run(killed_midway(), timeout=300)
+    assert tokens == offline.generate([conversation], long)[0].token_ids
+    assert cluster.retries["decode_lost"] == lost + 1  # it was killed with the stream unfinished
+    assert dead == first[-1]  # the session's worker, which held its KV
+    assert placement[-1] != dead
+    forgotten(cluster, dead, hash_prompt_blocks(conversation, BS))
+    conversation = conversation + tokens + torch.randint(0, 320, (9,), generator=g).tolist()
+    reply, after = aloop.run(turn(cluster, conversation, session="killed-mid"))
+    assert reply == offline.generate([conversation], GREEDY)[0].token_ids
+    assert after == (placement[-1],)  # local, on the worker that finished the killed turn
