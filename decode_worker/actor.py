@@ -198,7 +198,7 @@ class DecodeActor(WorkerActor):
         policy: kept, recomputed here, or aborted (its ABORT end published, after the first token)."""
         core = self.core
         held = core.scheduler.waiting_for_kv.get(request_id)
-        if held is not None and held.held_blocks and held.kv_version != version:  # two versions' KV: never mixed
+        if held is not None and self._would_mix(held, version):  # two versions' KV: never decoded on
             self._transfer_failed(request_id, f"its prefix here is of weight version {held.kv_version}, the rest "
                                   f"came of version {version}", FailureReason.PREFIX_MISSED)
             return
@@ -216,6 +216,17 @@ class DecodeActor(WorkerActor):
                      and (end := core.version_policy(req)) is not None]
             if ended:
                 self._publish(ended)
+
+    def _would_mix(self, req, version: int) -> bool:
+        """A partial hand-off's rest came of weight version `version`, its pinned prefix of another: decoding
+        would read KV of two versions unless the version policy discards it (abort, or recompute: the prompt
+        computed again here) rather than keep it."""
+        if not req.held_blocks or req.kv_version == version:
+            return False
+        serving, p = self.core.weight_version, req.params
+        if version == serving:
+            return True  # this worker switched since it pinned the prefix: nothing else would look at the KV
+        return p.version_policy == "keep" and (p.max_staleness is None or serving - version <= p.max_staleness)
 
     def _kv_never_comes(self, request_ids, error: str, reason: FailureReason = FailureReason.TRANSFER_FAILED) -> None:
         """Step thread: these reservations' KV will not come; each one no intake is writing into is failed

@@ -297,10 +297,14 @@ class Dispatch:
         self._estimate.placed(w.worker_id, e.hashes(self.block_size, version),
                               w.stats.kv_blocks_total if w.stats is not None else 0)
 
-    def held_prefix(self, w: Worker, req: Request) -> tuple[int, int]:
+    def held_prefix(self, w: Worker, req: Request, prefill: Worker | None = None) -> tuple[int, int]:
         """(leading full blocks of the request's tokens a decode worker's prefix cache holds, the weight version it
-        holds them at), by the index: a partial hand-off moves only the rest. The last token is always moved."""
+        holds them at), by the index: a partial hand-off moves only the rest. The last token is always moved.
+        Nothing held while the prefill worker serves another version (a weight update under way): its KV and the
+        decode worker's prefix would be of two versions."""
         version = w.stats.weight_version if w.stats is not None else 0
+        if prefill is not None and prefill.stats is not None and prefill.stats.weight_version != version:
+            return 0, version
         hashes = hash_prompt_blocks(req.token_ids[:req.num_tokens - 1], self.block_size, version)
         return self._pools.kv_index.match(w.worker_id, hashes), version
 

@@ -254,8 +254,11 @@ class _SharedCluster:
             from pdserve.config import ClusterConfig, PoolConfig
             from router.cluster import Cluster
 
+            # Its modules test the doors over the disaggregated path: every prompt through the prefill worker,
+            # even one the decode worker holds (a repeat would otherwise be computed there: local prefill,
+            # which tests/router/test_sessions.py covers).
             cluster = Cluster(ClusterConfig(engine=smol_1p1d_engine_config(), prefill=PoolConfig(1, num_cpus=0.25),
-                                            decode=PoolConfig(1, num_cpus=0.25)))
+                                            decode=PoolConfig(1, num_cpus=0.25), local_prefill_max_tokens=0))
             aloop.run(cluster.start(), timeout=600)
             self.cluster = cluster
         return self.cluster

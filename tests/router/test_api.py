@@ -117,7 +117,9 @@ def test_64_concurrent_streams(router, offline):
 
 # -- admission, cancel, deadline, drain -------------------------------------------------------------
 def test_queue_bound_answers_resource_exhausted_at_once(aloop, cluster):
-    small = start_router(aloop, cluster, max_running=1, max_queued=1)
+    # One connection's streams past max_running + max_queued would wait client-side (the default bound on a
+    # connection's streams): here all five reach admission at once.
+    small = start_router(aloop, cluster, max_running=1, max_queued=1, max_streams_per_connection=8)
     try:
         async def run():
             async with AsyncClient(f"127.0.0.1:{small.port}") as c:

@@ -85,7 +85,8 @@ def served(ray_local, aloop, tiny_checkpoints):
                           scheduler=SchedulerConfig(max_num_batched_tokens=512))
     # A worker held at a fault point misses heartbeats: give it time.
     s = Served(aloop, ClusterConfig(engine=engine, prefill=PoolConfig(1, num_cpus=0.25),
-                                    decode=PoolConfig(1, num_cpus=0.25), worker_timeout_s=300),
+                                    decode=PoolConfig(1, num_cpus=0.25), worker_timeout_s=300,
+                                    local_prefill_max_tokens=0),  # every prompt on the prefill worker's steps
                RouterConfig(port=0, http_port=0, served_model_name="tiny"))
     yield s
     s.close()

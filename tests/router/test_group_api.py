@@ -56,7 +56,7 @@ class ScriptedCluster:
     def queued(self, tier: ServiceTier) -> int:
         return 0
 
-    async def generate(self, prompt, params, request_id=None, tier=ServiceTier.DEFAULT):
+    async def generate(self, prompt, params, request_id=None, tier=ServiceTier.DEFAULT, session=None):
         self.params.append(params)
         k = params.logprobs
         done = [0] * params.n

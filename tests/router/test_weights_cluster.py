@@ -34,7 +34,8 @@ def engine_config(path) -> EngineConfig:
 @pytest.fixture(scope="module")
 def served(ray_local, aloop, weight_versions):
     config = ClusterConfig(engine=engine_config(weight_versions[0]), prefill=PoolConfig(1, num_cpus=0.25),
-                           decode=PoolConfig(1, num_cpus=0.25), transfer_timeout_s=20.0)
+                           decode=PoolConfig(1, num_cpus=0.25), transfer_timeout_s=20.0,
+                           local_prefill_max_tokens=0)  # every prompt handed off, repeats included
     s = Served(aloop, config, RouterConfig(port=0, metrics_port=0))  # metrics: tokens by weight staleness
     yield s
     s.close()
@@ -278,6 +279,9 @@ def test_a_hand_off_from_a_newer_prefill_worker_follows_the_policy(client, serve
         assert ray.get(decode.handle.fault_reached.remote("stage_weights", 60), timeout=90)
         wait_for(lambda: {w.pool: w.version for w in client.weight_versions(timeout=30).workers}
                  == {"prefill": version, "decode": old}, timeout=60, what="the prefill worker alone to switch")
+        # and the router's view of it, which placement reads (no partial hand-off across two versions)
+        wait_for(lambda: served.worker("prefill").stats.weight_version == version, timeout=30,
+                 what="the prefill worker's heartbeat to say its version")
         aborted = greedy(client, version_policy="abort")
         assert aborted.finish_reason == "abort" and aborted.choices[0].weight_versions == [version]
         assert aborted.token_ids == reference(path, PROMPT, 1)  # the prefill worker's first token, new weights

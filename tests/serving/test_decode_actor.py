@@ -312,7 +312,8 @@ def test_kv_of_another_weight_version_follows_each_requests_version_policy(ray_l
 def test_a_partial_hand_off_whose_rest_comes_of_another_weight_version_fails_as_prefix_missed(
         ray_local, aloop, tiny_checkpoints, newer_weights):
     """The decode worker (version 0) holds a prefix at version 0 and pins it; the prefill worker, updated to version
-    1, computes the prompt and pushes the rest: the two versions' KV are never joined. The request fails as
+    1, computes the prompt and pushes the rest; the request's policy would keep KV of another version, but the two
+    versions' KV are never joined in one request (abort or recompute discard it instead). The request fails as
     PREFIX_MISSED when the KV lands (the router tries it again whole), and every block is freed. The same prompt
     pushed whole (the retry) lands and decodes."""
     config = EngineConfig(model=str(tiny_checkpoints["llama"]), cache=CacheConfig(block_size=BLOCK, num_blocks=64),
@@ -321,7 +322,7 @@ def test_a_partial_hand_off_whose_rest_comes_of_another_weight_version_fails_as_
     decode = ray.remote(DecodeActor).options(num_cpus=0).remote("decode-m", config, 10.0, torch_threads=1,
                                                                 bind_host="127.0.0.1")
     router = None
-    greedy = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    greedy = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, version_policy="keep")
     turn = tuple(range(1, 13))
     longer = turn + (20, 21, 22, 23, 24, 25)
     try:

@@ -95,7 +95,8 @@ def cluster_config(model: Path, decode_workers: int = 1, **kw) -> ClusterConfig:
     opts = dict(engine=engine, prefill=PoolConfig(1, num_cpus=0.25, cache=cache, scheduler=scheduler),
                 decode=PoolConfig(decode_workers, num_cpus=0.25, cache=cache, scheduler=scheduler),
                 stats_interval_s=0.5, worker_timeout_s=WORKER_TIMEOUT_S, transfer_timeout_s=TRANSFER_TIMEOUT_S,
-                kv_checksum=True)
+                kv_checksum=True,
+                local_prefill_max_tokens=0)  # every prompt handed off (a repeat held by a decode worker included)
     opts.update(kw)
     return ClusterConfig(**opts)
 
