@@ -62,12 +62,25 @@ class Peak:
 
 
 def test_one_grpc_connection_carries_at_most_its_streams(serve):
+    """Six streams on one connection bounded to two: never more than two admitted at once. The others wait
+    client-side once the client knows the bound; one opened in the window where the server has freed a stream
+    the client still counts (or before its SETTINGS are read) is refused by the server (RST_STREAM
+    REFUSED_STREAM: UNAVAILABLE, which grpcio's client does not retry on its own), never failed midway."""
     r = serve(max_streams_per_connection=2)
     target = f"127.0.0.1:{r.port}"
     peak = Peak(r)
+
+    def one(c: Client):
+        try:
+            return stream(c)
+        except grpc.RpcError as e:
+            return e
+
     with Client(target) as c, concurrent.futures.ThreadPoolExecutor(6) as pool:
-        lengths = list(pool.map(lambda _: stream(c), range(6)))  # one channel: one connection
-    assert lengths == [160] * 6  # the others waited for a stream, client-side; none failed
+        outcomes = list(pool.map(lambda _: one(c), range(6)))  # one channel: one connection
+    refused = [o for o in outcomes if not isinstance(o, int)]
+    assert all(e.code() == grpc.StatusCode.UNAVAILABLE and "error code 7" in e.details() for e in refused), refused
+    assert [o for o in outcomes if isinstance(o, int)] == [160] * (6 - len(refused)) and len(refused) <= 4
     assert peak.stop() == 2
 
 
