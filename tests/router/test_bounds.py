@@ -58,6 +58,10 @@ def test_every_field_that_sizes_work_is_bounded(info):
     for rid in ("", "x" * 129, "a b", "a/b", "a~1", "a#0", "é", "\n"):
         assert refused(info, token_ids=ids, request_id=rid).startswith("request_id must be"), rid
     assert prepare(info, 1 << 20, Ask(token_ids=ids, request_id="A-z_0.9:x"))
+    # A session key (#48): 1 to 256 characters.
+    for sid in ("", "s" * 257):
+        assert refused(info, token_ids=ids, session_id=sid).startswith("session_id must have 1 to 256"), sid
+    assert prepare(info, 1 << 20, Ask(token_ids=ids, session_id="s" * 256))
     # n x logprobs x tokens: at most MAX_N samples of the context's entries.
     why = refused(info, token_ids=ids, sampling=dict(n=128, logprobs=20, max_tokens=ctx - 3))
     assert why.startswith("logprobs asks for") and str(128 * ctx) in why
