@@ -223,10 +223,9 @@ class DecodeActor(WorkerActor):
         computed again here) rather than keep it."""
         if not req.held_blocks or req.kv_version == version:
             return False
-        serving, p = self.core.weight_version, req.params
-        if version == serving:
+        if version == self.core.weight_version:
             return True  # this worker switched since it pinned the prefix: nothing else would look at the KV
-        return p.version_policy == "keep" and (p.max_staleness is None or serving - version <= p.max_staleness)
+        return self.core.keeps(req.params, version)
 
     def _kv_never_comes(self, request_ids, error: str, reason: FailureReason = FailureReason.TRANSFER_FAILED) -> None:
         """Step thread: these reservations' KV will not come; each one no intake is writing into is failed

@@ -260,8 +260,7 @@ class EngineCore:
         version, s, p = self.weight_version, self.scheduler, req.params
         if req.kv_version == version:
             return None
-        if s.role is not Role.PREFILL and p.version_policy == "keep" \
-                and (p.max_staleness is None or version - req.kv_version <= p.max_staleness):
+        if s.role is not Role.PREFILL and self.keeps(p, req.kv_version):
             self.version_outcomes["kept"] += 1
         elif s.role is not Role.PREFILL and p.version_policy == "abort":
             s.finish(req, FinishReason.ABORT)
@@ -271,6 +270,11 @@ class EngineCore:
             s.recompute(req)
             self.version_outcomes["recomputed"] += 1
         return None
+
+    def keeps(self, params, kv_version: int) -> bool:
+        """Whether a request's version policy keeps KV computed by weight version kv_version here."""
+        return params.version_policy == "keep" and (params.max_staleness is None
+                                                    or self.weight_version - kv_version <= params.max_staleness)
 
     @property
     def has_work(self) -> bool:
