@@ -15,6 +15,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from pdserve.engine.logprobs import TokenLogprob
+from pdserve.engine.structured import StructuredOutput
 
 _MASK64 = (1 << 64) - 1
 MAX_LOGPROBS = 20  # the most alternatives a request may ask for at each position
@@ -70,6 +71,8 @@ class SamplingParams:
     # A weight update in flight (VERSION_POLICIES); max_staleness bounds "keep" (None: unbounded).
     version_policy: str = "recompute"
     max_staleness: int | None = None
+    # What the output must match (pdserve.engine.structured): a token mask each step; None: free text.
+    structured: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         # Accept lists from callers but keep the frozen value hashable.
@@ -108,6 +111,10 @@ class SamplingParams:
             raise ValueError(f"max_staleness must be an integer in [0, 2**63), got {m!r}")
         if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
             raise ValueError(f"min_tokens must be an integer in [0, max_tokens], got {self.min_tokens!r}")
+        if self.structured is not None and not isinstance(self.structured, StructuredOutput):
+            raise ValueError(f"structured must be a StructuredOutput, got {type(self.structured).__name__}")
+        if self.structured is not None:
+            StructuredOutput(self.structured.kind, self.structured.spec)  # checked again: it may come unpickled
 
     def _check_stops(self) -> None:
         if len(self.stop) > MAX_STOP:
