@@ -5,6 +5,7 @@ hand it over (Ask) and its fields turned into token ids and sampling parameters 
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -17,6 +18,7 @@ from pdserve.engine.output import RequestOutput
 from pdserve.engine.sampling import MAX_N, SamplingParams
 from pdserve.model.loader import ModelInfo
 from pdserve.v1 import generation_pb2 as pb
+from router.chat_tools import FieldError, ToolSet, check_messages, check_template_kwargs, check_tools, message_chars, render
 from router.config import REQUEST_ID_CHARS, FieldBounds
 
 DEFAULT_MAX_TOKENS = 16
@@ -88,13 +90,18 @@ class Ask:
     by being put in `sampling` under the engine's name."""
 
     prompt: str | None = None
-    messages: list[dict[str, str]] | None = None
+    messages: list[dict[str, Any]] | None = None  # role, content; name, tool_calls, tool_call_id, reasoning_content
     token_ids: list[int] | None = None
     sampling: dict[str, Any] = field(default_factory=dict)
     default_max_tokens: int | None = DEFAULT_MAX_TOKENS  # with no max_tokens; None: to the end of the context
     service_tier: str | None = None  # auto (or None), default, priority, flex (pdserve.tiers)
     request_id: str | None = None  # None: the router makes one
     session_id: str | None = None  # a conversation's turns under one key (router.dispatch keeps them together)
+    # A chat's tools (router.chat_tools says what each takes) and its template's own variables, as sent.
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 SAMPLING_FIELDS = frozenset(f.name for f in fields(SamplingParams))
@@ -135,6 +142,7 @@ class Checked:
     bounds: FieldBounds
     sampling: dict[str, Any]  # the fields given, over the server's defaults, without max_tokens
     params: SamplingParams
+    tools: ToolSet | None = None  # a chat's tools, checked
 
 
 def prepare(info: ModelInfo, limit: int, ask: Ask, defaults: dict[str, Any] | None = None
@@ -148,7 +156,7 @@ def prepare(info: ModelInfo, limit: int, ask: Ask, defaults: dict[str, Any] | No
     In three parts, which the router's front (router.frontend) runs apart: check (cheap, before admission),
     tokenize (the slow part: after admission, off the event loop), finish."""
     checked = check(info, limit, ask, defaults)
-    return finish(info, checked, tokenize(info, ask))
+    return finish(info, checked, tokenize(info, ask, checked.tools))
 
 
 def check(info: ModelInfo, limit: int, ask: Ask, defaults: dict[str, Any] | None = None) -> Checked:
@@ -162,6 +170,12 @@ def check(info: ModelInfo, limit: int, ask: Ask, defaults: dict[str, Any] | None
     unknown = sorted(set(given) - SAMPLING_FIELDS)
     if unknown:
         raise ValueError(f"unknown sampling field {unknown[0]!r}")
+    tools = _check_chat(ask, bounds)
+    if tools is not None and tools.forced:  # the reply is the calls' JSON, held to their schema
+        if given.get("structured") is not None:
+            raise FieldError("tool_choice", f"tool_choice {tools.choice!r} makes the reply JSON of the tools' schema: "
+                                            "it cannot be combined with another structured output (response_format)")
+        given["structured"] = tools.structured()
     max_tokens = given.pop("max_tokens", None)
     if max_tokens is None:  # chat's default, the rest of the context, is known once the prompt is
         max_tokens = info.max_model_len if ask.default_max_tokens is None else ask.default_max_tokens
@@ -169,7 +183,22 @@ def check(info: ModelInfo, limit: int, ask: Ask, defaults: dict[str, Any] | None
     sampling = {**(defaults or {}), **given}
     params = SamplingParams(**sampling, max_tokens=max_tokens)
     _check_vocab(bounds, ask.token_ids or [], params)
-    return Checked(ask, bounds, sampling, params)
+    return Checked(ask, bounds, sampling, params, tools)
+
+
+def _check_chat(ask: Ask, bounds: FieldBounds) -> ToolSet | None:
+    """A chat's tools, its messages' tool fields and its template's variables (FieldError naming the field)."""
+    check_template_kwargs(ask.chat_template_kwargs)
+    tools = check_tools(ask.tools, ask.tool_choice, ask.parallel_tool_calls)
+    if ask.messages is None:
+        for name in ("tools", "chat_template_kwargs"):
+            if getattr(ask, name):
+                raise FieldError(name, f"{name} needs messages (a chat)")
+        return tools
+    check_messages(ask.messages)
+    if tools is not None and len(json.dumps(ask.tools)) > bounds.max_input_chars:
+        raise FieldError("tools", f"tools exceed {bounds.max_input_chars} characters")
+    return tools
 
 
 def finish(info: ModelInfo, checked: Checked, ids: list[int]) -> tuple[list[int], SamplingParams]:
@@ -250,7 +279,7 @@ def _check_input(info: ModelInfo, bounds: FieldBounds, ask: Ask) -> None:
         messages = ask.messages
         if not messages:
             raise ValueError("messages is empty")
-        if sum(len(m["content"]) + len(m["role"]) for m in messages) > limit:
+        if sum(message_chars(m) for m in messages) > limit:
             raise ValueError(f"messages exceed {limit} characters in all")
         if any(not m["role"] for m in messages):
             raise ValueError("every message needs a role")
@@ -258,13 +287,15 @@ def _check_input(info: ModelInfo, bounds: FieldBounds, ask: Ask) -> None:
             raise ValueError("this model has no chat template: send a prompt or token_ids")
 
 
-def tokenize(info: ModelInfo, ask: Ask) -> list[int]:
-    """The prompt's token ids from a checked request's one input: the text ones tokenized (chat: templated).
-    Up to --max-input-chars characters: the router runs it off its event loop (router.frontend)."""
+def tokenize(info: ModelInfo, ask: Ask, tools: ToolSet | None = None) -> list[int]:
+    """The prompt's token ids from a checked request's one input: the text ones tokenized (chat: templated, with
+    its checked tools, router.chat_tools.render). Up to --max-input-chars characters: the router runs it off its
+    event loop (router.frontend)."""
     if ask.token_ids is not None:
         return list(ask.token_ids)
     tok = info.tokenizer
-    ids = tok.encode(ask.prompt) if ask.prompt is not None else tok.apply_chat_template(ask.messages)
+    ids = tok.encode(ask.prompt) if ask.prompt is not None else \
+        render(tok, ask.messages, tools, ask.chat_template_kwargs)
     if not ids:
         raise ValueError("prompt is empty")
     return ids

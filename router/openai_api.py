@@ -57,9 +57,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pdserve.engine.output import RequestOutput
 from router.admission import Overloaded, RequestFailed, Samples
+from router.chat_tools import FieldError
 from router.frontend import Frontend, Prepared
 from router.http_limits import BodyBudget, BodyLimit, Roles
-from router.openai_choices import FINISH, Choice, Vocab
+from router.openai_choices import Choice, Vocab
 from router.openai_schema import BaseCompletionRequest, ChatCompletionRequest, CompletionRequest, HTTPError
 from router.security import Access
 from router.tracking import Timeline
@@ -152,8 +153,10 @@ def build_app(front: Frontend, model_name: str, access: Access, max_body_bytes: 
         chat = kind == "chat.completion"
 
         def choices() -> list[Choice]:  # once the run has started: a text prompt is tokenized once admitted
+            plan = prepared.reply
             return [Choice(chat, vocab, info.tokenizer, prepared.prompt, prepared.params, bool(body.return_token_ids),
-                           i) for i in range(prepared.params.n)]
+                           i, plan.reply(info.tokenizer, prepared.prompt) if plan is not None else None)
+                    for i in range(prepared.params.n)]
 
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -209,6 +212,8 @@ def _invalid_value(body: BaseCompletionRequest, e: ValueError) -> HTTPError:
     """The 400 for a value the request checks refused (router.admission.prepare, SamplingParams), naming the
     body's field where the message begins with the name of one ("min_tokens must be ...")."""
     message = str(e)
+    if isinstance(e, FieldError):
+        return HTTPError(400, message, param=e.param)
     unknown = re.match(r"unknown (\w+) ", message)  # "unknown service_tier 'x'; expected ..."
     if unknown is not None and unknown[1] in type(body).model_fields:
         return HTTPError(400, message, param=unknown[1])
@@ -331,16 +336,16 @@ async def _sse(run: _Run, first: RequestOutput | None, kind: str, rid: str, mode
     obj = "chat.completion.chunk" if chat else "text_completion"
     created = int(time.time())
 
-    def chunk(index: int, text: str | None, finish: str | None, fields: dict[str, Any], prompt: dict[str, Any],
+    def chunk(index: int, said: dict[str, Any], finish: str | None, fields: dict[str, Any], prompt: dict[str, Any],
               role: bool = False) -> str:
-        """fields: the choice's (logprobs, token_ids); prompt: the prompt's, if this chunk carries them."""
+        """said: chat's delta fields (content, reasoning_content, tool_calls), completions' {"content": text};
+        fields: the choice's (logprobs, token_ids); prompt: the prompt's, if this chunk carries them."""
         if chat:
             delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else {}
-            if text:
-                delta["content"] = text
+            delta.update(said)
             one = {"index": index, "delta": delta, "finish_reason": finish, **fields}
         else:
-            one = {"index": index, "text": text or "", "finish_reason": finish, **fields, **prompt}
+            one = {"index": index, "text": said.get("content", ""), "finish_reason": finish, **fields, **prompt}
         body: dict[str, Any] = {"id": rid, "object": obj, "created": created, "model": model, "choices": [one],
                                 "service_tier": run.t.served_tier}
         if chat:
@@ -353,15 +358,16 @@ async def _sse(run: _Run, first: RequestOutput | None, kind: str, rid: str, mode
     try:
         if chat:  # each choice's first chunk says the role (as OpenAI's do with n > 1)
             for c in choices:
-                yield chunk(c.index, None, None, c.no_tokens(), c.prompt_fields(first), role=True)
+                yield chunk(c.index, {}, None, c.no_tokens(), c.prompt_fields(first), role=True)
         out = first
         while out is not None:
             choice = choices[out.index]
-            finish = FINISH.get(out.finish_reason) if out.finished else None
+            said = choice.delta(out) if chat else {"content": out.new_text} if out.new_text else {}
+            finish = choice.finish_of(out)  # after the delta: the reply's last piece may hold its calls
             fields, prompt = choice.piece(out)
             # An output without text still goes out if it has tokens whose logprobs or ids were asked.
-            if out.new_text or finish or prompt or choice.extras and out.new_token_ids:
-                yield chunk(out.index, out.new_text, finish, fields, prompt)
+            if said or finish or prompt or choice.extras and out.new_token_ids:
+                yield chunk(out.index, said, finish, fields, prompt)
             if run.samples.done:
                 break
             out = await run.next()

@@ -2,7 +2,7 @@
 
 The request bodies are pydantic models of /v1/completions and /v1/chat/completions. Fields of OpenAI's
 API that change nothing here (user, ...) and those of other servers pass; what OpenAI's API has and
-pdserve does not (echo, suffix, best_of, tools, logit bias, JSON mode), and fields that make no
+pdserve does not (echo, suffix, best_of, the legacy functions, logit bias, JSON mode), and fields that make no
 sense together, each body lists in `refused()`, which the app answers with a 400 that names the field.
 
 Beside OpenAI's fields (logprobs, top_logprobs, presence and frequency penalties, ...) both bodies take
@@ -143,6 +143,19 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
     role: str
     content: str | list[dict[str, Any]] | None = None
+    # A conversation with tools (router.chat_tools checks them): an assistant's calls, a tool's answer to one.
+    name: str | None = None
+    tool_calls: list[Any] | None = None
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None  # an assistant's reasoning, for templates that render it
+
+    def turn(self, index: int) -> dict[str, Any]:
+        """The message as router.admission.Ask holds it."""
+        out: dict[str, Any] = {"role": self.role, "content": _text(self.content, index)}
+        for key in ("name", "tool_calls", "tool_call_id", "reasoning_content"):
+            if getattr(self, key) is not None:
+                out[key] = getattr(self, key)
+        return out
 
 
 class ChatCompletionRequest(BaseCompletionRequest):
@@ -150,8 +163,11 @@ class ChatCompletionRequest(BaseCompletionRequest):
     max_completion_tokens: int | None = None
     logprobs: bool | None = False
     top_logprobs: int | None = None  # k, with logprobs: the k most likely tokens beside each generated one
+    # Tools (router.chat_tools: what each takes, checked there for both doors) and the template's variables.
     tools: list[Any] | None = None
     tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
     functions: list[Any] | None = None
     function_call: Any = None
     response_format: dict[str, Any] | None = None
@@ -163,12 +179,13 @@ class ChatCompletionRequest(BaseCompletionRequest):
         ask = super().ask()
         if self.max_completion_tokens is not None:
             ask.sampling["max_tokens"] = self.max_completion_tokens
+        ask.tools, ask.tool_choice, ask.parallel_tool_calls = self.tools, self.tool_choice, self.parallel_tool_calls
+        ask.chat_template_kwargs = self.chat_template_kwargs
         return ask
 
     def inputs(self) -> dict[str, Any]:
         # As OpenAI's chat API: with no limit given, up to the end of the context.
-        return dict(messages=[{"role": m.role, "content": _text(m.content, i)} for i, m in enumerate(self.messages)],
-                    default_max_tokens=None)
+        return dict(messages=[m.turn(i) for i, m in enumerate(self.messages)], default_max_tokens=None)
 
     def param(self, name: str) -> str:
         if name == "logprobs":  # the count is top_logprobs; logprobs only turns them on
@@ -181,11 +198,9 @@ class ChatCompletionRequest(BaseCompletionRequest):
         out = super().refused()
         if self.top_logprobs is not None and not self.logprobs:
             out.append(("top_logprobs", "top_logprobs needs logprobs set to true"))
-        for name in ("tools", "functions"):
-            if getattr(self, name):
-                out.append((name, "tool and function calling are not supported"))
-        if self.tool_choice not in (None, "none") or self.function_call not in (None, "none"):
-            out.append(("tool_choice", "tool and function calling are not supported"))
+        for name in ("functions", "function_call"):  # OpenAI's deprecated form of tools and tool_choice
+            if getattr(self, name) is not None:
+                out.append((name, f"{name} is not supported: send tools and tool_choice"))
         if self.response_format and self.response_format.get("type", "text") != "text":
             out.append(("response_format", "only the text response format is supported"))
         return out
