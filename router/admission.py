@@ -125,11 +125,47 @@ def ask_from_grpc(request: pb.GenerateRequest) -> Ask:
         min_tokens=given(s, "min_tokens"), n=given(request, "n"), version_policy=request.version_policy or None,
         max_staleness=given(request, "max_staleness"))
     return Ask(prompt=request.prompt if which == "prompt" else None,
-               messages=[{"role": m.role, "content": m.content} for m in request.messages.messages]
-               if which == "messages" else None,
+               messages=[_grpc_message(m) for m in request.messages.messages] if which == "messages" else None,
                token_ids=list(request.token_ids.ids) if which == "token_ids" else None,
                sampling=sampling, service_tier=request.service_tier, request_id=request.request_id or None,
-               session_id=request.session_id or None)
+               session_id=request.session_id or None, tools=[_grpc_tool(i, t) for i, t in enumerate(request.tools)],
+               tool_choice=(request.tool_choice.mode if request.tool_choice.mode != "function" else
+                            {"type": "function", "function": {"name": request.tool_choice.name}})
+               if request.HasField("tool_choice") else None,
+               parallel_tool_calls=given(request, "parallel_tool_calls"),
+               chat_template_kwargs=_json_field("chat_template_kwargs", request.chat_template_kwargs or None))
+
+
+def _grpc_message(m: pb.ChatMessage) -> dict[str, Any]:
+    """A gRPC chat message as the HTTP door's (router.chat_tools reads both): empty fields left out."""
+    out: dict[str, Any] = {"role": m.role, "content": m.content}
+    for key in ("name", "tool_call_id", "reasoning_content"):
+        if getattr(m, key):
+            out[key] = getattr(m, key)
+    if m.tool_calls:
+        out["tool_calls"] = [{"id": c.id, "type": c.type or "function",
+                              "function": {"name": c.function.name, "arguments": c.function.arguments}}
+                             for c in m.tool_calls]
+    return out
+
+
+def _grpc_tool(i: int, t: pb.Tool) -> dict[str, Any]:
+    """A gRPC tool as OpenAI's tools entry (its schema's JSON text read)."""
+    f = t.function
+    function: dict[str, Any] = {"name": f.name, "description": f.description or None,
+                                "parameters": _json_field(f"tools.{i}.function.parameters", f.parameters or None)}
+    if f.HasField("strict"):
+        function["strict"] = f.strict
+    return {"type": t.type, "function": function}
+
+
+def _json_field(name: str, text: str | None) -> Any:
+    if text is None:
+        return None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise FieldError(name, f"{name} must be JSON text: {e}") from None
 
 
 @dataclass(frozen=True)

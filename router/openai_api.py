@@ -341,7 +341,7 @@ async def _sse(run: _Run, first: RequestOutput | None, kind: str, rid: str, mode
         """said: chat's delta fields (content, reasoning_content, tool_calls), completions' {"content": text};
         fields: the choice's (logprobs, token_ids); prompt: the prompt's, if this chunk carries them."""
         if chat:
-            delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else {}
+            delta: dict[str, Any] = {"role": "assistant", "content": choices[index].first_content} if role else {}
             delta.update(said)
             one = {"index": index, "delta": delta, "finish_reason": finish, **fields}
         else:

@@ -153,6 +153,12 @@ class Choice:
         finish = FINISH.get(out.finish_reason) if out.finished else None
         return self.reply.finish_reason(finish) if self.reply is not None else finish
 
+    @property
+    def first_content(self) -> str | None:
+        """The content of a chat stream's first delta (the role's): None where the reply may be calls alone
+        (its content then stays None, as the whole reply's)."""
+        return None if self.reply is not None and self.reply.plan.tools is not None else ""
+
     def no_tokens(self) -> dict[str, Any]:
         """The choice's fields of a chunk without tokens (chat's first, which says the role)."""
         return {"logprobs": None, **({"token_ids": [], "weight_versions": []} if self.token_ids else {})}
