@@ -18,7 +18,8 @@ from pdserve.engine.output import RequestOutput
 from pdserve.engine.sampling import MAX_N, SamplingParams
 from pdserve.model.loader import ModelInfo
 from pdserve.v1 import generation_pb2 as pb
-from router.chat_tools import FieldError, ToolSet, check_messages, check_template_kwargs, check_tools, message_chars, render
+from router.chat_tools import (FieldError, ToolSet, check_messages, check_template_kwargs, check_tools, message_chars,
+                               render)
 from router.config import REQUEST_ID_CHARS, FieldBounds
 
 DEFAULT_MAX_TOKENS = 16

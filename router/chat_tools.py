@@ -235,9 +235,8 @@ def _for_template(m: dict[str, Any]) -> dict[str, Any]:
     out = {k: v for k, v in m.items() if v is not None}
     out["content"] = m.get("content") or ""
     if m.get("tool_calls"):
-        out["tool_calls"] = [{**c, "type": "function", "function": {"name": c["function"]["name"],
-                                                                    "arguments": json.loads(c["function"]["arguments"])}}
-                             for c in m["tool_calls"]]
+        out["tool_calls"] = [{**c, "type": "function", "function": {**c["function"], "arguments": json.loads(
+            c["function"]["arguments"])}} for c in m["tool_calls"]]
     return out
 
 

@@ -12,7 +12,7 @@ known, so a stream gives what the whole reply gives.
 """
 from __future__ import annotations
 
-from router.tool_parsers import held_prefix
+from router.tool_parsers.base import held_prefix
 
 PARSERS = ("none", "qwen3", "deepseek_r1")
 START, END = "<think>", "</think>"

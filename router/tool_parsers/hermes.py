@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from router.tool_parsers import Family, Segment, call_from, held_prefix
+from router.tool_parsers.base import Family, Segment, call_from, held_prefix
 
 START, END = "<tool_call>", "</tool_call>"
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 
-from router.tool_parsers import Family, Segment, call_from
+from router.tool_parsers.base import Family, Segment, call_from
 
 PYTHON_TAG = "<|python_tag|>"
 _DECODER = json.JSONDecoder()

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import re
 
-from router.tool_parsers import Family, Segment, call_from, held_prefix
+from router.tool_parsers.base import Family, Segment, call_from, held_prefix
 
 START, ARGS, CALL_ID = "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"
 _NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")

@@ -125,7 +125,8 @@ def test_calls_and_finish_reasons(served):
     # A reply cut by max_tokens stays "length"; a call cut open is content.
     cluster.reply = (TWO_CALLS[:-20], FinishReason.LENGTH)
     r = client.chat.completions.create(model=MODEL, messages=CHAT, tools=TOOLS)
-    assert r.choices[0].finish_reason == "length" and calls_of(r.choices[0].message) == [("get_weather", {"city": "Paris"})]
+    assert r.choices[0].finish_reason == "length"
+    assert calls_of(r.choices[0].message) == [("get_weather", {"city": "Paris"})]
     content = r.choices[0].message.content
     assert content.startswith("Let me look.") and '<tool_call>\n{"name": "get_time"' in content
     # Malformed JSON stays content; tool_choice none reads nothing.
