@@ -26,10 +26,11 @@ def opens_reasoning(parser: str, prompt_tail: str) -> bool:
 
 class ReasoningStream:
     """One reply split into reasoning and content as it streams (add per piece, then finish). in_reasoning:
-    the reply begins inside the block (opens_reasoning)."""
+    the reply begins inside the block (opens_reasoning); an opening tag it writes anyway is dropped."""
 
     def __init__(self, in_reasoning: bool):
-        self._state = "reasoning" if in_reasoning else "start"
+        self._opened = in_reasoning
+        self._state = "start"  # until the reply's beginning shows whether it writes the opening tag
         self._buf = ""
         self._content_started = False
         self.reasoning, self.content = "", ""
@@ -45,7 +46,7 @@ class ReasoningStream:
             elif START.startswith(body) and not final:
                 return "", ""  # the tag may be coming
             else:
-                self._state = "content"
+                self._state = "reasoning" if self._opened else "content"
         if self._state == "reasoning":
             end = self._buf.find(END)
             if end >= 0:
