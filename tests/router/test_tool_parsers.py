@@ -205,8 +205,7 @@ def test_detect_the_family():
 # None content concatenated (it would render "None"), a thinking switch.
 TOOL_TEMPLATE = """{%- if tools %}<|im_start|>system
 {% if messages[0].role == 'system' %}{{ messages[0].content }}
-{% endif %}TOOLS:{% for t in tools %}
-{{ t | tojson }}{% endfor %}<|im_end|>
+{% endif %}TOOLS:{% for t in tools %}{{ '\\n' }}{{ t | tojson }}{% endfor %}<|im_end|>
 {% endif %}{%- for m in messages %}{% if not (tools and m.role == 'system') %}<|im_start|>{{ m.role }}
 {% for c in m.tool_calls or [] %}CALL {{ c.function.name }} {{ c.function.arguments.city }} {{ c.id }}
 {% endfor %}{{ m.content }}{% if m.role == 'tool' %} (for {{ m.tool_call_id }}){% endif %}<|im_end|>
