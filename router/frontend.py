@@ -30,7 +30,7 @@ from router.cluster import Cluster
 from router.config import RouterConfig
 from router.metrics import PoolScale, RouterMetrics
 from router.workers import Worker
-from router.tool_parsers import detect
+from router.tool_parsers import KEEPS_SPECIAL_TOKENS, detect
 from router.tracking import Timeline
 
 
@@ -87,7 +87,10 @@ class Frontend:
         """The request checked (router.admission.check: every field, the server's defaults where it gave none)
         and its tier; token ids given are checked against the context here too. ValueError says what is wrong,
         naming the field. Text is tokenized later, once admitted (run)."""
-        checked = check(self.info, self.config.max_input_chars, ask, self._defaults)
+        defaults = self._defaults
+        if self.tool_call_parser in KEEPS_SPECIAL_TOKENS and ask.tools and ask.tool_choice != "none":
+            defaults = {**defaults, "skip_special_tokens": False}  # the reply's calls are read by their markers
+        checked = check(self.info, self.config.max_input_chars, ask, defaults)
         prompt, params = finish(self.info, checked, list(ask.token_ids)) if ask.token_ids is not None \
             else (None, checked.params)
         reply = plan(checked.tools, self.tool_call_parser, self.config.reasoning_parser) \

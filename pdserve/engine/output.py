@@ -50,10 +50,12 @@ class TextOutput:
     """A request's output text, token by token. Whoever streams the tokens holds one: the worker that
     samples them in a cluster (pdserve.serving.worker), the offline engine's loop otherwise."""
 
-    def __init__(self, tokenizer: Tokenizer | None, prompt_token_ids: list[int], stop: tuple[str, ...]):
+    def __init__(self, tokenizer: Tokenizer | None, prompt_token_ids: list[int], stop: tuple[str, ...],
+                 skip_special_tokens: bool = True):
         if stop and tokenizer is None:
             raise ValueError("stop strings need a tokenizer; this model was loaded without one")
-        self._detok = IncrementalDetokenizer(tokenizer, prompt_token_ids) if tokenizer is not None else None
+        self._detok = IncrementalDetokenizer(tokenizer, prompt_token_ids, skip_special_tokens) \
+            if tokenizer is not None else None
         self._stop = stop
         self._hold = max((len(s) for s in stop), default=1) - 1
         self._text = ""
@@ -61,12 +63,12 @@ class TextOutput:
 
     @classmethod
     def resume(cls, tokenizer: Tokenizer | None, prompt_token_ids: list[int], output_token_ids: list[int],
-               stop: tuple[str, ...], emitted: int) -> TextOutput:
+               stop: tuple[str, ...], emitted: int, skip_special_tokens: bool = True) -> TextOutput:
         """The text of a request continued elsewhere: its output tokens so far are decoded without being
         emitted, and `emitted` characters of their text count as already sent (the router's count). The
         next add() returns what a TextOutput that had seen every token would have returned: text held
         back there (a possible stop string's start, an incomplete character) comes out here."""
-        text = cls(tokenizer, prompt_token_ids, stop)
+        text = cls(tokenizer, prompt_token_ids, stop, skip_special_tokens)
         if output_token_ids and text._detok is not None:
             text._text = text._detok.add(output_token_ids)
         text._emitted = emitted

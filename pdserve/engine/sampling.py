@@ -73,6 +73,9 @@ class SamplingParams:
     max_staleness: int | None = None
     # What the output must match (pdserve.engine.structured): a token mask each step; None: free text.
     structured: StructuredOutput | None = None
+    # The output's text leaves special tokens out; False keeps their text (the markers of a model family's tool
+    # calls that are special tokens, e.g. [TOOL_CALLS]). End-of-sequence and stop ids are never text.
+    skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
         # Accept lists from callers but keep the frozen value hashable.
@@ -111,6 +114,8 @@ class SamplingParams:
             raise ValueError(f"max_staleness must be an integer in [0, 2**63), got {m!r}")
         if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
             raise ValueError(f"min_tokens must be an integer in [0, max_tokens], got {self.min_tokens!r}")
+        if not isinstance(self.skip_special_tokens, bool):
+            raise ValueError(f"skip_special_tokens must be true or false, got {self.skip_special_tokens!r}")
         if self.structured is not None and not isinstance(self.structured, StructuredOutput):
             raise ValueError(f"structured must be a StructuredOutput, got {type(self.structured).__name__}")
         if self.structured is not None:

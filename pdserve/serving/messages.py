@@ -43,7 +43,7 @@ class _Task:
         req.token_ids.extend(self.output_token_ids)
         if tokenizer is not None:
             req.text = TextOutput.resume(tokenizer, list(self.prompt_token_ids), list(self.output_token_ids),
-                                         self.params.stop, self.text_offset)
+                                         self.params.stop, self.text_offset, self.params.skip_special_tokens)
         return req
 
 

@@ -27,6 +27,10 @@ from router.tool_parsers.mistral import Mistral
 __all__ = ["Family", "Segment", "ToolCall", "ToolCallStream", "call_from", "held_prefix", "parse", "family", "detect",
            "PARSERS"]
 PARSERS = ("auto", "hermes", "llama3_json", "mistral")
+# Families whose markers are special tokens the parser needs in the text, which leaves special tokens out
+# unless asked (SamplingParams.skip_special_tokens). llama3_json's <|python_tag|> is not needed: its calls are
+# the JSON.
+KEEPS_SPECIAL_TOKENS = frozenset({"mistral"})
 _FAMILIES = {"hermes": Hermes, "llama3_json": Llama3Json, "mistral": Mistral}
 
 

@@ -70,7 +70,8 @@ def served(aloop):
         pytest.skip(str(e))
     cluster = ScriptedCluster(load_info(EngineConfig()))
     routers = {}
-    for name, kw in {"plain": {}, "qwen3": dict(reasoning_parser="qwen3")}.items():
+    for name, kw in {"plain": {}, "qwen3": dict(reasoning_parser="qwen3"),
+                     "mistral": dict(tool_call_parser="mistral")}.items():
         routers[name] = build_router(cluster, RouterConfig(port=0, http_port=0, served_model_name=MODEL, **kw))
         aloop.run(routers[name].start())
     yield cluster, routers
@@ -167,6 +168,22 @@ def test_forced_choices_are_read_from_their_json(served, stream):
     got = ask('{"city": "Rome"}', tool_choice={"type": "function", "function": {"name": "get_weather"}})
     assert got.finish_reason == "tool_calls" and calls_of(got.message) == [("get_weather", {"city": "Rome"})]
     assert json.loads(cluster.params[-1].structured.spec) == WEATHER["function"]["parameters"]
+
+
+def test_mistral_calls_keep_their_special_tokens(served):
+    """--tool-call-parser mistral: [TOOL_CALLS] is a special token, kept in the text of a request read for calls
+    (SamplingParams.skip_special_tokens false) and left out of every other."""
+    cluster = served[0]
+    cluster.reply, cluster.step = ('[TOOL_CALLS]get_weather[ARGS]{"city": "Nice"}', FinishReason.STOP), 6
+    client = sdk(served, "mistral")
+    r = client.chat.completions.create(model=MODEL, messages=CHAT, tools=TOOLS)
+    assert calls_of(r.choices[0].message) == [("get_weather", {"city": "Nice"})] and r.choices[0].message.content is None
+    assert cluster.params[-1].skip_special_tokens is False
+    for kw in (dict(tools=TOOLS, tool_choice="none"), {}):
+        client.chat.completions.create(model=MODEL, messages=CHAT, **kw)
+        assert cluster.params[-1].skip_special_tokens is True
+    sdk(served).chat.completions.create(model=MODEL, messages=CHAT, tools=TOOLS)  # hermes: nothing to keep
+    assert cluster.params[-1].skip_special_tokens is True
 
 
 @pytest.mark.parametrize("stream", [False, True])
