@@ -28,8 +28,9 @@ samples end (chat: each choice's first chunk says the role, all of them before a
 fields come once: on choice 0 (completions) or on the response (chat). usage counts the prompt once
 and the completion tokens of every choice, as OpenAI's does.
 
-What OpenAI's API has and pdserve does not (echo, suffix, best_of, tools, logit bias, JSON mode) is a
-400 that names the field, and so is a value out of range (the field as the request named
+Chat's tools and reasoning (tools, tool_choice, parallel_tool_calls, chat_template_kwargs; message.tool_calls,
+reasoning_content) are router.chat_tools' and router.chat_reply's, shared with gRPC. What OpenAI's API has and
+pdserve does not (echo, suffix, best_of, the legacy functions, logit bias, JSON mode) is a 400 that names the field, and so is a value out of range (the field as the request named
 it: top_logprobs, presence_penalty, min_tokens, ...). Every error uses OpenAI's shape,
 {"error": {"message", "type", "param", "code"}}: 400 bad input (a body that is not a JSON object
 included), 401 missing or wrong key, 403 a control route without the admin credential, 404 unknown model or path, 405 wrong method, 413 a body over
