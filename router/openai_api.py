@@ -162,13 +162,7 @@ def build_app(front: Frontend, model_name: str, access: Access, max_body_bytes: 
                       for i, p in enumerate(prepared)])
 
         def choices() -> list[Choice]:  # once the runs have started: a text prompt is tokenized once admitted
-            out = []
-            for i, run in enumerate(runs.runs):
-                p = run.request
-                echo_text = _prompt_text(p, info.tokenizer) if shape.echo else ""
-                out += [Choice(chat, shown, info.tokenizer, p.prompt, p.params, shape, i * p.params.n + j, j, echo_text)
-                        for j in range(p.params.n)]
-            return out
+            return _choices(runs, chat, shown, info.tokenizer, shape)
 
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -401,6 +395,17 @@ async def _cancel(tasks) -> None:
     for task in tasks:
         task.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _choices(runs: _Runs, chat: bool, vocab: Vocab, tokenizer, shape: Shape) -> list[Choice]:
+    """Every run's choices, in the response's order: prompt i's sample j is choice i * n + j."""
+    out = []
+    for i, run in enumerate(runs.runs):
+        p = run.request
+        echo_text = _prompt_text(p, tokenizer) if shape.echo else ""
+        out += [Choice(chat, vocab, tokenizer, p.prompt, p.params, shape, i * p.params.n + j, j, echo_text)
+                for j in range(p.params.n)]
+    return out
 
 
 def _prompt_text(request: Prepared, tokenizer) -> str:
