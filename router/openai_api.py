@@ -28,9 +28,16 @@ samples end (chat: each choice's first chunk says the role, all of them before a
 fields come once: on choice 0 (completions) or on the response (chat). usage counts the prompt once
 and the completion tokens of every choice, as OpenAI's does.
 
-What OpenAI's API has and pdserve does not (echo, suffix, best_of, tools, logit bias, JSON mode) is a
-400 that names the field, and so is a value out of range (the field as the request named
-it: top_logprobs, presence_penalty, min_tokens, ...). Every error uses OpenAI's shape,
+Completions' prompt may be a list (of texts or of token-id lists, at most MAX_PROMPTS): each prompt is a
+request of its own (_Run), all run side by side (_Runs); prompt i's sample j is choice i * n + j, usage sums
+them, and one prompt's failure fails the request and cancels the others. echo: each choice's text and
+logprobs begin with the prompt's (router.openai_choices); with max_tokens 0, the prompt alone (the request
+runs for one token, which the front drops: Ask.prompt_only). return_tokens_as_token_ids names every token
+of the logprobs "token_id:<id>".
+
+A field a body does not declare, and what OpenAI's API has and pdserve does not (suffix, best_of, tools,
+logit bias, JSON mode, ...), is a 400 that names the field, and so is a value out of range (the field as
+the request named it: top_logprobs, presence_penalty, min_tokens, ...). Every error uses OpenAI's shape,
 {"error": {"message", "type", "param", "code"}}: 400 bad input (a body that is not a JSON object
 included), 401 missing or wrong key, 403 a control route without the admin credential, 404 unknown model or path, 405 wrong method, 413 a body over
 the bound, 429 admission queue full, 503 draining, the workers failed the request, or the door holds
