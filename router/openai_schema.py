@@ -1,26 +1,34 @@
 """The OpenAI API's wire shapes for router.openai_api: the request bodies and the error.
 
-The request bodies are pydantic models of /v1/completions and /v1/chat/completions. Fields of OpenAI's
-API that change nothing here (user, ...) and those of other servers pass; what OpenAI's API has and
-pdserve does not (echo, suffix, best_of, the legacy functions, logit bias, JSON mode), and fields that make no
-sense together, each body lists in `refused()`, which the app answers with a 400 that names the field.
+The request bodies are pydantic models of /v1/completions and /v1/chat/completions. A body takes the
+fields declared here and no other: a field it does not declare is a 400 naming it (NOT_SUPPORTED says why
+for those of OpenAI's API, and of other servers' extensions, that pdserve does not do), never ignored.
+What a declared field asks that pdserve does not do (suffix, best_of, the legacy functions, logit bias,
+JSON mode, store: true, ...), and fields that make no sense together, each body lists in `refused()`, which the app
+answers with a 400 that names the field. docs/serving.md lists what each body accepts.
 
 Beside OpenAI's fields (logprobs, top_logprobs, presence and frequency penalties, ...) both bodies take
 these extensions, by vLLM's names: prompt_logprobs (k: the prompt tokens' logprobs and their top k),
-logprobs_mode ("raw" or "processed"; absent: the server's), repetition_penalty, min_tokens and
-return_token_ids (the generated token ids on each choice, the prompt's beside them).
+logprobs_mode ("raw" or "processed"; absent: the server's), repetition_penalty, min_tokens, min_p,
+return_token_ids (the generated token ids on each choice, the prompt's beside them),
+return_tokens_as_token_ids (every token string of the logprobs is "token_id:<id>"),
+include_stop_str_in_output and skip_special_tokens (the text), spaces_between_special_tokens (what the
+tokenizer does: false, or true where no special token is shown) and priority (0 alone: the tiers are
+service_tier's).
 
 HTTPError is an error in OpenAI's shape, {"error": {"message", "type", "param", "code"}}, with the gRPC
 status code the router's metrics record for it.
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any, ClassVar
 
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict
 
 from router.admission import DEFAULT_MAX_TOKENS, Ask
+from router.config import MAX_PROMPTS
 
 
 class HTTPError(Exception):
@@ -37,13 +45,40 @@ class HTTPError(Exception):
 
 # -- request bodies -------------------------------------------------------------------------------------
 
+# Fields a body does not declare, by why: OpenAI's that pdserve does not do, and other servers' extensions that
+# clients send. Any other undeclared field is refused as unknown.
+NOT_SUPPORTED = {
+    "audio": "only text output is supported",
+    "metadata": "metadata is kept with stored completions; pdserve stores none",
+    "prediction": "predicted outputs are not supported",
+    "reasoning_effort": "reasoning effort is not supported (the served model has no reasoning setting)",
+    "verbosity": "verbosity is not supported",
+    "web_search_options": "web search is not supported",
+    "moderation": "moderation is not supported",
+    **dict.fromkeys(("prompt_cache_retention", "prompt_cache_options"),
+                    "the prefix cache's retention is the server's (prompt_cache_key is taken)"),
+    **dict.fromkeys(("use_beam_search", "length_penalty", "early_stopping"), "beam search is not supported"),
+    "truncate_prompt_tokens": "prompts are not truncated: send one that fits the context",
+}
+
+
+def unknown_field(name: str) -> str:
+    """The 400's message for a field a body does not declare."""
+    why = NOT_SUPPORTED.get(name)
+    if why is not None:
+        return f"{name}: {why}"
+    return f"{name} is not a field of this request (docs/serving.md lists the fields each body takes)"
+
+
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
     include_usage: bool = False
+    include_obfuscation: bool | None = None  # false (or absent) alone: no chunk is padded
 
 
 class BaseCompletionRequest(BaseModel):
-    # Fields of OpenAI's API that change nothing here (user, ...) and those of other servers pass.
-    model_config = ConfigDict(extra="allow")
+    # Every field is declared: an undeclared one is refused by name (unknown_field), never ignored.
+    model_config = ConfigDict(extra="forbid")
 
     model: str
     max_tokens: int | None = None
@@ -57,12 +92,20 @@ class BaseCompletionRequest(BaseModel):
     n: int | None = 1  # samples of the prompt, the response's choices: in [1, 128] (router.admission.prepare checks)
     stream: bool = False
     stream_options: StreamOptions | None = None
+    # The end user, as OpenAI's: it changes no output there either (OpenAI's abuse monitoring reads it); taken
+    # and not kept.
     user: str | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     # Extensions, by vLLM's names (the module's docstring says what they do); None: the default.
     repetition_penalty: float | None = None
     min_tokens: int | None = None
+    min_p: float | None = None
+    include_stop_str_in_output: bool | None = None
+    skip_special_tokens: bool | None = None
+    spaces_between_special_tokens: bool | None = None
+    return_tokens_as_token_ids: bool | None = False
+    priority: int | None = None
     prompt_logprobs: int | None = None
     logprobs_mode: str | None = None
     return_token_ids: bool | None = False
@@ -81,7 +124,7 @@ class BaseCompletionRequest(BaseModel):
     # new one the engine has is declared above and named here, and reaches the engine as it is.
     SAMPLING: ClassVar[tuple[str, ...]] = ("temperature", "top_p", "top_k", "seed", "stop_token_ids", "ignore_eos", "n", "presence_penalty",
                 "frequency_penalty", "repetition_penalty", "min_tokens", "prompt_logprobs", "logprobs_mode",
-                "version_policy", "max_staleness")
+                "version_policy", "max_staleness", "min_p", "include_stop_str_in_output", "skip_special_tokens")
 
     def ask(self) -> Ask:
         """The request as the front takes it (router.admission.Ask)."""
@@ -90,6 +133,11 @@ class BaseCompletionRequest(BaseModel):
         sampling.update(stop=stop, stop_token_ids=tuple(self.stop_token_ids or ()), max_tokens=self.max_tokens,
                         logprobs=self.logprobs_k())
         return Ask(sampling=sampling, service_tier=self.service_tier, session_id=self.session_id, **self.inputs())
+
+    def asks(self) -> list[Ask]:
+        """One Ask per prompt: a completions request may send several, each admitted and run as a request of
+        its own."""
+        return [self.ask()]
 
     def inputs(self) -> dict[str, Any]:
         """The request's input (prompt, messages or token_ids) and, beside it, the default for max_tokens."""
@@ -109,11 +157,24 @@ class BaseCompletionRequest(BaseModel):
         out = []
         if self.logit_bias:
             out.append(("logit_bias", "logit_bias is not supported"))
+        if self.priority not in (None, 0):
+            out.append(("priority", "priority is not supported: pdserve's priorities are service_tier's "
+                                    "(\"priority\", \"default\", \"flex\")"))
+        if self.stream_options is not None and self.stream_options.include_obfuscation:
+            out.append(("stream_options.include_obfuscation", "chunks are not padded (include_obfuscation: true "
+                                                              "is not supported)"))
+        if self.spaces_between_special_tokens and self.skip_special_tokens is False:
+            out.append(("spaces_between_special_tokens", "special tokens are shown as the tokenizer decodes them, "
+                                                          "without spaces added between them (true is not supported "
+                                                          "with skip_special_tokens false)"))
         return out
 
 
 class CompletionRequest(BaseCompletionRequest):
+    # One prompt (text or token ids) or several (a list of either): each is a request of its own, its n
+    # samples choices prompt_index * n + sample_index; at most MAX_PROMPTS.
     prompt: str | list[str] | list[int] | list[list[int]]
+    # The choice's text (and logprobs) begin with the prompt's; with max_tokens 0, the prompt alone.
     echo: bool = False
     suffix: str | None = None
     logprobs: int | None = None  # k: each generated token's logprob and the k most likely beside it
@@ -122,20 +183,39 @@ class CompletionRequest(BaseCompletionRequest):
     def logprobs_k(self) -> int | None:
         return self.logprobs
 
-    def inputs(self) -> dict[str, Any]:
+    def prompts(self) -> list[dict[str, Any]]:
+        """Each prompt as Ask's input: {"prompt": text} or {"token_ids": ids}."""
         prompt = self.prompt
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-            if len(prompt) != 1:
-                raise HTTPError(400, "a batch of prompts is not supported: send one prompt per request", param="prompt")
-            prompt = prompt[0]
-        given = dict(token_ids=list(prompt)) if isinstance(prompt, list) else dict(prompt=prompt)
-        return dict(given, default_max_tokens=DEFAULT_MAX_TOKENS)
+        many = prompt if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)) else [prompt]
+        return [dict(prompt=None, token_ids=list(p)) if isinstance(p, list) else dict(prompt=p, token_ids=None)
+                for p in many]
+
+    def inputs(self) -> dict[str, Any]:
+        first = {k: v for k, v in self.prompts()[0].items() if v is not None}
+        return dict(first, default_max_tokens=DEFAULT_MAX_TOKENS)
+
+    def ask(self) -> Ask:
+        ask = super().ask()
+        if self.echo and self.logprobs is not None:  # the prompt's logprobs, which the echo's begin with
+            ask.sampling["prompt_logprobs"] = max(self.logprobs, self.prompt_logprobs or 0)
+        if self.echo and self.max_tokens == 0:  # computed for one token, which the router drops
+            ask.sampling["max_tokens"], ask.prompt_only = 1, True
+        return ask
+
+    def asks(self) -> list[Ask]:
+        ask, prompts = self.ask(), self.prompts()
+        return [replace(ask, sampling=dict(ask.sampling), prompts=len(prompts), **p) for p in prompts]
 
     def refused(self) -> list[tuple[str, str]]:
         out = super().refused()
-        for name, bad in (("echo", self.echo), ("suffix", self.suffix), ("best_of", self.best_of not in (None, 1))):
+        for name, bad in (("suffix", self.suffix), ("best_of", self.best_of not in (None, 1))):
             if bad:
                 out.append((name, f"{name} is not supported"))
+        if self.max_tokens == 0 and not self.echo:
+            out.append(("max_tokens", "max_tokens must be >= 1 (0 only with echo: the prompt alone), got 0"))
+        if isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], (str, list)) and \
+                not 1 <= len(self.prompt) <= MAX_PROMPTS:
+            out.append(("prompt", f"prompt has {len(self.prompt)} prompts; the most is {MAX_PROMPTS}"))
         return out
 
 
@@ -171,6 +251,14 @@ class ChatCompletionRequest(BaseCompletionRequest):
     functions: list[Any] | None = None
     function_call: Any = None
     response_format: dict[str, Any] | None = None
+    # OpenAI's, with the meaning they have here: nothing is stored (store: false or absent); text is the one
+    # modality (modalities ["text"] or absent); prompt_cache_key keeps requests that share a prefix together,
+    # as session_id does (which it stands for when session_id is absent); safety_identifier, as user: taken,
+    # not kept.
+    store: bool | None = None
+    modalities: list[str] | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
 
     def logprobs_k(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
@@ -179,6 +267,7 @@ class ChatCompletionRequest(BaseCompletionRequest):
         ask = super().ask()
         if self.max_completion_tokens is not None:
             ask.sampling["max_tokens"] = self.max_completion_tokens
+        ask.session_id = ask.session_id or self.prompt_cache_key
         ask.tools, ask.tool_choice, ask.parallel_tool_calls = self.tools, self.tool_choice, self.parallel_tool_calls
         ask.chat_template_kwargs = self.chat_template_kwargs
         return ask
@@ -203,6 +292,10 @@ class ChatCompletionRequest(BaseCompletionRequest):
                 out.append((name, f"{name} is not supported: send tools and tool_choice"))
         if self.response_format and self.response_format.get("type", "text") != "text":
             out.append(("response_format", "only the text response format is supported"))
+        if self.store:
+            out.append(("store", "completions are not stored (store: true is not supported)"))
+        if self.modalities is not None and self.modalities != ["text"]:
+            out.append(("modalities", "only text output is supported"))
         return out
 
 

@@ -11,7 +11,6 @@ from itertools import combinations
 import jsonschema
 import pytest
 
-from pdserve.engine.request import FinishReason
 from router.chat_reply import Reply, ReplyPlan, plan
 from router.chat_tools import FieldError, check_messages, check_template_kwargs, check_tools, hermes_messages, render
 from router.reasoning import ReasoningStream, opens_reasoning
@@ -257,23 +256,6 @@ def test_a_tool_aware_template_gets_tools_and_the_conversation(smol_tokenizer_di
     assert not opens_reasoning("qwen3", text)
     plain = tok.decode(render(tok, CONVERSATION[:2], None), skip_special_tokens=False)
     assert "TOOLS" not in plain and plain.endswith("<|im_start|>assistant\n")
-
-
-def test_text_keeps_special_tokens_when_asked(smol_tokenizer_dir):
-    """SamplingParams.skip_special_tokens false: the output's text has the special tokens' text (a family's call
-    markers); by default it leaves them out."""
-    from pdserve.engine.output import TextOutput
-    from pdserve.model.tokenizer import Tokenizer
-
-    tok = Tokenizer.from_pretrained(smol_tokenizer_dir)
-    ids = tok.encode("<|im_start|>call<|im_end|> done")
-    prompt = tok.encode("hello")
-    plain = TextOutput(tok, prompt, ()).add(ids, FinishReason.LENGTH).text
-    assert "call" in plain and "<|im_start|>" not in plain
-    kept = TextOutput(tok, prompt, (), skip_special_tokens=False).add(ids, FinishReason.LENGTH).text
-    assert kept == "<|im_start|>call<|im_end|> done"
-    resumed = TextOutput.resume(tok, prompt, ids[:2], (), 0, skip_special_tokens=False)
-    assert resumed.add(ids[2:], FinishReason.LENGTH).text == "<|im_start|>call<|im_end|> done"
 
 
 def test_a_template_without_tools_gets_the_hermes_prompt(smol_tokenizer_dir):
