@@ -69,6 +69,23 @@ class Family:
         raise NotImplementedError
 
 
+class JsonWait:
+    """Whether a JSON value still being written is worth decoding again: only once text that can end one ("}"
+    or "]") has come since the last try, so a long value is not decoded again for every piece of it."""
+
+    def __init__(self):
+        self._tried = -1  # the text's length at the last failed try; -1: none
+
+    def worth(self, text: str) -> bool:
+        return self._tried < 0 or any(c in text[self._tried:] for c in "}]")
+
+    def failed(self, text: str) -> None:
+        self._tried = len(text)
+
+    def done(self) -> None:
+        self._tried = -1
+
+
 class _Trim:
     """Content text with its leading and trailing whitespace trimmed, as it streams: whitespace is held back
     until text follows it, and dropped if none does."""

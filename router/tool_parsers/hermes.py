@@ -13,6 +13,9 @@ START, END = "<tool_call>", "</tool_call>"
 class Hermes(Family):
     name = "hermes"
 
+    def __init__(self):
+        self._searched = 0  # how far an open call's text has been searched for END (a long call is not rescanned)
+
     def step(self, text: str, final: bool) -> tuple[list[Segment], int] | None:
         at = text.find(START)
         if at > 0:
@@ -20,9 +23,11 @@ class Hermes(Family):
         if at < 0:  # content, but a partial START at the end waits
             keep = 0 if final else held_prefix(text, START)
             return ([text[:len(text) - keep]], len(text) - keep) if keep < len(text) else None
-        end = text.find(END, len(START))
+        end = text.find(END, max(len(START), self._searched - len(END) + 1))
         if end < 0:  # an open call: more text, or (the reply has ended) content
+            self._searched = len(text)
             return ([text], len(text)) if final else None
+        self._searched = 0
         end_all = end + len(END)
         try:
             call = call_from(json.loads(text[len(START):end]))

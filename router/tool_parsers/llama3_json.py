@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 
-from router.tool_parsers.base import Family, Segment, call_from
+from router.tool_parsers.base import Family, JsonWait, Segment, call_from
 
 PYTHON_TAG = "<|python_tag|>"
 _DECODER = json.JSONDecoder()
@@ -18,6 +18,7 @@ class Llama3Json(Family):
     def __init__(self):
         self.calls = 0
         self.content = False  # past the calls: the rest is content
+        self._wait = JsonWait()
 
     def step(self, text: str, final: bool) -> tuple[list[Segment], int] | None:
         if self.content:
@@ -33,12 +34,16 @@ class Llama3Json(Family):
         if PYTHON_TAG.startswith(body) and not final:
             return None
         if body[0] == "{":
+            if not final and not self._wait.worth(text):
+                return None
             try:
                 obj, end = _DECODER.raw_decode(body)
             except json.JSONDecodeError:
                 if not final:
+                    self._wait.failed(text)
                     return None  # an object still being written (or not JSON: known at the end)
                 obj = None
+            self._wait.done()
             call = call_from(obj)
             if call is not None:
                 self.calls += 1

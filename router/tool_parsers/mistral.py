@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import re
 
-from router.tool_parsers.base import Family, Segment, call_from, held_prefix
+from router.tool_parsers.base import Family, JsonWait, Segment, call_from, held_prefix
 
 START, ARGS, CALL_ID = "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"
 _NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
@@ -17,6 +17,9 @@ _DECODER = json.JSONDecoder()
 
 class Mistral(Family):
     name = "mistral"
+
+    def __init__(self):
+        self._wait = JsonWait()
 
     def step(self, text: str, final: bool) -> tuple[list[Segment], int] | None:
         at = text.find(START)
@@ -30,9 +33,13 @@ class Mistral(Family):
         if not body:
             return ([text], len(text)) if final else None
         skipped = len(START) + len(rest) - len(body)
+        if not final and not self._wait.worth(text):
+            return None
         got = self._list(body, final) if body[0] == "[" else self._named(body, final)
         if got is None:
+            self._wait.failed(text)
             return None
+        self._wait.done()
         calls, used = got
         return (calls, skipped + used) if calls else ([START], len(START))  # not a call: the marker is content
 
