@@ -5,6 +5,7 @@ hand it over (Ask) and its fields turned into token ids and sampling parameters 
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -17,6 +18,8 @@ from pdserve.engine.output import RequestOutput
 from pdserve.engine.sampling import MAX_N, SamplingParams
 from pdserve.model.loader import ModelInfo
 from pdserve.v1 import generation_pb2 as pb
+from router.chat_tools import (FieldError, ToolSet, check_messages, check_template_kwargs, check_tools, message_chars,
+                               render)
 from router.config import REQUEST_ID_CHARS, FieldBounds
 
 DEFAULT_MAX_TOKENS = 16
@@ -88,7 +91,7 @@ class Ask:
     by being put in `sampling` under the engine's name."""
 
     prompt: str | None = None
-    messages: list[dict[str, str]] | None = None
+    messages: list[dict[str, Any]] | None = None  # role, content; name, tool_calls, tool_call_id, reasoning_content
     token_ids: list[int] | None = None
     sampling: dict[str, Any] = field(default_factory=dict)
     default_max_tokens: int | None = DEFAULT_MAX_TOKENS  # with no max_tokens; None: to the end of the context
@@ -101,6 +104,11 @@ class Ask:
     # The prompt alone (HTTP's echo with max_tokens 0): run for one token, which the front drops from every
     # output (text, ids, logprobs, counts), so that the response and the metrics have none.
     prompt_only: bool = False
+    # A chat's tools (router.chat_tools says what each takes) and its template's own variables, as sent.
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 SAMPLING_FIELDS = frozenset(f.name for f in fields(SamplingParams))
@@ -126,11 +134,47 @@ def ask_from_grpc(request: pb.GenerateRequest) -> Ask:
         include_stop_str_in_output=request.include_stop_str_in_output,
         skip_special_tokens=given(request, "skip_special_tokens"))
     return Ask(prompt=request.prompt if which == "prompt" else None,
-               messages=[{"role": m.role, "content": m.content} for m in request.messages.messages]
-               if which == "messages" else None,
+               messages=[_grpc_message(m) for m in request.messages.messages] if which == "messages" else None,
                token_ids=list(request.token_ids.ids) if which == "token_ids" else None,
                sampling=sampling, service_tier=request.service_tier, request_id=request.request_id or None,
-               session_id=request.session_id or None)
+               session_id=request.session_id or None, tools=[_grpc_tool(i, t) for i, t in enumerate(request.tools)],
+               tool_choice=(request.tool_choice.mode if request.tool_choice.mode != "function" else
+                            {"type": "function", "function": {"name": request.tool_choice.name}})
+               if request.HasField("tool_choice") else None,
+               parallel_tool_calls=given(request, "parallel_tool_calls"),
+               chat_template_kwargs=_json_field("chat_template_kwargs", request.chat_template_kwargs or None))
+
+
+def _grpc_message(m: pb.ChatMessage) -> dict[str, Any]:
+    """A gRPC chat message as the HTTP door's (router.chat_tools reads both): empty fields left out."""
+    out: dict[str, Any] = {"role": m.role, "content": m.content}
+    for key in ("name", "tool_call_id", "reasoning_content"):
+        if getattr(m, key):
+            out[key] = getattr(m, key)
+    if m.tool_calls:
+        out["tool_calls"] = [{"id": c.id, "type": c.type or "function",
+                              "function": {"name": c.function.name, "arguments": c.function.arguments}}
+                             for c in m.tool_calls]
+    return out
+
+
+def _grpc_tool(i: int, t: pb.Tool) -> dict[str, Any]:
+    """A gRPC tool as OpenAI's tools entry (its schema's JSON text read)."""
+    f = t.function
+    function: dict[str, Any] = {"name": f.name, "description": f.description or None,
+                                "parameters": _json_field(f"tools.{i}.function.parameters", f.parameters or None)}
+    if f.HasField("strict"):
+        function["strict"] = f.strict
+    return {"type": t.type, "function": function}
+
+
+def _json_field(name: str, text: str | None) -> Any:
+    if text is None:
+        return None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise FieldError(name, f"{name} must be JSON text: {e}") from None
 
 
 @dataclass(frozen=True)
@@ -143,6 +187,7 @@ class Checked:
     bounds: FieldBounds
     sampling: dict[str, Any]  # the fields given, over the server's defaults, without max_tokens
     params: SamplingParams
+    tools: ToolSet | None = None  # a chat's tools, checked
 
 
 def prepare(info: ModelInfo, limit: int, ask: Ask, defaults: dict[str, Any] | None = None
@@ -156,7 +201,7 @@ def prepare(info: ModelInfo, limit: int, ask: Ask, defaults: dict[str, Any] | No
     In three parts, which the router's front (router.frontend) runs apart: check (cheap, before admission),
     tokenize (the slow part: after admission, off the event loop), finish."""
     checked = check(info, limit, ask, defaults)
-    return finish(info, checked, tokenize(info, ask))
+    return finish(info, checked, tokenize(info, ask, checked.tools))
 
 
 def check(info: ModelInfo, limit: int, ask: Ask, defaults: dict[str, Any] | None = None) -> Checked:
@@ -170,6 +215,12 @@ def check(info: ModelInfo, limit: int, ask: Ask, defaults: dict[str, Any] | None
     unknown = sorted(set(given) - SAMPLING_FIELDS)
     if unknown:
         raise ValueError(f"unknown sampling field {unknown[0]!r}")
+    tools = _check_chat(ask, bounds)
+    if tools is not None and tools.forced:  # the reply is the calls' JSON, held to their schema
+        if given.get("structured") is not None:
+            raise FieldError("tool_choice", f"tool_choice {tools.choice!r} makes the reply JSON of the tools' schema: "
+                                            "it cannot be combined with another structured output (response_format)")
+        given["structured"] = tools.structured()
     max_tokens = given.pop("max_tokens", None)
     if max_tokens is None:  # chat's default, the rest of the context, is known once the prompt is
         max_tokens = info.max_model_len if ask.default_max_tokens is None else ask.default_max_tokens
@@ -177,7 +228,22 @@ def check(info: ModelInfo, limit: int, ask: Ask, defaults: dict[str, Any] | None
     sampling = {**(defaults or {}), **given}
     params = SamplingParams(**sampling, max_tokens=max_tokens)
     _check_vocab(bounds, ask.token_ids or [], params)
-    return Checked(ask, bounds, sampling, params)
+    return Checked(ask, bounds, sampling, params, tools)
+
+
+def _check_chat(ask: Ask, bounds: FieldBounds) -> ToolSet | None:
+    """A chat's tools, its messages' tool fields and its template's variables (FieldError naming the field)."""
+    check_template_kwargs(ask.chat_template_kwargs)
+    tools = check_tools(ask.tools, ask.tool_choice, ask.parallel_tool_calls)
+    if ask.messages is None:
+        for name in ("tools", "chat_template_kwargs"):
+            if getattr(ask, name):
+                raise FieldError(name, f"{name} needs messages (a chat)")
+        return tools
+    check_messages(ask.messages)
+    if tools is not None and len(json.dumps(ask.tools)) > bounds.max_input_chars:
+        raise FieldError("tools", f"tools exceed {bounds.max_input_chars} characters")
+    return tools
 
 
 def finish(info: ModelInfo, checked: Checked, ids: list[int]) -> tuple[list[int], SamplingParams]:
@@ -261,7 +327,7 @@ def _check_input(info: ModelInfo, bounds: FieldBounds, ask: Ask) -> None:
         messages = ask.messages
         if not messages:
             raise ValueError("messages is empty")
-        if sum(len(m["content"]) + len(m["role"]) for m in messages) > limit:
+        if sum(message_chars(m) for m in messages) > limit:
             raise ValueError(f"messages exceed {limit} characters in all")
         if any(not m["role"] for m in messages):
             raise ValueError("every message needs a role")
@@ -269,13 +335,15 @@ def _check_input(info: ModelInfo, bounds: FieldBounds, ask: Ask) -> None:
             raise ValueError("this model has no chat template: send a prompt or token_ids")
 
 
-def tokenize(info: ModelInfo, ask: Ask) -> list[int]:
-    """The prompt's token ids from a checked request's one input: the text ones tokenized (chat: templated).
-    Up to --max-input-chars characters: the router runs it off its event loop (router.frontend)."""
+def tokenize(info: ModelInfo, ask: Ask, tools: ToolSet | None = None) -> list[int]:
+    """The prompt's token ids from a checked request's one input: the text ones tokenized (chat: templated, with
+    its checked tools, router.chat_tools.render). Up to --max-input-chars characters: the router runs it off its
+    event loop (router.frontend)."""
     if ask.token_ids is not None:
         return list(ask.token_ids)
     tok = info.tokenizer
-    ids = tok.encode(ask.prompt) if ask.prompt is not None else tok.apply_chat_template(ask.messages)
+    ids = tok.encode(ask.prompt) if ask.prompt is not None else \
+        render(tok, ask.messages, tools, ask.chat_template_kwargs)
     if not ids:
         raise ValueError("prompt is empty")
     return ids

@@ -51,6 +51,14 @@ def _door_args(serve: argparse.ArgumentParser) -> None:
                        help="what a request that names no version_policy does when the weights change while it "
                             "holds KV of older ones: recompute that KV with the new weights (prompt and tokens so "
                             "far), keep decoding over it, or abort (it ends, finish reason abort, with its tokens)")
+    serve.add_argument("--tool-call-parser", default="auto", choices=["auto", "hermes", "llama3_json", "mistral"],
+                       help="the format a chat's tool calls are read in (requests with tools): hermes "
+                            "(<tool_call>{json}</tool_call>: Qwen2.5/Qwen3/SmolLM3/Hermes), llama3_json ({\"name\", "
+                            "\"parameters\"}: Llama 3.x), mistral ([TOOL_CALLS]); auto: the one the chat template and "
+                            "vocabulary say, hermes for a template without tools (pdserve then prompts for Hermes calls)")
+    serve.add_argument("--reasoning-parser", default="none", choices=["none", "qwen3", "deepseek_r1"],
+                       help="read a chat reply's <think>...</think> as message.reasoning_content (qwen3: when the "
+                            "reply or the rendered prompt opens the block; deepseek_r1: every reply begins in it)")
     serve.add_argument("--metrics-host", default="127.0.0.1", help="address of the Prometheus /metrics endpoint")
     serve.add_argument("--metrics-port", type=int, default=9400, help="port of /metrics (0 disables it)")
     edge = serve.add_argument_group("TLS and API key")
@@ -326,6 +334,7 @@ def router_config_from_args(args: argparse.Namespace):
                         metrics_tls=args.metrics_tls, health_port=args.health_port,
                         http_port=args.http_port or None, served_model_name=args.served_model_name,
                         logprobs_mode=args.logprobs_mode, version_policy=args.version_policy,
+                        tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
                         max_request_body_bytes=args.max_request_body_bytes,
                         request_body_budget_bytes=args.request_body_budget_bytes,
                         max_connections=args.max_connections, max_streams_per_connection=args.max_streams_per_connection,

@@ -6,6 +6,8 @@ import os
 from dataclasses import dataclass
 
 from pdserve.engine.sampling import LOGPROBS_MODES, MAX_N, VERSION_POLICIES
+from router.reasoning import PARSERS as REASONING_PARSERS
+from router.tool_parsers import PARSERS as TOOL_CALL_PARSERS
 
 # What the largest valid request can take on the wire, from the limits the router checks a request against
 # (router.admission.prepare), so that the doors refuse what no valid request can be before reading it:
@@ -104,6 +106,11 @@ class RouterConfig:
     # What a request in flight does when the weights change, when it does not say (router.weights):
     # "recompute", "keep" or "abort" (pdserve.engine.sampling.SamplingParams.version_policy).
     version_policy: str = "recompute"
+    # How a chat's reply is read (router.chat_reply): for tool calls, in the format of a model family
+    # (router.tool_parsers; "auto": the one the model's chat template and vocabulary say), and for reasoning
+    # ("none", or "qwen3" / "deepseek_r1": <think>...</think> is message.reasoning_content, router.reasoning).
+    tool_call_parser: str = "auto"
+    reasoning_parser: str = "none"
     # The bytes of one request either door reads, an HTTP body or a gRPC message: past it HTTP answers 413
     # before reading on, gRPC RESOURCE_EXHAUSTED. None: what the largest valid request can take in that door's
     # encoding (request_size_bounds).
@@ -151,6 +158,12 @@ class RouterConfig:
         if self.version_policy not in VERSION_POLICIES:
             raise ValueError(f"version_policy must be one of {', '.join(VERSION_POLICIES)}, "
                              f"got {self.version_policy!r}")
+        if self.tool_call_parser not in TOOL_CALL_PARSERS:
+            raise ValueError(f"tool_call_parser must be one of {', '.join(TOOL_CALL_PARSERS)}, "
+                             f"got {self.tool_call_parser!r}")
+        if self.reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}, "
+                             f"got {self.reasoning_parser!r}")
         if self.api_key is not None and not self.api_key:
             raise ValueError("the API key is empty")
         if self.admin_api_key is not None and not self.admin_api_key:

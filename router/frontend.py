@@ -25,10 +25,12 @@ from pdserve.serving.messages import WorkerStats
 from pdserve.tiers import ServiceTier, parse_tier
 from router.admission import Admission, Ask, Checked, Overloaded, RequestFailed, check, finish, tokenize
 from router.autoscaler import AutoscaleLoop
+from router.chat_reply import ReplyPlan, plan
 from router.cluster import Cluster
 from router.config import RouterConfig
 from router.metrics import PoolScale, RouterMetrics
 from router.workers import Worker
+from router.tool_parsers import KEEPS_SPECIAL_TOKENS, detect
 from router.tracking import Timeline
 
 
@@ -44,6 +46,7 @@ class Prepared:
     tier: ServiceTier
     request_id: str | None
     session_id: str | None = None
+    reply: ReplyPlan | None = None  # a chat's replies read for reasoning and tool calls (router.chat_reply)
 
 
 def _without_tokens(out: RequestOutput) -> RequestOutput:
@@ -72,6 +75,7 @@ class Frontend:
         self._waiting: collections.Counter[ServiceTier] = collections.Counter()  # for admission, by tier
         self.serving = True
         self._defaults = dict(logprobs_mode=config.logprobs_mode, version_policy=config.version_policy)
+        self.tool_call_parser = tool_call_parser(config.tool_call_parser, cluster.info.tokenizer)
         # One thread: HF tokenizers are not to be entered by two threads at once ("Already borrowed"), and the
         # event loop is what must stay free; requests tokenize in admission order.
         self._tokenizer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tokenizer")
@@ -90,10 +94,15 @@ class Frontend:
         """The request checked (router.admission.check: every field, the server's defaults where it gave none)
         and its tier; token ids given are checked against the context here too. ValueError says what is wrong,
         naming the field. Text is tokenized later, once admitted (run)."""
-        checked = check(self.info, self.config.max_input_chars, ask, self._defaults)
+        defaults = self._defaults
+        if self.tool_call_parser in KEEPS_SPECIAL_TOKENS and ask.tools and ask.tool_choice != "none":
+            defaults = {**defaults, "skip_special_tokens": False}  # the reply's calls are read by their markers
+        checked = check(self.info, self.config.max_input_chars, ask, defaults)
         prompt, params = finish(self.info, checked, list(ask.token_ids)) if ask.token_ids is not None \
             else (None, checked.params)
-        return Prepared(checked, prompt, params, parse_tier(ask.service_tier), ask.request_id, ask.session_id)
+        reply = plan(checked.tools, self.tool_call_parser, self.config.reasoning_parser) \
+            if ask.messages is not None else None
+        return Prepared(checked, prompt, params, parse_tier(ask.service_tier), ask.request_id, ask.session_id, reply)
 
     async def _tokenized(self, request: Prepared) -> None:
         """A text prompt's token ids and its final parameters, into the request: rendered and tokenized on the
@@ -101,7 +110,7 @@ class Frontend:
         characters take about a second). ValueError: the prompt does not fit the context, ..."""
         if request.prompt is None:
             ids = await asyncio.get_running_loop().run_in_executor(self._tokenizer, tokenize, self.info,
-                                                                   request.checked.ask)
+                                                                   request.checked.ask, request.checked.tools)
             request.prompt, request.params = finish(self.info, request.checked, ids)
 
     async def run(self, request: Prepared, t: Timeline) -> AsyncIterator[RequestOutput]:
@@ -202,3 +211,14 @@ class Frontend:
     def close(self) -> None:
         """After the drain: the tokenizer's thread ends."""
         self._tokenizer.shutdown(wait=False)
+
+
+def tool_call_parser(name: str, tokenizer) -> str:
+    """The family --tool-call-parser names; auto: the one the model's chat template and vocabulary say
+    (router.tool_parsers.detect)."""
+    if name != "auto":
+        return name
+    if tokenizer is None:
+        return "hermes"
+    special = {t.content for t in tokenizer.hf_tokenizer.added_tokens_decoder.values() if t.special}
+    return detect(tokenizer.chat_template, special)

@@ -19,6 +19,7 @@ from pdserve.tiers import TIERS
 from pdserve.v1 import generation_pb2 as pb
 from pdserve.v1 import generation_pb2_grpc as pb_grpc
 from router.admission import Malformed, Overloaded, RequestFailed, Samples, ask_from_grpc
+from router.chat_reply import Reply
 from router.frontend import Frontend
 from router.tracking import Timeline
 
@@ -69,10 +70,15 @@ class GenerationService(pb_grpc.GenerationServicer):
         except ValueError as e:
             await abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         samples = Samples(prepared.params.n)
+        replies: list[Reply] = []  # a chat's replies read for reasoning and calls, once the prompt is known
         try:
             async for out in self.front.run(prepared, t):
                 last = samples.add(out)
-                yield response_message(out, t, samples.completion_tokens if last else None)
+                if prepared.reply is not None and not replies:
+                    replies = [prepared.reply.reply(self.front.info.tokenizer, prepared.prompt)
+                               for _ in range(prepared.params.n)]
+                yield response_message(out, t, samples.completion_tokens if last else None,
+                                       replies[out.index] if replies else None)
         except RequestFailed as e:
             await abort(grpc.StatusCode.UNAVAILABLE, str(e))
         except Overloaded as e:
@@ -122,12 +128,22 @@ def _worker_status(w, s, pool: str) -> pb.WorkerStatus:
                            prompt_tokens_computed=s.prompt_tokens_computed, weight_version=s.weight_version)
 
 
-def response_message(out: RequestOutput, t: Timeline, completion_tokens: int | None = None) -> pb.GenerateResponse:
+def response_message(out: RequestOutput, t: Timeline, completion_tokens: int | None = None,
+                     reply: Reply | None = None) -> pb.GenerateResponse:
     """The message of one output (one sample's tokens). completion_tokens: given on the stream's last message
     only (every sample's output tokens), which alone carries the usage, timings and tier served: with n > 1
-    a client then reads them once, as with n = 1, and sums nothing."""
+    a client then reads them once, as with n = 1, and sums nothing. reply: the sample's reply read for
+    reasoning and calls (router.chat_reply): text is then its content, reasoning_text its reasoning, and its
+    calls come on its last message."""
     resp = pb.GenerateResponse(request_id=out.request_id, text=out.new_text, token_ids=out.new_token_ids,
                                index=out.index, weight_versions=out.weight_versions)
+    if reply is not None:
+        piece = reply.add(out.new_text, out.finished)
+        resp.text, resp.reasoning_text = piece.content, piece.reasoning
+        if out.finished:
+            for call in reply.calls:
+                resp.tool_calls.add(id=call.id, type="function",
+                                    function=pb.FunctionCall(name=call.name, arguments=call.arguments))
     if out.finish_reason is not None:
         resp.finish_reason = _FINISH[out.finish_reason]
     if completion_tokens is not None:

@@ -35,8 +35,11 @@ logprobs begin with the prompt's (router.openai_choices); with max_tokens 0, the
 runs for one token, which the front drops: Ask.prompt_only). return_tokens_as_token_ids names every token
 of the logprobs "token_id:<id>".
 
-A field a body does not declare, and what OpenAI's API has and pdserve does not (suffix, best_of, tools,
-logit bias, JSON mode, ...), is a 400 that names the field, and so is a value out of range (the field as
+Chat's tools and reasoning (tools, tool_choice, parallel_tool_calls, chat_template_kwargs; message.tool_calls,
+reasoning_content) are router.chat_tools' and router.chat_reply's, shared with gRPC.
+
+A field a body does not declare, and what OpenAI's API has and pdserve does not (suffix, best_of, the legacy
+functions, logit bias, JSON mode, ...), is a 400 that names the field, and so is a value out of range (the field as
 the request named it: top_logprobs, presence_penalty, min_tokens, ...). Every error uses OpenAI's shape,
 {"error": {"message", "type", "param", "code"}}: 400 bad input (a body that is not a JSON object
 included), 401 missing or wrong key, 403 a control route without the admin credential, 404 unknown model or path, 405 wrong method, 413 a body over
@@ -67,9 +70,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from pdserve.engine.logprobs import PromptLogprobs
 from pdserve.engine.output import RequestOutput
 from router.admission import Overloaded, RequestFailed, Samples
+from router.chat_tools import FieldError
 from router.frontend import Frontend, Prepared
 from router.http_limits import BodyBudget, BodyLimit, Roles
-from router.openai_choices import FINISH, Choice, Shape, Vocab
+from router.openai_choices import Choice, Shape, Vocab
 from router.openai_schema import BaseCompletionRequest, ChatCompletionRequest, CompletionRequest, HTTPError, unknown_field
 from router.security import Access
 from router.tracking import Timeline
@@ -227,6 +231,8 @@ def _invalid_value(body: BaseCompletionRequest, e: ValueError) -> HTTPError:
     """The 400 for a value the request checks refused (router.admission.prepare, SamplingParams), naming the
     body's field where the message begins with the name of one ("min_tokens must be ...")."""
     message = str(e)
+    if isinstance(e, FieldError):
+        return HTTPError(400, message, param=e.param)
     unknown = re.match(r"unknown (\w+) ", message)  # "unknown service_tier 'x'; expected ..."
     if unknown is not None and unknown[1] in type(body).model_fields:
         return HTTPError(400, message, param=unknown[1])
@@ -410,7 +416,8 @@ def _choices(runs: _Runs, chat: bool, vocab: Vocab, tokenizer, shape: Shape) -> 
     for i, run in enumerate(runs.runs):
         p = run.request
         echo_text = _prompt_text(p, tokenizer) if shape.echo else ""
-        out += [Choice(chat, vocab, tokenizer, p.prompt, p.params, shape, i * p.params.n + j, j, echo_text)
+        out += [Choice(chat, vocab, tokenizer, p.prompt, p.params, shape, i * p.params.n + j, j, echo_text,
+                       p.reply.reply(tokenizer, p.prompt) if p.reply is not None else None)
                 for j in range(p.params.n)]
     return out
 
@@ -473,16 +480,16 @@ async def _sse(runs: _Runs, kind: str, rid: str, model: str, include_usage: bool
     obj = "chat.completion.chunk" if chat else "text_completion"
     created = int(time.time())
 
-    def chunk(index: int, text: str | None, finish: str | None, fields: dict[str, Any], prompt: dict[str, Any],
+    def chunk(index: int, said: dict[str, Any], finish: str | None, fields: dict[str, Any], prompt: dict[str, Any],
               role: bool = False) -> str:
-        """fields: the choice's (logprobs, token_ids); prompt: the prompt's, if this chunk carries them."""
+        """said: chat's delta fields (content, reasoning_content, tool_calls), completions' {"content": text};
+        fields: the choice's (logprobs, token_ids); prompt: the prompt's, if this chunk carries them."""
         if chat:
-            delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else {}
-            if text:
-                delta["content"] = text
+            delta: dict[str, Any] = {"role": "assistant", "content": choices[index].first_content} if role else {}
+            delta.update(said)
             one = {"index": index, "delta": delta, "finish_reason": finish, **fields}
         else:
-            one = {"index": index, "text": text or "", "finish_reason": finish, **fields, **prompt}
+            one = {"index": index, "text": said.get("content", ""), "finish_reason": finish, **fields, **prompt}
         body: dict[str, Any] = {"id": rid, "object": obj, "created": created, "model": model, "choices": [one],
                                 "service_tier": runs.served_tier}
         if chat:
@@ -495,16 +502,17 @@ async def _sse(runs: _Runs, kind: str, rid: str, model: str, include_usage: bool
     try:
         if chat:  # each choice's first chunk says the role (as OpenAI's do with n > 1); chat has one prompt
             for c in choices:
-                yield chunk(c.index, None, None, c.no_tokens(), c.prompt_fields(runs.firsts[0]), role=True)
+                yield chunk(c.index, {}, None, c.no_tokens(), c.prompt_fields(runs.firsts[0]), role=True)
         async with contextlib.aclosing(runs.outputs()) as outs:
             async for i, out in outs:
                 run = runs.runs[i]
                 choice = choices[i * run.request.params.n + out.index]
-                finish = FINISH.get(out.finish_reason) if out.finished else None
                 text, fields, prompt = choice.piece(out, run.prompt_logprobs)
+                said = choice.delta(text, out) if chat else {"content": text} if text else {}
+                finish = choice.finish_of(out)  # after the delta: the reply's last piece may hold its calls
                 # An output without text still goes out if it has tokens whose logprobs or ids were asked.
-                if text or finish or prompt or choice.extras and out.new_token_ids:
-                    yield chunk(choice.index, text, finish, fields, prompt)
+                if said or finish or prompt or choice.extras and out.new_token_ids:
+                    yield chunk(choice.index, said, finish, fields, prompt)
         if include_usage:
             last = {'id': rid, 'object': obj, 'created': created, 'model': model, 'choices': [], 'usage': runs.usage(),
                     'service_tier': runs.served_tier}

@@ -4,7 +4,10 @@ piece or gathered whole; the prompt's fields (prompt_token_ids, prompt_logprobs)
 text and logprobs before the sample's. Token strings are the tokenizer's text of each id alone (special tokens
 shown), bytes their raw bytes where the tokenizer is byte-level; a model without a tokenizer, or a request
 that asks for return_tokens_as_token_ids, names a token "token_id:<id>". A logprob of -inf (a token the
-"processed" distribution masked out) is written as MIN_LOGPROB, JSON having no -inf."""
+"processed" distribution masked out) is written as MIN_LOGPROB, JSON having no -inf. A chat reply read for
+reasoning and tool calls (router.chat_reply) gives message.reasoning_content and message.tool_calls beside its
+content (streamed: delta.reasoning_content, delta.tool_calls, each call whole in one delta with its index),
+and finishes "tool_calls" where it stopped after making calls."""
 from __future__ import annotations
 
 import re
@@ -16,6 +19,7 @@ from pdserve.engine.output import RequestOutput
 from pdserve.engine.request import FinishReason
 from pdserve.engine.sampling import SamplingParams
 from pdserve.model.tokenizer import IncrementalDetokenizer, Tokenizer
+from router.chat_reply import Reply
 
 FINISH = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length", FinishReason.ABORT: "abort"}
 MIN_LOGPROB = -9999.0  # what a logprob of -inf is written as: JSON has no -inf
@@ -104,9 +108,12 @@ class Choice:
     echo_text: the prompt's text, which the choice's text begins with (Shape.echo)."""
 
     def __init__(self, chat: bool, vocab: Vocab, tokenizer: Tokenizer | None, prompt: list[int],
-                 params: SamplingParams, shape: Shape, index: int = 0, sample: int = 0, echo_text: str = ""):
+                 params: SamplingParams, shape: Shape, index: int = 0, sample: int = 0, echo_text: str = "",
+                 reply: Reply | None = None):
         self.chat, self.vocab, self.prompt, self.index = chat, vocab, prompt, index
         self.token_ids = shape.token_ids
+        self.reply = reply  # a chat reply read for reasoning and tool calls; None: its text as it comes
+        self._calls = 0  # calls given out in a stream: the next one's index
         self.logprobs = params.logprobs is not None
         self.k = params.logprobs or 0
         self.prompt_k = shape.prompt_logprobs
@@ -157,6 +164,33 @@ class Choice:
             fields["weight_versions"] = list(out.weight_versions)  # each token's (router.weights)
         return text, fields, self.prompt_fields(out, last=out.finished)
 
+    def delta(self, text: str, out: RequestOutput) -> dict[str, Any]:
+        """A chat chunk's delta fields beside the role (content, reasoning_content, tool_calls), those that have
+        something, of `text` (the piece of `out`)."""
+        if self.reply is None:
+            return {"content": text} if text else {}
+        piece = self.reply.add(text, out.finished)
+        delta: dict[str, Any] = {}
+        if piece.reasoning:
+            delta["reasoning_content"] = piece.reasoning
+        if piece.content:
+            delta["content"] = piece.content
+        if piece.calls:
+            delta["tool_calls"] = [{"index": self._calls + i, **c.openai()} for i, c in enumerate(piece.calls)]
+            self._calls += len(piece.calls)
+        return delta
+
+    def finish_of(self, out: RequestOutput) -> str | None:
+        """The finish reason of `out` in the API's words (None while the sample runs)."""
+        finish = FINISH.get(out.finish_reason) if out.finished else None
+        return self.reply.finish_reason(finish) if self.reply is not None else finish
+
+    @property
+    def first_content(self) -> str | None:
+        """The content of a chat stream's first delta (the role's): None where the reply may be calls alone
+        (its content then stays None, as the whole reply's)."""
+        return None if self.reply is not None and self.reply.plan.tools is not None else ""
+
     def no_tokens(self) -> dict[str, Any]:
         """The choice's fields of a chunk without tokens (chat's first, which says the role)."""
         return {"logprobs": None, **({"token_ids": [], "weight_versions": []} if self.token_ids else {})}
@@ -177,8 +211,10 @@ class Choice:
     def add(self, out: RequestOutput, prompt_logprobs: PromptLogprobs | None = None) -> None:
         text, fields, prompt = self.piece(out, prompt_logprobs)
         self.text += text
+        if self.reply is not None:
+            self.reply.add(text, out.finished)
         if out.finished:
-            self.finish = FINISH.get(out.finish_reason)
+            self.finish = self.finish_of(out)
         for name, value in fields.items():
             if isinstance(value, list):  # token_ids, weight_versions
                 self._fields[name].extend(value)
@@ -192,9 +228,20 @@ class Choice:
         self._prompt.update(self.prompt_fields(None, last=True))
         choice: dict[str, Any] = {"index": self.index, "finish_reason": self.finish, **self._fields}
         if self.chat:
-            choice["message"] = {"role": "assistant", "content": self.text}
+            choice["message"] = self._message()
             return choice, self._prompt
         return {**choice, "text": self.text, **self._prompt}, {}
+
+    def _message(self) -> dict[str, Any]:
+        reply = self.reply
+        if reply is None:
+            return {"role": "assistant", "content": self.text}
+        message: dict[str, Any] = {"role": "assistant", "content": reply.content}
+        if reply.plan.reasoning != "none":
+            message["reasoning_content"] = reply.reasoning
+        if reply.calls:
+            message["tool_calls"] = [c.openai() for c in reply.calls]
+        return message
 
     def _entry(self, token_id: int, logprob: float) -> dict[str, Any]:
         text, raw = self.vocab(token_id)

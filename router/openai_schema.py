@@ -3,8 +3,8 @@
 The request bodies are pydantic models of /v1/completions and /v1/chat/completions. A body takes the
 fields declared here and no other: a field it does not declare is a 400 naming it (NOT_SUPPORTED says why
 for those of OpenAI's API, and of other servers' extensions, that pdserve does not do), never ignored.
-What a declared field asks that pdserve does not do (suffix, best_of, tools, logit bias, JSON mode,
-store: true, ...), and fields that make no sense together, each body lists in `refused()`, which the app
+What a declared field asks that pdserve does not do (suffix, best_of, the legacy functions, logit bias,
+JSON mode, store: true, ...), and fields that make no sense together, each body lists in `refused()`, which the app
 answers with a 400 that names the field. docs/serving.md lists what each body accepts.
 
 Beside OpenAI's fields (logprobs, top_logprobs, presence and frequency penalties, ...) both bodies take
@@ -57,7 +57,6 @@ NOT_SUPPORTED = {
     "moderation": "moderation is not supported",
     **dict.fromkeys(("prompt_cache_retention", "prompt_cache_options"),
                     "the prefix cache's retention is the server's (prompt_cache_key is taken)"),
-    "parallel_tool_calls": "tool and function calling are not supported",
     **dict.fromkeys(("use_beam_search", "length_penalty", "early_stopping"), "beam search is not supported"),
     "truncate_prompt_tokens": "prompts are not truncated: send one that fits the context",
 }
@@ -224,6 +223,19 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
     role: str
     content: str | list[dict[str, Any]] | None = None
+    # A conversation with tools (router.chat_tools checks them): an assistant's calls, a tool's answer to one.
+    name: str | None = None
+    tool_calls: list[Any] | None = None
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None  # an assistant's reasoning, for templates that render it
+
+    def turn(self, index: int) -> dict[str, Any]:
+        """The message as router.admission.Ask holds it."""
+        out: dict[str, Any] = {"role": self.role, "content": _text(self.content, index)}
+        for key in ("name", "tool_calls", "tool_call_id", "reasoning_content"):
+            if getattr(self, key) is not None:
+                out[key] = getattr(self, key)
+        return out
 
 
 class ChatCompletionRequest(BaseCompletionRequest):
@@ -231,8 +243,11 @@ class ChatCompletionRequest(BaseCompletionRequest):
     max_completion_tokens: int | None = None
     logprobs: bool | None = False
     top_logprobs: int | None = None  # k, with logprobs: the k most likely tokens beside each generated one
+    # Tools (router.chat_tools: what each takes, checked there for both doors) and the template's variables.
     tools: list[Any] | None = None
     tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
     functions: list[Any] | None = None
     function_call: Any = None
     response_format: dict[str, Any] | None = None
@@ -253,12 +268,13 @@ class ChatCompletionRequest(BaseCompletionRequest):
         if self.max_completion_tokens is not None:
             ask.sampling["max_tokens"] = self.max_completion_tokens
         ask.session_id = ask.session_id or self.prompt_cache_key
+        ask.tools, ask.tool_choice, ask.parallel_tool_calls = self.tools, self.tool_choice, self.parallel_tool_calls
+        ask.chat_template_kwargs = self.chat_template_kwargs
         return ask
 
     def inputs(self) -> dict[str, Any]:
         # As OpenAI's chat API: with no limit given, up to the end of the context.
-        return dict(messages=[{"role": m.role, "content": _text(m.content, i)} for i, m in enumerate(self.messages)],
-                    default_max_tokens=None)
+        return dict(messages=[m.turn(i) for i, m in enumerate(self.messages)], default_max_tokens=None)
 
     def param(self, name: str) -> str:
         if name == "logprobs":  # the count is top_logprobs; logprobs only turns them on
@@ -271,12 +287,9 @@ class ChatCompletionRequest(BaseCompletionRequest):
         out = super().refused()
         if self.top_logprobs is not None and not self.logprobs:
             out.append(("top_logprobs", "top_logprobs needs logprobs set to true"))
-        for name in ("tools", "functions"):
-            if getattr(self, name):
-                out.append((name, "tool and function calling are not supported"))
-        for name in ("tool_choice", "function_call"):
-            if getattr(self, name) not in (None, "none"):
-                out.append((name, "tool and function calling are not supported"))
+        for name in ("functions", "function_call"):  # OpenAI's deprecated form of tools and tool_choice
+            if getattr(self, name) is not None:
+                out.append((name, f"{name} is not supported: send tools and tool_choice"))
         if self.response_format and self.response_format.get("type", "text") != "text":
             out.append(("response_format", "only the text response format is supported"))
         if self.store:

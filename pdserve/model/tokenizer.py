@@ -83,6 +83,19 @@ class Tokenizer:
     def has_chat_template(self) -> bool:
         return self._tok.chat_template is not None
 
+    @property
+    def chat_template(self) -> str | None:
+        """The chat template's text (the default one where the tokenizer names several)."""
+        template = self._tok.chat_template
+        if isinstance(template, dict):
+            template = template.get("default", next(iter(template.values()), None))
+        return template
+
+    @property
+    def renders_tools(self) -> bool:
+        """Whether the chat template renders a request's tools (its text uses the `tools` variable)."""
+        return "tools" in (self.chat_template or "")
+
     def encode(self, text: str) -> list[int]:
         """Token ids of `text`; special tokens (bos) are added only if the tokenizer's config says so."""
         return list(self._tok(text)["input_ids"])
@@ -90,13 +103,22 @@ class Tokenizer:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
-        """Render `messages` with the model's chat template and tokenize the result."""
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                            tools: list[dict[str, Any]] | None = None, **template_kwargs: Any) -> list[int]:
+        """Render `messages` with the model's chat template and tokenize the result. tools: the functions the
+        template is given (OpenAI's shape); template_kwargs: the template's own variables (enable_thinking, ...).
+        A template that raises (a conversation it refuses) is a ValueError."""
+        from jinja2 import TemplateError
+
         if not self.has_chat_template:
             raise ValueError("this model's tokenizer has no chat template; send a plain prompt instead of messages")
-        rendered = self._tok.apply_chat_template(
-            messages, add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=True
-        )
+        try:
+            rendered = self._tok.apply_chat_template(
+                messages, tools=tools, add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=True,
+                **template_kwargs
+            )
+        except TemplateError as e:
+            raise ValueError(f"the chat template refused the messages: {e}") from None
         # transformers 5 returns a BatchEncoding here, older versions a bare list
         ids = rendered["input_ids"] if isinstance(rendered, Mapping) else rendered
         return [int(i) for i in ids]

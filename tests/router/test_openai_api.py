@@ -112,7 +112,7 @@ def test_completion_reports_usage_and_equals_grpc(sdk, grpc_client):
 @pytest.mark.parametrize("kwargs, param", [
     (dict(n=0), "n"),  # n in [1, 128]; n > 1 is served (tests/router/test_group_api.py)
     (dict(temperature=-1.0), None),
-    (dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}]), "tools"),
+    (dict(functions=[{"name": "f", "parameters": {}}]), "functions"),  # the legacy form: tools is served
     (dict(top_logprobs=3), "top_logprobs"),  # without logprobs: true
     (dict(max_tokens=0), None),
     (dict(max_tokens=10**6), None),

@@ -305,13 +305,15 @@ HONOURED = {
     "user": "test_fields_with_a_meaning_here", "safety_identifier": "test_fields_with_a_meaning_here",
     "store": "test_fields_with_a_meaning_here", "modalities": "test_fields_with_a_meaning_here",
     "prompt_cache_key": "test_fields_with_a_meaning_here",
+    "tools": "test_tools_door.py::test_streamed_calls_accumulate_to_the_whole_reply",
+    "tool_choice": "test_tools_door.py::test_forced_choices_are_read_from_their_json",
+    "parallel_tool_calls": "test_tools_door.py::test_calls_and_finish_reasons",
 }
 # A value for each of the others, which must be refused naming the field.
 REFUSED_VALUES = {
     "best_of": 2, "suffix": "!", "logit_bias": {"1": 5}, "audio": {"voice": "alloy", "format": "wav"},
     "function_call": "auto", "functions": [{"name": "f", "parameters": {"type": "object"}}],
-    "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}],
-    "tool_choice": "required", "parallel_tool_calls": True, "metadata": {"a": "b"},
+    "metadata": {"a": "b"},
     "prediction": {"type": "content", "content": "x"}, "reasoning_effort": "low", "verbosity": "low",
     "response_format": {"type": "json_object"}, "web_search_options": {}, "moderation": True,
     "prompt_cache_retention": "24h", "prompt_cache_options": {},
