@@ -98,7 +98,7 @@ class PrefillActor(WorkerActor):
     def _submit(self, task: PrefillTask) -> Future[PrefillResult]:
         """Call.PREFILL: queue the prompt (any thread); the future resolves as soon as its first token is
         sampled (the KV goes on to the decode worker that reserves room for it, `kv_ready`)."""
-        req = task.new_request(self.core.tokenizer, self.core.model_config.vocab_size)
+        req = self._new_request(task)
         if self.core.kv.blocks_needed(req.num_tokens) > self.core.pool.num_blocks:
             raise ValueError(f"prompt of {req.num_tokens} tokens does not fit this worker's KV cache "
                              f"({self.core.pool.num_blocks} blocks of {self.core.pool.block_size})")

@@ -14,6 +14,7 @@ import torch
 
 from pdserve.config import EngineConfig
 from pdserve.engine.block_pool import BlockPool
+from pdserve.engine.grammar import Grammars
 from pdserve.engine.kv_cache import KVCacheManager
 from pdserve.engine.logprobs import PromptLogprobs, TokenLogprob
 from pdserve.engine.output import RequestOutput, TextOutput, token_output
@@ -68,6 +69,9 @@ class EngineCore:
         # A group's forked samples copy the prompt's partial last block where the runner can (one process);
         # a tensor-parallel engine's compute that part again instead.
         self.scheduler.can_copy_blocks = self.runner.can_copy_blocks
+        # Structured output: compiled with this worker's tokenizer, for its logits' width (on first use).
+        if self.tokenizer is not None:
+            self.scheduler.grammars = Grammars(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
         on = config.pipelined_decode if config.pipelined_decode is not None else cuda
         self.pipelined = on and role is not Role.PREFILL and tp == 1
         self.steps = 0
@@ -291,7 +295,16 @@ class EngineCore:
         return self.account(step, self.execute(step))
 
     def step_pipelined(self) -> list[SampledToken]:
-        return self.run_pipelined(self.scheduler.schedule())
+        out = self.run_pipelined(ScheduledStep([], [], [])) if self.must_resolve else []
+        return out + self.run_pipelined(self.scheduler.schedule())
+
+    @property
+    def must_resolve(self) -> bool:
+        """Pipelined decode: a launched step holds a request under structured output. Its next mask needs the
+        token that step sampled on the host, so that step resolves before the next one is scheduled: while such
+        a request runs, the host's work for a step no longer overlaps the step before it (every row of the batch
+        waits for it, free text included); tokens are the same either way."""
+        return any(r.grammar is not None and not r.finished for s in self.scheduler.launched for r in s.step.requests)
 
     def run_pipelined(self, step: ScheduledStep, layer_done: Callable[[int], None] | None = None) -> list[SampledToken]:
         """Launch a scheduled step (its pending tokens read on the device from the step launched before

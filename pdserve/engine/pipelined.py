@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pdserve.engine.grammar import advance
 from pdserve.engine.kv_cache import KVCacheManager
 from pdserve.engine.request import PENDING, Request, length_stop, token_stop_reason
 from pdserve.engine.runner import StepResult, samples_of
@@ -90,6 +91,7 @@ class PipelinedDecode:
                 continue  # ended meanwhile (cancelled, a stop string, a stop in the step before): dropped
             req.token_ids[idx] = token
             req.unresolved -= 1
+            advance(req, token)
             reason = token_stop_reason(req, self.eos_token_ids, self.max_model_len, end=idx + 1)
             if reason is not None:
                 del req.token_ids[idx + 1:]  # what was launched after its last token

@@ -177,6 +177,14 @@ class WorkerActor(WeightCalls, Cancels, FaultCalls):
             for tier, n in tokens:  # each request's share of the step, by the tokens it computed
                 self.tier_seconds[tier] += dt * n / total
 
+    def _new_request(self, task) -> Request:
+        """A task (pdserve.serving.messages) as this worker's Request, checked (ValueError: the caller's error),
+        under structured output with its matcher and the tokens it has replayed (GrammarError), here on the
+        thread that takes it in rather than on the step thread."""
+        req = task.new_request(self.core.tokenizer, self.core.model_config.vocab_size)
+        self.core.scheduler.structure(req)
+        return req
+
     def _hop(self, req: Request) -> str:
         """The hop (messages.HOPS) that computes this request's prompt here: the pool's own by default."""
         return self.pool
