@@ -5,6 +5,7 @@ hand it over (Ask) and its fields turned into token ids and sampling parameters 
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -15,6 +16,7 @@ from google.protobuf.message import DecodeError
 
 from pdserve.engine.output import RequestOutput
 from pdserve.engine.sampling import MAX_N, SamplingParams
+from pdserve.engine.structured import StructuredOutput
 from pdserve.model.loader import ModelInfo
 from pdserve.v1 import generation_pb2 as pb
 from router.config import REQUEST_ID_CHARS, FieldBounds
@@ -116,13 +118,34 @@ def ask_from_grpc(request: pb.GenerateRequest) -> Ask:
         logprobs_mode=request.logprobs_mode or None, presence_penalty=given(s, "presence_penalty"),
         frequency_penalty=given(s, "frequency_penalty"), repetition_penalty=given(s, "repetition_penalty"),
         min_tokens=given(s, "min_tokens"), n=given(request, "n"), version_policy=request.version_policy or None,
-        max_staleness=given(request, "max_staleness"))
+        max_staleness=given(request, "max_staleness"), structured=structured_from_grpc(request))
     return Ask(prompt=request.prompt if which == "prompt" else None,
                messages=[{"role": m.role, "content": m.content} for m in request.messages.messages]
                if which == "messages" else None,
                token_ids=list(request.token_ids.ids) if which == "token_ids" else None,
                sampling=sampling, service_tier=request.service_tier, request_id=request.request_id or None,
                session_id=request.session_id or None)
+
+
+def structured_from_grpc(request: pb.GenerateRequest) -> StructuredOutput | None:
+    """GenerateRequest.structured_output as the engine's StructuredOutput (None: unset, or json_object false);
+    ValueError naming the field if its spec is too long."""
+    if not request.HasField("structured_output"):
+        return None
+    so = request.structured_output
+    kind = so.WhichOneof("kind")
+    if kind is None or (kind == "json_object" and not so.json_object):
+        return None
+    if kind == "json_object":
+        spec = ""
+    elif kind == "choice":
+        spec = json.dumps(list(so.choice.choices))
+    else:
+        spec = getattr(so, kind)
+    try:
+        return StructuredOutput(kind, spec)
+    except ValueError as e:
+        raise ValueError(f"structured_output.{kind}: {e}") from None
 
 
 @dataclass(frozen=True)

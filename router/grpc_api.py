@@ -66,6 +66,7 @@ class GenerationService(pb_grpc.GenerationServicer):
             await abort(grpc.StatusCode.UNAVAILABLE, "the router is draining; retry on another replica")
         try:
             prepared = self.front.prepare(ask_from_grpc(request))
+            await self.front.check_structured(prepared.params)
         except ValueError as e:
             await abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         samples = Samples(prepared.params.n)

@@ -142,6 +142,11 @@ def build_app(front: Frontend, model_name: str, access: Access, max_body_bytes: 
                 prepared = front.prepare(ask)
             except ValueError as e:
                 raise _invalid_value(body, e) from None
+            try:
+                await front.check_structured(prepared.params)
+            except ValueError as e:  # a spec that does not compile
+                param = body.structured_param()
+                raise HTTPError(400, f"{param}: {e}" if param else str(e), param=param) from None
         except HTTPError as e:
             t.code, t.finish_reason = e.grpc_code, "none"
             t.record(front.metrics)
