@@ -156,7 +156,8 @@ class BaseCompletionRequest(BaseModel):
                 raise HTTPError(400, "response_format of type json_schema needs its json_schema",
                                 param="response_format")
             asks.append(("response_format", ("json_schema", rf.json_schema.schema_)))
-        asks += [(name, (kind, getattr(self, name))) for name, kind in GUIDED.items() if getattr(self, name) is not None]
+        asks += [(name, (kind, getattr(self, name))) for name, kind in GUIDED.items()
+                 if getattr(self, name) is not None]
         so = self.structured_outputs
         if so is not None:
             given = {"json": ("json_schema", so.json_), "regex": ("regex", so.regex), "choice": ("choice", so.choice),

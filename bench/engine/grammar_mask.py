@@ -3,14 +3,15 @@ decode step, measured side by side in one run.
 
     .venv/bin/python -m bench.engine.grammar_mask [--steps 40] [--engine-steps 16] [--skip-engine]
 
-The mask of one step, per library: fill the token bitmask of every row (one matcher per row, the library's
-own batched fill too) and apply it to the [rows, vocab] fp32 logits (the engine's own apply,
-pdserve.engine.sampling.apply_token_bitmask, for both: the bitmask format is the same), at batch 1 and 32. The grammar is a realistic JSON schema (an object of typed
-properties, an enum, an array of objects) compiled once with SmolLM2-135M-Instruct's tokenizer (vocab 49152);
-each row's matcher walks a real JSON document that validates against it, rows starting at different offsets so
-that every row is mid-document (inside strings, numbers, the array), and advances one token after each timed
-mask (accepting the token is timed apart: it is the host's other per-token cost). A row that reaches the end
-starts the document again (untimed). Median milliseconds over --steps steps.
+The mask of one step, per library: fill the token bitmask of every row (one matcher per row; the library's own
+batched fill too) and apply it to the [rows, vocab] fp32 logits with the engine's own apply
+(pdserve.engine.sampling.apply_token_bitmask, the same for both: the bitmask format is the same), at batch 1 and
+32. The grammar is a realistic JSON schema (an object of typed properties, an enum, an array of objects)
+compiled once with SmolLM2-135M-Instruct's tokenizer (vocab 49152); each row's matcher walks a real JSON
+document that validates against it, rows starting at different offsets so that every row is mid-document
+(inside strings, numbers, the array), and advances one token after each timed mask (accepting the token is
+timed apart: it is the host's other per-token cost). A row that reaches the end starts the document again
+(untimed). Median milliseconds over --steps steps.
 
 The engine's decode step (as bench.engine.decode_attention times it: schedule + forward + sampling +
 bookkeeping) on the default model, default EngineConfig, batch 1 and 32, prompts of 16-512 random tokens,

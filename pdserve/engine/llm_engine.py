@@ -295,16 +295,8 @@ class EngineCore:
         return self.account(step, self.execute(step))
 
     def step_pipelined(self) -> list[SampledToken]:
-        out = self.run_pipelined(ScheduledStep([], [], [])) if self.must_resolve else []
+        out = self.run_pipelined(ScheduledStep([], [], [])) if self.scheduler.must_resolve else []
         return out + self.run_pipelined(self.scheduler.schedule())
-
-    @property
-    def must_resolve(self) -> bool:
-        """Pipelined decode: a launched step holds a request under structured output. Its next mask needs the
-        token that step sampled on the host, so that step resolves before the next one is scheduled: while such
-        a request runs, the host's work for a step no longer overlaps the step before it (every row of the batch
-        waits for it, free text included); tokens are the same either way."""
-        return any(r.grammar is not None and not r.finished for s in self.scheduler.launched for r in s.step.requests)
 
     def run_pipelined(self, step: ScheduledStep, layer_done: Callable[[int], None] | None = None) -> list[SampledToken]:
         """Launch a scheduled step (its pending tokens read on the device from the step launched before

@@ -75,6 +75,14 @@ class PipelinedDecode:
         self.launched.append(launched)
         return launched
 
+    @property
+    def must_resolve(self) -> bool:
+        """A launched step holds a request under structured output. Its next mask needs the token that step
+        sampled on the host, so the step loop resolves that step before it schedules the next one (a step of no
+        chunks: EngineCore.run_pipelined): while such a request runs, the host's work for a step no longer overlaps
+        the step before it, for every row of the batch, free text included; tokens are the same either way."""
+        return any(r.grammar is not None and not r.finished for s in self.launched for r in s.step.requests)
+
     def resolve(self, launched: LaunchedStep) -> list[SampledToken]:
         """Pipelined decode: a launched step's sampled tokens, now on the host (this waits for them), in
         place of its PENDING tokens; token-level stops; the blocks of requests that ended meanwhile."""

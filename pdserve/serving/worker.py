@@ -56,6 +56,15 @@ def count_prompts(counts: collections.Counter[str], step: ScheduledStep, hop: Ca
             counts[f"{hop(r)}/cached"] += min(r.num_cached_tokens, r.num_prompt_tokens)
 
 
+def new_request(core: EngineCore, task) -> Request:
+    """A task (pdserve.serving.messages) as a worker's Request, checked (ValueError: the caller's error), under
+    structured output with its matcher and the tokens it has replayed (GrammarError): on the thread that takes it
+    in, so that the step thread neither compiles nor replays."""
+    req = task.new_request(core.tokenizer, core.model_config.vocab_size)
+    core.scheduler.structure(req)
+    return req
+
+
 class StepRun(NamedTuple):
     sampled: list[SampledToken]
     failed: list[Failure]  # the whole queue and batch, if the step raised
@@ -176,14 +185,6 @@ class WorkerActor(WeightCalls, Cancels, FaultCalls):
             total = sum(n for _, n in tokens)
             for tier, n in tokens:  # each request's share of the step, by the tokens it computed
                 self.tier_seconds[tier] += dt * n / total
-
-    def _new_request(self, task) -> Request:
-        """A task (pdserve.serving.messages) as this worker's Request, checked (ValueError: the caller's error),
-        under structured output with its matcher and the tokens it has replayed (GrammarError), here on the
-        thread that takes it in rather than on the step thread."""
-        req = task.new_request(self.core.tokenizer, self.core.model_config.vocab_size)
-        self.core.scheduler.structure(req)
-        return req
 
     def _hop(self, req: Request) -> str:
         """The hop (messages.HOPS) that computes this request's prompt here: the pool's own by default."""

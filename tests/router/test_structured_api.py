@@ -187,8 +187,8 @@ def one_two(ray_local, aloop):
 
 def test_a_decode_worker_killed_mid_reply_resumes_and_the_reply_validates(one_two):
     """The first decode worker to reach its seventh step holds there (the other goes on) and is SIGKILLed: its
-    streams resume on another (the router's tokens replayed into a fresh matcher there, after the prefill worker replays them too),
-    and every reply still validates."""
+    streams resume on another (the router's tokens replayed into a fresh matcher there, after the prefill worker
+    replays them too), and every reply still validates."""
     cluster, router = one_two
     sdk = sdk_of(router)
     decodes = list(cluster.pools["decode"])
