@@ -69,8 +69,9 @@ class EngineCore:
         # A group's forked samples copy the prompt's partial last block where the runner can (one process);
         # a tensor-parallel engine's compute that part again instead.
         self.scheduler.can_copy_blocks = self.runner.can_copy_blocks
-        # Structured output: compiled with this worker's tokenizer, for its logits' width (on first use).
-        if self.tokenizer is not None:
+        # Structured output: compiled with this worker's tokenizer, for its logits' width (on first use). A
+        # simulated engine's tokens follow no mask: it refuses structured requests.
+        if self.tokenizer is not None and not isinstance(self.runner, SimRunner):
             self.scheduler.grammars = Grammars(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
         on = config.pipelined_decode if config.pipelined_decode is not None else cuda
         self.pipelined = on and role is not Role.PREFILL and tp == 1

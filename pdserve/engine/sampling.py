@@ -301,15 +301,13 @@ def to_device(host: torch.Tensor, device: torch.device | str) -> torch.Tensor:
     return host.to(device)
 
 
-_BITS = torch.arange(32, dtype=torch.int32)
-
-
 def apply_token_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
     """The logits (a new tensor) with -inf on `rows` wherever their bitmask ([len(rows), words] int32, bit i
     of word w for token 32 w + i) does not allow the token; ids past the bitmask are not allowed. On the
     logits' device, with no host synchronisation."""
     vocab = logits.shape[-1]
-    bits = (bitmask.unsqueeze(-1) >> _BITS.to(bitmask.device)) & 1  # [rows, words, 32]
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)  # made there: no copy from the host
+    bits = (bitmask.unsqueeze(-1) >> shifts) & 1  # [rows, words, 32]
     allowed = bits.view(bitmask.shape[0], -1).bool()  # [rows, 32 * words]
     if allowed.shape[1] < vocab:
         allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]), value=False)

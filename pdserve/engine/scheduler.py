@@ -152,7 +152,8 @@ class Scheduler(PipelinedDecode):
         if req.params.structured is None or req.grammar is not None:
             return
         if self.grammars is None:
-            raise ValueError("structured output needs the model's tokenizer, and this worker's model has none")
+            raise ValueError("structured output is not served here: it needs the model's tokenizer and a real "
+                             "engine (not a simulated one)")
         req.grammar = self.grammars.matcher(req.params.structured, req.output_token_ids)
 
     @property
