@@ -28,7 +28,11 @@ samples end (chat: each choice's first chunk says the role, all of them before a
 fields come once: on choice 0 (completions) or on the response (chat). usage counts the prompt once
 and the completion tokens of every choice, as OpenAI's does.
 
-What OpenAI's API has and pdserve does not (echo, suffix, best_of, tools, logit bias, JSON mode) is a
+Structured output (response_format json_object / json_schema, and the guided_* and structured_outputs
+extensions: router.openai_schema) is compiled here before any work: a spec that does not compile is a 400
+naming its field.
+
+What OpenAI's API has and pdserve does not (echo, suffix, best_of, tools, logit bias) is a
 400 that names the field, and so is a value out of range (the field as the request named
 it: top_logprobs, presence_penalty, min_tokens, ...). Every error uses OpenAI's shape,
 {"error": {"message", "type", "param", "code"}}: 400 bad input (a body that is not a JSON object
