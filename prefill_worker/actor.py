@@ -339,7 +339,7 @@ class PrefillActor(WorkerActor):
         text, reason = self._text(s)
         others = []
         for t in group[1:]:  # a group's samples 1..n-1: the decode worker forks them
-            own = TextOutput(self.core.tokenizer, req.prompt_token_ids, req.params.stop) \
+            own = TextOutput.of(self.core.tokenizer, req.prompt_token_ids, req.params) \
                 if req.text is not None else None
             text_j, reason_j = ("", t.finish_reason) if own is None else token_text(own, t.token, t.finish_reason)
             others.append(FirstToken(t.token, text_j, reason_j, t.logprobs))

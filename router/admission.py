@@ -97,6 +97,12 @@ class Ask:
     service_tier: str | None = None  # auto (or None), default, priority, flex (pdserve.tiers)
     request_id: str | None = None  # None: the router makes one
     session_id: str | None = None  # a conversation's turns under one key (router.dispatch keeps them together)
+    # The request this is one prompt of has `prompts` of them (a completions request's list): they share its
+    # bounds (the logprob entries).
+    prompts: int = 1
+    # The prompt alone (HTTP's echo with max_tokens 0): run for one token, which the front drops from every
+    # output (text, ids, logprobs, counts), so that the response and the metrics have none.
+    prompt_only: bool = False
 
 
 SAMPLING_FIELDS = frozenset(f.name for f in fields(SamplingParams))
@@ -118,7 +124,9 @@ def ask_from_grpc(request: pb.GenerateRequest) -> Ask:
         logprobs_mode=request.logprobs_mode or None, presence_penalty=given(s, "presence_penalty"),
         frequency_penalty=given(s, "frequency_penalty"), repetition_penalty=given(s, "repetition_penalty"),
         min_tokens=given(s, "min_tokens"), n=given(request, "n"), version_policy=request.version_policy or None,
-        max_staleness=given(request, "max_staleness"), structured=structured_from_grpc(request))
+        max_staleness=given(request, "max_staleness"), min_p=given(s, "min_p"),
+        include_stop_str_in_output=request.include_stop_str_in_output,
+        skip_special_tokens=given(request, "skip_special_tokens"), structured=structured_from_grpc(request))
     return Ask(prompt=request.prompt if which == "prompt" else None,
                messages=[{"role": m.role, "content": m.content} for m in request.messages.messages]
                if which == "messages" else None,
@@ -209,7 +217,7 @@ def finish(info: ModelInfo, checked: Checked, ids: list[int]) -> tuple[list[int]
     params = checked.params if max_tokens == checked.params.max_tokens else \
         SamplingParams(**checked.sampling, max_tokens=max_tokens)
     _check_vocab(checked.bounds, ids, params)
-    _check_entries(checked.bounds, ids, params)
+    _check_entries(checked.bounds, ids, params, ask.prompts)
     return ids, params
 
 
@@ -228,16 +236,19 @@ def _check_vocab(bounds: FieldBounds, ids: list[int], params: SamplingParams) ->
         raise ValueError(f"top_k must be at most {bounds.max_top_k} (the vocabulary's size), got {params.top_k}")
 
 
-def _check_entries(bounds: FieldBounds, ids: list[int], params: SamplingParams) -> None:
-    """The logprob entries a request asks for, against the context."""
+def _check_entries(bounds: FieldBounds, ids: list[int], params: SamplingParams, prompts: int = 1) -> None:
+    """The logprob entries a request asks for, against the context; one of `prompts` prompts of a request has
+    that share of the bound."""
     entries = 0
     if params.logprobs is not None:
         entries += params.n * params.max_tokens * (params.logprobs + 1)
     if params.prompt_logprobs is not None:
         entries += len(ids) * (params.prompt_logprobs + 1)
-    if entries > bounds.max_logprob_entries:
+    most = bounds.max_logprob_entries // prompts
+    if entries > most:
+        share = f", shared by the request's {prompts} prompts" if prompts > 1 else ""
         raise ValueError(f"logprobs asks for {entries} entries (n x max_tokens x (logprobs + 1), with the prompt's); "
-                         f"the most is {bounds.max_logprob_entries} ({MAX_N} samples of the model's context)")
+                         f"the most is {most} ({MAX_N} samples of the model's context{share})")
 
 
 def check_request_id(rid: str | None) -> None:

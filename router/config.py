@@ -37,6 +37,11 @@ BODY_BUDGET_REQUESTS = 16  # the HTTP door holds at most this many of the larges
 # - request ids: 1 to 128 characters of [A-Za-z0-9._:-]; the router builds worker-side ids from them
 #   ("<router>/<id>#<attempt>", "<id>~<sample>"), logs them and echoes them.
 REQUEST_ID_CHARS = 128
+# - prompts: a completions request's list of prompts, at most MAX_PROMPTS (as many as the samples n may ask for),
+#   each admitted and run as a request of its own; together they share one request's logprob entries (each
+#   prompt's bound is the request's divided by the number of prompts), so a list never makes a response larger
+#   than one prompt's could be.
+MAX_PROMPTS = MAX_N
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ import concurrent.futures
 import contextlib
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from pdserve.engine.grammar import Grammars
 from pdserve.engine.output import RequestOutput
@@ -45,6 +45,13 @@ class Prepared:
     tier: ServiceTier
     request_id: str | None
     session_id: str | None = None
+
+
+def _without_tokens(out: RequestOutput) -> RequestOutput:
+    """A prompt-only request's output (Ask.prompt_only): the token it was run for dropped, the prompt's logprobs
+    and the finish kept."""
+    return replace(out, new_token_ids=[], new_text="", num_output_tokens=0, weight_versions=[],
+                   logprobs=None if out.logprobs is None else [])
 
 
 @dataclass(frozen=True)
@@ -139,6 +146,8 @@ class Frontend:
                                              request.session_id)
                 async with contextlib.aclosing(outs):
                     async for out in outs:
+                        if request.checked.ask.prompt_only:
+                            out = _without_tokens(out)
                         self._observe(out, t)
                         yield out
         finally:

@@ -28,13 +28,20 @@ samples end (chat: each choice's first chunk says the role, all of them before a
 fields come once: on choice 0 (completions) or on the response (chat). usage counts the prompt once
 and the completion tokens of every choice, as OpenAI's does.
 
+Completions' prompt may be a list (of texts or of token-id lists, at most MAX_PROMPTS): each prompt is a
+request of its own (_Run), all run side by side (_Runs); prompt i's sample j is choice i * n + j, usage sums
+them, and one prompt's failure fails the request and cancels the others. echo: each choice's text and
+logprobs begin with the prompt's (router.openai_choices); with max_tokens 0, the prompt alone (the request
+runs for one token, which the front drops: Ask.prompt_only). return_tokens_as_token_ids names every token
+of the logprobs "token_id:<id>".
+
 Structured output (response_format json_object / json_schema, and the guided_* and structured_outputs
 extensions: router.openai_schema) is compiled here before any work: a spec that does not compile is a 400
 naming its field.
 
-What OpenAI's API has and pdserve does not (echo, suffix, best_of, tools, logit bias) is a
-400 that names the field, and so is a value out of range (the field as the request named
-it: top_logprobs, presence_penalty, min_tokens, ...). Every error uses OpenAI's shape,
+A field a body does not declare, and what OpenAI's API has and pdserve does not (suffix, best_of, tools,
+logit bias, ...), is a 400 that names the field, and so is a value out of range (the field as
+the request named it: top_logprobs, presence_penalty, min_tokens, ...). Every error uses OpenAI's shape,
 {"error": {"message", "type", "param", "code"}}: 400 bad input (a body that is not a JSON object
 included), 401 missing or wrong key, 403 a control route without the admin credential, 404 unknown model or path, 405 wrong method, 413 a body over
 the bound, 429 admission queue full, 503 draining, the workers failed the request, or the door holds
@@ -46,6 +53,8 @@ memory: RouterConfig.max_request_body_bytes for one body, request_body_budget_by
 from __future__ import annotations
 
 import asyncio
+import collections
+import contextlib
 import json
 import re
 import time
@@ -59,12 +68,13 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from pdserve.engine.logprobs import PromptLogprobs
 from pdserve.engine.output import RequestOutput
 from router.admission import Overloaded, RequestFailed, Samples
 from router.frontend import Frontend, Prepared
 from router.http_limits import BodyBudget, BodyLimit, Roles
-from router.openai_choices import FINISH, Choice, Vocab
-from router.openai_schema import BaseCompletionRequest, ChatCompletionRequest, CompletionRequest, HTTPError
+from router.openai_choices import FINISH, Choice, Shape, Vocab
+from router.openai_schema import BaseCompletionRequest, ChatCompletionRequest, CompletionRequest, HTTPError, unknown_field
 from router.security import Access
 from router.tracking import Timeline
 
@@ -102,7 +112,7 @@ def build_app(front: Frontend, model_name: str, access: Access, max_body_bytes: 
     app = _guarded_app(access, control, front.metrics, max_body_bytes, body_budget_bytes, read_timeout_s)
     info = front.info
     names = {model_name, info.path}
-    vocab = Vocab(info.tokenizer)
+    vocab, ids_vocab = Vocab(info.tokenizer), Vocab(None)  # the latter: return_tokens_as_token_ids
     created = int(time.time())
 
     @app.get("/health")
@@ -141,13 +151,14 @@ def build_app(front: Frontend, model_name: str, access: Access, max_body_bytes: 
                 raise HTTPError(503, "the router is draining; retry on another replica", kind="server_error",
                                 grpc_code="UNAVAILABLE")
             try:
-                ask = body.ask()
-                ask.session_id = ask.session_id or request.headers.get("x-session-id")
-                prepared = front.prepare(ask)
+                asks = body.asks()
+                for ask in asks:
+                    ask.session_id = ask.session_id or request.headers.get("x-session-id")
+                prepared = [front.prepare(ask) for ask in asks]
             except ValueError as e:
                 raise _invalid_value(body, e) from None
             try:
-                await front.check_structured(prepared.params)
+                await front.check_structured(prepared[0].params)  # every prompt's is the same
             except ValueError as e:  # a spec that does not compile
                 param = body.structured_param()
                 raise HTTPError(400, f"{param}: {e}" if param else str(e), param=param) from None
@@ -156,20 +167,25 @@ def build_app(front: Frontend, model_name: str, access: Access, max_body_bytes: 
             t.record(front.metrics)
             raise
         rid = ("chatcmpl-" if kind == "chat.completion" else "cmpl-") + uuid.uuid4().hex
-        prepared = replace(prepared, request_id=rid)
-        run = _Run(front, t, prepared)
         chat = kind == "chat.completion"
+        shape = Shape(bool(body.return_token_ids), bool(getattr(body, "echo", False)), body.prompt_logprobs)
+        shown = ids_vocab if body.return_tokens_as_token_ids else vocab
+        # Each prompt is a request of its own (its own admission, placement and timeline), run side by side. An
+        # echo with logprobs: a prompt's samples after the first wait for its logprobs, which the first carries.
+        wait = shape.echo and body.logprobs_k() is not None
+        runs = _Runs([_Run(front, t if i == 0 else Timeline("http"),
+                           replace(p, request_id=rid if len(prepared) == 1 else f"{rid}.{i}"), wait)
+                      for i, p in enumerate(prepared)])
 
-        def choices() -> list[Choice]:  # once the run has started: a text prompt is tokenized once admitted
-            return [Choice(chat, vocab, info.tokenizer, prepared.prompt, prepared.params, bool(body.return_token_ids),
-                           i) for i in range(prepared.params.n)]
+        def choices() -> list[Choice]:  # once the runs have started: a text prompt is tokenized once admitted
+            return _choices(runs, chat, shown, info.tokenizer, shape)
 
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            first = await run.start()  # errors before the first token are plain HTTP errors
-            return StreamingResponse(_sse(run, first, kind, rid, body.model, include_usage, choices()),
+            await runs.start()  # errors before the first token are plain HTTP errors
+            return StreamingResponse(_sse(runs, kind, rid, body.model, include_usage, choices()),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        return await _whole(run, request, kind, rid, body.model, choices)
+        return await _whole(runs, request, kind, rid, body.model, choices)
 
     return app
 
@@ -189,6 +205,8 @@ def _error_handlers(app: FastAPI) -> None:
             why = (first.get("ctx") or {}).get("error", "JSON decode error")
             return HTTPError(400, f"the body is not valid JSON: {why} at position {first['loc'][-1]}").response()
         where = ".".join(str(x) for x in first.get("loc", ()) if x != "body")
+        if first.get("type") == "extra_forbidden":  # a field the body does not declare: refused by name
+            return HTTPError(400, unknown_field(where), param=where).response()
         if not where and first.get("type") in ("model_attributes_type", "dict_type", "model_type"):
             return HTTPError(400, "the body must be a JSON object, sent with Content-Type: application/json").response()
         return HTTPError(400, f"{where or 'body'}: {first.get('msg', 'invalid request')}",
@@ -229,14 +247,19 @@ def _invalid_value(body: BaseCompletionRequest, e: ValueError) -> HTTPError:
 
 class _Run:
     """One request through the front's run (admission, cluster, timeline), with the errors it raises as HTTP
-    errors; recorded once, when closed. samples.done: its last output is in."""
+    errors; recorded once, when closed. samples.done: its last output is in. prompt_logprobs: the prompt's,
+    once an output has carried them; wait_for_prompt: a sample after the first is not given out before them
+    (an echo's logprobs begin with them)."""
 
-    def __init__(self, front: Frontend, t: Timeline, prepared: Prepared):
+    def __init__(self, front: Frontend, t: Timeline, prepared: Prepared, wait_for_prompt: bool = False):
         self.front, self.t, self.request = front, t, prepared
         self._outs: AsyncIterator[RequestOutput] = front.run(prepared, t)
         self._closed = False
         self.last: RequestOutput | None = None
         self.samples = Samples(prepared.params.n)
+        self.prompt_logprobs: PromptLogprobs | None = None
+        self._wait = wait_for_prompt
+        self._held: collections.deque[RequestOutput] = collections.deque()
 
     async def start(self) -> RequestOutput | None:
         """Admit and place the request; its first output (None if it produced nothing)."""
@@ -252,6 +275,26 @@ class _Run:
     async def next(self) -> RequestOutput | None:
         """The next output; HTTPError 429 (admission full), 400 (the cluster refused it) or 503 (the
         workers failed it)."""
+        while True:
+            if self._held and (self.prompt_logprobs is not None or not self._wait):
+                out = self._held.popleft()
+                break
+            out = await self._read()
+            if out is None:
+                if not self._held:
+                    return None
+                out = self._held.popleft()
+                break
+            if out.prompt_logprobs is not None:
+                self.prompt_logprobs = out.prompt_logprobs
+            if not (self._wait and self.prompt_logprobs is None and out.index > 0):
+                break
+            self._held.append(out)
+        self.last = out
+        self.samples.add(out)
+        return out
+
+    async def _read(self) -> RequestOutput | None:
         try:
             out = await self._outs.__anext__()
         except StopAsyncIteration:
@@ -263,8 +306,6 @@ class _Run:
             raise HTTPError(400, str(e)) from None
         except RequestFailed as e:
             raise HTTPError(503, str(e), kind="server_error", grpc_code="UNAVAILABLE") from None
-        self.last = out
-        self.samples.add(out)
         return out
 
     async def close(self, code: str = "OK", finish_reason: str | None = None) -> None:
@@ -280,30 +321,131 @@ class _Run:
         finally:
             self.t.record(self.front.metrics)
 
-    def usage(self) -> dict:
-        """The prompt counted once, the completion tokens of every sample (OpenAI's usage with n > 1)."""
+    def usage(self) -> tuple[int, int, int]:
+        """(prompt, completion, cached prompt tokens): the prompt counted once, the completion tokens of every
+        sample (OpenAI's usage with n > 1)."""
         out = self.last
-        n = self.samples.completion_tokens
         cached = out.num_cached_tokens if out is not None else 0  # prompt tokens served by the prefix cache
-        prompt = len(self.request.prompt or ())
-        return {"prompt_tokens": prompt, "completion_tokens": n, "total_tokens": prompt + n,
+        return len(self.request.prompt or ()), self.samples.completion_tokens, cached
+
+
+class _Runs:
+    """The runs of one request's prompts (a completions request may send several; one prompt, one run), admitted
+    and placed side by side, their outputs merged as they come. A failure of one fails the request: the error
+    is that run's, and the others are cancelled on every worker."""
+
+    def __init__(self, runs: list[_Run]):
+        self.runs = runs
+        self.failed: int | None = None  # the run whose error fails the request
+        self.firsts: list[RequestOutput | None] = []  # each run's first output (None: it produced nothing)
+
+    async def _read(self, i: int, step) -> RequestOutput | None:
+        try:
+            return await step
+        except HTTPError:
+            if self.failed is None:
+                self.failed = i
+            raise
+
+    async def start(self) -> None:
+        """Admit and place every run at once; return once each has its first output. One failing: the others
+        are cancelled and its error raised."""
+        tasks = [asyncio.ensure_future(self._read(i, run.start())) for i, run in enumerate(self.runs)]
+        try:
+            _, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        except BaseException:  # this handler was cancelled (its client went away)
+            await _cancel(tasks)
+            raise
+        await _cancel(pending)
+        errors = [t.exception() for t in tasks if t.done() and not t.cancelled() and t.exception() is not None]
+        if errors:
+            raise tasks[self.failed].exception() if self.failed is not None else errors[0]
+        self.firsts = [t.result() for t in tasks]
+
+    async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """(run, output) for every output after start(), the first ones first, until every run is done."""
+        reads: dict[asyncio.Future, int] = {}
+
+        def more(i: int) -> None:
+            if not self.runs[i].samples.done:
+                reads[asyncio.ensure_future(self._read(i, self.runs[i].next()))] = i
+
+        try:
+            for i, out in enumerate(self.firsts):
+                if out is not None:
+                    yield i, out
+                    more(i)
+            while reads:
+                done, _ = await asyncio.wait(reads, return_when=asyncio.FIRST_COMPLETED)
+                for fut in sorted(done, key=reads.__getitem__):
+                    i = reads.pop(fut)
+                    out = fut.result()
+                    if out is not None:
+                        yield i, out
+                        more(i)
+        finally:
+            await _cancel(list(reads))
+
+    async def close(self, code: str = "OK", finish_reason: str | None = None) -> None:
+        """Close every run (cancelling those still running): the failed one with `code`, the others cancelled
+        if the request did not end well."""
+        for i, run in enumerate(self.runs):
+            if code == "OK" or i == self.failed:
+                await run.close(code, finish_reason)
+            else:
+                await run.close("CANCELLED", "cancelled")
+
+    def usage(self) -> dict:
+        """Every prompt's tokens and every sample's completion tokens, summed over the runs."""
+        prompt, completion, cached = (sum(x) for x in zip(*(run.usage() for run in self.runs)))
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
                 "prompt_tokens_details": {"cached_tokens": cached}}
 
+    @property
+    def served_tier(self) -> str:
+        return self.runs[0].t.served_tier
 
-async def _whole(run: _Run, request: Request, kind: str, rid: str, model: str,
+
+async def _cancel(tasks) -> None:
+    """Cancel tasks and wait for them to end (their exceptions retrieved)."""
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _choices(runs: _Runs, chat: bool, vocab: Vocab, tokenizer, shape: Shape) -> list[Choice]:
+    """Every run's choices, in the response's order: prompt i's sample j is choice i * n + j."""
+    out = []
+    for i, run in enumerate(runs.runs):
+        p = run.request
+        echo_text = _prompt_text(p, tokenizer) if shape.echo else ""
+        out += [Choice(chat, vocab, tokenizer, p.prompt, p.params, shape, i * p.params.n + j, j, echo_text)
+                for j in range(p.params.n)]
+    return out
+
+
+def _prompt_text(request: Prepared, tokenizer) -> str:
+    """An echo's text: the prompt as sent (text), or its token ids decoded as the output's text is."""
+    if request.checked.ask.prompt is not None:
+        return request.checked.ask.prompt
+    if tokenizer is None:
+        return ""
+    return tokenizer.decode(request.prompt, skip_special_tokens=request.params.skip_special_tokens)
+
+
+async def _whole(runs: _Runs, request: Request, kind: str, rid: str, model: str,
                  make_choices: Callable[[], list[Choice]]) -> JSONResponse:
     """A non-streamed request: collect it, cancelling it if the client goes away meanwhile."""
 
     choices: list[Choice] = []
 
     async def collect() -> None:
-        out = await run.start()
+        await runs.start()
         choices.extend(make_choices())
-        while out is not None:
-            choices[out.index].add(out)
-            if run.samples.done:
-                return
-            out = await run.next()
+        async with contextlib.aclosing(runs.outputs()) as outs:
+            async for i, out in outs:
+                run = runs.runs[i]
+                choices[i * run.request.params.n + out.index].add(out, run.prompt_logprobs)
 
     async def gone() -> None:
         while not await request.is_disconnected():
@@ -319,21 +461,21 @@ async def _whole(run: _Run, request: Request, kind: str, rid: str, model: str,
     try:
         await task
     except asyncio.CancelledError:
-        await run.close("CANCELLED", "cancelled")
+        await runs.close("CANCELLED", "cancelled")
         raise
     except HTTPError as e:
-        await run.close(e.grpc_code)
+        await runs.close(e.grpc_code)
         raise
-    await run.close()
+    await runs.close()
     answers = [c.whole() for c in choices]
     own = answers[0][1]  # the prompt's fields (chat), which choice 0 gathers
     return JSONResponse({"id": rid, "object": kind, "created": int(time.time()), "model": model,
-                         "choices": [answer for answer, _ in answers], "usage": run.usage(),
-                         "service_tier": run.t.served_tier, **own})
+                         "choices": [answer for answer, _ in answers], "usage": runs.usage(),
+                         "service_tier": runs.served_tier, **own})
 
 
-async def _sse(run: _Run, first: RequestOutput | None, kind: str, rid: str, model: str,
-               include_usage: bool, choices: list[Choice]) -> AsyncIterator[str]:
+async def _sse(runs: _Runs, kind: str, rid: str, model: str, include_usage: bool,
+               choices: list[Choice]) -> AsyncIterator[str]:
     """A streamed request as server-sent events, a chunk holding the choice of one sample. Cancelled when
     the client disconnects: the request is then cancelled on every worker (run.close)."""
     chat = kind == "chat.completion"
@@ -351,7 +493,7 @@ async def _sse(run: _Run, first: RequestOutput | None, kind: str, rid: str, mode
         else:
             one = {"index": index, "text": text or "", "finish_reason": finish, **fields, **prompt}
         body: dict[str, Any] = {"id": rid, "object": obj, "created": created, "model": model, "choices": [one],
-                                "service_tier": run.t.served_tier}
+                                "service_tier": runs.served_tier}
         if chat:
             body.update(prompt)
         if include_usage:
@@ -360,23 +502,21 @@ async def _sse(run: _Run, first: RequestOutput | None, kind: str, rid: str, mode
 
     code, reason = "CANCELLED", "cancelled"
     try:
-        if chat:  # each choice's first chunk says the role (as OpenAI's do with n > 1)
+        if chat:  # each choice's first chunk says the role (as OpenAI's do with n > 1); chat has one prompt
             for c in choices:
-                yield chunk(c.index, None, None, c.no_tokens(), c.prompt_fields(first), role=True)
-        out = first
-        while out is not None:
-            choice = choices[out.index]
-            finish = FINISH.get(out.finish_reason) if out.finished else None
-            fields, prompt = choice.piece(out)
-            # An output without text still goes out if it has tokens whose logprobs or ids were asked.
-            if out.new_text or finish or prompt or choice.extras and out.new_token_ids:
-                yield chunk(out.index, out.new_text, finish, fields, prompt)
-            if run.samples.done:
-                break
-            out = await run.next()
+                yield chunk(c.index, None, None, c.no_tokens(), c.prompt_fields(runs.firsts[0]), role=True)
+        async with contextlib.aclosing(runs.outputs()) as outs:
+            async for i, out in outs:
+                run = runs.runs[i]
+                choice = choices[i * run.request.params.n + out.index]
+                finish = FINISH.get(out.finish_reason) if out.finished else None
+                text, fields, prompt = choice.piece(out, run.prompt_logprobs)
+                # An output without text still goes out if it has tokens whose logprobs or ids were asked.
+                if text or finish or prompt or choice.extras and out.new_token_ids:
+                    yield chunk(choice.index, text, finish, fields, prompt)
         if include_usage:
-            last = {'id': rid, 'object': obj, 'created': created, 'model': model, 'choices': [], 'usage': run.usage(),
-                    'service_tier': run.t.served_tier}
+            last = {'id': rid, 'object': obj, 'created': created, 'model': model, 'choices': [], 'usage': runs.usage(),
+                    'service_tier': runs.served_tier}
             yield f"data: {json.dumps(last)}\n\n"
         yield "data: [DONE]\n\n"
         code, reason = "OK", None
@@ -384,5 +524,5 @@ async def _sse(run: _Run, first: RequestOutput | None, kind: str, rid: str, mode
         code, reason = e.grpc_code, None
         yield f"data: {json.dumps({'error': {'message': str(e), 'type': e.kind, 'param': None, 'code': None}})}\n\n"
     finally:
-        await run.close(code, reason)
+        await runs.close(code, reason)
 

@@ -1,12 +1,14 @@
 """A request's choices in the OpenAI API's shape: each sample's text, finish reason, logprobs (chat's content
 entries, completions' tokens / token_logprobs / top_logprobs / text_offset) and token ids, streamed piece by
-piece or gathered whole; the prompt's fields (prompt_token_ids, prompt_logprobs) once. Token strings are the
-tokenizer's text of each id alone (special tokens shown), bytes their raw bytes where the tokenizer is
-byte-level; a model without a tokenizer names a token "token_id:<id>". A logprob of -inf (a token the
+piece or gathered whole; the prompt's fields (prompt_token_ids, prompt_logprobs) once; with echo, the prompt's
+text and logprobs before the sample's. Token strings are the tokenizer's text of each id alone (special tokens
+shown), bytes their raw bytes where the tokenizer is byte-level; a model without a tokenizer, or a request
+that asks for return_tokens_as_token_ids, names a token "token_id:<id>". A logprob of -inf (a token the
 "processed" distribution masked out) is written as MIN_LOGPROB, JSON having no -inf."""
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from typing import Any
 
 from pdserve.engine.logprobs import PromptLogprobs, TokenLogprob
@@ -82,29 +84,47 @@ def _byte_level_alphabet() -> dict[str, int]:
     return {c: b for b, c in chars.items()}
 
 
+@dataclass(frozen=True)
+class Shape:
+    """What a request asks of its choices beyond what it samples: token_ids (return_token_ids), echo (the
+    prompt's text, and logprobs if asked, before the sample's: completions), prompt_logprobs (the client's k
+    of the prompt_logprobs field; None: not asked; the engine may compute more for the echo)."""
+
+    token_ids: bool = False
+    echo: bool = False
+    prompt_logprobs: int | None = None
+
+
 class Choice:
     """A request's choice (the sample of its index) in the API's shape, built from that sample's outputs:
     streamed (piece() per output) or whole (add() per output, then whole()). Beside the text: logprobs
-    (when asked), the token ids (return_token_ids), and, choice 0 alone, the prompt's fields once
-    (prompt_token_ids, prompt_logprobs), which chat puts on the response and completions on the choice."""
+    (when asked), the token ids (return_token_ids), and, each prompt's sample 0 alone, the prompt's fields
+    once (prompt_token_ids, prompt_logprobs), which chat puts on the response and completions on the choice.
+    index: the choice's in the response (prompt_index * n + sample); sample: its sample of the prompt.
+    echo_text: the prompt's text, which the choice's text begins with (Shape.echo)."""
 
     def __init__(self, chat: bool, vocab: Vocab, tokenizer: Tokenizer | None, prompt: list[int],
-                 params: SamplingParams, token_ids: bool, index: int = 0):
-        self.chat, self.vocab, self.prompt, self.token_ids, self.index = chat, vocab, prompt, token_ids, index
+                 params: SamplingParams, shape: Shape, index: int = 0, sample: int = 0, echo_text: str = ""):
+        self.chat, self.vocab, self.prompt, self.index = chat, vocab, prompt, index
+        self.token_ids = shape.token_ids
         self.logprobs = params.logprobs is not None
-        self.prompt_logprobs = params.prompt_logprobs is not None
+        self.k = params.logprobs or 0
+        self.prompt_k = shape.prompt_logprobs
+        self.prompt_logprobs = shape.prompt_logprobs is not None
+        self._echo: str | None = echo_text if shape.echo and not chat else None
+        self._tokenizer = tokenizer
         # Completions' text_offset: each token's offset is the length of the text of the tokens before it,
         # decoded as the completion's text is (with the prompt's last tokens as context). A token that ends
         # within a character the next completes is at that character's offset.
         self._offsets = (IncrementalDetokenizer(tokenizer, prompt)
                          if self.logprobs and not chat and tokenizer is not None else None)
-        self._offset = 0  # characters of that text so far
-        self._prompt_sent = index > 0 or not (token_ids or self.prompt_logprobs)
+        self._offset = len(self._echo or "")  # characters of that text so far
+        self._prompt_sent = sample > 0 or not (self.token_ids or self.prompt_logprobs)
         self.text, self.finish = "", None
         # What add() gathers: the choice's fields, in their shape even if no token comes; the prompt's.
         empty = {"content": []} if chat else {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
         self._fields: dict[str, Any] = {"logprobs": empty if self.logprobs else None}
-        if token_ids:
+        if self.token_ids:
             self._fields["token_ids"] = []
             self._fields["weight_versions"] = []
         self._prompt: dict[str, Any] = {}
@@ -114,17 +134,28 @@ class Choice:
         """Whether an output without text still has something to send (its tokens' logprobs or ids)."""
         return self.logprobs or self.token_ids
 
-    def piece(self, out: RequestOutput) -> tuple[dict[str, Any], dict[str, Any]]:
-        """What `out` adds: the choice's fields (logprobs, token_ids) and the prompt's, the latter once: on the
-        output that carries the prompt's logprobs if they were asked, else on the first (on the last at the
-        latest)."""
+    def piece(self, out: RequestOutput, prompt_logprobs: PromptLogprobs | None = None
+              ) -> tuple[str, dict[str, Any], dict[str, Any]]:
+        """What `out` adds: its text, the choice's fields (logprobs, token_ids) and the prompt's, the latter
+        once: on the output that carries the prompt's logprobs if they were asked, else on the first (on the
+        last at the latest). With echo, the first piece begins with the prompt's text and logprobs (those of
+        `out`, or prompt_logprobs: the request's, which another sample's output carried)."""
         fields: dict[str, Any] = {"logprobs": None}
+        text = out.new_text
+        echo = None
+        if self._echo is not None:
+            text, echo, self._echo = self._echo + text, self._echo, None
         if self.logprobs:
             fields["logprobs"] = self._chat_logprobs(out.logprobs) if self.chat else self._completion_logprobs(out)
+            if echo is not None:
+                given = out.prompt_logprobs if out.prompt_logprobs is not None else prompt_logprobs
+                assert given is not None, "an echo with logprobs before the prompt's logprobs came"
+                head = self._echo_logprobs(given)
+                fields["logprobs"] = {key: head[key] + items for key, items in fields["logprobs"].items()}
         if self.token_ids:
             fields["token_ids"] = list(out.new_token_ids)
             fields["weight_versions"] = list(out.weight_versions)  # each token's (router.weights)
-        return fields, self.prompt_fields(out, last=out.finished)
+        return text, fields, self.prompt_fields(out, last=out.finished)
 
     def no_tokens(self) -> dict[str, Any]:
         """The choice's fields of a chunk without tokens (chat's first, which says the role)."""
@@ -143,11 +174,11 @@ class Choice:
             fields["prompt_logprobs"] = None if given is None else self._prompt_logprobs(given)
         return fields
 
-    def add(self, out: RequestOutput) -> None:
-        self.text += out.new_text
+    def add(self, out: RequestOutput, prompt_logprobs: PromptLogprobs | None = None) -> None:
+        text, fields, prompt = self.piece(out, prompt_logprobs)
+        self.text += text
         if out.finished:
             self.finish = FINISH.get(out.finish_reason)
-        fields, prompt = self.piece(out)
         for name, value in fields.items():
             if isinstance(value, list):  # token_ids, weight_versions
                 self._fields[name].extend(value)
@@ -183,13 +214,32 @@ class Choice:
         for lp in out.logprobs or ():
             tokens.append(self.vocab.text(lp.token_id))
             token_logprobs.append(_logprob(lp.logprob))
-            # The k most likely and the chosen token, by text (ids of the same text: the likelier one's).
-            top: dict[str, float] = {}
-            for t, x in (*lp.top, (lp.token_id, lp.logprob)):
-                top.setdefault(self.vocab.text(t), _logprob(x))
-            tops.append(top)
+            tops.append(self._top(lp, self.k))
         return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops,
                 "text_offset": offsets[:len(tokens)]}
+
+    def _top(self, lp: TokenLogprob, k: int) -> dict[str, float]:
+        """The k most likely and the chosen token, by text (ids of the same text: the likelier one's)."""
+        top: dict[str, float] = {}
+        for t, x in (*lp.top[:k], (lp.token_id, lp.logprob)):
+            top.setdefault(self.vocab.text(t), _logprob(x))
+        return top
+
+    def _echo_logprobs(self, given: PromptLogprobs) -> dict[str, list]:
+        """The prompt's tokens in the completions logprobs' shape (the first token's logprob and top None),
+        each at its offset in the prompt's text as decoded token by token."""
+        detok = IncrementalDetokenizer(self._tokenizer, []) if self._tokenizer is not None else None
+        offset, offsets = 0, []
+        for token_id in self.prompt:
+            offsets.append(offset)
+            if detok is not None:
+                offset += len(detok.add([token_id]))
+        tokens, token_logprobs, tops = [], [], []
+        for token_id, lp in zip(self.prompt, given):
+            tokens.append(self.vocab.text(token_id))
+            token_logprobs.append(None if lp is None else _logprob(lp.logprob))
+            tops.append(None if lp is None else self._top(lp, self.k))
+        return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops, "text_offset": offsets}
 
     def _prompt_logprobs(self, logprobs: PromptLogprobs) -> list[dict[str, Any] | None]:
         """Per prompt token (None for the first) {"<id>": {logprob, rank, decoded_token}} for the token itself
@@ -202,8 +252,9 @@ class Choice:
             ranked = {str(lp.token_id): {"logprob": _logprob(lp.logprob), "rank": lp.rank,
                                          "decoded_token": self.vocab.text(lp.token_id)}}
             higher = 0  # of the top entries before this one, those strictly likelier (ties share a rank)
-            for i, (t, x) in enumerate(lp.top):
-                if i and lp.top[i - 1][1] > x:
+            top = lp.top[:self.prompt_k]  # the engine's may be more (an echo's logprobs asked for more)
+            for i, (t, x) in enumerate(top):
+                if i and top[i - 1][1] > x:
                     higher = i
                 ranked.setdefault(str(t), {"logprob": _logprob(x), "rank": higher + 1,
                                            "decoded_token": self.vocab.text(t)})

@@ -1,14 +1,20 @@
 """The OpenAI API's wire shapes for router.openai_api: the request bodies and the error.
 
-The request bodies are pydantic models of /v1/completions and /v1/chat/completions. Fields of OpenAI's
-API that change nothing here (user, ...) and those of other servers pass; what OpenAI's API has and
-pdserve does not (echo, suffix, best_of, tools, logit bias), and fields that make no sense together,
-each body lists in `refused()`, which the app answers with a 400 that names the field.
+The request bodies are pydantic models of /v1/completions and /v1/chat/completions. A body takes the
+fields declared here and no other: a field it does not declare is a 400 naming it (NOT_SUPPORTED says why
+for those of OpenAI's API, and of other servers' extensions, that pdserve does not do), never ignored.
+What a declared field asks that pdserve does not do (suffix, best_of, tools, logit bias, store: true, ...),
+and fields that make no sense together, each body lists in `refused()`, which the app answers with a 400
+that names the field. docs/serving.md lists what each body accepts.
 
 Beside OpenAI's fields (logprobs, top_logprobs, presence and frequency penalties, ...) both bodies take
 these extensions, by vLLM's names: prompt_logprobs (k: the prompt tokens' logprobs and their top k),
-logprobs_mode ("raw" or "processed"; absent: the server's), repetition_penalty, min_tokens and
-return_token_ids (the generated token ids on each choice, the prompt's beside them).
+logprobs_mode ("raw" or "processed"; absent: the server's), repetition_penalty, min_tokens, min_p,
+return_token_ids (the generated token ids on each choice, the prompt's beside them),
+return_tokens_as_token_ids (every token string of the logprobs is "token_id:<id>"),
+include_stop_str_in_output and skip_special_tokens (the text), spaces_between_special_tokens (what the
+tokenizer does: false, or true where no special token is shown) and priority (0 alone: the tiers are
+service_tier's).
 
 Structured output (pdserve.engine.structured): OpenAI's response_format ("json_object", "json_schema"), on
 /v1/completions too, and the extensions guided_json, guided_regex, guided_choice, guided_grammar and
@@ -20,6 +26,7 @@ status code the router's metrics record for it.
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from typing import Any, ClassVar, Literal
 
 from fastapi.responses import JSONResponse
@@ -27,6 +34,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from pdserve.engine.structured import StructuredOutput
 from router.admission import DEFAULT_MAX_TOKENS, Ask
+from router.config import MAX_PROMPTS
 
 
 class HTTPError(Exception):
@@ -43,15 +51,43 @@ class HTTPError(Exception):
 
 # -- request bodies -------------------------------------------------------------------------------------
 
+# Fields a body does not declare, by why: OpenAI's that pdserve does not do, and other servers' extensions that
+# clients send. Any other undeclared field is refused as unknown.
+NOT_SUPPORTED = {
+    "audio": "only text output is supported",
+    "metadata": "metadata is kept with stored completions; pdserve stores none",
+    "prediction": "predicted outputs are not supported",
+    "reasoning_effort": "reasoning effort is not supported (the served model has no reasoning setting)",
+    "verbosity": "verbosity is not supported",
+    "web_search_options": "web search is not supported",
+    "moderation": "moderation is not supported",
+    **dict.fromkeys(("prompt_cache_retention", "prompt_cache_options"),
+                    "the prefix cache's retention is the server's (prompt_cache_key is taken)"),
+    "parallel_tool_calls": "tool and function calling are not supported",
+    **dict.fromkeys(("use_beam_search", "length_penalty", "early_stopping"), "beam search is not supported"),
+    "truncate_prompt_tokens": "prompts are not truncated: send one that fits the context",
+}
+
+
+def unknown_field(name: str) -> str:
+    """The 400's message for a field a body does not declare."""
+    why = NOT_SUPPORTED.get(name)
+    if why is not None:
+        return f"{name}: {why}"
+    return f"{name} is not a field of this request (docs/serving.md lists the fields each body takes)"
+
+
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
     include_usage: bool = False
+    include_obfuscation: bool | None = None  # false (or absent) alone: no chunk is padded
 
 
 class JsonSchemaFormat(BaseModel):
     """response_format's json_schema: the schema the output validates against (name, description and strict are
     OpenAI's; the schema is enforced whatever strict says)."""
 
-    model_config = ConfigDict(populate_by_name=True)
+    model_config = ConfigDict(populate_by_name=True, extra="forbid")
     name: str | None = None
     description: str | None = None
     schema_: dict[str, Any] = Field(alias="schema")
@@ -59,6 +95,7 @@ class JsonSchemaFormat(BaseModel):
 
 
 class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid")
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
 
@@ -84,8 +121,8 @@ def _spec(value: Any) -> str:
 
 
 class BaseCompletionRequest(BaseModel):
-    # Fields of OpenAI's API that change nothing here (user, ...) and those of other servers pass.
-    model_config = ConfigDict(extra="allow")
+    # Every field is declared: an undeclared one is refused by name (unknown_field), never ignored.
+    model_config = ConfigDict(extra="forbid")
 
     model: str
     max_tokens: int | None = None
@@ -99,12 +136,20 @@ class BaseCompletionRequest(BaseModel):
     n: int | None = 1  # samples of the prompt, the response's choices: in [1, 128] (router.admission.prepare checks)
     stream: bool = False
     stream_options: StreamOptions | None = None
+    # The end user, as OpenAI's: it changes no output there either (OpenAI's abuse monitoring reads it); taken
+    # and not kept.
     user: str | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     # Extensions, by vLLM's names (the module's docstring says what they do); None: the default.
     repetition_penalty: float | None = None
     min_tokens: int | None = None
+    min_p: float | None = None
+    include_stop_str_in_output: bool | None = None
+    skip_special_tokens: bool | None = None
+    spaces_between_special_tokens: bool | None = None
+    return_tokens_as_token_ids: bool | None = False
+    priority: int | None = None
     prompt_logprobs: int | None = None
     logprobs_mode: str | None = None
     return_token_ids: bool | None = False
@@ -130,7 +175,7 @@ class BaseCompletionRequest(BaseModel):
     # new one the engine has is declared above and named here, and reaches the engine as it is.
     SAMPLING: ClassVar[tuple[str, ...]] = ("temperature", "top_p", "top_k", "seed", "stop_token_ids", "ignore_eos", "n", "presence_penalty",
                 "frequency_penalty", "repetition_penalty", "min_tokens", "prompt_logprobs", "logprobs_mode",
-                "version_policy", "max_staleness")
+                "version_policy", "max_staleness", "min_p", "include_stop_str_in_output", "skip_special_tokens")
 
     def ask(self) -> Ask:
         """The request as the front takes it (router.admission.Ask)."""
@@ -139,6 +184,11 @@ class BaseCompletionRequest(BaseModel):
         sampling.update(stop=stop, stop_token_ids=tuple(self.stop_token_ids or ()), max_tokens=self.max_tokens,
                         logprobs=self.logprobs_k(), structured=self.structured())
         return Ask(sampling=sampling, service_tier=self.service_tier, session_id=self.session_id, **self.inputs())
+
+    def asks(self) -> list[Ask]:
+        """One Ask per prompt: a completions request may send several, each admitted and run as a request of
+        its own."""
+        return [self.ask()]
 
     def inputs(self) -> dict[str, Any]:
         """The request's input (prompt, messages or token_ids) and, beside it, the default for max_tokens."""
@@ -198,11 +248,24 @@ class BaseCompletionRequest(BaseModel):
         out = []
         if self.logit_bias:
             out.append(("logit_bias", "logit_bias is not supported"))
+        if self.priority not in (None, 0):
+            out.append(("priority", "priority is not supported: pdserve's priorities are service_tier's "
+                                    "(\"priority\", \"default\", \"flex\")"))
+        if self.stream_options is not None and self.stream_options.include_obfuscation:
+            out.append(("stream_options.include_obfuscation", "chunks are not padded (include_obfuscation: true "
+                                                              "is not supported)"))
+        if self.spaces_between_special_tokens and self.skip_special_tokens is False:
+            out.append(("spaces_between_special_tokens", "special tokens are shown as the tokenizer decodes them, "
+                                                          "without spaces added between them (true is not supported "
+                                                          "with skip_special_tokens false)"))
         return out
 
 
 class CompletionRequest(BaseCompletionRequest):
+    # One prompt (text or token ids) or several (a list of either): each is a request of its own, its n
+    # samples choices prompt_index * n + sample_index; at most MAX_PROMPTS.
     prompt: str | list[str] | list[int] | list[list[int]]
+    # The choice's text (and logprobs) begin with the prompt's; with max_tokens 0, the prompt alone.
     echo: bool = False
     suffix: str | None = None
     logprobs: int | None = None  # k: each generated token's logprob and the k most likely beside it
@@ -211,20 +274,39 @@ class CompletionRequest(BaseCompletionRequest):
     def logprobs_k(self) -> int | None:
         return self.logprobs
 
-    def inputs(self) -> dict[str, Any]:
+    def prompts(self) -> list[dict[str, Any]]:
+        """Each prompt as Ask's input: {"prompt": text} or {"token_ids": ids}."""
         prompt = self.prompt
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-            if len(prompt) != 1:
-                raise HTTPError(400, "a batch of prompts is not supported: send one prompt per request", param="prompt")
-            prompt = prompt[0]
-        given = dict(token_ids=list(prompt)) if isinstance(prompt, list) else dict(prompt=prompt)
-        return dict(given, default_max_tokens=DEFAULT_MAX_TOKENS)
+        many = prompt if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)) else [prompt]
+        return [dict(prompt=None, token_ids=list(p)) if isinstance(p, list) else dict(prompt=p, token_ids=None)
+                for p in many]
+
+    def inputs(self) -> dict[str, Any]:
+        first = {k: v for k, v in self.prompts()[0].items() if v is not None}
+        return dict(first, default_max_tokens=DEFAULT_MAX_TOKENS)
+
+    def ask(self) -> Ask:
+        ask = super().ask()
+        if self.echo and self.logprobs is not None:  # the prompt's logprobs, which the echo's begin with
+            ask.sampling["prompt_logprobs"] = max(self.logprobs, self.prompt_logprobs or 0)
+        if self.echo and self.max_tokens == 0:  # computed for one token, which the router drops
+            ask.sampling["max_tokens"], ask.prompt_only = 1, True
+        return ask
+
+    def asks(self) -> list[Ask]:
+        ask, prompts = self.ask(), self.prompts()
+        return [replace(ask, sampling=dict(ask.sampling), prompts=len(prompts), **p) for p in prompts]
 
     def refused(self) -> list[tuple[str, str]]:
         out = super().refused()
-        for name, bad in (("echo", self.echo), ("suffix", self.suffix), ("best_of", self.best_of not in (None, 1))):
+        for name, bad in (("suffix", self.suffix), ("best_of", self.best_of not in (None, 1))):
             if bad:
                 out.append((name, f"{name} is not supported"))
+        if self.max_tokens == 0 and not self.echo:
+            out.append(("max_tokens", "max_tokens must be >= 1 (0 only with echo: the prompt alone), got 0"))
+        if isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], (str, list)) and \
+                not 1 <= len(self.prompt) <= MAX_PROMPTS:
+            out.append(("prompt", f"prompt has {len(self.prompt)} prompts; the most is {MAX_PROMPTS}"))
         return out
 
 
@@ -243,6 +325,14 @@ class ChatCompletionRequest(BaseCompletionRequest):
     tool_choice: Any = None
     functions: list[Any] | None = None
     function_call: Any = None
+    # OpenAI's, with the meaning they have here: nothing is stored (store: false or absent); text is the one
+    # modality (modalities ["text"] or absent); prompt_cache_key keeps requests that share a prefix together,
+    # as session_id does (which it stands for when session_id is absent); safety_identifier, as user: taken,
+    # not kept.
+    store: bool | None = None
+    modalities: list[str] | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
 
     def logprobs_k(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
@@ -251,6 +341,7 @@ class ChatCompletionRequest(BaseCompletionRequest):
         ask = super().ask()
         if self.max_completion_tokens is not None:
             ask.sampling["max_tokens"] = self.max_completion_tokens
+        ask.session_id = ask.session_id or self.prompt_cache_key
         return ask
 
     def inputs(self) -> dict[str, Any]:
@@ -272,8 +363,13 @@ class ChatCompletionRequest(BaseCompletionRequest):
         for name in ("tools", "functions"):
             if getattr(self, name):
                 out.append((name, "tool and function calling are not supported"))
-        if self.tool_choice not in (None, "none") or self.function_call not in (None, "none"):
-            out.append(("tool_choice", "tool and function calling are not supported"))
+        for name in ("tool_choice", "function_call"):
+            if getattr(self, name) not in (None, "none"):
+                out.append((name, "tool and function calling are not supported"))
+        if self.store:
+            out.append(("store", "completions are not stored (store: true is not supported)"))
+        if self.modalities is not None and self.modalities != ["text"]:
+            out.append(("modalities", "only text output is supported"))
         return out
 
 

@@ -125,7 +125,8 @@ def build_request(prompt: str | None = None, *, messages: Sequence[dict[str, str
                   repetition_penalty: float | None = None, min_tokens: int | None = None,
                   logprobs: int | None = None, prompt_logprobs: int | None = None,
                   logprobs_mode: str = "", n: int | None = None, version_policy: str = "",
-                  max_staleness: int | None = None, session_id: str = "",
+                  max_staleness: int | None = None, session_id: str = "", min_p: float | None = None,
+                  include_stop_str_in_output: bool = False, skip_special_tokens: bool | None = None,
                   structured_output: pb.StructuredOutput | None = None) -> pb.GenerateRequest:
     """A GenerateRequest from exactly one of prompt, messages or token_ids; None leaves the server default.
     service_tier: auto (or empty), default, priority or flex (pdserve.tiers). logprobs / prompt_logprobs: k
@@ -138,7 +139,10 @@ def build_request(prompt: str | None = None, *, messages: Sequence[dict[str, str
     if sum(x is not None for x in (prompt, messages, token_ids)) != 1:
         raise ValueError("give exactly one of prompt, messages or token_ids")
     req = pb.GenerateRequest(stop=list(stop), stop_token_ids=list(stop_token_ids), ignore_eos=ignore_eos,
-                             request_id=request_id, service_tier=service_tier, session_id=session_id)
+                             request_id=request_id, service_tier=service_tier, session_id=session_id,
+                             include_stop_str_in_output=include_stop_str_in_output)
+    if skip_special_tokens is not None:
+        req.skip_special_tokens = skip_special_tokens
     if prompt is not None:
         req.prompt = prompt
     elif messages is not None:
@@ -162,7 +166,7 @@ def build_request(prompt: str | None = None, *, messages: Sequence[dict[str, str
         req.structured_output.CopyFrom(structured_output)
     for name, value in (("temperature", temperature), ("top_p", top_p), ("top_k", top_k), ("seed", seed),
                         ("presence_penalty", presence_penalty), ("frequency_penalty", frequency_penalty),
-                        ("repetition_penalty", repetition_penalty), ("min_tokens", min_tokens)):
+                        ("repetition_penalty", repetition_penalty), ("min_tokens", min_tokens), ("min_p", min_p)):
         if value is not None:
             setattr(req.sampling, name, value)
     return req

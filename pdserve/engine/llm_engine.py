@@ -377,7 +377,7 @@ class LLMEngine:
             raise ValueError(f"request id {rid!r} is already in use")
         seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
         req = Request(rid, prompt, params, seed)
-        text = TextOutput(self.tokenizer, prompt, params.stop)
+        text = TextOutput.of(self.tokenizer, prompt, params)
         self.scheduler.add(req)
         self._requests[rid] = req
         self._text[rid] = text
@@ -400,7 +400,7 @@ class LLMEngine:
         """A sample of a request of n > 1 runs as a request of its own: its text, and its way back."""
         rid = sample.request_id
         self._requests[rid] = sample
-        self._text[rid] = TextOutput(self.tokenizer, sample.prompt_token_ids, sample.params.stop)
+        self._text[rid] = TextOutput.of(self.tokenizer, sample.prompt_token_ids, sample.params)
         self._groups.setdefault(group.request_id, []).append(rid)
         self._group_of[rid] = group.request_id
 

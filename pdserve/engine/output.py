@@ -2,7 +2,9 @@
 
 Text that could still turn out to be the start of a stop string is held back, so a client never
 receives characters that a later token retracts. When a stop string completes, the text is cut where
-it begins (the stop string is not returned) and the request finishes with reason STOP.
+it begins (the stop string is not returned; with SamplingParams.include_stop_str_in_output, where it ends)
+and the request finishes with reason STOP. Special tokens are left out of the text unless the request's
+skip_special_tokens is False.
 """
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ from dataclasses import dataclass, field
 
 from pdserve.engine.logprobs import PromptLogprobs, TokenLogprob
 from pdserve.engine.request import NO_TOKEN, FinishReason, Request
+from pdserve.engine.sampling import SamplingParams
 from pdserve.model.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
@@ -50,23 +53,32 @@ class TextOutput:
     """A request's output text, token by token. Whoever streams the tokens holds one: the worker that
     samples them in a cluster (pdserve.serving.worker), the offline engine's loop otherwise."""
 
-    def __init__(self, tokenizer: Tokenizer | None, prompt_token_ids: list[int], stop: tuple[str, ...]):
+    def __init__(self, tokenizer: Tokenizer | None, prompt_token_ids: list[int], stop: tuple[str, ...],
+                 include_stop: bool = False, skip_special_tokens: bool = True):
+        """include_stop: a stop string (or stop token) that ends the text is part of it."""
         if stop and tokenizer is None:
             raise ValueError("stop strings need a tokenizer; this model was loaded without one")
-        self._detok = IncrementalDetokenizer(tokenizer, prompt_token_ids) if tokenizer is not None else None
+        self._detok = IncrementalDetokenizer(tokenizer, prompt_token_ids, skip_special_tokens) \
+            if tokenizer is not None else None
         self._stop = stop
+        self.include_stop = include_stop
         self._hold = max((len(s) for s in stop), default=1) - 1
         self._text = ""
         self._emitted = 0
 
     @classmethod
+    def of(cls, tokenizer: Tokenizer | None, prompt_token_ids: list[int], params: SamplingParams) -> TextOutput:
+        """The text of a request with these parameters (its stop strings and text options)."""
+        return cls(tokenizer, prompt_token_ids, params.stop, **text_options(params))
+
+    @classmethod
     def resume(cls, tokenizer: Tokenizer | None, prompt_token_ids: list[int], output_token_ids: list[int],
-               stop: tuple[str, ...], emitted: int) -> TextOutput:
+               stop: tuple[str, ...], emitted: int, **options) -> TextOutput:
         """The text of a request continued elsewhere: its output tokens so far are decoded without being
         emitted, and `emitted` characters of their text count as already sent (the router's count). The
         next add() returns what a TextOutput that had seen every token would have returned: text held
         back there (a possible stop string's start, an incomplete character) comes out here."""
-        text = cls(tokenizer, prompt_token_ids, stop)
+        text = cls(tokenizer, prompt_token_ids, stop, **options)
         if output_token_ids and text._detok is not None:
             text._text = text._detok.add(output_token_ids)
         text._emitted = emitted
@@ -93,7 +105,7 @@ class TextOutput:
         for s in self._stop:
             at = self._text.find(s, searched_from)
             if at != -1:
-                self._text = self._text[:at]
+                self._text = self._text[:at + len(s) if self.include_stop else at]
                 stopped = True
                 searched_from = min(searched_from, at)
         end = len(self._text) if (stopped or finish_reason is not None) else max(self._emitted, len(self._text) - self._hold)
@@ -102,10 +114,17 @@ class TextOutput:
         return TextDelta(delta, stopped)
 
 
+def text_options(params: SamplingParams) -> dict[str, bool]:
+    """TextOutput's options of a request's parameters."""
+    return dict(include_stop=params.include_stop_str_in_output, skip_special_tokens=params.skip_special_tokens)
+
+
 def token_text(text: TextOutput, token: int, reason: FinishReason | None) -> tuple[str, FinishReason | None]:
     """A token's text and its finish reason, a completed stop string included (the caller must then end
-    the request if it is still running). EOS and stop ids end the stream but are not text."""
-    delta = text.add([] if reason is FinishReason.STOP or token == NO_TOKEN else [token], reason)
+    the request if it is still running). EOS and stop ids end the stream but are not text, unless the text
+    includes what stopped it (then a special one still shows only if special tokens are not skipped)."""
+    ends = reason is FinishReason.STOP and not text.include_stop
+    delta = text.add([] if ends or token == NO_TOKEN else [token], reason)
     return delta.text, FinishReason.STOP if delta.stopped else reason
 
 

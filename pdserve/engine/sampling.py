@@ -46,7 +46,7 @@ class SamplingParams:
     max_tokens: int = 16
     temperature: float = 1.0  # 0 means greedy
     top_p: float = 1.0  # nucleus mass in (0, 1]; 1 disables
-    top_k: int = 0  # 0 disables
+    top_k: int = 0  # 0 disables (so does -1, made 0 here)
     seed: int | None = None
     stop: tuple[str, ...] = ()  # stop strings: generation ends once the text contains one; not returned
     stop_token_ids: tuple[int, ...] = ()  # returned as the last token, not as text
@@ -73,6 +73,14 @@ class SamplingParams:
     max_staleness: int | None = None
     # What the output must match (pdserve.engine.structured): a token mask each step; None: free text.
     structured: StructuredOutput | None = None
+    # min_p in [0, 1]: after the temperature, tokens less likely than min_p x the most likely one are masked
+    # out (0 is off); before the top-k / top-p masks.
+    min_p: float = 0.0
+    # The text (pdserve.engine.output.TextOutput): a stop string that ends the output is part of its text
+    # (and so is the stop token's own text, unless it is a special token that is skipped); special tokens
+    # are left out of the text unless skip_special_tokens is False.
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
         # Accept lists from callers but keep the frozen value hashable.
@@ -84,8 +92,15 @@ class SamplingParams:
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
         if not (0.0 < self.top_p <= 1.0):
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not isinstance(self.top_k, int) or not 0 <= self.top_k <= INT32_MAX:
-            raise ValueError(f"top_k must be an integer in [0, {INT32_MAX}] (0 disables), got {self.top_k!r}")
+        if self.top_k == -1 and isinstance(self.top_k, int):  # off, as 0 is (clients send either)
+            object.__setattr__(self, "top_k", 0)
+        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or not 0 <= self.top_k <= INT32_MAX:
+            raise ValueError(f"top_k must be an integer in [0, {INT32_MAX}] (0 or -1 disables), got {self.top_k!r}")
+        if not (isinstance(self.min_p, (int, float)) and 0.0 <= self.min_p <= 1.0):
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
+        for name in ("include_stop_str_in_output", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a boolean, got {getattr(self, name)!r}")
         if self.seed is not None and not (0 <= self.seed < 2**63):
             raise ValueError(f"seed must be in [0, 2**63), got {self.seed!r}")
         self._check_stops()
@@ -181,6 +196,7 @@ class SamplingBatch:
     processed: torch.Tensor | None = None  # [rows] bool
     # Structured output: (rows, their token bitmasks [rows with one, words] int32), the tokens each may draw.
     allowed: tuple[torch.Tensor, torch.Tensor] | None = None
+    min_p: torch.Tensor | None = None  # [rows] float32, 0 = off; None: no sampling row has it
 
     @classmethod
     def build(cls, params: Sequence[SamplingParams], seeds: Sequence[int], output_index: Sequence[int],
@@ -218,6 +234,8 @@ class SamplingBatch:
             logprobs=logprobs,
             processed=processed,
             allowed=allowed,
+            min_p=to_device(torch.tensor([0.0 if p.greedy else p.min_p for p in params], dtype=torch.float32), device)
+            if any(p.min_p > 0 and not p.greedy for p in params) else None,
         )
 
     @property
@@ -331,6 +349,13 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Te
     return torch.full_like(logits, float("-inf")).scatter_(-1, order, sorted_logits)
 
 
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Mask to -inf every logit whose probability is below its row's min_p x the row's most likely token's:
+    p < min_p * p_max is logit < max_logit + log(min_p) (rows with min_p 0 keep everything)."""
+    floor = logits.max(dim=-1, keepdim=True).values + min_p[:, None].log()  # [rows, 1]; -inf where off
+    return logits.masked_fill(logits < floor, float("-inf"))
+
+
 @dataclass(frozen=True)
 class SampledLogprobs:
     """The logprobs of a step's sampled tokens, on the device: [rows] and [rows, k] for the largest k asked."""
@@ -352,8 +377,8 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, Sa
     (both stay on the logits' device).
 
     The logits the sampler draws from ("processed"): penalties, banned tokens (min_tokens), the structured
-    output's mask, then on sampling rows the temperature and the top-k / top-p masks; greedy rows take the
-    argmax of the penalized and masked logits."""
+    output's mask, then on sampling rows the temperature, the min-p mask and the top-k / top-p masks; greedy
+    rows take the argmax of the penalized and masked logits."""
     raw = logits
     if batch.penalties is not None:
         logits = batch.penalties.apply(logits)
@@ -366,6 +391,8 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, Sa
         return greedy, _logprobs(raw, logits, greedy, batch)
     is_greedy = batch.temperatures == 0
     scaled = logits / torch.where(is_greedy, 1.0, batch.temperatures)[:, None]
+    if batch.min_p is not None:
+        scaled = apply_min_p(scaled, batch.min_p)
     if batch.any_filter:
         scaled = apply_top_k_top_p(scaled, batch.top_k, batch.top_p)
     probs = scaled.softmax(dim=-1)

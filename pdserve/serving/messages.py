@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 from pdserve.engine.block_pool import KVEvents
 from pdserve.engine.logprobs import PromptLogprobs, TokenLogprob
-from pdserve.engine.output import TextOutput
+from pdserve.engine.output import TextOutput, text_options
 from pdserve.engine.request import FinishReason, Request
 from pdserve.engine.sampling import SamplingParams
 from pdserve.model.tokenizer import Tokenizer
@@ -43,7 +43,7 @@ class _Task:
         req.token_ids.extend(self.output_token_ids)
         if tokenizer is not None:
             req.text = TextOutput.resume(tokenizer, list(self.prompt_token_ids), list(self.output_token_ids),
-                                         self.params.stop, self.text_offset)
+                                         self.params.stop, self.text_offset, **text_options(params))
         return req
 
 

@@ -268,7 +268,7 @@ class WorkerActor(WeightCalls, Cancels, FaultCalls):
         """A group's sample forked here (pdserve.engine.scheduler.Scheduler.fork) streams its own text from
         its first token, which the caller then adds."""
         if group.text is not None:
-            sample.text = TextOutput(self.core.tokenizer, sample.prompt_token_ids, sample.params.stop)
+            sample.text = TextOutput.of(self.core.tokenizer, sample.prompt_token_ids, sample.params)
 
     def _event(self, s: SampledToken) -> TokenEvent:
         """A sampled token with its text; a completed stop string ends the request here, with this token."""

@@ -11,7 +11,7 @@ from pdserve.engine.sampling import SamplingBatch, SamplingParams, apply_top_k_t
 @pytest.mark.parametrize("kwargs,match", [
     (dict(max_tokens=0), "max_tokens"), (dict(temperature=-0.1), "temperature"),
     (dict(temperature=math.nan), "temperature"), (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p"),
-    (dict(top_k=-1), "top_k"), (dict(seed=-3), "seed"), (dict(stop=("",)), "stop"),
+    (dict(top_k=-2), "top_k"), (dict(seed=-3), "seed"), (dict(stop=("",)), "stop"),
     (dict(stop_token_ids=(-1,)), "stop_token_ids"),
 ])
 def test_invalid_params(kwargs, match):
@@ -70,3 +70,37 @@ def test_token_seed_spreads():
     seeds = {token_seed(s, i) for s in range(20) for i in range(50)}
     assert len(seeds) == 1000
     assert all(0 <= s < 2**63 for s in seeds)
+
+
+def test_top_k_minus_one_is_off():
+    assert SamplingParams(top_k=-1).top_k == 0 == SamplingParams().top_k
+
+
+@pytest.mark.parametrize("value", [-0.1, 1.5, math.nan])
+def test_min_p_is_bounded(value):
+    with pytest.raises(ValueError, match="min_p"):
+        SamplingParams(min_p=value)
+
+
+def test_min_p_masks_tokens_below_its_share_of_the_top_after_temperature():
+    """min_p 0.3: a token stays if its probability (after the temperature) is at least 0.3 x the top token's.
+    The probabilities 0.5, 0.2, 0.15, 0.1, 0.05 keep the first three at temperature 1 (0.15 = 0.3 x 0.5) and
+    all five at temperature 4 (flatter: the smallest is 0.05^(1/4) / 0.5^(1/4) = 0.56 of the top)."""
+    from pdserve.engine.sampling import apply_min_p
+
+    logits = torch.log(torch.tensor([[0.5, 0.2, 0.15, 0.1, 0.05]] * 3))
+    out = apply_min_p(logits, torch.tensor([0.3, 0.0, 1.0]))
+    assert torch.isfinite(out).tolist() == [[True, True, True, False, False], [True] * 5,
+                                            [True, False, False, False, False]]
+    # Sampled many times, a min_p row never draws a masked token; the temperature is applied first.
+    many = torch.log(torch.tensor([[0.5, 0.2, 0.15, 0.1, 0.05]] * 64))
+    for temperature, allowed in ((1.0, {0, 1, 2}), (4.0, {0, 1, 2, 3, 4})):
+        ps = [SamplingParams(temperature=temperature, min_p=0.3)] * 64
+        drawn, _ = sample(many, batch(ps, list(range(64)), [0] * 64))
+        assert set(drawn.tolist()) <= allowed
+        assert set(drawn.tolist()) == allowed  # 64 draws reach every kept token (each has >= 4% here)
+    # The processed logprobs are those of the masked distribution.
+    p = SamplingParams(temperature=1.0, min_p=0.3, logprobs=4, logprobs_mode="processed")
+    _, lps = sample(logits[:1], batch([p], [1], [0]))
+    assert lps.top_logprobs[0, 3].item() == -math.inf
+    assert lps.top_logprobs[0, :3].exp().sum().item() == pytest.approx(1.0)

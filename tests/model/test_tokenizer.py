@@ -320,3 +320,39 @@ def test_text_resumed_elsewhere_continues_exactly(byte_level: Tokenizer, prompt:
                                    True)
     assert "".join(head + rest) == "".join(whole)
     assert (None if rest_stop is None else k + rest_stop) == whole_stop
+
+
+def test_text_options_of_a_request(byte_level: Tokenizer) -> None:
+    """SamplingParams' text options reach the text: include_stop_str_in_output keeps the stop string (and the
+    stop token's text where special tokens show), skip_special_tokens=False shows special tokens."""
+    from pdserve.engine.output import token_text
+    from pdserve.engine.sampling import SamplingParams
+
+    end = byte_level.hf_tokenizer.convert_tokens_to_ids("<|im_end|>")
+    ids = byte_level.encode("the cat sat on the mat")
+
+    def run(params: SamplingParams, tokens: list[int], last_reason: FinishReason | None) -> tuple[str, FinishReason | None]:
+        text, parts, reason = TextOutput.of(byte_level, [], params), [], None
+        for i, t in enumerate(tokens):
+            part, reason = token_text(text, t, last_reason if i == len(tokens) - 1 else None)
+            parts.append(part)
+            if reason is not None:
+                break
+        return "".join(parts), reason
+
+    assert run(SamplingParams(stop=("sat",)), ids, None) == ("the cat ", FinishReason.STOP)
+    assert run(SamplingParams(stop=("sat",), include_stop_str_in_output=True), ids, None) == ("the cat sat",
+                                                                                              FinishReason.STOP)
+    # A stop token (EOS or stop_token_ids) ends the text without its own text, unless asked for and not skipped.
+    with_end = [*ids[:2], end]
+    plain = byte_level.decode(ids[:2])
+    assert run(SamplingParams(), with_end, FinishReason.STOP) == (plain, FinishReason.STOP)
+    assert run(SamplingParams(include_stop_str_in_output=True), with_end, FinishReason.STOP)[0] == plain
+    assert run(SamplingParams(include_stop_str_in_output=True, skip_special_tokens=False), with_end,
+               FinishReason.STOP)[0] == plain + "<|im_end|>"
+    # A special token in the middle of the output: skipped by default, shown with skip_special_tokens=False.
+    middle = [*ids[:2], end, *ids[2:4]]
+    assert run(SamplingParams(), middle, FinishReason.LENGTH)[0] == byte_level.decode(middle)
+    assert run(SamplingParams(skip_special_tokens=False), middle, FinishReason.LENGTH)[0] == \
+        byte_level.decode(middle, skip_special_tokens=False)
+    assert "<|im_end|>" in byte_level.decode(middle, skip_special_tokens=False)

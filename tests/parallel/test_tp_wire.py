@@ -47,4 +47,4 @@ def test_anything_else_is_refused_unrun():
     with pytest.raises(TypeError):
         tp_wire.encode({"x": object()})
     with pytest.raises(ValueError, match="top_k"):  # a record's own checks run as it is built
-        tp_wire.decode(b'{"$": "sampling", "v": {"top_k": -1}}')
+        tp_wire.decode(b'{"$": "sampling", "v": {"top_k": -2}}')

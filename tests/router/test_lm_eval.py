@@ -1,0 +1,94 @@
+"""EleutherAI's lm-evaluation-harness against pdserve: its `local-completions` model scores a multiple-choice task
+(defined here: tests/router/data/evals_mc.jsonl, 20 questions of four choices) through /v1/completions with the
+request it sends for every such task (echo, logprobs 1, max_tokens 1, the prompt as token ids), and every
+choice's log-likelihood must be transformers' on the same checkpoint, and so the accuracy. Offline: the task's
+dataset is the local file, the tokenizer pdserve's own conversion of the GGUF's."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from pdserve.model.loader import default_model_path
+from pdserve.model.tokenizer import _cached_gguf_tokenizer_dir
+from router.compose import build_router
+from router.config import RouterConfig
+
+from conftest import transformers_gguf
+
+pytestmark = pytest.mark.slow
+MODEL = "smollm2"
+DATA = Path(__file__).parent / "data" / "evals_mc.jsonl"
+TASK = "pdserve_mc"
+TOLERANCE = 1e-3  # a choice's log-likelihood (a sum over its tokens), pdserve against transformers, fp32
+
+
+@pytest.fixture(scope="module")
+def router(aloop, smol_1p1d):
+    r = build_router(smol_1p1d, RouterConfig(port=0, http_port=0, served_model_name=MODEL))
+    aloop.run(r.start())
+    yield r
+    aloop.run(r.stop(grace=5))
+
+
+def task_dir(tmp_path: Path) -> Path:
+    """The task's YAML, naming the local dataset by its absolute path."""
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    (tmp_path / f"{TASK}.yaml").write_text(f"""\
+task: {TASK}
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {DATA}
+test_split: test
+output_type: multiple_choice
+doc_to_text: "{{{{question}}}}"
+doc_to_choice: "{{{{choices}}}}"
+doc_to_target: answer
+metric_list:
+  - metric: acc
+""")
+    return tmp_path
+
+
+def reference(model, hf_tokenizer, context: str, continuation: str) -> float:
+    """transformers' log-likelihood of continuation after context, tokenized as lm-evaluation-harness does
+    (the whole text's tokens after the context's)."""
+    whole = hf_tokenizer(context + continuation)["input_ids"]
+    n = len(hf_tokenizer(context)["input_ids"])
+    with torch.no_grad():
+        logits = model(torch.tensor([whole])).logits[0].float()
+    lp = logits.log_softmax(-1)
+    return sum(lp[i - 1, whole[i]].item() for i in range(n, len(whole)))
+
+
+def test_lm_eval_local_completions_scores_like_transformers(router, tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "datasets"))
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+    from transformers import AutoTokenizer
+
+    tokenizer_dir = _cached_gguf_tokenizer_dir(default_model_path())
+    out = lm_eval.simple_evaluate(
+        model="local-completions",
+        model_args=f"base_url=http://127.0.0.1:{router.http_port}/v1/completions,model={MODEL},"
+                   f"tokenizer={tokenizer_dir},tokenizer_backend=huggingface",
+        tasks=[TASK], task_manager=TaskManager(include_path=str(task_dir(tmp_path / "tasks"))), log_samples=True)
+    samples = out["samples"][TASK]
+    assert len(samples) == 20 and all(len(s["filtered_resps"]) == 4 for s in samples)
+
+    model = transformers_gguf(default_model_path())
+    hf_tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    correct, worst = 0, 0.0
+    for s in samples:
+        got = [float(ll) for ll, _ in s["filtered_resps"]]
+        want = [reference(model, hf_tokenizer, context, continuation) for context, continuation in s["arguments"]]
+        assert got == pytest.approx(want, abs=TOLERANCE), (s["doc"], got, want)
+        worst = max(worst, *(abs(a - b) for a, b in zip(got, want)))
+        correct += max(range(4), key=want.__getitem__) == s["doc"]["answer"]
+    acc = out["results"][TASK]["acc,none"]
+    print(f"\nlm-eval {TASK}: acc {acc:.2f} (transformers {correct / 20:.2f}), largest difference {worst:.1e}")
+    assert acc == pytest.approx(correct / 20)
