@@ -101,6 +101,12 @@ class Frontend:
             else (None, checked.params)
         return Prepared(checked, prompt, params, parse_tier(ask.service_tier), ask.request_id, ask.session_id)
 
+    async def prepare_compiled(self, ask: Ask) -> Prepared:
+        """prepare, then the request's structured output compiled (check_structured): both doors' checks."""
+        prepared = self.prepare(ask)
+        await self.check_structured(prepared.params)
+        return prepared
+
     async def check_structured(self, params: SamplingParams) -> None:
         """A request's structured output (if it asks for one) compiled with the model's tokenizer on the front's
         tokenizer thread (a schema takes milliseconds; the tokenizer's view, once, a tenth of a second), not on

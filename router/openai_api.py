@@ -68,6 +68,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from pdserve.engine.grammar import GrammarError
 from pdserve.engine.logprobs import PromptLogprobs
 from pdserve.engine.output import RequestOutput
 from router.admission import Overloaded, RequestFailed, Samples
@@ -154,14 +155,9 @@ def build_app(front: Frontend, model_name: str, access: Access, max_body_bytes: 
                 asks = body.asks()
                 for ask in asks:
                     ask.session_id = ask.session_id or request.headers.get("x-session-id")
-                prepared = [front.prepare(ask) for ask in asks]
+                prepared = [await front.prepare_compiled(ask) for ask in asks]
             except ValueError as e:
                 raise _invalid_value(body, e) from None
-            try:
-                await front.check_structured(prepared[0].params)  # every prompt's is the same
-            except ValueError as e:  # a spec that does not compile
-                param = body.structured_param()
-                raise HTTPError(400, f"{param}: {e}" if param else str(e), param=param) from None
         except HTTPError as e:
             t.code, t.finish_reason = e.grpc_code, "none"
             t.record(front.metrics)
@@ -236,6 +232,9 @@ def _invalid_value(body: BaseCompletionRequest, e: ValueError) -> HTTPError:
     """The 400 for a value the request checks refused (router.admission.prepare, SamplingParams), naming the
     body's field where the message begins with the name of one ("min_tokens must be ...")."""
     message = str(e)
+    if isinstance(e, GrammarError):  # a structured output's spec that does not compile: the field that sent it
+        param = body.structured_param()
+        return HTTPError(400, f"{param}: {message}" if param else message, param=param)
     unknown = re.match(r"unknown (\w+) ", message)  # "unknown service_tier 'x'; expected ..."
     if unknown is not None and unknown[1] in type(body).model_fields:
         return HTTPError(400, message, param=unknown[1])
