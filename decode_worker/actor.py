@@ -28,12 +28,13 @@ from typing import Any
 import ray
 
 from pdserve.config import EngineConfig
+from pdserve.engine.grammar import GrammarError
 from pdserve.engine.request import Request, RequestStatus
-from pdserve.engine.scheduler_types import Role
+from pdserve.engine.scheduler_types import Role, ScheduledStep
 from pdserve.parallel.layout import pair_plan, shares_by_rank
 from pdserve.serving.calls import Call
 from pdserve.serving.messages import DecodeTask, Failure, FailureReason
-from pdserve.serving.worker import WorkerActor
+from pdserve.serving.worker import WorkerActor, new_request
 from pdserve.transfer.channel import StoreServer, TransferStats
 from pdserve.transfer.protocol import KVAnnounce, KVMac, SecondsHistogram
 from pdserve.transfer.receiver import InboundTable, KVIntake
@@ -84,7 +85,7 @@ class DecodeActor(WorkerActor):
         handle, given with the first reservation for it only."""
         if prefill is not None:
             self._prefill[task.prefill_worker] = prefill
-        req = task.new_request(self.core.tokenizer, self.core.model_config.vocab_size)
+        req = new_request(self.core, task)
         if self.core.kv.blocks_needed(req.num_tokens + 1) > self.core.pool.num_blocks:
             raise ValueError(f"request {task.request_id} needs more KV blocks than this decode worker has")
         placed = time.monotonic()
@@ -108,8 +109,9 @@ class DecodeActor(WorkerActor):
 
         def failed(f) -> None:  # e.g. a duplicate id: the router hears of it like any failed request
             if f.exception() is not None:
-                reason = FailureReason.PREFIX_MISSED if isinstance(f.exception(), PrefixMissed) \
-                    else FailureReason.REJECTED
+                e = f.exception()
+                reason = FailureReason.PREFIX_MISSED if isinstance(e, PrefixMissed) \
+                    else FailureReason.BAD_REQUEST if isinstance(e, GrammarError) else FailureReason.REJECTED
                 self._publish((), (Failure(task.request_id, reason, f"decode worker: {f.exception()}"),))
 
         # Not awaited: the step thread takes it between two steps, and the caller need not wait for that.
@@ -202,7 +204,13 @@ class DecodeActor(WorkerActor):
             self._transfer_failed(request_id, f"its prefix here is of weight version {held.kv_version}, the rest "
                                   f"came of version {version}", FailureReason.PREFIX_MISSED)
             return
-        firsts = core.scheduler.kv_arrived(request_id, tokens, version)
+        try:
+            firsts = core.scheduler.kv_arrived(request_id, tokens, version)
+        except GrammarError as e:  # the first token does not follow its grammar here: failed, never free text
+            self._source.pop(request_id, None)
+            core.cancel(request_id)
+            self._publish((), (Failure(request_id, FailureReason.BAD_REQUEST, f"decode worker: {e}"),))
+            return
         if firsts:
             going_on = []  # samples the first token did not end (its stop string included)
             for first in firsts:  # (a group's: one per sample, forked here)
@@ -252,6 +260,8 @@ class DecodeActor(WorkerActor):
 
     # -- step thread ------------------------------------------------------------------------------
     def _step(self) -> bool:
+        if self.core.scheduler.must_resolve:  # pipelined: a structured output's next mask needs its last token here
+            self._publish(*self._run(ScheduledStep([], [], [])))
         step = self.core.scheduler.schedule()
         if step.reserved:
             self._announce_reserved(step.reserved)

@@ -29,7 +29,7 @@ from pdserve.engine.scheduler_types import Role, SampledToken, ScheduledStep
 from pdserve.parallel.layout import pair_plan, shares_by_rank
 from pdserve.serving.calls import Call
 from pdserve.serving.messages import FailureReason, FirstToken, PrefillResult, PrefillTask
-from pdserve.serving.worker import WorkerActor
+from pdserve.serving.worker import WorkerActor, new_request
 from pdserve.transfer.channel import TransferError, TransferStats
 from pdserve.transfer.protocol import KVAnnounce, KVMac
 from pdserve.transfer.sender import KVPusher, PushJob
@@ -98,7 +98,7 @@ class PrefillActor(WorkerActor):
     def _submit(self, task: PrefillTask) -> Future[PrefillResult]:
         """Call.PREFILL: queue the prompt (any thread); the future resolves as soon as its first token is
         sampled (the KV goes on to the decode worker that reserves room for it, `kv_ready`)."""
-        req = task.new_request(self.core.tokenizer, self.core.model_config.vocab_size)
+        req = new_request(self.core, task)
         if self.core.kv.blocks_needed(req.num_tokens) > self.core.pool.num_blocks:
             raise ValueError(f"prompt of {req.num_tokens} tokens does not fit this worker's KV cache "
                              f"({self.core.pool.num_blocks} blocks of {self.core.pool.block_size})")

@@ -16,6 +16,7 @@ from google.protobuf.message import DecodeError
 
 from pdserve.engine.output import RequestOutput
 from pdserve.engine.sampling import MAX_N, SamplingParams
+from pdserve.engine.structured import StructuredOutput
 from pdserve.model.loader import ModelInfo
 from pdserve.v1 import generation_pb2 as pb
 from router.chat_tools import (FieldError, ToolSet, check_messages, check_template_kwargs, check_tools, message_chars,
@@ -132,7 +133,7 @@ def ask_from_grpc(request: pb.GenerateRequest) -> Ask:
         min_tokens=given(s, "min_tokens"), n=given(request, "n"), version_policy=request.version_policy or None,
         max_staleness=given(request, "max_staleness"), min_p=given(s, "min_p"),
         include_stop_str_in_output=request.include_stop_str_in_output,
-        skip_special_tokens=given(request, "skip_special_tokens"))
+        skip_special_tokens=given(request, "skip_special_tokens"), structured=structured_from_grpc(request))
     return Ask(prompt=request.prompt if which == "prompt" else None,
                messages=[_grpc_message(m) for m in request.messages.messages] if which == "messages" else None,
                token_ids=list(request.token_ids.ids) if which == "token_ids" else None,
@@ -175,6 +176,27 @@ def _json_field(name: str, text: str | None) -> Any:
         return json.loads(text)
     except json.JSONDecodeError as e:
         raise FieldError(name, f"{name} must be JSON text: {e}") from None
+
+
+def structured_from_grpc(request: pb.GenerateRequest) -> StructuredOutput | None:
+    """GenerateRequest.structured_output as the engine's StructuredOutput (None: unset, or json_object false);
+    ValueError naming the field if its spec is too long."""
+    if not request.HasField("structured_output"):
+        return None
+    so = request.structured_output
+    kind = so.WhichOneof("kind")
+    if kind is None or (kind == "json_object" and not so.json_object):
+        return None
+    if kind == "json_object":
+        spec = ""
+    elif kind == "choice":
+        spec = json.dumps(list(so.choice.choices))
+    else:
+        spec = getattr(so, kind)
+    try:
+        return StructuredOutput(kind, spec)
+    except ValueError as e:
+        raise ValueError(f"structured_output.{kind}: {e}") from None
 
 
 @dataclass(frozen=True)

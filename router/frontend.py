@@ -17,6 +17,7 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
 
+from pdserve.engine.grammar import Grammars
 from pdserve.engine.output import RequestOutput
 from pdserve.engine.request import FinishReason
 from pdserve.engine.sampling import SamplingParams
@@ -79,6 +80,11 @@ class Frontend:
         # One thread: HF tokenizers are not to be entered by two threads at once ("Already borrowed"), and the
         # event loop is what must stay free; requests tokenize in admission order.
         self._tokenizer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tokenizer")
+        # Structured output specs compiled here too (a bounded cache), so that one that does not compile is
+        # refused before any work; the workers compile their own.
+        info = cluster.info
+        self.grammars = Grammars(info.tokenizer, info.config.vocab_size, info.eos_token_ids) \
+            if info is not None and info.tokenizer is not None else None
         # Autoscaled pools follow the demand seen here (the admission queue included).
         self.autoscaler = AutoscaleLoop(cluster, lambda: self.admitting) if cluster.config.ranges else None
         if metrics is not None:
@@ -103,6 +109,22 @@ class Frontend:
         reply = plan(checked.tools, self.tool_call_parser, self.config.reasoning_parser) \
             if ask.messages is not None else None
         return Prepared(checked, prompt, params, parse_tier(ask.service_tier), ask.request_id, ask.session_id, reply)
+
+    async def prepare_compiled(self, ask: Ask) -> Prepared:
+        """prepare, then the request's structured output compiled (check_structured): both doors' checks."""
+        prepared = self.prepare(ask)
+        await self.check_structured(prepared.params)
+        return prepared
+
+    async def check_structured(self, params: SamplingParams) -> None:
+        """A request's structured output (if it asks for one) compiled with the model's tokenizer on the front's
+        tokenizer thread (a schema takes milliseconds; the tokenizer's view, once, a tenth of a second), not on
+        the event loop; ValueError (pdserve.engine.grammar.GrammarError) saying why one does not compile."""
+        if params.structured is None:
+            return
+        if self.grammars is None:
+            raise ValueError("structured output needs the model's tokenizer, and this model has none")
+        await asyncio.get_running_loop().run_in_executor(self._tokenizer, self.grammars.compile, params.structured)
 
     async def _tokenized(self, request: Prepared) -> None:
         """A text prompt's token ids and its final parameters, into the request: rendered and tokenized on the

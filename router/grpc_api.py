@@ -66,7 +66,7 @@ class GenerationService(pb_grpc.GenerationServicer):
         if not self.front.serving:
             await abort(grpc.StatusCode.UNAVAILABLE, "the router is draining; retry on another replica")
         try:
-            prepared = self.front.prepare(ask_from_grpc(request))
+            prepared = await self.front.prepare_compiled(ask_from_grpc(request))
         except ValueError as e:
             await abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         samples = Samples(prepared.params.n)

@@ -36,10 +36,13 @@ runs for one token, which the front drops: Ask.prompt_only). return_tokens_as_to
 of the logprobs "token_id:<id>".
 
 Chat's tools and reasoning (tools, tool_choice, parallel_tool_calls, chat_template_kwargs; message.tool_calls,
-reasoning_content) are router.chat_tools' and router.chat_reply's, shared with gRPC.
+reasoning_content) are router.chat_tools' and router.chat_reply's, shared with gRPC. Structured output
+(response_format json_object / json_schema, and the guided_* and structured_outputs extensions:
+router.openai_schema; tool_choice "required" or a named function) is compiled before any work: a spec that
+does not compile is a 400 naming its field.
 
 A field a body does not declare, and what OpenAI's API has and pdserve does not (suffix, best_of, the legacy
-functions, logit bias, JSON mode, ...), is a 400 that names the field, and so is a value out of range (the field as
+functions, logit bias, ...), is a 400 that names the field, and so is a value out of range (the field as
 the request named it: top_logprobs, presence_penalty, min_tokens, ...). Every error uses OpenAI's shape,
 {"error": {"message", "type", "param", "code"}}: 400 bad input (a body that is not a JSON object
 included), 401 missing or wrong key, 403 a control route without the admin credential, 404 unknown model or path, 405 wrong method, 413 a body over
@@ -67,6 +70,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from pdserve.engine.grammar import GrammarError
 from pdserve.engine.logprobs import PromptLogprobs
 from pdserve.engine.output import RequestOutput
 from router.admission import Overloaded, RequestFailed, Samples
@@ -154,7 +158,7 @@ def build_app(front: Frontend, model_name: str, access: Access, max_body_bytes: 
                 asks = body.asks()
                 for ask in asks:
                     ask.session_id = ask.session_id or request.headers.get("x-session-id")
-                prepared = [front.prepare(ask) for ask in asks]
+                prepared = [await front.prepare_compiled(ask) for ask in asks]
             except ValueError as e:
                 raise _invalid_value(body, e) from None
         except HTTPError as e:
@@ -233,6 +237,9 @@ def _invalid_value(body: BaseCompletionRequest, e: ValueError) -> HTTPError:
     message = str(e)
     if isinstance(e, FieldError):
         return HTTPError(400, message, param=e.param)
+    if isinstance(e, GrammarError):  # a structured output's spec that does not compile: the field that sent it
+        param = body.structured_param() or ("tools" if getattr(body, "tools", None) else None)
+        return HTTPError(400, f"{param}: {message}" if param else message, param=param)
     unknown = re.match(r"unknown (\w+) ", message)  # "unknown service_tier 'x'; expected ..."
     if unknown is not None and unknown[1] in type(body).model_fields:
         return HTTPError(400, message, param=unknown[1])

@@ -4,7 +4,7 @@ The request bodies are pydantic models of /v1/completions and /v1/chat/completio
 fields declared here and no other: a field it does not declare is a 400 naming it (NOT_SUPPORTED says why
 for those of OpenAI's API, and of other servers' extensions, that pdserve does not do), never ignored.
 What a declared field asks that pdserve does not do (suffix, best_of, the legacy functions, logit bias,
-JSON mode, store: true, ...), and fields that make no sense together, each body lists in `refused()`, which the app
+store: true, ...), and fields that make no sense together, each body lists in `refused()`, which the app
 answers with a 400 that names the field. docs/serving.md lists what each body accepts.
 
 Beside OpenAI's fields (logprobs, top_logprobs, presence and frequency penalties, ...) both bodies take
@@ -16,17 +16,23 @@ include_stop_str_in_output and skip_special_tokens (the text), spaces_between_sp
 tokenizer does: false, or true where no special token is shown) and priority (0 alone: the tiers are
 service_tier's).
 
+Structured output (pdserve.engine.structured): OpenAI's response_format ("json_object", "json_schema"), on
+/v1/completions too, and the extensions guided_json, guided_regex, guided_choice, guided_grammar and
+structured_outputs ({"json", "regex", "choice", "grammar", "json_object"}); one of them at most.
+
 HTTPError is an error in OpenAI's shape, {"error": {"message", "type", "param", "code"}}, with the gRPC
 status code the router's metrics record for it.
 """
 from __future__ import annotations
 
+import json
 from dataclasses import replace
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
+from pdserve.engine.structured import StructuredOutput
 from router.admission import DEFAULT_MAX_TOKENS, Ask
 from router.config import MAX_PROMPTS
 
@@ -76,6 +82,43 @@ class StreamOptions(BaseModel):
     include_obfuscation: bool | None = None  # false (or absent) alone: no chunk is padded
 
 
+class JsonSchemaFormat(BaseModel):
+    """response_format's json_schema: the schema the output validates against (name, description and strict are
+    OpenAI's; the schema is enforced whatever strict says)."""
+
+    model_config = ConfigDict(populate_by_name=True, extra="forbid")
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] = Field(alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(BaseModel):
+    """The structured_outputs extension: one of its fields."""
+
+    model_config = ConfigDict(populate_by_name=True, extra="forbid")
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+
+# The extensions that ask for a structured output on their own, by field: the kind each gives.
+GUIDED = {"guided_json": "json_schema", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
+
+
+def _spec(value: Any) -> str:
+    """A structured output's spec as text (pdserve.engine.structured): a schema or a choice list as JSON text."""
+    return value if isinstance(value, str) else json.dumps(value)
+
+
 class BaseCompletionRequest(BaseModel):
     # Every field is declared: an undeclared one is refused by name (unknown_field), never ignored.
     model_config = ConfigDict(extra="forbid")
@@ -119,6 +162,13 @@ class BaseCompletionRequest(BaseModel):
     # A conversation's turns under one key (an extension; the header x-session-id says the same): they go to the
     # decode worker that served the session's last turn while it has room. OpenAI's `user` is not it.
     session_id: str | None = None
+    # Structured output (the module's docstring): one of these at most.
+    response_format: ResponseFormat | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: StructuredOutputs | None = None
 
     # Fields passed to SamplingParams under their own names (pdserve.engine.sampling says what each does): a
     # new one the engine has is declared above and named here, and reaches the engine as it is.
@@ -131,7 +181,7 @@ class BaseCompletionRequest(BaseModel):
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
         sampling = {name: getattr(self, name) for name in self.SAMPLING}
         sampling.update(stop=stop, stop_token_ids=tuple(self.stop_token_ids or ()), max_tokens=self.max_tokens,
-                        logprobs=self.logprobs_k())
+                        logprobs=self.logprobs_k(), structured=self.structured())
         return Ask(sampling=sampling, service_tier=self.service_tier, session_id=self.session_id, **self.inputs())
 
     def asks(self) -> list[Ask]:
@@ -142,6 +192,46 @@ class BaseCompletionRequest(BaseModel):
     def inputs(self) -> dict[str, Any]:
         """The request's input (prompt, messages or token_ids) and, beside it, the default for max_tokens."""
         raise NotImplementedError
+
+    def structured_asks(self) -> list[tuple[str, StructuredOutput]]:
+        """Each structured output the body asks for, with the field that asks (structured_outputs.KEY for one of
+        that extension's keys); HTTPError naming the field whose value is not one."""
+        asks: list[tuple[str, tuple[str, Any]]] = []
+        rf = self.response_format
+        if rf is not None and rf.type == "json_object":
+            asks.append(("response_format", ("json_object", "")))
+        elif rf is not None and rf.type == "json_schema":
+            if rf.json_schema is None:
+                raise HTTPError(400, "response_format of type json_schema needs its json_schema",
+                                param="response_format")
+            asks.append(("response_format", ("json_schema", rf.json_schema.schema_)))
+        asks += [(name, (kind, getattr(self, name))) for name, kind in GUIDED.items()
+                 if getattr(self, name) is not None]
+        so = self.structured_outputs
+        if so is not None:
+            given = {"json": ("json_schema", so.json_), "regex": ("regex", so.regex), "choice": ("choice", so.choice),
+                     "grammar": ("grammar", so.grammar), "json_object": ("json_object", "" if so.json_object else None)}
+            asks += [(f"structured_outputs.{key}", (kind, v)) for key, (kind, v) in given.items() if v is not None]
+        out = []
+        for name, (kind, value) in asks:
+            try:
+                out.append((name, StructuredOutput(kind, _spec(value))))
+            except ValueError as e:
+                raise HTTPError(400, f"{name}: {e}", param=name) from None
+        return out
+
+    def structured(self) -> StructuredOutput | None:
+        """SamplingParams.structured: what the output must match, if the body asks (one field at most)."""
+        asks = self.structured_asks()
+        if len(asks) > 1:
+            names = [name for name, _ in asks]
+            raise HTTPError(400, f"give one structured output, not {' and '.join(names)}", param=names[0])
+        return asks[0][1] if asks else None
+
+    def structured_param(self) -> str | None:
+        """The field that asks for the structured output (an error about its spec names it)."""
+        asks = self.structured_asks()
+        return asks[0][0] if asks else None
 
     def logprobs_k(self) -> int | None:
         """SamplingParams.logprobs: how many alternatives each generated token's logprob comes with; None:
@@ -250,7 +340,6 @@ class ChatCompletionRequest(BaseCompletionRequest):
     chat_template_kwargs: dict[str, Any] | None = None
     functions: list[Any] | None = None
     function_call: Any = None
-    response_format: dict[str, Any] | None = None
     # OpenAI's, with the meaning they have here: nothing is stored (store: false or absent); text is the one
     # modality (modalities ["text"] or absent); prompt_cache_key keeps requests that share a prefix together,
     # as session_id does (which it stands for when session_id is absent); safety_identifier, as user: taken,
@@ -290,8 +379,6 @@ class ChatCompletionRequest(BaseCompletionRequest):
         for name in ("functions", "function_call"):  # OpenAI's deprecated form of tools and tool_choice
             if getattr(self, name) is not None:
                 out.append((name, f"{name} is not supported: send tools and tool_choice"))
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            out.append(("response_format", "only the text response format is supported"))
         if self.store:
             out.append(("store", "completions are not stored (store: true is not supported)"))
         if self.modalities is not None and self.modalities != ["text"]:

@@ -126,15 +126,16 @@ def build_request(prompt: str | None = None, *, messages: Sequence[dict[str, str
                   logprobs: int | None = None, prompt_logprobs: int | None = None,
                   logprobs_mode: str = "", n: int | None = None, version_policy: str = "",
                   max_staleness: int | None = None, session_id: str = "", min_p: float | None = None,
-                  include_stop_str_in_output: bool = False,
-                  skip_special_tokens: bool | None = None) -> pb.GenerateRequest:
+                  include_stop_str_in_output: bool = False, skip_special_tokens: bool | None = None,
+                  structured_output: pb.StructuredOutput | None = None) -> pb.GenerateRequest:
     """A GenerateRequest from exactly one of prompt, messages or token_ids; None leaves the server default.
     service_tier: auto (or empty), default, priority or flex (pdserve.tiers). logprobs / prompt_logprobs: k
     in [0, 20], the top k beside each generated / prompt token's own logprob; logprobs_mode: raw, processed
     or empty (the server's). n: samples of the prompt, in [1, 128] (sample i seeded seed + i). version_policy:
     recompute, keep, abort or empty (the server's), max_staleness keep's bound, if the weights change while the
     request runs. session_id: a conversation's key, the same on each of its turns (placement keeps a session where
-    its KV is). The fields' meanings are the .proto's (GenerateRequest, SamplingParams)."""
+    its KV is). structured_output: what the text must match (unset: free text). The fields' meanings are the
+    .proto's (GenerateRequest, SamplingParams, StructuredOutput)."""
     if sum(x is not None for x in (prompt, messages, token_ids)) != 1:
         raise ValueError("give exactly one of prompt, messages or token_ids")
     req = pb.GenerateRequest(stop=list(stop), stop_token_ids=list(stop_token_ids), ignore_eos=ignore_eos,
@@ -161,6 +162,8 @@ def build_request(prompt: str | None = None, *, messages: Sequence[dict[str, str
     req.version_policy = version_policy
     if max_staleness is not None:
         req.max_staleness = max_staleness
+    if structured_output is not None:
+        req.structured_output.CopyFrom(structured_output)
     for name, value in (("temperature", temperature), ("top_p", top_p), ("top_k", top_k), ("seed", seed),
                         ("presence_penalty", presence_penalty), ("frequency_penalty", frequency_penalty),
                         ("repetition_penalty", repetition_penalty), ("min_tokens", min_tokens), ("min_p", min_p)):

@@ -5,9 +5,12 @@ The unit the schedulers hand the runner (pdserve.engine.runner) and the CUDA gra
 """
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 from pdserve.engine.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    import torch
 
 
 class Chunk(NamedTuple):
@@ -32,3 +35,6 @@ class Chunk(NamedTuple):
     # A group's first sampling (SamplingParams.n): this many tokens are drawn from the chunk's last
     # logits, sample j with seed sample_seed(seed, j).
     fanout: int = 1
+    # Structured output (pdserve.engine.grammar): the bitmask [words] int32 of the tokens the sample may draw,
+    # filled when the step is built from its matcher (a group's first sampling: every sample's, one state).
+    mask: torch.Tensor | None = None

@@ -14,6 +14,7 @@ import torch
 
 from pdserve.config import EngineConfig
 from pdserve.engine.block_pool import BlockPool
+from pdserve.engine.grammar import Grammars
 from pdserve.engine.kv_cache import KVCacheManager
 from pdserve.engine.logprobs import PromptLogprobs, TokenLogprob
 from pdserve.engine.output import RequestOutput, TextOutput, token_output
@@ -68,6 +69,10 @@ class EngineCore:
         # A group's forked samples copy the prompt's partial last block where the runner can (one process);
         # a tensor-parallel engine's compute that part again instead.
         self.scheduler.can_copy_blocks = self.runner.can_copy_blocks
+        # Structured output: compiled with this worker's tokenizer, for its logits' width (on first use). A
+        # simulated engine's tokens follow no mask: it refuses structured requests.
+        if self.tokenizer is not None and not isinstance(self.runner, SimRunner):
+            self.scheduler.grammars = Grammars(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
         on = config.pipelined_decode if config.pipelined_decode is not None else cuda
         self.pipelined = on and role is not Role.PREFILL and tp == 1
         self.steps = 0
@@ -291,7 +296,8 @@ class EngineCore:
         return self.account(step, self.execute(step))
 
     def step_pipelined(self) -> list[SampledToken]:
-        return self.run_pipelined(self.scheduler.schedule())
+        out = self.run_pipelined(ScheduledStep([], [], [])) if self.scheduler.must_resolve else []
+        return out + self.run_pipelined(self.scheduler.schedule())
 
     def run_pipelined(self, step: ScheduledStep, layer_done: Callable[[int], None] | None = None) -> list[SampledToken]:
         """Launch a scheduled step (its pending tokens read on the device from the step launched before

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pdserve.engine.grammar import advance
 from pdserve.engine.kv_cache import KVCacheManager
 from pdserve.engine.request import PENDING, Request, length_stop, token_stop_reason
 from pdserve.engine.runner import StepResult, samples_of
@@ -74,6 +75,14 @@ class PipelinedDecode:
         self.launched.append(launched)
         return launched
 
+    @property
+    def must_resolve(self) -> bool:
+        """A launched step holds a request under structured output. Its next mask needs the token that step
+        sampled on the host, so the step loop resolves that step before it schedules the next one (a step of no
+        chunks: EngineCore.run_pipelined): while such a request runs, the host's work for a step no longer overlaps
+        the step before it, for every row of the batch, free text included; tokens are the same either way."""
+        return any(r.grammar is not None and not r.finished for s in self.launched for r in s.step.requests)
+
     def resolve(self, launched: LaunchedStep) -> list[SampledToken]:
         """Pipelined decode: a launched step's sampled tokens, now on the host (this waits for them), in
         place of its PENDING tokens; token-level stops; the blocks of requests that ended meanwhile."""
@@ -90,6 +99,7 @@ class PipelinedDecode:
                 continue  # ended meanwhile (cancelled, a stop string, a stop in the step before): dropped
             req.token_ids[idx] = token
             req.unresolved -= 1
+            advance(req, token)
             reason = token_stop_reason(req, self.eos_token_ids, self.max_model_len, end=idx + 1)
             if reason is not None:
                 del req.token_ids[idx + 1:]  # what was launched after its last token

@@ -80,6 +80,9 @@ class Request:
     # sampling, then 1); a sample forked from it has its index (pdserve.engine.scheduler.Scheduler.fork).
     fanout: int = field(init=False)
     sample_index: int = 0
+    # Structured output (params.structured): this sample's pdserve.engine.grammar.Matcher, which has accepted
+    # every output token known on the host; set when a scheduler takes the request in (or forks it).
+    grammar: object | None = None
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
@@ -122,10 +125,13 @@ def group_of(request_id: str) -> tuple[str, int]:
 def token_stop_reason(req: Request, eos_token_ids: tuple[int, ...], max_model_len: int,
                       end: int | None = None) -> FinishReason | None:
     """Whether the request must stop after its token at index end - 1 (default: its last appended
-    token); stop strings are checked on text."""
+    token); stop strings are checked on text. A structured output ends when its grammar has (an EOS token
+    completed it), ignore_eos or not."""
     end = req.num_tokens if end is None else end
     last = req.token_ids[end - 1]
     if (not req.params.ignore_eos and last in eos_token_ids) or last in req.params.stop_token_ids:
+        return FinishReason.STOP
+    if req.grammar is not None and req.grammar.terminated:
         return FinishReason.STOP
     return length_stop(req, max_model_len, end)
 

@@ -163,7 +163,8 @@ class ModelRunner:
         return SamplingBatch.build([c.sample for c in chunks], seeds,
                                    [c.output_index for c in chunks], self.device,
                                    histories=[c.history for c in chunks], banned=[c.banned for c in chunks],
-                                   pending=[c.pending_row for c in chunks], previous=previous)
+                                   pending=[c.pending_row for c in chunks], previous=previous,
+                                   masks=[c.mask for c in chunks])
 
     def commit_weights(self, staged) -> None:
         """A staged weight update (pdserve.weights.update.StagedUpdate) into the model, in place."""

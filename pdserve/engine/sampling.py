@@ -194,15 +194,18 @@ class SamplingBatch:
     # Logprobs: per row, k (None: not asked), and which rows read the processed distribution.
     logprobs: tuple[int | None, ...] = ()
     processed: torch.Tensor | None = None  # [rows] bool
+    # Structured output: (rows, their token bitmasks [rows with one, words] int32), the tokens each may draw.
+    allowed: tuple[torch.Tensor, torch.Tensor] | None = None
     min_p: torch.Tensor | None = None  # [rows] float32, 0 = off; None: no sampling row has it
 
     @classmethod
     def build(cls, params: Sequence[SamplingParams], seeds: Sequence[int], output_index: Sequence[int],
               device: torch.device | str = "cpu", histories: Sequence[list[int] | None] = (),
               banned: Sequence[tuple[int, ...]] = (), pending: Sequence[int | None] = (),
-              previous: torch.Tensor | None = None) -> SamplingBatch:
-        """histories, banned, pending (per row, optional): a penalized row's tokens so far (prompt then
-        output; PENDING ones are read from previous[pending row]), the ids a row may not draw."""
+              previous: torch.Tensor | None = None, masks: Sequence[torch.Tensor | None] = ()) -> SamplingBatch:
+        """histories, banned, pending, masks (per row, optional): a penalized row's tokens so far (prompt then
+        output; PENDING ones are read from previous[pending row]), the ids a row may not draw, the bitmask of
+        the ids a row under structured output may draw (pdserve.engine.grammar)."""
         penalties = Penalties.build(params, histories, output_index, pending, previous, device) \
             if any(h is not None for h in histories) else None
         ban = None
@@ -214,6 +217,10 @@ class SamplingBatch:
         processed = None
         if any(p.logprobs is not None and p.logprobs_mode == "processed" for p in params):
             processed = to_device(torch.tensor([p.logprobs_mode == "processed" for p in params]), device)
+        allowed = None
+        if any(m is not None for m in masks):
+            rows = [r for r, m in enumerate(masks) if m is not None]
+            allowed = (to_device(torch.tensor(rows), device), to_device(torch.stack([masks[r] for r in rows]), device))
         return cls(
             temperatures=to_device(torch.tensor([p.temperature for p in params], dtype=torch.float32), device),
             top_k=to_device(torch.tensor([0 if p.greedy else p.top_k for p in params], dtype=torch.int64), device),
@@ -226,6 +233,7 @@ class SamplingBatch:
             banned=ban,
             logprobs=logprobs,
             processed=processed,
+            allowed=allowed,
             min_p=to_device(torch.tensor([0.0 if p.greedy else p.min_p for p in params], dtype=torch.float32), device)
             if any(p.min_p > 0 and not p.greedy for p in params) else None,
         )
@@ -311,6 +319,21 @@ def to_device(host: torch.Tensor, device: torch.device | str) -> torch.Tensor:
     return host.to(device)
 
 
+def apply_token_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """The logits (a new tensor) with -inf on `rows` wherever their bitmask ([len(rows), words] int32, bit i
+    of word w for token 32 w + i) does not allow the token; ids past the bitmask are not allowed. On the
+    logits' device, with no host synchronisation."""
+    vocab = logits.shape[-1]
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)  # made there: no copy from the host
+    bits = (bitmask.unsqueeze(-1) >> shifts) & 1  # [rows, words, 32]
+    allowed = bits.view(bitmask.shape[0], -1).bool()  # [rows, 32 * words]
+    if allowed.shape[1] < vocab:
+        allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]), value=False)
+    out = logits.clone()
+    out[rows] = logits[rows].masked_fill(~allowed[:, :vocab], float("-inf"))
+    return out
+
+
 def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """Mask to -inf every logit outside each row's top-k, then outside its top-p nucleus."""
     vocab = logits.shape[-1]
@@ -353,14 +376,16 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, Sa
     """logits: [rows, vocab] fp32 -> sampled token ids [rows] int64 and, if a row asks, their logprobs
     (both stay on the logits' device).
 
-    The logits the sampler draws from ("processed"): penalties, banned tokens (min_tokens), then on
-    sampling rows the temperature, the min-p mask and the top-k / top-p masks; greedy rows take the argmax
-    of the penalized logits."""
+    The logits the sampler draws from ("processed"): penalties, banned tokens (min_tokens), the structured
+    output's mask, then on sampling rows the temperature, the min-p mask and the top-k / top-p masks; greedy
+    rows take the argmax of the penalized and masked logits."""
     raw = logits
     if batch.penalties is not None:
         logits = batch.penalties.apply(logits)
     if batch.banned is not None:
         logits = logits.index_put(batch.banned, torch.tensor(float("-inf"), device=logits.device))
+    if batch.allowed is not None:
+        logits = apply_token_bitmask(logits, *batch.allowed)
     greedy = logits.argmax(dim=-1)
     if batch.all_greedy:
         return greedy, _logprobs(raw, logits, greedy, batch)

@@ -36,6 +36,7 @@ import itertools
 from collections.abc import Callable, Iterator, Sequence
 
 from pdserve.config import SchedulerConfig
+from pdserve.engine.grammar import GrammarError, Grammars, advance
 from pdserve.engine.kv_cache import KVCacheManager
 from pdserve.engine.logprobs import TokenLogprob
 from pdserve.engine.pipelined import LaunchedStep, PipelinedDecode
@@ -120,6 +121,8 @@ class Scheduler(PipelinedDecode):
         self.block_copies: list[tuple[int, int]] = []
         self.can_copy_blocks = False
         self.on_fork: Callable[[Request, Request], None] | None = None
+        # Structured output: the worker's compiler (EngineCore sets it where the model has a tokenizer).
+        self.grammars: Grammars | None = None
 
     def add(self, req: Request) -> None:
         if req.request_id in self.requests:
@@ -133,12 +136,25 @@ class Scheduler(PipelinedDecode):
                 f"request {req.request_id} needs more KV blocks than the cache has "
                 f"({req.num_tokens} tokens, {self.kv.pool.num_blocks} blocks of {self.kv.block_size})"
             )
+        self.structure(req)
         req.status = RequestStatus.WAITING
         req.queue_seq = next(self._seq)
         self.waiting.append(req)
         self.requests[req.request_id] = req
         if not req.remote_kv:
             self.prompt_tokens_requested += req.num_prompt_tokens
+
+    def structure(self, req: Request) -> None:
+        """A request under structured output gets its matcher (unless it has one), its tokens so far (a resumed
+        attempt's) replayed into it: GrammarError if the spec does not compile or the grammar rejects one. Touches
+        only req: a worker calls it on the thread that takes the request in, so that the step thread neither
+        compiles nor replays."""
+        if req.params.structured is None or req.grammar is not None:
+            return
+        if self.grammars is None:
+            raise ValueError("structured output is not served here: it needs the model's tokenizer and a real "
+                             "engine (not a simulated one)")
+        req.grammar = self.grammars.matcher(req.params.structured, req.output_token_ids)
 
     @property
     def has_work(self) -> bool:
@@ -251,6 +267,7 @@ class Scheduler(PipelinedDecode):
             req = step.requests[i]
             req.fanout = 1
             req.token_ids.append(token)
+            advance(req, token)
             reason = token_stop_reason(req, self.eos_token_ids, self.max_model_len)
             if self.role is Role.PREFILL:
                 self.running.remove(req)
@@ -287,6 +304,9 @@ class Scheduler(PipelinedDecode):
         child.sample_index, child.fanout, child.prompt_logprobs = index, 1, None
         child.kv_version = group.kv_version
         child.token_ids.append(token)
+        if group.grammar is not None:  # the group's matcher has not taken its own first token yet
+            child.grammar = group.grammar.fork()
+            advance(child, token)
         bs = self.kv.block_size
         full = group.num_prompt_tokens // bs
         child.block_ids = self.kv.share(group.block_ids[:full])
@@ -326,16 +346,25 @@ class Scheduler(PipelinedDecode):
         group's n first tokens: its samples 1.. are forked here), both computed by weight version `version`.
 
         It runs from the next step on. Returns the tokens as sampled (finish_reason set where a token
-        ended its sample: it is then finished here), none if the request is not waiting for KV.
+        ended its sample: it is then finished here), none if the request is not waiting for KV. Under structured
+        output each token is replayed into the sample's matcher: GrammarError, before anything changes, if the
+        grammar rejects one (the caller fails the request).
         """
-        req = self.waiting_for_kv.pop(request_id, None)
+        req = self.waiting_for_kv.get(request_id)
         if req is None:
             return []
+        if req.grammar is not None:
+            for j, t in enumerate(tokens):
+                if not req.grammar.fork().accept(t):
+                    raise GrammarError(f"request {request_id}: the first token of sample {j} (id {t}) handed over "
+                                       "does not follow its structured output grammar")
+        del self.waiting_for_kv[request_id]
         token, *others = tokens
         req.fanout = 1
         req.kv_version, req.block_hashes = version, []
         samples = [self.sample(req, j, t, None) for j, t in enumerate(others, 1)]
         req.token_ids.append(token)
+        advance(req, token)
         req.num_computed_tokens = req.num_tokens - 1  # all but the new token, whose KV the next step computes
         self.kv.cache_computed_blocks(req)
         req.status = RequestStatus.RUNNING

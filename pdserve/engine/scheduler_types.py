@@ -56,7 +56,9 @@ def take_prompt_logprobs(req: Request) -> PromptLogprobs | None:
 def chunk_of(req: Request, n: int, eos_token_ids: tuple[int, ...] = ()) -> Chunk:
     """The next n uncomputed tokens of a request; it samples if they reach its last known token. A
     PENDING last token (pipelined decode) is read on the device from the launched step's row. Below
-    min_tokens, eos_token_ids (unless EOS is ignored) and the stop ids are banned from sampling."""
+    min_tokens, eos_token_ids (unless EOS is ignored) and the stop ids are banned from sampling. A request under
+    structured output samples from its matcher's mask (filled here: its last token must be on the host), the
+    banned ids taken out of the mask (pdserve.engine.grammar.Matcher.mask)."""
     start = req.num_computed_tokens
     end = start + n
     pending = req.unresolved > 0 and end == req.num_tokens and req.token_ids[-1] == PENDING
@@ -65,6 +67,10 @@ def chunk_of(req: Request, n: int, eos_token_ids: tuple[int, ...] = ()) -> Chunk
     banned: tuple[int, ...] = ()
     if samples and req.num_output_tokens < params.min_tokens:
         banned = (*(() if params.ignore_eos else eos_token_ids), *params.stop_token_ids)
+    mask = None
+    if samples and req.grammar is not None:
+        assert not pending, "a structured output's matcher needs its last token on the host"
+        mask, banned = req.grammar.mask(banned), ()
     prompt_logprobs = None
     last_prompt = req.num_prompt_tokens - 1  # the last position whose next token is a prompt token
     if req.prompt_logprobs is not None and start < last_prompt:
@@ -81,4 +87,5 @@ def chunk_of(req: Request, n: int, eos_token_ids: tuple[int, ...] = ()) -> Chunk
         banned=banned,
         prompt_logprobs=prompt_logprobs,
         fanout=req.fanout if samples else 1,
+        mask=mask,
     )

@@ -15,10 +15,11 @@ import torch
 
 from pdserve.engine.chunk import Chunk
 from pdserve.engine.sampling import SamplingParams
+from pdserve.engine.structured import StructuredOutput
 from pdserve.weights.group import GroupAddress
 from pdserve.weights.update import TensorMeta
 
-_RECORDS = {"sampling": SamplingParams, "group": GroupAddress, "meta": TensorMeta}
+_RECORDS = {"sampling": SamplingParams, "structured": StructuredOutput, "group": GroupAddress, "meta": TensorMeta}
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -34,8 +35,8 @@ def decode(data: bytes) -> Any:
 def _encode(v: Any) -> Any:
     if v is None or isinstance(v, (bool, int, float, str)):
         return v
-    if isinstance(v, Chunk):
-        return {"$": "chunk", "v": [_encode(x) for x in v]}
+    if isinstance(v, Chunk):  # rank 0 alone samples: a structured output's mask stays there
+        return {"$": "chunk", "v": [_encode(x) for x in v._replace(mask=None)]}
     if isinstance(v, torch.dtype):
         return {"$": "dtype", "v": str(v).removeprefix("torch.")}
     for tag, cls in _RECORDS.items():

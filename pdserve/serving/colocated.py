@@ -9,10 +9,10 @@ from collections.abc import Callable
 from concurrent.futures import Future
 
 from pdserve.config import EngineConfig
-from pdserve.engine.scheduler_types import Role
+from pdserve.engine.scheduler_types import Role, ScheduledStep
 from pdserve.serving.calls import Call
 from pdserve.serving.messages import PrefillTask
-from pdserve.serving.worker import WorkerActor
+from pdserve.serving.worker import WorkerActor, new_request
 
 
 class ColocatedActor(WorkerActor):
@@ -31,7 +31,7 @@ class ColocatedActor(WorkerActor):
     def _generate(self, task: PrefillTask) -> Future[None]:
         """Call.GENERATE: queue a whole request; its tokens (the first one included) go out with the step
         outputs on the link; the future resolves once it is queued."""
-        req = task.new_request(self.core.tokenizer, self.core.model_config.vocab_size)
+        req = new_request(self.core, task)
 
         def add() -> None:
             if not self._cancelled_already(task.request_id):  # else its attempt is over
@@ -40,6 +40,8 @@ class ColocatedActor(WorkerActor):
         return self.loop.call(add)
 
     def _step(self) -> bool:
+        if self.core.scheduler.must_resolve:  # pipelined: a structured output's next mask needs its last token here
+            self._publish(*self._run(ScheduledStep([], [], [])))
         step = self.core.scheduler.schedule()
         if not step.chunks and not self.core.scheduler.launched:
             return False

@@ -56,6 +56,15 @@ def count_prompts(counts: collections.Counter[str], step: ScheduledStep, hop: Ca
             counts[f"{hop(r)}/cached"] += min(r.num_cached_tokens, r.num_prompt_tokens)
 
 
+def new_request(core: EngineCore, task) -> Request:
+    """A task (pdserve.serving.messages) as a worker's Request, checked (ValueError: the caller's error), under
+    structured output with its matcher and the tokens it has replayed (GrammarError): on the thread that takes it
+    in, so that the step thread neither compiles nor replays."""
+    req = task.new_request(core.tokenizer, core.model_config.vocab_size)
+    core.scheduler.structure(req)
+    return req
+
+
 class StepRun(NamedTuple):
     sampled: list[SampledToken]
     failed: list[Failure]  # the whole queue and batch, if the step raised

@@ -10,6 +10,7 @@ import torch
 from pdserve.engine import tp_wire
 from pdserve.engine.chunk import Chunk
 from pdserve.engine.sampling import SamplingParams
+from pdserve.engine.structured import StructuredOutput
 from pdserve.weights.group import GroupAddress
 from pdserve.weights.update import TensorMeta
 
@@ -23,6 +24,13 @@ def test_what_rank_0_sends_comes_back_as_it_was():
                     {"receive": ([TensorMeta("model.norm.weight", (64,), torch.bfloat16)], 1 << 20)},
                     {"stage": "/models/v2"}, {"commit": True}, {"drop": True}, {"leave": True}):
         assert tp_wire.decode(tp_wire.encode(command)) == command
+
+
+def test_a_structured_output_goes_without_its_mask():
+    """Rank 0 alone samples: a structured request's params cross, its step's mask stays on rank 0."""
+    params = SamplingParams(structured=StructuredOutput("regex", "a+"))
+    chunk = Chunk([1], 0, [3], params, mask=torch.full((4,), -1, dtype=torch.int32))
+    assert tp_wire.decode(tp_wire.encode([chunk])) == [chunk._replace(mask=None)]
 
 
 class _Boom:

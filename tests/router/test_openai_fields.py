@@ -280,8 +280,8 @@ def test_return_tokens_as_token_ids(http, sdk):
 def test_an_unknown_field_is_refused_by_name(http):
     error = refused(http, prompt=PROMPT, frobnicate=3)
     assert error["param"] == "frobnicate" and "frobnicate" in error["message"]
-    error = refused(http, "/chat/completions", messages=CHAT, guided_json={"type": "object"})
-    assert error["param"] == "guided_json"
+    error = refused(http, "/chat/completions", messages=CHAT, chat_template_kwargs={"x": 1})
+    assert error["param"] == "chat_template_kwargs"
     assert refused(http, prompt=PROMPT, stream_options={"include_usage": True, "x": 1})["param"] == "stream_options.x"
 
 
@@ -308,6 +308,7 @@ HONOURED = {
     "tools": "test_tools_door.py::test_streamed_calls_accumulate_to_the_whole_reply",
     "tool_choice": "test_tools_door.py::test_forced_choices_are_read_from_their_json",
     "parallel_tool_calls": "test_tools_door.py::test_calls_and_finish_reasons",
+    "response_format": "test_structured_api.py::test_json_schema_replies_validate",
 }
 # A value for each of the others, which must be refused naming the field.
 REFUSED_VALUES = {
@@ -315,7 +316,7 @@ REFUSED_VALUES = {
     "function_call": "auto", "functions": [{"name": "f", "parameters": {"type": "object"}}],
     "metadata": {"a": "b"},
     "prediction": {"type": "content", "content": "x"}, "reasoning_effort": "low", "verbosity": "low",
-    "response_format": {"type": "json_object"}, "web_search_options": {}, "moderation": True,
+    "web_search_options": {}, "moderation": True,
     "prompt_cache_retention": "24h", "prompt_cache_options": {},
 }
 
