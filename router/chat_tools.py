@@ -28,6 +28,10 @@ from pdserve.engine.structured import StructuredOutput
 from pdserve.model.tokenizer import Tokenizer
 
 MAX_TOOLS = 128
+# The most calls a forced reply (tool_choice "required") may make with parallel calls allowed. Each further
+# call is the model's choice of "," over "]" after a complete one; greedy decoding of a small model keeps taking
+# "," (SmolLM2-135M wrote calls until max_tokens on 10 prompts of 10 without a bound), so the list is bounded.
+MAX_FORCED_CALLS = 4
 CHOICES = ("none", "auto", "required")
 _NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 _TOOL_KEYS, _FUNCTION_KEYS = {"type", "function"}, {"name", "description", "parameters", "strict"}
@@ -66,7 +70,7 @@ class ToolSet:
 
     def forced_schema(self) -> dict[str, Any] | None:
         """The JSON schema of a forced reply: a named function's arguments; for required, a list of calls
-        (one at most without parallel calls), each {"name": a function's, "arguments": that function's
+        (MAX_FORCED_CALLS at most; one without parallel calls), each {"name": a function's, "arguments": that function's
         arguments} (one alternative per function, so a name goes with its own schema)."""
         if self.choice == "function":
             return self.parameters(self.function)
@@ -75,10 +79,8 @@ class ToolSet:
         calls = [{"type": "object", "properties": {"name": {"const": t["function"]["name"]},
                                                    "arguments": t["function"]["parameters"]},
                   "required": ["name", "arguments"], "additionalProperties": False} for t in self.tools]
-        schema = {"type": "array", "minItems": 1, "items": calls[0] if len(calls) == 1 else {"anyOf": calls}}
-        if not self.parallel:
-            schema["maxItems"] = 1
-        return schema
+        return {"type": "array", "minItems": 1, "maxItems": MAX_FORCED_CALLS if self.parallel else 1,
+                "items": calls[0] if len(calls) == 1 else {"anyOf": calls}}
 
     def structured(self) -> StructuredOutput | None:
         schema = self.forced_schema()

@@ -19,6 +19,7 @@ from pdserve.engine.request import FinishReason
 from pdserve.tiers import ServiceTier
 from pdserve.v1 import generation_pb2 as pb
 from pdserve.v1 import generation_pb2_grpc as pb_grpc
+from router.chat_tools import MAX_FORCED_CALLS
 from router.compose import build_router
 from router.config import RouterConfig
 
@@ -162,7 +163,7 @@ def test_forced_choices_are_read_from_their_json(served, stream):
     schema = json.loads(cluster.params[-1].structured.spec)
     assert cluster.params[-1].structured.kind == "json_schema" and schema["type"] == "array"
     assert [a["properties"]["name"]["const"] for a in schema["items"]["anyOf"]] == ["get_weather", "get_time"]
-    assert "maxItems" not in schema
+    assert schema["maxItems"] == MAX_FORCED_CALLS
     ask('[{"name": "get_time", "arguments": {}}]', tool_choice="required", parallel_tool_calls=False)
     assert json.loads(cluster.params[-1].structured.spec)["maxItems"] == 1
     got = ask('{"city": "Rome"}', tool_choice={"type": "function", "function": {"name": "get_weather"}})
