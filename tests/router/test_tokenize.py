@@ -63,9 +63,9 @@ def test_a_request_waiting_for_admission_is_not_tokenized_yet(aloop, start, monk
     calls: list[int] = []
     real = router.frontend.tokenize
 
-    def counted(info, ask):
+    def counted(info, ask, tools=None):
         calls.append(1)
-        return real(info, ask)
+        return real(info, ask, tools)
 
     monkeypatch.setattr(router.frontend, "tokenize", counted)  # a spy: the real tokenizing still runs
     r = start(max_running=1, max_queued=4)
