@@ -97,18 +97,24 @@ def valid_calls(choice, names: set[str]) -> list[tuple[str, dict]]:
     return out
 
 
-@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
-def test_required_calls_validate_ten_of_ten(sdk, stream):
-    def one(prompt: str):
+def test_required_calls_validate_ten_of_ten(sdk):
+    """The ten prompts whole and streamed, all twenty at once (the workers batch them): greedy, so each prompt's
+    streamed reply gathers to its whole one."""
+    def one(job: tuple[str, bool]):
+        prompt, stream = job
         # Room for MAX_FORCED_CALLS calls: greedy SmolLM2 goes on to the bound (router.chat_tools).
         return ask(sdk, stream, messages=[{"role": "user", "content": prompt}], tools=TOOLS, tool_choice="required",
                    max_tokens=240, temperature=0.0)
 
-    with ThreadPoolExecutor(len(PROMPTS)) as pool:  # at once: the workers batch them
-        choices = list(pool.map(one, PROMPTS))
+    jobs = [(p, stream) for stream in (False, True) for p in PROMPTS]
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        choices = list(pool.map(one, jobs))
     for choice in choices:
         valid_calls(choice, set(SCHEMAS))
         assert choice.message.content is None
+    whole, streamed = choices[:len(PROMPTS)], choices[len(PROMPTS):]
+    assert [[(c.function.name, json.loads(c.function.arguments)) for c in ch.message.tool_calls] for ch in whole] == \
+        [[(c.function.name, json.loads(c.function.arguments)) for c in ch.message.tool_calls] for ch in streamed]
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
