@@ -312,6 +312,15 @@ class _Run:
             raise HTTPError(503, str(e), kind="server_error", grpc_code="UNAVAILABLE") from None
         return out
 
+    async def _one(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """outputs() of a single run: what the many-run loop yields for it, in the same order."""
+        run, out = self.runs[0], self.firsts[0]
+        while out is not None:
+            yield 0, out
+            if run.samples.done:
+                return
+            out = await self._read(0, run.next())
+
     async def close(self, code: str = "OK", finish_reason: str | None = None) -> None:
         """Leave the cluster (cancelling the request there if it is still running) and record it, once."""
         if self._closed:
@@ -368,6 +377,10 @@ class _Runs:
 
     async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
         """(run, output) for every output after start(), the first ones first, until every run is done."""
+        if len(self.runs) == 1:  # one prompt (most requests): its outputs awaited in turn, no task per output
+            async for pair in self._one():
+                yield pair
+            return
         reads: dict[asyncio.Future, int] = {}
 
         def more(i: int) -> None:
@@ -389,6 +402,15 @@ class _Runs:
                         more(i)
         finally:
             await _cancel(list(reads))
+
+    async def _one(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """outputs() of a single run: what the many-run loop yields for it, in the same order."""
+        run, out = self.runs[0], self.firsts[0]
+        while out is not None:
+            yield 0, out
+            if run.samples.done:
+                return
+            out = await self._read(0, run.next())
 
     async def close(self, code: str = "OK", finish_reason: str | None = None) -> None:
         """Close every run (cancelling those still running): the failed one with `code`, the others cancelled
