@@ -126,9 +126,9 @@ class SamplingParams:
             raise ValueError(f"max_staleness must be an integer in [0, 2**63), got {m!r}")
         if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
             raise ValueError(f"min_tokens must be an integer in [0, max_tokens], got {self.min_tokens!r}")
-        if self.structured is not None and not isinstance(self.structured, StructuredOutput):
-            raise ValueError(f"structured must be a StructuredOutput, got {type(self.structured).__name__}")
         if self.structured is not None:
+            if not isinstance(self.structured, StructuredOutput):
+                raise ValueError(f"structured must be a StructuredOutput, got {type(self.structured).__name__}")
             StructuredOutput(self.structured.kind, self.structured.spec)  # checked again: it may come unpickled
 
     def _check_stops(self) -> None:
