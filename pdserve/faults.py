@@ -38,7 +38,9 @@ class FaultPoints:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._armed: dict[str, list[float | None]] = {}  # point -> each coming hit: its stall, None to pass
+        # point -> [hits still to let pass, hits still to act on, each one's stall]: counts, never a list of
+        # hits, so a test may let a point pass any number of times.
+        self._armed: dict[str, list] = {}
         self._keys: dict[str, str] = {}  # point -> the key a hit must begin with to count (none: every hit)
         self._reached: dict[str, threading.Event] = {p: threading.Event() for p in POINTS}
         self._released: dict[str, threading.Event] = {p: threading.Event() for p in POINTS}
@@ -51,7 +53,7 @@ class FaultPoints:
         if count < 1 or skip < 0:
             raise ValueError(f"count must be at least 1 and skip at least 0, not {count} and {skip}")
         with self._lock:
-            self._armed[point] = [seconds] * count + [None] * skip  # popped from the end
+            self._armed[point] = [skip, count, seconds]
             if key is None:
                 self._keys.pop(point, None)
             else:
@@ -65,14 +67,16 @@ class FaultPoints:
         if not self._armed:  # the common case: nothing armed, no lock taken
             return False
         with self._lock:
-            stalls = self._armed.get(point)
-            if not stalls or not key.startswith(self._keys.get(point, "")):
+            armed = self._armed.get(point)
+            if armed is None or not key.startswith(self._keys.get(point, "")):
                 return False
-            seconds = stalls.pop()
-            if not stalls:
+            if armed[0] > 0:  # a hit let through
+                armed[0] -= 1
+                return False
+            armed[1] -= 1
+            seconds = armed[2]
+            if armed[1] == 0:
                 del self._armed[point]
-            if seconds is None:  # a hit let through
-                return False
             self._reached[point].set()
         if seconds == math.inf:
             if not self._released[point].wait(HOLD_LIMIT_S):
@@ -80,6 +84,12 @@ class FaultPoints:
         elif seconds > 0:
             time.sleep(seconds)
         return True
+
+    def disarm(self, point: str) -> None:
+        """The point's coming hits pass (one held now stays held until `release`)."""
+        with self._lock:
+            self._armed.pop(point, None)
+            self._keys.pop(point, None)
 
     def release(self, point: str) -> None:
         """Let a held hit of the point go on (and any later one armed with the same hold)."""

@@ -33,6 +33,10 @@ class FaultCalls:
         `key`, if given)."""
         self.faults.arm(point, seconds, count, skip, key)
 
+    async def disarm_fault(self, point: str) -> None:
+        """The fault point's coming hits pass."""
+        self.faults.disarm(point)
+
     async def release_fault(self, point: str) -> None:
         """Let a fault point armed with seconds=math.inf go on."""
         self.faults.release(point)

@@ -197,6 +197,6 @@ def test_a_step_that_fails_on_one_requests_data_fails_that_request_only(served, 
     try:
         outcome = run_beside_streams(served, prompts(1, seed=77)[0], params, rid, arm, together=pool == "prefill")
     finally:
-        ray.get(worker.handle.inject_fault.remote("request_data", 0.0, 1, 10**9, "nobody"))  # disarmed
+        ray.get(worker.handle.disarm_fault.remote("request_data"))
     assert isinstance(outcome, ValueError), repr(outcome)
     assert "own data failed the" in str(outcome) and "request_data" in str(outcome)
