@@ -1,5 +1,5 @@
 """Tools on the chat API with real SmolLM2 replies, through the official openai SDK: on the shared 1P1D
-cluster (conftest.smol_1p1d) and on a colocated worker. tool_choice "required" and a named function hold the
+cluster (conftest.smol_1p1d), and a named function's call also on a colocated worker. tool_choice "required" and a named function hold the
 reply to the tools' schema (structured output): every call's arguments must parse and validate against its
 function's schema, 10 prompts of 10, streamed and not. A multi-turn conversation with a tool's answer is
 rendered in pdserve's Hermes prompt (SmolLM2's template knows no tools) and answered."""
@@ -39,26 +39,37 @@ PROMPTS = ["What's the weather like in Paris?", "Is it raining in Tokyo right no
            "Is it cold in Moscow today?", "Find a flight for 3 from Delhi to Dubai."]
 
 
-@pytest.fixture(scope="module", params=["1p1d", "colocated"])
-def sdk(request, aloop, smol_1p1d):
-    """A router over the shared 1P1D cluster, or over a colocated worker of its own."""
-    own = None
-    if request.param == "1p1d":
-        cluster = smol_1p1d
-    else:
-        from pdserve.config import ClusterConfig, PoolConfig
-        from router.cluster import Cluster
-
-        own = cluster = Cluster(ClusterConfig(engine=smol_1p1d_engine_config(), mode="colocated",
-                                              colocated=PoolConfig(1, num_cpus=0.25)))
-        aloop.run(cluster.start(), timeout=600)
+def _sdk(aloop, cluster):
+    """An OpenAI client of a router over the cluster; the router stopped when the client is done."""
     router = build_router(cluster, RouterConfig(port=0, http_port=0, served_model_name=MODEL))
     aloop.run(router.start())
-    yield openai.OpenAI(base_url=f"http://127.0.0.1:{router.http_port}/v1", api_key="unused", max_retries=0,
-                        timeout=300)
-    aloop.run(router.stop(grace=5))
-    if own is not None:
-        aloop.run(own.shutdown())
+    try:
+        yield openai.OpenAI(base_url=f"http://127.0.0.1:{router.http_port}/v1", api_key="unused", max_retries=0,
+                            timeout=300)
+    finally:
+        aloop.run(router.stop(grace=5))
+
+
+@pytest.fixture(scope="module")
+def sdk(aloop, smol_1p1d):
+    """A router over the shared 1P1D cluster: the tool calls' path through a prefill and a decode worker."""
+    yield from _sdk(aloop, smol_1p1d)
+
+
+@pytest.fixture(scope="module")
+def colocated_sdk(aloop, ray_local):
+    """A router over a colocated worker of its own: a forced call's grammar on the one worker that prefills and
+    decodes (the router's side is the same as over 1P1D, so the long tests run there alone)."""
+    from pdserve.config import ClusterConfig, PoolConfig
+    from router.cluster import Cluster
+
+    cluster = Cluster(ClusterConfig(engine=smol_1p1d_engine_config(), mode="colocated",
+                                    colocated=PoolConfig(1, num_cpus=0.25)))
+    aloop.run(cluster.start(), timeout=600)
+    try:
+        yield from _sdk(aloop, cluster)
+    finally:
+        aloop.run(cluster.shutdown())
 
 
 def ask(sdk, stream: bool, **kw):
@@ -117,8 +128,10 @@ def test_required_calls_validate_ten_of_ten(sdk):
         [[(c.function.name, json.loads(c.function.arguments)) for c in ch.message.tool_calls] for ch in streamed]
 
 
+@pytest.mark.parametrize("shape", ["1p1d", "colocated"])
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
-def test_named_function_and_one_call(sdk, stream):
+def test_named_function_and_one_call(request, shape, stream):
+    sdk = request.getfixturevalue("sdk" if shape == "1p1d" else "colocated_sdk")
     named = {"type": "function", "function": {"name": "book_flight"}}
     choice = ask(sdk, stream, messages=[{"role": "user", "content": PROMPTS[2]}], tools=TOOLS, tool_choice=named,
                  max_tokens=120, temperature=0.0)
