@@ -274,3 +274,31 @@ def test_the_control_routes_take_the_admin_key_and_generate_the_inference_one(al
             assert h.get("/get_model_info", headers={"Authorization": f"Bearer {ADMIN}"}).status_code == 200
     finally:
         aloop.run(r.stop(grace=5))
+
+
+def test_lm_evals_sglang_generate_model_scores_as_its_local_completions_model(router, tmp_path, monkeypatch):
+    """lm-eval's sglang-generate model (its own code) scores the multiple-choice task of test_lm_eval through
+    /generate's input logprobs (logprob_start_len 0, batched input_ids): every choice's log-likelihood equals
+    what its local-completions model reads from /v1/completions on the same cluster."""
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "datasets"))
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    from pdserve.model.loader import default_model_path
+    from pdserve.model.tokenizer import _cached_gguf_tokenizer_dir
+    from test_lm_eval import TASK, task_dir
+
+    tokenizer = _cached_gguf_tokenizer_dir(default_model_path())
+    tasks = TaskManager(include_path=str(task_dir(tmp_path / "tasks")))
+    base = f"http://127.0.0.1:{router.http_port}"
+    scores = {}
+    for model, url in (("sglang-generate", "/generate"), ("local-completions", "/v1/completions")):
+        out = lm_eval.simple_evaluate(model=model, model_args=f"base_url={base}{url},model={MODEL},tokenizer={tokenizer},"
+                                                              "tokenizer_backend=huggingface,batch_size=4",
+                                      tasks=[TASK], task_manager=tasks, log_samples=True)
+        scores[model] = [[float(ll) for ll, _ in s["filtered_resps"]] for s in out["samples"][TASK]]
+    assert len(scores["sglang-generate"]) == 20 and all(len(s) == 4 for s in scores["sglang-generate"])
+    for got, want in zip(scores["sglang-generate"], scores["local-completions"]):
+        assert got == pytest.approx(want, abs=1e-4)
