@@ -269,13 +269,13 @@ def generate_routes(front: Frontend) -> APIRouter:
         many = batch or any(r.request.params.n > 1 for r in runs.runs)
         text = body.return_text_in_logprobs
 
+        owners = [(i, j) for i, r in enumerate(runs.runs) for j in range(r.request.params.n)]  # sample k's
+
         def answer(samples: list[Sample], k: int) -> dict:
-            run_i = next(i for i, r in enumerate(runs.runs)
-                         if k < sum(x.request.params.n for x in runs.runs[:i + 1]))
-            run = runs.runs[run_i]
-            sub = k - sum(x.request.params.n for x in runs.runs[:run_i])
-            own = run.request.request_id if run.request.params.n == 1 else f"{run.request.request_id}.{sub}"
-            out = shaper.answer(samples[k], own, run.request.params, logprob[run_i], text, t0)
+            i, j = owners[k]
+            p = runs.runs[i].request
+            out = shaper.answer(samples[k], p.request_id if p.params.n == 1 else f"{p.request_id}.{j}", p.params,
+                                logprob[i], text, t0)
             if many:
                 out["index"] = k
             return out
