@@ -8,7 +8,7 @@ position; -1, the default: none), `return_text_in_logprobs`, `rid` and `stream`.
 {"text", "output_ids", "meta_info": {"id", "finish_reason", "prompt_tokens", "completion_tokens",
 "cached_tokens", "weight_version", "e2e_latency", and with return_logprob "output_token_logprobs"
 [[logprob, id, text or null], ...], "output_top_logprobs", "input_token_logprobs", "input_top_logprobs"}};
-a batch, or n > 1, is a list, prompt i's sample j at i * n + j. finish_reason is {"type": "stop", "matched":
+a batch (at most router.config.MAX_PROMPTS prompts), or n > 1, is a list, prompt i's sample j at i * n + j. finish_reason is {"type": "stop", "matched":
 the token id or stop string}, {"type": "length", "length": tokens} or {"type": "abort", "message"} (a pause
 with mode abort, a weight update: the client resubmits with the tokens so far). meta_info also has
 "output_weight_versions", the weight version that sampled each output token (pdserve's own). Streamed:
@@ -39,6 +39,7 @@ from pdserve.engine.logprobs import TokenLogprob
 from pdserve.engine.request import FinishReason
 from pdserve.engine.structured import StructuredOutput
 from router.admission import Ask
+from router.config import MAX_PROMPTS
 from router.frontend import Frontend
 from router.openai_choices import MIN_LOGPROB, Vocab
 from router.openai_schema import HTTPError
@@ -172,8 +173,11 @@ def generate_asks(body: GenerateReqInput, vocab_size: int) -> tuple[list[Ask], l
     it is a batch."""
     body.refused()
     prompts, batch = body.prompts()
+    field = "text" if body.text is not None else "input_ids"
     if not prompts:
-        raise HTTPError(400, "the batch is empty", param="text" if body.text is not None else "input_ids")
+        raise HTTPError(400, "the batch is empty", param=field)
+    if len(prompts) > MAX_PROMPTS:
+        raise HTTPError(400, f"{field} has {len(prompts)} prompts; the most is {MAX_PROMPTS}", param=field)
     asks, logprob = [], []
     for i, p in enumerate(prompts):
         sp = body.per("sampling_params", i, len(prompts)) or SGLangSampling()

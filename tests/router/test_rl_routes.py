@@ -155,6 +155,8 @@ def test_a_stream_is_sglangs_server_sent_events_with_cumulative_answers(http, id
     ({"input_ids": [1, 2], "sampling_params": {"max_new_token": 2}}, "sampling_params.max_new_token"),
     ({"input_ids": [1, 2], "top_logprobs_num": -1, "return_logprob": True}, "top_logprobs_num"),
     ({"input_ids": [[1, 2], [3]], "sampling_params": [{"max_new_tokens": 1}]}, "sampling_params"),
+    ({"input_ids": [[1]] * 129}, "input_ids"),
+    ({"text": []}, "text"),
 ])
 def test_bad_generate_bodies_are_refused_by_field(http, body, param):
     r = http.post("/generate", json=body)
