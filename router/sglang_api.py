@@ -8,8 +8,8 @@ position; -1, the default: none), `return_text_in_logprobs`, `rid` and `stream`.
 {"text", "output_ids", "meta_info": {"id", "finish_reason", "prompt_tokens", "completion_tokens",
 "cached_tokens", "weight_version", "e2e_latency", and with return_logprob "output_token_logprobs"
 [[logprob, id, text or null], ...], "output_top_logprobs", "input_token_logprobs", "input_top_logprobs"}};
-a batch (at most router.config.MAX_PROMPTS prompts), or n > 1, is a list, prompt i's sample j at i * n + j. finish_reason is {"type": "stop", "matched":
-the token id or stop string}, {"type": "length", "length": tokens} or {"type": "abort", "message"} (a pause
+a batch (at most router.config.MAX_PROMPTS prompts), or n > 1, is a list, prompt i's sample j at i * n + j.
+finish_reason is {"type": "stop", "matched": the token id or stop string}, {"type": "length", "length": tokens} or {"type": "abort", "message"} (a pause
 with mode abort, a weight update: the client resubmits with the tokens so far). meta_info also has
 "output_weight_versions", the weight version that sampled each output token (pdserve's own). Streamed:
 server-sent events, each `data: {json}` the sample's answer so far (text, ids and logprobs cumulative, as
