@@ -303,3 +303,16 @@ def test_lm_evals_sglang_generate_model_scores_as_its_local_completions_model(ro
     assert len(scores["sglang-generate"]) == 20 and all(len(s) == 4 for s in scores["sglang-generate"])
     for got, want in zip(scores["sglang-generate"], scores["local-completions"]):
         assert got == pytest.approx(want, abs=1e-4)
+
+
+@pytest.mark.parametrize("body, says", [
+    ({"model_path": "/etc"}, "weights root"),
+    ({"model_path": "/nowhere/model", "weight_version": "v2"}, "weight_version must be an integer"),
+    ({"model_path": "/nowhere/model", "keep_pause": True}, "not paused"),
+])
+def test_update_weights_from_disk_refuses_what_it_cannot_apply_and_applies_nothing(http, router, body, says):
+    r = http.post("/update_weights_from_disk", json=body)
+    assert r.status_code == 400 and not r.json()["success"] and says in r.json()["message"], r.text
+    assert router.weights.version == 0 and not router.weights.paused
+    bad = http.post("/update_weights_from_disk", json={**body, "no_such_field": 1})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "no_such_field"
