@@ -73,6 +73,9 @@ class Estimate:
         while capacity > 0 and len(held) > capacity:
             held.popitem(last=False)
 
+    def forget(self, worker_id: str) -> None:
+        self._held.pop(worker_id, None)
+
     def match(self, worker_id: str, hashes: Sequence[bytes]) -> int:
         """How many leading blocks of the chain the router placed on the worker (and has not dropped)."""
         held = self._held.get(worker_id, {})
@@ -108,6 +111,11 @@ class Dispatch:
             budget = config.engine_for(config.prefill).scheduler.max_num_batched_tokens
             self._prefill_room = PREFILL_QUEUE_STEPS * budget
             pools.listeners.append(self.dispatch)
+
+    def forget_cache(self, worker_id: str) -> None:
+        """A worker's prefix cache was flushed: what the router knew it held (its events, the placements) goes."""
+        self._pools.kv_index.forget(worker_id)
+        self._estimate.forget(worker_id)
 
     def released(self, wrid: str) -> None:
         """A placed attempt ended: it is no longer in flight."""

@@ -56,11 +56,15 @@ class Router:
         self.control_port: int | None = None
         self._control_server: grpc.aio.Server | None = None
         self.control_http_port: int | None = None
-        # The HTTP control routes: admin only, served on the HTTP door or on the control HTTP port. None exist
-        # yet; whoever adds one (/pause, /update_weights_from_disk, ...) adds it here, before start().
+        # The HTTP control routes: admin only, served on the HTTP door or on the control HTTP port; whoever adds
+        # one adds it here, before start(). SGLang's and vLLM's RL routes (router.sglang_api, router.vllm_api).
         from fastapi import APIRouter
 
+        from router import sglang_api, vllm_api
+
         self.http_control = APIRouter()
+        sglang_api.add_control_routes(self.http_control, front, weights)
+        vllm_api.add_control_routes(self.http_control, weights)
         # Request bytes each door reads (RouterConfig.max_request_body_bytes) and the HTTP door's budget; at start.
         self.max_request_body_bytes = self.grpc_max_receive_bytes = self.request_body_budget_bytes = 0
 
@@ -173,6 +177,10 @@ class Router:
         separate = c.control_http_port is not None
         app = build_app(self.front, name, self.access(), self.max_request_body_bytes, self.request_body_budget_bytes,
                         None if separate else self.http_control, c.read_timeout_s)
+        from router import sglang_api, vllm_api
+
+        app.include_router(sglang_api.generate_routes(self.front))  # SGLang's /generate, the inference role
+        app.include_router(vllm_api.generate_routes(self.front, {name, self.front.info.path}))
         self.http_app = app
         self.http_port = await self._serve_http(app, c.host, c.http_port)
         log.info("OpenAI-compatible HTTP API on %s://%s:%d/v1 (model %r)", "https" if c.tls else "http", c.host,

@@ -2,7 +2,7 @@
 
 The router (router/weights.py) calls these on the worker's Ray actor: `stage_weights`, `commit_weights`,
 `update_weights`, `join_weight_group`, `receive_weights`, `weights_received`, `leave_weight_group`,
-`export_weights`, `pause`, `resume`. Ray finds an actor's methods on its class, so they cannot live on an
+`export_weights`, `pause`, `resume`, `flush_prefix_cache`. Ray finds an actor's methods on its class, so they cannot live on an
 object the actor holds without a forwarding method each on the actor: `WeightCalls` is a mixin of
 `WorkerActor` (pdserve.serving.worker), the only one that inherits it. Its own state (what is staged, the
 group, the update counters the stats report) is set in its `__init__`, which `WorkerActor.__init__` runs
@@ -144,6 +144,11 @@ class WeightCalls:
 
     async def resume(self) -> None:
         await asyncio.wrap_future(self.loop.call(lambda: setattr(self.loop, "paused", False)))
+
+    async def flush_prefix_cache(self) -> bool:
+        """Between two steps: forget everything the prefix cache holds (its KV events tell the routers); False,
+        nothing forgotten, while a request holds KV blocks (pdserve.engine.block_pool.reset_prefix_cache)."""
+        return await asyncio.wrap_future(self.loop.call(self.core.pool.reset_prefix_cache))
 
     def _commit_weights(self, staged, version: int) -> None:
         """Step thread. A commit that fails part-way leaves a mix of two versions: the worker must not serve

@@ -1,0 +1,176 @@
+"""RL frameworks' own client code, installed from PyPI, driving a 1P1D cluster of the tiny Llama through
+pdserve's SGLang and vLLM routes (router.sglang_api, router.vllm_api):
+
+- AReaL 1.0.4's RemoteSGLangEngine (its CPU platform): rollouts with logprobs equal to pdserve's gRPC API's;
+  pause_generation while rollouts run, a weight update from disk (its own request, abort_all_requests), then
+  continue_generation: its abort-and-resubmit loop completes every rollout, each one's tokens the old
+  weights' up to the abort and the new weights' after it (the offline engine's, on each checkpoint); and
+  rollouts after the update equal the offline engine's on the new weights.
+- SkyRL 0.3.0's RemoteInferenceClient: generate through /inference/v1/generate with token ids and logprobs
+  equal to pdserve's gRPC API's; pause (keep) and resume around requests in flight; reset_prefix_cache.
+
+Each is skipped where its package is not installed (they are not in the project's extras: AReaL pins a torch
+older than the project's, so it is installed without its dependencies; see docs/serving.md)."""
+from __future__ import annotations
+
+import asyncio
+import functools
+import shutil
+import threading
+import time
+
+import pytest
+
+from pdserve.client import Client
+from pdserve.config import CacheConfig, ClusterConfig, EngineConfig, PoolConfig, SchedulerConfig
+from pdserve.engine import LLMEngine
+from pdserve.engine.sampling import SamplingParams
+from router.cluster import Cluster
+from router.compose import build_router
+from router.config import RouterConfig
+
+from conftest import wait_for
+
+pytestmark = pytest.mark.slow
+PROMPTS = [[7, 81, 19, 240, 5, 33, 100, 12], [64, 3, 150, 9, 2, 77], [11, 12, 13, 14, 15], [200, 100, 50, 25]]
+
+
+def engine_config(path) -> EngineConfig:
+    return EngineConfig(model=str(path), cache=CacheConfig(block_size=4, num_blocks=256),
+                        scheduler=SchedulerConfig(max_num_batched_tokens=64))
+
+
+@pytest.fixture(scope="module")
+def served(ray_local, aloop, weight_versions):
+    cluster = Cluster(ClusterConfig(engine=engine_config(weight_versions[0]), prefill=PoolConfig(1, num_cpus=0.25),
+                                    decode=PoolConfig(1, num_cpus=0.25), local_prefill_max_tokens=0))
+    aloop.run(cluster.start(), timeout=600)
+    router = build_router(cluster, RouterConfig(port=0, http_port=0, served_model_name="tiny"))
+    aloop.run(router.start())
+    yield router
+    aloop.run(router.stop(grace=2))
+    aloop.run(cluster.shutdown())
+
+
+@functools.lru_cache(maxsize=None)
+def reference(path: str, prompt: tuple[int, ...], max_tokens: int) -> tuple[int, ...]:
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    return tuple(LLMEngine(engine_config(path)).generate([list(prompt)], params)[0].token_ids)
+
+
+def grpc_greedy(router, prompt, max_tokens):
+    with Client(f"127.0.0.1:{router.port}") as c:
+        return c.complete(token_ids=prompt, max_tokens=max_tokens, temperature=0.0, ignore_eos=True, logprobs=0,
+                          timeout=120)
+
+
+def test_areals_remote_sglang_engine_rollouts_pause_update_from_disk_and_continue(served, weight_versions,
+                                                                                  tmp_path):
+    sglang_remote = pytest.importorskip("areal.engine.sglang_remote")
+    from areal.api.cli_args import GenerationHyperparameters, InferenceEngineConfig
+    from areal.api.io_struct import ModelRequest, WeightUpdateMeta
+
+    engine = sglang_remote.RemoteSGLangEngine(InferenceEngineConfig(
+        experiment_name="pdserve", trial_name="rl-routes", setup_timeout=60, request_timeout=120,
+        max_concurrent_rollouts=8, pause_grace_period=0.0))
+    engine.initialize(addr=f"127.0.0.1:{served.http_port}", train_data_parallel_size=1)
+    try:
+        async def rollouts(max_new_tokens: int):
+            g = GenerationHyperparameters(max_new_tokens=max_new_tokens, greedy=True, ignore_eos=True)
+            return await asyncio.gather(*(engine.agenerate(ModelRequest(input_ids=list(p), gconfig=g))
+                                          for p in PROMPTS))
+
+        # Rollouts with logprobs: pdserve's own API's tokens and logprobs.
+        first = asyncio.run(rollouts(10))
+        for p, r in zip(PROMPTS, first):
+            ref = grpc_greedy(served, p, 10)
+            assert r.output_tokens == list(ref.token_ids) == list(reference(str(weight_versions[0]), tuple(p), 10))
+            assert r.output_logprobs == pytest.approx([t.logprob for t in ref.logprobs], abs=1e-4)
+            assert r.stop_reason == "length"
+        # Rollouts in flight: pause (abort), update from disk, continue; every rollout completes.
+        n = 200
+        result = {}
+        runner = threading.Thread(target=lambda: result.setdefault("r", asyncio.run(rollouts(n))))
+        runner.start()
+        wait_for(lambda: served.front.admitted == len(PROMPTS), 60, what="the rollouts admitted")
+        engine.pause_generation()
+        assert served.weights.paused
+        # AReaL removes the checkpoint once loaded: a copy of v1, under the weights root (the tiny model's directory)
+        copy = weight_versions[0].parent / f"areal-{time.monotonic_ns()}"
+        shutil.copytree(weight_versions[1], copy)
+        meta = WeightUpdateMeta(type="disk", path=str(copy))
+        _announce_save(engine, meta)
+        engine.update_weights_from_disk(meta).result(timeout=120)
+        engine.set_version(1)
+        engine.continue_generation()
+        runner.join(300)
+        assert not runner.is_alive() and served.weights.version == 1
+        v0, v1 = str(weight_versions[0]), str(weight_versions[1])
+        for p, r in zip(PROMPTS, result["r"]):
+            assert len(r.output_tokens) == n and r.stop_reason == "length"
+            k = r.output_versions.count(0)  # tokens out before the abort: the old weights'
+            assert r.output_versions == [0] * k + [1] * (n - k)
+            assert r.output_tokens[:k] == list(reference(v0, tuple(p), n))[:k]
+            assert r.output_tokens[k:] == list(reference(v1, tuple(p) + tuple(r.output_tokens[:k]), n - k))
+        assert any(r.output_versions.count(0) < n for r in result["r"])  # the pause did abort rollouts
+        after = asyncio.run(rollouts(10))
+        assert [r.output_tokens for r in after] == [list(reference(v1, tuple(p), 10)) for p in PROMPTS]
+    finally:
+        engine.destroy()
+
+
+def _announce_save(engine, meta) -> None:
+    """The trainer's side of AReaL's disk update: it names the saved checkpoint's time (name_resolve, on a
+    file system), which the rollout side waits for before it sends /update_weights_from_disk."""
+    import tempfile
+
+    from areal.api.cli_args import NameResolveConfig
+    from areal.utils import name_resolve, names
+
+    name_resolve.reconfigure(NameResolveConfig(type="nfs", nfs_record_root=tempfile.mkdtemp(prefix="areal-names-")))
+    name_resolve.add(names.update_weights_from_disk(engine.config.experiment_name, engine.config.trial_name,
+                                                    engine.get_version()), str(time.time()), replace=True)
+
+
+def test_skyrls_remote_inference_client_generates_pauses_and_resets(served):
+    import typing
+
+    typing_extensions = pytest.importorskip("typing_extensions")
+    pytest.importorskip("skyrl")
+    # SkyRL declares Python 3.12 (its TypedDicts are typing's, which pydantic takes only from 3.12 on); on 3.11
+    # its TypedDicts must be typing_extensions', the same class there.
+    original = typing.TypedDict
+    typing.TypedDict = typing_extensions.TypedDict
+    try:
+        from skyrl.backends.skyrl_train.inference_servers.remote_inference_client import RemoteInferenceClient
+    finally:
+        typing.TypedDict = original
+
+    async def run():
+        client = RemoteInferenceClient(proxy_url=f"http://127.0.0.1:{served.http_port}",
+                                       server_urls=[f"http://127.0.0.1:{served.http_port}"], data_parallel_size=1,
+                                       model_name="tiny")
+        try:
+            sampling = {"max_tokens": 12, "temperature": 0.0, "ignore_eos": True, "logprobs": 0}
+            outs = [await client._generate_single(list(p), sampling, None, "tiny") for p in PROMPTS[:2]]
+            for p, out in zip(PROMPTS, outs):
+                ref = grpc_greedy(served, p, 12)
+                assert out["response_ids"] == list(ref.token_ids) and out["stop_reason"] == "length"
+                assert out["response_logprobs"] == pytest.approx([t.logprob for t in ref.logprobs], abs=1e-4)
+            # keep: requests in flight stay where they are while paused and go on at resume
+            long = {**sampling, "max_tokens": 200}
+            task = asyncio.ensure_future(client._generate_single(list(PROMPTS[0]), long, None, "tiny"))
+            deadline = time.monotonic() + 60
+            while served.front.admitted == 0 and time.monotonic() < deadline:  # poll: it is in the cluster
+                await asyncio.sleep(0.005)
+            await client.pause(mode="keep")
+            assert served.weights.paused and not task.done()
+            await client.resume()
+            out = await asyncio.wait_for(task, 120)
+            assert out["response_ids"] == list(grpc_greedy(served, PROMPTS[0], 200).token_ids)
+            await client.reset_prefix_cache()
+            assert await client.get_world_size() == (2, 2)  # the two workers' ranks
+        finally:
+            await client.teardown()
+
+    asyncio.run(run())
