@@ -9,8 +9,9 @@ pdserve's SGLang and vLLM routes (router.sglang_api, router.vllm_api):
 - SkyRL 0.3.0's RemoteInferenceClient: generate through /inference/v1/generate with token ids and logprobs
   equal to pdserve's gRPC API's; pause (keep) and resume around requests in flight; reset_prefix_cache.
 
-Each is skipped where its package is not installed (they are not in the project's extras: AReaL pins a torch
-older than the project's, so it is installed without its dependencies; see docs/serving.md)."""
+`make setup` installs both from tests/rl_clients.txt without their dependencies (AReaL pins a torch older than
+the project's; its client module needs only the packages listed there). Each is skipped, saying so, where its
+package is not installed (a venv set up otherwise)."""
 from __future__ import annotations
 
 import asyncio
