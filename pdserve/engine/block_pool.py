@@ -13,7 +13,7 @@ from __future__ import annotations
 import hashlib
 import struct
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 HASH_BYTES = 32
@@ -113,6 +113,9 @@ class BlockPool:
         # The cache's changes since take_events(), a hash's last change winning (True: stored), when recorded.
         self._events: dict[bytes, bool] | None = None
         self._cleared = False
+        # Called with (block id, hash) as a cached block is evicted, before its slots are reused: a KV tier
+        # beneath the cache (pdserve.engine.kv_offload) keeps a copy of its KV.
+        self.on_evict: Callable[[int, bytes], None] | None = None
 
     def record_events(self) -> None:
         """From now on, keep what the prefix cache stores and evicts for take_events()."""
@@ -295,6 +298,8 @@ class BlockPool:
         block_hash = self._hash[block_id]
         if block_hash is not None:
             assert self._cached.get(block_hash) == block_id, f"block {block_id} hash not in map"
+            if self.on_evict is not None:
+                self.on_evict(block_id, block_hash)
             del self._cached[block_hash]
             self._hash[block_id] = None
             if self._events is not None:
