@@ -77,6 +77,7 @@ class KVTierStore:
         self._lock = threading.Lock()
         self._queue: queue.Queue = queue.Queue()
         self._writer: threading.Thread | None = None
+        self._events: dict[bytes, bool] = {}  # the tiers' changes since take_events (True: gained), last wins
         self.copy_bytes_per_s = self._calibrate()
         if self.disk_blocks:
             self._open_disk(meta or {})
@@ -94,12 +95,18 @@ class KVTierStore:
         self.host[:, :, :, slot].copy_(self.kv_cache[:, :, :, block_id])
         self._host[block_hash] = slot
         self.stats.written["host"] += 1
+        with self._lock:
+            self._events[block_hash] = True
 
     def _spill(self) -> None:
         """Free the least recently used host slot, its block going on to disk (if there is a disk tier)."""
         old, slot = self._host.popitem(last=False)
         self._free_slots.append(slot)
-        if not self.disk_blocks or old in self._disk:
+        if not self.disk_blocks:
+            with self._lock:
+                self._events[old] = False
+            return
+        if old in self._disk:
             return
         data = self.host[:, :, :, slot].clone()
         with self._lock:
@@ -109,6 +116,8 @@ class KVTierStore:
                 gone, _ = self._disk.popitem(last=False)
                 self._pending.pop(gone, None)
                 self._queue.put((gone, None))
+                if gone not in self._host:
+                    self._events[gone] = False
         self._queue.put((old, data))
 
     def _write_loop(self) -> None:
@@ -239,8 +248,15 @@ class KVTierStore:
         while len(self._disk) > self.disk_blocks:
             gone, _ = self._disk.popitem(last=False)
             os.unlink(self._path(gone))
+        self._events.update(dict.fromkeys(self._disk, True))  # a successor announces its predecessor's blocks
         self._writer = threading.Thread(target=self._write_loop, name="kv-offload-disk", daemon=True)
         self._writer.start()
+
+    def take_events(self) -> tuple[tuple[bytes, ...], tuple[bytes, ...]]:
+        """Hashes the tiers gained and lost since the last call (KVEvents.offloaded, KVEvents.dropped)."""
+        with self._lock:
+            ev, self._events = self._events, {}
+        return tuple(h for h, v in ev.items() if v), tuple(h for h, v in ev.items() if not v)
 
     def disk_hashes(self) -> list[bytes]:
         """Hashes the disk tier holds (a replacement worker announces them)."""

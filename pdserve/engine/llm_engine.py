@@ -145,6 +145,7 @@ class EngineCore:
         self.kv.tier = KVTierStore(self.runner.kv_cache[:, :, :, :self.runner.num_blocks], cache.offload_bytes,
                                    cache.offload_dir, cache.offload_disk_bytes, meta)
         self.pool.on_evict = self.kv.tier.save
+        self.pool.tier_events = self.kv.tier.take_events
         self.kv.recompute_s_per_token = 2 * self.model_config.num_params / (config.peak_flops or 1e11)
 
     def close(self) -> None:

@@ -23,6 +23,8 @@ def setup(host_blocks: int, disk_dir=None, disk_blocks: int = 0, meta=None):
     kv = KVCacheManager(pool)
     kv.tier = KVTierStore(cache, host_blocks * BLOCK_BYTES, disk_dir, disk_blocks * BLOCK_BYTES, meta or {"m": 1})
     pool.on_evict = kv.tier.save
+    pool.tier_events = kv.tier.take_events
+    pool.record_events()
     kv.recompute_s_per_token = 1.0  # loading always wins
     return cache, pool, kv
 
@@ -58,6 +60,8 @@ def test_evicted_blocks_come_back_from_host_with_their_bytes():
     for i, b in enumerate(req.block_ids):
         assert torch.all(cache[:, :, :, b] == kv_of(a, i))
     assert kv.tier.stats.loaded["host"] == 3 and kv.tier.stats.hits["host"] == 3
+    ev = pool.take_events()
+    assert set(req.block_hashes[:3]) <= set(ev.offloaded) and set(req.block_hashes[:3]) <= set(ev.stored)
     assert pool.peek_cached_prefix(req.block_hashes) == 3  # registered: the next request shares them
     kv.free(req)
     pool.check_integrity()
@@ -102,6 +106,8 @@ def test_host_overflow_goes_to_disk_and_a_successor_finds_it(tmp_path):
     kv2.start(hashes)
     kv2._extend_hashes(hashes, 3)
     assert set(hashes.block_hashes) <= set(kv2.tier.disk_hashes())
+    first = pool2.take_events()  # the successor's first KV events announce its disk tier
+    assert set(hashes.block_hashes) <= set(first.offloaded) and first.stored == ()
     req = Request("a2", a, PARAMS, 0)
     kv2.start(req)
     assert kv2.admit_cached_prefix(req) == 12
