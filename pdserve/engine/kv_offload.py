@@ -277,3 +277,17 @@ class KVTierStore:
             self._queue.put(None)
             self._writer.join()
             self._writer = None
+
+
+def attach_tiers(kv, kv_cache: torch.Tensor, config, num_params: int) -> KVTierStore:
+    """Put the tiers config.cache asks for beneath a KVCacheManager and its block pool: evictions are saved, the
+    tiers' events go out with the cache's, admission loads from them. A prompt token's recompute time, which the
+    cost rule weighs, is 2 FLOPs per parameter at the configured peak (10^11 FLOP/s, a CPU's order, if none)."""
+    cache = config.cache
+    meta = {"model": config.model, "weight_format": config.load_format, "block_size": cache.block_size}
+    tier = KVTierStore(kv_cache, cache.offload_bytes, cache.offload_dir, cache.offload_disk_bytes, meta)
+    kv.tier = tier
+    kv.pool.on_evict = tier.save
+    kv.pool.tier_events = tier.take_events
+    kv.recompute_s_per_token = 2 * num_params / (config.peak_flops or 1e11)
+    return tier

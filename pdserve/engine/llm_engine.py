@@ -16,7 +16,7 @@ from pdserve.config import EngineConfig
 from pdserve.engine.block_pool import BlockPool
 from pdserve.engine.grammar import Grammars
 from pdserve.engine.kv_cache import KVCacheManager
-from pdserve.engine.kv_offload import KVTierStore
+from pdserve.engine.kv_offload import attach_tiers
 from pdserve.engine.logprobs import PromptLogprobs, TokenLogprob
 from pdserve.engine.output import RequestOutput, TextOutput, token_output
 from pdserve.engine.request import NO_TOKEN, SAMPLE_SEP, FinishReason, Request, RequestStatus, validate_prompt
@@ -66,7 +66,11 @@ class EngineCore:
         self.eos_token_ids = self.info.eos_token_ids
         self.pool = BlockPool(self.runner.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
         self.kv = KVCacheManager(self.pool)
-        self._open_tiers(config, tp)
+        if config.cache.offload_bytes and config.cache.enable_prefix_caching:  # KV tiers beneath the cache
+            if tp > 1:
+                raise ValueError("--kv-offload-mib: KV tiers are not supported with tensor parallelism yet")
+            attach_tiers(self.kv, self.runner.kv_cache[:, :, :, :self.runner.num_blocks], config,
+                         self.model_config.num_params)
         self.scheduler = Scheduler(config.scheduler, self.kv, self.eos_token_ids, self.max_model_len, role)
         # A group's forked samples copy the prompt's partial last block where the runner can (one process);
         # a tensor-parallel engine's compute that part again instead.
@@ -131,22 +135,6 @@ class EngineCore:
 
     def validate_prompt(self, prompt: Sequence[int]) -> None:
         validate_prompt(prompt, self.model_config.vocab_size, self.max_model_len)
-
-    def _open_tiers(self, config: EngineConfig, tp: int) -> None:
-        """The KV tiers beneath the cache, when configured (pdserve.engine.kv_offload). A prompt token's recompute
-        time, which the tiers' cost rule weighs, is 2 FLOPs per parameter at the configured peak (10^11 FLOP/s,
-        a CPU's order, when none is given)."""
-        cache = config.cache
-        if not cache.offload_bytes or not cache.enable_prefix_caching:
-            return
-        if tp > 1:
-            raise ValueError("--kv-offload-mib: KV tiers are not supported with tensor parallelism yet")
-        meta = {"model": config.model, "weight_format": config.load_format, "block_size": cache.block_size}
-        self.kv.tier = KVTierStore(self.runner.kv_cache[:, :, :, :self.runner.num_blocks], cache.offload_bytes,
-                                   cache.offload_dir, cache.offload_disk_bytes, meta)
-        self.pool.on_evict = self.kv.tier.save
-        self.pool.tier_events = self.kv.tier.take_events
-        self.kv.recompute_s_per_token = 2 * self.model_config.num_params / (config.peak_flops or 1e11)
 
     def close(self) -> None:
         """Release what lives beyond this process (a tensor-parallel engine's other ranks, the disk tier's writer)."""
