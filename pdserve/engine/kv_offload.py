@@ -13,6 +13,7 @@ holds are copied back into fresh blocks instead of being recomputed, when load_i
 from __future__ import annotations
 
 import json
+import logging
 import os
 import queue
 import threading
@@ -24,6 +25,7 @@ from dataclasses import dataclass, field
 import torch
 
 _META = "pdserve-kv-tier.json"
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -122,23 +124,29 @@ class KVTierStore:
 
     def _write_loop(self) -> None:
         """The disk writer: (hash, KV) writes a block's file, (hash, None) deletes it; None ends the thread."""
+        tmp = os.path.join(self.disk_dir, f".{os.getpid()}-{threading.get_ident()}.tmp")  # this writer's own
         while (item := self._queue.get()) is not None:
             block_hash, data = item
             path = self._path(block_hash)
-            if data is None:
-                try:
+            try:
+                if data is None:
                     os.unlink(path)
-                except FileNotFoundError:
-                    pass
-                continue
-            tmp = path + ".tmp"
-            with open(tmp, "wb") as f:
-                f.write(data.contiguous().view(torch.uint8).numpy().tobytes())
-            os.replace(tmp, path)  # a reader (or a successor worker) never sees half a block
-            with self._lock:
-                if self._pending.get(block_hash) is data:
-                    del self._pending[block_hash]
-            self.stats.written["disk"] += 1
+                    continue
+                with open(tmp, "wb") as f:
+                    f.write(data.contiguous().view(torch.uint8).numpy().tobytes())
+                os.replace(tmp, path)  # a reader (or a successor worker) never sees half a block
+                self.stats.written["disk"] += 1
+            except OSError as e:  # gone already (another worker's budget), or the disk is full: no copy kept
+                if data is not None:
+                    log.warning("kv offload: block %s not written to %s: %s", block_hash.hex()[:12], self.disk_dir, e)
+                    with self._lock:
+                        self._disk.pop(block_hash, None)
+                        self._events[block_hash] = block_hash in self._host
+            finally:
+                if data is not None:
+                    with self._lock:
+                        if self._pending.get(block_hash) is data:
+                            del self._pending[block_hash]
 
     # -- loads --------------------------------------------------------------------------------------------------
 
@@ -234,20 +242,27 @@ class KVTierStore:
             if found != meta:
                 raise ValueError(f"--kv-offload-dir {self.disk_dir} holds KV of {found}, not of {meta}")
         else:
-            with open(meta_path, "w") as f:
+            tmp = f"{meta_path}.{os.getpid()}.tmp"
+            with open(tmp, "w") as f:
                 json.dump(meta, f)
+            os.replace(tmp, meta_path)
         files = []
         for name in os.listdir(self.disk_dir):
             if name.endswith(".kv") and len(name) == 67:
-                path = os.path.join(self.disk_dir, name)
-                files.append((os.path.getmtime(path), bytes.fromhex(name[:-3])))
-            elif name.endswith(".tmp"):
-                os.unlink(os.path.join(self.disk_dir, name))  # a write its worker did not finish
+                try:  # another worker of this node sharing the directory may delete it meanwhile
+                    files.append((os.path.getmtime(os.path.join(self.disk_dir, name)), bytes.fromhex(name[:-3])))
+                except (OSError, ValueError):
+                    continue
+            elif name.endswith(".tmp") and time.time() - os.path.getmtime(os.path.join(self.disk_dir, name)) > 600:
+                os.unlink(os.path.join(self.disk_dir, name))  # a write its worker did not finish, long ago
         for _, h in sorted(files):
             self._disk[h] = None
         while len(self._disk) > self.disk_blocks:
             gone, _ = self._disk.popitem(last=False)
-            os.unlink(self._path(gone))
+            try:
+                os.unlink(self._path(gone))
+            except FileNotFoundError:
+                pass
         self._events.update(dict.fromkeys(self._disk, True))  # a successor announces its predecessor's blocks
         self._writer = threading.Thread(target=self._write_loop, name="kv-offload-disk", daemon=True)
         self._writer.start()
