@@ -243,6 +243,11 @@ class CacheConfig:
     num_blocks: int | None = None  # None: derived from memory_bytes
     memory_bytes: int = 1 << 30  # budget for the KV cache when num_blocks is not given
     enable_prefix_caching: bool = True
+    # KV tiers beneath the cache (pdserve.engine.kv_offload): host memory for evicted blocks (0: no tiers), and
+    # from there a directory on local disk with its own budget (None / 0: no disk tier).
+    offload_bytes: int = 0
+    offload_dir: str | None = None
+    offload_disk_bytes: int = 0
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -251,6 +256,12 @@ class CacheConfig:
             raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
         if self.memory_bytes < 1:
             raise ValueError(f"memory_bytes must be >= 1, got {self.memory_bytes}")
+        if self.offload_bytes < 0 or self.offload_disk_bytes < 0:
+            raise ValueError("offload_bytes and offload_disk_bytes must be >= 0")
+        if (self.offload_dir is not None or self.offload_disk_bytes) and not self.offload_bytes:
+            raise ValueError("a disk tier (--kv-offload-dir, --kv-offload-disk-mib) needs a host tier (--kv-offload-mib)")
+        if (self.offload_dir is None) != (self.offload_disk_bytes == 0):
+            raise ValueError("--kv-offload-dir and --kv-offload-disk-mib go together")
 
     def resolve_num_blocks(self, model: ModelConfig, dtype: torch.dtype, tp: int = 1) -> int:
         """Blocks of the cache: num_blocks, or as many as memory_bytes holds on each rank of a worker of

@@ -137,6 +137,13 @@ def _pool_args(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("--decode-resource", action="append", default=[], metavar="NAME=AMOUNT")
     serve.add_argument("--kv-cache-mib", type=int, default=1024,
                        help="KV cache per worker, MiB (per rank of a TP worker: each holds its KV heads)")
+    serve.add_argument("--kv-offload-mib", type=int, default=0,
+                       help="host memory per worker for KV blocks evicted from its cache, loaded back on a prefix "
+                            "hit instead of recomputing (0: off)")
+    serve.add_argument("--kv-offload-dir", default=None,
+                       help="local directory for blocks the host tier has no room for (a replacement worker with "
+                            "the same directory finds them); needs --kv-offload-disk-mib")
+    serve.add_argument("--kv-offload-disk-mib", type=int, default=0, help="the disk tier's budget per worker, MiB")
     serve.add_argument("--block-size", type=int, default=16)
     serve.add_argument("--prefill-token-budget", type=int, default=2048,
                        help="prompt tokens per prefill step (and per colocated step)")
@@ -429,7 +436,9 @@ def _engine_config(args: argparse.Namespace):
     """The model, its dtype and device, the default cache, and the peaks MFU and MBU are read against."""
     from pdserve.config import CacheConfig, EngineConfig
 
-    cache = CacheConfig(block_size=args.block_size, memory_bytes=args.kv_cache_mib << 20)
+    cache = CacheConfig(block_size=args.block_size, memory_bytes=args.kv_cache_mib << 20,
+                        offload_bytes=args.kv_offload_mib << 20, offload_dir=args.kv_offload_dir,
+                        offload_disk_bytes=args.kv_offload_disk_mib << 20)
     peaks = (args.peak_flops, args.peak_memory_bandwidth)
     if args.load_format == "sim":  # MFU and MBU against the GPU a simulated worker stands for, unless given
         from pdserve.perf.hardware import gpu

@@ -28,7 +28,7 @@ from pdserve.engine.block_pool import hash_prompt_blocks
 from pdserve.engine.request import Request
 from pdserve.tiers import ServiceTier, flex_floor
 from router.line import Entry, Line
-from router.placement import DecodeLoad, PrefillLoad, pick_decode, pick_prefill
+from router.placement import DecodeLoad, PrefillLoad, cached_score, pick_decode, pick_prefill
 from router.pools import Pools
 from router.workers import Worker
 
@@ -296,8 +296,10 @@ class Dispatch:
         if self.routing == "random":
             return 0
         version = w.stats.weight_version if w.stats is not None else 0
-        index = self._pools.kv_index if self.routing == "exact" else self._estimate
-        return index.match(w.worker_id, e.hashes(self.block_size, version)) * self.block_size
+        if self.routing == "exact":  # a prefix in the worker's KV tiers counts, below a resident one
+            resident, tiered = self._pools.kv_index.match_tiers(w.worker_id, e.hashes(self.block_size, version))
+            return cached_score(resident * self.block_size, tiered * self.block_size)
+        return self._estimate.match(w.worker_id, e.hashes(self.block_size, version)) * self.block_size
 
     def _record(self, w: Worker, e: Entry) -> None:
         """prefix_routing "estimate": the worker holds the entry's prompt now, as far as the router knows."""

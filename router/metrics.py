@@ -241,6 +241,32 @@ class WorkerCollector(Collector):
         yield from self._by_key(stats)
         yield from self._sessions(stats)
         yield from self._transfers(stats)
+        yield from self._kv_offload(stats)
+
+    @staticmethod
+    def _kv_offload(stats: list[WorkerStats]) -> Iterator[Metric]:
+        """The KV tiers beneath each worker's cache (host memory, disk); 0 for a worker without tiers."""
+        tiered = stats
+        for unit, doc in (("blocks", "KV blocks"), ("bytes", "KV bytes")):
+            f = CounterMetricFamily(f"pdserve_worker_kv_offload_{unit}", f"{doc} the KV tiers took in (written: "
+                                    "evicted from the cache, or from host on to disk) and gave back (loaded into the "
+                                    "cache instead of recomputing), by tier", labels=_WORKER + ["op", "tier"])
+            for s in tiered:
+                for op in ("written", "loaded"):
+                    for tier in ("host", "disk"):
+                        f.add_metric([s.pool, s.worker_id, op, tier], s.kv_offload.get(f"{op}_{tier}_{unit}", 0))
+            yield f
+        f = CounterMetricFamily("pdserve_worker_kv_offload_hit_blocks", "Prompt blocks found in a KV tier past the "
+                                "resident prefix when a prompt was admitted, by tier", labels=_WORKER + ["tier"])
+        for s in tiered:
+            for tier in ("host", "disk"):
+                f.add_metric([s.pool, s.worker_id, tier], s.kv_offload.get(f"hits_{tier}_blocks", 0))
+        yield f
+        f = CounterMetricFamily("pdserve_worker_kv_offload_load_seconds", "Seconds spent loading blocks from the "
+                                "KV tiers into the cache", labels=_WORKER)
+        for s in tiered:
+            f.add_metric([s.pool, s.worker_id], s.kv_offload.get("load_seconds", 0.0))
+        yield f
 
     @staticmethod
     def _peaks(stats: list[WorkerStats]) -> Iterator[Metric]:

@@ -5,6 +5,16 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+# A prompt token a worker holds in a KV tier (host memory or disk beneath its cache) counts for this much of a
+# token held in its cache: loading it back costs a copy, so it beats recomputing (0) and loses to residence (1).
+TIER_WEIGHT = 0.5
+
+
+def cached_score(resident_tokens: int, tiered_tokens: int) -> int:
+    """The cached tokens placement weighs for a worker: its resident prefix, then TIER_WEIGHT of each token after
+    that prefix that it holds in a tier (router.kv_index.KVIndex.match_tiers)."""
+    return resident_tokens + int(TIER_WEIGHT * tiered_tokens)
+
 
 @dataclass(frozen=True)
 class PrefillLoad:

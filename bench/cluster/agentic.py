@@ -62,6 +62,12 @@ class Workload:
             msgs += [{"role": "assistant", "content": reply}, {"role": "user", "content": self.tools[s][t]}]
         return msgs
 
+    def think(self, s: int, t: int) -> float:
+        """Seconds session s waits after turn t (its tool call): --think, or uniform up to --think-max, the same
+        in every run of a seed."""
+        hi = max(self.args.think, self.args.think_max or 0.0)
+        return random.Random(f"{self.args.seed}/{s}/{t}").uniform(self.args.think, hi)
+
     def count(self, msgs: list[dict], reply_ids: list[int]) -> list[int]:
         ids = self.tok.apply_chat_template(msgs)
         self.new_tokens += len(ids) - max((common_prefix(ids, x) for x in self.seen), default=0)
@@ -88,7 +94,7 @@ async def session(client, work: Workload, s: int, model: str, ttft: dict[int, li
         work.count(msgs, work.tok.encode(reply))
         transcripts.append((msgs, reply))
         replies.append(reply)
-        await asyncio.sleep(work.args.think)
+        await asyncio.sleep(work.think(s, t))
 
 
 async def drive(args, server: Server, work: Workload) -> dict:
@@ -113,7 +119,9 @@ async def drive(args, server: Server, work: Workload) -> dict:
     def delta(name: str) -> dict[str, float]:
         a, b = pool_sums(after, name), pool_sums(before, name)
         return {k: a[k] - b.get(k, 0.0) for k in a}
+    returning = [x for t, v in ttft.items() if t > 0 for x in v]
     return dict(wall_s=wall, ttft_by_turn={t: statistics.median(v) for t, v in ttft.items()},
+                ttft_returning=statistics.median(returning) if returning else None,
                 computed=delta("pdserve_worker_prompt_tokens_computed"), kv_bytes=delta("pdserve_kv_transfer_bytes"),
                 hits=delta("pdserve_worker_prefix_cache_hit_blocks"),
                 queries=delta("pdserve_worker_prefix_cache_query_blocks"),
@@ -147,6 +155,8 @@ def main() -> None:
     ap.add_argument("--tool-words", type=int, default=40)
     ap.add_argument("--max-tokens", type=int, default=24)
     ap.add_argument("--think", type=float, default=0.0, help="seconds between a reply and the next turn (a tool)")
+    ap.add_argument("--think-max", type=float, default=None,
+                    help="think times drawn uniformly from --think to this (seeded: the same in every run)")
     ap.add_argument("--seed", type=int, default=5)
     ap.add_argument("--model", default=None)
     ap.add_argument("--serve-args", default="--prefill-workers 2 --decode-workers 2")
@@ -174,7 +184,8 @@ def main() -> None:
     moved = sum(res["kv_bytes"].values())
     print(f"\n{args.label}: {args.sessions} sessions x {args.turns} turns, {args.concurrency} at a time, "
           f"{args.max_tokens} tokens a reply; serve {args.serve_args}; {res['wall_s']:.1f} s")
-    print("median TTFT by turn: " + ", ".join(f"{v * 1e3:.0f}" for v in res["ttft_by_turn"].values()) + " ms")
+    print("median TTFT by turn: " + ", ".join(f"{v * 1e3:.0f}" for v in res["ttft_by_turn"].values()) + " ms"
+          + (f"; returning turns {res['ttft_returning'] * 1e3:.0f} ms" if res["ttft_returning"] is not None else ""))
     print(f"prompt tokens computed {computed:.0f} of {work.requested} requested ({computed / work.requested:.2f}); "
           f"{computed / work.new_tokens:.2f}x the {work.new_tokens} tokens new to the cluster")
     print(f"KV moved {moved / 1e6:.1f} MB: {moved / (work.new_tokens * kv_per_token):.2f}x the new tokens' KV "
@@ -192,7 +203,7 @@ def main() -> None:
     res.pop("transcripts")
     if args.json:
         write_json(args.json, res)
-    print(json.dumps({k: v for k, v in res.items() if k in ("ttft_by_turn",)}))
+    print(json.dumps({k: v for k, v in res.items() if k in ("ttft_by_turn", "ttft_returning")}))
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ from __future__ import annotations
 import hashlib
 import struct
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 HASH_BYTES = 32
@@ -65,23 +65,33 @@ class OutOfBlocks(Exception):
 class KVEvents:
     """What a worker's prefix cache gained and lost since it last said (router.kv_index keeps the cluster's
     view): block hashes stored, block hashes removed (evicted), and `cleared` when the whole cache was
-    forgotten first (the hashes after it are since then)."""
+    forgotten first (the hashes after it are since then). `offloaded` and `dropped`: the same for the KV tiers
+    beneath the cache (pdserve.engine.kv_offload): blocks it can load back instead of recomputing."""
 
     stored: tuple[bytes, ...] = ()
     removed: tuple[bytes, ...] = ()
     cleared: bool = False
+    offloaded: tuple[bytes, ...] = ()
+    dropped: tuple[bytes, ...] = ()
 
     def merged(self, later: KVEvents) -> KVEvents:
         """These events followed by `later` (a hash's last event wins)."""
+        tier = _last_wins((self.offloaded, self.dropped), (later.offloaded, later.dropped))
         if later.cleared:
-            return later
-        state = dict.fromkeys(self.stored, True) | dict.fromkeys(self.removed, False)
-        for h in later.stored:
+            return KVEvents(later.stored, later.removed, True, *tier)
+        cache = _last_wins((self.stored, self.removed), (later.stored, later.removed))
+        return KVEvents(cache[0], cache[1], self.cleared, *tier)
+
+
+def _last_wins(*events: tuple[Sequence[bytes], Sequence[bytes]]) -> tuple[tuple[bytes, ...], tuple[bytes, ...]]:
+    """(gained, lost) pairs in order folded into one: a hash's last event wins."""
+    state: dict[bytes, bool] = {}
+    for gained, lost in events:
+        for h in gained:
             state[h] = True
-        for h in later.removed:
+        for h in lost:
             state[h] = False
-        return KVEvents(tuple(h for h, v in state.items() if v), tuple(h for h, v in state.items() if not v),
-                        self.cleared)
+    return tuple(h for h, v in state.items() if v), tuple(h for h, v in state.items() if not v)
 
 
 class BlockPool:
@@ -113,6 +123,11 @@ class BlockPool:
         # The cache's changes since take_events(), a hash's last change winning (True: stored), when recorded.
         self._events: dict[bytes, bool] | None = None
         self._cleared = False
+        # Called with (block id, hash) as a cached block is evicted, before its slots are reused: a KV tier
+        # beneath the cache (pdserve.engine.kv_offload) keeps a copy of its KV.
+        self.on_evict: Callable[[int, bytes], None] | None = None
+        # The tiers' own events (KVEvents.offloaded, .dropped), folded into take_events() when set.
+        self.tier_events: Callable[[], tuple[tuple[bytes, ...], tuple[bytes, ...]]] | None = None
 
     def record_events(self) -> None:
         """From now on, keep what the prefix cache stores and evicts for take_events()."""
@@ -120,10 +135,14 @@ class BlockPool:
 
     def take_events(self) -> KVEvents | None:
         """The cache's changes since the last call (None if there were none, or if they are not recorded)."""
-        if not self._events and not self._cleared:
+        if self._events is None:
+            return None
+        offloaded, dropped = self.tier_events() if self.tier_events is not None else ((), ())
+        if not self._events and not self._cleared and not offloaded and not dropped:
             return None
         ev = self._events
-        out = KVEvents(tuple(h for h, v in ev.items() if v), tuple(h for h, v in ev.items() if not v), self._cleared)
+        out = KVEvents(tuple(h for h, v in ev.items() if v), tuple(h for h, v in ev.items() if not v), self._cleared,
+                       offloaded, dropped)
         self._events, self._cleared = {}, False
         return out
 
@@ -295,6 +314,8 @@ class BlockPool:
         block_hash = self._hash[block_id]
         if block_hash is not None:
             assert self._cached.get(block_hash) == block_id, f"block {block_id} hash not in map"
+            if self.on_evict is not None:
+                self.on_evict(block_id, block_hash)
             del self._cached[block_hash]
             self._hash[block_id] = None
             if self._events is not None:

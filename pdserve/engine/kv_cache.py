@@ -8,6 +8,7 @@ import torch
 
 from pdserve.config import ModelConfig
 from pdserve.engine.block_pool import BlockPool, OutOfBlocks, hash_block, version_root
+from pdserve.engine.kv_offload import KVTierStore
 from pdserve.engine.request import Request
 
 
@@ -23,6 +24,8 @@ class KVCacheManager:
         self.pool = pool
         self.block_size = pool.block_size
         self.version = 0  # the weight version this worker computes with (EngineCore.update_weights sets it)
+        self.tier: KVTierStore | None = None  # host/disk tiers beneath the cache (EngineCore sets them)
+        self.recompute_s_per_token = 1e-3  # a prompt token's compute time, the tiers' cost rule weighs it
 
     def start(self, req: Request, version: int | None = None) -> None:
         """A request with no KV here is about to get some, computed by weight version `version` (default:
@@ -46,9 +49,29 @@ class KVCacheManager:
         self._extend_hashes(req, full)
         hits = self.pool.get_cached_prefix(req.block_hashes[:full])
         req.block_ids = list(hits)
-        req.num_registered_blocks = len(hits)
-        req.num_computed_tokens = req.num_cached_tokens = len(hits) * self.block_size
+        if self.tier is not None and len(hits) < full:
+            req.block_ids += self._load_from_tier(req.block_hashes[len(hits):full])
+        req.num_registered_blocks = len(req.block_ids)
+        req.num_computed_tokens = req.num_cached_tokens = len(req.block_ids) * self.block_size
         return req.num_computed_tokens
+
+    def _load_from_tier(self, block_hashes: list[bytes]) -> list[int]:
+        """Blocks (one reference each, registered in the prefix cache) holding the leading blocks of
+        `block_hashes` a tier has, copied back from it; [] when recomputing them is cheaper
+        (KVTierStore.load_is_cheaper) or the pool is short of room."""
+        tiers = self.tier.lookup(block_hashes)
+        if not tiers or not self.tier.load_is_cheaper(len(tiers), self.recompute_s_per_token, self.block_size, tiers):
+            return []
+        try:
+            blocks = self.pool.allocate(len(tiers))  # may evict (and save) others, never these: they are fresh
+        except OutOfBlocks:
+            return []
+        for i, (block_id, block_hash) in enumerate(zip(blocks, block_hashes)):
+            if self.tier.load(block_hash, block_id) is None:  # dropped meanwhile: the rest is recomputed
+                self.pool.free(blocks[i:][::-1])
+                return blocks[:i]
+            self.pool.cache_block(block_id, block_hash)
+        return blocks
 
     def pin_prefix(self, req: Request, num_blocks: int, version: int) -> bool:
         """A partial hand-off's request, with no blocks yet: take the first num_blocks full blocks of its tokens

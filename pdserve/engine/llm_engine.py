@@ -16,6 +16,7 @@ from pdserve.config import EngineConfig
 from pdserve.engine.block_pool import BlockPool
 from pdserve.engine.grammar import Grammars
 from pdserve.engine.kv_cache import KVCacheManager
+from pdserve.engine.kv_offload import attach_tiers
 from pdserve.engine.logprobs import PromptLogprobs, TokenLogprob
 from pdserve.engine.output import RequestOutput, TextOutput, token_output
 from pdserve.engine.request import NO_TOKEN, SAMPLE_SEP, FinishReason, Request, RequestStatus, validate_prompt
@@ -65,6 +66,11 @@ class EngineCore:
         self.eos_token_ids = self.info.eos_token_ids
         self.pool = BlockPool(self.runner.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
         self.kv = KVCacheManager(self.pool)
+        if config.cache.offload_bytes and config.cache.enable_prefix_caching:  # KV tiers beneath the cache
+            if tp > 1:
+                raise ValueError("--kv-offload-mib: KV tiers are not supported with tensor parallelism yet")
+            attach_tiers(self.kv, self.runner.kv_cache[:, :, :, :self.runner.num_blocks], config,
+                         self.model_config.num_params)
         self.scheduler = Scheduler(config.scheduler, self.kv, self.eos_token_ids, self.max_model_len, role)
         # A group's forked samples copy the prompt's partial last block where the runner can (one process);
         # a tensor-parallel engine's compute that part again instead.
@@ -131,7 +137,9 @@ class EngineCore:
         validate_prompt(prompt, self.model_config.vocab_size, self.max_model_len)
 
     def close(self) -> None:
-        """Release what lives beyond this process (a tensor-parallel engine's other ranks)."""
+        """Release what lives beyond this process (a tensor-parallel engine's other ranks, the disk tier's writer)."""
+        if self.kv.tier is not None:
+            self.kv.tier.close()
         close = getattr(self.runner, "close", None)
         if close is not None:
             close()

@@ -228,6 +228,9 @@ class WorkerStats:
     local_prefills: int = 0
     handoff_blocks: int = 0
     handoff_avoided_blocks: int = 0
+    # KV tiers beneath the cache (pdserve.engine.kv_offload.TierStats.as_dict): blocks and bytes written and
+    # loaded and blocks hit, by tier, and load seconds; {} without tiers.
+    kv_offload: dict = field(default_factory=dict)
 
     @property
     def busy_fraction(self) -> float:

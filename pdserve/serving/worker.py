@@ -309,5 +309,5 @@ class WorkerActor(WeightCalls, Cancels, FaultCalls):
             weight_updates=self.weight_updates, weight_update_seconds=self.weight_update_seconds,
             weight_update_bytes=self.weight_update_bytes, weight_update_failures=self.weight_update_failures,
             version_outcomes=dict(c.version_outcomes), expert_tokens=c.expert_tokens(),
-            hop_tokens=dict(self.hop_tokens),
+            hop_tokens=dict(self.hop_tokens), kv_offload=c.kv.tier.stats.as_dict() if c.kv.tier is not None else {},
             **self._extra_stats())

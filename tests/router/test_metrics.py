@@ -352,7 +352,7 @@ def test_dashboard_is_grafana_shaped():
     rows = [p["title"] for p in d["panels"] if p["type"] == "row"]
     assert rows == ["Prefill pool", "Decode pool", "Latency", "KV transfer", "Sessions and prefix cache",
                     "Pool sizes (autoscaling)",
-                    "Service tiers", "Weights (RL updates)", "Mixture of experts"]
+                    "Service tiers", "Weights (RL updates)", "Mixture of experts", "KV tiers (offload)"]
     for p in d["panels"]:
         if p["type"] != "row":
             assert p["datasource"]["uid"] == "${datasource}" and p["targets"]
@@ -578,3 +578,19 @@ def test_prometheus_reads_every_panel_on_a_dense_model(aloop, smol_1p1d, prometh
     own): no expert series exists and the expert panels read their fallbacks. Its prompts (runs of a token
     from 30000 on) are none another module sends to the shared cluster."""
     scrape_every_expression(aloop, smol_1p1d, prometheus, first_token=30000, experts=False)
+
+
+def test_kv_offload_series_by_tier():
+    """The KV tiers' blocks and bytes written and loaded, hits and load time, by tier; 0 for a worker without tiers."""
+    tier = {"written_host_blocks": 9, "written_host_bytes": 9 * 64, "written_disk_blocks": 4,
+            "written_disk_bytes": 4 * 64, "loaded_host_blocks": 5, "loaded_host_bytes": 5 * 64,
+            "loaded_disk_blocks": 2, "loaded_disk_bytes": 2 * 64, "hits_host_blocks": 6, "hits_disk_blocks": 2,
+            "load_seconds": 0.25}
+    workers = [stats("decode", "decode-0", kv_offload=tier), stats("prefill", "prefill-0")]
+    g = RouterMetrics(lambda: workers).registry.get_sample_value
+    d, p = {"pool": "decode", "worker": "decode-0"}, {"pool": "prefill", "worker": "prefill-0"}
+    assert g("pdserve_worker_kv_offload_blocks_total", {**d, "op": "written", "tier": "disk"}) == 4
+    assert g("pdserve_worker_kv_offload_bytes_total", {**d, "op": "loaded", "tier": "host"}) == 5 * 64
+    assert g("pdserve_worker_kv_offload_hit_blocks_total", {**d, "tier": "host"}) == 6
+    assert g("pdserve_worker_kv_offload_load_seconds_total", d) == 0.25
+    assert g("pdserve_worker_kv_offload_blocks_total", {**p, "op": "loaded", "tier": "host"}) == 0

@@ -1,0 +1,100 @@
+"""KV tiers in the offline engine on a tiny checkpoint: a session's returning turn, its blocks evicted from a cache
+too small to keep them, is served from the host tier (or the disk tier) token-exact, computing fewer prompt tokens."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pdserve.config import CacheConfig, EngineConfig, SchedulerConfig
+from pdserve.engine import LLMEngine
+from pdserve.engine.sampling import SamplingParams
+
+BS = 4
+BLOCKS = 24
+PARAMS = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+
+
+def make_engine(path, peak_flops=None, **tiers) -> LLMEngine:
+    cache = CacheConfig(block_size=BS, num_blocks=BLOCKS, **tiers)
+    return LLMEngine(EngineConfig(model=str(path), cache=cache, peak_flops=peak_flops,
+                                  scheduler=SchedulerConfig(max_num_batched_tokens=32, max_num_seqs=4)))
+
+
+def tokens(n: int, seed: int) -> list[int]:
+    return torch.randint(0, 320, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def session(eng: LLMEngine) -> tuple[list[list[int]], int]:
+    """Two sessions' first turns, fillers that evict them, then their second turns: (replies, prompt tokens
+    computed by the second turns)."""
+    firsts = [tokens(37, 1), tokens(41, 2)]
+    replies = [o.token_ids for o in eng.generate(firsts, PARAMS)]
+    for seed in range(10, 13):  # 3 x 60 tokens through a 96-slot cache: the first turns' blocks are evicted
+        eng.generate([tokens(60, seed)], PARAMS)
+    seconds = [f + r + tokens(5, 20 + i) for i, (f, r) in enumerate(zip(firsts, replies))]
+    before = eng.core.prompt_tokens_computed
+    replies += [eng.generate([s], PARAMS)[0].token_ids for s in seconds]
+    return replies, eng.core.prompt_tokens_computed - before
+
+
+@pytest.fixture(scope="module")
+def ckpt(tiny_checkpoints):
+    return tiny_checkpoints["llama"]
+
+
+@pytest.fixture(scope="module")
+def baseline(ckpt):
+    eng = make_engine(ckpt)
+    replies, computed = session(eng)
+    block_bytes = eng.core.runner.kv_cache[:, :, :, 0].numel() * eng.core.runner.kv_cache.element_size()
+    eng.close()
+    return replies, computed, block_bytes
+
+
+def test_host_tier_is_token_exact_and_recomputes_less(ckpt, baseline):
+    replies, computed, _ = baseline
+    eng = make_engine(ckpt, peak_flops=1e6, offload_bytes=1 << 20)  # loads priced below recompute
+    got, tier_computed = session(eng)
+    stats = eng.core.kv.tier.stats
+    eng.close()
+    assert got == replies
+    assert stats.loaded["host"] >= 18  # the two first turns' 9 + 10 full blocks, less the last token's
+    assert tier_computed * 4 <= computed, (tier_computed, computed)
+
+
+def test_disk_tier_under_a_small_host_tier_is_token_exact(ckpt, baseline, tmp_path):
+    replies, computed, block_bytes = baseline
+    # The tiny model recomputes a block faster than the cost rule prices a disk read; a slow peak prices
+    # recompute as a real model's would.
+    eng = make_engine(ckpt, peak_flops=1e6, offload_bytes=2 * block_bytes, offload_dir=str(tmp_path),
+                      offload_disk_bytes=256 * block_bytes)
+    got, tier_computed = session(eng)
+    stats = eng.core.kv.tier.stats
+    eng.close()
+    assert got == replies
+    assert stats.loaded["disk"] > 0 and stats.written["disk"] > 0
+    assert tier_computed < computed
+
+
+def test_recompute_wins_where_the_cost_rule_says_so(ckpt, baseline):
+    """At a peak of 10^18 FLOP/s recomputing is priced below any copy: nothing is loaded, replies unchanged."""
+    replies, computed, _ = baseline
+    eng = make_engine(ckpt, peak_flops=1e18, offload_bytes=1 << 20)
+    got, tier_computed = session(eng)
+    stats = eng.core.kv.tier.stats
+    eng.close()
+    assert got == replies and tier_computed == computed
+    assert stats.hits["host"] > 0 and stats.loaded.total() == 0
+
+
+def test_a_weight_update_loads_no_block_of_the_old_version(ckpt, baseline):
+    eng = make_engine(ckpt, peak_flops=1e6, offload_bytes=1 << 20)  # loads priced below recompute
+    first = tokens(37, 1)
+    eng.generate([first], PARAMS)
+    for seed in range(10, 13):
+        eng.generate([tokens(60, seed)], PARAMS)
+    assert eng.core.kv.tier.stats.written["host"] >= 9
+    eng.core.kv.version = 1  # what a weight update does to the cache's keys (EngineCore.update_weights)
+    eng.generate([first], PARAMS)
+    assert eng.core.kv.tier.stats.loaded.total() == 0 and eng.core.kv.tier.stats.hits.total() == 0
+    eng.close()
