@@ -26,6 +26,8 @@ from dataclasses import dataclass
 
 import torch
 
+from pdserve.engine.sampling import SamplingParams, apply_min_p, apply_top_k_top_p, token_seed
+
 SUPPORTED_METHODS = ("ngram",)
 # Methods of the field that a later change may add; named in the refusal so that the message says
 # "not yet" rather than "unknown".
@@ -163,6 +165,28 @@ def accept_sampled(probs: torch.Tensor, draft: Sequence[int], generator: torch.G
         return out
     out.append(int(torch.multinomial(probs[-1], 1, generator=generator)))
     return out
+
+
+def verify(logits: torch.Tensor, draft: Sequence[int], params: SamplingParams, seed: int,
+           output_index: int) -> list[int]:
+    """The tokens a verification chunk emits (1 to len(draft) + 1). logits: [len(draft) + 1, vocab], the
+    target's raw logits at the chunk's positions. Only requests without penalties, banned tokens, masks or
+    logprobs speculate (pdserve.engine.scheduler_spec), so the raw logits are what the sampler would process:
+    greedy takes their argmax; sampling applies the temperature, min-p and top-k / top-p as the sampler does
+    and draws with a generator seeded by the request's seed and the first token's output index (the draw is
+    reproducible, though not the one plain decoding makes: the distribution is the same, the tokens are not)."""
+    if params.greedy:
+        return accept_greedy(logits.argmax(dim=-1).tolist(), draft)
+    rows = logits.shape[0]
+    scaled = logits / params.temperature
+    if params.min_p > 0:
+        scaled = apply_min_p(scaled, torch.full((rows,), params.min_p, device=logits.device))
+    if params.top_k > 0 or params.top_p < 1.0:
+        scaled = apply_top_k_top_p(scaled, torch.full((rows,), params.top_k, dtype=torch.int64, device=logits.device),
+                                   torch.full((rows,), params.top_p, device=logits.device))
+    gen = torch.Generator(device=logits.device)
+    gen.manual_seed(token_seed(seed, output_index))
+    return accept_sampled(scaled.softmax(dim=-1), draft, gen)
 
 
 @dataclass
