@@ -126,3 +126,26 @@ def test_batch_rule_from_the_roofline():
     assert 290 <= rows <= 300
     assert max_speculating_batch(SpeculativeConfig(num_speculative_tokens=4), rows) == rows // 5
     assert max_speculating_batch(SpeculativeConfig(disable_by_batch_size=8), rows) == 8
+
+
+def test_serve_flag_sets_decode_colocated_and_fast_lane_pools():
+    from router.cli import cluster_config_from_args, parse_args
+
+    flag = '{"method": "ngram", "num_speculative_tokens": 3}'
+    c = cluster_config_from_args(parse_args(["serve", "--speculative-config", flag, "--fast-lane-workers", "1",
+                                             "--fast-lane-speculative-config", '{"method": "ngram", '
+                                             '"num_speculative_tokens": 6}']))
+    assert c.engine_for(c.prefill).speculative is None  # a prefill pool never speculates
+    assert c.engine_for(c.decode).speculative.num_speculative_tokens == 3
+    assert c.engine_for(c.fast).speculative.num_speculative_tokens == 6
+    c = cluster_config_from_args(parse_args(["serve", "--mode", "colocated", "--speculative-config", flag]))
+    assert c.engine_for(c.colocated).speculative.num_speculative_tokens == 3
+    c = cluster_config_from_args(parse_args(["serve"]))
+    assert c.engine_for(c.decode).speculative is None
+
+
+def test_serve_refuses_other_methods_at_start(capsys):
+    from router.cli import main
+
+    assert main(["serve", "--speculative-config", '{"method": "draft_model", "model": "m"}']) == 2
+    assert "not supported yet" in capsys.readouterr().err
