@@ -316,4 +316,5 @@ class WorkerActor(WeightCalls, Cancels, FaultCalls):
             weight_update_bytes=self.weight_update_bytes, weight_update_failures=self.weight_update_failures,
             version_outcomes=dict(c.version_outcomes), expert_tokens=c.expert_tokens(),
             hop_tokens=dict(self.hop_tokens),
+            speculation=c.scheduler.speculation.stats() if c.scheduler.speculation is not None else {},
             **self._extra_stats())

@@ -149,3 +149,23 @@ def test_serve_refuses_other_methods_at_start(capsys):
 
     assert main(["serve", "--speculative-config", '{"method": "draft_model", "model": "m"}']) == 2
     assert "not supported yet" in capsys.readouterr().err
+
+
+def test_worker_metrics_export_speculation():
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from pdserve.serving.messages import WorkerStats
+    from router.metrics import WorkerCollector
+
+    stats = [WorkerStats("d0", "decode", 0, 0, 1, 1, 10, speculation={
+        "drafted": 10, "accepted": 7, "verifications": 3, "acceptance_lengths": {4: 1, 3: 1, 0: 1}}),
+        WorkerStats("p0", "prefill", 0, 0, 0, 0, 10)]
+    reg = CollectorRegistry()
+    reg.register(WorkerCollector(lambda: stats))
+    text = generate_latest(reg).decode()
+    assert 'pdserve_worker_spec_drafted_tokens_total{pool="decode",worker="d0"} 10.0' in text
+    assert 'pdserve_worker_spec_accepted_tokens_total{pool="decode",worker="d0"} 7.0' in text
+    assert 'pdserve_worker_spec_acceptance_length_bucket{le="2.0",pool="decode",worker="d0"} 1.0' in text
+    assert 'pdserve_worker_spec_acceptance_length_bucket{le="3.0",pool="decode",worker="d0"} 2.0' in text
+    assert 'pdserve_worker_spec_acceptance_length_sum{pool="decode",worker="d0"} 7.0' in text
+    assert 'worker="p0"' not in "".join(l for l in text.splitlines() if "spec_" in l)
