@@ -23,10 +23,8 @@ from pdserve.engine.runner import ModelRunner, StepResult
 from pdserve.engine.sampling import SamplingParams
 from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.scheduler_types import Role, SampledToken, ScheduledStep
-from pdserve.engine.scheduler_spec import Speculation
+from pdserve.engine.scheduler_spec import speculation_for
 from pdserve.engine.sim_runner import SimRunner
-from pdserve.engine.speculative import free_rows
-from pdserve.engine.utilization import device_peaks
 from pdserve.model.loader import LoadedModel, ModelInfo, load, load_info, load_shard
 from pdserve.weights.update import StagedUpdate, export_checkpoint, stage, stage_checkpoint
 
@@ -78,7 +76,8 @@ class EngineCore:
             self.scheduler.grammars = Grammars(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
         on = config.pipelined_decode if config.pipelined_decode is not None else cuda
         self.pipelined = on and role is not Role.PREFILL and tp == 1
-        self._speculate(config, role)
+        self.scheduler.speculation = speculation_for(config, role, self.runner, self.pipelined,
+                                                     isinstance(self.runner, SimRunner))
         self.steps = 0
         self.tokens_processed = 0
         self.prompt_tokens_computed = 0  # prompt positions computed (tokens_processed's prompt share)
@@ -87,20 +86,6 @@ class EngineCore:
         self.version_outcomes: collections.Counter[str] = collections.Counter()
         self._spare: StagedUpdate | None = None  # the update committed last (stage_weights reuses its memory)
         self._arena: list[torch.Tensor] = []  # a trainer's updates arrive here, a buffer per bucket (receive_weights)
-
-    def _speculate(self, config: EngineConfig, role: Role) -> None:
-        """Speculative decoding (pdserve.engine.scheduler_spec) where configured: decode and colocated engines
-        that are not pipelined (a pipelined step would need its emitted count before the next is built) and run
-        a model (a simulated engine's tokens are not the model's). The batch it stops at comes from the
-        device's ridge point (pdserve.engine.speculative.free_rows)."""
-        spec = config.speculative
-        if spec is None or role is Role.PREFILL or self.pipelined or isinstance(self.runner, SimRunner):
-            return
-        peaks = device_peaks(self.runner.device, config.peak_flops, config.peak_bytes_per_second) \
-            if spec.disable_by_batch_size is None else None
-        weight_bytes = next(self.runner.model.parameters()).element_size() if hasattr(self.runner, "model") else 2
-        rows = free_rows(peaks.flops_per_second, peaks.bytes_per_second, weight_bytes) if peaks else 1
-        self.scheduler.speculation = Speculation(spec, rows)
 
     def expert_tokens(self) -> tuple[int, ...]:
         """A mixture of experts: tokens routed to each expert so far, over its layers; () for a dense or

@@ -50,7 +50,7 @@ from pdserve.engine.request import (
 )
 from pdserve.engine.runner import StepResult, samples_of
 from pdserve.engine.sampling import sample_seed
-from pdserve.engine.scheduler_spec import Speculation, trim
+from pdserve.engine.scheduler_spec import Speculation, step_chunks, trim
 from pdserve.engine.scheduler_types import (
     Role,
     SampledToken,
@@ -249,11 +249,7 @@ class Scheduler(PipelinedDecode):
             bs = self.kv.block_size
             computing.update(req.block_hashes[req.num_computed_tokens // bs:(req.num_computed_tokens + n) // bs])
         self.num_preemptions += preempted
-        chunks = [chunk_of(r, n, self.eos_token_ids) if r not in drafts else
-                  chunk_of(r, 1, self.eos_token_ids)._replace(token_ids=[r.token_ids[-1], *drafts[r]],
-                                                              draft=tuple(drafts[r]))
-                  for r, n in scheduled]
-        return ScheduledStep([r for r, _ in scheduled], chunks, reserved)
+        return ScheduledStep([r for r, _ in scheduled], step_chunks(scheduled, drafts, self.eos_token_ids), reserved)
 
     def _draft(self, req: Request, budget: int) -> list[int]:
         """The tokens req drafts this step, if their slots can be had without taking anyone's blocks."""

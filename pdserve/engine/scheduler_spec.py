@@ -19,7 +19,10 @@ import collections
 from collections.abc import Sequence
 
 from pdserve.engine.request import Request
-from pdserve.engine.speculative import DraftState, SpeculativeConfig, max_speculating_batch, propose
+from pdserve.engine.chunk import Chunk
+from pdserve.engine.scheduler_types import Role, chunk_of
+from pdserve.engine.speculative import DraftState, SpeculativeConfig, free_rows, max_speculating_batch, propose
+from pdserve.engine.utilization import device_peaks
 
 
 class Speculation:
@@ -82,3 +85,32 @@ def trim(kv, req: Request) -> None:
     if extra:
         kv.pool.free(list(extra)[::-1])
         del req.block_ids[keep:]
+
+
+def speculation_for(config, role: Role, runner, pipelined: bool, simulated: bool) -> Speculation | None:
+    """An engine's speculation (config: its EngineConfig), where configured: decode and colocated engines of one
+    rank that are not pipelined (a pipelined step would need its emitted count before the next is built) and run a model
+    (a simulated engine's tokens are not the model's). Without disable_by_batch_size, the batch it stops at
+    comes from the device's ridge point (pdserve.engine.speculative.free_rows): its peaks as configured, from
+    the GPU table, or measured here."""
+    spec = config.speculative
+    # A tensor-parallel engine's ranks run every LM head call together: rank 0's verification would be one
+    # they do not make. Not supported yet.
+    if spec is None or role is Role.PREFILL or pipelined or simulated or config.tensor_parallel_size > 1:
+        return None
+    rows = 1
+    if spec.disable_by_batch_size is None:
+        peaks = device_peaks(runner.device, config.peak_flops, config.peak_bytes_per_second)
+        model = getattr(runner, "model", None)
+        weight_bytes = next(model.parameters()).element_size() if model is not None else 2
+        rows = free_rows(peaks.flops_per_second, peaks.bytes_per_second, weight_bytes)
+    return Speculation(spec, rows)
+
+
+def step_chunks(scheduled: list[tuple[Request, int]], drafts: dict[Request, list[int]],
+                eos_token_ids: tuple[int, ...]) -> list[Chunk]:
+    """A step's chunks (pdserve.engine.scheduler_types.chunk_of); a drafting request's is its last token and its
+    drafts (Chunk.draft)."""
+    return [chunk_of(r, n, eos_token_ids) if r not in drafts else
+            chunk_of(r, 1, eos_token_ids)._replace(token_ids=[r.token_ids[-1], *drafts[r]], draft=tuple(drafts[r]))
+            for r, n in scheduled]
