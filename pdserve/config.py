@@ -355,11 +355,9 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         torch_dtype(self.dtype)
-        if self.speculative is not None:
-            from pdserve.engine.speculative import SpeculativeConfig
-
-            if not isinstance(self.speculative, SpeculativeConfig):
-                raise ValueError(f"speculative must be a SpeculativeConfig, got {type(self.speculative).__name__}")
+        if self.speculative is not None and not hasattr(self.speculative, "num_speculative_tokens"):
+            # pdserve.config imports no engine module: the SpeculativeConfig checks its own fields.
+            raise ValueError(f"speculative must be a SpeculativeConfig, got {type(self.speculative).__name__}")
         if self.quantization not in (None, "int8"):
             raise ValueError(f"quantization must be int8 or unset, got {self.quantization!r}")
         if self.load_format not in ("auto", "hf", "gguf", "dummy", "sim"):
