@@ -359,9 +359,16 @@ class EngineConfig:
     kv_checksum_key: bytes | None = field(default=None, repr=False)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    # Speculative decoding (pdserve.engine.speculative.SpeculativeConfig, `--speculative-config`): decode and
+    # colocated engines draft by prompt lookup and verify the drafts in one forward; None: off. A prefill
+    # engine ignores it. In a cluster each pool sets its own (PoolConfig.speculative).
+    speculative: Any = None
 
     def __post_init__(self) -> None:
         torch_dtype(self.dtype)
+        if self.speculative is not None and not hasattr(self.speculative, "num_speculative_tokens"):
+            # pdserve.config imports no engine module: the SpeculativeConfig checks its own fields.
+            raise ValueError(f"speculative must be a SpeculativeConfig, got {type(self.speculative).__name__}")
         if self.quantization not in (None, "int8"):
             raise ValueError(f"quantization must be int8 or unset, got {self.quantization!r}")
         if self.load_format not in ("auto", "hf", "gguf", "dummy", "sim"):
@@ -429,6 +436,8 @@ class PoolConfig:
     tensor_parallel_size: int | None = None
     # Of a mixture of experts: 1, or the worker's ranks (EngineConfig.expert_parallel_size). None: the engine's.
     expert_parallel_size: int | None = None
+    # The pool's speculative decoding (EngineConfig.speculative): None, none (a prefill pool never speculates).
+    speculative: Any = None
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size is not None and self.tensor_parallel_size < 1:
@@ -595,5 +604,5 @@ class ClusterConfig:
         # A pool that sets only an expert-parallel size above 1 is that many ranks; otherwise the engine's ranks.
         tp = pool.tensor_parallel_size or (1 if (pool.expert_parallel_size or 1) > 1 else self.engine.tensor_parallel_size)
         return replace(self.engine, scheduler=scheduler, cache=pool.cache or self.engine.cache,
-                       tensor_parallel_size=tp, expert_parallel_size=ep,
+                       tensor_parallel_size=tp, expert_parallel_size=ep, speculative=pool.speculative,
                        kv_checksum_key=self.kv_checksum_key if self.kv_checksum else None)

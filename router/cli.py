@@ -157,6 +157,13 @@ def _pool_args(serve: argparse.ArgumentParser) -> None:
                             "request's recompute")
     serve.add_argument("--torch-threads", type=int, default=None,
                        help="torch threads per worker (default on a local CPU cluster: the cores split between the workers)")
+    serve.add_argument("--speculative-config", default=None, metavar="JSON",
+                       help='speculative decoding on decode and colocated workers, e.g. {"method": "ngram", '
+                            '"num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5} '
+                            '(prompt lookup; other methods are not supported yet). Default: off')
+    serve.add_argument("--fast-lane-speculative-config", default=None, metavar="JSON",
+                       help="the fast lane's own speculative decoding (default: --speculative-config); '{}' or "
+                            "'off' turns it off there")
     serve.add_argument("--peak-flops", type=float, default=None,
                        help="device peak FLOP/s for MFU (default: known GPUs' datasheet, else measured at start)")
     serve.add_argument("--peak-memory-bandwidth", type=float, default=None,
@@ -397,6 +404,7 @@ def _pool_configs(args: argparse.Namespace, cache) -> dict:
     """The mode's pools (prefill and decode, or colocated; the fast lane if asked), each batching for its own
     bottleneck: prefill by prompt tokens, decode by running requests."""
     from pdserve.config import PoolConfig, SchedulerConfig
+    from pdserve.engine.speculative import SpeculativeConfig
 
     tp, ep = _parallel_sizes(args)
     gpu = args.device.startswith("cuda")
@@ -412,23 +420,29 @@ def _pool_configs(args: argparse.Namespace, cache) -> dict:
             args.prefill_workers[1] * tp["prefill"] + (args.decode_workers[1] + args.fast_lane_workers[1]) * tp["decode"]
         threads = max(1, (os.cpu_count() or 1) // ranks)
 
-    def pool(n: int | tuple[int, int], scheduler: SchedulerConfig, resources: list[str], name: str) -> PoolConfig:
+    spec = SpeculativeConfig.parse(args.speculative_config)
+    fast_spec = spec if args.fast_lane_speculative_config is None else \
+        SpeculativeConfig.parse(None if args.fast_lane_speculative_config in ("{}", "off") else
+                                args.fast_lane_speculative_config)
+
+    def pool(n: int | tuple[int, int], scheduler: SchedulerConfig, resources: list[str], name: str,
+             speculative=None) -> PoolConfig:
         lo, hi = (n, n) if isinstance(n, int) else n
         return PoolConfig(num_workers=lo, max_workers=hi if hi > lo else None, num_cpus=cpus, num_gpus=gpus,
                           resources=parse_resources(resources), scheduler=scheduler, cache=cache, torch_threads=threads,
-                          tensor_parallel_size=tp[name], expert_parallel_size=ep[name])
+                          tensor_parallel_size=tp[name], expert_parallel_size=ep[name], speculative=speculative)
 
     prefill = SchedulerConfig(max_num_batched_tokens=args.prefill_token_budget)
     decode = SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.decode_token_budget,
                              reservation_headroom_blocks=args.reservation_headroom_blocks)
     colocated = SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.prefill_token_budget)
-    pools = dict(colocated=pool(args.colocated_workers, colocated, [], "colocated")) if args.mode == "colocated" \
+    pools = dict(colocated=pool(args.colocated_workers, colocated, [], "colocated", spec)) if args.mode == "colocated" \
         else dict(prefill=pool(args.prefill_workers, prefill, args.prefill_resource, "prefill"),
-                  decode=pool(args.decode_workers, decode, args.decode_resource, "decode"))
+                  decode=pool(args.decode_workers, decode, args.decode_resource, "decode", spec))
     if args.fast_lane_workers[0]:
         if args.mode == "colocated":
             raise ValueError("the fast lane (--fast-lane-workers) is a set of decode workers: it needs disaggregated mode")
-        pools["fast"] = pool(args.fast_lane_workers, decode, args.decode_resource, "decode")
+        pools["fast"] = pool(args.fast_lane_workers, decode, args.decode_resource, "decode", fast_spec)
     return pools
 
 

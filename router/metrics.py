@@ -239,6 +239,7 @@ class WorkerCollector(Collector):
         yield from self._peaks(stats)
         yield from self._tiers(stats)
         yield from self._by_key(stats)
+        yield from self._speculation(stats)
         yield from self._sessions(stats)
         yield from self._transfers(stats)
         yield from self._kv_offload(stats)
@@ -317,6 +318,31 @@ class WorkerCollector(Collector):
         for s in stats:
             for e, n in enumerate(s.expert_tokens):
                 f.add_metric([s.pool, s.worker_id, str(e)], n)
+        yield f
+
+    @staticmethod
+    def _speculation(stats: list[WorkerStats]) -> Iterator[Metric]:
+        """Speculative decoding (pdserve.engine.scheduler_spec), on the workers where it is on: drafted and
+        accepted tokens, and each verification's accepted length (0 to num_speculative_tokens)."""
+        on = [s for s in stats if s.speculation]
+        for key, name, doc in (("drafted", "pdserve_worker_spec_drafted_tokens", "Tokens drafted by prompt lookup and "
+                                "verified"), ("accepted", "pdserve_worker_spec_accepted_tokens",
+                                              "Drafted tokens the target model accepted")):
+            f = CounterMetricFamily(name, doc, labels=_WORKER)
+            for s in on:
+                f.add_metric([s.pool, s.worker_id], s.speculation[key])
+            yield f
+        f = HistogramMetricFamily("pdserve_worker_spec_acceptance_length",
+                                  "Drafted tokens accepted per verification step of a request", labels=_WORKER)
+        for s in on:
+            lengths = {int(k): v for k, v in s.speculation["acceptance_lengths"].items()}
+            top = max(lengths, default=0)
+            buckets, total = [], 0
+            for le in range(top + 1):
+                total += lengths.get(le, 0)
+                buckets.append((str(float(le)), total))
+            buckets.append(("+Inf", total))
+            f.add_metric([s.pool, s.worker_id], buckets, sum_value=sum(k * v for k, v in lengths.items()))
         yield f
 
     @staticmethod

@@ -38,3 +38,7 @@ class Chunk(NamedTuple):
     # Structured output (pdserve.engine.grammar): the bitmask [words] int32 of the tokens the sample may draw,
     # filled when the step is built from its matcher (a group's first sampling: every sample's, one state).
     mask: torch.Tensor | None = None
+    # Speculative decoding (pdserve.engine.speculative): the drafted tokens, token_ids[1:] (token_ids[0] is the
+    # request's last known token). The chunk samples at each of its positions; the runner verifies the drafts
+    # (StepResult.verified) and the chunk takes no row of the step's ordinary sampling.
+    draft: tuple[int, ...] = ()

@@ -24,6 +24,7 @@ from pdserve.engine.runner import ModelRunner, StepResult
 from pdserve.engine.sampling import SamplingParams
 from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.scheduler_types import Role, SampledToken, ScheduledStep
+from pdserve.engine.scheduler_spec import speculation_for
 from pdserve.engine.sim_runner import SimRunner
 from pdserve.model.loader import LoadedModel, ModelInfo, load, load_info, load_shard
 from pdserve.weights.update import StagedUpdate, export_checkpoint, stage, stage_checkpoint
@@ -81,6 +82,8 @@ class EngineCore:
             self.scheduler.grammars = Grammars(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
         on = config.pipelined_decode if config.pipelined_decode is not None else cuda
         self.pipelined = on and role is not Role.PREFILL and tp == 1
+        self.scheduler.speculation = speculation_for(config, role, self.runner, self.pipelined,
+                                                     isinstance(self.runner, SimRunner))
         self.steps = 0
         self.tokens_processed = 0
         self.prompt_tokens_computed = 0  # prompt positions computed (tokens_processed's prompt share)
@@ -425,6 +428,8 @@ class LLMEngine:
         outputs = []
         for s in sampled:
             rid = s.request.request_id
+            if rid not in self._text:  # a verification's tokens past the stop string that ended it
+                continue
             out = token_output(s.request, self._text[rid], s.token, s.finish_reason, s.num_output_tokens)
             out.logprobs = None if s.logprobs is None else [s.logprobs]
             out.prompt_logprobs = s.prompt_logprobs

@@ -18,6 +18,7 @@ from pdserve.engine.cuda_graphs import DecodeGraphs, batch_buckets
 from pdserve.engine.kv_cache import allocate_kv_cache
 from pdserve.engine.logprobs import TokenLogprob
 from pdserve.engine.sampling import SampledLogprobs, SamplingBatch, logprobs_of, sample, sample_seed, to_device
+from pdserve.engine.speculative import verify
 from pdserve.engine.utilization import step_bytes, step_flops
 from pdserve.kernels import cpu_attention, cpu_kernels
 from pdserve.model.attention import AttentionMetadata, DecodeGroup
@@ -33,6 +34,9 @@ class StepResult:
     logprobs: SampledLogprobs | None = None  # of the sampled tokens, if a row asked
     # Chunk index -> the logprobs of the prompt tokens its positions predict (Chunk.prompt_logprobs).
     prompt_logprobs: dict[int, list[TokenLogprob]] = field(default_factory=dict)
+    # Chunk index -> the tokens a speculative chunk (Chunk.draft) emits: its accepted drafts, then the
+    # target's token at the first rejection or after the last draft (pdserve.engine.speculative.verify).
+    verified: dict[int, list[int]] = field(default_factory=dict)
     # CUDA: the sampled tokens in pinned host memory, copied as soon as they are sampled, and the event
     # that marks the copy done (start_host_copy). None: tokens() reads them from `sampled`.
     _host: torch.Tensor | None = None
@@ -141,19 +145,28 @@ class ModelRunner:
         # prompt logprobs' logits are computed before the ranks that do not sample return.
         prompt_logprobs = {i: self._prompt_logprobs(hidden, last_row[i] + 1 - len(c.token_ids), *c.prompt_logprobs)
                            for i, c in enumerate(chunks) if c.prompt_logprobs is not None}
+        verified = {i: self._verify(hidden, last_row[i], c) for i, c in enumerate(chunks) if c.draft}
         # One row per token to sample: a group's first sampling draws its n tokens from one row of logits.
-        sampling_chunks = [i for i, c in enumerate(chunks) if c.sample is not None for _ in range(c.fanout)]
+        sampling_chunks = [i for i, c in enumerate(chunks) if c.sample is not None and not c.draft
+                           for _ in range(c.fanout)]
         if not sampling_chunks:
             return StepResult(torch.empty(0, dtype=torch.int64), torch.empty(0, self.cfg.vocab_size), [],
-                              prompt_logprobs=prompt_logprobs)
+                              prompt_logprobs=prompt_logprobs, verified=verified)
         rows = to_device(torch.tensor([last_row[i] for i in sampling_chunks]), self.device)
         logits = self.model.compute_logits(hidden[rows])  # [sampling chunks, vocab]
         if not sample_tokens:
             return StepResult(torch.empty(0, dtype=torch.int64), logits, sampling_chunks)
         sampled, logprobs = sample(logits, self._sampling(chunks, sampling_chunks, previous))
-        result = StepResult(sampled, logits, sampling_chunks, logprobs, prompt_logprobs)
+        result = StepResult(sampled, logits, sampling_chunks, logprobs, prompt_logprobs, verified=verified)
         result.start_host_copy()
         return result
+
+    def _verify(self, hidden: torch.Tensor, last: int, chunk: Chunk) -> list[int]:
+        """A speculative chunk's emitted tokens: the target's logits at its k + 1 positions (rows last - k ..
+        last of the batch) checked against its k drafts."""
+        k = len(chunk.draft)
+        logits = self.model.compute_logits(hidden[last - k:last + 1]).float()
+        return verify(logits, chunk.draft, chunk.sample, chunk.seed, chunk.output_index)
 
     def _sampling(self, chunks: list[Chunk], sampling_chunks: list[int],
                   previous: torch.Tensor | None) -> SamplingBatch:

@@ -50,6 +50,7 @@ from pdserve.engine.request import (
 )
 from pdserve.engine.runner import StepResult, samples_of
 from pdserve.engine.sampling import sample_seed
+from pdserve.engine.scheduler_spec import Speculation, step_chunks, trim
 from pdserve.engine.scheduler_types import (
     Role,
     SampledToken,
@@ -123,6 +124,9 @@ class Scheduler(PipelinedDecode):
         self.on_fork: Callable[[Request, Request], None] | None = None
         # Structured output: the worker's compiler (EngineCore sets it where the model has a tokenizer).
         self.grammars: Grammars | None = None
+        # Speculative decoding (pdserve.engine.scheduler_spec): set by EngineCore on a decode or colocated
+        # engine that is not pipelined, when configured.
+        self.speculation: Speculation | None = None
 
     def add(self, req: Request) -> None:
         if req.request_id in self.requests:
@@ -169,6 +173,7 @@ class Scheduler(PipelinedDecode):
     def schedule(self) -> ScheduledStep:
         budget = self.config.max_num_batched_tokens
         scheduled: list[tuple[Request, int]] = []
+        drafts: dict[Request, list[int]] = {}
         reserved: list[Request] = []
         preempted = 0
         if self.role is not Role.PREFILL:
@@ -177,6 +182,9 @@ class Scheduler(PipelinedDecode):
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if n == 1 and self.speculation is not None and (draft := self._draft(req, budget)):
+                drafts[req] = draft
+                n += len(draft)
             while not self._allocate(req, n):
                 assert self.role is not Role.PREFILL, "a prefill worker allocates whole prompts at admission"
                 # The lowest tier's most recently admitted request gives its blocks back.
@@ -241,8 +249,12 @@ class Scheduler(PipelinedDecode):
             bs = self.kv.block_size
             computing.update(req.block_hashes[req.num_computed_tokens // bs:(req.num_computed_tokens + n) // bs])
         self.num_preemptions += preempted
-        chunks = [chunk_of(r, n, self.eos_token_ids) for r, n in scheduled]
-        return ScheduledStep([r for r, _ in scheduled], chunks, reserved)
+        return ScheduledStep([r for r, _ in scheduled], step_chunks(scheduled, drafts, self.eos_token_ids), reserved)
+
+    def _draft(self, req: Request, budget: int) -> list[int]:
+        """The tokens req drafts this step, if their slots can be had without taking anyone's blocks."""
+        draft = self.speculation.draft(req, len(self.running), self.max_model_len, budget)
+        return draft if draft and self.kv.allocate_slots(req, 1 + len(draft)) else []
 
     def update(self, step: ScheduledStep, result: StepResult) -> list[SampledToken]:
         """Account a finished step: computed tokens, newly full blocks, sampled tokens, token-level stops.
@@ -251,10 +263,12 @@ class Scheduler(PipelinedDecode):
         SampledToken still says whether that token ended it, and the owner releases it.
         """
         for req, chunk in zip(step.requests, step.chunks):
-            req.num_computed_tokens += len(chunk.token_ids)
-            self.kv.cache_computed_blocks(req)
+            if not chunk.draft:
+                req.num_computed_tokens += len(chunk.token_ids)
+                self.kv.cache_computed_blocks(req)
         self.note_prompt_logprobs(step, result)
-        out = []
+        out = [t for i, emitted in result.verified.items()
+               for t in self._take_verified(step.requests[i], len(step.chunks[i].draft), emitted)]
         tokens = result.tokens()
         logprobs = self.token_logprobs(step, result, tokens)
         rows = list(zip(result.sampling_chunks, tokens, logprobs, samples_of(result.sampling_chunks)))
@@ -277,6 +291,23 @@ class Scheduler(PipelinedDecode):
                 self.finish(req, reason)
             out.append(SampledToken(req, token, reason, req.num_output_tokens, lp, take_prompt_logprobs(req),
                                     version=self.kv.version))
+        return out
+
+    def _take_verified(self, req: Request, drafted: int, emitted: list[int]) -> list[SampledToken]:
+        """A verification's tokens into req, one by one, each checked by the token-level stop rules: the first
+        that ends it is its last. The accepted drafts' KV (and the last known token's) count as computed."""
+        self.speculation.note(req, drafted, len(emitted) - 1)
+        out = []
+        for token in emitted:
+            req.token_ids.append(token)
+            req.num_computed_tokens = req.num_tokens - 1
+            reason = token_stop_reason(req, self.eos_token_ids, self.max_model_len)
+            out.append(SampledToken(req, token, reason, req.num_output_tokens, version=self.kv.version))
+            if reason is not None:
+                self.finish(req, reason)
+                return out
+        self.kv.cache_computed_blocks(req)
+        trim(self.kv, req)
         return out
 
     def sample(self, group: Request, index: int, token: int, logprobs: TokenLogprob | None) -> SampledToken:
@@ -396,6 +427,8 @@ class Scheduler(PipelinedDecode):
             assert req.status is RequestStatus.WAITING_FOR_KV, req.status
             del self.waiting_for_kv[req.request_id]
         del self.requests[req.request_id]
+        if self.speculation is not None:
+            self.speculation.forget(req)
         if self._in_flight(req):
             self._free_after.append(req)  # a launched step still writes its KV: freed when it resolves
         else:

@@ -189,6 +189,9 @@ class WorkerStats:
     peak_source: str = ""
     prefix_hit_blocks: int = 0
     prefix_query_blocks: int = 0
+    # Speculative decoding (pdserve.engine.scheduler_spec.Speculation.stats), cumulative: drafted and accepted
+    # tokens, verifications, and verifications by accepted length {length: count}; empty where it is off.
+    speculation: dict = field(default_factory=dict)
     transfer: dict = field(default_factory=dict)  # TransferStats snapshot
     # SecondsHistogram snapshots (decode workers): first token sampled -> KV usable here, and time a
     # request waited for room to reserve.

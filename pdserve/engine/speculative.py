@@ -1,0 +1,220 @@
+"""Speculative decoding by prompt lookup (n-gram): its configuration, the proposer, the acceptance rule.
+
+A decode step at small batch is bound by reading the weights, so a forward over k + 1 tokens of one
+sequence costs about what one token costs. Prompt lookup guesses the next k tokens without a second model:
+the longest suffix of the request's tokens (prompt and output) that occurred earlier, between
+prompt_lookup_max and prompt_lookup_min tokens long, and the k tokens that followed that earlier
+occurrence. Replies that copy from their context (an agent editing a file it was given, a summary quoting
+its source) repeat such spans, and each accepted draft token is a step saved.
+
+The target model checks the k drafted tokens, with the request's last token, in one forward; each of the
+k + 1 positions gives the target's distribution for the token after it. Acceptance (accept_greedy,
+accept_sampled) keeps the output exactly the target's: greedy output is token-identical with speculation
+on and off, and sampled output is distributed as the target's (the standard rejection rule for a draft that
+puts all its mass on one token).
+
+The configuration is spelled as vLLM's `--speculative-config` spells it: a JSON object with `method`
+"ngram", `num_speculative_tokens` (k), `prompt_lookup_min` and `prompt_lookup_max`, and optionally
+`disable_by_batch_size` (no request speculates in a step of more running requests than this). Other methods
+(a draft model, EAGLE, ...) are refused at start-up: they are not supported yet.
+"""
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from pdserve.engine.sampling import SamplingParams, apply_min_p, apply_top_k_top_p, token_seed
+
+SUPPORTED_METHODS = ("ngram",)
+# Methods of the field that a later change may add; named in the refusal so that the message says
+# "not yet" rather than "unknown".
+KNOWN_METHODS = ("ngram", "draft_model", "eagle", "eagle3", "medusa", "mlp_speculator", "mtp", "suffix")
+MAX_SPECULATIVE_TOKENS = 16  # k: a verification chunk is k + 1 tokens; more is never free
+MAX_LOOKUP = 64  # the longest n-gram searched for
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """A worker's speculation (decode and colocated roles; a prefill worker samples one token per prompt).
+
+    disable_by_batch_size: no request speculates while more than this many requests run (None: the rule of
+    free_rows, from the cost model; see max_speculating_batch)."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 5
+    disable_by_batch_size: int | None = None
+
+    def __post_init__(self) -> None:
+        self._check_method(self.method)
+        _check_int("num_speculative_tokens", self.num_speculative_tokens, 1, MAX_SPECULATIVE_TOKENS)
+        _check_int("prompt_lookup_min", self.prompt_lookup_min, 1, MAX_LOOKUP)
+        _check_int("prompt_lookup_max", self.prompt_lookup_max, 1, MAX_LOOKUP)
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(f"prompt_lookup_min ({self.prompt_lookup_min}) must be <= prompt_lookup_max "
+                             f"({self.prompt_lookup_max})")
+        if self.disable_by_batch_size is not None:
+            _check_int("disable_by_batch_size", self.disable_by_batch_size, 1, 1 << 20)
+
+    @staticmethod
+    def _check_method(method: object) -> None:
+        if method not in SUPPORTED_METHODS:
+            if method in KNOWN_METHODS:
+                raise ValueError(f"speculative method {method!r} is not supported yet: only "
+                                 f"{', '.join(SUPPORTED_METHODS)} (prompt lookup) is")
+            raise ValueError(f"unknown speculative method {method!r}: the supported one is "
+                             f"{', '.join(SUPPORTED_METHODS)}")
+
+    @classmethod
+    def parse(cls, text: str | dict | None) -> SpeculativeConfig | None:
+        """The configuration from the flag's JSON (or a dict: a YAML config file's); None for none.
+        ValueError names what is wrong, so a worker refuses to start rather than serve without it."""
+        if text is None or text == "":
+            return None
+        if isinstance(text, str):
+            try:
+                text = json.loads(text)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"--speculative-config is not valid JSON: {e}") from None
+        if not isinstance(text, dict):
+            raise ValueError("--speculative-config must be a JSON object, e.g. "
+                             '{"method": "ngram", "num_speculative_tokens": 4}')
+        if "method" not in text:
+            raise ValueError("--speculative-config needs a method (\"ngram\")")
+        cls._check_method(text["method"])
+        fields = set(cls.__dataclass_fields__)
+        unknown = sorted(set(text) - fields)
+        if unknown:
+            raise ValueError(f"--speculative-config has unsupported keys {unknown}; the keys are {sorted(fields)}")
+        return cls(**text)
+
+
+def _check_int(name: str, value: object, lo: int, hi: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or not lo <= value <= hi:
+        raise ValueError(f"speculative config: {name} must be an integer in [{lo}, {hi}], got {value!r}")
+
+
+def propose(tokens: Sequence[int], k: int, lookup_min: int, lookup_max: int) -> list[int]:
+    """Up to k tokens that followed an earlier occurrence of the longest suffix of `tokens` between
+    lookup_max and lookup_min tokens long (the latest with k tokens after it, else the one with the most);
+    [] when no such suffix occurred before. The earlier occurrence may overlap the suffix (a run of one
+    repeated token proposes more of it)."""
+    n_tokens = len(tokens)
+    if k <= 0 or n_tokens < lookup_min + 1:
+        return []
+    for n in range(min(lookup_max, n_tokens - 1), lookup_min - 1, -1):
+        suffix = list(tokens[n_tokens - n:])
+        first = suffix[0]
+        best: list[int] = []
+        # Candidates start before the suffix does, latest first; the first with k tokens after it wins,
+        # else the one with the most (a match near the end has few tokens after it).
+        for start in range(n_tokens - n - 1, -1, -1):
+            if tokens[start] == first and list(tokens[start:start + n]) == suffix:
+                follow = list(tokens[start + n:start + n + k])
+                if len(follow) == k:
+                    return follow
+                if len(follow) > len(best):
+                    best = follow
+        if best:
+            return best
+    return []
+
+
+def accept_greedy(target: Sequence[int], draft: Sequence[int]) -> list[int]:
+    """The tokens a greedy verification emits: target[i] is the target's argmax after the last token and
+    draft[:i] (len(draft) + 1 of them). Drafts are kept while they equal the target's choice; the first
+    disagreement is replaced by the target's token, and after all are kept the last position's (the bonus)
+    follows. So 1 to len(draft) + 1 tokens, each the one plain decoding would have produced."""
+    assert len(target) == len(draft) + 1, "a verification has one more target position than drafts"
+    out: list[int] = []
+    for t, d in zip(target, draft):
+        out.append(t)
+        if t != d:
+            return out
+    out.append(target[-1])
+    return out
+
+
+def accept_sampled(probs: torch.Tensor, draft: Sequence[int], generator: torch.Generator) -> list[int]:
+    """The tokens a sampled verification emits, distributed as the target's own samples would be.
+
+    probs: [len(draft) + 1, vocab], the target's distributions (after penalties, temperature, top-k/top-p)
+    at each position. The draft puts all its mass on one token d, so d is kept with probability p(d); on
+    rejection the token is drawn from p with d removed, renormalised (the residual max(p - q, 0) of the
+    general rule); after every draft is kept, the bonus token is drawn from the last position's p."""
+    assert probs.shape[0] == len(draft) + 1, "a verification has one more target position than drafts"
+    probs = probs.float()
+    out: list[int] = []
+    for i, d in enumerate(draft):
+        p = probs[i]
+        u = torch.rand((), generator=generator, device=p.device)
+        if u < p[d]:
+            out.append(int(d))
+            continue
+        residual = p.clone()
+        residual[d] = 0.0
+        total = residual.sum()
+        if total <= 0:  # p was all on d (u < 1 = p(d) holds up to rounding): keep it
+            out.append(int(d))
+            continue
+        out.append(int(torch.multinomial(residual / total, 1, generator=generator)))
+        return out
+    out.append(int(torch.multinomial(probs[-1], 1, generator=generator)))
+    return out
+
+
+def verify(logits: torch.Tensor, draft: Sequence[int], params: SamplingParams, seed: int,
+           output_index: int) -> list[int]:
+    """The tokens a verification chunk emits (1 to len(draft) + 1). logits: [len(draft) + 1, vocab], the
+    target's raw logits at the chunk's positions. Only requests without penalties, banned tokens, masks or
+    logprobs speculate (pdserve.engine.scheduler_spec), so the raw logits are what the sampler would process:
+    greedy takes their argmax; sampling applies the temperature, min-p and top-k / top-p as the sampler does
+    and draws with a generator seeded by the request's seed and the first token's output index (the draw is
+    reproducible, though not the one plain decoding makes: the distribution is the same, the tokens are not)."""
+    if params.greedy:
+        return accept_greedy(logits.argmax(dim=-1).tolist(), draft)
+    rows = logits.shape[0]
+    scaled = logits / params.temperature
+    if params.min_p > 0:
+        scaled = apply_min_p(scaled, torch.full((rows,), params.min_p, device=logits.device))
+    if params.top_k > 0 or params.top_p < 1.0:
+        scaled = apply_top_k_top_p(scaled, torch.full((rows,), params.top_k, dtype=torch.int64, device=logits.device),
+                                   torch.full((rows,), params.top_p, device=logits.device))
+    gen = torch.Generator(device=logits.device)
+    gen.manual_seed(token_seed(seed, output_index))
+    return accept_sampled(scaled.softmax(dim=-1), draft, gen)
+
+
+@dataclass
+class DraftState:
+    """A request's adaptive draft length: k shrinks to what was accepted after a miss and grows by one
+    after a full acceptance, between 1 and the configured k; a step where nothing matches drafts nothing
+    (k is untouched: a later suffix may match)."""
+
+    k: int
+
+    def update(self, drafted: int, accepted: int, k_max: int) -> None:
+        if drafted == 0:
+            return
+        self.k = min(k_max, self.k + 1) if accepted == drafted else max(1, accepted)
+
+
+def free_rows(peak_flops: float, peak_bytes_per_second: float, weight_bytes_per_param: float) -> int:
+    """The rows a step may carry while it stays bound by reading the weights, from the roofline the cost
+    model uses (pdserve.perf.costs.RooflineCosts): a row costs 2 FLOPs per parameter, the step reads every
+    parameter once, so the weights' read time covers rows up to the device's ridge point,
+    peak_flops x bytes per parameter / (2 x peak bytes per second). Below it a verification's extra rows are
+    about free; above it each costs its FLOPs."""
+    return max(1, int(peak_flops * weight_bytes_per_param / (2.0 * peak_bytes_per_second)))
+
+
+def max_speculating_batch(config: SpeculativeConfig, ridge_rows: int) -> int:
+    """The most running requests at which requests still speculate: the configured disable_by_batch_size,
+    else as many as keep a step of full drafts (k + 1 rows each) within the ridge rows."""
+    if config.disable_by_batch_size is not None:
+        return config.disable_by_batch_size
+    return max(1, ridge_rows // (config.num_speculative_tokens + 1))

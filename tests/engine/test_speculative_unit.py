@@ -1,0 +1,171 @@
+"""Speculative decoding's pure parts (pdserve.engine.speculative): configuration, prompt lookup, the
+acceptance rules (the sampled one checked statistically on a tiny distribution), the adaptive length. No
+model, no Ray."""
+from __future__ import annotations
+
+import collections
+
+import pytest
+import torch
+
+from pdserve.engine.speculative import (
+    DraftState,
+    SpeculativeConfig,
+    accept_greedy,
+    accept_sampled,
+    free_rows,
+    max_speculating_batch,
+    propose,
+)
+
+
+def test_config_parses_the_vllm_spelling():
+    c = SpeculativeConfig.parse('{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, '
+                                '"prompt_lookup_max": 4}')
+    assert (c.method, c.num_speculative_tokens, c.prompt_lookup_min, c.prompt_lookup_max) == ("ngram", 3, 1, 4)
+    assert SpeculativeConfig.parse(None) is None and SpeculativeConfig.parse("") is None
+
+
+@pytest.mark.parametrize("text, words", [
+    ('{"method": "draft_model", "model": "x"}', "not supported yet"),
+    ('{"method": "eagle", "num_speculative_tokens": 3}', "not supported yet"),
+    ('{"method": "telepathy"}', "unknown speculative method"),
+    ('{"num_speculative_tokens": 3}', "needs a method"),
+    ('{"method": "ngram", "num_speculative_tokens": 0}', "num_speculative_tokens"),
+    ('{"method": "ngram", "prompt_lookup_min": 4, "prompt_lookup_max": 2}', "prompt_lookup_min"),
+    ('{"method": "ngram", "lookahead": 2}', "unsupported keys"),
+    ('[1, 2]', "JSON object"),
+    ('{"method": ', "not valid JSON"),
+])
+def test_config_refuses_with_a_clear_message(text, words):
+    with pytest.raises(ValueError, match=words):
+        SpeculativeConfig.parse(text)
+
+
+def test_propose_takes_the_longest_latest_match():
+    #            0  1  2  3  4  5  6  7  8  9 10
+    tokens = [1, 2, 3, 4, 5, 9, 2, 3, 7, 1, 2, 3]
+    # Suffix [1, 2, 3] (n=3) occurred at 0: the tokens after it are 4, 5, 9.
+    assert propose(tokens, 3, 1, 3) == [4, 5, 9]
+    # With n capped at 2, [2, 3] last occurred at 6: 7, 1.
+    assert propose(tokens, 2, 1, 2) == [7, 1]
+    # Fewer tokens follow the match than k: those there are.
+    assert propose([5, 6, 7, 5, 6], 4, 2, 2) == [7, 5, 6]
+
+
+def test_propose_nothing_when_no_suffix_repeats():
+    assert propose([1, 2, 3, 4, 5], 4, 1, 3) == []
+    assert propose([1, 2, 3, 1], 4, 2, 3) == []  # only a 1-gram repeats, below the minimum
+    assert propose([7], 4, 1, 3) == []
+    assert propose([1, 2, 1, 2], 0, 1, 3) == []
+
+
+def test_propose_overlapping_run():
+    assert propose([4, 4, 4, 4], 3, 1, 2) == [4, 4]  # [4, 4] at 0 has two 4s after it, the latest (at 1) one
+    assert propose([4, 4, 4, 4, 4, 4], 3, 2, 2) == [4, 4, 4]
+
+
+@pytest.mark.parametrize("target, draft, out", [
+    ([5, 6, 7], [5, 6], [5, 6, 7]),  # all kept, then the bonus
+    ([5, 8, 7], [5, 6], [5, 8]),  # the second rejected: the target's token replaces it
+    ([9, 6, 7], [5, 6], [9]),  # the first rejected
+    ([3], [], [3]),  # nothing drafted: a plain step
+])
+def test_accept_greedy(target, draft, out):
+    assert accept_greedy(target, draft) == out
+
+
+def _freqs(samples, vocab):
+    c = collections.Counter(samples)
+    return torch.tensor([c[i] / len(samples) for i in range(vocab)])
+
+
+def test_accept_sampled_keeps_the_target_distribution():
+    """Over many draws the first emitted token is distributed as p0 whatever the draft, and the second, where
+    the first draft was kept, as p1: the rejection rule changes the speed, never the distribution."""
+    p = torch.tensor([[0.5, 0.3, 0.15, 0.05], [0.1, 0.2, 0.3, 0.4], [0.25, 0.25, 0.25, 0.25]])
+    g = torch.Generator().manual_seed(0)
+    n = 20000
+    for draft in ([1, 3], [3, 0], [0, 2]):
+        runs = [accept_sampled(p, draft, g) for _ in range(n)]
+        assert (_freqs([r[0] for r in runs], 4) - p[0]).abs().max() < 0.015, draft
+        second = [r[1] for r in runs if len(r) > 1]
+        assert len(second) == pytest.approx(n * p[0, draft[0]].item(), rel=0.05)
+        assert (_freqs(second, 4) - p[1]).abs().max() < 0.02, draft
+        assert all(1 <= len(r) <= 3 for r in runs)
+        # A kept draft is the draft; a run ends at its first token that differs from it (or at the bonus).
+        for r in runs[:500]:
+            kept = next((i for i, (t, d) in enumerate(zip(r, draft)) if t != d), len(r) - 1)
+            assert len(r) == kept + 1 or (kept == len(draft) and len(r) == len(draft) + 1)
+
+
+def test_accept_sampled_one_hot_target_accepts_its_token():
+    p = torch.tensor([[0.0, 1.0, 0.0], [0.0, 0.0, 1.0]])
+    g = torch.Generator().manual_seed(1)
+    assert accept_sampled(p, [1], g) == [1, 2]
+    assert accept_sampled(p, [0], g) == [1]
+
+
+def test_draft_state_adapts():
+    s = DraftState(4)
+    s.update(4, 4, 4)
+    assert s.k == 4  # capped at the configured k
+    s.update(4, 1, 4)
+    assert s.k == 1  # shrinks to what was accepted
+    s.update(1, 0, 4)
+    assert s.k == 1  # never below one
+    s.update(1, 1, 4)
+    assert s.k == 2  # grows after a full acceptance
+    s.update(0, 0, 4)
+    assert s.k == 2  # nothing drafted: unchanged
+
+
+def test_batch_rule_from_the_roofline():
+    # H100-like: 989 TFLOP/s, 3.35 TB/s, 2-byte weights: ridge ~295 rows; k=4 -> 59 requests.
+    rows = free_rows(989e12, 3.35e12, 2)
+    assert 290 <= rows <= 300
+    assert max_speculating_batch(SpeculativeConfig(num_speculative_tokens=4), rows) == rows // 5
+    assert max_speculating_batch(SpeculativeConfig(disable_by_batch_size=8), rows) == 8
+
+
+def test_serve_flag_sets_decode_colocated_and_fast_lane_pools():
+    from router.cli import cluster_config_from_args, parse_args
+
+    flag = '{"method": "ngram", "num_speculative_tokens": 3}'
+    c = cluster_config_from_args(parse_args(["serve", "--speculative-config", flag, "--fast-lane-workers", "1",
+                                             "--fast-lane-speculative-config", '{"method": "ngram", '
+                                             '"num_speculative_tokens": 6}']))
+    assert c.engine_for(c.prefill).speculative is None  # a prefill pool never speculates
+    assert c.engine_for(c.decode).speculative.num_speculative_tokens == 3
+    assert c.engine_for(c.fast).speculative.num_speculative_tokens == 6
+    c = cluster_config_from_args(parse_args(["serve", "--mode", "colocated", "--speculative-config", flag]))
+    assert c.engine_for(c.colocated).speculative.num_speculative_tokens == 3
+    c = cluster_config_from_args(parse_args(["serve"]))
+    assert c.engine_for(c.decode).speculative is None
+
+
+def test_serve_refuses_other_methods_at_start(capsys):
+    from router.cli import main
+
+    assert main(["serve", "--speculative-config", '{"method": "draft_model", "model": "m"}']) == 2
+    assert "not supported yet" in capsys.readouterr().err
+
+
+def test_worker_metrics_export_speculation():
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from pdserve.serving.messages import WorkerStats
+    from router.metrics import WorkerCollector
+
+    stats = [WorkerStats("d0", "decode", 0, 0, 1, 1, 10, speculation={
+        "drafted": 10, "accepted": 7, "verifications": 3, "acceptance_lengths": {4: 1, 3: 1, 0: 1}}),
+        WorkerStats("p0", "prefill", 0, 0, 0, 0, 10)]
+    reg = CollectorRegistry()
+    reg.register(WorkerCollector(lambda: stats))
+    text = generate_latest(reg).decode()
+    assert 'pdserve_worker_spec_drafted_tokens_total{pool="decode",worker="d0"} 10.0' in text
+    assert 'pdserve_worker_spec_accepted_tokens_total{pool="decode",worker="d0"} 7.0' in text
+    assert 'pdserve_worker_spec_acceptance_length_bucket{le="2.0",pool="decode",worker="d0"} 1.0' in text
+    assert 'pdserve_worker_spec_acceptance_length_bucket{le="3.0",pool="decode",worker="d0"} 2.0' in text
+    assert 'pdserve_worker_spec_acceptance_length_sum{pool="decode",worker="d0"} 7.0' in text
+    assert 'worker="p0"' not in "".join(l for l in text.splitlines() if "spec_" in l)
