@@ -15,13 +15,14 @@ ROOT = Path(__file__).resolve().parent.parent
 SERVICES = ("router", "prefill_worker", "decode_worker")
 
 # What each part may import, besides itself. Lowest first: a part imports only parts above its row. The
-# modules at pdserve/'s root (config, tiers, faults, derived) are the vocabulary every package shares.
+# modules at pdserve/'s root (config, hf_config, tiers, faults, derived) are the vocabulary every package shares.
 ALLOWED: dict[str, set[str]] = {
     "pdserve.tiers": set(),
     "pdserve.faults": set(),
     "pdserve.derived": set(),
     "pdserve.v1": set(),  # generated gRPC stubs
-    "pdserve.config": {"pdserve.tiers"},
+    "pdserve.hf_config": set(),
+    "pdserve.config": {"pdserve.tiers", "pdserve.hf_config"},
     "pdserve.parallel": {"pdserve.config"},
     "pdserve.kernels": {"pdserve.derived"},
     "pdserve.model": {"pdserve.config", "pdserve.derived", "pdserve.parallel", "pdserve.kernels"},
