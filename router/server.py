@@ -61,9 +61,9 @@ class Router:
         from fastapi import APIRouter
 
         self.http_control = APIRouter()
-        from router.sglang_weights_api import client_group_routes
+        from router.sglang_weights_api import add_client_group_routes
 
-        self.http_control.include_router(client_group_routes(weights))  # a client's weight group (SGLang's routes)
+        add_client_group_routes(self.http_control, weights)  # a client's weight group (SGLang's routes)
         # Request bytes each door reads (RouterConfig.max_request_body_bytes) and the HTTP door's budget; at start.
         self.max_request_body_bytes = self.grpc_max_receive_bytes = self.request_body_budget_bytes = 0
 

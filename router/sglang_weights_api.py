@@ -119,9 +119,9 @@ def client_version(value) -> int | None:
                      f"integers, got {value!r}")
 
 
-def client_group_routes(control: WeightControl) -> APIRouter:
-    """The three routes over `control`, to include in the router's HTTP control routes."""
-    routes = APIRouter()
+def add_client_group_routes(routes: APIRouter, control: WeightControl) -> None:
+    """The three routes over `control`, added to `routes` (the router's HTTP control routes: each route is
+    added there itself, since the doors tell control from inference by each route's own path)."""
 
     @routes.post("/init_weights_update_group")
     async def init_weights_update_group(request: Request) -> JSONResponse:
@@ -174,5 +174,3 @@ def client_group_routes(control: WeightControl) -> APIRouter:
     async def destroy_weights_update_group(request: Request) -> JSONResponse:
         await control.destroy_group()
         return _answer(True, "the weight group is closed")
-
-    return routes

@@ -34,9 +34,11 @@ from pdserve.weights.update import TensorMeta
 TRAINER_RANK = 0
 BACKENDS = ("gloo", "nccl")  # gloo carries CPU tensors; NCCL (GPUs) takes the same path by its name
 
-# The dtypes an announced tensor may have, by the names the clients send ("bfloat16" or "torch.bfloat16").
+# The dtypes an announced tensor may have, by the names the clients send ("bfloat16" or "torch.bfloat16"). The
+# integer ones are read only to be received and refused (a model's weights are floating): the group stays in step.
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
-          "float": torch.float32, "half": torch.float16}
+          "float": torch.float32, "half": torch.float16, "float64": torch.float64, "int64": torch.int64,
+          "int32": torch.int32, "int16": torch.int16, "int8": torch.int8, "uint8": torch.uint8}
 
 __all__ = ["Announced", "BACKENDS", "CompatAddress", "CompatGroup", "parse_dtype"]
 
