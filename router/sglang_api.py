@@ -353,8 +353,15 @@ def add_control_routes(control: APIRouter, front: Frontend, weights: WeightContr
 
     @control.post("/continue_generation")
     async def continue_generation():
+        # A client's weight update under way (router.sglang_weights_api) has sent all it will: committed first.
+        try:
+            committed = await weights.commit_client_update()
+        except Exception as e:  # noqa: BLE001 - the client is told; the cluster serves its old version
+            return _failed(503, f"the weight update under way could not be committed ({type(e).__name__}); "
+                                "the router's log says why; the server stays paused")
         await weights.resume()
-        return _ok("generation continues")
+        return _ok("generation continues" if committed is None else
+                   f"weight version {committed.version} committed; generation continues")
 
     @control.post("/update_weights_from_disk")
     async def update_weights_from_disk(body: UpdateWeightFromDiskReqInput):

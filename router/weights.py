@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import re
 import time
 from dataclasses import dataclass
@@ -108,6 +109,8 @@ class WeightControl:
         self._group_lock = asyncio.Lock()  # the trainer's group: made, joined, torn down (never across _lock)
         self._members: list = []  # the workers in the trainer's weight group, rank 1 first
         self._incoming: int | None = None  # the version being received on it
+        self.client_group = False  # the group is a client's (pdserve.weights.compat), not pdserve's own
+        self._compat: tuple[int, frozenset[str]] | None = None  # a client's update under way: version, names so far
         # The checkpoint of the version served, for a worker that starts (catch_up): the update's path, or one a
         # worker wrote (after a trainer's update); None until one is needed.
         self._source: tuple[str, int] | None = None
@@ -247,19 +250,24 @@ class WeightControl:
             if world_size != 1 + sum(ranks):
                 raise WorldChanged(f"world_size {world_size} does not match the trainer and the cluster's "
                                    f"{len(workers)} workers of {sum(ranks)} ranks ({1 + sum(ranks)})")
-            address = GroupAddress(host, port, world_size, name)
-            firsts = [1 + sum(ranks[:i]) for i in range(len(workers))]
-            results = await asyncio.gather(*(w.handle.join_weight_group.remote(address, first, timeout_s)
-                                             for first, w in zip(firsts, workers)), return_exceptions=True)
-            self._members = workers
-            failed = [(w, r) for w, r in zip(workers, results) if isinstance(r, BaseException)]
-            if failed:
-                await self._destroy_group()
-                for w, e in failed:
-                    log.warning("weight group %r: %s did not join: %s", name, w.worker_id, cause_of(e))
-                raise GroupJoinFailed(f"{len(failed)} of {len(workers)} workers could not join the weight group "
-                                      f"{name!r} within {timeout_s:g} s (the router's log says why)")
-            return [w.worker_id for w in workers]
+            return await self._join(workers, GroupAddress(host, port, world_size, name), 1, timeout_s)
+
+    async def _join(self, workers: list, address, first: int, timeout_s: float) -> list[str]:
+        """Under the group's lock: worker i's ranks join `address` from rank first + the ranks of the workers
+        before it; the workers' ids in rank order, or GroupJoinFailed (no worker stays in the group)."""
+        ranks = [self._ranks(w.pool) for w in workers]
+        firsts = [first + sum(ranks[:i]) for i in range(len(workers))]
+        results = await asyncio.gather(*(w.handle.join_weight_group.remote(address, f, timeout_s)
+                                         for f, w in zip(firsts, workers)), return_exceptions=True)
+        self._members = workers
+        failed = [(w, r) for w, r in zip(workers, results) if isinstance(r, BaseException)]
+        if failed:
+            await self._destroy_group()
+            for w, e in failed:
+                log.warning("weight group %r: %s did not join: %s", address.name, w.worker_id, cause_of(e))
+            raise GroupJoinFailed(f"{len(failed)} of {len(workers)} workers could not join the weight group "
+                                  f"{address.name!r} within {timeout_s:g} s (the router's log says why)")
+        return [w.worker_id for w in workers]
 
     async def begin(self, metas: list, version: int, bucket_bytes: int) -> None:
         """Check an update's tensors against the model (WeightError: nothing sent) and set every member
@@ -267,8 +275,8 @@ class WeightControl:
         from pdserve.weights.update import check_metas
 
         check_version(version)
-        if not self._members:
-            raise NoGroup("no weight group: make one first (InitWeightGroup)")
+        if not self._members or self.client_group:
+            raise NoGroup("no weight group of pdserve's own: make one first (InitWeightGroup)")
         if version <= self.version:
             raise NotNewer(f"weight version {version} is not newer than the version served, {self.version}")
         if not 0 < bucket_bytes <= MAX_BUCKET_BYTES:
@@ -299,12 +307,104 @@ class WeightControl:
         async with self._lock:
             return await self._commit(members, version, None, mode, pause_mode, wait_timeout_s, t0)
 
+    # -- a client's group, as the RL frameworks make it with SGLang (pdserve.weights.compat) ---------------
+    async def init_client_group(self, host: str, port: int, rank_offset: int, world_size: int, name: str,
+                                backend: str = "gloo", timeout_s: float = 60.0) -> list[str]:
+        """Every rank of every worker joins a client's group by its rendezvous (torch's tcp:// store hosted by the
+        trainer, rank 0), as ranks rank_offset.. in worker order (a tensor-parallel worker's ranks consecutive);
+        the workers' ids in rank order. ValueError for a bad address, or ranks that do not fit world_size."""
+        from pdserve.weights.compat import CompatAddress
+
+        check_group(host, port, name, timeout_s)
+        async with self._group_lock:
+            await self._destroy_group()
+            workers = sorted(self.cluster.scaling.workers, key=lambda w: w.worker_id)
+            n = sum(self._ranks(w.pool) for w in workers)
+            if not 1 <= rank_offset or rank_offset + n > world_size:
+                raise WorldChanged(f"rank_offset {rank_offset} and world_size {world_size} leave no room for the "
+                                   f"cluster's {n} ranks (rank 0 is the trainer's: rank_offset >= 1 and "
+                                   f"rank_offset + {n} <= world_size)")
+            address = CompatAddress(host, port, world_size, name, backend, MAX_GROUP_TIMEOUT_S)
+            ids = await self._join(workers, address, rank_offset, timeout_s)
+            self.client_group = True
+            return ids
+
+    async def receive_client_update(self, metas: list, version: int | None) -> UpdateResult | None:
+        """One client call of an update on its group: metas (pdserve.weights.update.TensorMeta) in the order the
+        trainer broadcasts them. Every member receives them and keeps them aside; the call that completes the
+        model (every tensor it holds has arrived, in this call or earlier ones) stages and commits them all, as
+        `version` (the client's; None: the update under way's, or the version served + 1): its result, else None.
+
+        A call whose tensors do not fit the model (WeightError), or whose version is not newer (NotNewer), is
+        refused: its tensors are still received (the trainer sends them whatever the answer) and dropped with the
+        rest of the update under way; nothing is applied. A failed receive (the trainer gone) closes the group."""
+        from pdserve.weights.compat import Announced, announced_bytes
+        from pdserve.weights.update import check_metas, expected_tensors
+
+        cfg = self.cluster.info.config
+        async with self._group_lock:
+            if not self._members or not self.client_group:
+                raise NoGroup("no weight group made by a client: make one first (/init_weights_update_group)")
+            under_way = self._compat
+            version = version if version is not None else under_way[0] if under_way else self.version + 1
+            try:
+                check_version(version)
+                if version <= self.version:
+                    raise NotNewer(f"weight version {version} is not newer than the version served, {self.version}")
+                applied = check_metas(metas, cfg)
+            except ValueError:
+                self._compat = None
+                full = sum(math.prod(s) * 4 for s in expected_tensors(cfg).values())
+                if announced_bytes(metas) <= full:  # drained, so the group stays in step with the trainer
+                    await self._client_call(Announced(metas, discard=True), version)
+                else:
+                    await self._destroy_group()
+                raise
+            names = (under_way[1] if under_way else frozenset()) | {m.name.removeprefix("model.") for m in applied}
+            last = names >= {k.removeprefix("model.") for k in expected_tensors(cfg)}
+            t0 = time.monotonic()
+            await self._client_call(Announced(metas, last=last), version)
+            self._compat = None if last else (version, names)
+            if not last:
+                return None
+            members = self._members
+        async with self._lock:
+            return await self._commit(members, version, None, "pause", "keep", MAX_WAIT_S, t0)
+
+    async def commit_client_update(self) -> UpdateResult | None:
+        """Stage and commit what a client's update under way has sent so far (the tensors not sent keep their
+        values), as its version: a client that continues generation has sent all it will. None if no update is
+        under way. The continue route calls it before it resumes the cluster."""
+        from pdserve.weights.compat import Announced
+
+        async with self._group_lock:
+            under_way, self._compat = self._compat, None
+            if under_way is None:
+                return None
+            t0 = time.monotonic()
+            await self._client_call(Announced([], last=True), under_way[0])
+            members = self._members
+        async with self._lock:
+            return await self._commit(members, under_way[0], None, "pause", "keep", MAX_WAIT_S, t0)
+
+    async def _client_call(self, announced, version: int) -> None:
+        """Under the group's lock: every member receives the announced tensors (Announced); a failure closes the
+        group (the members that received drop what they kept) and raises."""
+        members = self._members
+        try:
+            await asyncio.gather(*(w.handle.receive_weights.remote(announced, 1, version) for w in members))
+            await asyncio.gather(*(w.handle.weights_received.remote(version) for w in members))
+        except BaseException:
+            await self._destroy_group()
+            raise
+
     async def destroy_group(self) -> None:
         async with self._group_lock:
             await self._destroy_group()
 
     async def _destroy_group(self) -> None:
         members, self._members, self._incoming = self._members, [], None
+        self.client_group, self._compat = False, None
         await asyncio.gather(*(w.handle.leave_weight_group.remote() for w in members if w.alive),
                              return_exceptions=True)
 

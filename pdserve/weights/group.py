@@ -127,7 +127,13 @@ class WeightGroup:
     @classmethod
     def join(cls, address: GroupAddress, rank: int, timeout_s: float = 60.0, backend: str = "gloo") -> WeightGroup:
         """Rank 0 hosts the store; every rank blocks here until all world_size ranks have joined (or raises
-        WeightGroupError after timeout_s, naming how many joined if that can be known)."""
+        WeightGroupError after timeout_s, naming how many joined if that can be known). A client's address
+        (pdserve.weights.compat.CompatAddress) joins that group instead, by the clients' rendezvous: a worker's
+        engine joins either through this one call."""
+        from pdserve.weights.compat import CompatAddress, CompatGroup
+
+        if isinstance(address, CompatAddress):
+            return CompatGroup.join(address, rank, timeout_s)
         if backend != "gloo":
             raise NotImplementedError(f"weight-group backend {backend!r} is not implemented; only 'gloo' (CPU "
                                       f"tensors) is")
