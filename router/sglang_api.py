@@ -28,6 +28,7 @@ by name when set; an unknown field is a 400 naming it.
 from __future__ import annotations
 
 import json
+import logging
 import time
 from typing import Any, Literal
 
@@ -46,6 +47,8 @@ from router.openai_schema import HTTPError
 from router.rl_runs import Sample, check_serving, collect, flush_prefix_caches, new_id, prepare_runs, samples_of, \
     stream_samples
 from router.weights import WeightControl
+
+log = logging.getLogger(__name__)
 
 DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's
 
@@ -357,6 +360,7 @@ def add_control_routes(control: APIRouter, front: Frontend, weights: WeightContr
         try:
             committed = await weights.commit_client_update()
         except Exception as e:  # noqa: BLE001 - the client is told; the cluster serves its old version
+            log.warning("continue_generation: the client's weight update could not be committed: %r", e)
             return _failed(503, f"the weight update under way could not be committed ({type(e).__name__}); "
                                 "the router's log says why; the server stays paused")
         await weights.resume()
