@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import logging
 import shutil
 import threading
 import time
@@ -51,6 +52,24 @@ def served(ray_local, aloop, weight_versions):
     yield router
     aloop.run(router.stop(grace=2))
     aloop.run(cluster.shutdown())
+
+
+@pytest.fixture(scope="module", autouse=True)
+def logging_kept():
+    """AReaL's getLogger replaces the logging module's hierarchy (Logger.root and Logger.manager, then a
+    dictConfig that disables existing loggers): every later test's caplog would see nothing. The hierarchy as
+    it was is put back after this module."""
+    manager, root = logging.Logger.manager, logging.Logger.root
+    handlers, level = logging.root.handlers[:], logging.root.level
+    kept = {name: (lg.disabled, lg.level, lg.propagate, lg.handlers[:])
+            for name, lg in manager.loggerDict.items() if isinstance(lg, logging.Logger)}
+    yield
+    logging.Logger.manager, logging.Logger.root = manager, root
+    logging.root.handlers[:], logging.root.level = handlers, level
+    for name, (disabled, lvl, propagate, hs) in kept.items():
+        lg = manager.loggerDict[name]
+        lg.disabled, lg.level, lg.propagate, lg.handlers[:] = disabled, lvl, propagate, hs
+    manager._clear_cache()
 
 
 @functools.lru_cache(maxsize=None)
