@@ -29,6 +29,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from pdserve.weights.errors import WeightGroupError
 from pdserve.weights.update import TensorMeta
 
 TRAINER_RANK = 0
@@ -113,7 +114,6 @@ class CompatGroup:
         WeightGroupError after the timeout (timeout_s, or the address's)."""
         from torch.distributed.distributed_c10d import Backend, _new_process_group_helper, _world, rendezvous
 
-        from pdserve.weights.group import WeightGroupError
 
         if not 0 < rank < address.world_size:
             raise ValueError(f"rank {rank} of a group of {address.world_size} (rank 0 is the trainer's)")
@@ -157,7 +157,6 @@ class CompatGroup:
         return self._receive(list(metas), last, discard)
 
     def _receive(self, metas: list[TensorMeta], last: bool, discard: bool) -> Iterator[tuple[str, torch.Tensor]]:
-        from pdserve.weights.group import WeightGroupError
 
         finished = False
         start = time.monotonic()
@@ -209,7 +208,6 @@ class CompatGroup:
         self.close()
 
     def _live(self) -> dist.ProcessGroup:
-        from pdserve.weights.group import WeightGroupError
 
         if self._pg is None:
             state = "broken" if self._broken else "closed"

@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from pdserve.transfer.store import bound_store
+from pdserve.weights.errors import WeightGroupError
 from pdserve.weights.update import TensorMeta
 
 TRAINER_RANK = 0
@@ -50,10 +51,6 @@ def _reachable(host: str, port: int, deadline: float) -> None:
             return
         except OSError:
             time.sleep(min(0.05, max(deadline - time.monotonic(), 0)))
-
-
-class WeightGroupError(RuntimeError):
-    """The group failed: a rank died, the trainer vanished, a timeout."""
 
 
 @dataclass(frozen=True)
