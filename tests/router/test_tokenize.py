@@ -47,9 +47,9 @@ def test_a_million_characters_do_not_block_the_event_loop(aloop, start):
         with httpx.Client(timeout=120) as h:
             return h.post(url, json={"model": "smol", "prompt": MILLION, "max_tokens": 1})
 
-    # The lag measured is the router's, not a collection over every object the suite's process holds by then
-    # (a full one is 0.2 s over the imports alone, more the later in a whole run; the test once failed there
-    # at 0.67 s of 2.6 s, 19 ms when run alone): those are set aside (frozen) while it runs.
+    # A collection over every object the suite's process holds by then (0.2 s over the imports alone) is not
+    # the router's stall: those objects are set aside (frozen) while it runs. (In whole runs the test still
+    # failed once so, 0.41 s of 1.51 s; alone its worst lag is 20-160 ms: the stall's cause is open.)
     gc.collect()
     gc.freeze()
     try:
