@@ -61,7 +61,7 @@ import json
 import re
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import replace
 from typing import Any
 
@@ -421,6 +421,30 @@ class _Runs:
             else:
                 await run.close("CANCELLED", "cancelled")
 
+    async def whole(self, request: Request, collect: Callable[[], Awaitable[None]]) -> None:
+        """A non-streamed request: run collect() (which starts the runs and reads their outputs), cancelling it
+        if the client goes away meanwhile; then close the runs with how it ended."""
+        async def gone() -> None:
+            while not await request.is_disconnected():
+                await asyncio.sleep(DISCONNECT_POLL_S)
+
+        task, watch = asyncio.create_task(collect()), asyncio.create_task(gone())
+        try:
+            await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watch.cancel()
+            if not task.done():  # the client went away (or this handler was cancelled): stop the request
+                task.cancel()
+        try:
+            await task
+        except asyncio.CancelledError:
+            await self.close("CANCELLED", "cancelled")
+            raise
+        except HTTPError as e:
+            await self.close(e.grpc_code)
+            raise
+        await self.close()
+
     def usage(self) -> dict:
         """Every prompt's tokens and every sample's completion tokens, summed over the runs."""
         prompt, completion, cached = (sum(x) for x in zip(*(run.usage() for run in self.runs)))
@@ -474,26 +498,7 @@ async def _whole(runs: _Runs, request: Request, kind: str, rid: str, model: str,
                 run = runs.runs[i]
                 choices[i * run.request.params.n + out.index].add(out, run.prompt_logprobs)
 
-    async def gone() -> None:
-        while not await request.is_disconnected():
-            await asyncio.sleep(DISCONNECT_POLL_S)
-
-    task, watch = asyncio.create_task(collect()), asyncio.create_task(gone())
-    try:
-        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watch.cancel()
-        if not task.done():  # the client went away (or this handler was cancelled): stop the request
-            task.cancel()
-    try:
-        await task
-    except asyncio.CancelledError:
-        await runs.close("CANCELLED", "cancelled")
-        raise
-    except HTTPError as e:
-        await runs.close(e.grpc_code)
-        raise
-    await runs.close()
+    await runs.whole(request, collect)
     answers = [c.whole() for c in choices]
     own = answers[0][1]  # the prompt's fields (chat), which choice 0 gathers
     return JSONResponse({"id": rid, "object": kind, "created": int(time.time()), "model": model,

@@ -22,7 +22,7 @@ from pdserve.engine.output import RequestOutput
 from pdserve.engine.request import FinishReason
 from router.admission import Ask
 from router.frontend import Frontend
-from router.openai_api import DISCONNECT_POLL_S, _Run, _Runs
+from router.openai_api import _Run, _Runs
 from router.openai_schema import HTTPError
 from router.tracking import Timeline
 
@@ -96,26 +96,7 @@ async def collect(runs: _Runs, request: Request) -> list[Sample]:
         async for _ in stream_samples(runs, samples):
             pass
 
-    async def gone() -> None:
-        while not await request.is_disconnected():
-            await asyncio.sleep(DISCONNECT_POLL_S)
-
-    task, watch = asyncio.create_task(gather()), asyncio.create_task(gone())
-    try:
-        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watch.cancel()
-        if not task.done():
-            task.cancel()
-    try:
-        await task
-    except asyncio.CancelledError:
-        await runs.close("CANCELLED", "cancelled")
-        raise
-    except HTTPError as e:
-        await runs.close(e.grpc_code)
-        raise
-    await runs.close()
+    await runs.whole(request, gather)
     return samples
 
 

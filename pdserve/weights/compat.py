@@ -208,7 +208,6 @@ class CompatGroup:
         self.close()
 
     def _live(self) -> dist.ProcessGroup:
-
         if self._pg is None:
             state = "broken" if self._broken else "closed"
             raise WeightGroupError(f"group {self.address.name!r} is {state}; join a new group")
