@@ -131,7 +131,7 @@ class Attempt:
         # whose decode pool had no room is computed first, its KV held until one has.
         # A partial hand-off: the leading blocks the decode worker holds (router.kv_index) are not moved.
         held, version = 0, 0
-        if streamer is not None and not self.full_hand_off and req.params.n == 1:
+        if streamer is not None and not self.full_hand_off:
             held, version = parts.dispatch.held_prefix(streamer, req, p)
         reserved = self._reserve(streamer, p, held, version) if streamer is not None else None
         if target is not None and streamer is None:

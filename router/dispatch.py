@@ -351,11 +351,11 @@ class Dispatch:
                            self.config.placement_load_tokens)
 
     def _local_ok(self, req: Request) -> bool:
-        """Whether a decode worker may compute this request's prompt itself: one sample, no prompt logprobs
-        (those are the prefill worker's), disaggregated mode, and local prefill on."""
+        """Whether a decode worker may compute this request's prompt itself: no prompt logprobs (those are the
+        prefill worker's), disaggregated mode, and local prefill on. A group's n samples fork there as they would
+        from a hand-off."""
         return self.config.mode == "disaggregated" and self.config.local_prefill_max_tokens > 0 \
-            and self.routing != "random" \
-            and req.params.n == 1 and req.params.prompt_logprobs is None
+            and self.routing != "random" and req.params.prompt_logprobs is None
 
     def unplace(self, e: Entry, p: Worker | None, d: Worker | None) -> None:
         if d is not None:

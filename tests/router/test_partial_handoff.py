@@ -101,3 +101,74 @@ def test_a_prefix_evicted_before_the_reservation_falls_back_to_a_full_hand_off(p
     assert cluster.retries["decode_lost"] == cluster.retries["transfer_failed"] == 0
     if placement[-1] == last:  # the retry moved the whole prompt and its first token's place
         assert received(aloop, cluster, last) - before >= (len(conversation) + 1) // BS * block_bytes
+
+
+@pytest.mark.parametrize("evicted", [False, True], ids=["held", "evicted"])
+def test_a_group_turn_moves_only_the_blocks_its_decode_worker_lacks(partial_cluster, aloop, evicted):
+    """An RL group (n samples of one prompt, seeded) on a conversation's next turn: one prefill, the missing blocks
+    moved once, each sample forked on the decode worker from the pinned prefix and the blocks that came; every
+    sample equals the offline engine's. If the prefix is gone when the decode worker reserves, the group is tried
+    again at once as a full hand-off, as one request is."""
+    cluster, offline, block_bytes = partial_cluster
+    g = torch.Generator().manual_seed(9 + evicted)
+    conversation = torch.randint(0, 320, (30,), generator=g).tolist()
+    reply, last = first_turn(aloop, cluster, offline, conversation)
+    conversation = conversation + reply + torch.randint(0, 320, (LOCAL_MAX + 13,), generator=g).tolist()
+    held = cluster.scaling.kv_index.match(last, hash_prompt_blocks(conversation[:-1], BS))
+    assert held >= 8, held
+    params = SamplingParams(max_tokens=6, temperature=1.0, seed=11, n=3, ignore_eos=True)
+    want = offline.generate([conversation], params)
+    rid = f"group-turn-{evicted}"
+    if evicted:
+        for w in cluster.pools["decode"]:
+            ray.get(w.handle.inject_fault.remote("evict_prefix", 0.0, 1, 0, f"{rid}#"))
+    before, missed = received(aloop, cluster, last), cluster.retries["prefix_missed"]
+
+    async def group():
+        samples, placement = [[] for _ in range(params.n)], ()
+        async for out in cluster.generate(conversation, params, request_id=rid):
+            assert out.error is None, out.error
+            samples[out.index] += out.new_token_ids
+            placement = out.placement or placement
+        return samples, placement
+
+    samples, placement = aloop.run(group())
+    assert samples == [w.token_ids for w in want]
+    assert cluster.retries["prefix_missed"] == missed + evicted
+    assert cluster.retries["decode_lost"] == cluster.retries["transfer_failed"] == 0
+    moved = received(aloop, cluster, last) - before
+    if evicted:
+        if placement[-1] == last:  # the retry moved the whole prompt
+            assert moved >= (len(conversation) + 1) // BS * block_bytes
+        return
+    assert placement == (placement[0], last), placement
+    missing = -(-len(conversation) // BS) - held
+    # The missing blocks and the trailer (the samples' first tokens, time, checksum): not one block more.
+    assert missing * block_bytes <= moved < (missing + 1) * block_bytes, (moved, missing, held)
+
+
+def test_a_short_group_turn_is_prefilled_on_its_decode_worker(partial_cluster, aloop):
+    """A group whose turn adds no more than local_prefill_max_tokens: its decode worker computes the rest of the
+    prompt itself (no prefill worker, no KV moved) and forks the n samples there; each equals the offline
+    engine's."""
+    cluster, offline, _ = partial_cluster
+    g = torch.Generator().manual_seed(12)
+    conversation = torch.randint(0, 320, (30,), generator=g).tolist()
+    reply, last = first_turn(aloop, cluster, offline, conversation)
+    conversation = conversation + reply + torch.randint(0, 320, (3,), generator=g).tolist()  # 7 tokens uncached
+    params = SamplingParams(max_tokens=6, temperature=1.0, seed=13, n=3, ignore_eos=True)
+    want = offline.generate([conversation], params)
+    before = received(aloop, cluster, last)
+
+    async def group():
+        samples, placement = [[] for _ in range(params.n)], ()
+        async for out in cluster.generate(conversation, params):
+            assert out.error is None, out.error
+            samples[out.index] += out.new_token_ids
+            placement = out.placement or placement
+        return samples, placement
+
+    samples, placement = aloop.run(group())
+    assert samples == [w.token_ids for w in want]
+    assert placement == (last,), placement
+    assert received(aloop, cluster, last) == before
