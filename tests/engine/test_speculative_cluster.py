@@ -1,7 +1,8 @@
-"""Speculative decoding on a real local Ray cluster serving SmolLM2: the decode pool (1P1D) and a colocated
+"""Speculative decoding on a real local Ray cluster: serving SmolLM2, the decode pool (1P1D, 2P2D) and a colocated
 pool speculating by prompt lookup stream greedy output token-identical to the offline engine without
 speculation, a stop string ends a stream mid-verification where plain decoding ends it, the workers report
-drafted and accepted tokens, and every KV block is given back."""
+drafted and accepted tokens, and every KV block is given back; and a tensor-parallel prefill pool (TP 2) handing
+off to a speculating decode worker (TP 1), on a tiny checkpoint whose heads TP 2 can split."""
 from __future__ import annotations
 
 import dataclasses
@@ -39,11 +40,13 @@ def case():
     return engine, prompts, params, want, (stop, stopped)
 
 
-@pytest.mark.parametrize("mode", ["disaggregated", "colocated"])
-def test_cluster_greedy_token_exact_with_speculation(ray_local, aloop, case, mode):
+@pytest.mark.parametrize("shape", ["1P1D", "2P2D", "colocated"])
+def test_cluster_greedy_token_exact_with_speculation(ray_local, aloop, case, shape):
     engine, prompts, params, want, (stop, stopped) = case
-    pool = PoolConfig(1, num_cpus=0.25, speculative=SPEC)
-    pools = dict(colocated=pool) if mode == "colocated" else dict(prefill=PoolConfig(1, num_cpus=0.25), decode=pool)
+    n = 2 if shape == "2P2D" else 1
+    pool = PoolConfig(n, num_cpus=0.25, speculative=SPEC)
+    mode = "colocated" if shape == "colocated" else "disaggregated"
+    pools = dict(colocated=pool) if mode == "colocated" else dict(prefill=PoolConfig(n, num_cpus=0.25), decode=pool)
     cluster = Cluster(ClusterConfig(engine=engine, mode=mode, **pools))
     aloop.run(cluster.start(), timeout=600)
     try:
@@ -55,8 +58,37 @@ def test_cluster_greedy_token_exact_with_speculation(ray_local, aloop, case, mod
         assert (tokens, text) == (stopped.token_ids, stopped.text) and reason == "stop"
         stats = aloop.run(cluster.stats())
         spec = [s.speculation for s in stats if s.speculation]
-        assert len(spec) == 1 and spec[0]["drafted"] > 0 and spec[0]["accepted"] > 0
+        assert len(spec) == n and sum(x["drafted"] for x in spec) > 0 and sum(x["accepted"] for x in spec) > 0
         assert all(not s.speculation for s in stats if s.pool == "prefill")
+        wait_for(lambda: sum(s.kv_blocks_used for s in aloop.run(cluster.stats())) == 0, timeout=60,
+                 what="every KV block given back")
+    finally:
+        aloop.run(cluster.shutdown())
+
+
+def test_tp_prefill_hands_off_to_a_speculating_decode_worker(ray_local, aloop, tmp_path):
+    """TP (2, 1): a prefill worker of two ranks computes the prompt, a one-rank decode worker speculates; greedy
+    output equals the offline engine's without speculation. The tiny model's greedy replies fall into loops, which
+    prompt lookup drafts from."""
+    from conftest import build_tiny_checkpoint
+    from pdserve.config import CacheConfig, EngineConfig, SchedulerConfig
+
+    path = build_tiny_checkpoint(tmp_path / "gqa", "llama", num_attention_heads=8, num_key_value_heads=2)
+    engine = EngineConfig(model=str(path), cache=CacheConfig(block_size=4, num_blocks=256),
+                          scheduler=SchedulerConfig(max_num_batched_tokens=32, max_num_seqs=8))
+    prompts = [[(7 * i + j) % 320 for j in range(5 + 9 * i)] for i in range(3)]
+    params = [SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True) for _ in prompts]
+    with LLMEngine(engine) as offline:
+        want = offline.generate(prompts, params)
+    cluster = Cluster(ClusterConfig(
+        engine=engine, prefill=PoolConfig(1, num_cpus=0.1, tensor_parallel_size=2, torch_threads=1),
+        decode=PoolConfig(1, num_cpus=0.1, tensor_parallel_size=1, torch_threads=1, speculative=SPEC)))
+    aloop.run(cluster.start(), timeout=600)
+    try:
+        got = aloop.run(collect_all(cluster, prompts, params), timeout=300)
+        assert [g[0] for g in got] == [w.token_ids for w in want]
+        spec = [s.speculation for s in aloop.run(cluster.stats()) if s.speculation]
+        assert len(spec) == 1 and spec[0]["drafted"] > 0, spec
         wait_for(lambda: sum(s.kv_blocks_used for s in aloop.run(cluster.stats())) == 0, timeout=60,
                  what="every KV block given back")
     finally:
