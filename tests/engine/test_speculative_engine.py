@@ -88,8 +88,7 @@ def test_ends_hold_at_every_acceptance_length(smol, reference):
     SamplingParams(max_tokens=24, temperature=0.0, repetition_penalty=1.3),
     SamplingParams(max_tokens=24, temperature=0.0, logprobs=2),
     SamplingParams(max_tokens=24, temperature=0.0, min_tokens=24, ignore_eos=False),
-    SamplingParams(max_tokens=24, temperature=0.8, seed=3, n=2),
-], ids=["penalty", "logprobs", "min_tokens", "n2"])
+], ids=["penalty", "logprobs", "min_tokens"])
 def test_excluded_requests_do_not_draft(smol, params):
     prompt = chat(smol, PROMPTS[0])
     on, off = engine(smol, 4), engine(smol, None)
@@ -102,6 +101,23 @@ def test_sampled_requests_speculate_reproducibly(smol):
     params = SamplingParams(max_tokens=32, temperature=0.7, seed=11)
     a, b = (engine(smol, 4).generate([prompt], params)[0] for _ in range(2))
     assert a.token_ids == b.token_ids and len(a.token_ids) > 0
+
+
+def test_a_groups_samples_speculate_each_as_its_own_request(smol, reference):
+    """Once a group (n > 1) has forked, every sample drafts from its own tokens: greedy samples equal the output
+    without speculation; sampled, sample i equals the speculating n = 1 request seeded seed + i (the group's
+    rule with speculation off too)."""
+    prompt = chat(smol, PROMPTS[0])
+    on = engine(smol, 4)
+    greedy = on.generate([prompt], SamplingParams(max_tokens=48, temperature=0.0, n=3))
+    assert [c.token_ids for c in greedy] == [reference[0].token_ids] * 3
+    assert on.scheduler.speculation.drafted > 0
+    group = SamplingParams(max_tokens=32, temperature=0.7, seed=20, n=3)
+    samples = engine(smol, 4).generate([prompt], group)
+    for i, sample in enumerate(samples):
+        alone = engine(smol, 4).generate([prompt], SamplingParams(max_tokens=32, temperature=0.7, seed=20 + i))[0]
+        assert sample.token_ids == alone.token_ids, f"sample {i}"
+    assert len({tuple(c.token_ids) for c in samples}) > 1  # the seeds differ: so do the samples
 
 
 def test_batch_cap_stops_speculation(smol):
