@@ -35,8 +35,9 @@ class StepResult:
     # Chunk index -> the logprobs of the prompt tokens its positions predict (Chunk.prompt_logprobs).
     prompt_logprobs: dict[int, list[TokenLogprob]] = field(default_factory=dict)
     # Chunk index -> the tokens a speculative chunk (Chunk.draft) emits: its accepted drafts, then the
-    # target's token at the first rejection or after the last draft (pdserve.engine.speculative.verify).
-    verified: dict[int, list[int]] = field(default_factory=dict)
+    # target's token at the first rejection or after the last draft, and their logprobs if its request asks
+    # (pdserve.engine.speculative.verify).
+    verified: dict[int, tuple[list[int], list[TokenLogprob] | None]] = field(default_factory=dict)
     # CUDA: the sampled tokens in pinned host memory, copied as soon as they are sampled, and the event
     # that marks the copy done (start_host_copy). None: tokens() reads them from `sampled`.
     _host: torch.Tensor | None = None
@@ -161,9 +162,9 @@ class ModelRunner:
         result.start_host_copy()
         return result
 
-    def _verify(self, hidden: torch.Tensor, last: int, chunk: Chunk) -> list[int]:
-        """A speculative chunk's emitted tokens: the target's logits at its k + 1 positions (rows last - k ..
-        last of the batch) checked against its k drafts."""
+    def _verify(self, hidden: torch.Tensor, last: int, chunk: Chunk) -> tuple[list[int], list[TokenLogprob] | None]:
+        """A speculative chunk's emitted tokens (and their logprobs, if asked): the target's logits at its k + 1
+        positions (rows last - k .. last of the batch) checked against its k drafts."""
         k = len(chunk.draft)
         logits = self.model.compute_logits(hidden[last - k:last + 1]).float()
         return verify(logits, chunk.draft, chunk.sample, chunk.seed, chunk.output_index)

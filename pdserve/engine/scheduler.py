@@ -267,8 +267,8 @@ class Scheduler(PipelinedDecode):
                 req.num_computed_tokens += len(chunk.token_ids)
                 self.kv.cache_computed_blocks(req)
         self.note_prompt_logprobs(step, result)
-        out = [t for i, emitted in result.verified.items()
-               for t in self._take_verified(step.requests[i], len(step.chunks[i].draft), emitted)]
+        out = [t for i, (emitted, logprobs) in result.verified.items()
+               for t in self._take_verified(step.requests[i], len(step.chunks[i].draft), emitted, logprobs)]
         tokens = result.tokens()
         logprobs = self.token_logprobs(step, result, tokens)
         rows = list(zip(result.sampling_chunks, tokens, logprobs, samples_of(result.sampling_chunks)))
@@ -293,16 +293,19 @@ class Scheduler(PipelinedDecode):
                                     version=self.kv.version))
         return out
 
-    def _take_verified(self, req: Request, drafted: int, emitted: list[int]) -> list[SampledToken]:
-        """A verification's tokens into req, one by one, each checked by the token-level stop rules: the first
-        that ends it is its last. The accepted drafts' KV (and the last known token's) count as computed."""
+    def _take_verified(self, req: Request, drafted: int, emitted: list[int],
+                       logprobs: list[TokenLogprob] | None) -> list[SampledToken]:
+        """A verification's tokens (and their logprobs, if asked) into req, one by one, each checked by the
+        token-level stop rules: the first that ends it is its last. The accepted drafts' KV (and the last known
+        token's) count as computed."""
         self.speculation.note(req, drafted, len(emitted) - 1)
         out = []
-        for token in emitted:
+        for i, token in enumerate(emitted):
             req.token_ids.append(token)
             req.num_computed_tokens = req.num_tokens - 1
             reason = token_stop_reason(req, self.eos_token_ids, self.max_model_len)
-            out.append(SampledToken(req, token, reason, req.num_output_tokens, version=self.kv.version))
+            out.append(SampledToken(req, token, reason, req.num_output_tokens,
+                                    logprobs[i] if logprobs is not None else None, version=self.kv.version))
             if reason is not None:
                 self.finish(req, reason)
                 return out

@@ -26,7 +26,8 @@ from dataclasses import dataclass
 
 import torch
 
-from pdserve.engine.sampling import SamplingParams, apply_min_p, apply_top_k_top_p, token_seed
+from pdserve.engine.logprobs import TokenLogprob
+from pdserve.engine.sampling import SamplingParams, apply_min_p, apply_top_k_top_p, logprobs_of, token_seed
 
 SUPPORTED_METHODS = ("ngram",)
 # Methods of the field that a later change may add; named in the refusal so that the message says
@@ -168,15 +169,17 @@ def accept_sampled(probs: torch.Tensor, draft: Sequence[int], generator: torch.G
 
 
 def verify(logits: torch.Tensor, draft: Sequence[int], params: SamplingParams, seed: int,
-           output_index: int) -> list[int]:
-    """The tokens a verification chunk emits (1 to len(draft) + 1). logits: [len(draft) + 1, vocab], the
-    target's raw logits at the chunk's positions. Only requests without penalties, banned tokens, masks or
-    logprobs speculate (pdserve.engine.scheduler_spec), so the raw logits are what the sampler would process:
-    greedy takes their argmax; sampling applies the temperature, min-p and top-k / top-p as the sampler does
-    and draws with a generator seeded by the request's seed and the first token's output index (the draw is
-    reproducible, though not the one plain decoding makes: the distribution is the same, the tokens are not)."""
+           output_index: int) -> tuple[list[int], list[TokenLogprob] | None]:
+    """The tokens a verification chunk emits (1 to len(draft) + 1), and their logprobs if the request asks.
+    logits: [len(draft) + 1, vocab], the target's raw logits at the chunk's positions. Only requests without
+    penalties, banned tokens or masks speculate (pdserve.engine.scheduler_spec), so the raw logits are what the
+    sampler would process: greedy takes their argmax; sampling applies the temperature, min-p and top-k / top-p
+    as the sampler does and draws with a generator seeded by the request's seed and the first token's output index
+    (the draw is reproducible, though not the one plain decoding makes: the distribution is the same, the tokens
+    are not)."""
     if params.greedy:
-        return accept_greedy(logits.argmax(dim=-1).tolist(), draft)
+        emitted = accept_greedy(logits.argmax(dim=-1).tolist(), draft)
+        return emitted, emitted_logprobs(logits, logits, emitted, params)
     rows = logits.shape[0]
     scaled = logits / params.temperature
     if params.min_p > 0:
@@ -186,7 +189,21 @@ def verify(logits: torch.Tensor, draft: Sequence[int], params: SamplingParams, s
                                    torch.full((rows,), params.top_p, device=logits.device))
     gen = torch.Generator(device=logits.device)
     gen.manual_seed(token_seed(seed, output_index))
-    return accept_sampled(scaled.softmax(dim=-1), draft, gen)
+    emitted = accept_sampled(scaled.softmax(dim=-1), draft, gen)
+    return emitted, emitted_logprobs(logits, scaled, emitted, params)
+
+
+def emitted_logprobs(raw: torch.Tensor, processed: torch.Tensor, emitted: Sequence[int],
+                     params: SamplingParams) -> list[TokenLogprob] | None:
+    """Each emitted token's logprob, rank and top k at the position it was drawn from, under the distribution a
+    plain step reports (pdserve.engine.sampling.sample): the raw logits', or with logprobs_mode "processed" those
+    the draw was made from. None if the request asks for no logprobs."""
+    if params.logprobs is None:
+        return None
+    source = processed if params.logprobs_mode == "processed" else raw
+    rows = source[:len(emitted)].float()
+    tokens = torch.tensor(list(emitted), dtype=torch.int64, device=rows.device)
+    return logprobs_of(rows.log_softmax(dim=-1), tokens, params.logprobs).rows(emitted, [params.logprobs] * len(emitted))
 
 
 @dataclass

@@ -86,9 +86,8 @@ def test_ends_hold_at_every_acceptance_length(smol, reference):
 
 @pytest.mark.parametrize("params", [
     SamplingParams(max_tokens=24, temperature=0.0, repetition_penalty=1.3),
-    SamplingParams(max_tokens=24, temperature=0.0, logprobs=2),
     SamplingParams(max_tokens=24, temperature=0.0, min_tokens=24, ignore_eos=False),
-], ids=["penalty", "logprobs", "min_tokens"])
+], ids=["penalty", "min_tokens"])
 def test_excluded_requests_do_not_draft(smol, params):
     prompt = chat(smol, PROMPTS[0])
     on, off = engine(smol, 4), engine(smol, None)
@@ -118,6 +117,30 @@ def test_a_groups_samples_speculate_each_as_its_own_request(smol, reference):
         alone = engine(smol, 4).generate([prompt], SamplingParams(max_tokens=32, temperature=0.7, seed=20 + i))[0]
         assert sample.token_ids == alone.token_ids, f"sample {i}"
     assert len({tuple(c.token_ids) for c in samples}) > 1  # the seeds differ: so do the samples
+
+
+@pytest.mark.parametrize("mode", ["raw", "processed"])
+def test_logprobs_of_verified_tokens_are_the_targets(smol, reference, mode):
+    """A request asking for logprobs speculates (an RL rollout does): greedy, its tokens and their logprobs (top 5)
+    equal plain decoding's within 1e-4; sampled, each token's logprob is the one the target gives it after the same
+    tokens (the prompt logprobs of the whole sequence, computed without speculation)."""
+    from served import assert_same_logprobs
+
+    prompt = chat(smol, PROMPTS[0])
+    on, off = engine(smol, 4), engine(smol, None)
+    greedy = SamplingParams(max_tokens=48, temperature=0.0, logprobs=5, logprobs_mode=mode)
+    got, want = on.generate([prompt], greedy)[0], off.generate([prompt], greedy)[0]
+    assert got.token_ids == want.token_ids == reference[0].token_ids
+    assert_same_logprobs(got.logprobs, want.logprobs)
+    assert on.scheduler.speculation.accepted > 0
+    if mode == "processed":
+        return
+    sampled = engine(smol, 4).generate([prompt], SamplingParams(max_tokens=32, temperature=0.7, seed=5, logprobs=5,
+                                                                 ignore_eos=True))[0]
+    forced = off.generate([prompt + sampled.token_ids], SamplingParams(max_tokens=1, temperature=0.0,
+                                                                        prompt_logprobs=5))[0]
+    assert len(sampled.token_ids) == 32
+    assert_same_logprobs(sampled.logprobs, list(forced.prompt_logprobs[len(prompt):]))
 
 
 def test_batch_cap_stops_speculation(smol):
