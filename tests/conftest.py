@@ -217,7 +217,7 @@ def cpu_kernels_built():
     pytest.fail("a compiler and ninja exist but the CPU kernels did not build (see the warning)")
 
 
-# -- one SmolLM2 1P1D cluster for the modules that serve the same one ---------------------------------------------
+# -- SmolLM2 clusters shared by the modules that serve the same one ----------------------------------------------
 # tests/router/test_api.py, test_grpc_logprobs.py, test_openai_api.py, test_openai_logprobs.py and the real run of
 # tests/loadgen/test_loadgen.py serve SmolLM2 on one prefill and one decode worker; each used to start its own (~15 s
 # on 2 cores). They share one through `smol_1p1d` (each module keeps its own routers on it): their modules run one
@@ -226,12 +226,15 @@ def cpu_kernels_built():
 # request id, KV blocks back to zero, prompt tokens computed over a run), never as a total since it started, and
 # sends no prompt another module's test needs to find uncached.
 # tests/router/test_metrics.py reads every dashboard expression off it: a dense model's scrape without a start-up.
+# `smol_colocated` is the same for one colocated SmolLM2 worker (tests/router/test_structured_api.py and
+# test_tools_api.py, which use both: their modules run next to each other inside the 1P1D group).
 SMOL_1P1D = "smol_1p1d"
+SMOL_COLOCATED = "smol_colocated"
 
 
 def smol_1p1d_engine_config():
-    """The engine config of the shared cluster (SmolLM2, 512 KV blocks of 16 tokens, a 512-token budget, 64
-    sequences): the one its modules build their offline engines from. Skips where SmolLM2 is not installed."""
+    """The engine config of the shared clusters (SmolLM2, 512 KV blocks of 16 tokens, a 512-token budget, 64
+    sequences): the one their modules build their offline engines from. Skips where SmolLM2 is not installed."""
     from pdserve.config import CacheConfig, EngineConfig, SchedulerConfig
     from pdserve.model.loader import default_model_path
 
@@ -243,22 +246,40 @@ def smol_1p1d_engine_config():
                         scheduler=SchedulerConfig(max_num_batched_tokens=512, max_num_seqs=64))
 
 
-class _SharedCluster:
-    def __init__(self):
-        self.cluster = self.aloop = None
-        self.last_module: Path | None = None  # the last module collected that uses it: closed after it
+def _smol_1p1d_config():
+    from pdserve.config import ClusterConfig, PoolConfig
 
-    def get(self, aloop):
+    # Its modules test the doors over the disaggregated path: every prompt through the prefill worker, even one the
+    # decode worker holds (a repeat would otherwise be computed there: local prefill, which
+    # tests/router/test_sessions.py covers).
+    return ClusterConfig(engine=smol_1p1d_engine_config(), prefill=PoolConfig(1, num_cpus=0.25),
+                         decode=PoolConfig(1, num_cpus=0.25), local_prefill_max_tokens=0)
+
+
+def _smol_colocated_config():
+    from pdserve.config import ClusterConfig, PoolConfig
+
+    return ClusterConfig(engine=smol_1p1d_engine_config(), mode="colocated", colocated=PoolConfig(1, num_cpus=0.25))
+
+
+class _SharedCluster:
+    def __init__(self, name: str, config):
+        self.name, self.config = name, config  # the fixture's name; a function that makes its ClusterConfig
+        self.cluster = self.aloop = None
+        self.users: set[Path] = set()  # the modules collected that use it
+        self.last_module: Path | None = None  # the last of them to run: closed after it
+
+    def get(self, request, aloop):
+        # Known at collection only where a test names it (or a fixture of its does): one that reaches it through
+        # request.getfixturevalue alone is marked @pytest.mark.usefixtures(<name>), so it is grouped and closed.
+        if request.path not in self.users:
+            raise RuntimeError(f"{request.path} uses the shared cluster {self.name} but no test of it names it: "
+                               f"mark the test @pytest.mark.usefixtures({self.name!r})")
         if self.cluster is None:
             self.aloop = aloop
-            from pdserve.config import ClusterConfig, PoolConfig
             from router.cluster import Cluster
 
-            # Its modules test the doors over the disaggregated path: every prompt through the prefill worker,
-            # even one the decode worker holds (a repeat would otherwise be computed there: local prefill,
-            # which tests/router/test_sessions.py covers).
-            cluster = Cluster(ClusterConfig(engine=smol_1p1d_engine_config(), prefill=PoolConfig(1, num_cpus=0.25),
-                                            decode=PoolConfig(1, num_cpus=0.25), local_prefill_max_tokens=0))
+            cluster = Cluster(self.config())
             aloop.run(cluster.start(), timeout=600)
             self.cluster = cluster
         return self.cluster
@@ -269,43 +290,53 @@ class _SharedCluster:
             self.aloop.run(cluster.shutdown())
 
 
-_smol_1p1d = _SharedCluster()
-
-
-def _uses_smol_1p1d(item) -> bool:
-    return SMOL_1P1D in getattr(item, "fixturenames", ())
+_SHARED = [_SharedCluster(SMOL_1P1D, _smol_1p1d_config), _SharedCluster(SMOL_COLOCATED, _smol_colocated_config)]
 
 
 @pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(session, config, items):
-    """The modules that use `smol_1p1d` run one after another, where the first of them is (each module's own
-    order kept), so the shared cluster is up only while they run."""
-    users = list(dict.fromkeys(item.path for item in items if _uses_smol_1p1d(item)))
-    if len(users) > 1:
-        first = next(i for i, item in enumerate(items) if item.path in users)
-        group = sorted((item for item in items if item.path in users), key=lambda item: users.index(item.path))
-        items[:] = items[:first] + group + [item for item in items[first:] if item.path not in users]
-    _smol_1p1d.last_module = users[-1] if users else None
+    """The modules that use a shared cluster run one after another, where the first of them is (each module's own
+    order kept), so the cluster is up only while they run. The groups are made in the order of _SHARED: a later
+    one's modules (a subset of an earlier group's, or none of them) stay inside that group."""
+    for shared in _SHARED:
+        users = list(dict.fromkeys(item.path for item in items if shared.name in getattr(item, "fixturenames", ())))
+        if len(users) > 1:
+            first = next(i for i, item in enumerate(items) if item.path in users)
+            group = sorted((item for item in items if item.path in users), key=lambda item: users.index(item.path))
+            items[:] = items[:first] + group + [item for item in items[first:] if item.path not in users]
+        shared.users, shared.last_module = set(users), None
+    for item in items:  # the last user of each, in the final order
+        for shared in _SHARED:
+            if item.path in shared.users:
+                shared.last_module = item.path
 
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_teardown(item, nextitem):
     yield
-    # After the last module that uses the shared cluster, with its own fixtures (its routers) torn down.
-    if item.path == _smol_1p1d.last_module and (nextitem is None or nextitem.path != item.path):
-        _smol_1p1d.close()
+    # After the last module that uses a shared cluster, with its own fixtures (its routers) torn down.
+    for shared in _SHARED:
+        if item.path == shared.last_module and (nextitem is None or nextitem.path != item.path):
+            shared.close()
 
 
 @pytest.fixture(scope="session")
-def _smol_1p1d_owner(ray_local, aloop):
-    yield _smol_1p1d
-    _smol_1p1d.close()  # a run stopped before the last module that uses it was done
+def _shared_clusters(ray_local, aloop):
+    yield {shared.name: shared for shared in _SHARED}
+    for shared in _SHARED:
+        shared.close()  # a run stopped before the last module that uses it was done
 
 
 @pytest.fixture(scope="module")
-def smol_1p1d(_smol_1p1d_owner, aloop):
+def smol_1p1d(_shared_clusters, request, aloop):
     """The shared SmolLM2 1P1D cluster (a router.cluster.Cluster), started by the first module that asks."""
-    return _smol_1p1d_owner.get(aloop)
+    return _shared_clusters[SMOL_1P1D].get(request, aloop)
+
+
+@pytest.fixture(scope="module")
+def smol_colocated(_shared_clusters, request, aloop):
+    """The shared colocated SmolLM2 cluster (one worker), started by the first module that asks."""
+    return _shared_clusters[SMOL_COLOCATED].get(request, aloop)
 
 
 # -- time per module, in the terminal summary ----------------------------------------------------------------------

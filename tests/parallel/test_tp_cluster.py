@@ -174,12 +174,19 @@ def tp_fault_engine(gqa):
                         tensor_parallel_timeout_s=FAULT_TIMEOUT_S)
 
 
+_GREEDY: dict[tuple[str, int], list[list[int]]] = {}
+
+
 def greedy_reference(path, max_tokens: int):
-    """The prompts, greedy parameters and the offline engine's tokens for them at TP 1."""
+    """The prompts, greedy parameters and the offline engine's tokens for them at TP 1 (computed once per
+    checkpoint and length: the fault tests ask for the same ones)."""
     batch = prompts()
     greedy = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    with LLMEngine(engine_config(path)) as engine:
-        return batch, greedy, [o.token_ids for o in engine.generate(batch, greedy)]
+    key = (str(path), max_tokens)
+    if key not in _GREEDY:
+        with LLMEngine(engine_config(path)) as engine:
+            _GREEDY[key] = [o.token_ids for o in engine.generate(batch, greedy)]
+    return batch, greedy, [list(t) for t in _GREEDY[key]]
 
 
 def fault_cluster(aloop, engine: EngineConfig, prefill_tp: int, decode_workers: int, decode_tp: int) -> Cluster:
@@ -198,13 +205,13 @@ def test_the_rank_rows_are_in_docs_faults():
     assert all(f"`{row}`" in text for row in rows)
 
 
-def assert_worker_replaced(aloop, cluster, victim, pids: list[int]) -> None:
+def assert_worker_replaced(aloop, cluster, victim, pids: list[int], restarts: int) -> None:
     """After a decode worker's loss: every process of it ended, a replacement joined its pool of 2 (one
-    restart), and no KV block is left used."""
+    restart more than the `restarts` before it), and no KV block is left used."""
     wait_for(lambda: not any(_alive(p) for p in pids), timeout=30, what="every rank of the lost worker to end")
     wait_for(lambda: len(cluster.pools["decode"]) == 2 and victim not in cluster.pools["decode"], timeout=120,
              what="a replacement decode worker")
-    assert cluster.restarts["decode"] == 1
+    assert cluster.restarts["decode"] == restarts + 1
     wait_for(lambda: used_blocks(aloop, cluster) == 0, timeout=30, what="zero used KV blocks")
 
 
@@ -233,49 +240,6 @@ async def streams_through_a_fault(cluster, batch, params, got: list[list[int]], 
     out = await asyncio.wait_for(asyncio.gather(*tasks), bound_s or RESUME_BOUND_S)
     ended.append(time.monotonic() - t_fault)
     return out
-
-
-@pytest.mark.parametrize("rank, how", [(1, "SIGKILL"), (1, "SIGSTOP"), (0, "SIGKILL")])
-def test_a_decode_rank_lost_mid_stream(ray_local, aloop, gqa, tp_fault_engine, rank, how, caplog):
-    """One prefill worker, two decode workers of TP 2. Rank 1 of a decode worker that is streaming is
-    killed (SIGKILL) or stopped (SIGSTOP) from outside, or its rank 0 is killed: its worker goes down,
-    every one of its ranks with it, each of its streams resumes on the other decode worker and ends
-    token-exact within the bound, a replacement joins, and no KV block is left used. The worker itself
-    ends (its ranks see the loss), the router does not have to wait out its heartbeat for it."""
-    batch, greedy, expected = greedy_reference(gqa, 64)
-    cluster = fault_cluster(aloop, tp_fault_engine, prefill_tp=1, decode_workers=2, decode_tp=2)
-    caplog.set_level(logging.WARNING, logger="router.pools")  # "worker <id> lost (<why>)": how the router saw it
-    victim = cluster.pools["decode"][0]
-    pids = rank_pids(aloop, victim)
-    got: list[list[int]] = [[] for _ in batch]
-    lost: list[float] = []  # seconds from the fault to the worker out of its pool
-    ended: list[float] = []  # to the last stream's end
-    run = lambda: streams_through_a_fault(  # noqa: E731
-        cluster, batch, greedy, got, victim, lambda: os.kill(pids[rank], getattr(signal, how)), lost, ended)
-
-    try:
-        errors = aloop.run(run(), timeout=RESUME_BOUND_S + 180)
-        assert errors == [None] * len(batch)
-        assert got == expected
-        print(f"{how} of decode rank {rank}: worker lost after {lost[0]:.2f} s, every stream ended after "
-              f"{ended[0]:.2f} s")
-        # The worker ended itself and the router saw it end ("dead: ..." or "stream ended: ..."): it was not
-        # declared stuck by the heartbeat.
-        losses = [r.args[:2] for r in caplog.records if r.msg.startswith("worker %s lost")]
-        assert [w for w, _ in losses] == [victim.worker_id] and not losses[0][1].startswith("stuck"), losses
-        # How it ended, told apart by the configured timeouts rather than by a speed: a killed rank is seen
-        # at once (rank 0 watches it; a killed rank 0 is the worker), before any collective could time out;
-        # a stopped one when rank 0's collective times out, long before the router's heartbeat would have.
-        # (How fast, on this machine: bench.cluster.kill_decode and docs/faults.md's measured column.)
-        assert lost[0] < (FAULT_TIMEOUT_S if how == "SIGKILL" else cluster.config.worker_timeout_s), lost
-        if how == "SIGSTOP":  # nothing saw the stopped rank before its hung collective had waited most of its timeout
-            assert lost[0] >= FAULT_TIMEOUT_S / 2, lost
-        assert_worker_replaced(aloop, cluster, victim, pids)
-    finally:
-        for p in pids:
-            if _alive(p):
-                os.kill(p, signal.SIGCONT)
-        aloop.run(cluster.shutdown())
 
 
 def test_a_prefill_rank_killed_mid_prefill(ray_local, aloop, gqa, tp_fault_engine):
@@ -353,30 +317,83 @@ def test_a_failed_share_is_retried_and_every_rank_settles(ray_local, aloop, gqa,
         aloop.run(cluster.shutdown())
 
 
-def test_a_drained_tp_worker_leaves_no_rank_behind(ray_local, aloop, gqa, tp_fault_engine):
+# -- one prefill worker and two decode workers of TP 2, shared by the tests below ---------------------------------
+# Each test leaves it as it found it (a lost worker replaced, every KV block free) and checks so, reading restarts
+# as a delta; the drain, which leaves one decode worker, comes last.
+
+@pytest.fixture(scope="module")
+def one_two_tp2(ray_local, aloop, tp_fault_engine):
+    cluster = fault_cluster(aloop, tp_fault_engine, prefill_tp=1, decode_workers=2, decode_tp=2)
+    yield cluster
+    aloop.run(cluster.shutdown())
+
+
+@pytest.mark.parametrize("rank, how", [(1, "SIGKILL"), (1, "SIGSTOP"), (0, "SIGKILL")])
+def test_a_decode_rank_lost_mid_stream(aloop, gqa, one_two_tp2, rank, how, caplog):
+    """One prefill worker, two decode workers of TP 2. Rank 1 of a decode worker that is streaming is
+    killed (SIGKILL) or stopped (SIGSTOP) from outside, or its rank 0 is killed: its worker goes down,
+    every one of its ranks with it, each of its streams resumes on the other decode worker and ends
+    token-exact within the bound, a replacement joins, and no KV block is left used. The worker itself
+    ends (its ranks see the loss), the router does not have to wait out its heartbeat for it."""
+    batch, greedy, expected = greedy_reference(gqa, 64)
+    cluster = one_two_tp2
+    caplog.set_level(logging.WARNING, logger="router.pools")  # "worker <id> lost (<why>)": how the router saw it
+    victim = cluster.pools["decode"][0]
+    pids = rank_pids(aloop, victim)
+    restarts = cluster.restarts["decode"]
+    got: list[list[int]] = [[] for _ in batch]
+    lost: list[float] = []  # seconds from the fault to the worker out of its pool
+    ended: list[float] = []  # to the last stream's end
+    run = lambda: streams_through_a_fault(  # noqa: E731
+        cluster, batch, greedy, got, victim, lambda: os.kill(pids[rank], getattr(signal, how)), lost, ended)
+
+    try:
+        errors = aloop.run(run(), timeout=RESUME_BOUND_S + 180)
+        assert errors == [None] * len(batch)
+        assert got == expected
+        print(f"{how} of decode rank {rank}: worker lost after {lost[0]:.2f} s, every stream ended after "
+              f"{ended[0]:.2f} s")
+        # The worker ended itself and the router saw it end ("dead: ..." or "stream ended: ..."): it was not
+        # declared stuck by the heartbeat.
+        losses = [r.args[:2] for r in caplog.records if r.msg.startswith("worker %s lost")]
+        assert [w for w, _ in losses] == [victim.worker_id] and not losses[0][1].startswith("stuck"), losses
+        # How it ended, told apart by the configured timeouts rather than by a speed: a killed rank is seen
+        # at once (rank 0 watches it; a killed rank 0 is the worker), before any collective could time out;
+        # a stopped one when rank 0's collective times out, long before the router's heartbeat would have.
+        # (How fast, on this machine: bench.cluster.kill_decode and docs/faults.md's measured column.)
+        assert lost[0] < (FAULT_TIMEOUT_S if how == "SIGKILL" else cluster.config.worker_timeout_s), lost
+        if how == "SIGSTOP":  # nothing saw the stopped rank before its hung collective had waited most of its timeout
+            assert lost[0] >= FAULT_TIMEOUT_S / 2, lost
+        assert_worker_replaced(aloop, cluster, victim, pids, restarts)
+    finally:
+        for p in pids:
+            if _alive(p):
+                os.kill(p, signal.SIGCONT)
+
+
+def test_a_drained_tp_worker_leaves_no_rank_behind(aloop, gqa, one_two_tp2):
     """Scaling a pool of TP 2 decode workers down drains one: its ranks stop, its processes end and its
-    placement group is removed, and the other worker goes on serving token-exact."""
+    placement group is removed, and the other worker goes on serving token-exact. (Last on the module's
+    cluster: its decode pool is one worker after it.)"""
     from ray.util import placement_group_table
 
     batch, greedy, expected = greedy_reference(gqa, 8)
-    cluster = fault_cluster(aloop, tp_fault_engine, prefill_tp=1, decode_workers=2, decode_tp=2)
-    try:
-        leaving = cluster.pools["decode"][1]
-        pids = rank_pids(aloop, leaving)
-        group_id = leaving.placement_group.id.hex()
+    cluster = one_two_tp2
+    assert len(cluster.pools["decode"]) == 2 and not cluster.scaling.draining
+    leaving = cluster.pools["decode"][1]
+    pids = rank_pids(aloop, leaving)
+    group_id = leaving.placement_group.id.hex()
 
-        async def drain() -> None:  # on the cluster's event loop, as the autoscaler does it
-            cluster.scaling.drain_worker(leaving, "test")
+    async def drain() -> None:  # on the cluster's event loop, as the autoscaler does it
+        cluster.scaling.drain_worker(leaving, "test")
 
-        aloop.run(drain())
-        wait_for(lambda: not any(_alive(p) for p in pids), timeout=60, what="every rank of the drained worker to end")
-        wait_for(lambda: placement_group_table().get(group_id, {}).get("state") == "REMOVED", timeout=30,
-                 what="the drained worker's placement group to be removed")
+    aloop.run(drain())
+    wait_for(lambda: not any(_alive(p) for p in pids), timeout=60, what="every rank of the drained worker to end")
+    wait_for(lambda: placement_group_table().get(group_id, {}).get("state") == "REMOVED", timeout=30,
+             what="the drained worker's placement group to be removed")
 
-        async def run() -> list[list[int]]:
-            return await asyncio.gather(*(collect_tokens(cluster, p, greedy) for p in batch))
+    async def run() -> list[list[int]]:
+        return await asyncio.gather(*(collect_tokens(cluster, p, greedy) for p in batch))
 
-        assert aloop.run(run(), timeout=120) == expected
-        wait_for(lambda: used_blocks(aloop, cluster) == 0, timeout=30, what="zero used KV blocks")
-    finally:
-        aloop.run(cluster.shutdown())
+    assert aloop.run(run(), timeout=120) == expected
+    wait_for(lambda: used_blocks(aloop, cluster) == 0, timeout=30, what="zero used KV blocks")

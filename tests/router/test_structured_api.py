@@ -74,14 +74,11 @@ def disaggregated(smol_1p1d, aloop):
 
 
 @pytest.fixture(scope="module")
-def colocated(ray_local, aloop):
-    cluster = Cluster(ClusterConfig(engine=smol_1p1d_engine_config(), mode="colocated",
-                                    colocated=PoolConfig(1, num_cpus=0.25)))
-    aloop.run(cluster.start(), timeout=600)
-    r = start_router(aloop, cluster)
+def colocated(smol_colocated, aloop):
+    """The shared colocated SmolLM2 cluster (conftest.smol_colocated) behind a router of its own."""
+    r = start_router(aloop, smol_colocated)
     yield r
     aloop.run(r.stop(grace=5))
-    aloop.run(cluster.shutdown())
 
 
 def chat(sdk: openai.OpenAI, i: int, stream: bool, **kw) -> tuple[str, str]:
@@ -99,6 +96,7 @@ def chat(sdk: openai.OpenAI, i: int, stream: bool, **kw) -> tuple[str, str]:
     return text, finish
 
 
+@pytest.mark.usefixtures("smol_colocated")  # reached through `colocated`, by name below
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
 @pytest.mark.parametrize("where", ["disaggregated", "colocated"])
 def test_json_schema_replies_validate(request, where, stream):

@@ -15,7 +15,6 @@ import pytest
 from router.compose import build_router
 from router.config import RouterConfig
 
-from conftest import smol_1p1d_engine_config
 
 pytestmark = pytest.mark.slow
 MODEL = "smollm2"
@@ -57,19 +56,11 @@ def sdk(aloop, smol_1p1d):
 
 
 @pytest.fixture(scope="module")
-def colocated_sdk(aloop, ray_local):
-    """A router over a colocated worker of its own: a forced call's grammar on the one worker that prefills and
-    decodes (the router's side is the same as over 1P1D, so the long tests run there alone)."""
-    from pdserve.config import ClusterConfig, PoolConfig
-    from router.cluster import Cluster
-
-    cluster = Cluster(ClusterConfig(engine=smol_1p1d_engine_config(), mode="colocated",
-                                    colocated=PoolConfig(1, num_cpus=0.25)))
-    aloop.run(cluster.start(), timeout=600)
-    try:
-        yield from _sdk(aloop, cluster)
-    finally:
-        aloop.run(cluster.shutdown())
+def colocated_sdk(aloop, smol_colocated):
+    """A router over the shared colocated worker (conftest.smol_colocated): a forced call's grammar on the one
+    worker that prefills and decodes (the router's side is the same as over 1P1D, so the long tests run there
+    alone)."""
+    yield from _sdk(aloop, smol_colocated)
 
 
 def ask(sdk, stream: bool, **kw):
@@ -128,6 +119,7 @@ def test_required_calls_validate_ten_of_ten(sdk):
         [[(c.function.name, json.loads(c.function.arguments)) for c in ch.message.tool_calls] for ch in streamed]
 
 
+@pytest.mark.usefixtures("smol_colocated")  # reached through colocated_sdk, by name below
 @pytest.mark.parametrize("shape", ["1p1d", "colocated"])
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
 def test_named_function_and_one_call(request, shape, stream):
