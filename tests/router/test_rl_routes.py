@@ -316,3 +316,21 @@ def test_update_weights_from_disk_refuses_what_it_cannot_apply_and_applies_nothi
     assert router.weights.version == 0 and not router.weights.paused
     bad = http.post("/update_weights_from_disk", json={**body, "no_such_field": 1})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "no_such_field"
+
+
+GROUP = {"master_address": "127.0.0.1", "master_port": 29500, "rank_offset": 1, "world_size": 3, "group_name": "g"}
+ANNOUNCED = {"names": ["model.norm.weight"], "dtypes": ["float32"], "shapes": [[576]]}
+
+
+@pytest.mark.parametrize("route, body, says", [
+    ("/init_weights_update_group", {**GROUP, "master_port": "29x"}, "master_port must be int"),
+    ("/init_weights_update_group", {**GROUP, "pp_rank": 1}, "pp_rank is not a field"),
+    ("/init_weights_update_group", {**GROUP, "backend": "mpi"}, "backend must be one of"),
+    ("/update_weights_from_distributed", {**ANNOUNCED, "lora_name": "a"}, "lora_name is not a field"),
+    ("/update_weights_from_distributed", {**ANNOUNCED, "abort_all_requests": "yes"}, "abort_all_requests must be"),
+    ("/update_weights_from_distributed", {**ANNOUNCED, "group_name": 7}, "group_name must be str"),
+])
+def test_bad_weight_group_bodies_are_refused_by_field(http, router, route, body, says):
+    r = http.post(route, json=body)
+    assert r.status_code == 400 and not r.json()["success"] and says in r.json()["message"], r.text
+    assert router.weights.version == 0 and not router.weights.client_group

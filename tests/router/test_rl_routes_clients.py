@@ -6,11 +6,14 @@ pdserve's SGLang and vLLM routes (router.sglang_api, router.vllm_api):
   continue_generation: its abort-and-resubmit loop completes every rollout, each one's tokens the old
   weights' up to the abort and the new weights' after it (the offline engine's, on each checkpoint); and
   rollouts after the update equal the offline engine's on the new weights.
+- AReaL 1.0.4's own sender of a weight update over its group: its FSDP train engine on its CPU platform (gloo,
+  one process) joins the group with the cluster's workers and pushes its parameters (update_weights, type
+  "xccl") while rollouts run, in its RL trainer's order; the same checks as the update from disk.
 - SkyRL 0.3.0's RemoteInferenceClient: generate through /inference/v1/generate with token ids and logprobs
   equal to pdserve's gRPC API's; pause (keep) and resume around requests in flight; reset_prefix_cache.
 
 `make setup` installs both from tests/rl_clients.txt without their dependencies (AReaL pins a torch older than
-the project's; its client module needs only the packages listed there). Each is skipped, saying so, where its
+the project's; its client module and its FSDP engine need only the packages listed there). Each is skipped, saying so, where its
 package is not installed (a venv set up otherwise)."""
 from __future__ import annotations
 
@@ -18,6 +21,7 @@ import asyncio
 import functools
 import logging
 import shutil
+import socket
 import threading
 import time
 
@@ -137,6 +141,94 @@ def test_areals_remote_sglang_engine_rollouts_pause_update_from_disk_and_continu
         assert [r.output_tokens for r in after] == [list(reference(v1, tuple(p), 10)) for p in PROMPTS]
     finally:
         engine.destroy()
+
+
+def test_areals_fsdp_engine_pushes_weights_over_its_group_while_rollouts_run(served, aloop, weight_versions,
+                                                                             tmp_path, monkeypatch):
+    """AReaL's own sender: its FSDP train engine (CPU platform, gloo, one process, the tiny Llama) joins a weight
+    group with the cluster's workers through /init_weights_update_group and pushes its parameters with its
+    update_weights (type "xccl": /pause_generation, /update_weights_from_distributed with every tensor broadcast in
+    the announced order, /continue_generation) while rollouts run, in the order of AReaL's RL trainer: rollout
+    paused, update, versions set, rollout resumed."""
+    sglang_remote = pytest.importorskip("areal.engine.sglang_remote")
+    fsdp_engine = pytest.importorskip("areal.engine.fsdp_engine")
+    from areal.api.alloc_mode import ModelAllocation
+    from areal.api.cli_args import GenerationHyperparameters, InferenceEngineConfig
+    from areal.api.io_struct import FinetuneSpec, ModelRequest, WeightUpdateMeta
+
+    # In this module the server's version k holds weight_versions[k]; the trainer holds the next.
+    old = served.weights.version
+    new = old + 1
+    trainer_dir = tmp_path / "trainer"
+    shutil.copytree(weight_versions[new], trainer_dir)
+    _word_tokenizer(trainer_dir)  # AReaL's engine loads a tokenizer beside the model; the tiny model has none
+    # One trainer process of its own default group (whose store listens on every address: a port free on all of
+    # them); its weight group's store on loopback, as the cluster's.
+    with socket.socket() as s:
+        s.bind(("", 0))
+        port = s.getsockname()[1]
+    for name, value in dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TORCHELASTIC_USE_AGENT_STORE="False").items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(fsdp_engine, "gethostip", lambda: "127.0.0.1")
+
+    engine = sglang_remote.RemoteSGLangEngine(InferenceEngineConfig(
+        experiment_name="pdserve", trial_name="rl-xccl", setup_timeout=60, request_timeout=120,
+        max_concurrent_rollouts=8, pause_grace_period=0.0))
+    engine.initialize(addr=f"127.0.0.1:{served.http_port}", train_data_parallel_size=1)
+    engine.set_version(old)
+    trainer = fsdp_engine.FSDPEngine.from_pretrained(str(trainer_dir), "pdserve", "rl-xccl", dtype="float32",
+                                                     attn_impl="sdpa")
+    try:
+        trainer.create_process_group()
+        trainer.initialize(None, FinetuneSpec(total_train_epochs=1, dataset_size=1, train_batch_size=1))
+        world = sum(v.ranks for v in aloop.run(served.weights.versions()))
+        meta = WeightUpdateMeta.from_fsdp_xccl(ModelAllocation.from_str(f"sglang:d{world}"))
+        trainer.connect_engine(engine, meta)  # the group: AReaL's request and its rendezvous as rank 0
+        assert served.weights.client_group == "update_weight_group"
+
+        async def rollouts(max_new_tokens: int):
+            g = GenerationHyperparameters(max_new_tokens=max_new_tokens, greedy=True, ignore_eos=True)
+            return await asyncio.gather(*(engine.agenerate(ModelRequest(input_ids=list(p), gconfig=g))
+                                          for p in PROMPTS))
+
+        n = 200
+        result = {}
+        runner = threading.Thread(target=lambda: result.setdefault("r", asyncio.run(rollouts(n))))
+        runner.start()
+        wait_for(lambda: served.front.admitted == len(PROMPTS), 60, what="the rollouts admitted")
+        engine.pause()
+        trainer.update_weights(meta)
+        assert served.weights.version == new and not served.weights.paused
+        trainer.set_version(new)
+        engine.set_version(new)
+        engine.resume()
+        runner.join(300)
+        assert not runner.is_alive()
+        before, after = str(weight_versions[old]), str(weight_versions[new])
+        for p, r in zip(PROMPTS, result["r"]):
+            assert len(r.output_tokens) == n and r.stop_reason == "length"
+            k = r.output_versions.count(old)  # tokens out before the pause aborted them: the old weights'
+            assert r.output_versions == [old] * k + [new] * (n - k)
+            assert r.output_tokens[:k] == list(reference(before, tuple(p), n))[:k]
+            assert r.output_tokens[k:] == list(reference(after, tuple(p) + tuple(r.output_tokens[:k]), n - k))
+        assert any(r.output_versions.count(old) < n for r in result["r"])  # the pause did abort rollouts
+        fresh = asyncio.run(rollouts(10))
+        assert [r.output_tokens for r in fresh] == [list(reference(after, tuple(p), 10)) for p in PROMPTS]
+    finally:
+        engine.destroy()
+        trainer.destroy()  # its default group and the weight group with it
+        aloop.run(served.weights.destroy_group())
+
+
+def _word_tokenizer(directory) -> None:
+    """A word-level tokenizer of the tiny model's 320 ids, saved beside it ("t0".."t319")."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(320)}, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0", eos_token="t1", pad_token="t0").save_pretrained(
+        directory)
 
 
 def _announce_save(engine, meta) -> None:
