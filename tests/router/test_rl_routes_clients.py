@@ -13,8 +13,8 @@ pdserve's SGLang and vLLM routes (router.sglang_api, router.vllm_api):
   equal to pdserve's gRPC API's; pause (keep) and resume around requests in flight; reset_prefix_cache.
 
 `make setup` installs both from tests/rl_clients.txt without their dependencies (AReaL pins a torch older than
-the project's; its client module and its FSDP engine need only the packages listed there). Each is skipped, saying so, where its
-package is not installed (a venv set up otherwise)."""
+the project's; its client module and its FSDP engine need only the packages listed there). Each is skipped,
+saying so, where its package is not installed (a venv set up otherwise)."""
 from __future__ import annotations
 
 import asyncio
@@ -58,6 +58,19 @@ def served(ray_local, aloop, weight_versions):
     aloop.run(cluster.shutdown())
 
 
+@pytest.fixture(scope="module")
+def held(weight_versions) -> dict[int, object]:
+    """The checkpoint each weight version of the module's cluster holds (each test that updates it records its
+    own), and the next one to push: any other of the three."""
+    return {0: weight_versions[0]}
+
+
+def next_checkpoint(served, held, weight_versions):
+    """(version served, its checkpoint, the next version, a checkpoint of other weights for it)."""
+    old = served.weights.version
+    return old, held[old], old + 1, weight_versions[(weight_versions.index(held[old]) + 1) % len(weight_versions)]
+
+
 @pytest.fixture(scope="module", autouse=True)
 def logging_kept():
     """AReaL's getLogger replaces the logging module's hierarchy (Logger.root and Logger.manager, then a
@@ -82,13 +95,26 @@ def reference(path: str, prompt: tuple[int, ...], max_tokens: int) -> tuple[int,
     return tuple(LLMEngine(engine_config(path)).generate([list(prompt)], params)[0].token_ids)
 
 
+def check_resumed(results, n: int, old: tuple[int, str], new: tuple[int, str]) -> None:
+    """AReaL's rollouts of PROMPTS across an update from weights `old` to `new` (version, checkpoint): each has
+    all its n tokens, the old weights' up to the abort and the new weights' after it, tagged so; and the pause
+    did abort some."""
+    for p, r in zip(PROMPTS, results):
+        assert len(r.output_tokens) == n and r.stop_reason == "length"
+        k = r.output_versions.count(old[0])  # tokens out before the abort: the old weights'
+        assert r.output_versions == [old[0]] * k + [new[0]] * (n - k)
+        assert r.output_tokens[:k] == list(reference(old[1], tuple(p), n))[:k]
+        assert r.output_tokens[k:] == list(reference(new[1], tuple(p) + tuple(r.output_tokens[:k]), n - k))
+    assert any(r.output_versions.count(old[0]) < n for r in results)
+
+
 def grpc_greedy(router, prompt, max_tokens):
     with Client(f"127.0.0.1:{router.port}") as c:
         return c.complete(token_ids=prompt, max_tokens=max_tokens, temperature=0.0, ignore_eos=True, logprobs=0,
                           timeout=120)
 
 
-def test_areals_remote_sglang_engine_rollouts_pause_update_from_disk_and_continue(served, weight_versions,
+def test_areals_remote_sglang_engine_rollouts_pause_update_from_disk_and_continue(served, weight_versions, held,
                                                                                   tmp_path):
     sglang_remote = pytest.importorskip("areal.engine.sglang_remote")
     from areal.api.cli_args import GenerationHyperparameters, InferenceEngineConfig
@@ -129,21 +155,16 @@ def test_areals_remote_sglang_engine_rollouts_pause_update_from_disk_and_continu
         engine.continue_generation()
         runner.join(300)
         assert not runner.is_alive() and served.weights.version == 1
+        held[1] = weight_versions[1]
         v0, v1 = str(weight_versions[0]), str(weight_versions[1])
-        for p, r in zip(PROMPTS, result["r"]):
-            assert len(r.output_tokens) == n and r.stop_reason == "length"
-            k = r.output_versions.count(0)  # tokens out before the abort: the old weights'
-            assert r.output_versions == [0] * k + [1] * (n - k)
-            assert r.output_tokens[:k] == list(reference(v0, tuple(p), n))[:k]
-            assert r.output_tokens[k:] == list(reference(v1, tuple(p) + tuple(r.output_tokens[:k]), n - k))
-        assert any(r.output_versions.count(0) < n for r in result["r"])  # the pause did abort rollouts
+        check_resumed(result["r"], n, (0, v0), (1, v1))
         after = asyncio.run(rollouts(10))
         assert [r.output_tokens for r in after] == [list(reference(v1, tuple(p), 10)) for p in PROMPTS]
     finally:
         engine.destroy()
 
 
-def test_areals_fsdp_engine_pushes_weights_over_its_group_while_rollouts_run(served, aloop, weight_versions,
+def test_areals_fsdp_engine_pushes_weights_over_its_group_while_rollouts_run(served, aloop, weight_versions, held,
                                                                              tmp_path, monkeypatch):
     """AReaL's own sender: its FSDP train engine (CPU platform, gloo, one process, the tiny Llama) joins a weight
     group with the cluster's workers through /init_weights_update_group and pushes its parameters with its
@@ -156,18 +177,17 @@ def test_areals_fsdp_engine_pushes_weights_over_its_group_while_rollouts_run(ser
     from areal.api.cli_args import GenerationHyperparameters, InferenceEngineConfig
     from areal.api.io_struct import FinetuneSpec, ModelRequest, WeightUpdateMeta
 
-    # In this module the server's version k holds weight_versions[k]; the trainer holds the next.
-    old = served.weights.version
-    new = old + 1
+    old, before, new, after = next_checkpoint(served, held, weight_versions)
     trainer_dir = tmp_path / "trainer"
-    shutil.copytree(weight_versions[new], trainer_dir)
+    shutil.copytree(after, trainer_dir)
     _word_tokenizer(trainer_dir)  # AReaL's engine loads a tokenizer beside the model; the tiny model has none
     # One trainer process of its own default group (whose store listens on every address: a port free on all of
     # them); its weight group's store on loopback, as the cluster's.
     with socket.socket() as s:
         s.bind(("", 0))
         port = s.getsockname()[1]
-    for name, value in dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TORCHELASTIC_USE_AGENT_STORE="False").items():
+    for name, value in dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                            TORCHELASTIC_USE_AGENT_STORE="False").items():
         monkeypatch.setenv(name, value)
     monkeypatch.setattr(fsdp_engine, "gethostip", lambda: "127.0.0.1")
 
@@ -204,16 +224,10 @@ def test_areals_fsdp_engine_pushes_weights_over_its_group_while_rollouts_run(ser
         engine.resume()
         runner.join(300)
         assert not runner.is_alive()
-        before, after = str(weight_versions[old]), str(weight_versions[new])
-        for p, r in zip(PROMPTS, result["r"]):
-            assert len(r.output_tokens) == n and r.stop_reason == "length"
-            k = r.output_versions.count(old)  # tokens out before the pause aborted them: the old weights'
-            assert r.output_versions == [old] * k + [new] * (n - k)
-            assert r.output_tokens[:k] == list(reference(before, tuple(p), n))[:k]
-            assert r.output_tokens[k:] == list(reference(after, tuple(p) + tuple(r.output_tokens[:k]), n - k))
-        assert any(r.output_versions.count(old) < n for r in result["r"])  # the pause did abort rollouts
+        held[new] = after
+        check_resumed(result["r"], n, (old, str(before)), (new, str(after)))
         fresh = asyncio.run(rollouts(10))
-        assert [r.output_tokens for r in fresh] == [list(reference(after, tuple(p), 10)) for p in PROMPTS]
+        assert [r.output_tokens for r in fresh] == [list(reference(str(after), tuple(p), 10)) for p in PROMPTS]
     finally:
         engine.destroy()
         trainer.destroy()  # its default group and the weight group with it
@@ -286,3 +300,132 @@ def test_skyrls_remote_inference_client_generates_pauses_and_resets(served):
             await client.teardown()
 
     asyncio.run(run())
+
+
+def test_vllms_checkpoint_path_weight_transfer_while_a_request_waits(served, weight_versions, held):
+    """vLLM's weight-transfer routes in their checkpoint-path form (router.vllm_weights_api), as a trainer calls
+    them around a pause: init, pause (abort), start, the checkpoint, finish with its version, resume; a request
+    sent while paused waits and runs on the new weights; /weight_info says the new version."""
+    import httpx
+
+    old, before, new, after = next_checkpoint(served, held, weight_versions)
+    copy = weight_versions[0].parent / f"vllm-{time.monotonic_ns()}"  # under the weights root
+    shutil.copytree(after, copy)
+    body = {"token_ids": PROMPTS[0], "sampling_params": {"max_tokens": 10, "temperature": 0.0, "ignore_eos": True}}
+    with httpx.Client(base_url=f"http://127.0.0.1:{served.http_port}", timeout=120) as h:
+        def ok(route, json=None):
+            r = h.post(route, json=json)
+            assert r.status_code == 200, (route, r.text)
+            return r.json()
+
+        assert h.get("/weight_info").json() == {"weight_version": str(old)}
+        ok("/init_weight_transfer_engine", {"init_info": {}})
+        ok("/pause")  # vLLM's default: abort, caches cleared
+        assert served.weights.paused
+        held_request = {}
+        waiting = threading.Thread(target=lambda: held_request.setdefault(
+            "r", h.post("/inference/v1/generate", json=body)))
+        waiting.start()
+        ok("/start_weight_update", {"is_checkpoint_format": True})
+        ok("/update_weights", {"update_info": {"path": str(copy)}})
+        assert served.weights.version == old  # read and switched at finish
+        assert ok("/finish_weight_update", {"weight_version": str(new)})["weight_version"] == str(new)
+        assert served.weights.version == new and served.weights.paused and waiting.is_alive()
+        ok("/resume")
+        waiting.join(120)
+        held[new] = after
+        want = list(reference(str(after), tuple(PROMPTS[0]), 10))
+        choice = held_request["r"].json()["choices"][0]
+        assert choice["token_ids"] == want and choice["weight_versions"] == [new] * 10
+        assert h.get("/weight_info").json() == {"weight_version": str(new)}
+        assert h.post("/inference/v1/generate", json=body).json()["choices"][0]["token_ids"] == want
+        # A checkpoint the workers cannot read: refused at finish, nothing applied, the update ended.
+        ok("/start_weight_update")
+        ok("/update_weights", {"update_info": {"path": str(weight_versions[0].parent / "no-such-checkpoint")}})
+        r = h.post("/finish_weight_update", json={})
+        assert r.status_code == 400 and "not applied" in r.json()["error"]["message"], r.text
+        assert served.weights.version == new and h.post("/finish_weight_update").status_code == 409
+
+
+def test_skyrl_trains_remote_inference_engine_generates_and_takes_one_tensor_a_call(served, weight_versions, held,
+                                                                                   tmp_path, monkeypatch):
+    """SkyRL-train 0.3.1's RemoteInferenceEngine (backend sglang) and its own broadcast sender
+    (BroadcastTransferStrategy.create_sender, send_chunks: one /update_weights_from_distributed call per tensor,
+    each broadcast as its call is made): batched rollouts equal the offline engine's before and after; nothing
+    switches until the model's last tensor has come. Three things of SkyRL-train's are bridged here, nothing else:
+    it declares Python 3.12 (installed past it: this code runs on 3.11); it imports a name Ray 2.60 no longer
+    re-exports from ray.util.placement_group; it picks torch's keyword for process-group options by comparing
+    version strings ("2.13.0" < "2.6"), so it passes pg_options, which torch renamed backend_options in 2.6."""
+    import importlib
+
+    import httpx
+    import torch.distributed as dist
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    pytest.importorskip("loguru")
+    monkeypatch.setattr(importlib.import_module("ray.util.placement_group"), "PlacementGroupSchedulingStrategy",
+                        PlacementGroupSchedulingStrategy, raising=False)
+    remote = pytest.importorskip("skyrl_train.inference_engines.remote_inference_engine")
+    import skyrl_train.distributed.utils as skyrl_dist
+
+    helper = skyrl_dist._new_process_group_helper
+
+    def renamed(*args, pg_options=None, **kwargs):
+        return helper(*args, backend_options=pg_options, **kwargs)
+
+    monkeypatch.setattr(skyrl_dist, "_new_process_group_helper", renamed)
+    from skyrl_train.weight_sync import BroadcastInitInfo, BroadcastTransferStrategy
+    from skyrl_train.weight_sync.base import WeightChunk
+    from safetensors.torch import load_file
+    from transformers import AutoTokenizer
+
+    old, before, new, after = next_checkpoint(served, held, weight_versions)
+    _word_tokenizer(tmp_path)
+    engine = remote.RemoteInferenceEngine(url=f"127.0.0.1:{served.http_port}", model_name="tiny",
+                                          engine_backend="sglang", tokenizer=AutoTokenizer.from_pretrained(tmp_path),
+                                          tp_size=1, pp_size=1, dp_size=1, ep_size=1)
+    greedy = {"max_new_tokens": 10, "temperature": 0.0, "ignore_eos": True}
+
+    async def rollouts():
+        return await engine.generate({"prompt_token_ids": [list(p) for p in PROMPTS], "sampling_params": greedy})
+
+    first = asyncio.run(rollouts())
+    assert first["response_ids"] == [list(reference(str(before), tuple(p), 10)) for p in PROMPTS]
+    assert first["stop_reasons"] == ["length"] * len(PROMPTS)
+
+    # The sender's own rank in a default group of one (send_chunks asks its rank and meets a barrier there).
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+    try:
+        ranks = httpx.get(f"http://127.0.0.1:{served.http_port}/get_world_size", timeout=60).json()["world_size"]
+        info = BroadcastInitInfo(master_addr="127.0.0.1", master_port=_free_port(), rank_offset=1,
+                                 world_size=1 + ranks, group_name="skyrl", backend="gloo", model_dtype_str="float32",
+                                 override_existing_receiver=True)
+
+        async def connect():
+            joined = asyncio.ensure_future(engine.init_weight_update_communicator(info))
+            sender = await asyncio.to_thread(BroadcastTransferStrategy.create_sender, info, engine)
+            assert (await joined)["success"]
+            return sender
+
+        sender = asyncio.run(connect())
+        named = [(k, v) for f in sorted(after.glob("*.safetensors")) for k, v in load_file(str(f)).items()]
+        chunks = [WeightChunk(names=[k], dtypes=["float32"], shapes=[list(v.shape)], tensors=[v]) for k, v in named]
+        asyncio.run(sender.send_chunks(chunks[:-1]))
+        assert served.weights.version == old  # the model's last tensor has not come
+        asyncio.run(sender.send_chunks(chunks[-1:]))
+        assert served.weights.version == new
+        held[new] = after
+        assert asyncio.run(rollouts())["response_ids"] == [list(reference(str(after), tuple(p), 10))
+                                                           for p in PROMPTS]
+        assert asyncio.run(engine.reset_prefix_cache())["success"]
+        asyncio.run(engine.teardown())
+        assert not served.weights.client_group
+        sender.teardown()
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
