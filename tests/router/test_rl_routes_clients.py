@@ -95,6 +95,24 @@ def reference(path: str, prompt: tuple[int, ...], max_tokens: int) -> tuple[int,
     return tuple(LLMEngine(engine_config(path)).generate([list(prompt)], params)[0].token_ids)
 
 
+async def areal_rollouts(engine, max_new_tokens: int) -> list:
+    """AReaL's agenerate of each of PROMPTS at once, greedy."""
+    from areal.api.cli_args import GenerationHyperparameters
+    from areal.api.io_struct import ModelRequest
+
+    g = GenerationHyperparameters(max_new_tokens=max_new_tokens, greedy=True, ignore_eos=True)
+    return await asyncio.gather(*(engine.agenerate(ModelRequest(input_ids=list(p), gconfig=g)) for p in PROMPTS))
+
+
+def in_background(served, engine, n: int) -> tuple[threading.Thread, dict]:
+    """AReaL's rollouts of n tokens in a thread (their list at "r" once it ends), returned once all are admitted."""
+    result: dict = {}
+    runner = threading.Thread(target=lambda: result.setdefault("r", asyncio.run(areal_rollouts(engine, n))))
+    runner.start()
+    wait_for(lambda: served.front.admitted == len(PROMPTS), 60, what="the rollouts admitted")
+    return runner, result
+
+
 def check_resumed(results, n: int, old: tuple[int, str], new: tuple[int, str]) -> None:
     """AReaL's rollouts of PROMPTS across an update from weights `old` to `new` (version, checkpoint): each has
     all its n tokens, the old weights' up to the abort and the new weights' after it, tagged so; and the pause
@@ -117,21 +135,16 @@ def grpc_greedy(router, prompt, max_tokens):
 def test_areals_remote_sglang_engine_rollouts_pause_update_from_disk_and_continue(served, weight_versions, held,
                                                                                   tmp_path):
     sglang_remote = pytest.importorskip("areal.engine.sglang_remote")
-    from areal.api.cli_args import GenerationHyperparameters, InferenceEngineConfig
-    from areal.api.io_struct import ModelRequest, WeightUpdateMeta
+    from areal.api.cli_args import InferenceEngineConfig
+    from areal.api.io_struct import WeightUpdateMeta
 
     engine = sglang_remote.RemoteSGLangEngine(InferenceEngineConfig(
         experiment_name="pdserve", trial_name="rl-routes", setup_timeout=60, request_timeout=120,
         max_concurrent_rollouts=8, pause_grace_period=0.0))
     engine.initialize(addr=f"127.0.0.1:{served.http_port}", train_data_parallel_size=1)
     try:
-        async def rollouts(max_new_tokens: int):
-            g = GenerationHyperparameters(max_new_tokens=max_new_tokens, greedy=True, ignore_eos=True)
-            return await asyncio.gather(*(engine.agenerate(ModelRequest(input_ids=list(p), gconfig=g))
-                                          for p in PROMPTS))
-
         # Rollouts with logprobs: pdserve's own API's tokens and logprobs.
-        first = asyncio.run(rollouts(10))
+        first = asyncio.run(areal_rollouts(engine, 10))
         for p, r in zip(PROMPTS, first):
             ref = grpc_greedy(served, p, 10)
             assert r.output_tokens == list(ref.token_ids) == list(reference(str(weight_versions[0]), tuple(p), 10))
@@ -139,10 +152,7 @@ def test_areals_remote_sglang_engine_rollouts_pause_update_from_disk_and_continu
             assert r.stop_reason == "length"
         # Rollouts in flight: pause (abort), update from disk, continue; every rollout completes.
         n = 200
-        result = {}
-        runner = threading.Thread(target=lambda: result.setdefault("r", asyncio.run(rollouts(n))))
-        runner.start()
-        wait_for(lambda: served.front.admitted == len(PROMPTS), 60, what="the rollouts admitted")
+        runner, result = in_background(served, engine, n)
         engine.pause_generation()
         assert served.weights.paused
         # AReaL removes the checkpoint once loaded: a copy of v1, under the weights root (the tiny model's directory)
@@ -158,7 +168,7 @@ def test_areals_remote_sglang_engine_rollouts_pause_update_from_disk_and_continu
         held[1] = weight_versions[1]
         v0, v1 = str(weight_versions[0]), str(weight_versions[1])
         check_resumed(result["r"], n, (0, v0), (1, v1))
-        after = asyncio.run(rollouts(10))
+        after = asyncio.run(areal_rollouts(engine, 10))
         assert [r.output_tokens for r in after] == [list(reference(v1, tuple(p), 10)) for p in PROMPTS]
     finally:
         engine.destroy()
@@ -174,8 +184,8 @@ def test_areals_fsdp_engine_pushes_weights_over_its_group_while_rollouts_run(ser
     sglang_remote = pytest.importorskip("areal.engine.sglang_remote")
     fsdp_engine = pytest.importorskip("areal.engine.fsdp_engine")
     from areal.api.alloc_mode import ModelAllocation
-    from areal.api.cli_args import GenerationHyperparameters, InferenceEngineConfig
-    from areal.api.io_struct import FinetuneSpec, ModelRequest, WeightUpdateMeta
+    from areal.api.cli_args import InferenceEngineConfig
+    from areal.api.io_struct import FinetuneSpec, WeightUpdateMeta
 
     old, before, new, after = next_checkpoint(served, held, weight_versions)
     trainer_dir = tmp_path / "trainer"
@@ -206,16 +216,8 @@ def test_areals_fsdp_engine_pushes_weights_over_its_group_while_rollouts_run(ser
         trainer.connect_engine(engine, meta)  # the group: AReaL's request and its rendezvous as rank 0
         assert served.weights.client_group == "update_weight_group"
 
-        async def rollouts(max_new_tokens: int):
-            g = GenerationHyperparameters(max_new_tokens=max_new_tokens, greedy=True, ignore_eos=True)
-            return await asyncio.gather(*(engine.agenerate(ModelRequest(input_ids=list(p), gconfig=g))
-                                          for p in PROMPTS))
-
         n = 200
-        result = {}
-        runner = threading.Thread(target=lambda: result.setdefault("r", asyncio.run(rollouts(n))))
-        runner.start()
-        wait_for(lambda: served.front.admitted == len(PROMPTS), 60, what="the rollouts admitted")
+        runner, result = in_background(served, engine, n)
         engine.pause()
         trainer.update_weights(meta)
         assert served.weights.version == new and not served.weights.paused
@@ -226,7 +228,7 @@ def test_areals_fsdp_engine_pushes_weights_over_its_group_while_rollouts_run(ser
         assert not runner.is_alive()
         held[new] = after
         check_resumed(result["r"], n, (old, str(before)), (new, str(after)))
-        fresh = asyncio.run(rollouts(10))
+        fresh = asyncio.run(areal_rollouts(engine, 10))
         assert [r.output_tokens for r in fresh] == [list(reference(str(after), tuple(p), 10)) for p in PROMPTS]
     finally:
         engine.destroy()
