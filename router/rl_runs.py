@@ -4,12 +4,14 @@ worker's prefix cache.
 SGLang's /generate (router.sglang_api) and vLLM's /inference/v1/generate (router.vllm_api) run their requests
 through the same front as the OpenAI door (its _Run and _Runs: admission, the cluster, the timeline, the
 errors as HTTP errors); what they answer is each sample's tokens, their logprobs and weight versions, its
-finish, and the prompt's logprobs, gathered here (Sample) and shaped there.
+finish, and the prompt's logprobs, gathered here (Sample) and shaped there; streamed, as server-sent events
+framed here (sse).
 """
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import uuid
 from collections.abc import AsyncIterator
@@ -98,6 +100,22 @@ async def collect(runs: _Runs, request: Request) -> list[Sample]:
 
     await runs.whole(request, gather)
     return samples
+
+
+async def sse(runs: _Runs, chunks: AsyncIterator[dict]) -> AsyncIterator[str]:
+    """Server-sent events: each chunk (made from the runs' outputs) as `data: {json}`, then `data: [DONE]`; a
+    failure of the workers mid-stream as an error event instead. The runs are closed with how they ended."""
+    code = "OK"
+    try:
+        async with contextlib.aclosing(chunks) as events:
+            async for chunk in events:
+                yield f"data: {json.dumps(chunk)}\n\n"
+        yield "data: [DONE]\n\n"
+    except HTTPError as e:
+        code = e.grpc_code
+        yield f"data: {json.dumps({'error': {'message': str(e), 'type': e.kind}})}\n\n"
+    finally:
+        await runs.close(code)
 
 
 def new_id() -> str:

@@ -60,12 +60,13 @@ class Router:
         # one adds it here, before start(). SGLang's and vLLM's RL routes (router.sglang_api, router.vllm_api).
         from fastapi import APIRouter
 
-        from router import sglang_api, sglang_weights_api, vllm_api
+        from router import sglang_api, sglang_weights_api, vllm_api, vllm_weights_api
 
         self.http_control = APIRouter()
         sglang_api.add_control_routes(self.http_control, front, weights)
         vllm_api.add_control_routes(self.http_control, weights)
         sglang_weights_api.add_client_group_routes(self.http_control, weights)  # a client's weight group
+        vllm_weights_api.add_weight_transfer_routes(self.http_control, weights)  # vLLM's checkpoint-path form
         # Request bytes each door reads (RouterConfig.max_request_body_bytes) and the HTTP door's budget; at start.
         self.max_request_body_bytes = self.grpc_max_receive_bytes = self.request_body_budget_bytes = 0
 

@@ -27,7 +27,6 @@ by name when set; an unknown field is a 400 naming it.
 """
 from __future__ import annotations
 
-import json
 import logging
 import time
 from typing import Any, Literal
@@ -45,7 +44,7 @@ from router.frontend import Frontend
 from router.openai_choices import MIN_LOGPROB, Vocab
 from router.openai_schema import HTTPError
 from router.rl_runs import Sample, check_serving, collect, flush_prefix_caches, new_id, prepare_runs, samples_of, \
-    stream_samples
+    sse, stream_samples
 from router.weights import WeightControl
 
 log = logging.getLogger(__name__)
@@ -300,18 +299,9 @@ def generate_routes(front: Frontend) -> APIRouter:
     return routes
 
 
-async def _sse(runs, answer):
+def _sse(runs, answer):
     samples = samples_of(runs)
-    code = "OK"
-    try:
-        async for k in stream_samples(runs, samples):
-            yield f"data: {json.dumps(answer(samples, k))}\n\n"
-        yield "data: [DONE]\n\n"
-    except HTTPError as e:  # the workers failed it mid-stream
-        code = e.grpc_code
-        yield f"data: {json.dumps({'error': {'message': str(e), 'type': e.kind}})}\n\n"
-    finally:
-        await runs.close(code)
+    return sse(runs, (answer(samples, k) async for k in stream_samples(runs, samples)))
 
 
 # -- control ------------------------------------------------------------------------------------------

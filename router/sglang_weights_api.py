@@ -60,12 +60,26 @@ async def _body(request: Request) -> dict:
     return body
 
 
+# The fields of SGLang's request bodies; any other is refused by name.
+INIT_FIELDS = frozenset({"master_address", "master_port", "rank_offset", "world_size", "group_name", "backend"})
+UPDATE_FIELDS = frozenset({"names", "dtypes", "shapes", "name", "dtype", "shape", "group_name", "flush_cache",
+                           "abort_all_requests", "weight_version", "load_format"})
+
+
+def _known(body: dict, fields: frozenset[str]) -> None:
+    unknown = sorted(set(body) - fields)
+    if unknown:
+        raise BadRequest(f"{unknown[0]} is not a field of this request (its fields: {', '.join(sorted(fields))})")
+
+
 def _field(body: dict, name: str, kind: type | tuple[type, ...], default=None, required: bool = True):
     value = body.get(name, default)
     if value is None and not required:
         return None
     if value is None:
         raise BadRequest(f"{name} is required")
+    if kind is int and isinstance(value, str) and value.strip().isdigit():
+        value = int(value)  # SGLang reads "29500" as 29500 (its body models coerce): AReaL sends master_port so
     if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
         kinds = kind if isinstance(kind, tuple) else (kind,)
         raise BadRequest(f"{name} must be {' or '.join(k.__name__ for k in kinds)}, got {type(value).__name__}")
@@ -127,6 +141,7 @@ def add_client_group_routes(routes: APIRouter, control: WeightControl) -> None:
     async def init_weights_update_group(request: Request) -> JSONResponse:
         try:
             body = await _body(request)
+            _known(body, INIT_FIELDS)
             host = _field(body, "master_address", str)
             port, rank_offset, world_size = (_field(body, k, int) for k in ("master_port", "rank_offset",
                                                                              "world_size"))
@@ -146,6 +161,7 @@ def add_client_group_routes(routes: APIRouter, control: WeightControl) -> None:
     async def update_weights_from_distributed(request: Request) -> JSONResponse:
         try:
             body = await _body(request)
+            _known(body, UPDATE_FIELDS)
             metas = announced_metas(body)
             version = client_version(body.get("weight_version"))
             load_format = body.get("load_format")
@@ -153,11 +169,17 @@ def add_client_group_routes(routes: APIRouter, control: WeightControl) -> None:
                 raise BadRequest(f"load_format {load_format!r} is not served: each tensor is received as broadcast "
                                  "(load_format absent)")
             _field(body, "flush_cache", bool, True)
+            abort = _field(body, "abort_all_requests", bool, False)
+            name = _field(body, "group_name", str, required=False)
+            if name is not None and control.client_group and name != control.client_group:
+                raise BadRequest(f"group_name {name!r} is not the weight group joined ({control.client_group!r})")
         except BadRequest as e:
             if control.client_group:  # the trainer's broadcasts of this call cannot be received: out of step
                 await control.destroy_group()
                 return _answer(False, f"{e}; the weight group is closed (its broadcasts could not be received)", 400)
             return _answer(False, str(e), 400)
+        if abort:  # the requests in flight end now (finish reason abort): their clients resubmit them
+            log.info("weight update: %d requests in flight aborted", control.cluster.abort_all())
         try:
             result: UpdateResult | None = await control.receive_client_update(metas, version)
         except Exception as e:  # noqa: BLE001 - an answer; the server stays up

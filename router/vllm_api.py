@@ -7,25 +7,33 @@ logprobs, prompt_logprobs, include_stop_str_in_output, skip_special_tokens), "mo
 {"request_id", "choices": [{"index", "token_ids", "finish_reason", "logprobs": {"content": [{"token":
 "token_id:<id>", "logprob", "bytes": null, "top_logprobs": [...]}]} or null}], "prompt_logprobs": null or
 [null, {"<id>": {"logprob", "rank", "decoded_token": "token_id:<id>"}}, ...]} (vLLM's shape; each choice also
-has "weight_versions", pdserve's, the weight version that sampled each token). Not streamed.
+has "weight_versions", pdserve's, the weight version that sampled each token). With "stream": true, vLLM's
+server-sent events: each `data: {"request_id", "choices": [{"index", "token_ids", "logprobs", "finish_reason",
+"weight_versions"}]}` holds a sample's new tokens only (finish_reason set on its last chunk), `stream_options`
+{"include_usage", "continuous_usage_stats"} add the usage (a last chunk with no choices; each chunk's), then
+`data: [DONE]`.
 
-The control routes (admin): /pause?mode=keep|wait|abort (clear_cache=true flushes the prefix caches once
-paused), /resume, /is_paused, /get_world_size (the workers' ranks), /reset_prefix_cache (every worker's
-prefix cache flushed, and the router's record of it; refused while a request holds KV).
+The control routes (admin): /pause?mode=abort|wait|keep (vLLM's defaults: mode abort and clear_cache=true, which
+flushes the prefix caches once paused, except under keep; wait_for_inflight_requests=true is mode wait),
+/resume, /is_paused, /get_world_size (the workers' ranks), /reset_prefix_cache (every worker's prefix cache
+flushed, and the router's record of it; refused while a request holds KV). vLLM's weight-transfer routes and
+/weight_info: router.vllm_weights_api.
 """
 from __future__ import annotations
 
 from typing import Any, Literal
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict
 
+from pdserve.engine.logprobs import TokenLogprob
 from router.admission import Ask
 from router.frontend import Frontend
 from router.openai_choices import MIN_LOGPROB
 from router.openai_schema import HTTPError
-from router.rl_runs import Sample, collect, flush_prefix_caches, new_id, prepare_runs
+from router.rl_runs import Sample, collect, flush_prefix_caches, new_id, prepare_runs, samples_of, sse, \
+    stream_samples
 from router.weights import WeightControl
 
 DEFAULT_MAX_TOKENS = 16  # vLLM's SamplingParams default
@@ -68,25 +76,62 @@ class VLLMSampling(BaseModel):
         return fields
 
 
+class StreamOptions(BaseModel):
+    """vLLM's stream_options: a last chunk with the usage (include_usage), and each chunk's (continuous_usage_stats,
+    with include_usage)."""
+
+    model_config = ConfigDict(extra="forbid")
+    include_usage: bool | None = False
+    continuous_usage_stats: bool | None = False
+
+
 class GenerateRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     token_ids: list[int]
     sampling_params: VLLMSampling = VLLMSampling()
     model: str | None = None
     request_id: str | None = None
-    stream: Literal[False] = False
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
     cache_salt: None = None
     priority: Literal[0] = 0
     kv_transfer_params: None = None
     features: None = None
 
 
-def _logprobs(s: Sample, k: int) -> dict:
+def _logprobs(logprobs: list[TokenLogprob], k: int) -> dict:
     def entry(token: int, logprob: float) -> dict:
         return {"token": f"token_id:{token}", "logprob": max(logprob, MIN_LOGPROB), "bytes": None}
 
     return {"content": [{**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, x) for t, x in lp.top[:k]]}
-                        for lp in s.logprobs]}
+                        for lp in logprobs]}
+
+
+def _usage(s: Sample) -> dict:
+    return {"prompt_tokens": len(s.prompt), "completion_tokens": len(s.ids),
+            "total_tokens": len(s.prompt) + len(s.ids)}
+
+
+async def _chunks(runs, rid: str, k: int | None, options: StreamOptions | None):
+    """vLLM's stream: a chunk per sample's new tokens (token_ids, logprobs and pdserve's weight_versions of those
+    tokens alone; finish_reason on the last), then the usage as asked. k: the logprobs' top count."""
+    usage = bool(options and options.include_usage)
+    each = usage and bool(options.continuous_usage_stats)
+    samples = samples_of(runs)
+    sent = [0] * len(samples)
+    async for j in stream_samples(runs, samples):
+        s, start = samples[j], sent[j]
+        if len(s.ids) == start and s.finish is None:
+            continue
+        sent[j] = len(s.ids)
+        choice = {"index": j, "token_ids": s.ids[start:], "finish_reason": s.finish.value if s.finish else None,
+                  "logprobs": _logprobs(s.logprobs[start:], k) if k is not None else None,
+                  "weight_versions": s.versions[start:]}
+        yield {"request_id": rid, "choices": [choice], **({"usage": _usage(s)} if each else {})}
+    if usage:
+        prompt, done = (len(samples[0].prompt) if samples else 0), sum(len(s.ids) for s in samples)
+        yield {"request_id": rid, "choices": [],
+               "usage": {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done}}
 
 
 def _prompt_logprobs(s: Sample) -> list | None:
@@ -113,14 +158,20 @@ def generate_routes(front: Frontend, names: set[str]) -> APIRouter:
         if body.model is not None and body.model not in names:
             raise HTTPError(404, f"the model {body.model!r} does not exist; this server has {sorted(names)[0]!r}",
                             param="model", code="model_not_found", grpc_code="NOT_FOUND")
+        if body.stream_options is not None and not body.stream:
+            raise HTTPError(400, "stream_options: only with stream true", param="stream_options")
         sp = body.sampling_params
         ask = Ask(token_ids=body.token_ids, sampling=sp.sampling(), default_max_tokens=DEFAULT_MAX_TOKENS,
                   request_id=body.request_id)
         rid = body.request_id or new_id()
         runs = await prepare_runs(front, [ask], rid)
+        if body.stream:
+            await runs.start()
+            return StreamingResponse(sse(runs, _chunks(runs, rid, sp.logprobs, body.stream_options)),
+                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         samples = await collect(runs, request)
         choices = [{"index": j, "token_ids": s.ids, "finish_reason": s.finish.value if s.finish else None,
-                    "logprobs": _logprobs(s, sp.logprobs) if sp.logprobs is not None else None,
+                    "logprobs": _logprobs(s.logprobs, sp.logprobs) if sp.logprobs is not None else None,
                     "weight_versions": s.versions} for j, s in enumerate(samples)]
         return JSONResponse({"request_id": rid, "choices": choices,
                              "prompt_logprobs": _prompt_logprobs(samples[0]) if samples else None,
@@ -133,9 +184,13 @@ def add_control_routes(control: APIRouter, weights: WeightControl) -> None:
     """vLLM's RL control routes on the router's http_control (admin only)."""
 
     @control.post("/pause")
-    async def pause(mode: Literal["keep", "wait", "abort"] = "keep", clear_cache: bool = False):
+    async def pause(mode: Literal["keep", "wait", "abort"] = "abort", clear_cache: bool = True,
+                    wait_for_inflight_requests: bool = False):
+        # vLLM's defaults: abort, caches cleared (not under keep); wait_for_inflight_requests is its older "wait"
+        if wait_for_inflight_requests:
+            mode = "wait"
         await weights.pause(mode)
-        if clear_cache:
+        if clear_cache and mode != "keep":
             ok, message = await flush_prefix_caches(weights.cluster)
             if not ok:
                 return JSONResponse({"status": "paused", "cache_cleared": False, "message": message}, status_code=409)

@@ -109,7 +109,7 @@ class WeightControl:
         self._group_lock = asyncio.Lock()  # the trainer's group: made, joined, torn down (never across _lock)
         self._members: list = []  # the workers in the trainer's weight group, rank 1 first
         self._incoming: int | None = None  # the version being received on it
-        self.client_group = False  # the group is a client's (pdserve.weights.compat), not pdserve's own
+        self.client_group: str | None = None  # the name of a client's group (pdserve.weights.compat), if one is made
         self._compat: tuple[int, frozenset[str]] | None = None  # a client's update under way: version, names so far
         # The checkpoint of the version served, for a worker that starts (catch_up): the update's path, or one a
         # worker wrote (after a trainer's update); None until one is needed.
@@ -326,7 +326,7 @@ class WeightControl:
                                    f"rank_offset + {n} <= world_size)")
             address = CompatAddress(host, port, world_size, name, backend, MAX_GROUP_TIMEOUT_S)
             ids = await self._join(workers, address, rank_offset, timeout_s)
-            self.client_group = True
+            self.client_group = name
             return ids
 
     async def receive_client_update(self, metas: list, version: int | None) -> UpdateResult | None:
@@ -404,7 +404,7 @@ class WeightControl:
 
     async def _destroy_group(self) -> None:
         members, self._members, self._incoming = self._members, [], None
-        self.client_group, self._compat = False, None
+        self.client_group, self._compat = None, None
         await asyncio.gather(*(w.handle.leave_weight_group.remote() for w in members if w.alive),
                              return_exceptions=True)
 

@@ -339,6 +339,22 @@ def smol_colocated(_shared_clusters, request, aloop):
     return _shared_clusters[SMOL_COLOCATED].get(request, aloop)
 
 
+SMOL_MODEL = "smollm2"
+
+
+@pytest.fixture(scope="module")
+def smol_router(smol_1p1d, aloop):
+    """A router over the shared SmolLM2 cluster, its HTTP door on, the model served as SMOL_MODEL; stopped after
+    the module."""
+    from router.compose import build_router
+    from router.config import RouterConfig
+
+    r = build_router(smol_1p1d, RouterConfig(port=0, http_port=0, served_model_name=SMOL_MODEL))
+    aloop.run(r.start())
+    yield r
+    aloop.run(r.stop(grace=5))
+
+
 # -- time per module, in the terminal summary ----------------------------------------------------------------------
 # CI prints it so the next slow module is seen where it appears, not found by bisecting a slow run. A module's time is
 # its tests' setup + call + teardown, so a fixture shared across modules (a session's Ray, the shared SmolLM2 cluster)

@@ -29,7 +29,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from pdserve.weights.errors import WeightGroupError
+from pdserve.weights.errors import WeightGroupError, live
 from pdserve.weights.update import TensorMeta
 
 TRAINER_RANK = 0
@@ -114,7 +114,6 @@ class CompatGroup:
         WeightGroupError after the timeout (timeout_s, or the address's)."""
         from torch.distributed.distributed_c10d import Backend, _new_process_group_helper, _world, rendezvous
 
-
         if not 0 < rank < address.world_size:
             raise ValueError(f"rank {rank} of a group of {address.world_size} (rank 0 is the trainer's)")
         joining = timedelta(seconds=timeout_s or address.timeout_s)
@@ -157,7 +156,6 @@ class CompatGroup:
         return self._receive(list(metas), last, discard)
 
     def _receive(self, metas: list[TensorMeta], last: bool, discard: bool) -> Iterator[tuple[str, torch.Tensor]]:
-
         finished = False
         start = time.monotonic()
         try:
@@ -208,10 +206,7 @@ class CompatGroup:
         self.close()
 
     def _live(self) -> dist.ProcessGroup:
-        if self._pg is None:
-            state = "broken" if self._broken else "closed"
-            raise WeightGroupError(f"group {self.address.name!r} is {state}; join a new group")
-        return self._pg
+        return live(self._pg, self._broken, self.address.name)
 
 
 def announced_bytes(metas: Sequence[TensorMeta]) -> int:

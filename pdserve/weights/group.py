@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from pdserve.transfer.store import bound_store
-from pdserve.weights.errors import WeightGroupError
+from pdserve.weights.errors import WeightGroupError, live
 from pdserve.weights.update import TensorMeta
 
 TRAINER_RANK = 0
@@ -306,10 +306,7 @@ class WeightGroup:
         self.close()
 
     def _live(self) -> dist.ProcessGroup:
-        if self._pg is None:
-            state = "broken" if self._broken else "closed"
-            raise WeightGroupError(f"group {self.address.name!r} is {state}; join a new group")
-        return self._pg
+        return live(self._pg, self._broken, self.address.name)
 
     def _broadcast(self, tensor: torch.Tensor) -> None:
         # Bounded by the group's timeout. No local holds the process group: a traceback must not keep it alive.

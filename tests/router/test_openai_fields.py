@@ -14,13 +14,12 @@ import openai
 import pytest
 
 from pdserve.client import Client
-from router.compose import build_router
-from router.config import MAX_PROMPTS, RouterConfig
+from router.config import MAX_PROMPTS
 
-from conftest import wait_for
+from conftest import SMOL_MODEL, wait_for
 
 pytestmark = pytest.mark.slow
-MODEL = "smollm2"
+MODEL = SMOL_MODEL
 PROMPT = "The capital of France is"
 OTHER = "Once upon a time"
 CHAT = [{"role": "user", "content": "Name three colours."}]
@@ -33,11 +32,8 @@ def cluster(smol_1p1d):
 
 
 @pytest.fixture(scope="module")
-def router(aloop, cluster):
-    r = build_router(cluster, RouterConfig(port=0, http_port=0, served_model_name=MODEL))
-    aloop.run(r.start())
-    yield r
-    aloop.run(r.stop(grace=5))
+def router(smol_router):
+    return smol_router
 
 
 @pytest.fixture(scope="module")

@@ -18,10 +18,10 @@ from pdserve.client import Client
 from router.compose import build_router
 from router.config import RouterConfig
 
-from conftest import wait_for
+from conftest import SMOL_MODEL, wait_for
 
 pytestmark = pytest.mark.slow
-MODEL = "smollm2"
+MODEL = SMOL_MODEL
 PROMPT = "The capital of France is"
 ADMIN = "admin-key-for-rl-tests"
 
@@ -32,11 +32,8 @@ def cluster(smol_1p1d):
 
 
 @pytest.fixture(scope="module")
-def router(aloop, cluster):
-    r = build_router(cluster, RouterConfig(port=0, http_port=0, served_model_name=MODEL))
-    aloop.run(r.start())
-    yield r
-    aloop.run(r.stop(grace=5))
+def router(smol_router):
+    return smol_router
 
 
 @pytest.fixture(scope="module")
@@ -196,6 +193,37 @@ def test_vllm_generate_returns_token_ids_and_logprobs_equal_to_pdserves_api(rout
     assert http.post("/inference/v1/generate", json={**skyrl_generate(ids), "model": "other"}).status_code == 404
 
 
+def sse(http, path: str, body: dict) -> list[str]:
+    with http.stream("POST", path, json=body) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream"), r.read()
+        return [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+
+
+def test_vllm_generate_streams_each_samples_new_tokens_then_the_usage(http, ids):
+    whole = http.post("/inference/v1/generate", json=skyrl_generate(ids, max_tokens=6, n=2, seed=5,
+                                                                     temperature=1.0)).json()
+    body = {**skyrl_generate(ids, max_tokens=6, n=2, seed=5, temperature=1.0), "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    chunks = sse(http, "/inference/v1/generate", body)
+    assert chunks[-1] == "[DONE]"
+    events = [json.loads(c) for c in chunks[:-1]]
+    *parts, usage = events
+    assert usage["choices"] == [] and usage["usage"] == {"prompt_tokens": len(ids), "completion_tokens": 12,
+                                                         "total_tokens": len(ids) + 12}
+    for j, want in enumerate(whole["choices"]):
+        mine = [e["choices"][0] for e in parts if e["choices"][0]["index"] == j]
+        assert len(mine) >= 2 and all(c["finish_reason"] is None for c in mine[:-1])
+        assert mine[-1]["finish_reason"] == "length"
+        assert [t for c in mine for t in c["token_ids"]] == want["token_ids"]
+        assert [x for c in mine for x in c["logprobs"]["content"]] == want["logprobs"]["content"]
+        assert [v for c in mine for v in c["weight_versions"]] == want["weight_versions"]
+    counts = [e["usage"]["completion_tokens"] for e in parts if e["choices"][0]["index"] == 0]
+    assert counts == sorted(counts) and counts[-1] == 6
+    assert all(e["request_id"] == events[0]["request_id"] for e in events)
+    bad = http.post("/inference/v1/generate", json={**skyrl_generate(ids), "stream_options": {"include_usage": True}})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "stream_options"
+
+
 def cached_tokens(http, ids) -> int:
     return http.post("/generate", json=areal_generate(ids, 1)).json()["meta_info"]["cached_tokens"]
 
@@ -271,8 +299,10 @@ def test_the_control_routes_take_the_admin_key_and_generate_the_inference_one(al
             assert h.post("/generate", json=areal_generate(ids, 1), headers=user).status_code == 200
             assert h.post("/inference/v1/generate", json=skyrl_generate(ids), headers=user).status_code == 200
             for route in ("/pause_generation", "/flush_cache", "/pause", "/reset_prefix_cache",
-                          "/update_weights_from_disk"):
+                          "/update_weights_from_disk", "/init_weight_transfer_engine", "/start_weight_update",
+                          "/update_weights", "/finish_weight_update", "/init_weights_update_group"):
                 assert h.post(route, json={}, headers=user).status_code == 403, route
+            assert h.get("/weight_info", headers=user).status_code == 403
             assert h.get("/get_model_info", headers={"Authorization": f"Bearer {ADMIN}"}).status_code == 200
     finally:
         aloop.run(r.stop(grace=5))
@@ -316,3 +346,53 @@ def test_update_weights_from_disk_refuses_what_it_cannot_apply_and_applies_nothi
     assert router.weights.version == 0 and not router.weights.paused
     bad = http.post("/update_weights_from_disk", json={**body, "no_such_field": 1})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "no_such_field"
+
+
+GROUP = {"master_address": "127.0.0.1", "master_port": 29500, "rank_offset": 1, "world_size": 3, "group_name": "g"}
+ANNOUNCED = {"names": ["model.norm.weight"], "dtypes": ["float32"], "shapes": [[576]]}
+
+
+@pytest.mark.parametrize("route, body, says", [
+    ("/init_weights_update_group", {**GROUP, "master_port": "29x"}, "master_port must be int"),
+    ("/init_weights_update_group", {**GROUP, "pp_rank": 1}, "pp_rank is not a field"),
+    ("/init_weights_update_group", {**GROUP, "backend": "mpi"}, "backend must be one of"),
+    ("/update_weights_from_distributed", {**ANNOUNCED, "lora_name": "a"}, "lora_name is not a field"),
+    ("/update_weights_from_distributed", {**ANNOUNCED, "abort_all_requests": "yes"}, "abort_all_requests must be"),
+    ("/update_weights_from_distributed", {**ANNOUNCED, "group_name": 7}, "group_name must be str"),
+])
+def test_bad_weight_group_bodies_are_refused_by_field(http, router, route, body, says):
+    r = http.post(route, json=body)
+    assert r.status_code == 400 and not r.json()["success"] and says in r.json()["message"], r.text
+    assert router.weights.version == 0 and not router.weights.client_group
+
+
+def test_vllms_checkpoint_path_weight_transfer_refuses_out_of_order_calls_and_other_forms(http, router):
+    """The calls' order and bodies (the update that applies a checkpoint: tests/router/test_rl_routes_clients.py,
+    on a cluster of its own)."""
+    def call(route, body=None, status=200):
+        r = http.post(route, json=body)
+        assert r.status_code == status, (route, r.text)
+        return r.json()
+
+    assert http.get("/weight_info").json() == {"weight_version": "0"}
+    assert "/init_weight_transfer_engine first" in call("/start_weight_update", None, 409)["error"]["message"]
+    nccl = {"init_info": {"master_address": "127.0.0.1", "master_port": 29500, "rank_offset": 1, "world_size": 3}}
+    assert call("/init_weight_transfer_engine", nccl, 400)["error"]["param"] == "init_info.master_address"
+    assert call("/init_weight_transfer_engine", {}, 400)["error"]["param"] == "init_info"
+    call("/init_weight_transfer_engine", {"init_info": {}})
+    assert "/start_weight_update first" in call("/update_weights", {"update_info": {"path": "/x"}}, 409)["error"][
+        "message"]
+    assert call("/start_weight_update", {"is_checkpoint_format": False}, 400)["error"]["param"] == \
+        "is_checkpoint_format"
+    call("/start_weight_update", {"is_checkpoint_format": True})
+    assert "already under way" in call("/start_weight_update", None, 409)["error"]["message"]
+    packed = {"update_info": {"names": ["model.norm.weight"], "dtype_names": ["bfloat16"], "shapes": [[576]]}}
+    assert call("/update_weights", packed, 400)["error"]["param"] == "update_info.dtype_names"
+    for path, says in (("/etc", "weights root"), ("relative/dir", "absolute")):
+        answer = call("/update_weights", {"update_info": {"path": path}}, 400)["error"]
+        assert answer["param"] == "update_info.path" and says in answer["message"]
+    assert call("/finish_weight_update", {"weight_version": "v2"}, 400)["error"]["param"] == "weight_version"
+    assert "no checkpoint was given" in call("/finish_weight_update", {}, 409)["error"]["message"]  # it ends
+    assert "no weight update is under way" in call("/finish_weight_update", None, 409)["error"]["message"]
+    assert call("/update_weight_version", {"new_version": "7"}, 501)["error"]["type"] == "not_implemented"
+    assert router.weights.version == 0 and http.get("/weight_info").json() == {"weight_version": "0"}

@@ -141,6 +141,14 @@ def test_bad_calls_are_refused_with_nothing_applied(served, smol_versions):
     # The group is still in step: a whole update goes through it.
     assert push(served.base, pg, named, served_version + 1)["success"]
     assert greedy(served) == (reference(str(smol_versions[1])), {served_version + 1}, {served_version + 1})
+    # An update for another group: refused, naming the field, and the group closed (its broadcasts are elsewhere).
+    r = httpx.post(f"{served.base}/update_weights_from_distributed",
+                   json={**dict(names=["model.norm.weight"], dtypes=["float32"], shapes=[[576]]), "group_name": "x"},
+                   timeout=60)
+    assert r.status_code == 400 and "group_name" in r.json()["message"] and "closed" in r.json()["message"]
+    assert not served.router.weights.client_group
+    dist.destroy_process_group(pg)
+    pg = make_group(served, f"bad-again-{served.world_size}")
     # A description that cannot be read: refused, naming the field, and the group closed (its bytes unreadable).
     r = httpx.post(f"{served.base}/update_weights_from_distributed",
                    json={"names": ["model.norm.weight"], "dtypes": ["complex64"], "shapes": [[576]]}, timeout=60)
