@@ -146,7 +146,11 @@ class KVTierStore:
         if not self._free_slots and not self._spill():
             return  # every slot is read by a load under way: this block is not kept
         slot = self._free_slots.pop()
-        self._queue_copy(("save", block_id, slot))
+        written = None  # on a GPU: where the compute stream is, so the copy reads the block as its steps left it
+        if self._streams[0] is not None:
+            written = torch.cuda.Event()
+            written.record()
+        self._queue_copy(("save", block_id, slot, written))
         self._host[block_hash] = slot
         self.stats.written["host"] += 1
         with self._lock:
@@ -174,7 +178,7 @@ class KVTierStore:
                 self._queue.put((gone, None))
                 if gone not in self._host:
                     self._events[gone] = False
-        self._queue_copy(("spill", old, slot))  # its bytes are read before the slot's next save overwrites them
+        self._queue_copy(("spill", old, slot, None))  # its bytes are read before the slot's next save overwrites them
         return True
 
     def _queue_copy(self, op: tuple) -> None:
@@ -182,12 +186,15 @@ class KVTierStore:
         self._saves.put(op)
 
     def _copy_loop(self) -> None:
-        """The copy thread: ("save", block id, slot) copies a cache block into a host slot, ("spill", hash, slot) a
-        host slot's block on to the disk writer; None ends the thread."""
+        """The copy thread: ("save", block id, slot, event) copies a cache block into a host slot once the compute
+        stream has passed the event (a GPU's), ("spill", hash, slot, None) a host slot's block on to the disk
+        writer; None ends the thread."""
         while (op := self._saves.get()) is not None:
-            kind, key, slot = op
+            kind, key, slot, written = op
             try:
                 with _on(self._streams[0]):
+                    if written is not None:
+                        self._streams[0].wait_event(written)
                     if kind == "save":
                         self.host[:, :, :, slot].copy_(self.kv_cache[:, :, :, key])
                     else:
