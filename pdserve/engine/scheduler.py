@@ -504,15 +504,25 @@ class Scheduler(PipelinedDecode):
     def _allocate(self, req: Request, n: int) -> bool:
         """Slots for n more tokens of req; KV kept by preempted requests is given up for them if needed."""
         while not self.kv.allocate_slots(req, n):
-            if not self._drop_kept():
+            if not self._drop_kept(but=req):
                 return False
         return True
 
-    def _drop_kept(self) -> bool:
-        """Free the KV of the last waiting request that kept it (it will be recomputed); False if none did."""
-        kept = next((r for r in reversed(list(self.waiting)) if r.kept_kv), None)
+    def _drop_kept(self, but: Request | None = None) -> bool:
+        """Free the KV of the last waiting request (but `but`, the one that needs the room) that kept it (it will be
+        recomputed), or else that holds blocks it has not run with yet: a prefix a KV tier load brought back, or
+        prefix-cache hits taken at admission (they stay in the prefix cache, and a tier keeps what is then
+        evicted). A request ahead of it in the queue, or a running one, never waits for room that a request the
+        queue does not reach holds. (A partial hand-off's pinned prefix is not taken, nor a load still under way:
+        its end wakes the step thread.) False if none did."""
+        waiting = [r for r in self.waiting if r is not but]
+        kept = next((r for r in reversed(waiting) if r.kept_kv), None)
         if kept is None:
-            return False
+            held = next((r for r in reversed(waiting) if r.block_ids and not r.remote_kv and self.kv.loaded(r)), None)
+            if held is None:
+                return False
+            self.kv.free(held)
+            return True
         kept.kept_kv = False
         self.kv.free(kept)
         self.preemptions[(ServiceTier.of_rank(kept.tier).value, "recomputed")] += 1

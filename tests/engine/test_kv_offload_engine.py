@@ -167,3 +167,36 @@ def test_a_request_cancelled_mid_load_leaks_no_block(ckpt):
     assert not eng.has_unfinished
     eng.core.pool.check_integrity()
     eng.close()
+
+
+def test_a_loaded_request_behind_a_preempted_one_gives_its_blocks_back(ckpt):
+    """A long request runs while a returning turn's blocks load (held): it outgrows what the load leaves of the
+    24-block cache, is preempted and goes back to the queue ahead of the turn, and needs blocks the loaded turn
+    holds. The turn gives them back (it finds them in the prefix cache later) instead of both waiting forever:
+    every request ends, token-exact."""
+    eng = make_engine(ckpt, peak_flops=1e6, offload_bytes=1 << 20)
+    second = evicted_session(eng)
+    long_params = SamplingParams(max_tokens=70, temperature=0.0, ignore_eos=True)
+    long_prompt = tokens(6, 50)
+    want = {"long": make_engine(ckpt).generate([long_prompt], long_params)[0].token_ids}
+    reached, release = held_loads(eng)
+    eng.add_request(long_prompt, long_params, request_id="long")
+    got: dict[str, list[int]] = {"long": [o for out in eng.step() for o in out.new_token_ids], "turn": []}
+    eng.add_request(second, PARAMS, request_id="turn")
+    for _ in range(80):
+        for out in eng.step():
+            got[out.request_id] += out.new_token_ids
+        if eng.scheduler.num_preemptions:
+            break
+    assert reached.is_set() and eng.scheduler.num_preemptions  # the long one outgrew the room the load left
+    release.set()
+    for _ in range(400):
+        if not eng.has_unfinished:
+            break
+        for out in eng.step():
+            got[out.request_id] += out.new_token_ids
+    assert not eng.has_unfinished, "requests left waiting for each other's blocks"
+    assert got["long"] == want["long"]
+    assert got["turn"] == make_engine(ckpt).generate([second], PARAMS)[0].token_ids
+    assert eng.core.pool.num_free_blocks == BLOCKS
+    eng.close()
