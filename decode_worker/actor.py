@@ -277,6 +277,7 @@ class DecodeActor(WorkerActor):
         """Publish the reserved blocks, then tell each prefill worker, in one call, which destinations are ready."""
         now = time.monotonic()
         by_prefill: dict[str, list[str]] = {}
+        self.core.kv.fence()  # the blocks' evicted contents are copied to a KV tier before the transfer overwrites them
         for req in reserved:
             rid = req.request_id
             prefill_id, placed = self._source[rid]

@@ -17,7 +17,8 @@ serves on), "commit_weights" (a weight update, staged, before its switch: the st
 "request_data" (a request whose data fails every step it is in, and the worker's check of it: a bad value
 the validation missed; armed with a key, the worker-side request id's beginning, it hits that request only),
 "evict_prefix" (a decode worker taking a partial hand-off: every unused block of its prefix cache is evicted
-just before it pins the prefix the router counted on).
+just before it pins the prefix the router counted on), "tier_load" (a load of a prompt's blocks from a KV tier,
+on the tier's load thread, before it copies: the step thread steps on meanwhile).
 """
 from __future__ import annotations
 
@@ -26,7 +27,8 @@ import math
 import threading
 import time
 
-POINTS = ("step", "send", "mid_send", "corrupt", "stage_weights", "commit_weights", "request_data", "evict_prefix")
+POINTS = ("step", "send", "mid_send", "corrupt", "stage_weights", "commit_weights", "request_data", "evict_prefix",
+          "tier_load")
 # A hit armed with seconds=math.inf is held until the test releases it (or the process dies); a test
 # that never does (it failed first) lets it go after this long, so no worker is kept forever.
 HOLD_LIMIT_S = 600.0

@@ -8,7 +8,7 @@ import torch
 
 from pdserve.config import ModelConfig
 from pdserve.engine.block_pool import BlockPool, OutOfBlocks, hash_block, version_root
-from pdserve.engine.kv_offload import KVTierStore
+from pdserve.engine.kv_offload import KVTierStore, TierLoad
 from pdserve.engine.request import Request
 
 
@@ -26,6 +26,7 @@ class KVCacheManager:
         self.version = 0  # the weight version this worker computes with (EngineCore.update_weights sets it)
         self.tier: KVTierStore | None = None  # host/disk tiers beneath the cache (EngineCore sets them)
         self.recompute_s_per_token = 1e-3  # a prompt token's compute time, the tiers' cost rule weighs it
+        self._orphans: list[TierLoad] = []  # loads under way whose requests have ended: their blocks wait for them
 
     def start(self, req: Request, version: int | None = None) -> None:
         """A request with no KV here is about to get some, computed by weight version `version` (default:
@@ -42,36 +43,74 @@ class KVCacheManager:
     def admit_cached_prefix(self, req: Request) -> int:
         """Give a request with no blocks the longest cached prefix of its tokens; returns tokens reused.
 
-        At least one token is always left to compute: its logits are needed to sample.
+        At least one token is always left to compute: its logits are needed to sample. Blocks a tier holds past
+        that prefix start loading (req.tier_load): they count once the load is over (`loaded`).
         """
         assert not req.block_ids and req.num_computed_tokens == 0
         full = (req.num_tokens - 1) // self.block_size
         self._extend_hashes(req, full)
         hits = self.pool.get_cached_prefix(req.block_hashes[:full])
         req.block_ids = list(hits)
-        if self.tier is not None and len(hits) < full:
-            req.block_ids += self._load_from_tier(req.block_hashes[len(hits):full])
         req.num_registered_blocks = len(req.block_ids)
         req.num_computed_tokens = req.num_cached_tokens = len(req.block_ids) * self.block_size
+        if self.tier is not None and len(hits) < full:
+            self._start_load(req, req.block_hashes[len(hits):full])
         return req.num_computed_tokens
 
-    def _load_from_tier(self, block_hashes: list[bytes]) -> list[int]:
-        """Blocks (one reference each, registered in the prefix cache) holding the leading blocks of
-        `block_hashes` a tier has, copied back from it; [] when recomputing them is cheaper
+    def _start_load(self, req: Request, block_hashes: list[bytes]) -> None:
+        """Start loading the leading blocks of `block_hashes` a tier has into fresh blocks of req (one reference
+        each, in no one else's sight until the load is over); nothing when recomputing them is cheaper
         (KVTierStore.load_is_cheaper) or the pool is short of room."""
         tiers = self.tier.lookup(block_hashes)
         if not tiers or not self.tier.load_is_cheaper(len(tiers), self.recompute_s_per_token, self.block_size, tiers):
-            return []
+            return
+        job = self.tier.pin(block_hashes[:len(tiers)], tiers)
         try:
             blocks = self.pool.allocate(len(tiers))  # may evict (and save) others, never these: they are fresh
         except OutOfBlocks:
-            return []
-        for i, (block_id, block_hash) in enumerate(zip(blocks, block_hashes)):
-            if self.tier.load(block_hash, block_id) is None:  # dropped meanwhile: the rest is recomputed
-                self.pool.free(blocks[i:][::-1])
-                return blocks[:i]
+            self.tier.unpin(job)
+            return
+        req.tier_load = self.tier.start_load(job, blocks)
+        req.block_ids += blocks
+
+    def loaded(self, req: Request) -> bool:
+        """Whether req has no tier load under way. One just over is taken in: the blocks it filled join req's
+        computed prefix and the prefix cache; those it could not fill (dropped from disk meanwhile) are freed."""
+        job = req.tier_load
+        if job is None:
+            return True
+        if not job.done.is_set():
+            return False
+        req.tier_load = None
+        n = self.tier.finish_load(job)
+        start = len(req.block_ids) - len(job.block_ids)
+        for block_id, block_hash in zip(job.block_ids[:n], job.hashes):
             self.pool.cache_block(block_id, block_hash)
-        return blocks
+        self.pool.free(job.block_ids[n:][::-1])
+        del req.block_ids[start + n:]
+        req.num_registered_blocks = len(req.block_ids)
+        req.num_computed_tokens = req.num_cached_tokens = len(req.block_ids) * self.block_size
+        return True
+
+    def reap(self) -> None:
+        """Free the blocks of loads whose requests ended while they ran, once those loads have stopped (what they
+        did fill is kept in the prefix cache)."""
+        going = []
+        for job in self._orphans:
+            if not job.done.is_set():
+                going.append(job)
+                continue
+            n = self.tier.finish_load(job)
+            for block_id, block_hash in zip(job.block_ids[:n], job.hashes):
+                self.pool.cache_block(block_id, block_hash)
+            self.pool.free(job.block_ids[::-1])
+        self._orphans = going
+
+    def fence(self) -> None:
+        """Wait until the evicted blocks' copies to a tier are done, before anything writes into blocks just handed
+        out (a step's forward, a block copy, an incoming transfer)."""
+        if self.tier is not None:
+            self.tier.fence()
 
     def pin_prefix(self, req: Request, num_blocks: int, version: int) -> bool:
         """A partial hand-off's request, with no blocks yet: take the first num_blocks full blocks of its tokens
@@ -122,7 +161,13 @@ class KVCacheManager:
         req.num_registered_blocks = max(req.num_registered_blocks, full)
 
     def free(self, req: Request) -> None:
-        """Release the request's blocks, tail first so that shared prefixes are evicted last."""
+        """Release the request's blocks, tail first so that shared prefixes are evicted last. Blocks a tier load
+        still writes into are released once it has stopped (reap)."""
+        if req.tier_load is not None and not self.loaded(req):
+            job, req.tier_load = req.tier_load, None
+            job.cancelled = True
+            self._orphans.append(job)
+            del req.block_ids[len(req.block_ids) - len(job.block_ids):]
         self.pool.free(req.block_ids[::-1])
         req.block_ids = []
         req.num_registered_blocks = 0

@@ -263,7 +263,7 @@ class EngineCore:
         decides when it lands."""
         ended = []
         for req in list(self.scheduler.requests.values()):
-            holds = req.block_ids and (req.status is RequestStatus.RUNNING or req.kept_kv)
+            holds = req.block_ids and (req.status is RequestStatus.RUNNING or req.kept_kv or req.tier_load is not None)
             if holds and not req.unresolved and (end := self.version_policy(req)) is not None:
                 ended.append(end)
         return ended
@@ -303,6 +303,8 @@ class EngineCore:
             return self.step_pipelined()
         step = self.scheduler.schedule()
         if not step.chunks:
+            if self.kv.tier is not None:  # nothing to compute but prefixes loading from a tier: wait a little for one
+                self.kv.tier.wait_load(0.05)
             return []
         return self.account(step, self.execute(step))
 
@@ -317,6 +319,7 @@ class EngineCore:
         launched = self.scheduler.launched
         if step.chunks:
             previous = launched[-1].result.sampled if launched else None
+            self.kv.fence()
             self._copy_blocks()
             self._count(step)
             self.scheduler.launch(step, self.runner.execute(step.chunks, layer_done, previous))
@@ -326,6 +329,7 @@ class EngineCore:
 
     def execute(self, step: ScheduledStep, layer_done: Callable[[int], None] | None = None) -> StepResult:
         """Run a scheduled step's forward and sampling; layer_done(i) is called once layer i's KV is written."""
+        self.kv.fence()
         self._copy_blocks()
         return self.runner.execute(step.chunks, layer_done)
 

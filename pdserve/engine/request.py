@@ -62,6 +62,9 @@ class Request:
     queue_seq: int = 0
     # Preempted for another tier with its KV kept in its blocks: it resumes without recomputing.
     kept_kv: bool = False
+    # Its prefix's blocks on their way back from a KV tier (pdserve.engine.kv_offload.TierLoad): it stays queued
+    # until the load is over (KVCacheManager.loaded).
+    tier_load: object | None = None
     # The weight version that computed the oldest KV it holds (pdserve.weights): its prefix-cache hashes are
     # rooted in it, and a weight update compares it with the new version (the request's version policy).
     kv_version: int = 0

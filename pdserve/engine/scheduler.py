@@ -75,6 +75,9 @@ class WaitingQueue:
     def popleft(self) -> Request:
         return self._items.pop(0)
 
+    def pop(self, i: int) -> Request:
+        return self._items.pop(i)
+
     def remove(self, req: Request) -> None:
         self._items.remove(req)
 
@@ -90,6 +93,14 @@ class WaitingQueue:
 
 def _queue_key(req: Request) -> tuple[int, int]:
     return req.tier, req.queue_seq
+
+
+def _shares_computing(kv: KVCacheManager, req: Request, computing: set[bytes]) -> bool:
+    """Whether the first block of req's prompt that its cache hits leave to compute is one a prompt admitted
+    in this step computes: a burst of prompts with one uncached prefix (a shared system prompt) computes it
+    once, the rest taking it from the cache a step later."""
+    i = len(req.block_ids)  # the blocks the cache gave it
+    return kv.pool.enable_prefix_caching and i < len(req.block_hashes) and req.block_hashes[i] in computing
 
 
 class Scheduler(PipelinedDecode):
@@ -176,6 +187,7 @@ class Scheduler(PipelinedDecode):
         drafts: dict[Request, list[int]] = {}
         reserved: list[Request] = []
         preempted = 0
+        self.kv.reap()
         if self.role is not Role.PREFILL:
             self._preempt_for_tiers()
         i = 0
@@ -203,15 +215,28 @@ class Scheduler(PipelinedDecode):
                 budget -= n
                 i += 1
         # Admitting while preempting would only thrash: the freed room belongs to the running batch.
+        if not preempted:
+            self._admit(budget, scheduled, reserved)
+        self.num_preemptions += preempted
+        return ScheduledStep([r for r, _ in scheduled], step_chunks(scheduled, drafts, self.eos_token_ids), reserved)
+
+    def _admit(self, budget: int, scheduled: list[tuple[Request, int]], reserved: list[Request]) -> None:
+        """Waiting requests into the step, in queue order, while budget, slots and room last (schedule's second
+        half): prompts join `scheduled`, incoming KV is given blocks (`reserved`). A request whose prefix is loading
+        from a KV tier keeps its place and is passed over until the load is over."""
         computing: set[bytes] = set()  # full blocks the prompts admitted in this step compute
-        while self.waiting and not preempted and self.num_active < self.config.max_num_seqs:
-            req = self.waiting[0]
+        j = 0  # the first waiting request not waiting for its prefix to load from a KV tier
+        while j < len(self.waiting) and self.num_active < self.config.max_num_seqs:
+            req = self.waiting[j]
+            if not self.kv.loaded(req):
+                j += 1  # its prefix is still loading: it keeps its place, those behind it go on
+                continue
             if req.unresolved:
                 break  # preempted with a token in flight: it goes once that token is known
             if req.remote_kv:
                 if not self._reserve(req):
                     break  # backpressure: it waits, in order, for room
-                self.waiting.popleft()
+                self.waiting.pop(j)
                 req.status = RequestStatus.WAITING_FOR_KV
                 self.waiting_for_kv[req.request_id] = req
                 reserved.append(req)
@@ -223,7 +248,10 @@ class Scheduler(PipelinedDecode):
                 self.kv.start(req)  # computed by this worker's weights
                 if req.prompt_logprobs is None:  # prompt logprobs need every position computed
                     self.kv.admit_cached_prefix(req)
-                    if self._shares_computing(req, computing):
+                    if req.tier_load is not None:
+                        j += 1  # the rest of its prefix is loading: it runs once that is over
+                        continue
+                    if _shares_computing(self.kv, req, computing):
                         self.kv.free(req)  # one step later its prefix is in the cache: it waits for that
                         break
             n = req.num_tokens - req.num_computed_tokens
@@ -241,15 +269,13 @@ class Scheduler(PipelinedDecode):
                 break
             if kept:  # resumes without recomputing
                 self.preemptions[(ServiceTier.of_rank(req.tier).value, "kept")] += 1
-            self.waiting.popleft()
+            self.waiting.pop(j)
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             scheduled.append((req, n))
             budget -= n
             bs = self.kv.block_size
             computing.update(req.block_hashes[req.num_computed_tokens // bs:(req.num_computed_tokens + n) // bs])
-        self.num_preemptions += preempted
-        return ScheduledStep([r for r, _ in scheduled], step_chunks(scheduled, drafts, self.eos_token_ids), reserved)
 
     def _draft(self, req: Request, budget: int) -> list[int]:
         """The tokens req drafts this step, if their slots can be had without taking anyone's blocks."""
@@ -362,13 +388,6 @@ class Scheduler(PipelinedDecode):
         if self.on_fork is not None:
             self.on_fork(group, child)
         return child
-
-    def _shares_computing(self, req: Request, computing: set[bytes]) -> bool:
-        """Whether the first block of req's prompt that its cache hits leave to compute is one a prompt admitted
-        in this step computes: a burst of prompts with one uncached prefix (a shared system prompt) computes it
-        once, the rest taking it from the cache a step later."""
-        i = len(req.block_ids)  # the blocks the cache gave it
-        return self.kv.pool.enable_prefix_caching and i < len(req.block_hashes) and req.block_hashes[i] in computing
 
     def take_block_copies(self) -> list[tuple[int, int]]:
         """The block copies forks asked for, to run before the next step (the runner's copy_blocks)."""
@@ -488,15 +507,25 @@ class Scheduler(PipelinedDecode):
     def _allocate(self, req: Request, n: int) -> bool:
         """Slots for n more tokens of req; KV kept by preempted requests is given up for them if needed."""
         while not self.kv.allocate_slots(req, n):
-            if not self._drop_kept():
+            if not self._drop_kept(but=req):
                 return False
         return True
 
-    def _drop_kept(self) -> bool:
-        """Free the KV of the last waiting request that kept it (it will be recomputed); False if none did."""
-        kept = next((r for r in reversed(list(self.waiting)) if r.kept_kv), None)
+    def _drop_kept(self, but: Request | None = None) -> bool:
+        """Free the KV of the last waiting request (but `but`, the one that needs the room) that kept it (it will be
+        recomputed), or else that holds blocks it has not run with yet: a prefix a KV tier load brought back, or
+        prefix-cache hits taken at admission (they stay in the prefix cache, and a tier keeps what is then
+        evicted). A request ahead of it in the queue, or a running one, never waits for room that a request the
+        queue does not reach holds. (A partial hand-off's pinned prefix is not taken, nor a load still under way:
+        its end wakes the step thread.) False if none did."""
+        waiting = [r for r in self.waiting if r is not but]
+        kept = next((r for r in reversed(waiting) if r.kept_kv), None)
         if kept is None:
-            return False
+            held = next((r for r in reversed(waiting) if r.block_ids and not r.remote_kv and self.kv.loaded(r)), None)
+            if held is None:
+                return False
+            self.kv.free(held)
+            return True
         kept.kept_kv = False
         self.kv.free(kept)
         self.preemptions[(ServiceTier.of_rank(kept.tier).value, "recomputed")] += 1

@@ -10,6 +10,7 @@ pricing.py    what each service tier costs: the fast lane's size and batch cap, 
 parallel.py   tensor-parallel sizes (a mixture of experts: each with its experts sliced or split) compared: which
               fit a GPU, which wins for prefill and for decode
 plan.py       candidate configurations, their predicted serving statistics, the ranking and the plot
+kv_tiers.py   a multi-turn workload's hit rates by KV tier size: how much host memory the session pool wants
 cli.py        the `profile` and `plan` commands
 
 The cost model it plans with (what a step and a KV hand-off cost, and the GPUs the roofline knows) is

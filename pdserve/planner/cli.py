@@ -236,6 +236,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
           f"{plan['simulation_seconds']:.2f} s")
     if mix:
         _tier_prices(args, plan, costs, settings, workload, mix, tier_slos)
+    if getattr(args, "sessions", 0):
+        _kv_tiers(args, plan, costs, settings, model)
     if args.output:
         Path(args.output).parent.mkdir(parents=True, exist_ok=True)
         Path(args.output).write_text(json.dumps(plan, indent=1) + "\n")
@@ -334,3 +336,19 @@ def _tier_prices(args: argparse.Namespace, plan: dict, costs, settings, workload
     print()
     print(format_prices(plan["tiers"]))
 
+
+
+def _kv_tiers(args: argparse.Namespace, plan: dict, costs, settings, model: dict) -> None:
+    """A multi-turn workload: the host tier the recommended configuration's session-holding pool (decode, or
+    colocated) should have (plan["kv_tiers"]), printed."""
+    from pdserve.loadgen.cli import build_workload, session_spec_from_args
+    from pdserve.loadgen.workload import LengthSampler
+    from pdserve.planner.kv_tiers import format_tiers, tier_table
+
+    arrivals = build_workload(args, model["vocab_size"], model["eos_token_ids"], model["max_model_len"],
+                              LengthSampler)[1]
+    plan["kv_tiers"] = tier_table(session_spec_from_args(args), arrivals, args.concurrency,
+                                  plan["recommended"]["decode_workers"], settings.kv_cache_bytes,
+                                  costs.kv_bytes_per_token)
+    print()
+    print(format_tiers(plan["kv_tiers"]))

@@ -106,6 +106,10 @@ class WorkerActor(WeightCalls, Cancels, FaultCalls):
         """Start the step thread: once the subclass's own state exists."""
         self.core.pool.record_events()
         self.loop = StepLoop(self._step, name=f"{self.pool}-{self.worker_id}", after=self._send_kv_events)
+        tier = self.core.kv.tier
+        if tier is not None:  # a load from a KV tier: a test's fault point as it starts; the step thread woken as it ends
+            tier.before_load = lambda: self.faults.hit("tier_load")
+            tier.on_load_done = lambda: self.loop.call(lambda: None)
 
     # -- actor methods ----------------------------------------------------------------------------
     async def ready(self) -> str:

@@ -2,6 +2,8 @@
 loaded back on a prefix hit with their exact bytes, never across weight versions, and found by a successor."""
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
@@ -29,12 +31,22 @@ def setup(host_blocks: int, disk_dir=None, disk_blocks: int = 0, meta=None):
     return cache, pool, kv
 
 
+def admit(kv: KVCacheManager, req: Request) -> int:
+    """admit_cached_prefix, and the tier load it started (if any) waited for and taken in: tokens reused."""
+    kv.admit_cached_prefix(req)
+    if req.tier_load is not None:
+        assert req.tier_load.done.wait(10)
+        assert kv.loaded(req)
+    return req.num_computed_tokens
+
+
 def compute(cache: torch.Tensor, kv: KVCacheManager, rid: str, tokens: list[int]) -> Request:
     """A request admitted, its prompt 'computed' (each block's KV a function of its tokens), cached, freed."""
     req = Request(rid, tokens, PARAMS, 0)
     kv.start(req)
-    kv.admit_cached_prefix(req)
+    admit(kv, req)
     assert kv.allocate_slots(req, req.num_tokens - req.num_computed_tokens)
+    kv.fence()  # what a step does before it writes: the blocks' evicted contents are in the host tier
     for i in range(req.num_computed_tokens // BS, req.num_tokens // BS):
         cache[:, :, :, req.block_ids[i]] = float(sum(tokens[: (i + 1) * BS]))
     req.num_computed_tokens = req.num_tokens
@@ -56,7 +68,7 @@ def test_evicted_blocks_come_back_from_host_with_their_bytes():
     assert kv.tier.stats.written["host"] >= 3
     req = Request("a2", a, PARAMS, 0)
     kv.start(req)
-    assert kv.admit_cached_prefix(req) == 12  # all 3 blocks loaded, not recomputed
+    assert admit(kv, req) == 12  # all 3 blocks loaded, not recomputed
     for i, b in enumerate(req.block_ids):
         assert torch.all(cache[:, :, :, b] == kv_of(a, i))
     assert kv.tier.stats.loaded["host"] == 3 and kv.tier.stats.hits["host"] == 3
@@ -75,7 +87,7 @@ def test_a_newer_weight_version_never_loads_an_older_block():
     kv.version = 1
     req = Request("a2", a, PARAMS, 0)
     kv.start(req)
-    assert kv.admit_cached_prefix(req) == 0
+    assert admit(kv, req) == 0
     assert kv.tier.stats.loaded.total() == 0 and kv.tier.stats.hits.total() == 0
     kv.free(req)
 
@@ -88,7 +100,7 @@ def test_recompute_wins_when_it_is_cheaper():
     compute(cache, kv, "b", list(range(50, 74)))
     req = Request("a2", a, PARAMS, 0)
     kv.start(req)
-    assert kv.admit_cached_prefix(req) == 0 and kv.tier.stats.loaded.total() == 0
+    assert admit(kv, req) == 0 and kv.tier.stats.loaded.total() == 0
     kv.free(req)
 
 
@@ -110,7 +122,7 @@ def test_host_overflow_goes_to_disk_and_a_successor_finds_it(tmp_path):
     assert set(hashes.block_hashes) <= set(first.offloaded) and first.stored == ()
     req = Request("a2", a, PARAMS, 0)
     kv2.start(req)
-    assert kv2.admit_cached_prefix(req) == 12
+    assert admit(kv2, req) == 12
     for i, b in enumerate(req.block_ids):
         assert torch.all(cache2[:, :, :, b] == kv_of(a, i))
     assert kv2.tier.stats.loaded["disk"] == 3
@@ -127,3 +139,80 @@ def test_a_disk_tier_of_another_model_is_refused(tmp_path):
 def test_a_host_budget_below_one_block_is_refused():
     with pytest.raises(ValueError, match="kv-offload-mib"):
         KVTierStore(torch.zeros(SHAPE), BLOCK_BYTES - 1)
+
+
+def held_loads(kv: KVCacheManager) -> threading.Event:
+    """Make every load wait, on the load thread, until the returned event is set."""
+    release = threading.Event()
+    kv.tier.before_load = lambda: release.wait(10)
+    return release
+
+
+def test_a_load_under_way_keeps_its_blocks_out_of_sight_until_it_is_over():
+    cache, pool, kv = setup(host_blocks=3)  # a's 3 blocks fill the host tier: saves meanwhile find no slot to take
+    a = list(range(1, 13)) + [99]
+    compute(cache, kv, "a", a)
+    compute(cache, kv, "b", list(range(50, 74)))
+    release = held_loads(kv)
+    req = Request("a2", a, PARAMS, 0)
+    kv.start(req)
+    assert kv.admit_cached_prefix(req) == 0 and req.tier_load is not None and len(req.block_ids) == 3
+    assert not kv.loaded(req) and req.num_computed_tokens == 0
+    assert pool.peek_cached_prefix(req.block_hashes) == 0  # not in the prefix cache before its bytes are
+    # Meanwhile the cache serves others: a save into the host tier never takes a slot the load reads.
+    compute(cache, kv, "c", list(range(300, 308)))
+    release.set()
+    assert req.tier_load.done.wait(10) and kv.loaded(req)
+    assert req.num_computed_tokens == 12 and pool.peek_cached_prefix(req.block_hashes) == 3
+    for i, b in enumerate(req.block_ids):
+        assert torch.all(cache[:, :, :, b] == kv_of(a, i))
+    kv.free(req)
+    pool.check_integrity()
+    kv.tier.close()
+
+
+def test_a_request_ended_mid_load_gives_its_blocks_back_once_the_load_stops():
+    cache, pool, kv = setup(host_blocks=8)
+    a = list(range(1, 13)) + [99]
+    compute(cache, kv, "a", a)
+    compute(cache, kv, "b", list(range(50, 74)))
+    release = held_loads(kv)
+    req = Request("a2", a, PARAMS, 0)
+    kv.start(req)
+    kv.admit_cached_prefix(req)
+    job = req.tier_load
+    assert job is not None and pool.num_free_blocks == SHAPE[3] - 3
+    kv.free(req)  # cancelled while the load is held: its blocks are still written into
+    assert req.block_ids == [] and req.tier_load is None
+    kv.reap()
+    assert pool.num_free_blocks == SHAPE[3] - 3  # not before the load has stopped
+    release.set()
+    assert job.done.wait(10)
+    kv.reap()
+    assert pool.num_free_blocks == SHAPE[3] and not kv.tier._pinned  # nothing pinned, nothing held
+    pool.check_integrity()
+    kv.tier.close()
+
+
+def test_copies_run_on_the_tier_threads_not_the_callers():
+    cache, pool, kv = setup(host_blocks=8)
+    seen = set()
+    real = torch.Tensor.copy_
+
+    def spy(self, *args, **kwargs):
+        seen.add(threading.current_thread().name)
+        return real(self, *args, **kwargs)
+
+    torch.Tensor.copy_ = spy
+    try:
+        a = list(range(1, 13)) + [99]
+        compute(cache, kv, "a", a)
+        compute(cache, kv, "b", list(range(50, 74)))
+        req = Request("a2", a, PARAMS, 0)
+        kv.start(req)
+        assert admit(kv, req) == 12
+    finally:
+        torch.Tensor.copy_ = real
+    assert seen == {"kv-offload-copy", "kv-offload-load"}, seen
+    kv.free(req)
+    kv.tier.close()

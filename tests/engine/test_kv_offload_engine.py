@@ -2,6 +2,9 @@
 too small to keep them, is served from the host tier (or the disk tier) token-exact, computing fewer prompt tokens."""
 from __future__ import annotations
 
+import threading
+import time
+
 import pytest
 import torch
 
@@ -97,4 +100,103 @@ def test_a_weight_update_loads_no_block_of_the_old_version(ckpt, baseline):
     eng.core.kv.version = 1  # what a weight update does to the cache's keys (EngineCore.update_weights)
     eng.generate([first], PARAMS)
     assert eng.core.kv.tier.stats.loaded.total() == 0 and eng.core.kv.tier.stats.hits.total() == 0
+    eng.close()
+
+
+def evicted_session(eng: LLMEngine) -> list[int]:
+    """A session's first turn, fillers that evict its blocks from the cache, and its second turn's prompt."""
+    first = tokens(37, 1)
+    reply = eng.generate([first], PARAMS)[0].token_ids
+    for seed in range(10, 13):
+        eng.generate([tokens(60, seed)], PARAMS)
+    return first + reply + tokens(5, 20)
+
+
+def held_loads(eng: LLMEngine) -> tuple[threading.Event, threading.Event]:
+    """Every load from the tiers waits on the load thread until `release` is set; `reached` says one does."""
+    reached, release = threading.Event(), threading.Event()
+    eng.core.kv.tier.before_load = lambda: (reached.set(), release.wait(60))
+    return reached, release
+
+
+def test_a_slow_load_stalls_neither_the_batch_nor_its_answer(ckpt, baseline):
+    """While a returning turn's blocks load (held on the load thread), a running request receives a token every
+    step; once the load is over the turn is answered token-exact, having computed only what no tier held."""
+    replies, _, _ = baseline
+    eng = make_engine(ckpt, peak_flops=1e6, offload_bytes=1 << 20)
+    second = evicted_session(eng)
+    reached, release = held_loads(eng)
+    other = eng.add_request(tokens(6, 40), SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))
+    eng.step()  # the other one runs
+    turn = eng.add_request(second, PARAMS)
+    got: dict[str, list[int]] = {other: [], turn: []}
+    for _ in range(8):  # eight steps while the load is held
+        for out in eng.step():
+            got[out.request_id] += out.new_token_ids
+    assert reached.is_set() and eng.core.kv.tier.stats.loaded.total() == 0
+    assert len(got[other]) >= 8 and got[turn] == []  # a token a step for the other; the turn waits, queued
+    computed = eng.core.prompt_tokens_computed
+    release.set()
+    for out in eng.stream():
+        got[out.request_id] += out.new_token_ids
+    assert got[turn] == replies[2]  # the offline engine's (no tier) second turn
+    assert eng.core.kv.tier.stats.loaded["host"] >= 9
+    assert eng.core.prompt_tokens_computed - computed < len(second) - 9 * BS + 1
+    eng.core.pool.check_integrity()
+    assert eng.core.pool.num_free_blocks == BLOCKS
+    eng.close()
+
+
+def test_a_request_cancelled_mid_load_leaks_no_block(ckpt):
+    eng = make_engine(ckpt, peak_flops=1e6, offload_bytes=1 << 20)
+    second = evicted_session(eng)
+    reached, release = held_loads(eng)
+    turn = eng.add_request(second, PARAMS)
+    eng.step()
+    assert reached.wait(10)
+    assert eng.core.pool.num_free_blocks < BLOCKS  # the load's blocks, pinned
+    eng.abort(turn)
+    eng.step()
+    assert eng.core.pool.num_free_blocks < BLOCKS  # still written into: not given back yet
+    release.set()
+    deadline = time.monotonic() + 10
+    while eng.core.pool.num_free_blocks < BLOCKS and time.monotonic() < deadline:
+        eng.core.kv.tier.wait_load(0.05)
+        eng.core.scheduler.schedule()  # reaps the loads that have stopped
+    assert eng.core.pool.num_free_blocks == BLOCKS and not eng.core.kv.tier._pinned
+    assert not eng.has_unfinished
+    eng.core.pool.check_integrity()
+    eng.close()
+
+
+def test_a_loaded_request_behind_a_preempted_one_gives_its_blocks_back(ckpt):
+    """A long request runs while a returning turn's blocks load (held): it outgrows what the load leaves of the
+    24-block cache, is preempted and goes back to the queue ahead of the turn, and needs blocks the loaded turn
+    holds. The turn gives them back (it finds them in the prefix cache later) instead of both waiting forever:
+    every request ends, token-exact."""
+    eng = make_engine(ckpt, peak_flops=1e6, offload_bytes=1 << 20)
+    second = evicted_session(eng)
+    long_params = SamplingParams(max_tokens=70, temperature=0.0, ignore_eos=True)
+    long_prompt = tokens(6, 50)
+    want = {"long": make_engine(ckpt).generate([long_prompt], long_params)[0].token_ids}
+    reached, release = held_loads(eng)
+    eng.add_request(long_prompt, long_params, request_id="long")
+    got: dict[str, list[int]] = {"long": [o for out in eng.step() for o in out.new_token_ids], "turn": []}
+    eng.add_request(second, PARAMS, request_id="turn")
+    for _ in range(80):
+        for out in eng.step():
+            got[out.request_id] += out.new_token_ids
+        if eng.scheduler.num_preemptions:
+            break
+    assert reached.is_set() and eng.scheduler.num_preemptions  # the long one outgrew the room the load left
+    release.set()
+    for _ in range(400):
+        if not eng.has_unfinished:
+            break
+        for out in eng.step():
+            got[out.request_id] += out.new_token_ids
+    assert not eng.has_unfinished, "requests left waiting for each other's blocks"
+    assert got["long"] == want["long"]
+    assert got["turn"] == make_engine(ckpt).generate([second], PARAMS)[0].token_ids
+    assert eng.core.pool.num_free_blocks == BLOCKS
     eng.close()
