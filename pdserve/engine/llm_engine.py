@@ -20,6 +20,7 @@ from pdserve.engine.kv_offload import attach_tiers
 from pdserve.engine.logprobs import PromptLogprobs, TokenLogprob
 from pdserve.engine.output import RequestOutput, TextOutput, token_output
 from pdserve.engine.request import NO_TOKEN, SAMPLE_SEP, FinishReason, Request, RequestStatus, validate_prompt
+from pdserve.engine.routed_experts import RoutedExperts, join
 from pdserve.engine.runner import ModelRunner, StepResult
 from pdserve.engine.sampling import SamplingParams
 from pdserve.engine.scheduler import Scheduler
@@ -39,6 +40,9 @@ class Completion:
     finish_reason: FinishReason
     logprobs: list[TokenLogprob] | None = None  # one per token, if asked (SamplingParams.logprobs)
     prompt_logprobs: PromptLogprobs | None = None  # if asked (SamplingParams.prompt_logprobs)
+    # If asked (SamplingParams.return_routed_experts): positions 0 .. len(prompt) + len(tokens) - 2, each
+    # [moe layers][top_k] (pdserve.engine.routed_experts).
+    routed_experts: RoutedExperts | None = None
 
 
 class EngineCore:
@@ -138,6 +142,14 @@ class EngineCore:
 
     def validate_prompt(self, prompt: Sequence[int]) -> None:
         validate_prompt(prompt, self.model_config.vocab_size, self.max_model_len)
+
+    def validate_params(self, params: SamplingParams) -> None:
+        """Raise ValueError for what this engine's model cannot do for a request (routed experts of a dense
+        model, or of a simulated one, which routes nothing)."""
+        if params.return_routed_experts and (not self.model_config.is_moe or isinstance(self.runner, SimRunner)):
+            raise ValueError("return_routed_experts needs a mixture-of-experts model; this one has no routed "
+                             "experts" if not self.model_config.is_moe else
+                             "return_routed_experts: a simulated engine routes no tokens")
 
     def close(self) -> None:
         """Release what lives beyond this process (a tensor-parallel engine's other ranks, the disk tier's writer)."""
@@ -383,6 +395,7 @@ class LLMEngine:
                     request_id: str | None = None) -> str:
         prompt = list(prompt_token_ids)
         self.core.validate_prompt(prompt)
+        self.core.validate_params(params)
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if rid in self._requests:
             raise ValueError(f"request id {rid!r} is already in use")
@@ -435,6 +448,7 @@ class LLMEngine:
             out.prompt_logprobs = s.prompt_logprobs
             out.index = s.request.sample_index
             out.weight_versions = [s.version] * len(out.new_token_ids)
+            out.routed_experts = s.routed_experts
             if out.finish_reason is not None:
                 self.scheduler.finish(s.request, out.finish_reason)  # no-op if the token rules ended it
                 del self._requests[rid], self._text[rid]
@@ -474,6 +488,7 @@ class LLMEngine:
         rids = [self.add_request(p, sp) for p, sp in zip(prompts, plist)]
         done = {(rid, i): Completion(rid, list(p), [], "", FinishReason.ERROR, [] if sp.logprobs is not None else None)
                 for rid, p, sp in zip(rids, prompts, plist) for i in range(sp.n)}
+        routed: dict[str, list[RoutedExperts]] = {rid: [] for rid, sp in zip(rids, plist) if sp.return_routed_experts}
         for out in self.stream():
             c = done[out.request_id, out.index]
             c.token_ids.extend(out.new_token_ids)
@@ -482,6 +497,12 @@ class LLMEngine:
                 c.logprobs.extend(out.logprobs)
             if out.prompt_logprobs is not None:
                 c.prompt_logprobs = out.prompt_logprobs
+            if out.routed_experts is not None:
+                routed[out.request_id].append(out.routed_experts)
             if out.finish_reason is not None:
                 c.finish_reason = out.finish_reason
+        cfg = self.model_config
+        for (rid, _), c in done.items():
+            if rid in routed:
+                c.routed_experts = join(routed[rid], len(cfg.moe_layers), cfg.num_experts_per_tok)
         return list(done.values())

@@ -4,7 +4,8 @@ step's emitted tokens do to a request (pdserve.engine.speculative holds the prop
 A running request that decodes (one token to compute) drafts by prompt lookup when it may: its next chunk is
 its last token and the drafts, computed in one forward that samples at each position. The rule, per request:
 only requests whose next token the sampler draws from the raw logits speculate (no penalties, min_tokens
-reached, no structured output, no logprobs, no prompt logprobs still to compute, n == 1); the others decode
+reached, no structured output, no logprobs, no prompt logprobs still to compute, no routed experts
+(a verification computes positions past the accepted ones), n == 1); the others decode
 one token a step as before, in the same batch. Per step: none speculates while more requests run than
 max_batch (SpeculativeConfig.disable_by_batch_size, or the roofline's free rows), nor on a pipelined engine
 (a step's emitted count must be known before the next is built).
@@ -44,7 +45,7 @@ class Speculation:
         p = req.params
         return (p.n == 1 and not p.penalized and req.num_output_tokens >= p.min_tokens and p.structured is None
                 and p.logprobs is None and req.prompt_logprobs is None and req.grammar is None
-                and req.unresolved == 0 and req.fanout == 1)
+                and req.routed is None and req.unresolved == 0 and req.fanout == 1)
 
     def draft(self, req: Request, batch: int, max_model_len: int, budget: int) -> list[int]:
         """The tokens req drafts this step ([] for none): at most its adaptive k, the budget's tokens less one,

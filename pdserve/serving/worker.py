@@ -60,6 +60,7 @@ def new_request(core: EngineCore, task) -> Request:
     """A task (pdserve.serving.messages) as a worker's Request, checked (ValueError: the caller's error), under
     structured output with its matcher and the tokens it has replayed (GrammarError): on the thread that takes it
     in, so that the step thread neither compiles nor replays."""
+    core.validate_params(task.params)
     req = task.new_request(core.tokenizer, core.model_config.vocab_size)
     core.scheduler.structure(req)
     return req
@@ -283,7 +284,7 @@ class WorkerActor(WeightCalls, Cancels, FaultCalls):
             self.core.scheduler.finish(s.request, reason)
         req = s.request
         return TokenEvent(req.request_id, s.token, reason, text, s.logprobs, s.prompt_logprobs, s.version,
-                          None if req.remote_kv else req.num_cached_tokens)
+                          None if req.remote_kv else req.num_cached_tokens, s.routed_experts)
 
     # -- stats ------------------------------------------------------------------------------------
     def _load(self) -> tuple[int, int, int]:
