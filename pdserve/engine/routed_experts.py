@@ -52,8 +52,14 @@ class RoutedExperts:
         """The entries as base64 of their int32 bytes (little-endian, C order): SGLang's wire form."""
         return base64.b64encode(np.ascontiguousarray(self.ids, dtype="<i4").tobytes()).decode("ascii")
 
+    def json(self) -> dict:
+        """The HTTP API's object (the gRPC message's fields): expert_ids base64 of [positions][num_layers][top_k]
+        int32, little-endian."""
+        return {"start": self.start, "num_layers": int(self.ids.shape[1]), "top_k": int(self.ids.shape[2]),
+                "expert_ids": self.to_base64()}
 
-def join(parts: list[RoutedExperts], layers: int, top_k: int) -> RoutedExperts:
+
+def join(parts: list[RoutedExperts], layers: int = 0, top_k: int = 0) -> RoutedExperts:
     """Consecutive parts as one (an empty one at position 0 if there are none)."""
     if not parts:
         return RoutedExperts(0, np.zeros((0, layers, top_k), dtype=np.int32))
@@ -90,6 +96,18 @@ class RoutedLog:
         self._pending = [pending[n:]] if n < len(pending) else []
         self.sent = upto
         return out
+
+
+def relay(log: RoutedLog | None, parts) -> RoutedExperts | None:
+    """The router's side: parts (RoutedExperts or None) a worker sent for a request whose log of what was
+    streamed is `log`, and what of them is new to the client. A resumed attempt's prefill computes the
+    positions streamed already again: those are dropped, the client keeps what it was sent."""
+    if log is None:
+        return None
+    for part in parts:
+        if part is not None:
+            log.note(part.start, part.ids)
+    return log.take(log.known)
 
 
 class RouteCapture:
