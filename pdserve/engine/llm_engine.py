@@ -20,7 +20,7 @@ from pdserve.engine.kv_offload import attach_tiers
 from pdserve.engine.logprobs import PromptLogprobs, TokenLogprob
 from pdserve.engine.output import RequestOutput, TextOutput, token_output
 from pdserve.engine.request import NO_TOKEN, SAMPLE_SEP, FinishReason, Request, RequestStatus, validate_prompt
-from pdserve.engine.routed_experts import RoutedExperts, join
+from pdserve.engine.routed_experts import RoutedExperts, check_asked, join
 from pdserve.engine.runner import ModelRunner, StepResult
 from pdserve.engine.sampling import SamplingParams
 from pdserve.engine.scheduler import Scheduler
@@ -88,6 +88,9 @@ class EngineCore:
         self.pipelined = on and role is not Role.PREFILL and tp == 1
         self.scheduler.speculation = speculation_for(config, role, self.runner, self.pipelined,
                                                      isinstance(self.runner, SimRunner))
+        # Whether its steps route tokens to experts that a request may ask for (pdserve.engine.routed_experts): a
+        # mixture of experts, not simulated.
+        self.routes_experts = self.model_config.is_moe and not isinstance(self.runner, SimRunner)
         self.steps = 0
         self.tokens_processed = 0
         self.prompt_tokens_computed = 0  # prompt positions computed (tokens_processed's prompt share)
@@ -142,14 +145,6 @@ class EngineCore:
 
     def validate_prompt(self, prompt: Sequence[int]) -> None:
         validate_prompt(prompt, self.model_config.vocab_size, self.max_model_len)
-
-    def validate_params(self, params: SamplingParams) -> None:
-        """Raise ValueError for what this engine's model cannot do for a request (routed experts of a dense
-        model, or of a simulated one, which routes nothing)."""
-        if params.return_routed_experts and (not self.model_config.is_moe or isinstance(self.runner, SimRunner)):
-            raise ValueError("return_routed_experts needs a mixture-of-experts model; this one has no routed "
-                             "experts" if not self.model_config.is_moe else
-                             "return_routed_experts: a simulated engine routes no tokens")
 
     def close(self) -> None:
         """Release what lives beyond this process (a tensor-parallel engine's other ranks, the disk tier's writer)."""
@@ -395,7 +390,7 @@ class LLMEngine:
                     request_id: str | None = None) -> str:
         prompt = list(prompt_token_ids)
         self.core.validate_prompt(prompt)
-        self.core.validate_params(params)
+        check_asked(params, self.core.routes_experts)
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if rid in self._requests:
             raise ValueError(f"request id {rid!r} is already in use")

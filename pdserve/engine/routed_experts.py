@@ -59,6 +59,14 @@ class RoutedExperts:
                 "expert_ids": self.to_base64()}
 
 
+def check_asked(params, routes: bool) -> None:
+    """ValueError if a request's parameters ask for routed experts of an engine whose steps route no tokens to
+    experts (a dense model, or a simulated one)."""
+    if params.return_routed_experts and not routes:
+        raise ValueError("return_routed_experts needs a mixture-of-experts model; the model served routes no "
+                         "tokens to experts")
+
+
 def join(parts: list[RoutedExperts], layers: int = 0, top_k: int = 0) -> RoutedExperts:
     """Consecutive parts as one (an empty one at position 0 if there are none)."""
     if not parts:

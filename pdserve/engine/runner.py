@@ -114,6 +114,7 @@ class ModelRunner:
             # Build (first time on a machine, ~30 s) or load the CPU kernels (attention, linear) now, at
             # start-up, rather than inside the first request's step.
             cpu_kernels.available()
+        self._routes: RouteCapture | None = None  # the MoE blocks' top-k recorder, made at the first step that asks
         # Analytic work done so far (pdserve.engine.utilization): the numerators of MFU and MBU.
         self.flops_total = 0
         self.bytes_total = 0
@@ -140,7 +141,11 @@ class ModelRunner:
             dst, src = to_device(torch.tensor(list(zip(*pending))), self.device)
             input_ids[dst - 1] = previous[src]
         self._count_work(chunks)
-        capture = RouteCapture(self.model) if any(c.routed_experts for c in chunks) else None
+        # Routed experts, where a chunk asks: rank 0 of a tensor-parallel engine records them (every rank routes
+        # every token alike); its other ranks, which do not sample, do not.
+        capture = None
+        if sample_tokens and any(c.routed_experts for c in chunks):
+            capture = self._routes = self._routes or RouteCapture(self.model)
         if capture is None:
             hidden = self.model(input_ids, positions, meta, self.kv_cache, layer_done)  # [tokens, hidden]
         else:
