@@ -27,10 +27,10 @@ def checkpoints(tmp_path_factory):
     return {kind: build(root / kind, kind, packed=False) for kind in KINDS}
 
 
-def engine(path, num_blocks: int = 128) -> LLMEngine:
+def engine(path, num_blocks: int = 128, **config) -> LLMEngine:
     # Small blocks and budget: prompts are chunked and share steps with other requests' decodes.
     return LLMEngine(EngineConfig(model=str(path), cache=CacheConfig(block_size=4, num_blocks=num_blocks),
-                                  scheduler=SchedulerConfig(max_num_batched_tokens=16, max_num_seqs=8)))
+                                  scheduler=SchedulerConfig(max_num_batched_tokens=16, max_num_seqs=8), **config))
 
 
 def assert_matches_hf(hf, completion) -> None:
@@ -79,6 +79,21 @@ def test_a_preempted_request_keeps_the_experts_it_streamed(checkpoints):
         assert llm.scheduler.num_preemptions > 0, "the test must preempt"
         for c in done:
             assert_matches_hf(hf, c)
+
+
+def test_pipelined_decode_sends_the_same(checkpoints):
+    """Pipelined decode (a step launched before the one before it resolves) records each step's experts at launch
+    and sends them with the token they sampled, when it resolves: the same entries as one step at a time."""
+    kind = "mixtral"
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True, return_routed_experts=True)
+    with engine(checkpoints[kind]) as llm:
+        batch = prompts(llm.model_config.vocab_size)
+        plain = llm.generate(batch, params)
+    with engine(checkpoints[kind], pipelined_decode=True) as llm:
+        assert llm.core.pipelined
+        piped = llm.generate(batch, params)
+    assert [c.token_ids for c in piped] == [c.token_ids for c in plain]
+    assert [c.routed_experts.to_list() for c in piped] == [c.routed_experts.to_list() for c in plain]
 
 
 def test_streamed_entries_are_consecutive_one_per_token_after_the_first(checkpoints):

@@ -5,7 +5,7 @@ top-k (output_router_logits) for the same tokens; streamed over gRPC (the first 
 entries, each later one its tokens' predecessors'), whole over the OpenAI door and SGLang's /generate; with
 expert parallelism 2 on both pools; and after the decode worker streaming them is killed (SIGKILL) mid-stream,
 exact through the resume (the router keeps what it sent, the resumed prefill's recomputed positions are
-dropped, none is repeated or missing)."""
+dropped, none is repeated or missing); from a colocated worker too; refused on a dense model and with n > 1."""
 from __future__ import annotations
 
 import asyncio
@@ -46,13 +46,16 @@ def hf_model(path):
     return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
 
 
-def start(aloop, path, prefill_ep: int = 1, decode_ep: int = 1, decode_workers: int = 1) -> Cluster:
+def start(aloop, path, prefill_ep: int = 1, decode_ep: int = 1, decode_workers: int = 1,
+          colocated: bool = False) -> Cluster:
     engine = EngineConfig(model=str(path), cache=CacheConfig(block_size=4, num_blocks=256),
                           scheduler=SchedulerConfig(max_num_batched_tokens=32, max_num_seqs=8),
                           tensor_parallel_timeout_s=TIMEOUT_S)
     pool = lambda n, ep: PoolConfig(n, num_cpus=0.1, expert_parallel_size=ep, torch_threads=1)  # noqa: E731
-    cluster = Cluster(ClusterConfig(engine=engine, prefill=pool(1, prefill_ep), decode=pool(decode_workers, decode_ep),
-                                    transfer_timeout_s=TIMEOUT_S, stats_interval_s=0.5, worker_timeout_s=30.0))
+    pools = dict(mode="colocated", colocated=pool(1, 1)) if colocated else \
+        dict(prefill=pool(1, prefill_ep), decode=pool(decode_workers, decode_ep))
+    cluster = Cluster(ClusterConfig(engine=engine, transfer_timeout_s=TIMEOUT_S, stats_interval_s=0.5,
+                                    worker_timeout_s=30.0, **pools))
     aloop.run(cluster.start(), timeout=600)
     return cluster
 
@@ -176,6 +179,23 @@ def test_expert_parallel_pools_and_a_decode_worker_killed_mid_stream(ray_local, 
         assert any(s.pool == "decode" and s.pid != pids[0] for s in stats)
         wait_for(lambda: used_blocks(aloop, cluster) == 0, timeout=60, what="zero used KV blocks")
     finally:
+        aloop.run(cluster.shutdown())
+
+
+def test_a_colocated_worker_streams_them_too(ray_local, aloop, checkpoints):
+    """One worker computes the prompt and the tokens: its first event carries the prompt's entries."""
+    hf = hf_model(checkpoints["mixtral"])
+    cluster = start(aloop, checkpoints["mixtral"], colocated=True)
+    router = build_router(cluster, RouterConfig(port=0))
+    aloop.run(router.start())
+    batch, new = batch_of(3), 8
+    try:
+        for prompt, (tokens, entries, messages) in zip(batch, aloop.run(
+                grpc_streams(f"127.0.0.1:{router.port}", batch, new), timeout=300)):
+            assert len(tokens) == new and messages[0][:2] == (0, len(prompt))
+            assert_routed_like_hf(hf, prompt + tokens, entries)
+    finally:
+        aloop.run(router.stop(grace=5))
         aloop.run(cluster.shutdown())
 
 
