@@ -347,7 +347,7 @@ class PrefillActor(WorkerActor):
         try:
             if fut is not None:
                 fut.set_result(PrefillResult(req.request_id, s.token, req.num_cached_tokens, text, reason, s.logprobs,
-                                             s.prompt_logprobs, tuple(others), s.version))
+                                             s.prompt_logprobs, tuple(others), s.version, s.routed_experts))
         except InvalidStateError:  # cancelled meanwhile
             pass
         return reason is not None and all(o.finish_reason is not None for o in others)

@@ -133,7 +133,8 @@ def ask_from_grpc(request: pb.GenerateRequest) -> Ask:
         min_tokens=given(s, "min_tokens"), n=given(request, "n"), version_policy=request.version_policy or None,
         max_staleness=given(request, "max_staleness"), min_p=given(s, "min_p"),
         include_stop_str_in_output=request.include_stop_str_in_output,
-        skip_special_tokens=given(request, "skip_special_tokens"), structured=structured_from_grpc(request))
+        skip_special_tokens=given(request, "skip_special_tokens"), structured=structured_from_grpc(request),
+        return_routed_experts=request.return_routed_experts or None)
     return Ask(prompt=request.prompt if which == "prompt" else None,
                messages=[_grpc_message(m) for m in request.messages.messages] if which == "messages" else None,
                token_ids=list(request.token_ids.ids) if which == "token_ids" else None,
@@ -249,6 +250,9 @@ def check(info: ModelInfo, limit: int, ask: Ask, defaults: dict[str, Any] | None
     _check_max_tokens(max_tokens)
     sampling = {**(defaults or {}), **given}
     params = SamplingParams(**sampling, max_tokens=max_tokens)
+    if params.return_routed_experts and not info.config.is_moe:
+        raise FieldError("return_routed_experts", "return_routed_experts needs a mixture-of-experts model; "
+                                                  "the model served is dense (it routes no experts)")
     _check_vocab(bounds, ask.token_ids or [], params)
     return Checked(ask, bounds, sampling, params, tools)
 

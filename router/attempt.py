@@ -23,6 +23,7 @@ from pdserve.config import ClusterConfig
 from pdserve.engine.logprobs import PromptLogprobs, TokenLogprob
 from pdserve.engine.output import RequestOutput
 from pdserve.engine.request import NO_TOKEN, FinishReason, Request, group_of
+from pdserve.engine.routed_experts import relay
 from pdserve.model.loader import ModelInfo
 from pdserve.serving.link import CallFailed, LinkClosed
 from pdserve.serving.messages import DecodeTask, Failure, FailureReason, PrefillResult, PrefillTask
@@ -175,7 +176,8 @@ class Attempt:
         out = RequestOutput(req.request_id, [result.first_token], result.text, result.finish_reason,
                             req.num_prompt_tokens, req.num_output_tokens,
                             logprobs=None if result.logprobs is None else [result.logprobs],
-                            prompt_logprobs=result.prompt_logprobs, weight_versions=[result.version])
+                            prompt_logprobs=result.prompt_logprobs, weight_versions=[result.version],
+                            routed_experts=relay(req.routed, [result.routed_experts]))
         return [out] + [RequestOutput(req.request_id, [o.token], o.text, o.finish_reason, req.num_prompt_tokens, 1,
                                       logprobs=None if o.logprobs is None else [o.logprobs], index=j,
                                       weight_versions=[result.version])
@@ -191,7 +193,7 @@ class Attempt:
         logprobs_asked = req.params.logprobs is not None
         while not self.finished:
             await q.wait(1 if req.num_output_tokens == 0 else interval)
-            tokens, versions, texts = [], [], []
+            tokens, versions, texts, routed = [], [], [], []
             logprobs: list[TokenLogprob] | None = [] if logprobs_asked else None
             prompt_logprobs: PromptLogprobs | None = None
             reason: FinishReason | None = None
@@ -214,6 +216,7 @@ class Attempt:
                     prompt_logprobs = ev.prompt_logprobs
                 if ev.cached_tokens is not None:  # this worker computed the prompt (colocated, local prefill)
                     req.num_cached_tokens = ev.cached_tokens
+                routed.append(ev.routed_experts)
                 reason = ev.finish_reason
             if not tokens and reason is None:
                 continue
@@ -224,7 +227,7 @@ class Attempt:
             self.finished = reason is not None
             out = RequestOutput(req.request_id, tokens, "".join(texts), reason, req.num_prompt_tokens,
                                 req.num_output_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
-                                weight_versions=versions)
+                                weight_versions=versions, routed_experts=relay(req.routed, routed))
             yield self._annotate(out, self.placed if self.finished else [])
 
     async def _group_stream(self) -> AsyncIterator[RequestOutput]:

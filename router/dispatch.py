@@ -352,10 +352,12 @@ class Dispatch:
 
     def _local_ok(self, req: Request) -> bool:
         """Whether a decode worker may compute this request's prompt itself: no prompt logprobs (those are the
-        prefill worker's), disaggregated mode, and local prefill on. A group's n samples fork there as they would
-        from a hand-off."""
+        prefill worker's), no routed experts (a local prefill is worth it for the prefix it takes from the cache,
+        whose experts are unknown: pdserve.engine.routed_experts), disaggregated mode, and local prefill on. A
+        group's n samples fork there as they would from a hand-off."""
         return self.config.mode == "disaggregated" and self.config.local_prefill_max_tokens > 0 \
-            and self.routing != "random" and req.params.prompt_logprobs is None
+            and self.routing != "random" and req.params.prompt_logprobs is None \
+            and not req.params.return_routed_experts
 
     def unplace(self, e: Entry, p: Worker | None, d: Worker | None) -> None:
         if d is not None:

@@ -164,4 +164,8 @@ def response_message(out: RequestOutput, t: Timeline, completion_tokens: int | N
             entry = resp.prompt_logprobs.add()
             if lp is not None:  # the prompt's first token: listed, with no logprob
                 _fill_logprob(entry.token, lp)
+    if out.routed_experts is not None:
+        ids = out.routed_experts.ids  # [positions, moe layers, k]
+        resp.routed_experts.CopyFrom(pb.RoutedExperts(start=out.routed_experts.start, num_layers=ids.shape[1],
+                                                      top_k=ids.shape[2], expert_ids=ids.ravel().tolist()))
     return resp

@@ -17,6 +17,7 @@ from typing import Any
 from pdserve.engine.logprobs import PromptLogprobs, TokenLogprob
 from pdserve.engine.output import RequestOutput
 from pdserve.engine.request import FinishReason
+from pdserve.engine.routed_experts import RoutedExperts, join
 from pdserve.engine.sampling import SamplingParams
 from pdserve.model.tokenizer import IncrementalDetokenizer, Tokenizer
 from router.chat_reply import Reply
@@ -135,11 +136,14 @@ class Choice:
             self._fields["token_ids"] = []
             self._fields["weight_versions"] = []
         self._prompt: dict[str, Any] = {}
+        # Routed experts (return_routed_experts): each piece's new positions; whole() joins what add() gathered.
+        self.routed = params.return_routed_experts
+        self._routed: list[RoutedExperts] = []
 
     @property
     def extras(self) -> bool:
         """Whether an output without text still has something to send (its tokens' logprobs or ids)."""
-        return self.logprobs or self.token_ids
+        return self.logprobs or self.token_ids or self.routed
 
     def piece(self, out: RequestOutput, prompt_logprobs: PromptLogprobs | None = None
               ) -> tuple[str, dict[str, Any], dict[str, Any]]:
@@ -162,6 +166,8 @@ class Choice:
         if self.token_ids:
             fields["token_ids"] = list(out.new_token_ids)
             fields["weight_versions"] = list(out.weight_versions)  # each token's (router.weights)
+        if self.routed:
+            fields["routed_experts"] = None if out.routed_experts is None else out.routed_experts.json()
         return text, fields, self.prompt_fields(out, last=out.finished)
 
     def delta(self, text: str, out: RequestOutput) -> dict[str, Any]:
@@ -215,6 +221,8 @@ class Choice:
             self.reply.add(text, out.finished)
         if out.finished:
             self.finish = self.finish_of(out)
+        if fields.pop("routed_experts", None) is not None:
+            self._routed.append(out.routed_experts)
         for name, value in fields.items():
             if isinstance(value, list):  # token_ids, weight_versions
                 self._fields[name].extend(value)
@@ -227,6 +235,8 @@ class Choice:
         """(the choice, the response's own fields) once every output is in."""
         self._prompt.update(self.prompt_fields(None, last=True))
         choice: dict[str, Any] = {"index": self.index, "finish_reason": self.finish, **self._fields}
+        if self.routed:
+            choice["routed_experts"] = join(self._routed).json() if self._routed else None
         if self.chat:
             choice["message"] = self._message()
             return choice, self._prompt

@@ -14,7 +14,8 @@ return_token_ids (the generated token ids on each choice, the prompt's beside th
 return_tokens_as_token_ids (every token string of the logprobs is "token_id:<id>"),
 include_stop_str_in_output and skip_special_tokens (the text), spaces_between_special_tokens (what the
 tokenizer does: false, or true where no special token is shown) and priority (0 alone: the tiers are
-service_tier's).
+service_tier's); and, by SGLang's name, return_routed_experts (each choice's routed_experts: every token's top-k
+experts in each MoE layer, pdserve.engine.routed_experts; a mixture-of-experts model only).
 
 Structured output (pdserve.engine.structured): OpenAI's response_format ("json_object", "json_schema"), on
 /v1/completions too, and the extensions guided_json, guided_regex, guided_choice, guided_grammar and
@@ -152,6 +153,7 @@ class BaseCompletionRequest(BaseModel):
     prompt_logprobs: int | None = None
     logprobs_mode: str | None = None
     return_token_ids: bool | None = False
+    return_routed_experts: bool | None = None
     # Weights that change under the cluster (router.weights): what this request does if they change while it
     # holds KV of older ones ("recompute", "keep", "abort"; absent: the server's), and keep's bound.
     version_policy: str | None = None
@@ -174,7 +176,8 @@ class BaseCompletionRequest(BaseModel):
     # new one the engine has is declared above and named here, and reaches the engine as it is.
     SAMPLING: ClassVar[tuple[str, ...]] = ("temperature", "top_p", "top_k", "seed", "stop_token_ids", "ignore_eos", "n", "presence_penalty",
                 "frequency_penalty", "repetition_penalty", "min_tokens", "prompt_logprobs", "logprobs_mode",
-                "version_policy", "max_staleness", "min_p", "include_stop_str_in_output", "skip_special_tokens")
+                "version_policy", "max_staleness", "min_p", "include_stop_str_in_output", "skip_special_tokens",
+                "return_routed_experts")
 
     def ask(self) -> Ask:
         """The request as the front takes it (router.admission.Ask)."""

@@ -22,6 +22,7 @@ from fastapi import Request
 from pdserve.engine.logprobs import PromptLogprobs, TokenLogprob
 from pdserve.engine.output import RequestOutput
 from pdserve.engine.request import FinishReason
+from pdserve.engine.routed_experts import RoutedExperts
 from router.admission import Ask
 from router.frontend import Frontend
 from router.openai_api import _Run, _Runs
@@ -43,9 +44,12 @@ class Sample:
     finish: FinishReason | None = None
     cached: int = 0
     prompt_logprobs: PromptLogprobs | None = None
+    routed: list[RoutedExperts] = field(default_factory=list)  # with return_routed_experts, as they came
 
     def add(self, out: RequestOutput, prompt_logprobs: PromptLogprobs | None) -> None:
         self.ids += out.new_token_ids
+        if out.routed_experts is not None:
+            self.routed.append(out.routed_experts)
         self.text += out.new_text
         self.logprobs += out.logprobs or ()
         self.versions += out.weight_versions

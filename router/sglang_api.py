@@ -11,7 +11,10 @@ position; -1, the default: none), `return_text_in_logprobs`, `rid` and `stream`.
 a batch (at most router.config.MAX_PROMPTS prompts), or n > 1, is a list, prompt i's sample j at i * n + j.
 finish_reason is {"type": "stop", "matched": the token id or stop string}, {"type": "length", "length": tokens} or {"type": "abort", "message"} (a pause
 with mode abort, a weight update: the client resubmits with the tokens so far). meta_info also has
-"output_weight_versions", the weight version that sampled each output token (pdserve's own). Streamed:
+"output_weight_versions", the weight version that sampled each output token (pdserve's own). With
+`return_routed_experts` (a mixture-of-experts model), meta_info's "routed_experts" is SGLang's: base64 of the
+int32 [positions][moe layers][top_k] of every token but the last, prompt then output
+(pdserve.engine.routed_experts). Streamed:
 server-sent events, each `data: {json}` the sample's answer so far (text, ids and logprobs cumulative, as
 SGLang's default), "index" naming the sample in a batch, then `data: [DONE]`.
 
@@ -37,6 +40,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from pdserve.engine.logprobs import TokenLogprob
 from pdserve.engine.request import FinishReason
+from pdserve.engine.routed_experts import join
 from pdserve.engine.structured import StructuredOutput
 from router.admission import Ask
 from router.config import MAX_PROMPTS
@@ -58,7 +62,6 @@ _NOT_DONE = {
     "input_embeds": "input embeddings are not supported: send input_ids",
     "lora_path": "LoRA adapters are not supported",
     "return_hidden_states": "hidden states are not returned",
-    "return_routed_experts": "routed experts are not returned yet",
     "custom_logit_processor": "custom logit processors are not supported",
     "token_ids_logprob": "logprobs of chosen token ids are not supported: use top_logprobs_num",
     "session_params": "sessions are not supported", "data_parallel_rank": "placement is the router's",
@@ -133,6 +136,8 @@ class GenerateReqInput(BaseModel):
     logprob_start_len: int | list[int] = -1
     top_logprobs_num: int | list[int] = 0
     return_text_in_logprobs: bool = False
+    # Every token's top-k experts in each MoE layer (pdserve.engine.routed_experts): meta_info.routed_experts.
+    return_routed_experts: bool | list[bool] = False
     stream: bool = False
     rid: str | list[str] | None = None
     log_metrics: bool = True  # SGLang's logging switch: the router's metrics count every request
@@ -194,6 +199,8 @@ def generate_asks(body: GenerateReqInput, vocab_size: int) -> tuple[list[Ask], l
             sampling["logprobs"] = k
             if start >= 0:
                 sampling["prompt_logprobs"] = k
+        if body.per("return_routed_experts", i, len(prompts)):
+            sampling["return_routed_experts"] = True
         rid = body.per("rid", i, len(prompts))
         asks.append(Ask(prompt=p if isinstance(p, str) else None, token_ids=None if isinstance(p, str) else list(p),
                         sampling=sampling, default_max_tokens=DEFAULT_MAX_NEW_TOKENS, request_id=rid,
@@ -258,6 +265,8 @@ class Shaper:
                                                         s.prompt[i], text)
                                             for i in range(first, len(prompt))]
             meta["input_top_logprobs"] = [self._top(prompt[i], k, text) for i in range(first, len(prompt))]
+        if params.return_routed_experts:  # SGLang's form: base64 of int32 [positions][moe layers][top_k]
+            meta["routed_experts"] = join(s.routed).to_base64()
         return {"text": s.text, "output_ids": s.ids, "meta_info": meta}
 
 

@@ -43,3 +43,33 @@ def build(directory: Path, kind: str, packed: bool) -> Path:
     return directory
 
 
+
+
+# transformers and pdserve compute the router's logits in different orders of summation: they agree to ~1e-5.
+# Where a layer's k-th and (k+1)-th logits (or two chosen ones) are closer than this, either order is right.
+ROUTER_ATOL = 1e-4
+
+
+def hf_router_logits(hf, sequence: list[int]) -> torch.Tensor:
+    """transformers' router logits of a sequence's positions 0 .. len - 2 (the last token is never an input):
+    [positions, moe layers, experts] fp32."""
+    with torch.no_grad():
+        out = hf(torch.tensor([sequence[:-1]]), output_router_logits=True)
+    return torch.stack([lg.float() for lg in out.router_logits], dim=1)
+
+
+def assert_routed_like_hf(hf, sequence: list[int], ids) -> int:
+    """ids ([positions, moe layers, k], the routed experts of sequence's positions 0 .. len - 2) are
+    transformers' router top-k, most probable first: equal, except where transformers' own logits are within
+    ROUTER_ATOL of a tie, where each chosen id's logit must be within ROUTER_ATOL of the logit ranked in its
+    place. Returns how many (position, layer) rows were such near-ties."""
+    logits = hf_router_logits(hf, sequence)
+    ids = torch.as_tensor(ids, dtype=torch.int64)
+    assert ids.shape == (len(sequence) - 1, logits.shape[1], TOP_K), ids.shape
+    top = torch.topk(logits, TOP_K + 1, dim=-1)
+    near = (top.values[..., :-1] - top.values[..., 1:]).min(dim=-1).values < ROUTER_ATOL  # [positions, layers]
+    exact = (ids == top.indices[..., :TOP_K]).all(dim=-1)
+    assert bool((exact | near).all()), f"rows {(~(exact | near)).nonzero().tolist()[:5]} differ from transformers'"
+    chosen = torch.gather(logits, -1, ids)  # each chosen id's logit, in our order
+    assert bool(((chosen - top.values[..., :TOP_K]).abs() <= ROUTER_ATOL).all()), "a near-tie chose off the top k"
+    return int((near & ~exact).sum())

@@ -58,6 +58,9 @@ class Sample:
     finish_reason: str = ""  # "" until this sample has finished
     logprobs: list[TokenLogprob] = field(default_factory=list)  # with logprobs=k: one per token of token_ids
     weight_versions: list[int] = field(default_factory=list)  # one per token of token_ids: the weights' version
+    # With return_routed_experts: entry p is the token at position p's experts, [moe layers][top_k] (the
+    # prompt's positions, then the output's but its last: GenerateResponse.routed_experts).
+    routed_experts: list[list[list[int]]] = field(default_factory=list)
 
 
 @dataclass
@@ -100,6 +103,13 @@ class Completion:
         sample.weight_versions.extend(r.weight_versions)
         if r.logprobs:
             sample.logprobs.extend(map(TokenLogprob.of, r.logprobs))
+        if r.HasField("routed_experts"):
+            e = r.routed_experts
+            if e.start != len(sample.routed_experts):
+                raise ValueError(f"routed experts of position {e.start} after {len(sample.routed_experts)} positions")
+            per = e.num_layers * e.top_k
+            sample.routed_experts += [[list(e.expert_ids[a + layer * e.top_k:a + (layer + 1) * e.top_k])
+                                       for layer in range(e.num_layers)] for a in range(0, len(e.expert_ids), per)]
         if r.prompt_logprobs:
             self.prompt_logprobs = [TokenLogprob.of(p.token) if p.HasField("token") else None
                                     for p in r.prompt_logprobs]
@@ -127,20 +137,23 @@ def build_request(prompt: str | None = None, *, messages: Sequence[dict[str, str
                   logprobs_mode: str = "", n: int | None = None, version_policy: str = "",
                   max_staleness: int | None = None, session_id: str = "", min_p: float | None = None,
                   include_stop_str_in_output: bool = False, skip_special_tokens: bool | None = None,
-                  structured_output: pb.StructuredOutput | None = None) -> pb.GenerateRequest:
+                  structured_output: pb.StructuredOutput | None = None,
+                  return_routed_experts: bool = False) -> pb.GenerateRequest:
     """A GenerateRequest from exactly one of prompt, messages or token_ids; None leaves the server default.
     service_tier: auto (or empty), default, priority or flex (pdserve.tiers). logprobs / prompt_logprobs: k
     in [0, 20], the top k beside each generated / prompt token's own logprob; logprobs_mode: raw, processed
     or empty (the server's). n: samples of the prompt, in [1, 128] (sample i seeded seed + i). version_policy:
     recompute, keep, abort or empty (the server's), max_staleness keep's bound, if the weights change while the
     request runs. session_id: a conversation's key, the same on each of its turns (placement keeps a session where
-    its KV is). structured_output: what the text must match (unset: free text). The fields' meanings are the
+    its KV is). structured_output: what the text must match (unset: free text). return_routed_experts: every
+    token's experts (a mixture-of-experts model; Sample.routed_experts). The fields' meanings are the
     .proto's (GenerateRequest, SamplingParams, StructuredOutput)."""
     if sum(x is not None for x in (prompt, messages, token_ids)) != 1:
         raise ValueError("give exactly one of prompt, messages or token_ids")
     req = pb.GenerateRequest(stop=list(stop), stop_token_ids=list(stop_token_ids), ignore_eos=ignore_eos,
                              request_id=request_id, service_tier=service_tier, session_id=session_id,
-                             include_stop_str_in_output=include_stop_str_in_output)
+                             include_stop_str_in_output=include_stop_str_in_output,
+                             return_routed_experts=return_routed_experts)
     if skip_special_tokens is not None:
         req.skip_special_tokens = skip_special_tokens
     if prompt is not None:

@@ -42,3 +42,5 @@ class Chunk(NamedTuple):
     # request's last known token). The chunk samples at each of its positions; the runner verifies the drafts
     # (StepResult.verified) and the chunk takes no row of the step's ordinary sampling.
     draft: tuple[int, ...] = ()
+    # Routed experts (pdserve.engine.routed_experts): the step records the top-k experts of the chunk's tokens.
+    routed_experts: bool = False

@@ -20,6 +20,7 @@ from pdserve.engine.kv_offload import attach_tiers
 from pdserve.engine.logprobs import PromptLogprobs, TokenLogprob
 from pdserve.engine.output import RequestOutput, TextOutput, token_output
 from pdserve.engine.request import NO_TOKEN, SAMPLE_SEP, FinishReason, Request, RequestStatus, validate_prompt
+from pdserve.engine.routed_experts import RoutedExperts, check_asked, join
 from pdserve.engine.runner import ModelRunner, StepResult
 from pdserve.engine.sampling import SamplingParams
 from pdserve.engine.scheduler import Scheduler
@@ -39,6 +40,9 @@ class Completion:
     finish_reason: FinishReason
     logprobs: list[TokenLogprob] | None = None  # one per token, if asked (SamplingParams.logprobs)
     prompt_logprobs: PromptLogprobs | None = None  # if asked (SamplingParams.prompt_logprobs)
+    # If asked (SamplingParams.return_routed_experts): positions 0 .. len(prompt) + len(tokens) - 2, each
+    # [moe layers][top_k] (pdserve.engine.routed_experts).
+    routed_experts: RoutedExperts | None = None
 
 
 class EngineCore:
@@ -84,6 +88,9 @@ class EngineCore:
         self.pipelined = on and role is not Role.PREFILL and tp == 1
         self.scheduler.speculation = speculation_for(config, role, self.runner, self.pipelined,
                                                      isinstance(self.runner, SimRunner))
+        # Whether its steps route tokens to experts that a request may ask for (pdserve.engine.routed_experts): a
+        # mixture of experts, not simulated.
+        self.routes_experts = self.model_config.is_moe and not isinstance(self.runner, SimRunner)
         self.steps = 0
         self.tokens_processed = 0
         self.prompt_tokens_computed = 0  # prompt positions computed (tokens_processed's prompt share)
@@ -387,6 +394,7 @@ class LLMEngine:
                     request_id: str | None = None) -> str:
         prompt = list(prompt_token_ids)
         self.core.validate_prompt(prompt)
+        check_asked(params, self.core.routes_experts)
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if rid in self._requests:
             raise ValueError(f"request id {rid!r} is already in use")
@@ -439,6 +447,7 @@ class LLMEngine:
             out.prompt_logprobs = s.prompt_logprobs
             out.index = s.request.sample_index
             out.weight_versions = [s.version] * len(out.new_token_ids)
+            out.routed_experts = s.routed_experts
             if out.finish_reason is not None:
                 self.scheduler.finish(s.request, out.finish_reason)  # no-op if the token rules ended it
                 del self._requests[rid], self._text[rid]
@@ -478,6 +487,7 @@ class LLMEngine:
         rids = [self.add_request(p, sp) for p, sp in zip(prompts, plist)]
         done = {(rid, i): Completion(rid, list(p), [], "", FinishReason.ERROR, [] if sp.logprobs is not None else None)
                 for rid, p, sp in zip(rids, prompts, plist) for i in range(sp.n)}
+        routed: dict[str, list[RoutedExperts]] = {rid: [] for rid, sp in zip(rids, plist) if sp.return_routed_experts}
         for out in self.stream():
             c = done[out.request_id, out.index]
             c.token_ids.extend(out.new_token_ids)
@@ -486,6 +496,12 @@ class LLMEngine:
                 c.logprobs.extend(out.logprobs)
             if out.prompt_logprobs is not None:
                 c.prompt_logprobs = out.prompt_logprobs
+            if out.routed_experts is not None:
+                routed[out.request_id].append(out.routed_experts)
             if out.finish_reason is not None:
                 c.finish_reason = out.finish_reason
+        cfg = self.model_config
+        for (rid, _), c in done.items():
+            if rid in routed:
+                c.routed_experts = join(routed[rid], len(cfg.moe_layers), cfg.num_experts_per_tok)
         return list(done.values())

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from pdserve.engine.logprobs import PromptLogprobs, TokenLogprob
 from pdserve.engine.request import NO_TOKEN, FinishReason, Request
+from pdserve.engine.routed_experts import RoutedExperts
 from pdserve.engine.sampling import SamplingParams
 from pdserve.model.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -37,6 +38,9 @@ class RequestOutput:
     index: int = 0  # which sample of the request (SamplingParams.n) the tokens are
     # The weight version (pdserve.weights) that sampled each new token, in order.
     weight_versions: list[int] = field(default_factory=list)
+    # With params.return_routed_experts: the routed experts of the positions computed since the last output,
+    # up to the one that sampled its last new token (pdserve.engine.routed_experts); None when none are new.
+    routed_experts: RoutedExperts | None = None
 
     @property
     def finished(self) -> bool:

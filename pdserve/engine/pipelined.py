@@ -17,7 +17,8 @@ from pdserve.engine.grammar import advance
 from pdserve.engine.kv_cache import KVCacheManager
 from pdserve.engine.request import PENDING, Request, length_stop, token_stop_reason
 from pdserve.engine.runner import StepResult, samples_of
-from pdserve.engine.scheduler_types import Role, SampledToken, ScheduledStep, take_prompt_logprobs
+from pdserve.engine.routed_experts import note_step
+from pdserve.engine.scheduler_types import Role, SampledToken, ScheduledStep, take_prompt_logprobs, take_routed
 
 
 @dataclass
@@ -57,6 +58,7 @@ class PipelinedDecode:
         for req, chunk in zip(step.requests, step.chunks):
             req.num_computed_tokens += len(chunk.token_ids)
         self.note_prompt_logprobs(step, result)
+        note_step(step.requests, step.chunks, result.routed_experts)
         rows, forks = [], []
         for row, (i, j) in enumerate(zip(result.sampling_chunks, samples_of(result.sampling_chunks))):
             req = step.requests[i]
@@ -105,7 +107,8 @@ class PipelinedDecode:
                 del req.token_ids[idx + 1:]  # what was launched after its last token
                 req.unresolved = 0
             out.append(SampledToken(req, token, reason, idx + 1 - req.num_prompt_tokens, lp,
-                                    take_prompt_logprobs(req), version=self.kv.version))
+                                    take_prompt_logprobs(req), version=self.kv.version,
+                                    routed_experts=take_routed(req, idx)))
             if reason is not None:
                 self.finish(req, reason)
         for req in launched.step.requests:

@@ -6,6 +6,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from pdserve.engine.routed_experts import RoutedLog
 from pdserve.engine.sampling import SamplingParams
 
 
@@ -86,10 +87,14 @@ class Request:
     # Structured output (params.structured): this sample's pdserve.engine.grammar.Matcher, which has accepted
     # every output token known on the host; set when a scheduler takes the request in (or forks it).
     grammar: object | None = None
+    # Routed experts (params.return_routed_experts): the log (pdserve.engine.routed_experts) of the entries
+    # computed here and not yet sent; None where they are not wanted.
+    routed: RoutedLog | None = field(init=False)
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
         self.num_prompt_tokens = len(self.prompt_token_ids)
+        self.routed = RoutedLog() if self.params.return_routed_experts else None
         self.prompt_logprobs = [] if self.params.prompt_logprobs is not None else None
         self.fanout = self.params.n
 

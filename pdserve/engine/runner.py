@@ -10,6 +10,7 @@ import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from pdserve.config import ModelConfig
@@ -17,6 +18,7 @@ from pdserve.engine.chunk import Chunk
 from pdserve.engine.cuda_graphs import DecodeGraphs, batch_buckets
 from pdserve.engine.kv_cache import allocate_kv_cache
 from pdserve.engine.logprobs import TokenLogprob
+from pdserve.engine.routed_experts import RouteCapture
 from pdserve.engine.sampling import SampledLogprobs, SamplingBatch, logprobs_of, sample, sample_seed, to_device
 from pdserve.engine.speculative import verify
 from pdserve.engine.utilization import step_bytes, step_flops
@@ -38,6 +40,9 @@ class StepResult:
     # target's token at the first rejection or after the last draft, and their logprobs if its request asks
     # (pdserve.engine.speculative.verify).
     verified: dict[int, tuple[list[int], list[TokenLogprob] | None]] = field(default_factory=dict)
+    # Chunk index -> the top-k experts of its tokens [chunk tokens, moe layers, k] int32 on the host, for the
+    # chunks that ask (Chunk.routed_experts; pdserve.engine.routed_experts).
+    routed_experts: dict[int, np.ndarray] = field(default_factory=dict)
     # CUDA: the sampled tokens in pinned host memory, copied as soon as they are sampled, and the event
     # that marks the copy done (start_host_copy). None: tokens() reads them from `sampled`.
     _host: torch.Tensor | None = None
@@ -110,6 +115,7 @@ class ModelRunner:
             # Build (first time on a machine, ~30 s) or load the CPU kernels (attention, linear) now, at
             # start-up, rather than inside the first request's step.
             cpu_kernels.available()
+        self._routes: RouteCapture | None = None  # the MoE blocks' top-k recorder, made at the first step that asks
         # Analytic work done so far (pdserve.engine.utilization): the numerators of MFU and MBU.
         self.flops_total = 0
         self.bytes_total = 0
@@ -136,12 +142,26 @@ class ModelRunner:
             dst, src = to_device(torch.tensor(list(zip(*pending))), self.device)
             input_ids[dst - 1] = previous[src]
         self._count_work(chunks)
-        hidden = self.model(input_ids, positions, meta, self.kv_cache, layer_done)  # [tokens, hidden]
+        # Routed experts, where a chunk asks: rank 0 of a tensor-parallel engine records them (every rank routes
+        # every token alike); its other ranks, which do not sample, do not.
+        capture = None
+        if sample_tokens and any(c.routed_experts for c in chunks):
+            capture = self._routes = self._routes or RouteCapture(self.model)
+        if capture is None:
+            hidden = self.model(input_ids, positions, meta, self.kv_cache, layer_done)  # [tokens, hidden]
+        else:
+            with capture:
+                hidden = self.model(input_ids, positions, meta, self.kv_cache, layer_done)
         last_row = [0] * len(chunks)  # row of each chunk's last token in the reordered batch
         row = 0
         for i, c in zip(order, ordered):
             row += len(c.token_ids)
             last_row[i] = row - 1
+        routed = {}
+        if capture is not None:
+            ids = capture.ids()  # [tokens, moe layers, k], the batch's rows
+            routed = {i: ids[last_row[i] + 1 - len(c.token_ids):last_row[i] + 1]
+                      for i, c in enumerate(chunks) if c.routed_experts}
         # Every rank runs the same LM head calls (with tensor parallelism each is a collective), so the
         # prompt logprobs' logits are computed before the ranks that do not sample return.
         prompt_logprobs = {i: self._prompt_logprobs(hidden, last_row[i] + 1 - len(c.token_ids), *c.prompt_logprobs)
@@ -152,13 +172,14 @@ class ModelRunner:
                            for _ in range(c.fanout)]
         if not sampling_chunks:
             return StepResult(torch.empty(0, dtype=torch.int64), torch.empty(0, self.cfg.vocab_size), [],
-                              prompt_logprobs=prompt_logprobs, verified=verified)
+                              prompt_logprobs=prompt_logprobs, verified=verified, routed_experts=routed)
         rows = to_device(torch.tensor([last_row[i] for i in sampling_chunks]), self.device)
         logits = self.model.compute_logits(hidden[rows])  # [sampling chunks, vocab]
         if not sample_tokens:
             return StepResult(torch.empty(0, dtype=torch.int64), logits, sampling_chunks)
         sampled, logprobs = sample(logits, self._sampling(chunks, sampling_chunks, previous))
-        result = StepResult(sampled, logits, sampling_chunks, logprobs, prompt_logprobs, verified=verified)
+        result = StepResult(sampled, logits, sampling_chunks, logprobs, prompt_logprobs, verified=verified,
+                            routed_experts=routed)
         result.start_host_copy()
         return result
 

@@ -81,6 +81,9 @@ class SamplingParams:
     # are left out of the text unless skip_special_tokens is False.
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # Routed experts (pdserve.engine.routed_experts): every token's top-k expert ids in each mixture-of-experts
+    # layer, returned with the tokens. One sample a request (n == 1).
+    return_routed_experts: bool = False
 
     def __post_init__(self) -> None:
         # Accept lists from callers but keep the frozen value hashable.
@@ -98,7 +101,7 @@ class SamplingParams:
             raise ValueError(f"top_k must be an integer in [0, {INT32_MAX}] (0 or -1 disables), got {self.top_k!r}")
         if not (isinstance(self.min_p, (int, float)) and 0.0 <= self.min_p <= 1.0):
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
-        for name in ("include_stop_str_in_output", "skip_special_tokens"):
+        for name in ("include_stop_str_in_output", "skip_special_tokens", "return_routed_experts"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a boolean, got {getattr(self, name)!r}")
         if self.seed is not None and not (0 <= self.seed < 2**63):
@@ -118,6 +121,8 @@ class SamplingParams:
             raise ValueError(f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty!r}")
         if not isinstance(self.n, int) or isinstance(self.n, bool) or not 1 <= self.n <= MAX_N:
             raise ValueError(f"n must be an integer in [1, {MAX_N}], got {self.n!r}")
+        if self.return_routed_experts and self.n > 1:
+            raise ValueError(f"return_routed_experts is supported for one sample a request (n=1), got n={self.n}")
         if self.version_policy not in VERSION_POLICIES:
             raise ValueError(f"version_policy must be one of {', '.join(VERSION_POLICIES)}, "
                              f"got {self.version_policy!r}")

@@ -48,6 +48,7 @@ from pdserve.engine.request import (
     sample_id,
     token_stop_reason,
 )
+from pdserve.engine.routed_experts import note_step
 from pdserve.engine.runner import StepResult, samples_of
 from pdserve.engine.sampling import sample_seed
 from pdserve.engine.scheduler_spec import Speculation, step_chunks, trim
@@ -57,6 +58,7 @@ from pdserve.engine.scheduler_types import (
     ScheduledStep,
     chunk_of,
     take_prompt_logprobs,
+    take_routed,
 )
 from pdserve.tiers import ServiceTier, flex_floor
 
@@ -246,7 +248,7 @@ class Scheduler(PipelinedDecode):
             kept, req.kept_kv = req.kept_kv, False  # preempted for another tier, its KV still here
             if not req.block_ids:
                 self.kv.start(req)  # computed by this worker's weights
-                if req.prompt_logprobs is None:  # prompt logprobs need every position computed
+                if req.prompt_logprobs is None and req.routed is None:  # these need every position computed
                     self.kv.admit_cached_prefix(req)
                     if req.tier_load is not None:
                         j += 1  # the rest of its prefix is loading: it runs once that is over
@@ -293,6 +295,7 @@ class Scheduler(PipelinedDecode):
                 req.num_computed_tokens += len(chunk.token_ids)
                 self.kv.cache_computed_blocks(req)
         self.note_prompt_logprobs(step, result)
+        note_step(step.requests, step.chunks, result.routed_experts)
         out = [t for i, (emitted, logprobs) in result.verified.items()
                for t in self._take_verified(step.requests[i], len(step.chunks[i].draft), emitted, logprobs)]
         tokens = result.tokens()
@@ -316,7 +319,7 @@ class Scheduler(PipelinedDecode):
             elif reason is not None:
                 self.finish(req, reason)
             out.append(SampledToken(req, token, reason, req.num_output_tokens, lp, take_prompt_logprobs(req),
-                                    version=self.kv.version))
+                                    version=self.kv.version, routed_experts=take_routed(req, req.num_tokens - 1)))
         return out
 
     def _take_verified(self, req: Request, drafted: int, emitted: list[int],

@@ -4,11 +4,11 @@ step's emitted tokens do to a request (pdserve.engine.speculative holds the prop
 A running request that decodes (one token to compute) drafts by prompt lookup when it may: its next chunk is
 its last token and the drafts, computed in one forward that samples at each position. The rule, per request:
 only requests whose next token the sampler draws from the raw logits speculate (no penalties, min_tokens
-reached, no structured output, no prompt logprobs still to compute; a group (n > 1) once its
-samples have forked, each sample drafting from its own tokens with its own seed); the others decode one token a
-step as before, in the same batch. Per step: none speculates while more requests run than
-max_batch (SpeculativeConfig.disable_by_batch_size, or the roofline's free rows), nor on a pipelined engine
-(a step's emitted count must be known before the next is built).
+reached, no structured output, no prompt logprobs still to compute, no routed experts (a verification computes
+positions past the accepted ones); a group (n > 1) once its samples have forked, each sample drafting from its own
+tokens with its own seed); the others decode one token a step as before, in the same batch. Per step: none
+speculates while more requests run than max_batch (SpeculativeConfig.disable_by_batch_size, or the roofline's
+free rows), nor on a pipelined engine (a step's emitted count must be known before the next is built).
 
 The drafted tokens' KV is written into the request's blocks as the forward runs; only the accepted ones count
 as computed, so a rejected token's slot is overwritten by the next step, and blocks that held nothing but
@@ -45,7 +45,7 @@ class Speculation:
         p = req.params
         return (not p.penalized and req.num_output_tokens >= p.min_tokens and p.structured is None
                 and req.prompt_logprobs is None and req.grammar is None
-                and req.unresolved == 0 and req.fanout == 1)
+                and req.routed is None and req.unresolved == 0 and req.fanout == 1)
 
     def draft(self, req: Request, batch: int, max_model_len: int, budget: int) -> list[int]:
         """The tokens req drafts this step ([] for none): at most its adaptive k, the budget's tokens less one,

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pdserve.engine.chunk import Chunk
 from pdserve.engine.logprobs import PromptLogprobs, TokenLogprob
 from pdserve.engine.request import PENDING, FinishReason, Request
+from pdserve.engine.routed_experts import RoutedExperts
 
 
 class Role(str, enum.Enum):
@@ -42,6 +43,9 @@ class SampledToken:
     # being the group's. Elsewhere each sample is a request of its own and this is 0.
     sample_index: int = 0
     version: int = 0  # the weight version that sampled it (pdserve.weights)
+    # The routed experts of the positions computed since the request's last token, up to the one that sampled
+    # this token (pdserve.engine.routed_experts), if it asked.
+    routed_experts: RoutedExperts | None = None
 
 
 def take_prompt_logprobs(req: Request) -> PromptLogprobs | None:
@@ -51,6 +55,12 @@ def take_prompt_logprobs(req: Request) -> PromptLogprobs | None:
         return None
     req.prompt_logprobs = None
     return (None, *got[:req.num_prompt_tokens - 1])
+
+
+def take_routed(req: Request, upto: int) -> RoutedExperts | None:
+    """The request's routed experts not sent yet of the positions before `upto` (its token at index upto was
+    sampled from position upto - 1); None if it did not ask or none are new."""
+    return None if req.routed is None else req.routed.take(upto)
 
 
 def chunk_of(req: Request, n: int, eos_token_ids: tuple[int, ...] = ()) -> Chunk:
@@ -88,4 +98,5 @@ def chunk_of(req: Request, n: int, eos_token_ids: tuple[int, ...] = ()) -> Chunk
         prompt_logprobs=prompt_logprobs,
         fanout=req.fanout if samples else 1,
         mask=mask,
+        routed_experts=req.routed is not None,
     )

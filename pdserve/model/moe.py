@@ -112,6 +112,9 @@ class MoE(nn.Module):
         # Tokens routed to each expert so far (its load: pdserve_worker_expert_tokens), on the device; made at
         # the first forward (a model built on the meta device has no values to keep).
         self.counts: torch.Tensor | None = None
+        # A forward's top-k ids, appended by route() while a pdserve.engine.routed_experts.RouteCapture holds a
+        # list here (a request asked for its routed experts); None otherwise: nothing is kept.
+        self.routed: list[torch.Tensor] | None = None
 
     def set_expert_parallel(self, group, rank: int) -> None:
         """This rank holds experts [rank * local_experts, (rank + 1) * local_experts) of a group of ranks."""
@@ -125,6 +128,8 @@ class MoE(nn.Module):
         weights, ids = torch.topk(probs, self.top_k, dim=-1)  # [tokens, k]
         if self.renormalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
+        if self.routed is not None:
+            self.routed.append(ids)
         return weights.to(x.dtype), ids
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

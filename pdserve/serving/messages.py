@@ -1,7 +1,8 @@
 """The small dataclasses the router and the workers exchange through Ray actor calls.
 
 Only plain values cross process boundaries: token ids, parameters, ids and counters, never requests
-or tensors (KV moves over the transfer channels, not through Ray).
+or tensors (KV moves over the transfer channels, not through Ray); routed experts travel as small int32 numpy
+arrays (pdserve.engine.routed_experts.RoutedExperts).
 """
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from pdserve.engine.block_pool import KVEvents
 from pdserve.engine.logprobs import PromptLogprobs, TokenLogprob
 from pdserve.engine.output import TextOutput, text_options
 from pdserve.engine.request import FinishReason, Request
+from pdserve.engine.routed_experts import RoutedExperts, RoutedLog
 from pdserve.engine.sampling import SamplingParams
 from pdserve.model.tokenizer import Tokenizer
 
@@ -88,6 +90,9 @@ class PrefillResult:
     prompt_logprobs: PromptLogprobs | None = None  # if asked
     others: tuple[FirstToken, ...] = ()  # a group's samples 1..n-1 (first_token and the above are sample 0's)
     version: int = 0  # the weight version that computed the prompt's KV and sampled the first tokens
+    # If asked: the experts of every position this worker computed (the prompt, and a resumed request's tokens
+    # so far), which the router streams with the first token; the decode worker's start after them.
+    routed_experts: RoutedExperts | None = None
 
 
 @dataclass(frozen=True)
@@ -117,6 +122,8 @@ class DecodeTask(_Task):
         if not self.local:
             req.remote_kv = True
             req.prompt_logprobs = None  # the prefill worker's to compute
+            if req.routed is not None:  # so are the experts of every position whose KV it sends
+                req.routed = RoutedLog(req.num_tokens)
         return req
 
 
@@ -160,6 +167,9 @@ class TokenEvent:
     # Prompt tokens the prefix cache served, where this worker computed the prompt (colocated, or a decode
     # worker's local prefill); None where the KV came from a prefill worker (its PrefillResult says).
     cached_tokens: int | None = None
+    # If asked: the experts of the positions computed since the request's last event, up to the one that
+    # sampled this token (pdserve.engine.routed_experts).
+    routed_experts: RoutedExperts | None = None
 
 
 # The hops of a request's path that compute prompt tokens, by the pool whose workers run them: a prefill

@@ -30,6 +30,7 @@ from pdserve.config import EngineConfig
 from pdserve.engine.llm_engine import EngineCore
 from pdserve.engine.output import TextOutput, token_text
 from pdserve.engine.request import FinishReason, Request
+from pdserve.engine.routed_experts import check_asked
 from pdserve.engine.scheduler_types import Role, SampledToken, ScheduledStep
 from pdserve.engine.step_loop import StepLoop
 from pdserve.engine.utilization import device_peaks
@@ -60,6 +61,7 @@ def new_request(core: EngineCore, task) -> Request:
     """A task (pdserve.serving.messages) as a worker's Request, checked (ValueError: the caller's error), under
     structured output with its matcher and the tokens it has replayed (GrammarError): on the thread that takes it
     in, so that the step thread neither compiles nor replays."""
+    check_asked(task.params, core.routes_experts)
     req = task.new_request(core.tokenizer, core.model_config.vocab_size)
     core.scheduler.structure(req)
     return req
@@ -287,7 +289,7 @@ class WorkerActor(WeightCalls, Cancels, FaultCalls):
             self.core.scheduler.finish(s.request, reason)
         req = s.request
         return TokenEvent(req.request_id, s.token, reason, text, s.logprobs, s.prompt_logprobs, s.version,
-                          None if req.remote_kv else req.num_cached_tokens)
+                          None if req.remote_kv else req.num_cached_tokens, s.routed_experts)
 
     # -- stats ------------------------------------------------------------------------------------
     def _load(self) -> tuple[int, int, int]:
