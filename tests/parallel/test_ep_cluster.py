@@ -90,6 +90,7 @@ def test_an_expert_rank_killed_mid_stream_resumes_token_exact(ray_local, aloop, 
     got: list[list[int]] = [[] for _ in batch]
     lost: list[float] = []
     ended: list[float] = []
+    restarts = cluster.restarts["decode"]
     run = lambda: streams_through_a_fault(  # noqa: E731
         cluster, batch, greedy, got, victim, lambda: os.kill(pids[1], signal.SIGKILL), lost, ended, bound_s=120)
 
@@ -98,6 +99,6 @@ def test_an_expert_rank_killed_mid_stream_resumes_token_exact(ray_local, aloop, 
         assert got == expected
         print(f"SIGKILL of expert rank 1: worker lost after {lost[0]:.2f} s, every stream ended after {ended[0]:.2f} s")
         assert lost[0] < TIMEOUT_S  # seen by the rank's end, not by a collective's timeout
-        assert_worker_replaced(aloop, cluster, victim, pids)
+        assert_worker_replaced(aloop, cluster, victim, pids, restarts)
     finally:
         aloop.run(cluster.shutdown())
