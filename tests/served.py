@@ -284,3 +284,34 @@ async def collect(cluster: Cluster, prompt, params, request_id=None):
 
 async def collect_all(cluster, prompts, params):
     return await asyncio.gather(*(collect(cluster, p, sp) for p, sp in zip(prompts, params)))
+
+
+async def tokens_of(cluster: Cluster, prompt, params) -> list[int]:
+    """A request's output tokens, every output of it checked for an error."""
+    tokens = []
+    async for out in cluster.generate(prompt, params):
+        assert out.error is None, out.error
+        tokens += out.new_token_ids
+    return tokens
+
+
+def tier_stats(aloop, cluster: Cluster) -> dict[str, dict]:
+    """Each worker's KV tier counters (WorkerStats.kv_offload), by worker id."""
+    return {s.worker_id: s.kv_offload for s in aloop.run(cluster.stats())}
+
+
+def a_turn_pushed_out(aloop, cluster: Cluster, offline, params, seed: int,
+                      fillers: int) -> tuple[list[int], list[int], object]:
+    """A 40-token conversation's first turn, then `fillers` prompts of 60 tokens through the same worker, so that
+    the conversation's blocks leave its cache (for its KV tiers); every reply equal to the offline engine's.
+    Returns the conversation, its reply and the generator that drew them, for the next turn's tokens."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    conversation = torch.randint(0, 320, (40,), generator=g).tolist()
+    reply = aloop.run(tokens_of(cluster, conversation, params))
+    assert reply == offline.generate([conversation], params)[0].token_ids
+    for _ in range(fillers):
+        filler = torch.randint(0, 320, (60,), generator=g).tolist()
+        assert aloop.run(tokens_of(cluster, filler, params)) == offline.generate([filler], params)[0].token_ids
+    return conversation, reply, g

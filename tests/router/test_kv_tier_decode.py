@@ -22,6 +22,7 @@ from pdserve.engine.sampling import SamplingParams
 from router.cluster import Cluster
 
 from conftest import wait_for
+from served import a_turn_pushed_out, tier_stats, tokens_of
 
 BS = 4
 BLOCKS = 48
@@ -49,27 +50,10 @@ def decode_tier_cluster(tiny_checkpoints, ray_local, aloop, tmp_path_factory):
     aloop.run(cluster.shutdown())
 
 
-async def turn(cluster: Cluster, prompt: list[int], params: SamplingParams = GREEDY) -> list[int]:
-    tokens = []
-    async for out in cluster.generate(prompt, params):
-        assert out.error is None, out.error
-        tokens += out.new_token_ids
-    return tokens
-
-
-def tier_stats(aloop, cluster) -> dict[str, dict]:
-    return {s.worker_id: s.kv_offload for s in aloop.run(cluster.stats())}
-
-
 def test_a_replaced_decode_worker_loads_its_predecessors_disk_tier_while_its_batch_steps(decode_tier_cluster, aloop):
     cluster, offline = decode_tier_cluster
-    g = torch.Generator().manual_seed(11)
-    conversation = torch.randint(0, 320, (40,), generator=g).tolist()
-    reply = aloop.run(turn(cluster, conversation))
-    assert reply == offline.generate([conversation], GREEDY)[0].token_ids
-    for _ in range(5):  # 5 x 60 tokens through the decode worker's 192-slot cache: the conversation leaves it
-        filler = torch.randint(0, 320, (60,), generator=g).tolist()
-        assert aloop.run(turn(cluster, filler)) == offline.generate([filler], GREEDY)[0].token_ids
+    # 5 x 60 tokens through the decode worker's 192-slot cache: the conversation leaves it
+    conversation, reply, g = a_turn_pushed_out(aloop, cluster, offline, GREEDY, seed=11, fillers=5)
     (dead,) = [w.worker_id for w in cluster.pools["decode"]]
     held = hash_prompt_blocks(conversation + reply, BS)[:10]
     wait_for(lambda: tier_stats(aloop, cluster)[dead].get("written_disk_blocks", 0) >= 20, timeout=30,
@@ -85,11 +69,12 @@ def test_a_replaced_decode_worker_loads_its_predecessors_disk_tier_while_its_bat
     ray.get(new.handle.inject_fault.remote("tier_load", math.inf), timeout=30)
     try:
         conversation = conversation + reply + torch.randint(0, 320, (5,), generator=g).tolist()
-        returning = asyncio.run_coroutine_threadsafe(turn(cluster, conversation), aloop.loop)
+        returning = asyncio.run_coroutine_threadsafe(tokens_of(cluster, conversation, GREEDY), aloop.loop)
         assert ray.get(new.handle.fault_reached.remote("tier_load", 60), timeout=70), "no load from the tier"
         # The load is held: another request comes and goes on the same worker, every token of it.
         other = torch.randint(0, 320, (8,), generator=g).tolist()
-        assert aloop.run(turn(cluster, other, LONGER), timeout=120) == offline.generate([other], LONGER)[0].token_ids
+        want = offline.generate([other], LONGER)[0].token_ids
+        assert aloop.run(tokens_of(cluster, other, LONGER), timeout=120) == want
         assert not returning.done()  # still waiting for its blocks, queued
     finally:
         ray.get(new.handle.release_fault.remote("tier_load"), timeout=30)

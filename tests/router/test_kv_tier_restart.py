@@ -18,6 +18,7 @@ from pdserve.engine.sampling import SamplingParams
 from router.cluster import Cluster
 
 from conftest import wait_for
+from served import a_turn_pushed_out, tier_stats, tokens_of
 
 BS = 4
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
@@ -43,27 +44,10 @@ def tier_cluster(tiny_checkpoints, ray_local, aloop, tmp_path_factory):
     aloop.run(cluster.shutdown())
 
 
-async def turn(cluster: Cluster, prompt: list[int]) -> list[int]:
-    tokens = []
-    async for out in cluster.generate(prompt, GREEDY):
-        assert out.error is None, out.error
-        tokens += out.new_token_ids
-    return tokens
-
-
-def tier_stats(aloop, cluster) -> dict[str, dict]:
-    return {s.worker_id: s.kv_offload for s in aloop.run(cluster.stats())}
-
-
 def test_a_replacement_worker_finds_its_predecessors_disk_tier(tier_cluster, aloop):
     cluster, offline = tier_cluster
-    g = torch.Generator().manual_seed(7)
-    conversation = torch.randint(0, 320, (40,), generator=g).tolist()
-    reply = aloop.run(turn(cluster, conversation))
-    assert reply == offline.generate([conversation], GREEDY)[0].token_ids
-    for _ in range(3):  # 3 x 60 tokens through a 96-slot cache: the conversation's blocks leave it, for disk
-        filler = torch.randint(0, 320, (60,), generator=g).tolist()
-        assert aloop.run(turn(cluster, filler)) == offline.generate([filler], GREEDY)[0].token_ids
+    # 3 x 60 tokens through a 96-slot cache: the conversation's blocks leave it, for disk
+    conversation, reply, g = a_turn_pushed_out(aloop, cluster, offline, GREEDY, seed=7, fillers=3)
     (dead,) = [w.worker_id for w in cluster.pools["colocated"]]
     held = hash_prompt_blocks(conversation + reply, BS)[:10]
     wait_for(lambda: tier_stats(aloop, cluster)[dead].get("written_disk_blocks", 0) >= 20, timeout=30,
@@ -77,6 +61,6 @@ def test_a_replacement_worker_finds_its_predecessors_disk_tier(tier_cluster, alo
     wait_for(lambda: index.match_tiers(new, held) == (0, len(held)), timeout=60,
              what="the replacement's first KV events to announce the disk tier")
     conversation = conversation + reply + torch.randint(0, 320, (5,), generator=g).tolist()
-    assert aloop.run(turn(cluster, conversation)) == offline.generate([conversation], GREEDY)[0].token_ids
+    assert aloop.run(tokens_of(cluster, conversation, GREEDY)) == offline.generate([conversation], GREEDY)[0].token_ids
     stats = tier_stats(aloop, cluster)[new]
     assert stats["loaded_disk_blocks"] >= len(held) and stats["hits_disk_blocks"] >= len(held)

@@ -44,6 +44,16 @@ async def turn(cluster: Cluster, prompt: list[int], request_id: str | None = Non
     return tokens, placement
 
 
+async def group_turn(cluster: Cluster, prompt: list[int], params: SamplingParams, request_id: str | None = None):
+    """A group's turn: each sample's tokens, by index, and the placement."""
+    samples, placement = [[] for _ in range(params.n)], ()
+    async for out in cluster.generate(prompt, params, request_id=request_id):
+        assert out.error is None, out.error
+        samples[out.index] += out.new_token_ids
+        placement = out.placement or placement
+    return samples, placement
+
+
 def received(aloop, cluster, worker_id: str) -> int:
     """KV bytes a decode worker has received."""
     return next((s.transfer or {}).get("bytes", 0) for s in aloop.run(cluster.stats()) if s.worker_id == worker_id)
@@ -124,15 +134,7 @@ def test_a_group_turn_moves_only_the_blocks_its_decode_worker_lacks(partial_clus
             ray.get(w.handle.inject_fault.remote("evict_prefix", 0.0, 1, 0, f"{rid}#"))
     before, missed = received(aloop, cluster, last), cluster.retries["prefix_missed"]
 
-    async def group():
-        samples, placement = [[] for _ in range(params.n)], ()
-        async for out in cluster.generate(conversation, params, request_id=rid):
-            assert out.error is None, out.error
-            samples[out.index] += out.new_token_ids
-            placement = out.placement or placement
-        return samples, placement
-
-    samples, placement = aloop.run(group())
+    samples, placement = aloop.run(group_turn(cluster, conversation, params, rid))
     assert samples == [w.token_ids for w in want]
     assert cluster.retries["prefix_missed"] == missed + evicted
     assert cluster.retries["decode_lost"] == cluster.retries["transfer_failed"] == 0
@@ -160,15 +162,7 @@ def test_a_short_group_turn_is_prefilled_on_its_decode_worker(partial_cluster, a
     want = offline.generate([conversation], params)
     before = received(aloop, cluster, last)
 
-    async def group():
-        samples, placement = [[] for _ in range(params.n)], ()
-        async for out in cluster.generate(conversation, params):
-            assert out.error is None, out.error
-            samples[out.index] += out.new_token_ids
-            placement = out.placement or placement
-        return samples, placement
-
-    samples, placement = aloop.run(group())
+    samples, placement = aloop.run(group_turn(cluster, conversation, params))
     assert samples == [w.token_ids for w in want]
     assert placement == (last,), placement
     assert received(aloop, cluster, last) == before
