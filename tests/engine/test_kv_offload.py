@@ -95,11 +95,7 @@ def test_a_newer_weight_version_never_loads_an_older_block():
 def test_recompute_wins_when_it_is_cheaper():
     cache, pool, kv = setup(host_blocks=8)
     kv.recompute_s_per_token = 0.0
-    a = list(range(1, 13)) + [99]
-    compute(cache, kv, "a", a)
-    compute(cache, kv, "b", list(range(50, 74)))
-    req = Request("a2", a, PARAMS, 0)
-    kv.start(req)
+    req = a_returning(cache, kv)
     assert admit(kv, req) == 0 and kv.tier.stats.loaded.total() == 0
     kv.free(req)
 
@@ -141,6 +137,17 @@ def test_a_host_budget_below_one_block_is_refused():
         KVTierStore(torch.zeros(SHAPE), BLOCK_BYTES - 1)
 
 
+def a_returning(cache: torch.Tensor, kv: KVCacheManager) -> Request:
+    """Prompt a computed, then b computed past it (a's 3 full blocks evicted from the cache, into the tier), then
+    a's next request started: the one the tests admit."""
+    a = list(range(1, 13)) + [99]
+    compute(cache, kv, "a", a)
+    compute(cache, kv, "b", list(range(50, 74)))
+    req = Request("a2", a, PARAMS, 0)
+    kv.start(req)
+    return req
+
+
 def held_loads(kv: KVCacheManager) -> threading.Event:
     """Make every load wait, on the load thread, until the returned event is set."""
     release = threading.Event()
@@ -150,12 +157,8 @@ def held_loads(kv: KVCacheManager) -> threading.Event:
 
 def test_a_load_under_way_keeps_its_blocks_out_of_sight_until_it_is_over():
     cache, pool, kv = setup(host_blocks=3)  # a's 3 blocks fill the host tier: saves meanwhile find no slot to take
-    a = list(range(1, 13)) + [99]
-    compute(cache, kv, "a", a)
-    compute(cache, kv, "b", list(range(50, 74)))
+    req = a_returning(cache, kv)
     release = held_loads(kv)
-    req = Request("a2", a, PARAMS, 0)
-    kv.start(req)
     assert kv.admit_cached_prefix(req) == 0 and req.tier_load is not None and len(req.block_ids) == 3
     assert not kv.loaded(req) and req.num_computed_tokens == 0
     assert pool.peek_cached_prefix(req.block_hashes) == 0  # not in the prefix cache before its bytes are
@@ -165,7 +168,7 @@ def test_a_load_under_way_keeps_its_blocks_out_of_sight_until_it_is_over():
     assert req.tier_load.done.wait(10) and kv.loaded(req)
     assert req.num_computed_tokens == 12 and pool.peek_cached_prefix(req.block_hashes) == 3
     for i, b in enumerate(req.block_ids):
-        assert torch.all(cache[:, :, :, b] == kv_of(a, i))
+        assert torch.all(cache[:, :, :, b] == kv_of(req.prompt_token_ids, i))
     kv.free(req)
     pool.check_integrity()
     kv.tier.close()
@@ -173,12 +176,8 @@ def test_a_load_under_way_keeps_its_blocks_out_of_sight_until_it_is_over():
 
 def test_a_request_ended_mid_load_gives_its_blocks_back_once_the_load_stops():
     cache, pool, kv = setup(host_blocks=8)
-    a = list(range(1, 13)) + [99]
-    compute(cache, kv, "a", a)
-    compute(cache, kv, "b", list(range(50, 74)))
+    req = a_returning(cache, kv)
     release = held_loads(kv)
-    req = Request("a2", a, PARAMS, 0)
-    kv.start(req)
     kv.admit_cached_prefix(req)
     job = req.tier_load
     assert job is not None and pool.num_free_blocks == SHAPE[3] - 3
@@ -205,11 +204,7 @@ def test_copies_run_on_the_tier_threads_not_the_callers():
 
     torch.Tensor.copy_ = spy
     try:
-        a = list(range(1, 13)) + [99]
-        compute(cache, kv, "a", a)
-        compute(cache, kv, "b", list(range(50, 74)))
-        req = Request("a2", a, PARAMS, 0)
-        kv.start(req)
+        req = a_returning(cache, kv)
         assert admit(kv, req) == 12
     finally:
         torch.Tensor.copy_ = real
