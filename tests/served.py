@@ -3,7 +3,9 @@ and the offline engine's answers to check them against: what the cluster tests s
 from __future__ import annotations
 
 import asyncio
+import math
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import grpc
@@ -143,6 +145,23 @@ class Streams:
         elapsed = time.monotonic() - since
         assert elapsed < bound_s, f"{what}: the last stream ended {elapsed:.1f} s after {since:.1f}"
         return out
+
+
+@contextmanager
+def streams_in_flight(served: Served, batch, max_tokens: int, pool: str = "decode"):
+    """Streams started with the pool's first worker held at its first step: inside the block they are
+    surely in flight (each has its first token and none has ended, however slow this machine is); the
+    worker goes on when the block ends."""
+    worker = served.worker(pool)
+    ray.get(worker.handle.inject_fault.remote("step", math.inf, 1, 0))
+    try:
+        streams = Streams(served, batch, max_tokens)
+        assert ray.get(worker.handle.fault_reached.remote("step", 60)), f"the {pool} worker took no step"
+        streams.wait_progress(1)
+        yield streams
+    finally:
+        ray.get(worker.handle.release_fault.remote("step"))
+        ray.get(worker.handle.disarm_fault.remote("step"))
 
 
 def assert_exact(outcomes: list[Outcome], reference: list[list[int]]) -> None:

@@ -23,7 +23,7 @@ from router.admission import Ask, prepare
 from router.config import RouterConfig
 
 from conftest import wait_for
-from served import Served, Streams, assert_exact, prompts
+from served import Served, Streams, assert_exact, prompts, streams_in_flight
 
 BIG = 2**63  # finding 2: 9223372036854775808, past int64
 STOPS = 100_000  # finding 4
@@ -105,8 +105,16 @@ def test_bad_requests_at_both_doors_are_refused_and_streams_go_on(served):
     batch = prompts(4, seed=5)
     reference = served.reference(batch, MAX_TOKENS)
     retries = sum(served.cluster.retries.values())
-    streams = Streams(served, batch, MAX_TOKENS)
-    streams.wait_progress(2)
+    # The decode worker held while the bad requests come (48 tokens of the tiny model take about 0.3 s: a
+    # loaded machine's poll could miss them).
+    with streams_in_flight(served, batch, MAX_TOKENS) as streams:
+        refuse_at_both_doors(served)
+        assert not streams.future.done()
+    assert_exact(streams.future.result(300), reference)
+    assert sum(served.cluster.retries.values()) == retries  # no attempt of anyone's failed
+
+
+def refuse_at_both_doors(served):
     url = f"http://127.0.0.1:{served.router.http_port}/v1/completions"
     with httpx.Client(timeout=120) as h:
         r = h.post(url, json={"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 8, "temperature": 1.0,
@@ -124,8 +132,6 @@ def test_bad_requests_at_both_doors_are_refused_and_streams_go_on(served):
         with pytest.raises(grpc.RpcError) as e:
             c.complete(token_ids=[5, 6, 7], max_tokens=8, request_id="no spaces please", timeout=60)
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "request_id" in e.value.details()
-    assert_exact(streams.future.result(300), reference)
-    assert sum(served.cluster.retries.values()) == retries  # no attempt of anyone's failed
 
 
 async def _collect(cluster, prompt, params, rid):
@@ -151,12 +157,17 @@ def run_beside_streams(served, bad_prompt, bad_params, rid, arm=None, together: 
         ray.get(prefill.handle.inject_fault.remote("step", math.inf, 1, 0))
         filler = Streams(served, prompts(1, seed=3), 4)
         assert ray.get(prefill.handle.fault_reached.remote("step", 60))
-    streams = Streams(served, batch, MAX_TOKENS)
-    if not together:
-        streams.wait_progress(2)
-    if arm is not None:
-        arm()
-    fut = asyncio.run_coroutine_threadsafe(_collect(served.cluster, bad_prompt, bad_params, rid), served.aloop.loop)
+        streams = Streams(served, batch, MAX_TOKENS)
+        if arm is not None:
+            arm()
+        fut = asyncio.run_coroutine_threadsafe(_collect(served.cluster, bad_prompt, bad_params, rid),
+                                               served.aloop.loop)
+    else:  # the streams in flight (the decode worker held) when the bad request is armed and sent
+        with streams_in_flight(served, batch, MAX_TOKENS) as streams:
+            if arm is not None:
+                arm()
+            fut = asyncio.run_coroutine_threadsafe(_collect(served.cluster, bad_prompt, bad_params, rid),
+                                                   served.aloop.loop)
     if together:  # all placed on the held worker: the step after the filler's takes them all
         # The filler, the 4 streams and the bad request (unless the worker refused it at once) on the worker.
         wait_for(lambda: ray.get(prefill.handle.prompts_submitted.remote()) >= 5 + (not fut.done()), 60,
