@@ -171,10 +171,10 @@ class _JsonTokenizer(Tokenizer):
 
 # tokenizer_config.json keys that leave tokenizer.json as transformers' TokenizersBackend loads it (a named special
 # token is checked to be in the file already: one that is not, transformers adds). Any other key (add_bos_token,
-# add_prefix_space, split_special_tokens, ...) may change how it encodes: such a directory loads with transformers.
+# split_special_tokens, added_tokens_decoder, ...) may change how it encodes or decodes: such a directory loads
+# with transformers.
 _PLAIN_CONFIG_KEYS = {"backend", "tokenizer_class", "bos_token", "eos_token", "unk_token", "pad_token", "is_local",
-                      "local_files_only", "model_max_length", "chat_template", "clean_up_tokenization_spaces",
-                      "added_tokens_decoder"}
+                      "local_files_only", "model_max_length", "chat_template", "clean_up_tokenization_spaces"}
 _NAMED_TOKENS = ("bos_token", "eos_token", "unk_token", "pad_token")
 
 
@@ -193,10 +193,9 @@ def _read_unchanged(directory: Path) -> tuple[Any, dict[str, Any]] | None:
     raw = RawTokenizer.from_file(str(json_path))
     added = {t.content for t in raw.get_added_tokens_decoder().values()}
     named = {_token_text(config[k]) for k in _NAMED_TOKENS if config.get(k) is not None}
-    listed = {_token_text(t) for t in config.get("added_tokens_decoder", {}).values()}
     # Past 100k ids transformers may patch the pre-tokenizer (a Mistral regex fix); no post-processor: it makes one;
     # truncation or padding in the file: transformers turns them off for a plain encode, the file's reader would not.
-    if raw.post_processor is None or raw.get_vocab_size() > 100_000 or not named | listed <= added \
+    if raw.post_processor is None or raw.get_vocab_size() > 100_000 or not named <= added \
             or raw.truncation is not None or raw.padding is not None:
         return None
     return raw, config
