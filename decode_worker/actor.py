@@ -300,7 +300,8 @@ class DecodeActor(WorkerActor):
         the room: each fails as PREFIX_MISSED, and the router tries it again at once as a full hand-off."""
         missed = [Failure(req.request_id, FailureReason.PREFIX_MISSED, "decode worker: its pinned prefix of "
                           f"{req.held_blocks} blocks was given to a request ahead of it that needed the room")
-                  for req in self.core.scheduler.take_unpinned()]
+                  for req in self.core.scheduler.unpinned]
+        self.core.scheduler.unpinned.clear()
         for f in missed:
             self._source.pop(f.request_id, None)
         if missed:

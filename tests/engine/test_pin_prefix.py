@@ -97,7 +97,7 @@ def test_a_pinned_prefix_behind_the_head_gives_way_to_it():
     """A partial hand-off pins its prefix when it arrives, before its turn to reserve: pins of requests behind the
     queue's head must not keep the head from its room, or nothing would ever free it (the head waits for room the
     pins hold, the pinned requests wait behind the head). The last such request gives its prefix back: it ends here
-    (`take_unpinned`: its worker fails it as PREFIX_MISSED, and the router tries it again as a full hand-off), and the
+    (`Scheduler.unpinned`: its worker fails it as PREFIX_MISSED, and the router tries it again as a full hand-off), and the
     head is reserved at once."""
     pool = BlockPool(16, BS)
     kv = KVCacheManager(pool)
@@ -120,7 +120,7 @@ def test_a_pinned_prefix_behind_the_head_gives_way_to_it():
     # Only the last pinned request gave its prefix back (one was enough), and has ended here; the other, still
     # pinned, fits beside the head and is reserved in its turn.
     assert step.reserved == [head, pinned[0]] and head.status is RequestStatus.WAITING_FOR_KV
-    assert s.take_unpinned() == [pinned[1]] and s.take_unpinned() == []
+    assert s.unpinned == [pinned[1]]
     assert pinned[1].status is RequestStatus.FINISHED and "turn-1" not in s.requests
     assert pinned[0].status is RequestStatus.WAITING_FOR_KV and pinned[0].held_blocks == 3
     assert pool.num_free_blocks == 16 - 11 - 4
@@ -141,6 +141,6 @@ def test_a_pinned_prefix_is_not_given_to_its_own_request_or_one_behind_it():
     behind = remote("behind", list(range(20)))  # 6 blocks: not there while the head holds its 6
     s.add(behind)
     assert s.schedule().reserved == [head]
-    assert not s.schedule().reserved and s.take_unpinned() == []
+    assert not s.schedule().reserved and s.unpinned == []
     assert not s.has_work
     pool.check_integrity()
