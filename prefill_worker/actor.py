@@ -128,13 +128,13 @@ class PrefillActor(WorkerActor):
         (docs/serving.md, "Why the hand-off cannot deadlock")."""
         waiter: Future[bool] = Future()
 
-        def look() -> None:  # step thread: after the prompt's own add (the link's calls are taken in order)
-            req = self.core.scheduler.requests.get(request_id)
+        def look() -> None:  # step thread, after the prompt's own add (the link's calls are taken in order), maybe
+            req = self.core.scheduler.requests.get(request_id)  # after its first steps too
             result = self._results.get(request_id)
-            if req is None or result is None:
-                _settle(waiter, False)
-            elif req.status is not RequestStatus.WAITING:
-                _settle(waiter, True)
+            if req is not None and req.status is not RequestStatus.WAITING:
+                _settle(waiter, True)  # running or computed (HELD: its result may be answered already)
+            elif req is None or result is None:
+                _settle(waiter, False)  # ended, or never taken in
             else:
                 self._admit_waiters[request_id] = waiter
                 result.add_done_callback(lambda _: _settle(self._admit_waiters.pop(request_id, waiter), False))
