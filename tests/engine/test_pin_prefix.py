@@ -97,8 +97,8 @@ def test_a_pinned_prefix_behind_the_head_gives_way_to_it():
     """A partial hand-off pins its prefix when it arrives, before its turn to reserve: pins of requests behind the
     queue's head must not keep the head from its room, or nothing would ever free it (the head waits for room the
     pins hold, the pinned requests wait behind the head). The last such request gives its prefix back: it ends here
-    (`Scheduler.unpinned`: its worker fails it as PREFIX_MISSED, and the router tries it again as a full hand-off), and the
-    head is reserved at once."""
+    (`Scheduler.unpinned`: its worker fails it as PREFIX_MISSED, and the router tries it again as a full
+    hand-off), and the head is reserved at once."""
     pool = BlockPool(16, BS)
     kv = KVCacheManager(pool)
     turns = [list(range(100, 112)), list(range(200, 212))]
