@@ -372,6 +372,10 @@ def _tier_prices(args: argparse.Namespace, plan: dict, costs, settings, workload
     bsize = settings.block_size
     limits = PoolLimits(settings.kv_cache_bytes // (costs.kv_bytes_per_token * bsize), bsize, max(args.max_num_seqs),
                         args.prefill_token_budget)
+    if settings.speculation is not None:  # the decode pools' steps at the speculating rate
+        from pdserve.perf.speculation import SpeculativeCosts
+
+        costs = SpeculativeCosts(costs, settings.speculation)
     plan["tiers"] = tier_prices(costs, limits, float(workload.input_len.mean()), float(workload.output_len.mean()),
                                 {t: tier_slos[t.value] for t in ServiceTier}, mix, workload.mean_rate)
     print()
