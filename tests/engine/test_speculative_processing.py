@@ -18,6 +18,8 @@ from pdserve.engine.scheduler_spec import grammar_masks, usable
 from pdserve.engine.speculative import verification_batch, verify
 from pdserve.engine.structured import StructuredOutput
 
+from test_grammar import grammars, tok  # noqa: F401  (fixtures: SmolLM2's tokenizer and its compiler)
+
 VOCAB = 12
 EOS = (11,)
 HISTORY = [3, 4, 5, 3, 7, 2, 2]  # prompt [3, 4, 5], then output [3, 7, 2, 2]: output_index 4
@@ -119,24 +121,6 @@ def test_sampled_verification_keeps_the_processed_distribution():
     assert (_freqs(second, VOCAB) - probs[1]).abs().max() < 0.05
 
 
-@pytest.fixture(scope="module")
-def tok():
-    from pdserve.model.loader import default_model_path
-    from pdserve.model.tokenizer import Tokenizer
-
-    try:
-        return Tokenizer.from_pretrained(default_model_path())
-    except FileNotFoundError as e:
-        pytest.skip(str(e))
-
-
-@pytest.fixture(scope="module")
-def grammars(tok):
-    from pdserve.engine.grammar import Grammars
-
-    return Grammars(tok, 49152, tok.eos_token_ids)
-
-
 def _request(grammars, tok, params: SamplingParams, text: str = "") -> Request:
     req = Request("r", [1, 2, 3], params, seed=0)
     req.token_ids += tok.encode(text) if text else []
@@ -163,8 +147,6 @@ def test_usable_cuts_what_no_verification_can_keep(tok, grammars):
 
 
 def test_grammar_masks_follow_the_drafts_and_roll_back(tok, grammars):
-    from pdserve.engine.grammar import Grammars  # noqa: F401  (the fixture's class)
-
     schema = StructuredOutput("json_schema", json.dumps({"type": "object", "properties": {"a": {"type": "integer"}},
                                                          "required": ["a"], "additionalProperties": False}))
     eos = tuple(tok.eos_token_ids)
