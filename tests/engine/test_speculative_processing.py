@@ -3,7 +3,8 @@ pdserve.engine.scheduler_spec.usable, grammar_masks): each drafted position's lo
 sampler gives that position (penalties counting the drafts before it, min_tokens' banned ids while below it, the
 grammar's mask after the drafts before it), greedy verification emits what plain steps would, sampled
 verification keeps the processed distribution; drafts are cut where nothing more can be kept, and the matcher
-is left where it was. SmolLM2's tokenizer is read for the grammar cases (no weights are loaded)."""
+is left where it was; the scheduler drafts under a grammar and advances it by the emitted tokens. SmolLM2's tokenizer is
+read for the grammar cases (no weights are loaded)."""
 from __future__ import annotations
 
 import collections
@@ -167,3 +168,47 @@ def test_grammar_masks_follow_the_drafts_and_roll_back(tok, grammars):
     assert done.accept(eos[0]) and done.terminated
     masks = grammar_masks(req, first, [*draft, eos[0]], eos)
     assert torch.equal(masks[-1], masks[-2]) and not req.grammar.terminated
+
+
+def test_the_scheduler_drafts_under_a_grammar_and_advances_it_by_the_emitted_tokens(tok, grammars, monkeypatch):
+    """A decode worker's structured request drafts (its draft cut where the grammar breaks), its chunk carries one
+    mask per position, and the step's emitted tokens advance its matcher; an emitted EOS that completes the grammar
+    ends it (STOP), and its blocks go back."""
+    from pdserve.config import SchedulerConfig
+    from pdserve.engine.block_pool import BlockPool
+    from pdserve.engine.kv_cache import KVCacheManager
+    from pdserve.engine.request import FinishReason
+    from pdserve.engine.runner import StepResult
+    from pdserve.engine.scheduler import Scheduler
+    from pdserve.engine.scheduler_spec import Speculation
+    from pdserve.engine.scheduler_types import Role
+    from pdserve.engine.speculative import SpeculativeConfig
+
+    eos = tuple(tok.eos_token_ids)
+    s = Scheduler(SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=8), KVCacheManager(BlockPool(64, 4)), eos,
+                  1024, Role.DECODE)
+    s.grammars = grammars
+    s.speculation = Speculation(SpeculativeConfig(num_speculative_tokens=4, disable_by_batch_size=8), 1)
+    so = StructuredOutput("regex", "[0-9]{4}")
+    d = {c: tok.encode(c)[0] for c in "0123456789x"}
+    monkeypatch.setattr("pdserve.engine.scheduler_spec.propose", lambda tokens, k, lo, hi: [d["2"], d["x"], d["3"]])
+    req = Request("r", [1, 2, 3], SamplingParams(max_tokens=16, structured=so), seed=0)
+    req.remote_kv = True
+    s.add(req)
+    s.schedule()
+    s.kv_arrived("r", [d["1"]])
+    step = s.schedule()
+    (chunk,) = step.chunks
+    assert chunk.draft == (d["2"],) and chunk.token_ids == [d["1"], d["2"]]  # "x" breaks the grammar: cut there
+    assert chunk.mask.shape[0] == 2
+    assert torch.equal(chunk.mask[1], grammars.matcher(so, [d["1"], d["2"]]).mask())
+    empty = (torch.empty(0, dtype=torch.int64), torch.empty(0, 8), [])
+    s.update(step, StepResult(*empty, verified={0: ([d["2"], d["5"]], None)}))  # the draft kept, then "5"
+    assert req.output_token_ids == [d["1"], d["2"], d["5"]] and req.num_computed_tokens == 3 + 2
+    assert torch.equal(req.grammar.mask(), grammars.matcher(so, req.output_token_ids).mask())
+    monkeypatch.setattr("pdserve.engine.scheduler_spec.propose", lambda tokens, k, lo, hi: [d["7"], eos[0], d["7"]])
+    step = s.schedule()
+    assert step.chunks[0].draft == (d["7"], eos[0])  # cut after the EOS that completes the grammar
+    out = s.update(step, StepResult(*empty, verified={0: ([d["7"], eos[0], d["1"]], None)}))
+    assert [t.token for t in out] == [d["7"], eos[0]] and out[-1].finish_reason == FinishReason.STOP
+    assert req.finished and s.kv.pool.num_free_blocks == s.kv.pool.num_blocks
