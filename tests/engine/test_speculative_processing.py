@@ -3,8 +3,8 @@ pdserve.engine.scheduler_spec.usable, grammar_masks): each drafted position's lo
 sampler gives that position (penalties counting the drafts before it, min_tokens' banned ids while below it, the
 grammar's mask after the drafts before it), greedy verification emits what plain steps would, sampled
 verification keeps the processed distribution; drafts are cut where nothing more can be kept, and the matcher
-is left where it was; the scheduler drafts under a grammar and advances it by the emitted tokens. SmolLM2's tokenizer is
-read for the grammar cases (no weights are loaded)."""
+is left where it was; the scheduler drafts under a grammar and advances it by the emitted tokens. SmolLM2's
+tokenizer is read for the grammar cases (no weights are loaded)."""
 from __future__ import annotations
 
 import collections
