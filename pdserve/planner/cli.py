@@ -88,7 +88,7 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                    help="worker -> client hops of the first token (default: measured on the local CPU cluster)")
     g.add_argument("--token-latency-ms", type=float, default=None, help="the same for later tokens")
     g = p.add_argument_group("speculative decoding (pdserve.perf.speculation): the decode and colocated pools "
-                                 "speculate")
+                             "speculate")
     g.add_argument("--speculative-acceptance", type=float, default=None, metavar="A",
                    help="the rate at which drafted tokens are accepted, in [0, 1] (a verification of k drafts emits "
                         "(1 - A^(k+1)) / (1 - A) tokens on average)")
