@@ -180,6 +180,8 @@ def step_chunks(scheduled: list[tuple[Request, int]], drafts: dict[Request, list
 
 
 def draft_chunk(req: Request, draft: list[int], eos_token_ids: tuple[int, ...]) -> Chunk:
+    """A drafting request's chunk: chunk_of's one-token chunk (its history, banned ids, first mask), its tokens
+    the last known one and the drafts, and under structured output a mask per position."""
     chunk = chunk_of(req, 1, eos_token_ids)._replace(token_ids=[req.token_ids[-1], *draft], draft=tuple(draft))
     if req.grammar is not None:
         chunk = chunk._replace(mask=grammar_masks(req, chunk.mask, draft, eos_token_ids))
