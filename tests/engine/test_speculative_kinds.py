@@ -118,9 +118,10 @@ def test_stops_and_max_tokens_cut_every_forced_acceptance_length(smol, plain, mo
     text, base = KINDS["stops"]
     prompt = chat(smol, text)
     ref = plain.generate([prompt], base)[0]
-    cases = [SamplingParams(**{**base.__dict__, "max_tokens": m}) for m in (3, 7, 12)]
+    cases = [SamplingParams(**{**base.__dict__, "max_tokens": m, "min_tokens": min(m, base.min_tokens)})
+             for m in (3, 7, 12)]
     cases += [SamplingParams(**{**base.__dict__, "stop": (ref.text[c:c + 3],)}) for c in (4, 13, 22)]
-    cases += [SamplingParams(**{**base.__dict__, "stop_token_ids": (ref.token_ids[j],)}) for j in (2, 8)]
+    cases += [SamplingParams(**{**base.__dict__, "stop_token_ids": (ref.token_ids[j],)}) for j in (8, 14)]
     for params in cases:
         want = plain.generate([prompt], params)
         assert len(want[0].token_ids) < len(ref.token_ids)  # it does cut the reply
