@@ -163,7 +163,9 @@ class _JsonTokenizer(Tokenizer):
         return self._bos
 
     def encode(self, text: str) -> list[int]:
-        return self._raw.encode(text).ids
+        # encode_batch lets go of the GIL while it works (encode does not): a long text tokenized off the router's
+        # event loop must not stop that loop (tests/router/test_tokenize.py).
+        return self._raw.encode_batch([text])[0].ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._raw.decode(list(ids), skip_special_tokens=skip_special_tokens)
