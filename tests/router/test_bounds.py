@@ -153,21 +153,22 @@ def run_beside_streams(served, bad_prompt, bad_params, rid, arm=None, together: 
     retries = sum(served.cluster.retries.values())
     prefill = served.worker("prefill")
     steps = served.stats_of(prefill).steps
+
+    def send():  # the fault armed, then the bad request sent
+        if arm is not None:
+            arm()
+        return asyncio.run_coroutine_threadsafe(_collect(served.cluster, bad_prompt, bad_params, rid),
+                                                served.aloop.loop)
+
     if together:
         ray.get(prefill.handle.inject_fault.remote("step", math.inf, 1, 0))
         filler = Streams(served, prompts(1, seed=3), 4)
         assert ray.get(prefill.handle.fault_reached.remote("step", 60))
         streams = Streams(served, batch, MAX_TOKENS)
-        if arm is not None:
-            arm()
-        fut = asyncio.run_coroutine_threadsafe(_collect(served.cluster, bad_prompt, bad_params, rid),
-                                               served.aloop.loop)
+        fut = send()
     else:  # the streams in flight (the decode worker held) when the bad request is armed and sent
         with streams_in_flight(served, batch, MAX_TOKENS) as streams:
-            if arm is not None:
-                arm()
-            fut = asyncio.run_coroutine_threadsafe(_collect(served.cluster, bad_prompt, bad_params, rid),
-                                                   served.aloop.loop)
+            fut = send()
     if together:  # all placed on the held worker: the step after the filler's takes them all
         # The filler, the 4 streams and the bad request (unless the worker refused it at once) on the worker.
         wait_for(lambda: ray.get(prefill.handle.prompts_submitted.remote()) >= 5 + (not fut.done()), 60,
