@@ -93,8 +93,9 @@ class PrefillActor(WorkerActor):
         self._ready: dict[str, tuple[float, str]] = {}
         self._held: dict[str, _HeldKV] = {}  # computed, waiting for their reservation
         self._pushing: set[str] = set()  # in a push job not yet done
-        # Call.ADMITTED's answers still to give: requests waiting here for blocks (step thread; a request that
-        # ends drops its own from any thread, as its result completes).
+        # Call.ADMITTED's answers still to give, under _admit_lock: requests waiting here for blocks (the step
+        # that takes one in answers it; a request that ends first answers False as its result completes).
+        self._admit_lock = threading.Lock()
         self._admit_waiters: dict[str, Future[bool]] = {}
         self._start()
 
@@ -125,22 +126,36 @@ class PrefillActor(WorkerActor):
         whole prompt at admission, so its computation then waits for nothing), at once if it does already; False
         if it ends first (failed, cancelled, or never taken in: its prefill call says why). The router reserves
         the decode worker's room only then, so that no decode worker holds room for KV that waits for room here
-        (docs/serving.md, "Why the hand-off cannot deadlock")."""
-        waiter: Future[bool] = Future()
+        (docs/serving.md, "Why the hand-off cannot deadlock").
 
-        def look() -> None:  # step thread, after the prompt's own add (the link's calls are taken in order), maybe
-            req = self.core.scheduler.requests.get(request_id)  # after its first steps too
+        Answered on the link's thread, not the step thread's: a step that runs long (or a test holding it at a
+        fault point) does not hold back the answer for prompts it has already taken in. The step thread settles
+        the waiters of the prompts it schedules under _admit_lock, so a prompt read as waiting here is settled
+        by the step that takes it in."""
+        waiter: Future[bool] = Future()
+        with self._admit_lock:
+            req = self.core.scheduler.requests.get(request_id)
             result = self._results.get(request_id)
             if req is not None and req.status is not RequestStatus.WAITING:
-                _settle(waiter, True)  # running or computed (HELD: its result may be answered already)
-            elif req is None or result is None:
-                _settle(waiter, False)  # ended, or never taken in
-            else:
+                waiter.set_result(True)  # running or computed (HELD: its result may be answered already)
+            elif result is None:
+                waiter.set_result(False)  # ended, or never taken in
+            else:  # waiting for blocks, or its add not yet run on the step thread
                 self._admit_waiters[request_id] = waiter
-                result.add_done_callback(lambda _: _settle(self._admit_waiters.pop(request_id, waiter), False))
-
-        self.loop.call(look).add_done_callback(lambda f: f.exception() and _settle(waiter, False))
+        if result is not None and not waiter.done():
+            result.add_done_callback(lambda _: self._settle_admitted((request_id,), False))
         return waiter
+
+    def _settle_admitted(self, request_ids: Iterable[str], admitted: bool) -> None:
+        """Answer the Call.ADMITTED waiters of these requests, if any (the first answer stands)."""
+        with self._admit_lock:
+            waiters = [self._admit_waiters.pop(rid, None) for rid in request_ids]
+        for waiter in waiters:
+            if waiter is not None:
+                try:
+                    waiter.set_result(admitted)
+                except InvalidStateError:  # the link cancelled it (its caller is gone)
+                    pass
 
     async def kv_ready(self, decode_id: str, handle: Any, host: str, port: int, request_ids: tuple[str, ...],
                        tp: int = 1) -> None:
@@ -265,8 +280,9 @@ class PrefillActor(WorkerActor):
         step = scheduler.schedule()
         if not step.chunks:
             return False
-        for req in step.requests if self._admit_waiters else ():  # admitted: their decode room may be reserved
-            _settle(self._admit_waiters.pop(req.request_id, None), True)
+        # Admitted: their decode room may be reserved (under the lock, so a waiter registered as this step's
+        # schedule took its prompt in is seen here).
+        self._settle_admitted([req.request_id for req in step.requests], True)
         pushes = _StepPushes(step, self.core, self._hand_off, self.push_layerwise, self._claim_ready, self._push)
         try:
             pushes.layer_done(-1)  # destinations already ready: their KV goes out layer by layer
@@ -396,15 +412,6 @@ class PrefillActor(WorkerActor):
         with self._lock:
             peers = len(self._destinations)
         return dict(transfer=self.transfer_stats.snapshot(), kv_peers=peers)
-
-
-def _settle(waiter: Future[bool] | None, admitted: bool) -> None:
-    """Answer a Call.ADMITTED once (the first answer stands)."""
-    if waiter is not None:
-        try:
-            waiter.set_result(admitted)
-        except InvalidStateError:
-            pass
 
 
 class _StepPushes:
