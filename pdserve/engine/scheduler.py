@@ -51,7 +51,7 @@ from pdserve.engine.request import (
 from pdserve.engine.routed_experts import note_step
 from pdserve.engine.runner import StepResult, samples_of
 from pdserve.engine.sampling import sample_seed
-from pdserve.engine.scheduler_spec import Speculation, step_chunks, trim
+from pdserve.engine.scheduler_spec import Speculation, step_chunks, trim, usable
 from pdserve.engine.scheduler_types import (
     Role,
     SampledToken,
@@ -294,7 +294,8 @@ class Scheduler(PipelinedDecode):
 
     def _draft(self, req: Request, budget: int) -> list[int]:
         """The tokens req drafts this step, if their slots can be had without taking anyone's blocks."""
-        draft = self.speculation.draft(req, len(self.running), self.max_model_len, budget)
+        draft = usable(req, self.speculation.draft(req, len(self.running), self.max_model_len, budget),
+                       self.eos_token_ids)
         return draft if draft and self.kv.allocate_slots(req, 1 + len(draft)) else []
 
     def update(self, step: ScheduledStep, result: StepResult) -> list[SampledToken]:
@@ -344,6 +345,7 @@ class Scheduler(PipelinedDecode):
         out = []
         for i, token in enumerate(emitted):
             req.token_ids.append(token)
+            advance(req, token)
             req.num_computed_tokens = req.num_tokens - 1
             reason = token_stop_reason(req, self.eos_token_ids, self.max_model_len)
             out.append(SampledToken(req, token, reason, req.num_output_tokens,
