@@ -188,7 +188,7 @@ class ModelRunner:
         positions (rows last - k .. last of the batch) checked against its k drafts."""
         k = len(chunk.draft)
         logits = self.model.compute_logits(hidden[last - k:last + 1]).float()
-        return verify(logits, chunk.draft, chunk.sample, chunk.seed, chunk.output_index)
+        return verify(logits, chunk.draft, chunk.sample, chunk.seed, chunk.output_index, chunk.draft_probs)
 
     def _sampling(self, chunks: list[Chunk], sampling_chunks: list[int],
                   previous: torch.Tensor | None) -> SamplingBatch:

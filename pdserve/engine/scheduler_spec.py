@@ -1,8 +1,12 @@
 """Speculative decoding in the scheduler: which requests draft, how many tokens, and what a verification
 step's emitted tokens do to a request (pdserve.engine.speculative holds the proposer and the acceptance rule).
 
-A running request that decodes (one token to compute) drafts by prompt lookup when it may: its next chunk is
-its last token and the drafts, computed in one forward that samples at each position. The rule, per request:
+A running request that decodes (one token to compute) drafts when it may, by prompt lookup or with a draft model
+(pdserve.engine.draft_model): its next chunk is its last token and the drafts, computed in one forward that samples
+at each position. A draft model's drafts are drawn once the step's requests are placed (fill_drafts), all the
+step's drafting requests in the draft's k forwards; until then each holds its room's PENDING placeholders. After a
+weight update the draft no longer matches the target: no request drafts with it from then on (stats says
+"draft_stale" and the worker logs it), so a stale draft never slows a request unseen. The rule, per request:
 only requests whose next token the sampler draws from the raw logits speculate (no penalties, min_tokens
 reached, no structured output, no prompt logprobs still to compute, no routed experts (a verification computes
 positions past the accepted ones); a group (n > 1) once its samples have forked, each sample drafting from its own
@@ -17,21 +21,29 @@ rejected slots go back to the pool (trim).
 from __future__ import annotations
 
 import collections
+import logging
 from collections.abc import Sequence
 
-from pdserve.engine.request import Request
+import torch
+
+from pdserve.engine.request import PENDING, Request, RequestStatus
 from pdserve.engine.chunk import Chunk
 from pdserve.engine.scheduler_types import Role, chunk_of
 from pdserve.engine.speculative import DraftState, SpeculativeConfig, free_rows, max_speculating_batch, propose
 from pdserve.engine.utilization import device_peaks
 
+log = logging.getLogger(__name__)
+
 
 class Speculation:
     """A scheduler's speculation: the configuration, each request's adaptive draft length, and the counts the
-    worker's metrics report (drafted and accepted tokens, verifications by accepted length)."""
+    worker's metrics report (drafted and accepted tokens, verifications by accepted length); with a draft model
+    (method draft_model), the draft and whether a weight update has left it stale."""
 
-    def __init__(self, config: SpeculativeConfig, ridge_rows: int):
+    def __init__(self, config: SpeculativeConfig, ridge_rows: int, draft_model=None):
         self.config = config
+        self.draft_model = draft_model  # pdserve.engine.draft_model.DraftModel, for method draft_model
+        self.stale = False  # the target's weights changed since the draft was paired with them
         self.max_batch = max_speculating_batch(config, ridge_rows)
         self.drafted = 0  # tokens drafted and verified
         self.accepted = 0  # of those, accepted
@@ -47,17 +59,54 @@ class Speculation:
                 and req.prompt_logprobs is None and req.grammar is None
                 and req.routed is None and req.unresolved == 0 and req.fanout == 1)
 
-    def draft(self, req: Request, batch: int, max_model_len: int, budget: int) -> list[int]:
+    def draft(self, req: Request, batch: int, max_model_len: int, budget: int, version: int = 0) -> list[int]:
         """The tokens req drafts this step ([] for none): at most its adaptive k, the budget's tokens less one,
-        and what its max_tokens and the model's context leave after the token the step always emits."""
-        if batch > self.max_batch or not self.eligible(req):
+        and what its max_tokens and the model's context leave after the token the step always emits. With a draft
+        model, PENDING placeholders as many as it may draft (fill_drafts draws them); none once the engine's weight
+        version is not the draft's."""
+        if batch > self.max_batch or not self.eligible(req) or not self._draft_current(version):
             return []
         state = self._state.setdefault(req.request_id, DraftState(self.config.num_speculative_tokens))
         room = min(state.k, budget - 1, req.params.max_tokens - req.num_output_tokens - 1,
                    max_model_len - req.num_tokens - 1)
         if room <= 0:
             return []
+        if self.draft_model is not None:
+            return [PENDING] * room
         return propose(req.token_ids, room, self.config.prompt_lookup_min, self.config.prompt_lookup_max)
+
+    def _draft_current(self, version: int) -> bool:
+        """Whether the draft (if any) still drafts for the weights served: after an update it does not, and its
+        KV is given back."""
+        if self.draft_model is None or version == self.draft_model.version:
+            return True
+        if not self.stale:
+            self.stale = True
+            self.draft_model.free_all()
+            log.warning("weight version %d is not the one the draft model was paired with (%d): requests decode "
+                        "without speculation from now on (a draft is not updated with the target)", version,
+                        self.draft_model.version)
+        return False
+
+    def fill_drafts(self, drafts: dict[Request, list[int]], kv) -> dict[Request, torch.Tensor]:
+        """A draft model's drafts for the step's placeholders (drafts changed in place; a request the draft could
+        not draft for leaves it, its extra slots given back); the distributions q of the sampled ones' drafts."""
+        if self.draft_model is None or not drafts:
+            return {}
+        for req in [r for r in drafts if r.status is not RequestStatus.RUNNING]:
+            del drafts[req]  # preempted after it drafted: out of the step, its blocks freed
+        got = self.draft_model.propose([(r, len(d)) for r, d in drafts.items()])
+        probs = {}
+        for req in list(drafts):
+            tokens, q = got.get(req, ([], None))
+            if not tokens:
+                del drafts[req]
+                trim(kv, req)
+                continue
+            drafts[req] = tokens
+            if q is not None:
+                probs[req] = q
+        return probs
 
     def note(self, req: Request, drafted: int, accepted: int) -> None:
         """A verification's outcome: the counts, and the request's next draft length."""
@@ -70,11 +119,22 @@ class Speculation:
             state.update(drafted, accepted, self.config.num_speculative_tokens)
 
     def forget(self, req: Request) -> None:
+        """The request ended: its draft state and draft KV go."""
         self._state.pop(req.request_id, None)
+        self.drop_kv(req)
+
+    def drop_kv(self, req: Request) -> None:
+        """The request lost its KV (preempted, recomputed) or ended: its draft model KV goes too (computed again at
+        its next draft)."""
+        if self.draft_model is not None:
+            self.draft_model.free(req.request_id)
 
     def stats(self) -> dict:
-        return {"drafted": self.drafted, "accepted": self.accepted, "verifications": self.verifications,
-                "acceptance_lengths": dict(self.acceptance_lengths)}
+        out = {"method": self.config.method, "drafted": self.drafted, "accepted": self.accepted,
+               "verifications": self.verifications, "acceptance_lengths": dict(self.acceptance_lengths)}
+        if self.draft_model is not None:
+            out["draft_stale"] = self.stale
+        return out
 
 
 def trim(kv, req: Request) -> None:
@@ -88,12 +148,13 @@ def trim(kv, req: Request) -> None:
         del req.block_ids[keep:]
 
 
-def speculation_for(config, role: Role, runner, pipelined: bool, simulated: bool) -> Speculation | None:
+def speculation_for(config, role: Role, runner, pipelined: bool, simulated: bool, info=None) -> Speculation | None:
     """An engine's speculation (config: its EngineConfig), where configured: decode and colocated engines of one
     rank that are not pipelined (a pipelined step would need its emitted count before the next is built) and run a model
     (a simulated engine's tokens are not the model's). Without disable_by_batch_size, the batch it stops at
     comes from the device's ridge point (pdserve.engine.speculative.free_rows): its peaks as configured, from
-    the GPU table, or measured here."""
+    the GPU table, or measured here. Method draft_model loads the draft beside the target (info: the target's
+    ModelInfo, which the draft must match)."""
     spec = config.speculative
     # A tensor-parallel engine's ranks run every LM head call together: rank 0's verification would be one
     # they do not make. Not supported yet.
@@ -105,13 +166,20 @@ def speculation_for(config, role: Role, runner, pipelined: bool, simulated: bool
         model = getattr(runner, "model", None)
         weight_bytes = next(model.parameters()).element_size() if model is not None else 2
         rows = free_rows(peaks.flops_per_second, peaks.bytes_per_second, weight_bytes)
-    return Speculation(spec, rows)
+    draft = None
+    if spec.method == "draft_model":
+        from pdserve.engine.draft_model import DraftModel
+
+        draft = DraftModel.load(config, info, runner.num_blocks)
+    return Speculation(spec, rows, draft)
 
 
 def step_chunks(scheduled: list[tuple[Request, int]], drafts: dict[Request, list[int]],
-                eos_token_ids: tuple[int, ...]) -> list[Chunk]:
+                eos_token_ids: tuple[int, ...], probs: dict[Request, torch.Tensor] | None = None) -> list[Chunk]:
     """A step's chunks (pdserve.engine.scheduler_types.chunk_of); a drafting request's is its last token and its
-    drafts (Chunk.draft)."""
+    drafts (Chunk.draft), with the draft model's distributions where it drew them (Chunk.draft_probs)."""
+    probs = probs or {}
     return [chunk_of(r, n, eos_token_ids) if r not in drafts else
-            chunk_of(r, 1, eos_token_ids)._replace(token_ids=[r.token_ids[-1], *drafts[r]], draft=tuple(drafts[r]))
+            chunk_of(r, 1, eos_token_ids)._replace(token_ids=[r.token_ids[-1], *drafts[r]], draft=tuple(drafts[r]),
+                                                   draft_probs=probs.get(r))
             for r, n in scheduled]
