@@ -326,9 +326,10 @@ class WorkerCollector(Collector):
         accepted tokens, each verification's accepted length (0 to num_speculative_tokens), and whether a draft model
         went stale with a weight update."""
         on = [s for s in stats if s.speculation]
-        for key, name, doc in (("drafted", "pdserve_worker_spec_drafted_tokens", "Tokens drafted (by prompt lookup or a "
-                                "draft model) and verified"), ("accepted", "pdserve_worker_spec_accepted_tokens",
-                                              "Drafted tokens the target model accepted")):
+        for key, name, doc in (("drafted", "pdserve_worker_spec_drafted_tokens",
+                                "Tokens drafted (by prompt lookup or a draft model) and verified"),
+                               ("accepted", "pdserve_worker_spec_accepted_tokens",
+                                "Drafted tokens the target model accepted")):
             f = CounterMetricFamily(name, doc, labels=_WORKER)
             for s in on:
                 f.add_metric([s.pool, s.worker_id], s.speculation[key])

@@ -89,21 +89,19 @@ class Speculation:
         return False
 
     def fill_drafts(self, drafts: dict[Request, list[int]], kv) -> dict[Request, torch.Tensor]:
-        """A draft model's drafts for the step's placeholders (drafts changed in place; a request the draft could
-        not draft for leaves it, its extra slots given back); the distributions q of the sampled ones' drafts."""
+        """A draft model's drafts in place of the step's placeholders (drafts changed in place: a request the draft
+        could not draft for, or preempted since it was given room, is left with none, its extra slots given back);
+        the distributions q of the sampled requests' drafts."""
         if self.draft_model is None or not drafts:
             return {}
-        for req in [r for r in drafts if r.status is not RequestStatus.RUNNING]:
-            del drafts[req]  # preempted after it drafted: out of the step, its blocks freed
-        got = self.draft_model.propose([(r, len(d)) for r, d in drafts.items()])
+        running = [r for r in drafts if r.status is RequestStatus.RUNNING]  # others were preempted after drafting
+        got = self.draft_model.propose([(r, len(drafts[r])) for r in running])
         probs = {}
-        for req in list(drafts):
+        for req in drafts:
             tokens, q = got.get(req, ([], None))
-            if not tokens:
-                del drafts[req]
-                trim(kv, req)
-                continue
             drafts[req] = tokens
+            if not tokens and req.status is RequestStatus.RUNNING:
+                trim(kv, req)
             if q is not None:
                 probs[req] = q
         return probs
@@ -134,6 +132,7 @@ class Speculation:
                "verifications": self.verifications, "acceptance_lengths": dict(self.acceptance_lengths)}
         if self.draft_model is not None:
             out["draft_stale"] = self.stale
+            out["draft_kv_blocks_used"] = self.draft_model.pool.num_used_blocks
         return out
 
 
@@ -177,9 +176,10 @@ def speculation_for(config, role: Role, runner, pipelined: bool, simulated: bool
 def step_chunks(scheduled: list[tuple[Request, int]], drafts: dict[Request, list[int]],
                 eos_token_ids: tuple[int, ...], probs: dict[Request, torch.Tensor] | None = None) -> list[Chunk]:
     """A step's chunks (pdserve.engine.scheduler_types.chunk_of); a drafting request's is its last token and its
-    drafts (Chunk.draft), with the draft model's distributions where it drew them (Chunk.draft_probs)."""
+    drafts (Chunk.draft), with the draft model's distributions where it drew them (Chunk.draft_probs); one whose
+    draft came back empty (fill_drafts) computes its one token."""
     probs = probs or {}
-    return [chunk_of(r, n, eos_token_ids) if r not in drafts else
+    return [chunk_of(r, n, eos_token_ids) if r not in drafts else chunk_of(r, 1, eos_token_ids) if not drafts[r] else
             chunk_of(r, 1, eos_token_ids)._replace(token_ids=[r.token_ids[-1], *drafts[r]], draft=tuple(drafts[r]),
                                                    draft_probs=probs.get(r))
             for r, n in scheduled]

@@ -66,7 +66,8 @@ class SpeculativeConfig:
             if not os.path.exists(self.model):
                 raise ValueError(f"speculative config: the draft model path {self.model!r} does not exist")
         elif self.model is not None:
-            raise ValueError(f'speculative config: "model" is the draft of method "draft_model", not of {self.method!r}')
+            raise ValueError(f'speculative config: "model" is the draft of method "draft_model", '
+                             f'not of {self.method!r}')
         _check_int("num_speculative_tokens", self.num_speculative_tokens, 1, MAX_SPECULATIVE_TOKENS)
         _check_int("prompt_lookup_min", self.prompt_lookup_min, 1, MAX_LOOKUP)
         _check_int("prompt_lookup_max", self.prompt_lookup_max, 1, MAX_LOOKUP)
