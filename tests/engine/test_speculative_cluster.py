@@ -100,16 +100,14 @@ def test_1p2d_with_a_draft_model_greedy_exact_and_resumed_after_a_fault(ray_loca
     offline engine's without speculation; a stream whose decode worker is killed mid-stream resumes on the other one,
     which computes the draft's KV of the prompt and the tokens streamed so far and drafts on, token-exact; the draft's
     KV blocks, like the target's, are all given back."""
-    import asyncio
     import contextlib
 
     import ray
 
     from conftest import perturbed_checkpoint
     from pdserve.config import CacheConfig, EngineConfig, SchedulerConfig
-    from served import collect
 
-    draft = perturbed_checkpoint(tiny_checkpoints["llama"], tmp_path / "draft", scale=0.1, seed=3)
+    draft = perturbed_checkpoint(tiny_checkpoints["llama"], tmp_path / "draft", scale=0.03, seed=3)
     spec = SpeculativeConfig(method="draft_model", model=str(draft), num_speculative_tokens=3, disable_by_batch_size=8)
     engine = EngineConfig(model=str(tiny_checkpoints["llama"]), cache=CacheConfig(block_size=4, num_blocks=256),
                           scheduler=SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=8))
@@ -122,7 +120,7 @@ def test_1p2d_with_a_draft_model_greedy_exact_and_resumed_after_a_fault(ray_loca
                                     decode=PoolConfig(2, num_cpus=0.1, torch_threads=1, speculative=spec)))
     aloop.run(cluster.start(), timeout=600)
     try:
-        got = aloop.run(asyncio.gather(*(collect(cluster, p, sp) for p, sp in zip(prompts, params))), timeout=300)
+        got = aloop.run(collect_all(cluster, prompts, params), timeout=300)
         assert [g[0] for g in got] == [w.token_ids for w in want]
         spec_stats = [s.speculation for s in aloop.run(cluster.stats()) if s.speculation]
         assert len(spec_stats) == 2 and sum(x["drafted"] for x in spec_stats) > 0
