@@ -263,6 +263,7 @@ class DecodeActor(WorkerActor):
         if self.core.scheduler.must_resolve:  # pipelined: a structured output's next mask needs its last token here
             self._publish(*self._run(ScheduledStep([], [], [])))
         step = self.core.scheduler.schedule()
+        self._unpinned()
         if step.reserved:
             self._announce_reserved(step.reserved)
         launched = bool(self.core.scheduler.launched)  # pipelined: a step to resolve
@@ -293,6 +294,18 @@ class DecodeActor(WorkerActor):
                 continue
             prefill.kv_ready.remote(self.worker_id, self._self_handle, self.store.host, self.store.port, tuple(rids),
                                     self.tp)
+
+    def _unpinned(self) -> None:
+        """Partial hand-offs the scheduler ended to give their pinned prefix to a request ahead of them that needed
+        the room: each fails as PREFIX_MISSED, and the router tries it again at once as a full hand-off."""
+        missed = [Failure(req.request_id, FailureReason.PREFIX_MISSED, "decode worker: its pinned prefix of "
+                          f"{req.held_blocks} blocks was given to a request ahead of it that needed the room")
+                  for req in self.core.scheduler.unpinned]
+        self.core.scheduler.unpinned.clear()
+        for f in missed:
+            self._source.pop(f.request_id, None)
+        if missed:
+            self._publish((), missed)
 
     def _load(self) -> tuple[int, int, int]:
         s = self.core.scheduler

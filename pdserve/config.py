@@ -438,6 +438,9 @@ class ClusterConfig:
     stats_interval_s: float = 1.0  # heartbeat: how often the router asks every worker for its stats
     worker_timeout_s: float = 30.0  # a worker that does not answer the heartbeat this long is stuck: replaced
     worker_start_timeout_s: float = 300.0  # a replacement must be ready within this (model load included)
+    # A replacement that fails to start is tried again after the first value's seconds, then twice as long each
+    # time, up to the second's.
+    replace_backoff_s: tuple[float, float] = (1.0, 30.0)
     # A request that finds a pool with no live worker (its replacement is starting) waits this long for
     # one, then ends with UNAVAILABLE.
     pool_wait_timeout_s: float = 60.0
@@ -514,6 +517,10 @@ class ClusterConfig:
         if self.max_retries < 0 or min(self.worker_timeout_s, self.stats_interval_s, self.pool_wait_timeout_s) <= 0:
             raise ValueError("max_retries must be >= 0; worker_timeout_s, stats_interval_s and pool_wait_timeout_s "
                              "positive")
+        first, most = self.replace_backoff_s
+        if not 0 < first <= most:
+            raise ValueError(f"replace_backoff_s must be (first, max) with 0 < first <= max, got "
+                             f"{self.replace_backoff_s}")
 
     def _check_kv_key(self) -> None:
         if self.kv_checksum_key is not None and len(self.kv_checksum_key) < 16:

@@ -24,7 +24,7 @@ from typing import Any
 from pdserve.config import EngineConfig
 from pdserve.engine.llm_engine import EngineCore
 from pdserve.engine.output import TextOutput, token_text
-from pdserve.engine.request import Request
+from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.scheduler_types import Role, SampledToken, ScheduledStep
 from pdserve.parallel.layout import pair_plan, shares_by_rank
 from pdserve.serving.calls import Call
@@ -93,6 +93,9 @@ class PrefillActor(WorkerActor):
         self._ready: dict[str, tuple[float, str]] = {}
         self._held: dict[str, _HeldKV] = {}  # computed, waiting for their reservation
         self._pushing: set[str] = set()  # in a push job not yet done
+        # Call.ADMITTED's answers still to give: requests waiting here for blocks (step thread; a request that
+        # ends drops its own from any thread, as its result completes).
+        self._admit_waiters: dict[str, Future[bool]] = {}
         self._start()
 
     def _submit(self, task: PrefillTask) -> Future[PrefillResult]:
@@ -116,6 +119,28 @@ class PrefillActor(WorkerActor):
 
         self.loop.call(add).add_done_callback(lambda f: f.exception() and self._fail(rid, f.exception()))
         return fut
+
+    def _admitted(self, request_id: str) -> Future[bool]:
+        """Call.ADMITTED: True once the prompt holds blocks for all of its KV here (a prefill worker allocates a
+        whole prompt at admission, so its computation then waits for nothing), at once if it does already; False
+        if it ends first (failed, cancelled, or never taken in: its prefill call says why). The router reserves
+        the decode worker's room only then, so that no decode worker holds room for KV that waits for room here
+        (docs/serving.md, "Why the hand-off cannot deadlock")."""
+        waiter: Future[bool] = Future()
+
+        def look() -> None:  # step thread, after the prompt's own add (the link's calls are taken in order), maybe
+            req = self.core.scheduler.requests.get(request_id)  # after its first steps too
+            result = self._results.get(request_id)
+            if req is not None and req.status is not RequestStatus.WAITING:
+                _settle(waiter, True)  # running or computed (HELD: its result may be answered already)
+            elif req is None or result is None:
+                _settle(waiter, False)  # ended, or never taken in
+            else:
+                self._admit_waiters[request_id] = waiter
+                result.add_done_callback(lambda _: _settle(self._admit_waiters.pop(request_id, waiter), False))
+
+        self.loop.call(look).add_done_callback(lambda f: f.exception() and _settle(waiter, False))
+        return waiter
 
     async def kv_ready(self, decode_id: str, handle: Any, host: str, port: int, request_ids: tuple[str, ...],
                        tp: int = 1) -> None:
@@ -147,7 +172,7 @@ class PrefillActor(WorkerActor):
         return await super().cancel(request_id)
 
     def handlers(self) -> dict[str, Callable]:
-        return {**super().handlers(), Call.PREFILL.value: self._submit}
+        return {**super().handlers(), Call.PREFILL.value: self._submit, Call.ADMITTED.value: self._admitted}
 
     def _cancel_soon(self, request_id: str) -> None:
         self._fail(request_id, asyncio.CancelledError(f"request {request_id} cancelled"))
@@ -240,6 +265,8 @@ class PrefillActor(WorkerActor):
         step = scheduler.schedule()
         if not step.chunks:
             return False
+        for req in step.requests if self._admit_waiters else ():  # admitted: their decode room may be reserved
+            _settle(self._admit_waiters.pop(req.request_id, None), True)
         pushes = _StepPushes(step, self.core, self._hand_off, self.push_layerwise, self._claim_ready, self._push)
         try:
             pushes.layer_done(-1)  # destinations already ready: their KV goes out layer by layer
@@ -369,6 +396,15 @@ class PrefillActor(WorkerActor):
         with self._lock:
             peers = len(self._destinations)
         return dict(transfer=self.transfer_stats.snapshot(), kv_peers=peers)
+
+
+def _settle(waiter: Future[bool] | None, admitted: bool) -> None:
+    """Answer a Call.ADMITTED once (the first answer stands)."""
+    if waiter is not None:
+        try:
+            waiter.set_result(admitted)
+        except InvalidStateError:
+            pass
 
 
 class _StepPushes:

@@ -1,8 +1,9 @@
 """One attempt of a request: its placement, the prefill-to-decode hand-off, and its stream of outputs.
 
 Disaggregated: the request is placed on a prefill worker and, if a token will follow the first, a decode
-worker, both at once: the decode worker reserves room for the prompt's KV while the prefill worker computes
-it, and the prefill worker pushes the KV there as it is computed (pdserve.transfer.protocol). The first token
+worker, both at once: the decode worker reserves room for the prompt's KV once the prefill worker has taken the
+prompt in (blocks for all of it), while it computes it, and the prefill worker pushes the KV there as it is
+computed (pdserve.transfer.protocol). The first token
 comes straight back from the prefill worker (TTFT does not wait for the KV); the decode worker's per-step
 outputs arrive in the request's inbox (router.streams) and go out stream_interval tokens a message. Every
 call goes on the worker's link (pdserve.serving.calls). Colocated: one worker does both phases.
@@ -128,21 +129,22 @@ class Attempt:
             await self._call(streamer, streamer.calls.reserve(self._decode_task("", local=True)))
             return
         self.placed += [p] + ([streamer] if streamer else [])
-        # Both at once: the decode worker reserves room while the prefill worker computes. A priority prompt
-        # whose decode pool had no room is computed first, its KV held until one has.
+        # The decode worker reserves room once the prefill worker has taken the prompt in with blocks for all of
+        # it (`admitted`), while it computes: never for KV that waits for room on the prefill worker, whose
+        # computed prompts may wait for that very room (docs/serving.md, "Why the hand-off cannot deadlock").
+        # A priority prompt whose decode pool had no room is computed first, its KV held until one has.
         # A partial hand-off: the leading blocks the decode worker holds (router.kv_index) are not moved.
         held, version = 0, 0
         if streamer is not None and not self.full_hand_off:
             held, version = parts.dispatch.held_prefix(streamer, req, p)
-        reserved = self._reserve(streamer, p, held, version) if streamer is not None else None
         if target is not None and streamer is None:
             self.later = asyncio.ensure_future(parts.dispatch.place_kv(req, wrid, p, target, self.avoid))
         # Its prefill at the tier it asked for, even when the fast lane's wait serves it as default.
         self.task = replace(self.task, hand_off=target is not None, skip_blocks=held)
         try:
             prefilled = p.calls.prefill(self.task)
-            if reserved is not None:
-                await self._call(streamer, reserved)
+            if streamer is not None and await self._call(p, p.calls.admitted(wrid)):
+                await self._call(streamer, self._reserve(streamer, p, held, version))
             result = await self._call(p, prefilled)
         finally:
             p.queued_tokens -= req.num_tokens

@@ -183,6 +183,9 @@ def _fault_args(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("--pool-wait-timeout", type=float, default=60.0,
                        help="seconds a request waits for a worker when its pool has none alive (a replacement "
                             "starting), then UNAVAILABLE")
+    serve.add_argument("--replace-backoff", type=backoff_range, default=(1.0, 30.0), metavar="FIRST:MAX",
+                       help="seconds before a replacement that failed to start is tried again: FIRST, then twice as "
+                            "long each time, up to MAX")
     serve.add_argument("--kv-checksum", action=argparse.BooleanOptionalAction, default=False,
                        help="checksum every KV transfer with the cluster's key and verify it on the decode worker (a "
                             "mismatch fails the transfer, which is retried); off by default: on a CPU it costs "
@@ -279,8 +282,6 @@ def _admission_args(serve: argparse.ArgumentParser) -> None:
                            "closed, or 408 and the body dropped)")
 
 
-
-
 def worker_range(text: str) -> tuple[int, int]:
     """N (a fixed pool) or MIN:MAX (an autoscaled one)."""
     lo, sep, hi = str(text).partition(":")
@@ -290,6 +291,18 @@ def worker_range(text: str) -> tuple[int, int]:
         raise argparse.ArgumentTypeError(f"workers are N or MIN:MAX, got {text!r}") from None
     if not 1 <= out[0] <= out[1]:
         raise argparse.ArgumentTypeError(f"workers need 1 <= MIN <= MAX, got {text!r}")
+    return out
+
+
+def backoff_range(text: str) -> tuple[float, float]:
+    """FIRST:MAX seconds, 0 < FIRST <= MAX."""
+    first, _, most = str(text).partition(":")
+    try:
+        out = (float(first), float(most))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a backoff is FIRST:MAX seconds, got {text!r}") from None
+    if not 0 < out[0] <= out[1]:
+        raise argparse.ArgumentTypeError(f"a backoff needs 0 < FIRST <= MAX, got {text!r}")
     return out
 
 
@@ -371,6 +384,7 @@ def cluster_config_from_args(args: argparse.Namespace):
     return ClusterConfig(engine=engine, mode=args.mode, **pools, tiers=tiers,
                          transfer_timeout_s=args.transfer_timeout, bind_host=args.kv_bind_host,
                          worker_timeout_s=args.worker_timeout, pool_wait_timeout_s=args.pool_wait_timeout,
+                         replace_backoff_s=args.replace_backoff,
                          kv_checksum=args.kv_checksum, kv_checksum_key=_key_file(args.kv_checksum_key_file),
                          max_retries=args.max_retries, on_decode_failure=args.on_decode_failure,
                          stream_interval=args.stream_interval, placement_load_tokens=args.placement_load_tokens,

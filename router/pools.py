@@ -80,11 +80,6 @@ def shortfall(asked: dict[str, float], cluster: dict[str, float]) -> str:
 # A start still waiting says which workers it waits for, this often.
 START_NOTICE_S = 30.0
 
-# A replacement that fails to start is tried again after 1 s, then twice as long each time, up to 30 s.
-REPLACE_BACKOFF_S = (1.0, 30.0)
-
-
-
 
 class Pools(PoolScaling):
     """The pools of a cluster; on_output(worker, StepOutput) gets every streamed step output and
@@ -338,7 +333,7 @@ class Pools(PoolScaling):
                 other.handle.peer_lost.remote(w.worker_id)
 
     async def _replace(self, lost: Worker) -> None:
-        backoff = REPLACE_BACKOFF_S[0]
+        backoff, most = self.config.replace_backoff_s
         while not self._closing and self.owner:
             w = self._spawn(lost.pool, lost.slot, self._new_id(lost.pool, lost.slot))
             self.starting[w.pool].append(w)
@@ -347,7 +342,7 @@ class Pools(PoolScaling):
                 return
             log.error("replacement %s failed to start (next try in %.0f s)", w.worker_id, backoff)
             await asyncio.sleep(backoff)
-            backoff = min(backoff * 2, REPLACE_BACKOFF_S[1])
+            backoff = min(backoff * 2, most)
 
     async def _bring_up(self, w: Worker) -> bool:
         """Wait (bounded) for a spawned worker, already counted as starting, to be ready, then make it

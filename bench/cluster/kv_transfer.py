@@ -16,8 +16,9 @@ Prints one table.
 
 Hand-off table: a real prefill worker and decode worker (the cluster's actors, SmolLM2, one torch
 thread each) serve one request at a time of --handoff-tokens prompt tokens and 2 output tokens. The
-decode worker reserves room before the prefill starts (as the router does), so the KV is pushed
-during the prefill step; each length is also run with the push held to the end of the forward (the
+decode worker reserves room before the prefill starts (the router reserves once the prefill worker has
+admitted the prompt: for a lone prompt that reservation reaches it a round trip into the forward), so
+the KV is pushed during the prefill step; each length is also run with the push held to the end of the forward (the
 whole KV at once), and layer-wise with the KV checksum (--kv-checksum). Hand-off = first token
 sampled on the prefill worker -> KV usable on the decode
 worker (the decode worker's pdserve_kv_handoff_seconds); prefill step = the prefill worker's busy time

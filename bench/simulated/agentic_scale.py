@@ -33,6 +33,7 @@ import asyncio
 import json
 import tempfile
 import time
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -136,7 +137,8 @@ def run_mode(mode: str, args, system: list[int], sessions: list[Session], tmp: P
             "requested": sum(r.input_tokens for r in records),
             "kv_bytes": delta("pdserve_kv_transfer_bytes") * SIM_KV_SCALE,
             "output_tok_s": sum(r.output_tokens for r in ok) / (wall / args.time_scale),
-            "wall_s": wall, "late_steps": late, "steps": steps}
+            "wall_s": wall, "late_steps": late, "steps": steps,
+            "errors": dict(Counter(f"{r.error_code}: {r.error}" for r in records if not r.ok))}
 
 
 def main() -> None:
@@ -182,6 +184,8 @@ def main() -> None:
             r = rows[-1]
             print(f"{mode}: ready in {r['ready_s']:.0f} s, ran {r['wall_s']:.0f} s; late steps {r['late_steps']} of "
                   f"{r['steps']}", flush=True)
+            for error, count in r["errors"].items():  # a failed request is a finding: say what it was
+                print(f"  failed x{count}: {error}", flush=True)
     print(f"\n| prefix routing | requests (failed) | TTFT p50 ms | TTFT p90 ms | TTFT p99 ms | prompt tokens computed / "
           f"requested | computed / new | KV moved GB | output tok/s |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:

@@ -36,7 +36,8 @@ class Chunk(NamedTuple):
     # logits, sample j with seed sample_seed(seed, j).
     fanout: int = 1
     # Structured output (pdserve.engine.grammar): the bitmask [words] int32 of the tokens the sample may draw,
-    # filled when the step is built from its matcher (a group's first sampling: every sample's, one state).
+    # filled when the step is built from its matcher (a group's first sampling: every sample's, one state); a
+    # speculative chunk's is [len(draft) + 1, words], one row per position (pdserve.engine.scheduler_spec).
     mask: torch.Tensor | None = None
     # Speculative decoding (pdserve.engine.speculative): the drafted tokens, token_ids[1:] (token_ids[0] is the
     # request's last known token). The chunk samples at each of its positions; the runner verifies the drafts

@@ -31,7 +31,7 @@ from pdserve.engine.chunk import Chunk
 from pdserve.engine.request import Request
 from pdserve.engine.runner import ModelRunner
 from pdserve.engine.sampling import token_seed
-from pdserve.engine.speculative import processed
+from pdserve.engine.speculative import scaled_plain
 from pdserve.model.loader import ModelInfo, load, load_info
 
 # Drafts are drawn with a generator of their own, seeded apart from the verification's (token_seed of the same
@@ -137,7 +137,7 @@ class DraftModel:
                 if gen is None:
                     token = int(logits[row].argmax())
                 else:
-                    q = processed(logits[row:row + 1], req.params).softmax(dim=-1)[0]  # [vocab]
+                    q = scaled_plain(logits[row:row + 1], req.params).softmax(dim=-1)[0]  # [vocab]
                     token = int(torch.multinomial(q, 1, generator=gen))
                     qs.append(q)
                 drafts.append(token)

@@ -145,6 +145,11 @@ class Matcher:
                 raise GrammarError(f"output token {i} (id {t}) does not follow the request's structured output "
                                    "grammar")
 
+    def rollback(self, tokens: int) -> None:
+        """Undo the last `tokens` accepted (a verification's masks are made by accepting its drafts, then
+        rolling them back: pdserve.engine.scheduler_spec.grammar_masks)."""
+        self._m.rollback(tokens)
+
     def fork(self) -> Matcher:
         """A matcher at the same place, going on independently (a group's sample)."""
         return Matcher(self._m.fork(), self._words)

@@ -20,7 +20,7 @@ from pdserve.engine.kv_cache import allocate_kv_cache
 from pdserve.engine.logprobs import TokenLogprob
 from pdserve.engine.routed_experts import RouteCapture
 from pdserve.engine.sampling import SampledLogprobs, SamplingBatch, logprobs_of, sample, sample_seed, to_device
-from pdserve.engine.speculative import verify
+from pdserve.engine.speculative import verification_batch, verify
 from pdserve.engine.utilization import step_bytes, step_flops
 from pdserve.kernels import cpu_attention, cpu_kernels
 from pdserve.model.attention import AttentionMetadata, DecodeGroup
@@ -185,10 +185,13 @@ class ModelRunner:
 
     def _verify(self, hidden: torch.Tensor, last: int, chunk: Chunk) -> tuple[list[int], list[TokenLogprob] | None]:
         """A speculative chunk's emitted tokens (and their logprobs, if asked): the target's logits at its k + 1
-        positions (rows last - k .. last of the batch) checked against its k drafts."""
+        positions (rows last - k .. last of the batch) checked against its k drafts, each position's logits
+        processed as a plain step's would be there (its penalties, min_tokens' banned ids, grammar mask)."""
         k = len(chunk.draft)
         logits = self.model.compute_logits(hidden[last - k:last + 1]).float()
-        return verify(logits, chunk.draft, chunk.sample, chunk.seed, chunk.output_index, chunk.draft_probs)
+        batch = verification_batch(chunk.sample, chunk.seed, chunk.output_index, chunk.draft, chunk.history,
+                                   chunk.banned, chunk.mask, self.device)
+        return verify(logits, chunk.draft, chunk.sample, chunk.seed, chunk.output_index, batch, chunk.draft_probs)
 
     def _sampling(self, chunks: list[Chunk], sampling_chunks: list[int],
                   previous: torch.Tensor | None) -> SamplingBatch:

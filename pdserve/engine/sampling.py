@@ -382,24 +382,15 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, Sa
     (both stay on the logits' device).
 
     The logits the sampler draws from ("processed"): penalties, banned tokens (min_tokens), the structured
-    output's mask, then on sampling rows the temperature, the min-p mask and the top-k / top-p masks; greedy
-    rows take the argmax of the penalized and masked logits."""
+    output's mask (process_logits), then on sampling rows the temperature, the min-p mask and the top-k / top-p
+    masks (scale_logits); greedy rows take the argmax of the penalized and masked logits."""
     raw = logits
-    if batch.penalties is not None:
-        logits = batch.penalties.apply(logits)
-    if batch.banned is not None:
-        logits = logits.index_put(batch.banned, torch.tensor(float("-inf"), device=logits.device))
-    if batch.allowed is not None:
-        logits = apply_token_bitmask(logits, *batch.allowed)
+    logits = process_logits(logits, batch)
     greedy = logits.argmax(dim=-1)
     if batch.all_greedy:
         return greedy, _logprobs(raw, logits, greedy, batch)
     is_greedy = batch.temperatures == 0
-    scaled = logits / torch.where(is_greedy, 1.0, batch.temperatures)[:, None]
-    if batch.min_p is not None:
-        scaled = apply_min_p(scaled, batch.min_p)
-    if batch.any_filter:
-        scaled = apply_top_k_top_p(scaled, batch.top_k, batch.top_p)
+    scaled = scale_logits(logits, batch)
     probs = scaled.softmax(dim=-1)
     noise = torch.empty_like(probs)
     gen = torch.Generator(device=logits.device)
@@ -408,6 +399,30 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, Sa
         noise[row].exponential_(generator=gen)
     sampled = torch.where(is_greedy, greedy, (probs / noise).argmax(dim=-1))
     return sampled, _logprobs(raw, scaled, sampled, batch)
+
+
+def process_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """The logits after what every row gets before its temperature: the penalties, the banned tokens
+    (min_tokens) and the structured output's mask (the logits themselves where a batch has none of these)."""
+    if batch.penalties is not None:
+        logits = batch.penalties.apply(logits)
+    if batch.banned is not None:
+        logits = logits.index_put(batch.banned, torch.tensor(float("-inf"), device=logits.device))
+    if batch.allowed is not None:
+        logits = apply_token_bitmask(logits, *batch.allowed)
+    return logits
+
+
+def scale_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Processed logits (process_logits) as a sampling row draws from them: divided by its temperature, then
+    its min-p and top-k / top-p masks; greedy rows are left as they are (temperature 1, no mask)."""
+    is_greedy = batch.temperatures == 0
+    scaled = logits / torch.where(is_greedy, 1.0, batch.temperatures)[:, None]
+    if batch.min_p is not None:
+        scaled = apply_min_p(scaled, batch.min_p)
+    if batch.any_filter:
+        scaled = apply_top_k_top_p(scaled, batch.top_k, batch.top_p)
+    return scaled
 
 
 def _logprobs(raw: torch.Tensor, processed: torch.Tensor, sampled: torch.Tensor,

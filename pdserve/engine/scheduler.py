@@ -51,7 +51,7 @@ from pdserve.engine.request import (
 from pdserve.engine.routed_experts import note_step
 from pdserve.engine.runner import StepResult, samples_of
 from pdserve.engine.sampling import sample_seed
-from pdserve.engine.scheduler_spec import Speculation, step_chunks, trim
+from pdserve.engine.scheduler_spec import Speculation, step_chunks, trim, usable
 from pdserve.engine.scheduler_types import (
     Role,
     SampledToken,
@@ -105,6 +105,16 @@ def _shares_computing(kv: KVCacheManager, req: Request, computing: set[bytes]) -
     return kv.pool.enable_prefix_caching and i < len(req.block_hashes) and req.block_hashes[i] in computing
 
 
+def _givable(waiting: WaitingQueue, kv: KVCacheManager, but: Request | None) -> Request | None:
+    """The waiting request (but `but`) whose blocks Scheduler._drop_kept frees for `but`, or None: the last that kept
+    its KV, else the last holding blocks it has not run with (a finished load's, prefix-cache hits), else the last
+    partial hand-off holding its pinned prefix."""
+    others = [r for r in waiting if r is not but][::-1]
+    return next((r for r in others if r.kept_kv), None) \
+        or next((r for r in others if r.block_ids and not r.remote_kv and kv.loaded(r)), None) \
+        or next((r for r in others if r.block_ids and r.remote_kv), None)
+
+
 class Scheduler(PipelinedDecode):
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager, eos_token_ids: tuple[int, ...],
                  max_model_len: int, role: Role = Role.COLOCATED):
@@ -130,6 +140,9 @@ class Scheduler(PipelinedDecode):
         self.ending: list[Request] = []
         self._free_after: list[Request] = []
         self._flex_floor = flex_floor(config.flex_min_share, config.max_num_seqs)
+        # Partial hand-offs ended because their pinned prefix was given back (_drop_kept): the decode worker takes
+        # them (and empties the list) after each schedule, to fail them as PREFIX_MISSED.
+        self.unpinned: list[Request] = []
         # Groups (SamplingParams.n): the block copies forks asked for, whether the runner can make them
         # (EngineCore says), and who gives a forked sample what the scheduler does not know (its text).
         self.block_copies: list[tuple[int, int]] = []
@@ -284,6 +297,8 @@ class Scheduler(PipelinedDecode):
     def _draft(self, req: Request, budget: int) -> list[int]:
         """The tokens req drafts this step, if their slots can be had without taking anyone's blocks."""
         draft = self.speculation.draft(req, len(self.running), self.max_model_len, budget, self.kv.version)
+        if self.speculation.draft_model is None:  # a draft model's are placeholders until fill_drafts
+            draft = usable(req, draft, self.eos_token_ids)
         return draft if draft and self.kv.allocate_slots(req, 1 + len(draft)) else []
 
     def update(self, step: ScheduledStep, result: StepResult) -> list[SampledToken]:
@@ -333,6 +348,7 @@ class Scheduler(PipelinedDecode):
         out = []
         for i, token in enumerate(emitted):
             req.token_ids.append(token)
+            advance(req, token)
             req.num_computed_tokens = req.num_tokens - 1
             reason = token_stop_reason(req, self.eos_token_ids, self.max_model_len)
             out.append(SampledToken(req, token, reason, req.num_output_tokens,
@@ -467,13 +483,15 @@ class Scheduler(PipelinedDecode):
         """Blocks for a remote request's KV and its next token, if that leaves the configured headroom
         per running request (so that taking it in does not force a preemption at the very next step)."""
         while not self._room_for(req):
-            if not self._drop_kept():
+            if not self._drop_kept(but=req):
                 return False
         return self.kv.allocate_slots(req, req.num_tokens + 1)
 
     def _can_reserve(self) -> bool:
+        """Whether the head of the queue is incoming KV that a step would reserve room for (there is room, or blocks
+        that requests behind it hold give way to it)."""
         return bool(self.waiting) and self.waiting[0].remote_kv and self.num_active < self.config.max_num_seqs \
-            and self._room_for(self.waiting[0])
+            and (self._room_for(self.waiting[0]) or _givable(self.waiting, self.kv, self.waiting[0]) is not None)
 
     def blocks_for(self, req: Request) -> int:
         """Blocks a request needs to take its next token: its tokens' and the next one's; a group's samples
@@ -525,20 +543,23 @@ class Scheduler(PipelinedDecode):
         """Free the KV of the last waiting request (but `but`, the one that needs the room) that kept it (it will be
         recomputed), or else that holds blocks it has not run with yet: a prefix a KV tier load brought back, or
         prefix-cache hits taken at admission (they stay in the prefix cache, and a tier keeps what is then
-        evicted). A request ahead of it in the queue, or a running one, never waits for room that a request the
-        queue does not reach holds. (A partial hand-off's pinned prefix is not taken, nor a load still under way:
-        its end wakes the step thread.) False if none did."""
-        waiting = [r for r in self.waiting if r is not but]
-        kept = next((r for r in reversed(waiting) if r.kept_kv), None)
-        if kept is None:
-            held = next((r for r in reversed(waiting) if r.block_ids and not r.remote_kv and self.kv.loaded(r)), None)
-            if held is None:
-                return False
-            self.kv.free(held)
-            return True
-        kept.kept_kv = False
-        self.kv.free(kept)
-        self.preemptions[(ServiceTier.of_rank(kept.tier).value, "recomputed")] += 1
+        evicted), or else, last, a partial hand-off's prefix pinned while it waits for its reservation: that
+        request ends here, its prefix given back (`self.unpinned`: the decode worker fails it as PREFIX_MISSED, and the
+        router tries it again at once as a full hand-off, which pins nothing). A request ahead of it in the queue,
+        or a running one, never waits for room that a request the queue does not reach holds, so no block waits
+        for a request that waits for that block. (A load still under way is not taken: its end wakes the step
+        thread.) False if none did."""
+        victim = _givable(self.waiting, self.kv, but)
+        if victim is None:
+            return False
+        if victim.kept_kv:
+            victim.kept_kv = False
+            self.preemptions[(ServiceTier.of_rank(victim.tier).value, "recomputed")] += 1
+        if victim.remote_kv:
+            self.finish(victim, FinishReason.ABORT)
+            self.unpinned.append(victim)
+        else:
+            self.kv.free(victim)
         return True
 
     def _preempt_for_tiers(self) -> None:
@@ -551,7 +572,7 @@ class Scheduler(PipelinedDecode):
             no_room = head.remote_kv and not self._room_for(head)
             if not (no_slot or no_room):
                 return
-            if no_room and not no_slot and self._drop_kept():
+            if no_room and not no_slot and self._drop_kept(but=head):
                 continue
             flex = [j for j, r in enumerate(self.running) if r.tier == FLEX]
             if len(flex) <= self._flex_floor:

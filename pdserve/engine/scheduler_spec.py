@@ -3,14 +3,27 @@ step's emitted tokens do to a request (pdserve.engine.speculative holds the prop
 
 A running request that decodes (one token to compute) drafts when it may, by prompt lookup or with a draft model
 (pdserve.engine.draft_model): its next chunk is its last token and the drafts, computed in one forward that samples
-at each position. A draft model's drafts are drawn once the step's requests are placed (fill_drafts), all the
-step's drafting requests in the draft's k forwards; until then each holds its room's PENDING placeholders. After a
-weight update the draft no longer matches the target: no request drafts with it from then on (stats says
-"draft_stale" and the worker logs it), so a stale draft never slows a request unseen. The rule, per request:
-only requests whose next token the sampler draws from the raw logits speculate (no penalties, min_tokens
-reached, no structured output, no prompt logprobs still to compute, no routed experts (a verification computes
-positions past the accepted ones); a group (n > 1) once its samples have forked, each sample drafting from its own
-tokens with its own seed); the others decode one token a step as before, in the same batch. Per step: none
+at each position. Each position's logits get what a plain step's would get there had the drafts before it been
+sampled (pdserve.engine.speculative.verification_batch): penalties counting those drafts, min_tokens' banned ids
+while the position is below min_tokens, the structured output's mask from the matcher advanced through those
+drafts (grammar_masks; the matcher is rolled back once the masks are made, and advanced by the emitted tokens when
+the step is accounted). A prompt-lookup draft is cut where no verification could keep more (usable): before a
+token its position may not draw, after one that ends the request. Stop strings and max_tokens cut the emitted run
+where they end the request.
+
+A draft model's drafts are drawn once the step's requests are placed (fill_drafts), all the step's drafting
+requests in the draft's k forwards; until then each holds its room's PENDING placeholders. Its distribution q is
+the raw logits' after temperature, min-p, top-k and top-p, so only requests that the sampler draws from the raw
+logits draft with it (no penalties, min_tokens reached, no structured output: `plain`). After a weight update the
+draft no longer matches the target: no request drafts with it from then on (stats says "draft_stale" and the
+worker logs it), so a stale draft never slows a request unseen.
+
+The rule, per request: every request speculates (penalties, min_tokens, structured output, logprobs, a group
+(n > 1) once its samples have forked, each sample drafting from its own tokens with its own seed) except one
+with prompt logprobs still to come or routed experts (a verification computes positions past the accepted ones,
+and these report every computed position) and a group before its samples fork (its first sampling draws n
+tokens from one row), and, with a draft model, one that is not plain; the others decode one token a step as
+before, in the same batch. Per step: none
 speculates while more requests run than max_batch (SpeculativeConfig.disable_by_batch_size, or the roofline's
 free rows), nor on a pipelined engine (a step's emitted count must be known before the next is built).
 
@@ -54,9 +67,9 @@ class Speculation:
     @staticmethod
     def eligible(req: Request) -> bool:
         """Whether the request may speculate (the per-request rule in the module's docstring)."""
-        p = req.params
-        return (not p.penalized and req.num_output_tokens >= p.min_tokens and p.structured is None
-                and req.prompt_logprobs is None and req.grammar is None
+        # A structured output speculates through its matcher: without one (a worker that cannot compile it
+        # refuses the request) it does not.
+        return ((req.params.structured is None or req.grammar is not None) and req.prompt_logprobs is None
                 and req.routed is None and req.unresolved == 0 and req.fanout == 1)
 
     def draft(self, req: Request, batch: int, max_model_len: int, budget: int, version: int = 0) -> list[int]:
@@ -65,6 +78,8 @@ class Speculation:
         model, PENDING placeholders as many as it may draft (fill_drafts draws them); none once the engine's weight
         version is not the draft's."""
         if batch > self.max_batch or not self.eligible(req) or not self._draft_current(version):
+            return []
+        if self.draft_model is not None and not plain(req):
             return []
         state = self._state.setdefault(req.request_id, DraftState(self.config.num_speculative_tokens))
         room = min(state.k, budget - 1, req.params.max_tokens - req.num_output_tokens - 1,
@@ -173,13 +188,82 @@ def speculation_for(config, role: Role, runner, pipelined: bool, simulated: bool
     return Speculation(spec, rows, draft)
 
 
+def plain(req: Request) -> bool:
+    """Whether the sampler draws the request's next token from its raw logits (no penalties, min_tokens reached,
+    no structured output): a draft model's q is processed as such a request's p is."""
+    p = req.params
+    return not p.penalized and req.num_output_tokens >= p.min_tokens and p.structured is None
+
+
+def held_back(params, eos_token_ids: tuple[int, ...]) -> tuple[int, ...]:
+    """The ids that end a request (EOS unless it ignores EOS, its stop ids): what min_tokens holds back."""
+    return (*(() if params.ignore_eos else eos_token_ids), *params.stop_token_ids)
+
+
+def usable(req: Request, draft: list[int], eos_token_ids: tuple[int, ...]) -> list[int]:
+    """The draft cut where no verification could keep more of it: before its first token that the position may
+    not draw (an id min_tokens holds back there, one the request's grammar does not allow after the drafts
+    before it: the target's processed logits give it no chance), and after its first token that ends the
+    request (an EOS or stop id, one that completes the grammar: nothing after it is emitted). The request's
+    matcher is left where it was."""
+    params, m = req.params, req.grammar
+    ends = set(held_back(params, eos_token_ids))
+    out: list[int] = []
+    try:
+        for i, t in enumerate(draft):
+            if t in ends and req.num_output_tokens + i < params.min_tokens:
+                break
+            if m is not None and not m.accept(t):
+                break
+            out.append(t)
+            if t in ends or (m is not None and m.terminated):
+                break
+    finally:
+        if m is not None and out:
+            m.rollback(len(out))
+    return out
+
+
+def grammar_masks(req: Request, first: torch.Tensor, draft: Sequence[int],
+                  eos_token_ids: tuple[int, ...]) -> torch.Tensor:
+    """A speculative chunk's masks under structured output, [len(draft) + 1, words] int32: first (the mask
+    after the request's tokens, chunk_of's), then the matcher's after each draft, the ids min_tokens holds back
+    taken out while the position is below min_tokens (pdserve.engine.grammar.Matcher.mask). The draft is
+    usable's (each token allowed; only its last may complete the grammar, and the position after that one is
+    never emitted: it repeats the mask before). The matcher is rolled back to where it was."""
+    m, params = req.grammar, req.params
+    held = held_back(params, eos_token_ids)
+    rows = [first]
+    accepted = 0
+    try:
+        for i, t in enumerate(draft, 1):
+            ok = m.accept(t)
+            assert ok, "a usable draft's tokens are allowed by the grammar"
+            accepted += 1
+            below = req.num_output_tokens + i < params.min_tokens
+            rows.append(rows[-1] if m.terminated else m.mask(held if below else ()))
+    finally:
+        if accepted:
+            m.rollback(accepted)
+    return torch.stack(rows)
+
+
 def step_chunks(scheduled: list[tuple[Request, int]], drafts: dict[Request, list[int]],
                 eos_token_ids: tuple[int, ...], probs: dict[Request, torch.Tensor] | None = None) -> list[Chunk]:
     """A step's chunks (pdserve.engine.scheduler_types.chunk_of); a drafting request's is its last token and its
-    drafts (Chunk.draft), with the draft model's distributions where it drew them (Chunk.draft_probs); one whose
-    draft came back empty (fill_drafts) computes its one token."""
+    drafts (Chunk.draft), with a mask per position under structured output (grammar_masks) and the draft model's
+    distributions where it drew them (Chunk.draft_probs); one whose draft came back empty (fill_drafts) computes
+    its one token."""
     probs = probs or {}
     return [chunk_of(r, n, eos_token_ids) if r not in drafts else chunk_of(r, 1, eos_token_ids) if not drafts[r] else
-            chunk_of(r, 1, eos_token_ids)._replace(token_ids=[r.token_ids[-1], *drafts[r]], draft=tuple(drafts[r]),
-                                                   draft_probs=probs.get(r))
+            draft_chunk(r, drafts[r], eos_token_ids)._replace(draft_probs=probs.get(r))
             for r, n in scheduled]
+
+
+def draft_chunk(req: Request, draft: list[int], eos_token_ids: tuple[int, ...]) -> Chunk:
+    """A drafting request's chunk: chunk_of's one-token chunk (its history, banned ids, first mask), its tokens
+    the last known one and the drafts, and under structured output a mask per position."""
+    chunk = chunk_of(req, 1, eos_token_ids)._replace(token_ids=[req.token_ids[-1], *draft], draft=tuple(draft))
+    if req.grammar is not None:
+        chunk = chunk._replace(mask=grammar_masks(req, chunk.mask, draft, eos_token_ids))
+    return chunk

@@ -162,7 +162,7 @@ class SimRunner:
         self._layer_salt = (torch.arange(layers, dtype=torch.int64) * 7)[:, None]  # [layers, 1]
         tok = self.info.tokenizer
         self.vocab = min(self.cfg.vocab_size, tok.vocab_size) if tok is not None else self.cfg.vocab_size
-        special = {int(i) for i, t in tok.hf_tokenizer.added_tokens_decoder.items() if t.special} if tok else set()
+        special = set(tok.special_tokens) if tok else set()
         self._skipped = sorted(i for i in {*self.info.eos_token_ids, *special} if i < self.vocab)
         self._dtype_bytes = self.dtype.itemsize
         self.flops_total = 0

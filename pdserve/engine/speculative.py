@@ -34,7 +34,16 @@ from dataclasses import dataclass
 import torch
 
 from pdserve.engine.logprobs import TokenLogprob
-from pdserve.engine.sampling import SamplingParams, apply_min_p, apply_top_k_top_p, logprobs_of, token_seed
+from pdserve.engine.sampling import (
+    SamplingBatch,
+    SamplingParams,
+    apply_min_p,
+    apply_top_k_top_p,
+    logprobs_of,
+    process_logits,
+    scale_logits,
+    token_seed,
+)
 
 SUPPORTED_METHODS = ("ngram", "draft_model")
 # Methods of the field that a later change may add; named in the refusal so that the message says
@@ -207,10 +216,10 @@ def accept_sampled(probs: torch.Tensor, draft: Sequence[int], generator: torch.G
     return out
 
 
-def processed(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Raw logits [rows, vocab] as the sampler processes them for a request that speculates (no penalties, banned
-    tokens or masks: pdserve.engine.scheduler_spec): divided by the temperature, then min-p, top-k and top-p. Its
-    softmax is the distribution a sampled token is drawn from (the target's p, or a draft model's q)."""
+def scaled_plain(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Raw logits [rows, vocab] as the sampler processes them for a plain request (no penalties, banned tokens or
+    masks: pdserve.engine.scheduler_spec.plain, the requests a draft model drafts for): divided by the temperature,
+    then min-p, top-k and top-p. Its softmax is the distribution a draft model's q is drawn from."""
     rows = logits.shape[0]
     scaled = logits / params.temperature
     if params.min_p > 0:
@@ -221,20 +230,45 @@ def processed(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return scaled
 
 
-def verify(logits: torch.Tensor, draft: Sequence[int], params: SamplingParams, seed: int,
-           output_index: int, q: torch.Tensor | None = None) -> tuple[list[int], list[TokenLogprob] | None]:
+
+def verification_batch(params: SamplingParams, seed: int, output_index: int, draft: Sequence[int],
+                       history: list[int] | None = None, banned: tuple[int, ...] = (),
+                       masks: torch.Tensor | None = None, device: torch.device | str = "cpu") -> SamplingBatch:
+    """The sampling inputs of a verification's len(draft) + 1 positions, each what a plain step would give
+    the request there, had the drafts before it been sampled: position i samples output token
+    output_index + i, its penalties count the request's tokens (history: prompt then output, if it is
+    penalized) and draft[:i], the ids min_tokens holds back (banned) are banned while output_index + i is
+    below min_tokens, and under structured output it draws from masks[i] (the matcher's bitmask after
+    draft[:i], pdserve.engine.scheduler_spec.grammar_masks)."""
+    rows = len(draft) + 1
+    drafted = list(draft)
+    return SamplingBatch.build(
+        [params] * rows, [seed] * rows, [output_index + i for i in range(rows)], device,
+        histories=[history + drafted[:i] for i in range(rows)] if history is not None else (),
+        banned=[banned if output_index + i < params.min_tokens else () for i in range(rows)] if banned else (),
+        masks=list(masks) if masks is not None else ())
+
+
+def verify(logits: torch.Tensor, draft: Sequence[int], params: SamplingParams, seed: int, output_index: int,
+           batch: SamplingBatch | None = None, q: torch.Tensor | None = None
+           ) -> tuple[list[int], list[TokenLogprob] | None]:
     """The tokens a verification chunk emits (1 to len(draft) + 1), and their logprobs if the request asks.
-    logits: [len(draft) + 1, vocab], the target's raw logits at the chunk's positions; q: [len(draft), vocab], the
-    draft model's distributions the drafts were drawn from (None: prompt lookup's, all on its token; unused when
-    greedy, whose drafts are the draft's argmax). Only requests without penalties, banned tokens or masks
-    speculate (pdserve.engine.scheduler_spec), so the raw logits are what the sampler would process: greedy takes
-    their argmax; sampling processes them as the sampler does (processed) and draws with a generator seeded by the
-    request's seed and the first token's output index (the draw is reproducible, though not the one plain decoding
-    makes: the distribution is the same, the tokens are not)."""
+    logits: [len(draft) + 1, vocab], the target's raw logits at the chunk's positions; batch: their sampling
+    inputs (verification_batch; None: a request with no penalties, banned ids or mask); q: [len(draft), vocab],
+    the draft model's distributions the drafts were drawn from (None: prompt lookup's, all on its token; unused
+    when greedy, whose drafts are the draft's argmax). Each position's logits
+    get what the sampler gives a plain step's (pdserve.engine.sampling.process_logits, scale_logits): greedy
+    takes the argmax of the penalized and masked logits; sampling draws by the rejection rule from the
+    distribution after the temperature, min-p and top-k / top-p, with a generator seeded by the request's seed
+    and the first token's output index (the draw is reproducible, though not the one plain decoding makes: the
+    distribution is the same, the tokens are not)."""
+    if batch is None:
+        batch = verification_batch(params, seed, output_index, draft, device=logits.device)
+    processed = process_logits(logits, batch)
     if params.greedy:
-        emitted = accept_greedy(logits.argmax(dim=-1).tolist(), draft)
-        return emitted, emitted_logprobs(logits, logits, emitted, params)
-    scaled = processed(logits, params)
+        emitted = accept_greedy(processed.argmax(dim=-1).tolist(), draft)
+        return emitted, emitted_logprobs(logits, processed, emitted, params)
+    scaled = scale_logits(processed, batch)
     gen = torch.Generator(device=logits.device)
     gen.manual_seed(token_seed(seed, output_index))
     emitted = accept_sampled(scaled.softmax(dim=-1), draft, gen, q)

@@ -2,6 +2,12 @@
 
 Everything here is offline: tokenizers load with local_files_only. A GGUF file's tokenizer is
 converted by transformers once (seconds) and cached as a plain tokenizer directory.
+
+A worker needs a tokenizer only to decode its tokens and to know the stop and special tokens; importing
+transformers for that costs ~1.5 s of every worker's start on 2 cores. So a directory whose tokenizer.json
+transformers would load unchanged (a `TokenizersBackend` with no setting that alters it, as the converted GGUF
+directory is) is read with the `tokenizers` library alone, and transformers' tokenizer is loaded the first
+time something needs it (a chat template, a grammar's vocabulary).
 """
 
 from __future__ import annotations
@@ -38,17 +44,11 @@ class Tokenizer:
 
     def __init__(self, hf_tokenizer: Any, extra_eos_token_ids: Iterable[int] = ()) -> None:
         self._tok = hf_tokenizer
-        candidates = [hf_tokenizer.eos_token_id, *extra_eos_token_ids]
-        special = {t.content: i for i, t in hf_tokenizer.added_tokens_decoder.items() if t.special}
-        candidates += [special[m] for m in _END_OF_TURN_MARKERS if m in special]
-        # eos first, then the rest in a stable order, no duplicates
-        self._eos = tuple(dict.fromkeys(int(i) for i in candidates if i is not None))
+        self._eos = _stop_ids(hf_tokenizer.eos_token_id, extra_eos_token_ids, self.special_tokens)
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike) -> Tokenizer:
         """Load from a Hugging Face model directory or a .gguf file (converted once, then cached)."""
-        from transformers import AutoTokenizer  # heavy import, only when a tokenizer is loaded
-
         path = Path(path)
         if path.suffix == ".gguf":
             if not path.is_file():
@@ -58,12 +58,19 @@ class Tokenizer:
             raise ValueError(f"a tokenizer loads from a model directory or a .gguf file, not {path}")
         elif not path.is_dir():
             raise FileNotFoundError(f"tokenizer directory not found: {path}")
-        hf_tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-        return cls(hf_tokenizer, _generation_eos_ids(path))
+        read = _read_unchanged(path)
+        if read is not None:
+            return _JsonTokenizer(path, *read, _generation_eos_ids(path))
+        return cls(_load_hf(path), _generation_eos_ids(path))
 
     @property
     def hf_tokenizer(self) -> Any:
         return self._tok
+
+    @property
+    def special_tokens(self) -> dict[int, str]:
+        """The special added tokens (bos, eos, chat markers): id -> text."""
+        return {int(i): t.content for i, t in self.hf_tokenizer.added_tokens_decoder.items() if t.special}
 
     @property
     def vocab_size(self) -> int:
@@ -122,6 +129,95 @@ class Tokenizer:
         # transformers 5 returns a BatchEncoding here, older versions a bare list
         ids = rendered["input_ids"] if isinstance(rendered, Mapping) else rendered
         return [int(i) for i in ids]
+
+
+class _JsonTokenizer(Tokenizer):
+    """A directory's tokenizer.json read with the `tokenizers` library: encode, decode, the vocabulary and the
+    special tokens, as transformers' tokenizer of the directory gives them (_read_unchanged decides that it
+    would load the file unchanged); that tokenizer itself is loaded on first use (chat templates, grammars)."""
+
+    def __init__(self, directory: Path, raw: Any, config: dict[str, Any], extra_eos_token_ids: Iterable[int]):
+        self._dir, self._raw, self._hf = directory, raw, None
+        self._bos = self._id_of(config.get("bos_token"))
+        self._eos = _stop_ids(self._id_of(config.get("eos_token")), extra_eos_token_ids, self.special_tokens)
+
+    def _id_of(self, token: str | dict | None) -> int | None:
+        return None if token is None else self._raw.token_to_id(_token_text(token))
+
+    @property
+    def _tok(self) -> Any:
+        if self._hf is None:  # two threads may both load it: the same tokenizer either way
+            self._hf = _load_hf(self._dir)
+        return self._hf
+
+    @property
+    def special_tokens(self) -> dict[int, str]:
+        return {int(i): t.content for i, t in self._raw.get_added_tokens_decoder().items() if t.special}
+
+    @property
+    def vocab_size(self) -> int:
+        return self._raw.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def bos_token_id(self) -> int | None:
+        return self._bos
+
+    def encode(self, text: str) -> list[int]:
+        return self._raw.encode(text).ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self._raw.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+
+# tokenizer_config.json keys that leave tokenizer.json as transformers' TokenizersBackend loads it (a named special
+# token is checked to be in the file already: one that is not, transformers adds). Any other key (add_bos_token,
+# split_special_tokens, added_tokens_decoder, ...) may change how it encodes or decodes: such a directory loads
+# with transformers.
+_PLAIN_CONFIG_KEYS = {"backend", "tokenizer_class", "bos_token", "eos_token", "unk_token", "pad_token", "is_local",
+                      "local_files_only", "model_max_length", "chat_template", "clean_up_tokenization_spaces"}
+_NAMED_TOKENS = ("bos_token", "eos_token", "unk_token", "pad_token")
+
+
+def _read_unchanged(directory: Path) -> tuple[Any, dict[str, Any]] | None:
+    """(the tokenizers.Tokenizer of directory/tokenizer.json, tokenizer_config.json) where transformers would load
+    that file as it is, else None."""
+    config_path, json_path = directory / "tokenizer_config.json", directory / "tokenizer.json"
+    if not (config_path.is_file() and json_path.is_file()):
+        return None
+    config = json.loads(config_path.read_text())
+    if config.get("tokenizer_class") not in ("TokenizersBackend", "PreTrainedTokenizerFast") \
+            or set(config) - _PLAIN_CONFIG_KEYS or config.get("clean_up_tokenization_spaces"):
+        return None
+    from tokenizers import Tokenizer as RawTokenizer
+
+    raw = RawTokenizer.from_file(str(json_path))
+    added = {t.content for t in raw.get_added_tokens_decoder().values()}
+    named = {_token_text(config[k]) for k in _NAMED_TOKENS if config.get(k) is not None}
+    # Past 100k ids transformers may patch the pre-tokenizer (a Mistral regex fix); no post-processor: it makes one;
+    # truncation or padding in the file: transformers turns them off for a plain encode, the file's reader would not.
+    if raw.post_processor is None or raw.get_vocab_size() > 100_000 or not named <= added \
+            or raw.truncation is not None or raw.padding is not None:
+        return None
+    return raw, config
+
+
+def _token_text(token: str | dict) -> str:
+    """A token as tokenizer_config.json names it: its text, or an AddedToken's fields."""
+    return token["content"] if isinstance(token, dict) else token
+
+
+def _load_hf(directory: Path) -> Any:
+    from transformers import AutoTokenizer  # heavy import, only when transformers' tokenizer is needed
+
+    return AutoTokenizer.from_pretrained(directory, local_files_only=True)
+
+
+def _stop_ids(eos: int | None, extra: Iterable[int], special: dict[int, str]) -> tuple[int, ...]:
+    """Every id that ends generation: eos first, then `extra` and the end-of-turn markers the vocabulary holds as
+    special tokens, in a stable order, no duplicates."""
+    by_text = {text: i for i, text in special.items()}
+    candidates = [eos, *extra, *(by_text[m] for m in _END_OF_TURN_MARKERS if m in by_text)]
+    return tuple(dict.fromkeys(int(i) for i in candidates if i is not None))
 
 
 class IncrementalDetokenizer:

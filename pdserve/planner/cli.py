@@ -87,6 +87,19 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     g.add_argument("--first-token-latency-ms", type=float, default=None,
                    help="worker -> client hops of the first token (default: measured on the local CPU cluster)")
     g.add_argument("--token-latency-ms", type=float, default=None, help="the same for later tokens")
+    g = p.add_argument_group("speculative decoding (pdserve.perf.speculation): the decode and colocated pools "
+                             "speculate")
+    g.add_argument("--speculative-acceptance", type=float, default=None, metavar="A",
+                   help="the rate at which drafted tokens are accepted, in [0, 1] (a verification of k drafts emits "
+                        "(1 - A^(k+1)) / (1 - A) tokens on average)")
+    g.add_argument("--speculative-metrics", default=None, metavar="METRICS.txt",
+                   help="read the rate (and k, the mean drafts per verification) from a scrape of a speculating "
+                        "cluster's router /metrics (pdserve_worker_spec_*)")
+    g.add_argument("--speculative-tokens", type=int, default=None, metavar="K",
+                   help="num_speculative_tokens, drafts per verification (default: the metrics' mean, else 4)")
+    g.add_argument("--speculative-max-batch", type=int, default=None, metavar="N",
+                   help="no request drafts while more than N run (disable_by_batch_size; default: wherever the cost "
+                        "model says verification pays)")
     g = p.add_argument_group("service tiers (pdserve.tiers): the fast lane's size and batch cap, each tier's price")
     g.add_argument("--tier-mix", default=None, metavar="priority=0.1,default=0.6,flex=0.3",
                    help="shares of the requests by tier; prints the fast lane's max running and workers and each "
@@ -232,6 +245,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
     print(f"{plan['requests']} requests: {workload.description['workload']}; model {model['name']}; costs: "
           f"{plan['costs']}")
     print(format_plan(plan))
+    if "speculation" in plan:
+        from pdserve.planner.plan import format_speculation
+
+        print(format_speculation(plan["speculation"]))
     print(f"simulated {plan['requests']} requests through {len(plan['candidates'])} configurations in "
           f"{plan['simulation_seconds']:.2f} s")
     if mix:
@@ -314,12 +331,37 @@ def _pool_settings(args: argparse.Namespace, kv_default: int, block_size: int):
     from pdserve.planner.plan import FIRST_TOKEN_LATENCY_S, TOKEN_LATENCY_S, PoolSettings
 
     kv_bytes = (args.kv_cache_mib << 20) if args.kv_cache_mib is not None else kv_default
-    return PoolSettings(
+    return PoolSettings(speculation=_speculation(args),
         kv_cache_bytes=kv_bytes, block_size=args.block_size or block_size, token_budget=args.prefill_token_budget,
         headroom_blocks=args.reservation_headroom_blocks, max_running=args.max_running, max_queued=args.max_queued,
         first_token_latency_s=FIRST_TOKEN_LATENCY_S if args.first_token_latency_ms is None
         else args.first_token_latency_ms / 1e3,
         token_latency_s=TOKEN_LATENCY_S if args.token_latency_ms is None else args.token_latency_ms / 1e3)
+
+
+def _speculation(args: argparse.Namespace):
+    """The pools' speculation from --speculative-* (None without a rate); ValueError names a bad flag."""
+    from pdserve.perf.speculation import SpeculationModel, measured_speculation
+
+    if args.speculative_acceptance is not None and args.speculative_metrics is not None:
+        raise ValueError("give --speculative-acceptance or --speculative-metrics, not both")
+    k = args.speculative_tokens
+    if args.speculative_metrics is not None:
+        acceptance, mean_k = measured_speculation(Path(args.speculative_metrics).read_text())
+        k = k if k is not None else max(1, round(mean_k))
+    elif args.speculative_acceptance is not None:
+        acceptance = args.speculative_acceptance
+        if not 0.0 <= acceptance <= 1.0:
+            raise ValueError(f"--speculative-acceptance must be in [0, 1], got {acceptance}")
+    else:
+        if k is not None or args.speculative_max_batch is not None:
+            raise ValueError("--speculative-tokens and --speculative-max-batch go with --speculative-acceptance or "
+                             "--speculative-metrics")
+        return None
+    try:
+        return SpeculationModel(4 if k is None else k, acceptance, args.speculative_max_batch)
+    except ValueError as e:
+        raise ValueError(f"--speculative-*: {e}") from None
 
 
 def _tier_prices(args: argparse.Namespace, plan: dict, costs, settings, workload, mix, tier_slos) -> None:
@@ -331,6 +373,10 @@ def _tier_prices(args: argparse.Namespace, plan: dict, costs, settings, workload
     bsize = settings.block_size
     limits = PoolLimits(settings.kv_cache_bytes // (costs.kv_bytes_per_token * bsize), bsize, max(args.max_num_seqs),
                         args.prefill_token_budget)
+    if settings.speculation is not None:  # the decode pools' steps at the speculating rate
+        from pdserve.perf.speculation import SpeculativeCosts
+
+        costs = SpeculativeCosts(costs, settings.speculation)
     plan["tiers"] = tier_prices(costs, limits, float(workload.input_len.mean()), float(workload.output_len.mean()),
                                 {t: tier_slos[t.value] for t in ServiceTier}, mix, workload.mean_rate)
     print()

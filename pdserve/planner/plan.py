@@ -3,7 +3,9 @@
 Candidates: colocated with 1..N workers, and every xPyD with x + y <= N, each with every batch cap
 given (--max-num-seqs, the decode and colocated pools' running-batch limit). Each is simulated
 (pdserve.planner.simulator) on the same requests, and its statistics carry the key names of
-`pdserve bench`'s report, so a prediction and a measurement compare key by key.
+`pdserve bench`'s report, so a prediction and a measurement compare key by key. With speculative decoding
+(PoolSettings.speculation: k and an acceptance rate, given or measured) the decode and colocated pools' decode
+steps run at the speculating rate (pdserve.perf.speculation), so TPOT and the pool sizes that meet it follow it.
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ import numpy as np
 
 from pdserve.loadgen.stats import Slo
 from pdserve.perf.costs import StepCosts
+from pdserve.perf.speculation import SpeculationModel
 from pdserve.planner.simulator import ClusterShape, PoolShape, SimResult, simulate
 
 # Ray and gRPC hops a token takes from a worker to the client, added to the simulated step ends:
@@ -116,6 +119,9 @@ class PoolSettings:
     max_queued: int = 1024
     first_token_latency_s: float = FIRST_TOKEN_LATENCY_S
     token_latency_s: float = TOKEN_LATENCY_S
+    # Speculative decoding on the decode and colocated pools (pdserve serve --speculative-config), priced at an
+    # acceptance rate (pdserve.perf.speculation); None: none.
+    speculation: SpeculationModel | None = None
 
 
 def candidates(max_workers: int, batch_caps: list[int], settings: PoolSettings, kv_bytes_per_token: int
@@ -130,16 +136,17 @@ def candidates(max_workers: int, batch_caps: list[int], settings: PoolSettings, 
                   first_token_latency_s=settings.first_token_latency_s, token_latency_s=settings.token_latency_s)
     out = []
     for cap in batch_caps:
-        def pool(n: int, max_num_seqs: int = cap) -> PoolShape:
+        def pool(n: int, max_num_seqs: int = cap, speculation: SpeculationModel | None = settings.speculation
+                 ) -> PoolShape:
             return PoolShape(n, blocks, settings.block_size, max_num_seqs, settings.token_budget,
-                             settings.headroom_blocks)
+                             settings.headroom_blocks, speculation)
 
         for n in range(1, max_workers + 1):
             out.append((ClusterShape("colocated", colocated=pool(n), **common), cap))
         for x in range(1, max_workers):
             for y in range(1, max_workers - x + 1):
                 # A prefill worker's batch is set by its token budget; the cap is the decode pool's.
-                out.append((ClusterShape("disaggregated", prefill=pool(x, 64), decode=pool(y), **common), cap))
+                out.append((ClusterShape("disaggregated", prefill=pool(x, 64, None), decode=pool(y), **common), cap))
     return out
 
 
@@ -259,9 +266,29 @@ def make_plan(costs: StepCosts, workload: Workload, slo: Slo, max_workers: int, 
     for i, c in enumerate(ranked, 1):
         c["rank"] = i
     best, why = recommend(ranked, min_attainment)
-    return {"candidates": ranked, "recommended": {**best, "reason": why},
+    plan = {"candidates": ranked, "recommended": {**best, "reason": why},
             "slo": slo.as_dict(), "min_attainment": min_attainment, "workload": workload.description,
             "requests": len(workload.arrival), "simulation_seconds": seconds}
+    if settings.speculation is not None:
+        plan["speculation"] = speculation_report(settings.speculation, costs, workload, batch_caps)
+    return plan
+
+
+def speculation_report(spec: SpeculationModel, costs: StepCosts, workload: Workload, batch_caps: list[int]
+                       ) -> dict[str, Any]:
+    """The speculation the plan priced: k, the acceptance rate, tokens per verification, and the speed-up of a
+    decode step's tokens at batch 1 and at each batch cap, at the workload's mean context (prompt and half the
+    output); where it is below 1 the pool decodes plainly (SpeculationModel.token_time)."""
+    ctx = float(workload.input_len.mean() + workload.output_len.mean() / 2)
+    batches = sorted({1, *batch_caps})
+    return {**spec.as_dict(), "mean_context": ctx,
+            "speedup": {b: spec.speedup(costs, b, round(b * ctx)) for b in batches}}
+
+
+def format_speculation(s: dict[str, Any]) -> str:
+    ups = ", ".join(f"{v:.2f}x at batch {b}" for b, v in s["speedup"].items())
+    return (f"speculation: k={s['num_speculative_tokens']} at acceptance {s['acceptance']:.2f}: "
+            f"{s['tokens_per_step']:.2f} tokens per verification; decode tokens/s against plain steps: {ups}")
 
 
 def _mb(b: int | None) -> str:

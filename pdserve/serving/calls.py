@@ -9,6 +9,9 @@ following a request goes from `WorkerCalls.prefill` to the handler named in `Cal
     CANCEL     request_id                            none: sent, not awaited           every worker: Cancels._cancel_soon
     STATS      -                                     WorkerStats (the heartbeat)       every worker, from its step thread
     PREFILL    PrefillTask                           PrefillResult (the first tokens)  PrefillActor._submit
+    ADMITTED   request_id                            True once the prompt has all of   PrefillActor._admitted
+                                                     its KV blocks there; False if it
+                                                     ended first
     RESERVE    DecodeTask, prefill worker's handle   None, once queued                 DecodeActor._reserve
                (None when this decode worker has it already)
     GENERATE   PrefillTask                           None, once queued                 ColocatedActor._generate
@@ -35,6 +38,7 @@ class Call(str, enum.Enum):
     CANCEL = "cancel"
     STATS = "stats"
     PREFILL = "prefill"
+    ADMITTED = "admitted"
     RESERVE = "reserve"
     GENERATE = "generate"
 
@@ -55,6 +59,12 @@ class WorkerCalls:
     def prefill(self, task: PrefillTask) -> asyncio.Future[PrefillResult]:
         """A prefill worker computes the prompt; the result carries the first token (or the n first tokens)."""
         return self.link.call(Call.PREFILL.value, task)
+
+    def admitted(self, request_id: str) -> asyncio.Future[bool]:
+        """Resolves once a prefill worker has taken the prompt into its batch with blocks for all of it (its KV is
+        then computed without waiting for anything): True; False if the prompt ended before that. The router
+        reserves decode room only then (router.attempt)."""
+        return self.link.call(Call.ADMITTED.value, request_id)
 
     def reserve(self, task: DecodeTask, prefill_handle: Any = None) -> asyncio.Future[None]:
         """A decode worker reserves room for the KV that task.prefill_worker computes, then decodes; the

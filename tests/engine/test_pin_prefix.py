@@ -91,3 +91,56 @@ def test_a_pinned_prefix_counts_as_room():
     s.add(req)
     assert s.schedule().reserved == [req]
     assert pool.num_free_blocks == 1
+
+
+def test_a_pinned_prefix_behind_the_head_gives_way_to_it():
+    """A partial hand-off pins its prefix when it arrives, before its turn to reserve: pins of requests behind the
+    queue's head must not keep the head from its room, or nothing would ever free it (the head waits for room the
+    pins hold, the pinned requests wait behind the head). The last such request gives its prefix back: it ends here
+    (`Scheduler.unpinned`: its worker fails it as PREFIX_MISSED, and the router tries it again as a full
+    hand-off), and the head is reserved at once."""
+    pool = BlockPool(16, BS)
+    kv = KVCacheManager(pool)
+    turns = [list(range(100, 112)), list(range(200, 212))]
+    for t in turns:
+        cached(pool, t)  # 3 blocks each
+    s = Scheduler(SchedulerConfig(max_num_batched_tokens=64, reservation_headroom_blocks=1), kv, (), 1000,
+                  Role.DECODE)
+    head = remote("head", list(range(40)))  # 40 tokens and the next: 11 of the 16 blocks
+    s.add(head)
+    pinned = []
+    for i, t in enumerate(turns):
+        req = remote(f"turn-{i}", t + [1, 2])
+        assert kv.pin_prefix(req, 3, 0)
+        s.add(req)
+        pinned.append(req)
+    assert pool.num_free_blocks == 10  # 16 less the two pinned prefixes: too few for the head
+    assert s.has_work  # a step would reserve: the pins give way
+    step = s.schedule()
+    # Only the last pinned request gave its prefix back (one was enough), and has ended here; the other, still
+    # pinned, fits beside the head and is reserved in its turn.
+    assert step.reserved == [head, pinned[0]] and head.status is RequestStatus.WAITING_FOR_KV
+    assert s.unpinned == [pinned[1]]
+    assert pinned[1].status is RequestStatus.FINISHED and "turn-1" not in s.requests
+    assert pinned[0].status is RequestStatus.WAITING_FOR_KV and pinned[0].held_blocks == 3
+    assert pool.num_free_blocks == 16 - 11 - 4
+    pool.check_integrity()
+
+
+def test_a_pinned_prefix_is_not_given_to_its_own_request_or_one_behind_it():
+    """The head's own pin counts as its room (it is never given back for itself), and a request behind a pinned one
+    waits in line rather than take the pin from a request ahead of it."""
+    pool = BlockPool(8, BS)
+    kv = KVCacheManager(pool)
+    turn = list(range(100, 112))
+    cached(pool, turn)
+    s = Scheduler(SchedulerConfig(max_num_batched_tokens=64, reservation_headroom_blocks=0), kv, (), 1000, Role.DECODE)
+    head = remote("head", turn + list(range(9)))  # 21 tokens and the next: 6 blocks, 3 of them pinned
+    assert kv.pin_prefix(head, 3, 0)
+    s.add(head)
+    behind = remote("behind", list(range(20)))  # 6 blocks: not there while the head holds its 6
+    s.add(behind)
+    assert s.schedule().reserved == [head]
+    assert not s.schedule().reserved and s.unpinned == []
+    assert not s.has_work
+    pool.check_integrity()

@@ -1,11 +1,12 @@
 """Speculative decoding on a real local Ray cluster: serving SmolLM2, the decode pool (1P1D, 2P2D) and a colocated
 pool speculating by prompt lookup stream greedy output token-identical to the offline engine without
-speculation, a stop string ends a stream mid-verification where plain decoding ends it, the workers report
+speculation (penalized, min_tokens and JSON schema requests among them), a stop string ends a stream mid-verification where plain decoding ends it, the workers report
 drafted and accepted tokens, and every KV block is given back; and a tensor-parallel prefill pool (TP 2) handing
 off to a speculating decode worker (TP 1), on a tiny checkpoint whose heads TP 2 can split."""
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 
@@ -13,6 +14,7 @@ from pdserve.config import ClusterConfig, PoolConfig
 from pdserve.engine import LLMEngine
 from pdserve.engine.sampling import SamplingParams
 from pdserve.engine.speculative import SpeculativeConfig
+from pdserve.engine.structured import StructuredOutput
 from router.cluster import Cluster
 
 from conftest import smol_1p1d_engine_config, wait_for
@@ -33,6 +35,15 @@ def case():
     tok = offline.tokenizer
     prompts = [tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True) for t in TEXTS]
     params = [SamplingParams(max_tokens=40, temperature=0.0) for _ in prompts]
+    # Requests whose drafted positions need the plain step's processing: penalties, min_tokens (the short
+    # reply would end before it), a JSON schema (the decode worker's own matcher, from the hand-off's token).
+    schema = StructuredOutput("json_schema", json.dumps({"type": "object", "properties": {"name": {"type": "string"}},
+                                                         "required": ["name"]}))
+    prompts += [prompts[0], tok.apply_chat_template([{"role": "user", "content": "Say hi."}],
+                                                    add_generation_prompt=True), prompts[0]]
+    params += [SamplingParams(max_tokens=40, temperature=0.0, repetition_penalty=1.2, frequency_penalty=0.3),
+               SamplingParams(max_tokens=28, temperature=0.0, min_tokens=24),
+               SamplingParams(max_tokens=40, temperature=0.0, structured=schema)]
     want = offline.generate(prompts, params)
     # A stop string in the copied part: the stream must end exactly where plain decoding ends it.
     stop = want[0].text[20:24]

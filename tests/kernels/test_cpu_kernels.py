@@ -186,6 +186,27 @@ def test_rope_and_cache_rejects_out_of_range():
         torch.ops.pdserve.rope_and_cache(qkv[:, :-1].contiguous(), pos, cos, sin, kv, slots, 6, 2)
 
 
+def test_each_checkout_and_each_version_of_the_sources_builds_in_a_directory_of_its_own(tmp_path):
+    """Two checkouts used in turn (or a checkout's two branches) each keep their build: the build directory is
+    keyed by where the sources are and by what every source and header says, and by nothing else."""
+    import shutil
+
+    from pdserve.kernels.cpu_kernels import _SOURCE_DIR, sources_key
+
+    assert cpu_kernels.build_directory().name == f"pdserve_cpu_kernels-{sources_key(_SOURCE_DIR)}"
+    a, b = shutil.copytree(_SOURCE_DIR, tmp_path / "a" / "csrc"), shutil.copytree(_SOURCE_DIR, tmp_path / "b" / "csrc")
+    keys = {sources_key(_SOURCE_DIR), sources_key(a), sources_key(b)}
+    assert len(keys) == 3  # the same sources in three places: three builds
+    (tmp_path / "a" / "notes.txt").write_text("not a source")
+    (a / "README").write_text("not a source either")
+    sources_key.cache_clear()
+    assert sources_key(a) in keys  # what is not a source or header does not count
+    with (b / "vec.h").open("a") as f:
+        f.write("\n// changed\n")
+    sources_key.cache_clear()
+    assert sources_key(b) not in keys  # a header edited: another build
+
+
 def test_a_build_killed_midway_does_not_block_the_next_one(tmp_path):
     """A build killed midway (a router or worker SIGKILLed on its first start) leaves torch's lock file in
     the build directory; the next process must not wait on it forever. A copy of the built directory with

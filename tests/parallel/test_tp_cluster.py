@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import os
 import signal
 import time
@@ -304,8 +305,14 @@ def test_a_failed_share_is_retried_and_every_rank_settles(ray_local, aloop, gqa,
         after_corrupt = decode_transfer()
         assert after_corrupt["checksum_failures"] == 1
         assert after_corrupt["channels_opened"] == 1  # the corrupted share kept the pair's channels
-        ray.get(prefill.handle.inject_fault.remote("send", 5.0), timeout=30)  # past the 3 s transfer timeout
-        assert aloop.run(run(batch[3:]), timeout=120) == expected[3:]
+        # A send held past the 3 s transfer timeout: until the router has retried for it, then it goes on, late.
+        failed = cluster.retries["transfer_failed"]
+        ray.get(prefill.handle.inject_fault.remote("send", math.inf), timeout=30)
+        stalled = asyncio.run_coroutine_threadsafe(run(batch[3:]), aloop.loop)
+        assert ray.get(prefill.handle.fault_reached.remote("send", 60), timeout=90)
+        wait_for(lambda: cluster.retries["transfer_failed"] > failed, 60, what="the transfer's timeout to fail it")
+        ray.get(prefill.handle.release_fault.remote("send"), timeout=30)
+        assert stalled.result(120) == expected[3:]
         after_stall = decode_transfer()
         assert after_stall["failures"] > after_corrupt["failures"]
         assert after_stall["checksum_failures"] == 1  # the stall is not a checksum failure

@@ -75,6 +75,22 @@ def test_a_pool_of_the_other_mode_is_an_error():
         ClusterConfig(decode=PoolConfig(cache=CacheConfig(block_size=32)))
 
 
+def test_the_replacement_backoff_is_a_setting(tmp_path, capsys):
+    """--replace-backoff FIRST:MAX (a flag or a file's key) reaches the cluster's config; a bad one is refused."""
+    from pdserve.config import ClusterConfig
+
+    assert cluster_config_from_args(parse_args(["serve"])).replace_backoff_s == (1.0, 30.0)
+    assert cluster_config_from_args(parse_args(["serve", "--replace-backoff", "0.5:4"])).replace_backoff_s == (0.5, 4.0)
+    cfg = write(tmp_path, "replace-backoff: 2:8\n")
+    assert cluster_config_from_args(parse_args(["serve", "--config", cfg])).replace_backoff_s == (2.0, 8.0)
+    for bad in ("3", "0:1", "4:2", "a:b"):
+        with pytest.raises(SystemExit):
+            parse_args(["serve", "--replace-backoff", bad])
+        assert "backoff" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="replace_backoff_s"):
+        ClusterConfig(replace_backoff_s=(2.0, 1.0))
+
+
 def test_dtype_and_quantization_reach_every_worker(tmp_path):
     cfg = write(tmp_path, "dtype: bfloat16\nquantization: int8\n")
     engine = cluster_config_from_args(parse_args(["serve", "--config", cfg])).engine

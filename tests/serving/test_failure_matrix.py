@@ -8,8 +8,9 @@ at the point (inside a step, before a transfer's header, between two of its part
 it from outside (ray.kill, or SIGKILL / SIGSTOP of the worker's process) or releases it, so the kill lands
 inside the moment whatever the machine's speed. Each row asserts that its moment came (the point was
 reached, and what the moment is: no first token yet, first tokens out and no transfer done, the stream's
-tokens so far, the counter the row is about). Only the rows about time (a transfer that outlasts its
-timeout) stall for fixed seconds. A cancel is read from the workers' own records (CancelWatch): that it
+tokens so far, the counter the row is about). A transfer that outlasts its timeout is held until the
+router has retried for it; only the last of two such stalls (whose hold could not outlive the first's release)
+stalls for fixed seconds. A cancel is read from the workers' own records (CancelWatch): that it
 reached the workers of the attempt live at the time, within a few steps. The clusters live for the
 module, so each row also starts from whatever state the rows before it left (replaced workers, rebuilt
 channels): a leak would show in a later row.
@@ -317,27 +318,43 @@ def test_stalled_transfer_is_retried_then_unavailable(one_one):
     reference = s.reference(batch, 24)
     prefill, decode = s.worker("prefill"), s.worker("decode")
     failures = s.cluster.retries["transfer_failed"]
-    # About time: a stall of fixed seconds, longer than the transfer's timeout.
-    ray.get(prefill.handle.inject_fault.remote("send", TRANSFER_TIMEOUT_S + 1.5))
+    # About time: the send is held until the decode worker's timeout has failed the transfer (the router retries),
+    # then goes on, late.
+    hold(prefill, "send")
     before = transfers(s, decode)
     streams = Streams(s, batch[:1], 24)
     reached(prefill, "send")
     t = time.monotonic()
+    timed_out(s, prefill, failures + 1)
     assert_exact(streams.result(ROWS["transfer-stalled"].bound_s, t, ROWS["transfer-stalled"].id), reference[:1])
     assert s.cluster.retries["transfer_failed"] == failures + 1
     done, failed = transfers(s, decode)
     assert (done, failed) == (before[0] + 1, before[1] + 1)  # the stalled one failed, its retry's went through
     s.settle()
-    ray.get(prefill.handle.inject_fault.remote("send", TRANSFER_TIMEOUT_S + 1.5, 2))
+    hold(prefill, "send")
     streams = Streams(s, batch[1:], 24)
     reached(prefill, "send")
     t = time.monotonic()
+    # The retry's send, armed before the first one goes on, stalls for fixed seconds past the timeout: a held one
+    # would pass, released with it.
+    timed_out(s, prefill, failures + 2, then_stall_s=TRANSFER_TIMEOUT_S + 1.5)
     (out,) = streams.result(ROWS["transfer-stalled-twice"].bound_s, t, ROWS["transfer-stalled-twice"].id)
     assert out.code == grpc.StatusCode.UNAVAILABLE and "transfer" in out.details
     # Each attempt's first token came from the prefill worker before its KV failed: two, in order.
     assert out.tokens == reference[1][:2]
     assert transfers(s, decode) == (done, failed + 2) and s.cluster.retries["transfer_failed"] == failures + 2
     s.settle()
+
+
+def timed_out(s: Served, prefill, failures: int, then_stall_s: float = 0.0) -> None:
+    """The prefill worker's send, held, outlasts the transfer's timeout: once the router has retried for it (the
+    failures-th transfer failure), it goes on (the next send armed to stall then_stall_s first, if given)."""
+    assert (prefill.worker_id, "send") in HELD, "the send is not held"
+    wait_for(lambda: s.cluster.retries["transfer_failed"] >= failures, 60, what="the transfer's timeout to fail it")
+    assert s.cluster.retries["transfer_failed"] == failures
+    if then_stall_s:
+        ray.get(prefill.handle.inject_fault.remote("send", then_stall_s))
+    release(prefill, "send")
 
 
 def test_corrupted_transfer_is_caught_and_retried(one_one):
@@ -473,7 +490,9 @@ def _request(prompt, max_tokens, request_id=""):
 def test_replacement_that_fails_to_start(ray_local, aloop, tiny_checkpoints, tmp_path):
     model = tmp_path / "model"
     shutil.copytree(tiny_checkpoints["llama"], model)
-    s = Served(aloop, cluster_config(model, pool_wait_timeout_s=5.0))
+    # A short wait for a worker and a short backoff between replacements: the row's point is the statuses and the
+    # replacement that starts once the files are back, not how long either takes.
+    s = Served(aloop, cluster_config(model, pool_wait_timeout_s=2.0, replace_backoff_s=(0.5, 1.0)))
     try:
         batch = prompts(4, seed=90)
         reference = s.reference(batch, 40)

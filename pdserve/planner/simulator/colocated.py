@@ -41,7 +41,7 @@ class Colocating:
             self.overflows += 1
         d.peak = max(d.peak, used)
         d.busy, d.step = True, w.chunks
-        dt = self.step_time(w.tokens, w.pairs, w.seqs, d.batch, d.context)
+        dt = d.step_time(w.tokens, w.pairs, w.seqs, d.batch, d.context)
         d.busy_s += dt
         self.push(now + dt, COLOCATED_END, d.gid)
 

@@ -21,7 +21,10 @@ the request path that decide latency, with each step's duration from a cost mode
 - a decode worker: continuous batching, one token per running request a step; a landed request
   joins at the next step, whose end is its 2nd token;
 - a colocated worker: one scheduler for both phases, decodes first, then prompt chunks in the rest of
-  the token budget, as pdserve.engine.scheduler does.
+  the token budget, as pdserve.engine.scheduler does;
+- speculative decoding, on a pool that has it (PoolShape.speculation): its decode-only steps take the time per
+  token of a verification step over the tokens it emits at the pool's acceptance rate
+  (pdserve.perf.speculation.SpeculativeCosts: a fluid model, the expected rate rather than runs of tokens).
 
 Prefix caching, given each request's cached tokens (a multi-turn workload: the shared system prompt, and a
 conversation's earlier turns and replies, which its decode worker holds and computes the rest of itself: local
@@ -72,6 +75,7 @@ from collections import deque
 import numpy as np
 
 from pdserve.perf.costs import StepCosts
+from pdserve.perf.speculation import SpeculativeCosts
 from pdserve.planner.autoscale import Autoscaler, DemandWindow
 from pdserve.planner.simulator.colocated import Colocating
 from pdserve.planner.simulator.decode import Decoding
@@ -168,7 +172,7 @@ class _Simulation(Routing, Prefilling, Decoding, Colocating, Scaling):
         self.recomputes = [0] * n
         self.kv_bytes = costs.kv_bytes_per_token
         self.transport = costs.transport
-        self.step_time = costs.step_time
+        self.costs, self.step_time = costs, costs.step_time
         self.first_lat, self.tok_lat = shape.first_token_latency_s, shape.token_latency_s
 
         self.events: list[tuple[float, int, int, int]] = []
@@ -216,6 +220,9 @@ class _Simulation(Routing, Prefilling, Decoding, Colocating, Scaling):
         ws, sh = (self.fasts, shape.fast) if pool == "fast" else (self.decodes, shape.decode or shape.colocated)
         w = Decode(len(ws), f"{pool}-{len(ws)}", sh, len(self.allw), Line(self.arr, self.rank),
                    flex_floor(self.tiers.flex_min_share, sh.max_num_seqs) if self.tiered else 0)
+        # A speculating pool's decode steps: the time per token of its verifications (pdserve.perf.speculation).
+        w.step_time = self.step_time if sh.speculation is None else \
+            SpeculativeCosts(self.costs, sh.speculation).step_time
         ws.append(w)
         self.allw.append(w)
         return w

@@ -163,7 +163,7 @@ class Decoding:
         rc = d.recompute
         if rc[0]:  # preempted contexts computed again ride on this step, which ends there
             self.steps += 1
-            dt = self.step_time(rc[0], rc[1], rc[2], batch, base + batch * d.k)
+            dt = d.step_time(rc[0], rc[1], rc[2], batch, base + batch * d.k)
             d.recompute = [0, 0, 0]
             d.busy_s += dt
             self.push(now + dt, kind, who)
@@ -176,7 +176,7 @@ class Decoding:
                 self.overflows += 1
             if used > d.peak:
                 d.peak = used
-            dt = self.step_time(0, 0, 0, batch, ctx)
+            dt = d.step_time(0, 0, 0, batch, ctx)
             busy += dt
             t = now + dt
             if d.joined or last <= d.k or t >= horizon:

@@ -3,6 +3,10 @@ router's admission limits and latencies."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pdserve.perf.speculation import SpeculationModel
 
 
 @dataclass(frozen=True)
@@ -15,6 +19,9 @@ class PoolShape:
     max_num_seqs: int = 64
     token_budget: int = 2048  # tokens a step computes (max_num_batched_tokens)
     headroom_blocks: int = 1  # decode: free blocks a reservation leaves per running request
+    # Speculative decoding on the pool's decode steps (pdserve.perf.speculation: its tokens per step and
+    # verification cost); None: none. A prefill pool ignores it.
+    speculation: SpeculationModel | None = None
 
     def __post_init__(self) -> None:
         if min(self.workers, self.kv_blocks, self.block_size, self.max_num_seqs, self.token_budget) < 1:

@@ -134,6 +134,7 @@ class Decode(Lifecycle):
         self.busy = False
         self.busy_s = 0.0
         self.peak = 0
+        self.step_time = None  # the pool's step costs (its speculation's, if it has one): set by the simulation
         # colocated only: prompts placed here, and the chunks in progress
         self.waiting: deque[int] = deque()
         self.prefilling: list[list[int]] = []
