@@ -148,7 +148,8 @@ def test_1p2d_with_a_draft_model_greedy_exact_and_resumed_after_a_fault(ray_loca
                     assert out.error is None, out.error
                     tokens += out.new_token_ids
                     if not killed and len(tokens) >= 8:
-                        victim = next(w for w in cluster.pools["decode"] if "resumed" in w.requests)
+                        # worker-side ids are "{rid}#{attempt}" (router.retries)
+                        victim = next(w for w in cluster.pools["decode"] if "resumed#0" in w.requests)
                         ray.kill(victim.handle, no_restart=True)
                         killed = True
             return tokens
