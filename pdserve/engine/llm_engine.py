@@ -87,7 +87,7 @@ class EngineCore:
         on = config.pipelined_decode if config.pipelined_decode is not None else cuda
         self.pipelined = on and role is not Role.PREFILL and tp == 1
         self.scheduler.speculation = speculation_for(config, role, self.runner, self.pipelined,
-                                                     isinstance(self.runner, SimRunner))
+                                                     isinstance(self.runner, SimRunner), self.info)
         # Whether its steps route tokens to experts that a request may ask for (pdserve.engine.routed_experts): a
         # mixture of experts, not simulated.
         self.routes_experts = self.model_config.is_moe and not isinstance(self.runner, SimRunner)

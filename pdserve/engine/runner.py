@@ -191,7 +191,7 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[last - k:last + 1]).float()
         batch = verification_batch(chunk.sample, chunk.seed, chunk.output_index, chunk.draft, chunk.history,
                                    chunk.banned, chunk.mask, self.device)
-        return verify(logits, chunk.draft, chunk.sample, chunk.seed, chunk.output_index, batch)
+        return verify(logits, chunk.draft, chunk.sample, chunk.seed, chunk.output_index, batch, chunk.draft_probs)
 
     def _sampling(self, chunks: list[Chunk], sampling_chunks: list[int],
                   previous: torch.Tensor | None) -> SamplingBatch:

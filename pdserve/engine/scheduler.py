@@ -233,7 +233,9 @@ class Scheduler(PipelinedDecode):
         if not preempted:
             self._admit(budget, scheduled, reserved)
         self.num_preemptions += preempted
-        return ScheduledStep([r for r, _ in scheduled], step_chunks(scheduled, drafts, self.eos_token_ids), reserved)
+        probs = self.speculation.fill_drafts(drafts, self.kv) if drafts else {}
+        return ScheduledStep([r for r, _ in scheduled], step_chunks(scheduled, drafts, self.eos_token_ids, probs),
+                             reserved)
 
     def _admit(self, budget: int, scheduled: list[tuple[Request, int]], reserved: list[Request]) -> None:
         """Waiting requests into the step, in queue order, while budget, slots and room last (schedule's second
@@ -294,8 +296,9 @@ class Scheduler(PipelinedDecode):
 
     def _draft(self, req: Request, budget: int) -> list[int]:
         """The tokens req drafts this step, if their slots can be had without taking anyone's blocks."""
-        draft = usable(req, self.speculation.draft(req, len(self.running), self.max_model_len, budget),
-                       self.eos_token_ids)
+        draft = self.speculation.draft(req, len(self.running), self.max_model_len, budget, self.kv.version)
+        if self.speculation.draft_model is None:  # a draft model's are placeholders until fill_drafts
+            draft = usable(req, draft, self.eos_token_ids)
         return draft if draft and self.kv.allocate_slots(req, 1 + len(draft)) else []
 
     def update(self, step: ScheduledStep, result: StepResult) -> list[SampledToken]:
@@ -512,9 +515,14 @@ class Scheduler(PipelinedDecode):
             self.waiting.append(req)
         req.kept_kv = False
         self.kv.free(req)
+        if self.speculation is not None:
+            self.speculation.drop_kv(req)
 
     def _preempt(self, req: Request, keep_kv: bool = False) -> None:
-        """Back to the queue at its place: its KV freed (recomputed when it runs again) or kept."""
+        """Back to the queue at its place: its KV freed (recomputed when it runs again) or kept (a draft model's
+        KV goes either way: it is computed again at the request's next draft)."""
+        if self.speculation is not None:
+            self.speculation.drop_kv(req)
         if keep_kv:
             req.kept_kv = True
         else:

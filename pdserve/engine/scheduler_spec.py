@@ -1,20 +1,29 @@
 """Speculative decoding in the scheduler: which requests draft, how many tokens, and what a verification
 step's emitted tokens do to a request (pdserve.engine.speculative holds the proposer and the acceptance rule).
 
-A running request that decodes (one token to compute) drafts by prompt lookup when it may: its next chunk is
-its last token and the drafts, computed in one forward that samples at each position. Each position's logits get
-what a plain step's would get there had the drafts before it been sampled (pdserve.engine.speculative.
-verification_batch): penalties counting those drafts, min_tokens' banned ids while the position is below
-min_tokens, the structured output's mask from the matcher advanced through those drafts (grammar_masks; the
-matcher is rolled back once the masks are made, and advanced by the emitted tokens when the step is accounted).
-A draft is cut where no verification could keep more (usable): before a token its position may not draw, after
-one that ends the request. Stop strings and max_tokens cut the emitted run where they end the request.
+A running request that decodes (one token to compute) drafts when it may, by prompt lookup or with a draft model
+(pdserve.engine.draft_model): its next chunk is its last token and the drafts, computed in one forward that samples
+at each position. Each position's logits get what a plain step's would get there had the drafts before it been
+sampled (pdserve.engine.speculative.verification_batch): penalties counting those drafts, min_tokens' banned ids
+while the position is below min_tokens, the structured output's mask from the matcher advanced through those
+drafts (grammar_masks; the matcher is rolled back once the masks are made, and advanced by the emitted tokens when
+the step is accounted). A prompt-lookup draft is cut where no verification could keep more (usable): before a
+token its position may not draw, after one that ends the request. Stop strings and max_tokens cut the emitted run
+where they end the request.
+
+A draft model's drafts are drawn once the step's requests are placed (fill_drafts), all the step's drafting
+requests in the draft's k forwards; until then each holds its room's PENDING placeholders. Its distribution q is
+the raw logits' after temperature, min-p, top-k and top-p, so only requests that the sampler draws from the raw
+logits draft with it (no penalties, min_tokens reached, no structured output: `plain`). After a weight update the
+draft no longer matches the target: no request drafts with it from then on (stats says "draft_stale" and the
+worker logs it), so a stale draft never slows a request unseen.
 
 The rule, per request: every request speculates (penalties, min_tokens, structured output, logprobs, a group
 (n > 1) once its samples have forked, each sample drafting from its own tokens with its own seed) except one
 with prompt logprobs still to come or routed experts (a verification computes positions past the accepted ones,
 and these report every computed position) and a group before its samples fork (its first sampling draws n
-tokens from one row); the others decode one token a step as before, in the same batch. Per step: none
+tokens from one row), and, with a draft model, one that is not plain; the others decode one token a step as
+before, in the same batch. Per step: none
 speculates while more requests run than max_batch (SpeculativeConfig.disable_by_batch_size, or the roofline's
 free rows), nor on a pipelined engine (a step's emitted count must be known before the next is built).
 
@@ -25,23 +34,29 @@ rejected slots go back to the pool (trim).
 from __future__ import annotations
 
 import collections
+import logging
 from collections.abc import Sequence
 
 import torch
 
-from pdserve.engine.request import Request
+from pdserve.engine.request import PENDING, Request, RequestStatus
 from pdserve.engine.chunk import Chunk
 from pdserve.engine.scheduler_types import Role, chunk_of
 from pdserve.engine.speculative import DraftState, SpeculativeConfig, free_rows, max_speculating_batch, propose
 from pdserve.engine.utilization import device_peaks
 
+log = logging.getLogger(__name__)
+
 
 class Speculation:
     """A scheduler's speculation: the configuration, each request's adaptive draft length, and the counts the
-    worker's metrics report (drafted and accepted tokens, verifications by accepted length)."""
+    worker's metrics report (drafted and accepted tokens, verifications by accepted length); with a draft model
+    (method draft_model), the draft and whether a weight update has left it stale."""
 
-    def __init__(self, config: SpeculativeConfig, ridge_rows: int):
+    def __init__(self, config: SpeculativeConfig, ridge_rows: int, draft_model=None):
         self.config = config
+        self.draft_model = draft_model  # pdserve.engine.draft_model.DraftModel, for method draft_model
+        self.stale = False  # the target's weights changed since the draft was paired with them
         self.max_batch = max_speculating_batch(config, ridge_rows)
         self.drafted = 0  # tokens drafted and verified
         self.accepted = 0  # of those, accepted
@@ -57,17 +72,54 @@ class Speculation:
         return ((req.params.structured is None or req.grammar is not None) and req.prompt_logprobs is None
                 and req.routed is None and req.unresolved == 0 and req.fanout == 1)
 
-    def draft(self, req: Request, batch: int, max_model_len: int, budget: int) -> list[int]:
+    def draft(self, req: Request, batch: int, max_model_len: int, budget: int, version: int = 0) -> list[int]:
         """The tokens req drafts this step ([] for none): at most its adaptive k, the budget's tokens less one,
-        and what its max_tokens and the model's context leave after the token the step always emits."""
-        if batch > self.max_batch or not self.eligible(req):
+        and what its max_tokens and the model's context leave after the token the step always emits. With a draft
+        model, PENDING placeholders as many as it may draft (fill_drafts draws them); none once the engine's weight
+        version is not the draft's."""
+        if batch > self.max_batch or not self.eligible(req) or not self._draft_current(version):
+            return []
+        if self.draft_model is not None and not plain(req):
             return []
         state = self._state.setdefault(req.request_id, DraftState(self.config.num_speculative_tokens))
         room = min(state.k, budget - 1, req.params.max_tokens - req.num_output_tokens - 1,
                    max_model_len - req.num_tokens - 1)
         if room <= 0:
             return []
+        if self.draft_model is not None:
+            return [PENDING] * room
         return propose(req.token_ids, room, self.config.prompt_lookup_min, self.config.prompt_lookup_max)
+
+    def _draft_current(self, version: int) -> bool:
+        """Whether the draft (if any) still drafts for the weights served: after an update it does not, and its
+        KV is given back."""
+        if self.draft_model is None or version == self.draft_model.version:
+            return True
+        if not self.stale:
+            self.stale = True
+            self.draft_model.free_all()
+            log.warning("weight version %d is not the one the draft model was paired with (%d): requests decode "
+                        "without speculation from now on (a draft is not updated with the target)", version,
+                        self.draft_model.version)
+        return False
+
+    def fill_drafts(self, drafts: dict[Request, list[int]], kv) -> dict[Request, torch.Tensor]:
+        """A draft model's drafts in place of the step's placeholders (drafts changed in place: a request the draft
+        could not draft for, or preempted since it was given room, is left with none, its extra slots given back);
+        the distributions q of the sampled requests' drafts."""
+        if self.draft_model is None or not drafts:
+            return {}
+        running = [r for r in drafts if r.status is RequestStatus.RUNNING]  # others were preempted after drafting
+        got = self.draft_model.propose([(r, len(drafts[r])) for r in running])
+        probs = {}
+        for req in drafts:
+            tokens, q = got.get(req, ([], None))
+            drafts[req] = tokens
+            if not tokens and req.status is RequestStatus.RUNNING:
+                trim(kv, req)
+            if q is not None:
+                probs[req] = q
+        return probs
 
     def note(self, req: Request, drafted: int, accepted: int) -> None:
         """A verification's outcome: the counts, and the request's next draft length."""
@@ -80,11 +132,23 @@ class Speculation:
             state.update(drafted, accepted, self.config.num_speculative_tokens)
 
     def forget(self, req: Request) -> None:
+        """The request ended: its draft state and draft KV go."""
         self._state.pop(req.request_id, None)
+        self.drop_kv(req)
+
+    def drop_kv(self, req: Request) -> None:
+        """The request lost its KV (preempted, recomputed) or ended: its draft model KV goes too (computed again at
+        its next draft)."""
+        if self.draft_model is not None:
+            self.draft_model.free(req.request_id)
 
     def stats(self) -> dict:
-        return {"drafted": self.drafted, "accepted": self.accepted, "verifications": self.verifications,
-                "acceptance_lengths": dict(self.acceptance_lengths)}
+        out = {"method": self.config.method, "drafted": self.drafted, "accepted": self.accepted,
+               "verifications": self.verifications, "acceptance_lengths": dict(self.acceptance_lengths)}
+        if self.draft_model is not None:
+            out["draft_stale"] = self.stale
+            out["draft_kv_blocks_used"] = self.draft_model.pool.num_used_blocks
+        return out
 
 
 def trim(kv, req: Request) -> None:
@@ -98,12 +162,13 @@ def trim(kv, req: Request) -> None:
         del req.block_ids[keep:]
 
 
-def speculation_for(config, role: Role, runner, pipelined: bool, simulated: bool) -> Speculation | None:
+def speculation_for(config, role: Role, runner, pipelined: bool, simulated: bool, info=None) -> Speculation | None:
     """An engine's speculation (config: its EngineConfig), where configured: decode and colocated engines of one
     rank that are not pipelined (a pipelined step would need its emitted count before the next is built) and run a model
     (a simulated engine's tokens are not the model's). Without disable_by_batch_size, the batch it stops at
     comes from the device's ridge point (pdserve.engine.speculative.free_rows): its peaks as configured, from
-    the GPU table, or measured here."""
+    the GPU table, or measured here. Method draft_model loads the draft beside the target (info: the target's
+    ModelInfo, which the draft must match)."""
     spec = config.speculative
     # A tensor-parallel engine's ranks run every LM head call together: rank 0's verification would be one
     # they do not make. Not supported yet.
@@ -115,7 +180,19 @@ def speculation_for(config, role: Role, runner, pipelined: bool, simulated: bool
         model = getattr(runner, "model", None)
         weight_bytes = next(model.parameters()).element_size() if model is not None else 2
         rows = free_rows(peaks.flops_per_second, peaks.bytes_per_second, weight_bytes)
-    return Speculation(spec, rows)
+    draft = None
+    if spec.method == "draft_model":
+        from pdserve.engine.draft_model import DraftModel
+
+        draft = DraftModel.load(config, info, runner.num_blocks)
+    return Speculation(spec, rows, draft)
+
+
+def plain(req: Request) -> bool:
+    """Whether the sampler draws the request's next token from its raw logits (no penalties, min_tokens reached,
+    no structured output): a draft model's q is processed as such a request's p is."""
+    p = req.params
+    return not p.penalized and req.num_output_tokens >= p.min_tokens and p.structured is None
 
 
 def held_back(params, eos_token_ids: tuple[int, ...]) -> tuple[int, ...]:
@@ -172,10 +249,14 @@ def grammar_masks(req: Request, first: torch.Tensor, draft: Sequence[int],
 
 
 def step_chunks(scheduled: list[tuple[Request, int]], drafts: dict[Request, list[int]],
-                eos_token_ids: tuple[int, ...]) -> list[Chunk]:
+                eos_token_ids: tuple[int, ...], probs: dict[Request, torch.Tensor] | None = None) -> list[Chunk]:
     """A step's chunks (pdserve.engine.scheduler_types.chunk_of); a drafting request's is its last token and its
-    drafts (Chunk.draft), with a mask per position under structured output (grammar_masks)."""
-    return [chunk_of(r, n, eos_token_ids) if r not in drafts else draft_chunk(r, drafts[r], eos_token_ids)
+    drafts (Chunk.draft), with a mask per position under structured output (grammar_masks) and the draft model's
+    distributions where it drew them (Chunk.draft_probs); one whose draft came back empty (fill_drafts) computes
+    its one token."""
+    probs = probs or {}
+    return [chunk_of(r, n, eos_token_ids) if r not in drafts else chunk_of(r, 1, eos_token_ids) if not drafts[r] else
+            draft_chunk(r, drafts[r], eos_token_ids)._replace(draft_probs=probs.get(r))
             for r, n in scheduled]
 
 

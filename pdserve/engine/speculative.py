@@ -1,4 +1,4 @@
-"""Speculative decoding by prompt lookup (n-gram): its configuration, the proposer, the acceptance rule.
+"""Speculative decoding: its configuration, the prompt lookup (n-gram) proposer, the acceptance rule.
 
 A decode step at small batch is bound by reading the weights, so a forward over k + 1 tokens of one
 sequence costs about what one token costs. Prompt lookup guesses the next k tokens without a second model:
@@ -10,17 +10,24 @@ its source) repeat such spans, and each accepted draft token is a step saved.
 The target model checks the k drafted tokens, with the request's last token, in one forward; each of the
 k + 1 positions gives the target's distribution for the token after it. Acceptance (accept_greedy,
 accept_sampled) keeps the output exactly the target's: greedy output is token-identical with speculation
-on and off, and sampled output is distributed as the target's (the standard rejection rule for a draft that
-puts all its mass on one token).
+on and off, and sampled output is distributed as the target's (the standard rejection rule: a draft token d
+drawn from the draft's distribution q is kept with probability min(1, p(d) / q(d)), a rejected one replaced by a
+draw from max(0, p - q) renormalised; prompt lookup's q puts all its mass on its one token).
+
+A draft model (pdserve.engine.draft_model) is the other proposer: a smaller checkpoint of the same vocabulary
+that drafts k tokens autoregressively, its q real.
 
 The configuration is spelled as vLLM's `--speculative-config` spells it: a JSON object with `method`
-"ngram", `num_speculative_tokens` (k), `prompt_lookup_min` and `prompt_lookup_max`, and optionally
-`disable_by_batch_size` (no request speculates in a step of more running requests than this). Other methods
-(a draft model, EAGLE, ...) are refused at start-up: they are not supported yet.
+"ngram" (`num_speculative_tokens` (k), `prompt_lookup_min`, `prompt_lookup_max`) or "draft_model" (`model`, the
+draft's path, and `num_speculative_tokens`), and optionally `disable_by_batch_size` (no request speculates in a
+step of more running requests than this). As in vLLM, `model` without `method` names the method: "ngram" is
+prompt lookup, any other path a draft model. Other methods (EAGLE, ...) are refused at start-up: they are not
+supported yet.
 """
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -30,13 +37,15 @@ from pdserve.engine.logprobs import TokenLogprob
 from pdserve.engine.sampling import (
     SamplingBatch,
     SamplingParams,
+    apply_min_p,
+    apply_top_k_top_p,
     logprobs_of,
     process_logits,
     scale_logits,
     token_seed,
 )
 
-SUPPORTED_METHODS = ("ngram",)
+SUPPORTED_METHODS = ("ngram", "draft_model")
 # Methods of the field that a later change may add; named in the refusal so that the message says
 # "not yet" rather than "unknown".
 KNOWN_METHODS = ("ngram", "draft_model", "eagle", "eagle3", "medusa", "mlp_speculator", "mtp", "suffix")
@@ -56,9 +65,18 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 5
     disable_by_batch_size: int | None = None
+    model: str | None = None  # draft_model: the draft's checkpoint (a Hugging Face directory or a .gguf file)
 
     def __post_init__(self) -> None:
         self._check_method(self.method)
+        if self.method == "draft_model":
+            if not isinstance(self.model, str) or not self.model:
+                raise ValueError('speculative config: method "draft_model" needs "model", the draft checkpoint\'s path')
+            if not os.path.exists(self.model):
+                raise ValueError(f"speculative config: the draft model path {self.model!r} does not exist")
+        elif self.model is not None:
+            raise ValueError(f'speculative config: "model" is the draft of method "draft_model", '
+                             f'not of {self.method!r}')
         _check_int("num_speculative_tokens", self.num_speculative_tokens, 1, MAX_SPECULATIVE_TOKENS)
         _check_int("prompt_lookup_min", self.prompt_lookup_min, 1, MAX_LOOKUP)
         _check_int("prompt_lookup_max", self.prompt_lookup_max, 1, MAX_LOOKUP)
@@ -73,9 +91,9 @@ class SpeculativeConfig:
         if method not in SUPPORTED_METHODS:
             if method in KNOWN_METHODS:
                 raise ValueError(f"speculative method {method!r} is not supported yet: only "
-                                 f"{', '.join(SUPPORTED_METHODS)} (prompt lookup) is")
-            raise ValueError(f"unknown speculative method {method!r}: the supported one is "
-                             f"{', '.join(SUPPORTED_METHODS)}")
+                                 f"{' and '.join(SUPPORTED_METHODS)} are")
+            raise ValueError(f"unknown speculative method {method!r}: the supported ones are "
+                             f"{' and '.join(SUPPORTED_METHODS)}")
 
     @classmethod
     def parse(cls, text: str | dict | None) -> SpeculativeConfig | None:
@@ -91,14 +109,30 @@ class SpeculativeConfig:
         if not isinstance(text, dict):
             raise ValueError("--speculative-config must be a JSON object, e.g. "
                              '{"method": "ngram", "num_speculative_tokens": 4}')
-        if "method" not in text:
-            raise ValueError("--speculative-config needs a method (\"ngram\")")
+        text = _with_method(text)
         cls._check_method(text["method"])
         fields = set(cls.__dataclass_fields__)
         unknown = sorted(set(text) - fields)
         if unknown:
             raise ValueError(f"--speculative-config has unsupported keys {unknown}; the keys are {sorted(fields)}")
         return cls(**text)
+
+
+def _with_method(text: dict) -> dict:
+    """The configuration with its method named, as vLLM names it when only `model` is given: "ngram" (or
+    "[ngram]") is prompt lookup, a name that says eagle, medusa or mlp_speculator is that method (refused: not
+    supported yet), any other path a draft model."""
+    if text.get("method") is not None:
+        return text
+    model = text.get("model")
+    if not isinstance(model, str) or not model:
+        raise ValueError('--speculative-config needs a method ("ngram" or "draft_model") or a draft "model"')
+    if model in ("ngram", "[ngram]"):
+        return {**{k: v for k, v in text.items() if k != "model"}, "method": "ngram"}
+    name = os.path.basename(model.rstrip("/")).lower()
+    method = next((m for m in ("eagle3", "eagle", "medusa", "mlp_speculator") if m.replace("_", "-") in name
+                   or m in name), "draft_model")
+    return {**text, "method": method}
 
 
 def _check_int(name: str, value: object, lo: int, hi: int) -> None:
@@ -147,32 +181,54 @@ def accept_greedy(target: Sequence[int], draft: Sequence[int]) -> list[int]:
     return out
 
 
-def accept_sampled(probs: torch.Tensor, draft: Sequence[int], generator: torch.Generator) -> list[int]:
+def accept_sampled(probs: torch.Tensor, draft: Sequence[int], generator: torch.Generator,
+                   q: torch.Tensor | None = None) -> list[int]:
     """The tokens a sampled verification emits, distributed as the target's own samples would be.
 
     probs: [len(draft) + 1, vocab], the target's distributions (after penalties, temperature, top-k/top-p)
-    at each position. The draft puts all its mass on one token d, so d is kept with probability p(d); on
-    rejection the token is drawn from p with d removed, renormalised (the residual max(p - q, 0) of the
-    general rule); after every draft is kept, the bonus token is drawn from the last position's p."""
+    at each position; q: [len(draft), vocab], the distributions the drafts were drawn from (a draft model's),
+    or None for a draft that puts all its mass on one token (prompt lookup). Draft d is kept with probability
+    min(1, p(d) / q(d)); on rejection the token is drawn from max(p - q, 0) renormalised; after every draft is
+    kept, the bonus token is drawn from the last position's p."""
     assert probs.shape[0] == len(draft) + 1, "a verification has one more target position than drafts"
+    assert q is None or q.shape[0] == len(draft), "one draft distribution per draft"
     probs = probs.float()
     out: list[int] = []
     for i, d in enumerate(draft):
         p = probs[i]
+        qd = 1.0 if q is None else float(q[i, d])
         u = torch.rand((), generator=generator, device=p.device)
-        if u < p[d]:
+        if u * qd < p[d]:  # u < p(d) / q(d), without dividing by a q(d) that rounding made 0
             out.append(int(d))
             continue
-        residual = p.clone()
-        residual[d] = 0.0
+        if q is None:
+            residual = p.clone()
+            residual[d] = 0.0
+        else:
+            residual = (p - q[i].to(p)).clamp_(min=0.0)
         total = residual.sum()
-        if total <= 0:  # p was all on d (u < 1 = p(d) holds up to rounding): keep it
+        if total <= 0:  # p <= q everywhere means p == q, where d is always kept (up to rounding): keep it
             out.append(int(d))
             continue
         out.append(int(torch.multinomial(residual / total, 1, generator=generator)))
         return out
     out.append(int(torch.multinomial(probs[-1], 1, generator=generator)))
     return out
+
+
+def scaled_plain(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Raw logits [rows, vocab] as the sampler processes them for a plain request (no penalties, banned tokens or
+    masks: pdserve.engine.scheduler_spec.plain, the requests a draft model drafts for): divided by the temperature,
+    then min-p, top-k and top-p. Its softmax is the distribution a draft model's q is drawn from."""
+    rows = logits.shape[0]
+    scaled = logits / params.temperature
+    if params.min_p > 0:
+        scaled = apply_min_p(scaled, torch.full((rows,), params.min_p, device=logits.device))
+    if params.top_k > 0 or params.top_p < 1.0:
+        scaled = apply_top_k_top_p(scaled, torch.full((rows,), params.top_k, dtype=torch.int64, device=logits.device),
+                                   torch.full((rows,), params.top_p, device=logits.device))
+    return scaled
+
 
 
 def verification_batch(params: SamplingParams, seed: int, output_index: int, draft: Sequence[int],
@@ -194,10 +250,13 @@ def verification_batch(params: SamplingParams, seed: int, output_index: int, dra
 
 
 def verify(logits: torch.Tensor, draft: Sequence[int], params: SamplingParams, seed: int, output_index: int,
-           batch: SamplingBatch | None = None) -> tuple[list[int], list[TokenLogprob] | None]:
+           batch: SamplingBatch | None = None, q: torch.Tensor | None = None
+           ) -> tuple[list[int], list[TokenLogprob] | None]:
     """The tokens a verification chunk emits (1 to len(draft) + 1), and their logprobs if the request asks.
     logits: [len(draft) + 1, vocab], the target's raw logits at the chunk's positions; batch: their sampling
-    inputs (verification_batch; None: a request with no penalties, banned ids or mask). Each position's logits
+    inputs (verification_batch; None: a request with no penalties, banned ids or mask); q: [len(draft), vocab],
+    the draft model's distributions the drafts were drawn from (None: prompt lookup's, all on its token; unused
+    when greedy, whose drafts are the draft's argmax). Each position's logits
     get what the sampler gives a plain step's (pdserve.engine.sampling.process_logits, scale_logits): greedy
     takes the argmax of the penalized and masked logits; sampling draws by the rejection rule from the
     distribution after the temperature, min-p and top-k / top-p, with a generator seeded by the request's seed
@@ -212,7 +271,7 @@ def verify(logits: torch.Tensor, draft: Sequence[int], params: SamplingParams, s
     scaled = scale_logits(processed, batch)
     gen = torch.Generator(device=logits.device)
     gen.manual_seed(token_seed(seed, output_index))
-    emitted = accept_sampled(scaled.softmax(dim=-1), draft, gen)
+    emitted = accept_sampled(scaled.softmax(dim=-1), draft, gen, q)
     return emitted, emitted_logprobs(logits, scaled, emitted, params)
 
 

@@ -104,3 +104,75 @@ def test_tp_prefill_hands_off_to_a_speculating_decode_worker(ray_local, aloop, t
                  what="every KV block given back")
     finally:
         aloop.run(cluster.shutdown())
+
+
+def test_1p2d_with_a_draft_model_greedy_exact_and_resumed_after_a_fault(ray_local, aloop, tmp_path, tiny_checkpoints):
+    """Decode workers drafting with a draft model (the tiny Llama's weights moved by noise): greedy output equals the
+    offline engine's without speculation; a stream whose decode worker is killed mid-stream resumes on the other one,
+    which computes the draft's KV of the prompt and the tokens streamed so far and drafts on, token-exact; the draft's
+    KV blocks, like the target's, are all given back."""
+    import contextlib
+
+    import ray
+
+    from conftest import perturbed_checkpoint
+    from pdserve.config import CacheConfig, EngineConfig, SchedulerConfig
+
+    draft = perturbed_checkpoint(tiny_checkpoints["llama"], tmp_path / "draft", scale=0.03, seed=3)
+    spec = SpeculativeConfig(method="draft_model", model=str(draft), num_speculative_tokens=3, disable_by_batch_size=8)
+    engine = EngineConfig(model=str(tiny_checkpoints["llama"]), cache=CacheConfig(block_size=4, num_blocks=256),
+                          scheduler=SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=8))
+    prompts = [[(7 * i + j) % 320 for j in range(5 + 9 * i)] for i in range(3)]
+    params = [SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True) for _ in prompts]
+    with LLMEngine(engine) as offline:
+        want = offline.generate(prompts, params)
+        long = offline.generate([prompts[2]], SamplingParams(max_tokens=120, temperature=0.0, ignore_eos=True))[0]
+    cluster = Cluster(ClusterConfig(engine=engine, prefill=PoolConfig(1, num_cpus=0.1, torch_threads=1),
+                                    decode=PoolConfig(2, num_cpus=0.1, torch_threads=1, speculative=spec)))
+    aloop.run(cluster.start(), timeout=600)
+    try:
+        got = aloop.run(collect_all(cluster, prompts, params), timeout=300)
+        assert [g[0] for g in got] == [w.token_ids for w in want]
+        spec_stats = [s.speculation for s in aloop.run(cluster.stats()) if s.speculation]
+        assert len(spec_stats) == 2 and sum(x["drafted"] for x in spec_stats) > 0
+        assert all(x["method"] == "draft_model" and x["draft_stale"] is False for x in spec_stats)
+        lost = cluster.retries["decode_lost"]
+
+        async def killed_midway() -> list[int]:
+            tokens: list[int] = []
+            killed = False
+            gen = cluster.generate(prompts[2], SamplingParams(max_tokens=120, temperature=0.0, ignore_eos=True),
+                                   "resumed")
+            async with contextlib.aclosing(gen) as outs:
+                async for out in outs:
+                    assert out.error is None, out.error
+                    tokens += out.new_token_ids
+                    if not killed and len(tokens) >= 8:
+                        # worker-side ids are "{rid}#{attempt}" (router.retries)
+                        victim = next(w for w in cluster.pools["decode"] if "resumed#0" in w.requests)
+                        ray.kill(victim.handle, no_restart=True)
+                        killed = True
+            return tokens
+
+        assert aloop.run(killed_midway(), timeout=300) == long.token_ids
+        assert cluster.retries["decode_lost"] == lost + 1
+        wait_for(lambda: all(s.kv_blocks_used == 0 and s.speculation.get("draft_kv_blocks_used", 0) == 0
+                             for s in aloop.run(cluster.stats())), timeout=60,
+                 what="every KV block, the target's and the draft's, given back")
+    finally:
+        aloop.run(cluster.shutdown())
+
+
+def test_a_draft_of_another_vocabulary_is_refused_before_workers_start(ray_local, aloop, tmp_path, tiny_checkpoints):
+    from conftest import build_tiny_checkpoint
+    from pdserve.config import EngineConfig
+
+    other = build_tiny_checkpoint(tmp_path / "vocab", "llama", vocab_size=300)
+    spec = SpeculativeConfig(method="draft_model", model=str(other))
+    cluster = Cluster(ClusterConfig(engine=EngineConfig(model=str(tiny_checkpoints["llama"])),
+                                    prefill=PoolConfig(1, num_cpus=0.1), decode=PoolConfig(1, num_cpus=0.1,
+                                                                                           speculative=spec)))
+    with pytest.raises(ValueError, match="vocabulary of 300 tokens"):
+        aloop.run(cluster.start(), timeout=120)
+    assert not cluster.pools.get("decode")  # refused before any worker started
+    aloop.run(cluster.shutdown())

@@ -27,7 +27,11 @@ def test_config_parses_the_vllm_spelling():
 
 
 @pytest.mark.parametrize("text, words", [
-    ('{"method": "draft_model", "model": "x"}', "not supported yet"),
+    ('{"method": "draft_model", "model": "/no/such/draft"}', "draft model path '/no/such/draft' does not exist"),
+    ('{"method": "draft_model", "num_speculative_tokens": 3}', "needs \"model\""),
+    ('{"model": "/no/such/draft"}', "does not exist"),  # model without method: a draft model, as in vLLM
+    ('{"model": "/models/EAGLE-LLaMA3-Instruct-8B"}', "'eagle' is not supported yet"),
+    ('{"method": "ngram", "model": "/models/x"}', "\"model\" is the draft of method \"draft_model\""),
     ('{"method": "eagle", "num_speculative_tokens": 3}', "not supported yet"),
     ('{"method": "telepathy"}', "unknown speculative method"),
     ('{"num_speculative_tokens": 3}', "needs a method"),
@@ -40,6 +44,17 @@ def test_config_parses_the_vllm_spelling():
 def test_config_refuses_with_a_clear_message(text, words):
     with pytest.raises(ValueError, match=words):
         SpeculativeConfig.parse(text)
+
+
+def test_config_parses_draft_model_spellings(tmp_path):
+    """vLLM's two spellings of a draft model: method draft_model with model, and model alone; model "ngram" alone is
+    prompt lookup."""
+    c = SpeculativeConfig.parse(f'{{"method": "draft_model", "model": "{tmp_path}", "num_speculative_tokens": 3}}')
+    assert (c.method, c.model, c.num_speculative_tokens) == ("draft_model", str(tmp_path), 3)
+    c = SpeculativeConfig.parse(f'{{"model": "{tmp_path}", "num_speculative_tokens": 2}}')
+    assert (c.method, c.model, c.num_speculative_tokens) == ("draft_model", str(tmp_path), 2)
+    c = SpeculativeConfig.parse('{"model": "[ngram]", "num_speculative_tokens": 2, "prompt_lookup_max": 3}')
+    assert (c.method, c.model, c.prompt_lookup_max) == ("ngram", None, 3)
 
 
 def test_propose_takes_the_longest_latest_match():
@@ -99,6 +114,28 @@ def test_accept_sampled_keeps_the_target_distribution():
             assert len(r) == kept + 1 or (kept == len(draft) and len(r) == len(draft) + 1)
 
 
+def test_accept_sampled_with_a_draft_distribution_keeps_the_target_distribution():
+    """A draft model's drafts are drawn from its own q; accepting with min(1, p/q) and resampling from
+    max(0, p - q) keeps the emitted tokens distributed as p, however far q is from p. Drawing the drafts from q
+    here, the first emitted token follows p0 and, where the first draft was kept, the second p1; the share of
+    first drafts kept is sum(min(p0, q0)), the overlap of the two (the one-hot rule, correct for any draft but
+    blind to q, would keep sum(p0 q0): 0.16 and 0.25 here, against 0.4 and 0.7)."""
+    p = torch.tensor([[0.5, 0.3, 0.15, 0.05], [0.1, 0.2, 0.3, 0.4], [0.25, 0.25, 0.25, 0.25]])
+    g = torch.Generator().manual_seed(0)
+    n = 20000
+    for q in (torch.tensor([[0.1, 0.1, 0.4, 0.4], [0.4, 0.3, 0.2, 0.1]]),
+              torch.tensor([[0.25, 0.25, 0.25, 0.25], [0.0, 0.0, 0.5, 0.5]])):
+        runs, kept = [], 0
+        drafts = torch.stack([torch.multinomial(q[i], n, replacement=True, generator=g) for i in range(2)], 1)
+        for draft in drafts.tolist():
+            r = accept_sampled(p, draft, g, q)
+            kept += r[0] == draft[0] and len(r) > 1
+            runs.append(r)
+        assert (_freqs([r[0] for r in runs], 4) - p[0]).abs().max() < 0.015, q
+        assert (_freqs([r[1] for r in runs if len(r) > 1], 4) - p[1]).abs().max() < 0.02, q
+        assert kept / n == pytest.approx(float(torch.minimum(p[0], q[0]).sum()), abs=0.015)
+
+
 def test_accept_sampled_one_hot_target_accepts_its_token():
     p = torch.tensor([[0.0, 1.0, 0.0], [0.0, 0.0, 1.0]])
     g = torch.Generator().manual_seed(1)
@@ -147,8 +184,10 @@ def test_serve_flag_sets_decode_colocated_and_fast_lane_pools():
 def test_serve_refuses_other_methods_at_start(capsys):
     from router.cli import main
 
-    assert main(["serve", "--speculative-config", '{"method": "draft_model", "model": "m"}']) == 2
+    assert main(["serve", "--speculative-config", '{"method": "eagle", "model": "m"}']) == 2
     assert "not supported yet" in capsys.readouterr().err
+    assert main(["serve", "--speculative-config", '{"method": "draft_model", "model": "/no/such/draft"}']) == 2
+    assert "draft model path '/no/such/draft' does not exist" in capsys.readouterr().err
 
 
 def test_worker_metrics_export_speculation():
@@ -159,6 +198,9 @@ def test_worker_metrics_export_speculation():
 
     stats = [WorkerStats("d0", "decode", 0, 0, 1, 1, 10, speculation={
         "drafted": 10, "accepted": 7, "verifications": 3, "acceptance_lengths": {4: 1, 3: 1, 0: 1}}),
+        WorkerStats("d1", "decode", 0, 0, 1, 1, 10, speculation={
+            "method": "draft_model", "drafted": 4, "accepted": 4, "verifications": 1, "acceptance_lengths": {4: 1},
+            "draft_stale": True}),
         WorkerStats("p0", "prefill", 0, 0, 0, 0, 10)]
     reg = CollectorRegistry()
     reg.register(WorkerCollector(lambda: stats))
@@ -168,4 +210,6 @@ def test_worker_metrics_export_speculation():
     assert 'pdserve_worker_spec_acceptance_length_bucket{le="2.0",pool="decode",worker="d0"} 1.0' in text
     assert 'pdserve_worker_spec_acceptance_length_bucket{le="3.0",pool="decode",worker="d0"} 2.0' in text
     assert 'pdserve_worker_spec_acceptance_length_sum{pool="decode",worker="d0"} 7.0' in text
+    assert 'pdserve_worker_spec_draft_stale{pool="decode",worker="d1"} 1.0' in text
+    assert 'spec_draft_stale{pool="decode",worker="d0"}' not in text  # prompt lookup has no draft to go stale
     assert 'worker="p0"' not in "".join(l for l in text.splitlines() if "spec_" in l)
