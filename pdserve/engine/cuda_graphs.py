@@ -18,9 +18,19 @@ unpadded step; the torch attention path (pdserve.model.attention) gathers and ma
 of every row, every step, so there ``max_blocks`` bounds the bytes moved as well as the longest context
 a graph serves.
 
-Steps a graph cannot serve run eagerly, as the runner runs them today: any chunk that is not a sampled
-single-token decode (a prefill chunk), more rows than the largest bucket, a context longer than
-``max_blocks`` blocks, or a per-layer callback (a graph cannot call back into Python mid-replay).
+A speculative verification step (pdserve.engine.speculative: each request's last token and its k drafts) runs
+in the same graphs: each of a chunk's k + 1 tokens is a decode row of its own, at its position, writing its own
+slot and attending to the context up to itself through the request's block table. Every layer writes the whole
+step's K/V before it attends, so row j of a request sees the drafts before it, as a causal prefill chunk does,
+and the step's logits are those of every row, the k + 1 positions the verification reads. The buckets count
+rows, so a verification of r requests with k_i drafts each takes the bucket of sum(k_i + 1) rows: adaptive k
+needs no graph of its own (the runner's largest bucket covers the speculating batch's full drafts,
+ModelRunner's graph_rows).
+
+Steps a graph cannot serve run eagerly, as the runner runs them today: any chunk that is neither a sampled
+single-token decode nor a verification (a prefill chunk, a chunk that asks for prompt logprobs or routed
+experts), more rows than the largest bucket, a context longer than ``max_blocks`` blocks, or a per-layer
+callback (a graph cannot call back into Python mid-replay).
 
 ``DecodeGraphs.run`` replays a captured graph on CUDA and, where none is captured (CPU, or before
 ``capture``), runs the same padded computation eagerly on the same buffers: the padding is exercised
@@ -31,6 +41,8 @@ Llama-3-8B-shaped decode step at batch 64 went from 15.8 ms eager to 6.5 ms (doc
 from __future__ import annotations
 
 import bisect
+import collections
+import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -48,13 +60,14 @@ SMALL_BUCKETS = (1, 2, 4, 8)
 BUCKET_STEP = 16  # past the small buckets: every multiple of 16
 
 
-def batch_buckets(max_num_seqs: int) -> list[int]:
-    """Decode batch sizes to capture: 1, 2, 4, 8, then every multiple of 16 below max_num_seqs, and
-    max_num_seqs itself (a step never holds more running requests)."""
-    if max_num_seqs < 1:
-        raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
-    small = [b for b in SMALL_BUCKETS if b < max_num_seqs]
-    return small + list(range(BUCKET_STEP, max_num_seqs, BUCKET_STEP)) + [max_num_seqs]
+def batch_buckets(max_rows: int) -> list[int]:
+    """Step sizes in rows to capture: 1, 2, 4, 8, then every multiple of 16 below max_rows, and max_rows
+    itself (max_num_seqs for plain decode: a step never holds more running requests; more where requests
+    verify drafts, each k + 1 rows)."""
+    if max_rows < 1:
+        raise ValueError(f"max_rows must be >= 1, got {max_rows}")
+    small = [b for b in SMALL_BUCKETS if b < max_rows]
+    return small + list(range(BUCKET_STEP, max_rows, BUCKET_STEP)) + [max_rows]
 
 
 def select_bucket(buckets: Sequence[int], num_rows: int) -> int | None:
@@ -64,8 +77,16 @@ def select_bucket(buckets: Sequence[int], num_rows: int) -> int | None:
 
 
 def is_decode_only(chunks: Sequence[Chunk]) -> bool:
-    """Every chunk is one token whose next token is sampled (no prefill chunk, not even a 1-token one)."""
-    return all(len(c.token_ids) == 1 and c.sample is not None for c in chunks)
+    """Every chunk is one token whose next token is sampled (no prefill chunk, not even a 1-token one), or a
+    speculative verification (its last token and its drafts, each position sampled); none asks for prompt
+    logprobs or routed experts, which read the hidden states the graph does not keep."""
+    return all(c.sample is not None and c.prompt_logprobs is None and not c.routed_experts and c.fanout == 1
+               and len(c.token_ids) == 1 + len(c.draft) for c in chunks)
+
+
+def num_rows(chunks: Sequence[Chunk]) -> int:
+    """The step's decode rows: one per token (a verification's k + 1)."""
+    return sum(len(c.token_ids) for c in chunks)
 
 
 def inputs_size(bucket: int, max_blocks: int) -> int:
@@ -85,24 +106,25 @@ def pad_inputs(chunks: Sequence[Chunk], bucket: int, max_blocks: int, block_size
                ) -> torch.Tensor:
     """The packed inputs (layout of split_inputs) of decode chunks, in their order, padded to bucket rows.
 
-    Real row i: its token at position start, written to its slot, attending to start + 1 tokens through
-    the blocks that hold them, the rest of its table the scratch block. Padding row: token 0 at
-    position 0, written to slot 0 of the scratch block, attending to that one token.
+    Real row (a chunk's token j): its token at position p = start + j, written to its slot, attending to
+    p + 1 tokens through the blocks that hold them, the rest of its table the scratch block. Padding row:
+    token 0 at position 0, written to slot 0 of the scratch block, attending to that one token.
     """
-    n = len(chunks)
+    n = num_rows(chunks)
     assert n <= bucket, f"{n} rows do not fit a bucket of {bucket}"
     bs, pad = block_size, bucket - n
     ids, pos, slots, ctx, tables = [], [], [], [], []
     for c in chunks:
-        p = c.start
-        used = p // bs + 1  # blocks holding positions 0..p
-        assert used <= max_blocks, f"a context of {p + 1} tokens needs more than {max_blocks} blocks"
-        ids.append(c.token_ids[0])
-        pos.append(p)
-        slots.append(c.block_ids[p // bs] * bs + p % bs)
-        ctx.append(p + 1)
-        tables += c.block_ids[:used]
-        tables += [scratch_block] * (max_blocks - used)
+        for j, token in enumerate(c.token_ids):
+            p = c.start + j
+            used = p // bs + 1  # blocks holding positions 0..p
+            assert used <= max_blocks, f"a context of {p + 1} tokens needs more than {max_blocks} blocks"
+            ids.append(token)
+            pos.append(p)
+            slots.append(c.block_ids[p // bs] * bs + p % bs)
+            ctx.append(p + 1)
+            tables += c.block_ids[:used]
+            tables += [scratch_block] * (max_blocks - used)
     tables += [scratch_block] * (pad * max_blocks)
     return torch.tensor(ids + [0] * pad + pos + [0] * pad + slots + [scratch_block * bs] * pad
                         + ctx + [1] * pad + tables, dtype=torch.int64)
@@ -152,6 +174,7 @@ class DecodeGraphs:
         self.buffers = {b: DecodeBuffers.allocate(b, max_blocks, self.device) for b in self.buckets}
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._logits: dict[int, torch.Tensor] = {}  # each captured graph's output, [bucket, vocab] fp32
+        self.steps: collections.Counter[str] = collections.Counter()  # steps run here: decode, verify
 
     @property
     def captured(self) -> list[int]:
@@ -161,9 +184,9 @@ class DecodeGraphs:
         """The bucket this step runs in, or None: the step runs eagerly, unpadded (the runner's own path)."""
         if layer_done is not None or not chunks or not is_decode_only(chunks):
             return None
-        if max(c.start for c in chunks) >= self.max_blocks * self.block_size:
+        if max(c.start + len(c.token_ids) for c in chunks) > self.max_blocks * self.block_size:
             return None
-        return select_bucket(self.buckets, len(chunks))
+        return select_bucket(self.buckets, num_rows(chunks))
 
     def prepare(self, chunks: Sequence[Chunk], previous: torch.Tensor | None = None) -> DecodeBuffers:
         """Write the step's padded inputs into its bucket's buffers (one copy, not waited for) and return
@@ -173,7 +196,9 @@ class DecodeGraphs:
         buf = self.buffers[bucket]
         buf.flat.copy_(self._staged(pad_inputs(chunks, bucket, self.max_blocks, self.block_size,
                                                self.scratch_block)), non_blocking=True)
-        pending = [(row, c.pending_row) for row, c in enumerate(chunks) if c.pending_row is not None]
+        # A pending token is a plain decode's one row (a pipelined engine does not speculate).
+        first_rows = itertools.accumulate((len(c.token_ids) for c in chunks), initial=0)
+        pending = [(row, c.pending_row) for row, c in zip(first_rows, chunks) if c.pending_row is not None]
         if pending:
             assert previous is not None, "a pending token needs the previous step's sampled tokens"
             rows, src = to_device(torch.tensor(list(zip(*pending))), self.device)
@@ -194,14 +219,16 @@ class DecodeGraphs:
 
     @torch.inference_mode()
     def run(self, chunks: Sequence[Chunk], previous: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits [len(chunks), vocab] of a decode-only step, rows in the chunks' order. From a graph this
-        is a view of the graph's output, overwritten by the next replay of the same bucket."""
+        """Logits [rows, vocab] of a decode-only step, one row per token (num_rows), in the chunks' order.
+        From a graph this is a view of the graph's output, overwritten by the next replay of the same bucket."""
         buf = self.prepare(chunks, previous)
+        rows = num_rows(chunks)
+        self.steps["verify" if rows > len(chunks) else "decode"] += 1
         graph = self._graphs.get(buf.bucket)
         if graph is None:
-            return self.forward(buf)[: len(chunks)]
+            return self.forward(buf)[:rows]
         graph.replay()
-        return self._logits[buf.bucket][: len(chunks)]
+        return self._logits[buf.bucket][:rows]
 
     @torch.inference_mode()
     def capture(self, warmup: int = 2) -> None:

@@ -25,7 +25,7 @@ from pdserve.engine.runner import ModelRunner, StepResult
 from pdserve.engine.sampling import SamplingParams
 from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.scheduler_types import Role, SampledToken, ScheduledStep
-from pdserve.engine.scheduler_spec import speculation_for
+from pdserve.engine.scheduler_spec import graph_rows, pipelined, speculation_for
 from pdserve.engine.sim_runner import SimRunner
 from pdserve.model.loader import LoadedModel, ModelInfo, load, load_info, load_shard
 from pdserve.weights.update import StagedUpdate, export_checkpoint, stage, stage_checkpoint
@@ -58,7 +58,6 @@ class EngineCore:
         their own), on_fatal(why) is called if they are lost, threads is each rank's torch threads."""
         self.config = config
         tp = config.tensor_parallel_size
-        cuda = torch.device(config.device).type == "cuda"
         if config.load_format == "sim":  # no model: a step takes the cost model's time (pdserve.engine.sim_runner)
             assert loaded is None, "a simulated engine has no model to be given"
             self.runner = SimRunner(config)
@@ -84,8 +83,7 @@ class EngineCore:
         # simulated engine's tokens follow no mask: it refuses structured requests.
         if self.tokenizer is not None and not isinstance(self.runner, SimRunner):
             self.scheduler.grammars = Grammars(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
-        on = config.pipelined_decode if config.pipelined_decode is not None else cuda
-        self.pipelined = on and role is not Role.PREFILL and tp == 1
+        self.pipelined = pipelined(config, role)
         self.scheduler.speculation = speculation_for(config, role, self.runner, self.pipelined,
                                                      isinstance(self.runner, SimRunner), self.info)
         # Whether its steps route tokens to experts that a request may ask for (pdserve.engine.routed_experts): a
@@ -134,7 +132,8 @@ class EngineCore:
         graphs = (config.cuda_graphs if config.cuda_graphs is not None else cuda) and role is not Role.PREFILL \
             and tp == 1 and not loaded.info.config.is_moe
         runner = ModelRunner(loaded.model, num_blocks, config.cache.block_size, cuda_graphs=graphs,
-                             max_num_seqs=config.scheduler.max_num_seqs, max_model_len=loaded.info.max_model_len)
+                             max_num_seqs=config.scheduler.max_num_seqs, max_model_len=loaded.info.max_model_len,
+                             graph_rows=graph_rows(config, role))
         if tp_runner is not None:
             try:
                 runner = tp_runner.attach(runner)

@@ -89,10 +89,10 @@ GRAPH_MAX_CONTEXT_TORCH_ATTENTION = 2048
 
 class ModelRunner:
     def __init__(self, model: LlamaModel, num_blocks: int, block_size: int, cuda_graphs: bool = False,
-                 max_num_seqs: int = 64, max_model_len: int | None = None):
-        """cuda_graphs: decode-only steps of up to max_num_seqs requests replay CUDA graphs
-        (pdserve.engine.cuda_graphs); the cache then holds one more block than the pool hands out, the graphs'
-        scratch block."""
+                 max_num_seqs: int = 64, max_model_len: int | None = None, graph_rows: int | None = None):
+        """cuda_graphs: decode-only steps of up to graph_rows rows (default max_num_seqs; more where requests
+        verify drafts, k + 1 rows each) replay CUDA graphs (pdserve.engine.cuda_graphs); the cache then holds
+        one more block than the pool hands out, the graphs' scratch block."""
         self.model = model
         self.cfg: ModelConfig = model.cfg
         self.device = next(model.parameters()).device
@@ -106,7 +106,8 @@ class ModelRunner:
             cap = GRAPH_MAX_CONTEXT if in_place else GRAPH_MAX_CONTEXT_TORCH_ATTENTION
             context = min(max_model_len or self.cfg.max_position_embeddings, cap)
             self.graphs = DecodeGraphs(model, self.kv_cache, block_size, scratch_block=num_blocks,
-                                       max_blocks=-(-context // block_size), buckets=batch_buckets(max_num_seqs))
+                                       max_blocks=-(-context // block_size),
+                                       buckets=batch_buckets(graph_rows or max_num_seqs))
             if self.device.type == "cuda":
                 self.graphs.capture()
         self._dtype_bytes = self.kv_cache.element_size()
@@ -166,7 +167,8 @@ class ModelRunner:
         # prompt logprobs' logits are computed before the ranks that do not sample return.
         prompt_logprobs = {i: self._prompt_logprobs(hidden, last_row[i] + 1 - len(c.token_ids), *c.prompt_logprobs)
                            for i, c in enumerate(chunks) if c.prompt_logprobs is not None}
-        verified = {i: self._verify(hidden, last_row[i], c) for i, c in enumerate(chunks) if c.draft}
+        verified = {i: self._verify(self.model.compute_logits(hidden[last_row[i] - len(c.draft):last_row[i] + 1]), c)
+                    for i, c in enumerate(chunks) if c.draft}
         # One row per token to sample: a group's first sampling draws its n tokens from one row of logits.
         sampling_chunks = [i for i, c in enumerate(chunks) if c.sample is not None and not c.draft
                            for _ in range(c.fanout)]
@@ -183,12 +185,11 @@ class ModelRunner:
         result.start_host_copy()
         return result
 
-    def _verify(self, hidden: torch.Tensor, last: int, chunk: Chunk) -> tuple[list[int], list[TokenLogprob] | None]:
+    def _verify(self, logits: torch.Tensor, chunk: Chunk) -> tuple[list[int], list[TokenLogprob] | None]:
         """A speculative chunk's emitted tokens (and their logprobs, if asked): the target's logits at its k + 1
-        positions (rows last - k .. last of the batch) checked against its k drafts, each position's logits
-        processed as a plain step's would be there (its penalties, min_tokens' banned ids, grammar mask)."""
-        k = len(chunk.draft)
-        logits = self.model.compute_logits(hidden[last - k:last + 1]).float()
+        positions ([k + 1, vocab]) checked against its k drafts, each position's logits processed as a plain
+        step's would be there (its penalties, min_tokens' banned ids, grammar mask)."""
+        logits = logits.float()
         batch = verification_batch(chunk.sample, chunk.seed, chunk.output_index, chunk.draft, chunk.history,
                                    chunk.banned, chunk.mask, self.device)
         return verify(logits, chunk.draft, chunk.sample, chunk.seed, chunk.output_index, batch, chunk.draft_probs)
@@ -235,11 +236,21 @@ class ModelRunner:
         self.bytes_total += step_bytes(self.cfg, spans, self._dtype_bytes, self._weight_bytes)
 
     def _execute_graph(self, chunks: list[Chunk], previous: torch.Tensor | None) -> StepResult:
-        """A decode-only step in its CUDA graph's bucket (padded; eager where no graph is captured)."""
+        """A decode-only step in its CUDA graph's bucket (padded; eager where no graph is captured): plain decodes
+        sample their row, verifications check their k + 1 rows."""
         self._count_work(chunks)
-        logits = self.graphs.run(chunks, previous)
-        sampled, logprobs = sample(logits, self._sampling(chunks, list(range(len(chunks))), previous))
-        result = StepResult(sampled, logits, list(range(len(chunks))), logprobs)
+        logits = self.graphs.run(chunks, previous)  # a row per token
+        ends = list(itertools.accumulate(len(c.token_ids) for c in chunks))
+        verified = {i: self._verify(logits[ends[i] - len(c.token_ids):ends[i]], c)
+                    for i, c in enumerate(chunks) if c.draft}
+        sampling_chunks = [i for i, c in enumerate(chunks) if not c.draft]
+        if not sampling_chunks:
+            return StepResult(torch.empty(0, dtype=torch.int64), torch.empty(0, self.cfg.vocab_size), [],
+                              verified=verified)
+        if verified:
+            logits = logits[to_device(torch.tensor([ends[i] - 1 for i in sampling_chunks]), self.device)]
+        sampled, logprobs = sample(logits, self._sampling(chunks, sampling_chunks, previous))
+        result = StepResult(sampled, logits, sampling_chunks, logprobs, verified=verified)
         result.start_host_copy()
         return result
 

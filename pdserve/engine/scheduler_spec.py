@@ -173,6 +173,9 @@ def speculation_for(config, role: Role, runner, pipelined: bool, simulated: bool
     # A tensor-parallel engine's ranks run every LM head call together: rank 0's verification would be one
     # they do not make. Not supported yet.
     if spec is None or role is Role.PREFILL or pipelined or simulated or config.tensor_parallel_size > 1:
+        if spec is not None and role is not Role.PREFILL and pipelined:
+            log.warning("speculative decoding is off on this %s engine: pipelined decode was asked for "
+                        "(--pipelined-decode); without it the engine speculates", role.value)
         return None
     rows = 1
     if spec.disable_by_batch_size is None:
@@ -186,6 +189,27 @@ def speculation_for(config, role: Role, runner, pipelined: bool, simulated: bool
 
         draft = DraftModel.load(config, info, runner.num_blocks)
     return Speculation(spec, rows, draft)
+
+
+def pipelined(config, role: Role) -> bool:
+    """Whether an engine (config: its EngineConfig) pipelines its decode steps: where asked
+    (`pipelined_decode`); by default on CUDA for decode and colocated engines of one rank, unless the engine is
+    configured to speculate: a pipelined step would need its emitted count before the next is built, and the
+    speculation asked for by name wins over the default."""
+    on = config.pipelined_decode
+    if on is None:
+        on = torch.device(config.device).type == "cuda" and config.speculative is None
+    return on and role is not Role.PREFILL and config.tensor_parallel_size == 1
+
+
+def graph_rows(config, role: Role) -> int:
+    """The rows of an engine's largest CUDA-graph bucket (pdserve.engine.cuda_graphs): max_num_seqs, or, where
+    the engine speculates, the most rows a verification step carries: each speculating request's k + 1."""
+    seqs = config.scheduler.max_num_seqs
+    spec = config.speculative
+    if spec is None or role is Role.PREFILL or pipelined(config, role):
+        return seqs
+    return max(seqs, min(seqs, spec.disable_by_batch_size or seqs) * (spec.num_speculative_tokens + 1))
 
 
 def plain(req: Request) -> bool:

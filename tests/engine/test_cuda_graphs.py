@@ -19,6 +19,7 @@ from pdserve.engine.cuda_graphs import (
     DecodeGraphs,
     batch_buckets,
     is_decode_only,
+    num_rows,
     pad_inputs,
     select_bucket,
     split_inputs,
@@ -80,6 +81,23 @@ def test_fallback_decisions():
     assert graphs.bucket_for([d, decode(1, last + 1, list(range(MAX_BLOCKS + 1)))]) is None
 
 
+def test_verification_chunks_are_a_row_per_token():
+    """A speculative verification (the last token and k drafts) takes k + 1 rows of a bucket; one that asks for
+    prompt logprobs or routed experts, or a group's first sampling, runs eagerly."""
+    graphs = DecodeGraphs(None, torch.zeros(1, 2, 1, NUM_BLOCKS + 1, BS, 2), BS, SCRATCH, MAX_BLOCKS, [1, 2, 4, 8])
+    d = decode(1, 5, [0, 1])
+    verify = Chunk([1, 2, 3], 5, [0, 1, 2], GREEDY, draft=(2, 3))
+    assert is_decode_only([d, verify]) and num_rows([d, verify]) == 4
+    assert graphs.bucket_for([verify]) == 4 and graphs.bucket_for([d, verify]) == 4
+    assert graphs.bucket_for([d, verify, verify]) == 8 and graphs.bucket_for([verify] * 3) is None  # 9 rows
+    for odd in (verify._replace(routed_experts=True), verify._replace(fanout=2), verify._replace(draft=(2,)),
+                verify._replace(prompt_logprobs=(1, [2]))):
+        assert not is_decode_only([d, odd]) and graphs.bucket_for([d, odd]) is None
+    last = MAX_BLOCKS * BS - 1  # its last draft at the table's last position: served; one past it: not
+    assert graphs.bucket_for([verify._replace(start=last - 2, block_ids=list(range(MAX_BLOCKS)))]) == 4
+    assert graphs.bucket_for([verify._replace(start=last - 1, block_ids=list(range(MAX_BLOCKS + 1)))]) is None
+
+
 # --- padding ---------------------------------------------------------------------------------------
 
 def test_pad_inputs_exact():
@@ -95,6 +113,23 @@ def test_pad_inputs_exact():
     assert flat.dtype == torch.int64 and flat.shape == (4 * (4 + 5),)
     assert all(t.is_contiguous() for t in (ids, pos, slots, ctx, tables))
     assert pad_inputs([], 2, 3, BS, s).tolist() == [0, 0, 0, 0, s * BS, s * BS, 1, 1] + [s] * 6
+
+
+def test_pad_inputs_of_a_verification():
+    """Each of a verification's tokens is a row at its own position, writing its own slot and attending up to
+    itself; a plain decode after it takes the row after its last."""
+    chunks = [Chunk([7, 8, 9], 3, [3, 0, 20], GREEDY, draft=(8, 9)), decode(4, 1, [2])]
+    ids, pos, slots, ctx, tables = split_inputs(pad_inputs(chunks, 8, 3, BS, SCRATCH), 8, 3)
+    s = SCRATCH
+    assert ids.tolist() == [7, 8, 9, 4, 0, 0, 0, 0]
+    assert pos.tolist() == [3, 4, 5, 1, 0, 0, 0, 0]
+    assert slots.tolist() == [3 * BS + 3, 0 * BS + 0, 0 * BS + 1, 2 * BS + 1] + [s * BS] * 4
+    assert ctx.tolist() == [4, 5, 6, 2, 1, 1, 1, 1]
+    assert tables.tolist() == [[3, s, s], [3, 0, s], [3, 0, s], [2, s, s]] + [[s] * 3] * 4
+    graphs = DecodeGraphs(None, torch.zeros(1, 2, 1, NUM_BLOCKS + 1, BS, 2), BS, SCRATCH, 3, [8])
+    previous = torch.tensor([50, 51])
+    buf = graphs.prepare([chunks[0], decode(-1, 1, [2], pending_row=1)], previous)
+    assert buf.input_ids.tolist()[:4] == [7, 8, 9, 51]  # the pending token is the decode's row, after the drafts
 
 
 def test_prepare_rewrites_the_whole_bucket_and_reads_pending_tokens():
@@ -204,6 +239,35 @@ def test_padding_rows_touch_only_the_scratch_slot(model, ops, rows):
     padding = {SCRATCH * BS} if graphs.bucket_for(chunks) > rows else set()
     assert changed_slots(before, runner.kv_cache) == real | padding
     assert torch.isfinite(logits).all()
+
+
+def test_a_padded_verification_gives_the_rows_of_one_token_steps(model, ops):
+    """A verification step in a bucket (two requests' last tokens with 3 and 1 drafts, a plain decode, padding):
+    each row's logits are those the same token gets decoded alone, one step after another, on an unpadded runner
+    (row j of a request attends to the drafts before it, written in the same step)."""
+    runner, steps = prefilled(model)
+    ref_runner, _ = prefilled(model)
+    graphs = DecodeGraphs(model, runner.kv_cache, BS, SCRATCH, MAX_BLOCKS, [4, 8])
+    check_verification(graphs, runner, ref_runner, verification_step(steps))
+    assert graphs.steps["verify"] == 1
+
+
+def verification_step(steps: list[Chunk]) -> list[Chunk]:
+    """Two requests' last tokens with 3 and 1 drafts, and a plain decode: 7 rows."""
+    drafts = [[5, 9, 2], [7]]
+    return [Chunk([c.token_ids[0], *d], c.start, c.block_ids, GREEDY, draft=tuple(d))
+            for c, d in zip(steps[:2], drafts)] + [steps[2]]
+
+
+def check_verification(graphs: DecodeGraphs, runner: ModelRunner, ref_runner: ModelRunner, chunks: list[Chunk]):
+    """graphs' rows for the step equal each token decoded alone, in turn, on ref_runner; so do the caches."""
+    got = graphs.run(chunks)
+    assert got.shape == (sum(len(c.token_ids) for c in chunks), graphs.model.cfg.vocab_size)
+    want = [ref_runner.execute([decode(token, c.start + j, c.block_ids)]).logits[0]
+            for c in chunks for j, token in enumerate(c.token_ids)]
+    torch.testing.assert_close(got, torch.stack(want), rtol=1e-4, atol=1e-4)
+    real = runner.kv_cache[:, :, :, :NUM_BLOCKS]
+    torch.testing.assert_close(real, ref_runner.kv_cache[:, :, :, :NUM_BLOCKS], rtol=1e-4, atol=1e-4)
 
 
 def test_padding_rows_are_a_one_token_sequence(model, ops):
@@ -324,3 +388,16 @@ def test_cuda_replays_follow_new_inputs(cuda_model):
         assert got == want, f"step {step}"
         chunks = [decode(t, c.start + 1, c.block_ids) for t, c in zip(got, chunks)] + steps[step:step + 1]
         ref_chunks = [decode(t, c.start + 1, c.block_ids) for t, c in zip(want, ref_chunks)] + ref_steps[step:step + 1]
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_cuda_replay_of_a_verification_step(cuda_model):
+    """A verification step (7 rows) replayed from the 8-row graph: each row the token decoded alone, in turn."""
+    runner, steps = prefilled(cuda_model)
+    ref_runner, _ = prefilled(cuda_model)
+    graphs = DecodeGraphs(cuda_model, runner.kv_cache, BS, SCRATCH, MAX_BLOCKS, [1, 2, 4, 8])
+    start = runner.kv_cache.clone()
+    graphs.capture()
+    runner.kv_cache.copy_(start)
+    check_verification(graphs, runner, ref_runner, verification_step(steps))

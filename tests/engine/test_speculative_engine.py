@@ -61,6 +61,26 @@ def test_greedy_token_exact_on_and_off(smol, reference, k):
     assert e.pool.num_free_blocks == e.pool.num_blocks  # rejected slots' blocks and the rest given back
 
 
+def test_verification_steps_run_in_the_graph_buckets(smol, reference):
+    """With CUDA graphs (on a CPU their padded buckets run eagerly, as a replay would run them), verification
+    steps take the graph path, a row per position, in buckets that hold the speculating batch's full drafts:
+    greedy output is plain decoding's, and the emitted tokens' logprobs are the eager verification's."""
+    spec = SpeculativeConfig(num_speculative_tokens=4, disable_by_batch_size=64, prompt_lookup_min=1,
+                             prompt_lookup_max=4)
+    e = LLMEngine(EngineConfig(speculative=spec, cuda_graphs=True), smol)
+    graphs = e.core.runner.graphs
+    assert graphs.buckets[-1] == 5 * e.core.config.scheduler.max_num_seqs  # 64 requests x (4 drafts + 1)
+    params = SamplingParams(max_tokens=48, temperature=0.0, logprobs=3)
+    got = e.generate([chat(smol, p) for p in PROMPTS], params)
+    for g, r in zip(got, reference):
+        assert g.token_ids == r.token_ids and g.text == r.text and g.finish_reason == r.finish_reason
+    assert graphs.steps["verify"] > 0 and e.scheduler.speculation.accepted > 0
+    eager = engine(smol, 4, prompt_lookup_min=1, prompt_lookup_max=4).generate([chat(smol, PROMPTS[0])], params)[0]
+    for a, b in zip(got[0].logprobs, eager.logprobs):
+        assert a.token_id == b.token_id and abs(a.logprob - b.logprob) < 1e-4
+        assert all(abs(x - y) < 1e-4 for (_, x), (_, y) in zip(a.top, b.top, strict=True))
+
+
 def test_ends_hold_at_every_acceptance_length(smol, reference):
     """max_tokens, a stop token id and a stop string placed at each output position of the copy-heavy reply:
     speculation ends where plain decoding ends, whatever the verification's acceptance length there."""

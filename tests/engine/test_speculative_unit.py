@@ -4,10 +4,14 @@ model, no Ray."""
 from __future__ import annotations
 
 import collections
+from dataclasses import replace
 
 import pytest
 import torch
 
+from pdserve.config import EngineConfig
+from pdserve.engine.scheduler_spec import graph_rows, pipelined
+from pdserve.engine.scheduler_types import Role
 from pdserve.engine.speculative import (
     DraftState,
     SpeculativeConfig,
@@ -213,3 +217,19 @@ def test_worker_metrics_export_speculation():
     assert 'pdserve_worker_spec_draft_stale{pool="decode",worker="d1"} 1.0' in text
     assert 'spec_draft_stale{pool="decode",worker="d0"}' not in text  # prompt lookup has no draft to go stale
     assert 'worker="p0"' not in "".join(l for l in text.splitlines() if "spec_" in l)
+
+
+def test_a_speculating_pool_is_not_pipelined_by_default_and_its_graphs_hold_the_drafts():
+    """pipelined(): on CUDA by default, unless the engine speculates; asked for explicitly, it stays on (and the
+    engine does not speculate: speculation_for). graph_rows(): the speculating batch's k + 1 rows a request."""
+    spec = SpeculativeConfig(num_speculative_tokens=4)
+    cuda, spec_cuda = EngineConfig(device="cuda"), EngineConfig(device="cuda", speculative=spec)
+    assert pipelined(cuda, Role.DECODE) and not pipelined(cuda, Role.PREFILL)
+    assert not pipelined(spec_cuda, Role.DECODE) and not pipelined(spec_cuda, Role.COLOCATED)
+    assert pipelined(replace(spec_cuda, pipelined_decode=True), Role.DECODE)
+    assert not pipelined(EngineConfig(), Role.DECODE)  # a CPU engine
+    seqs = cuda.scheduler.max_num_seqs
+    assert graph_rows(cuda, Role.DECODE) == seqs and graph_rows(spec_cuda, Role.DECODE) == 5 * seqs
+    capped = replace(spec_cuda, speculative=replace(spec, disable_by_batch_size=8))
+    assert graph_rows(capped, Role.DECODE) == max(seqs, 40)
+    assert graph_rows(replace(spec_cuda, pipelined_decode=True), Role.DECODE) == seqs
