@@ -295,6 +295,10 @@ def _matches(labels: dict[str, str], matchers: str) -> bool:
 # Series a mixture of experts' workers alone export. A dense model's panels for them read the value their
 # expression falls back to when no such series exists (`or on() vector(N)`), not "no data".
 MOE_ONLY = {"pdserve_worker_expert_tokens_total"}
+# Series only a speculating worker exports (--speculative-config): their panels fall back to a number elsewhere.
+SPEC_ONLY = {f"pdserve_worker_spec_{n}" for n in ("drafted_tokens_total", "accepted_tokens_total", "draft_stale",
+                                                  "acceptance_length_sum", "acceptance_length_count",
+                                                  "acceptance_length_bucket")}
 _FALLBACK = re.compile(r"\bor on\(\) vector\([\d.]+\)$")
 
 
@@ -327,6 +331,10 @@ def test_every_queried_series_exists_at_zero_from_the_start(experts):
                 if not _FALLBACK.search(expr):
                     missing.append(f"{name} (a dense model has none) without a fallback in {expr}")
                 continue
+            if name in SPEC_ONLY:  # no worker here speculates
+                if not _FALLBACK.search(expr):
+                    missing.append(f"{name} (a worker that does not speculate has none) without a fallback in {expr}")
+                continue
             if not any(n == name and _matches(labels, matchers) for n, labels, _ in exposed):
                 missing.append(f"{name}{{{matchers or ''}}} in {expr}")
     assert not missing, missing
@@ -346,13 +354,29 @@ def test_every_queried_series_exists_at_zero_from_the_start(experts):
     assert len(events) == 2 * len(REASONS)
 
 
+def test_the_speculation_panels_read_a_speculating_workers_series():
+    """Every series the speculative-decoding panels select is exported for a worker that speculates (elsewhere
+    the panels read their fallback: test_every_queried_series_exists_at_zero_from_the_start)."""
+    spec = {"method": "ngram", "drafted": 10, "accepted": 7, "verifications": 4,
+            "acceptance_lengths": {"0": 1, "2": 1, "4": 2}, "draft_stale": False}
+    m = RouterMetrics(lambda: [stats("fast", "fast-0", speculation=spec), stats("decode", "decode-0")])
+    exposed = [(s.name, s.labels) for f in m.registry.collect() for s in f.samples]
+    selected = [sel.groups() for e in dashboard_queries() for sel in _SELECTOR.finditer(e) if sel.group(1) in SPEC_ONLY]
+    assert {name for name, _ in selected} == SPEC_ONLY
+    for name, matchers in selected:
+        assert any(n == name and labels["pool"] == "fast" and _matches(labels, matchers) for n, labels in exposed), \
+            (name, matchers)
+    assert not [n for n, labels in exposed if n in SPEC_ONLY and labels["pool"] == "decode"]
+
+
 def test_dashboard_is_grafana_shaped():
     d = json.loads(DASHBOARD.read_text())
     assert d["templating"]["list"][0]["type"] == "datasource"
     rows = [p["title"] for p in d["panels"] if p["type"] == "row"]
     assert rows == ["Prefill pool", "Decode pool", "Latency", "KV transfer", "Sessions and prefix cache",
                     "Pool sizes (autoscaling)",
-                    "Service tiers", "Weights (RL updates)", "Mixture of experts", "KV tiers (offload)"]
+                    "Service tiers", "Weights (RL updates)", "Mixture of experts", "KV tiers (offload)",
+                    "Speculative decoding"]
     for p in d["panels"]:
         if p["type"] != "row":
             assert p["datasource"]["uid"] == "${datasource}" and p["targets"]
