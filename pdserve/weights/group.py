@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import random
 import socket
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -69,11 +70,35 @@ class GroupAddress:
             raise ValueError("a group needs a name")
 
 
+# Where free_port looks: above Ray's worker ports (10002-19999 by default), below the kernel's ephemeral range.
+PORTS_FROM = 20000
+
+
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on now (another process may take it before it is used)."""
+    """A TCP port on 127.0.0.1 that nothing listens on now, from below the kernel's ephemeral range where there
+    is room: the kernel hands ports of that range to every outgoing connection (Ray's, gRPC's), and one of them
+    took a port picked there before the group's store bound it (EADDRINUSE). Another process may still take
+    this one first; none does by accident."""
+    low = _ephemeral_low()
+    for port in random.sample(range(PORTS_FROM, low), min(64, max(0, low - PORTS_FROM))):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _ephemeral_low() -> int:
+    """The first port of the kernel's ephemeral range (Linux; 32768 where it cannot be read)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 def meta_nbytes(meta: TensorMeta) -> int:

@@ -65,12 +65,15 @@ class Oracle:
         return []
 
 
-def run_with_oracle(monkeypatch, loaded, accept: int, prompt: list[int], params: SamplingParams, reference):
+def run_with_oracle(monkeypatch, loaded, accept: int, prompts, params, reference):
+    """One prompt (a list of ids) with its params, or a batch of the same prompt (a list of lists) with theirs,
+    drafted by the oracle from the reference completions of that prompt."""
+    batch = [prompts] if isinstance(prompts[0], int) else prompts
     oracle = Oracle(loaded.model.cfg.vocab_size, accept)
-    oracle.refs = [(prompt, r.token_ids) for r in reference]
+    oracle.refs = [(batch[0], r.token_ids) for r in reference]
     monkeypatch.setattr("pdserve.engine.scheduler_spec.propose", oracle)
     e = speculating(loaded)
-    got = e.generate([prompt], params)
+    got = e.generate(batch, params)
     return e, got
 
 
@@ -122,13 +125,13 @@ def test_stops_and_max_tokens_cut_every_forced_acceptance_length(smol, plain, mo
              for m in (3, 7, 12)]
     cases += [SamplingParams(**{**base.__dict__, "stop": (ref.text[c:c + 3],)}) for c in (4, 13, 22)]
     cases += [SamplingParams(**{**base.__dict__, "stop_token_ids": (ref.token_ids[j],)}) for j in (8, 14)]
-    for params in cases:
-        want = plain.generate([prompt], params)
-        assert len(want[0].token_ids) < len(ref.token_ids)  # it does cut the reply
-        for accept in (1, 3):
-            e, got = run_with_oracle(monkeypatch, smol, accept, prompt, params, [ref])
-            assert_same(got, want)
-            assert e.pool.num_free_blocks == e.pool.num_blocks
+    # The cases run as one batch (each its own request, the oracle drafting each from the same reply).
+    want = plain.generate([prompt] * len(cases), cases)
+    assert all(len(w.token_ids) < len(ref.token_ids) for w in want)  # each does cut the reply
+    for accept in (1, 3):
+        e, got = run_with_oracle(monkeypatch, smol, accept, [prompt] * len(cases), cases, [ref])
+        assert_same(got, want)
+        assert e.pool.num_free_blocks == e.pool.num_blocks
 
 
 def test_sampled_structured_and_penalized_requests_speculate_validly(smol):

@@ -147,3 +147,18 @@ def test_arguments_are_checked():
     with pytest.raises(WeightGroupError, match="could not join"):  # nobody hosts the store
         CompatGroup.join(CompatAddress("127.0.0.1", free_port(), 2, "g", timeout_s=2), 1, 2)
     assert isinstance(GroupAddress("127.0.0.1", 1234, 2, "g"), GroupAddress)
+
+
+def test_free_port_is_bindable_and_below_the_ephemeral_range():
+    """free_port picks from below the kernel's ephemeral range (where outgoing connections take their ports),
+    above Ray's worker ports, and the port it gives can be bound."""
+    import socket
+
+    from pdserve.weights.group import PORTS_FROM, _ephemeral_low
+
+    low = _ephemeral_low()
+    for _ in range(20):
+        port = free_port()
+        assert PORTS_FROM <= port < low
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("127.0.0.1", port))
