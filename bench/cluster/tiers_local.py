@@ -173,6 +173,7 @@ def main() -> None:
                     help="random token prompts (DEFAULT_BENCH_ARGS) or copy-heavy chat prompts (COPY_BENCH_ARGS)")
     ap.add_argument("--fast-lane-speculative-config", default=None, metavar="JSON",
                     help="the fast lane speculates so; the same load then runs again with no speculation")
+    ap.add_argument("--plain-first", action="store_true", help="run the cluster without speculation first")
     ap.add_argument("--output", default=None, metavar="FILE.json")
     args, bench_args = ap.parse_known_args()
 
@@ -189,6 +190,7 @@ def main() -> None:
         cmd_args = [*DEFAULT_BENCH_ARGS, *bench_args]
     spec = SpeculativeConfig.parse(args.fast_lane_speculative_config)
     runs = [("fast lane speculating", spec), ("no speculation", None)] if spec else [("no speculation", None)]
+    runs = runs[::-1] if args.plain_first else runs
     print(f"{os.cpu_count()} cores; 3 workers; decode max running {args.decode_max_running}, fast lane "
           f"{args.fast_lane_max_running}; flex queue bound {args.flex_max_queued}\npdserve bench {' '.join(cmd_args)}",
           flush=True)
