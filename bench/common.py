@@ -355,3 +355,52 @@ def hf_generate(model, prompts: list[list[int]], new_tokens: int, device="cpu", 
     with torch.inference_mode():
         return model.generate(ids.to(device), attention_mask=mask.to(device), max_new_tokens=new_tokens,
                               min_new_tokens=new_tokens if exact else None, do_sample=False, pad_token_id=0)
+
+
+# -- copy-heavy prompts: replies that copy from their context (prompt lookup drafts them) -------------------------
+STORE_PY = '''import json
+import os
+
+
+class Store:
+    """A key-value store persisted as one JSON file."""
+
+    def __init__(self, path):
+        self.path = path
+        self.data = {}
+        if os.path.exists(path):
+            with open(path) as f:
+                self.data = json.load(f)
+
+    def get(self, key, default=None):
+        return self.data.get(key, default)
+
+    def put(self, key, value):
+        self.data[key] = value
+        self.save()
+
+    def delete(self, key):
+        if key in self.data:
+            del self.data[key]
+            self.save()
+
+    def save(self):
+        with open(self.path, "w") as f:
+            json.dump(self.data, f)
+'''
+ARTICLE = ("The city council voted on Tuesday to extend the night bus service to the northern suburbs. The "
+           "service will run every twenty minutes between midnight and five in the morning. Council member Ana "
+           "Ruiz said that the change was requested by hospital staff and restaurant workers who finish late. "
+           "The extension costs 1.2 million a year and will be paid from the parking fund. A trial will start "
+           "in March and be reviewed after six months.")
+
+
+def agent_edit(method: str, renamed: str, source: str = STORE_PY) -> str:
+    """An agent's edit of a file it was given: the whole file back, one method renamed."""
+    return f"Here is store.py:\n\n{source}\nRewrite the whole file with the method `{method}` renamed to " \
+           f"`{renamed}`. Output only the code."
+
+
+def quoting_summary(article: str) -> str:
+    """A summary that quotes its source."""
+    return f"Article:\n{article}\n\nSummarise the article in three sentences, quoting its exact words where you can."

@@ -21,52 +21,16 @@ import argparse
 import statistics
 import time
 
+from bench.common import ARTICLE, agent_edit, quoting_summary
 from pdserve.config import EngineConfig
 from pdserve.engine import LLMEngine
 from pdserve.engine.sampling import SamplingParams
 from pdserve.engine.speculative import SpeculativeConfig
 from pdserve.model.loader import default_model_path, load
 
-FILE = '''import json
-import os
-
-
-class Store:
-    """A key-value store persisted as one JSON file."""
-
-    def __init__(self, path):
-        self.path = path
-        self.data = {}
-        if os.path.exists(path):
-            with open(path) as f:
-                self.data = json.load(f)
-
-    def get(self, key, default=None):
-        return self.data.get(key, default)
-
-    def put(self, key, value):
-        self.data[key] = value
-        self.save()
-
-    def delete(self, key):
-        if key in self.data:
-            del self.data[key]
-            self.save()
-
-    def save(self):
-        with open(self.path, "w") as f:
-            json.dump(self.data, f)
-'''
-ARTICLE = ("The city council voted on Tuesday to extend the night bus service to the northern suburbs. The "
-           "service will run every twenty minutes between midnight and five in the morning. Council member Ana "
-           "Ruiz said that the change was requested by hospital staff and restaurant workers who finish late. "
-           "The extension costs 1.2 million a year and will be paid from the parking fund. A trial will start "
-           "in March and be reviewed after six months.")
 WORKLOADS = {
-    "agent edit (copy-heavy)": "Here is store.py:\n\n" + FILE + "\nRewrite the whole file with the method `put` "
-                               "renamed to `set`. Output only the code.",
-    "quoting summary (copy-heavy)": "Article:\n" + ARTICLE + "\n\nSummarise the article in three sentences, quoting "
-                                    "its exact words where you can.",
+    "agent edit (copy-heavy)": agent_edit("put", "set"),
+    "quoting summary (copy-heavy)": quoting_summary(ARTICLE),
     "story (nothing to copy)": "Write a short story about a lighthouse keeper who finds a message in a bottle.",
 }
 
