@@ -129,8 +129,7 @@ class ModelRunner:
         tokens of the step before (pipelined decode), which chunks with a pending_row read on the device.
         The sampled tokens are returned on the device: nothing here waits for them."""
         assert chunks, "empty step"
-        if self.graphs is not None and all(c.fanout == 1 for c in chunks) \
-                and self.graphs.bucket_for(chunks, layer_done) is not None:
+        if self.graphs is not None and self.graphs.bucket_for(chunks, layer_done) is not None:
             return self._execute_graph(chunks, previous)
         # Single-token chunks take the batched decode path; they come first, by context length.
         order = sorted(range(len(chunks)), key=lambda i: (len(chunks[i].token_ids) != 1, chunks[i].start))
