@@ -30,8 +30,7 @@ from pdserve.engine.block_pool import BlockPool, OutOfBlocks
 from pdserve.engine.chunk import Chunk
 from pdserve.engine.request import Request
 from pdserve.engine.runner import ModelRunner
-from pdserve.engine.sampling import token_seed
-from pdserve.engine.speculative import scaled_plain
+from pdserve.engine.sampling import SamplingBatch, scale_logits, token_seed
 from pdserve.model.loader import ModelInfo, load, load_info
 
 # Drafts are drawn with a generator of their own, seeded apart from the verification's (token_seed of the same
@@ -112,7 +111,7 @@ class DraftModel:
         """Up to k drafted tokens for each (request, k), and for a sampled request the distributions q they were
         drawn from [drafts, vocab] (None for a greedy one). A request the draft's context or cache has no room
         for gets none (it is absent)."""
-        active: list[tuple[Request, DraftSeq, int, torch.Generator | None]] = []
+        active: list[tuple[Request, DraftSeq, int, torch.Generator | None, SamplingBatch | None]] = []
         chunks: list[Chunk] = []
         for req, k in wanted:
             tokens = req.token_ids
@@ -123,28 +122,30 @@ class DraftModel:
             keep = min(_common_prefix(seq.tokens, tokens), len(tokens) - 1)
             seq.tokens = list(tokens)
             chunks.append(Chunk(list(tokens[keep:]), keep, seq.block_ids, req.params))
-            gen = None
+            gen = scaling = None
             if not req.params.greedy:
                 gen = torch.Generator(device=self.runner.device)
                 gen.manual_seed(token_seed(req.seed ^ DRAFT_SEED_SALT, req.num_output_tokens))
-            active.append((req, seq, k, gen))
+                # q: the raw logits as the sampler scales them for a plain request (temperature, min-p, top-k/p)
+                scaling = SamplingBatch.build([req.params], [0], [0], self.runner.device)
+            active.append((req, seq, k, gen, scaling))
         out: dict[Request, tuple[list[int], list[torch.Tensor]]] = {req: ([], []) for req, *_ in active}
         while active:
             logits = self.runner.execute(chunks, sample_tokens=False).logits.float()  # [len(active), vocab]
             still, chunks = [], []
-            for row, (req, seq, k, gen) in enumerate(active):
+            for row, (req, seq, k, gen, scaling) in enumerate(active):
                 drafts, qs = out[req]
                 if gen is None:
                     token = int(logits[row].argmax())
                 else:
-                    q = scaled_plain(logits[row:row + 1], req.params).softmax(dim=-1)[0]  # [vocab]
+                    q = scale_logits(logits[row:row + 1], scaling).softmax(dim=-1)[0]  # [vocab]
                     token = int(torch.multinomial(q, 1, generator=gen))
                     qs.append(q)
                 drafts.append(token)
                 if len(drafts) < k:  # its KV is needed for the next draft
                     chunks.append(Chunk([token], len(seq.tokens), seq.block_ids, req.params))
                     seq.tokens.append(token)
-                    still.append((req, seq, k, gen))
+                    still.append((req, seq, k, gen, scaling))
             active = still
         return {req: (drafts, torch.stack(qs) if qs else None) for req, (drafts, qs) in out.items()}
 

@@ -37,8 +37,6 @@ from pdserve.engine.logprobs import TokenLogprob
 from pdserve.engine.sampling import (
     SamplingBatch,
     SamplingParams,
-    apply_min_p,
-    apply_top_k_top_p,
     logprobs_of,
     process_logits,
     scale_logits,
@@ -214,21 +212,6 @@ def accept_sampled(probs: torch.Tensor, draft: Sequence[int], generator: torch.G
         return out
     out.append(int(torch.multinomial(probs[-1], 1, generator=generator)))
     return out
-
-
-def scaled_plain(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Raw logits [rows, vocab] as the sampler processes them for a plain request (no penalties, banned tokens or
-    masks: pdserve.engine.scheduler_spec.plain, the requests a draft model drafts for): divided by the temperature,
-    then min-p, top-k and top-p. Its softmax is the distribution a draft model's q is drawn from."""
-    rows = logits.shape[0]
-    scaled = logits / params.temperature
-    if params.min_p > 0:
-        scaled = apply_min_p(scaled, torch.full((rows,), params.min_p, device=logits.device))
-    if params.top_k > 0 or params.top_p < 1.0:
-        scaled = apply_top_k_top_p(scaled, torch.full((rows,), params.top_k, dtype=torch.int64, device=logits.device),
-                                   torch.full((rows,), params.top_p, device=logits.device))
-    return scaled
-
 
 
 def verification_batch(params: SamplingParams, seed: int, output_index: int, draft: Sequence[int],
