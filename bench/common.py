@@ -401,6 +401,7 @@ def agent_edit(method: str, renamed: str, source: str = STORE_PY) -> str:
            f"`{renamed}`. Output only the code."
 
 
-def quoting_summary(article: str) -> str:
-    """A summary that quotes its source."""
-    return f"Article:\n{article}\n\nSummarise the article in three sentences, quoting its exact words where you can."
+def quoting_summary(article: str, sentences: str = "three") -> str:
+    """A summary that quotes its source, `sentences` long."""
+    return f"Article:\n{article}\n\nSummarise the article in {sentences} sentences, quoting its exact words where " \
+           "you can."

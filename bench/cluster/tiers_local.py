@@ -59,7 +59,7 @@ SENTENCES = ["two", "three", "four"]
 def copy_prompts() -> list[str]:
     """The copy-heavy prompts, in turn: the agent's edit of store.py (one of RENAMES) and the quoting summary
     (one of SENTENCES long), varied so that replies differ."""
-    summaries = [quoting_summary(ARTICLE).replace("three sentences", f"{n} sentences") for n in SENTENCES]
+    summaries = [quoting_summary(ARTICLE, n) for n in SENTENCES]
     edits = [agent_edit(a, b) for a, b in RENAMES]
     return [p for pair in itertools.zip_longest(edits, summaries) for p in pair if p is not None]
 
