@@ -334,6 +334,9 @@ class EngineConfig:
         if self.expert_parallel_size not in (1, self.tensor_parallel_size):
             raise ValueError(f"expert_parallel_size ({self.expert_parallel_size}) must be 1 or the worker's rank count, "
                              f"tensor_parallel_size ({self.tensor_parallel_size}): attention and experts share the ranks")
+        if getattr(self.speculative, "method", None) == "draft_model" and self.tensor_parallel_size > 1:
+            raise ValueError("speculation with a draft model on a tensor-parallel worker is not supported yet "
+                             "(method ngram is)")
         if self.tensor_parallel_timeout_s <= 0:
             raise ValueError(f"tensor_parallel_timeout_s must be positive, got {self.tensor_parallel_timeout_s}")
         if not isinstance(self.weight_version, int) or self.weight_version < 0:

@@ -114,11 +114,7 @@ class Cluster:
         for name, pool in self.config.pools.items():
             spec = pool.speculative
             if spec is not None and spec.method == "draft_model":
-                engine = self.config.engine_for(pool)
-                if engine.tensor_parallel_size > 1:
-                    raise ValueError(f"the {name} pool: speculation with a draft model on a tensor-parallel worker is "
-                                     "not supported yet")
-                info = draft_info(engine, self.info)
+                info = draft_info(self.config.engine_for(pool), self.info)  # its config refuses one on TP ranks
                 log.info("the %s pool drafts with %s (%d layers, hidden %d)", name, info.path,
                          info.config.num_layers, info.config.hidden_size)
 

@@ -163,16 +163,14 @@ def trim(kv, req: Request) -> None:
 
 
 def speculation_for(config, role: Role, runner, pipelined: bool, simulated: bool, info=None) -> Speculation | None:
-    """An engine's speculation (config: its EngineConfig), where configured: decode and colocated engines of one
-    rank that are not pipelined (a pipelined step would need its emitted count before the next is built) and run a model
+    """An engine's speculation (config: its EngineConfig), where configured: decode and colocated engines that are
+    not pipelined (a pipelined step would need its emitted count before the next is built) and run a model
     (a simulated engine's tokens are not the model's). Without disable_by_batch_size, the batch it stops at
     comes from the device's ridge point (pdserve.engine.speculative.free_rows): its peaks as configured, from
     the GPU table, or measured here. Method draft_model loads the draft beside the target (info: the target's
     ModelInfo, which the draft must match)."""
     spec = config.speculative
-    # A tensor-parallel engine's ranks run every LM head call together: rank 0's verification would be one
-    # they do not make. Not supported yet.
-    if spec is None or role is Role.PREFILL or pipelined or simulated or config.tensor_parallel_size > 1:
+    if spec is None or role is Role.PREFILL or pipelined or simulated:
         if spec is not None and role is not Role.PREFILL and pipelined:
             log.warning("speculative decoding is off on this %s engine: pipelined decode was asked for "
                         "(--pipelined-decode); without it the engine speculates", role.value)

@@ -19,6 +19,7 @@ from pdserve.engine.sampling import SamplingParams
 from pdserve.engine.speculative import SpeculativeConfig
 from pdserve.engine.structured import StructuredOutput
 
+from oracle import Oracle
 from test_speculative_engine import chat, smol  # noqa: F401  (smol: the module's model, a fixture)
 
 SOURCE = "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n"
@@ -43,26 +44,6 @@ ACCEPT = (0, 1, 3)
 def speculating(loaded, k: int = 4) -> LLMEngine:
     spec = SpeculativeConfig(num_speculative_tokens=k, disable_by_batch_size=64, prompt_lookup_min=1)
     return LLMEngine(EngineConfig(speculative=spec), loaded)
-
-
-class Oracle:
-    """A proposer (pdserve.engine.speculative.propose's signature) that drafts, for a sequence that follows one
-    of its references so far, the reference's next `accept` tokens and then a token it does not have next."""
-
-    def __init__(self, vocab: int, accept: int):
-        self.vocab, self.accept = vocab, accept
-        self.refs: list[tuple[list[int], list[int]]] = []
-
-    def __call__(self, tokens, k, lookup_min, lookup_max) -> list[int]:
-        tokens = list(tokens)
-        for prompt, out in self.refs:
-            n = len(prompt)
-            if tokens[:n] == prompt and tokens[n:] == out[:len(tokens) - n]:
-                m = len(tokens) - n
-                right = out[m:m + self.accept]
-                wrong = [(out[m + self.accept] + 1) % self.vocab] if m + self.accept < len(out) else []
-                return (right + wrong)[:k]
-        return []
 
 
 def run_with_oracle(monkeypatch, loaded, accept: int, prompts, params, reference):

@@ -3,6 +3,7 @@ TP B (pdserve.parallel.layout): exact layouts, the errors, and every (A, B) movi
 decode rank owns, each head from a prefill rank that holds it."""
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import pytest
@@ -276,3 +277,36 @@ def test_tp_group_samples_equal_tp1(tp_checkpoints):
         assert [c.token_ids for c in engine.generate(batch, params)] == ref
         assert engine.core.prompt_tokens_computed == sum(len(p) + 2 * (len(p) % 4) for p in batch)
         assert engine.pool.num_used_blocks == 0
+
+
+def test_tp_speculation_is_token_exact(tp_checkpoints, monkeypatch):
+    """Speculation on a TP 2 engine: every rank runs each verification's LM head rows (a collective), rank 0 alone
+    keeps the result. Drafted by an oracle (tests/oracle.py: the reference's next 2 tokens, then a wrong one), greedy
+    output equals TP 1's without speculation and seeded sampling equals TP 1's with the same drafts, each greedy
+    verification keeping at most the 2 right drafts; a draft model on TP ranks is refused with the reason."""
+    from oracle import Oracle
+
+    from pdserve.engine.speculative import SpeculativeConfig
+
+    path = tp_checkpoints["gqa"]
+    batch = tp_prompts(318)[:3]
+    greedy = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    sampled = SamplingParams(max_tokens=NEW_TOKENS, temperature=1.0, seed=5, ignore_eos=True)
+    oracle = Oracle(318, accept=2)
+    monkeypatch.setattr("pdserve.engine.scheduler_spec.propose", oracle)
+    spec = dataclasses.replace(tp_config(path, 1), speculative=SpeculativeConfig(
+        num_speculative_tokens=3, disable_by_batch_size=8))
+    with LLMEngine(tp_config(path, 1)) as engine:
+        ref = engine.generate(batch, greedy)
+    oracle.refs = [(p, r.token_ids) for p, r in zip(batch, ref)]
+    with LLMEngine(spec) as engine:
+        ref_sampled = [c.token_ids for c in engine.generate(batch, sampled)]
+    with LLMEngine(dataclasses.replace(spec, tensor_parallel_size=2)) as engine:
+        assert [c.token_ids for c in engine.generate(batch, greedy)] == [r.token_ids for r in ref]
+        s = engine.scheduler.speculation
+        assert 0 < s.accepted < s.drafted and max(s.acceptance_lengths) == 2, (s.drafted, s.accepted)
+        assert [c.token_ids for c in engine.generate(batch, sampled)] == ref_sampled
+        assert engine.pool.num_used_blocks == 0
+    with pytest.raises(ValueError, match="draft model on a tensor-parallel worker"):
+        dataclasses.replace(tp_config(path, 2), speculative=SpeculativeConfig(
+            method="draft_model", model=str(path), num_speculative_tokens=2))
