@@ -5,10 +5,11 @@ device).
 Workloads: an agent rewriting a file it was given (copy-heavy), a summary that quotes its source
 (copy-heavy), a story with nothing to copy; batch 1 each, then batch 32 of the copy-heavy prompts. For each:
 output tokens per second with and without speculation (same weights, same prompts, each engine warmed up
-first), the speed-up, the acceptance rate (accepted / drafted tokens), and the mean time of a verification
-step against a plain step. Greedy output must be identical with and without speculation: the script checks it.
+first, the two engines taking turns run by run, the best run of each kept), the speed-up, the acceptance rate
+(accepted / drafted tokens), and the median time of a verification step against a plain step. Greedy output
+must be identical with and without speculation: the script checks it.
 
-    python -m bench.speculative [--k 4] [--max-tokens 128] [--repeats 2] [--draft-model PATH|default]
+    python -m bench.speculative [--k 4] [--max-tokens 128] [--repeats 3] [--draft-model PATH|default]
 
 --draft-model drafts with that checkpoint instead of by prompt lookup; `default` is SmolLM2-135M itself, the one
 same-vocabulary checkpoint here: its own draft, every draft accepted, each draft token costing a whole step of
@@ -61,7 +62,8 @@ def main() -> None:
     ap.add_argument("--lookup-max", type=int, default=5)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--batch", type=int, default=32)
-    ap.add_argument("--repeats", type=int, default=2, help="timed runs per engine and workload (best kept)")
+    ap.add_argument("--repeats", type=int, default=3,
+                    help="timed runs per engine and workload, the engines taking turns (the best of each kept)")
     ap.add_argument("--draft-model", default=None, metavar="PATH",
                     help="draft with this checkpoint (method draft_model); `default`: SmolLM2-135M as its own draft")
     args = ap.parse_args()
@@ -86,16 +88,20 @@ def main() -> None:
     run(on, cases[0][1], params)
     print(f"{'workload':38s} {'off tok/s':>10s} {'on tok/s':>10s} {'speed-up':>9s} {'accept':>7s} "
           f"{'verify ms':>10s} {'plain ms':>9s}")
+    s = on.scheduler.speculation
     for name, prompts in cases:
+        d0, a0 = s.drafted, s.accepted
+        # Interleaved (off, on, off, on, ...): a drift of the host's speed over the run falls on both alike.
+        runs = {"off": [], "on": []}
+        for _ in range(args.repeats):
+            for label, engine in (("off", off), ("on", on)):
+                runs[label].append(run(engine, prompts, params))
         best = {}
-        for label, engine in (("off", off), ("on", on)):
-            s = engine.scheduler.speculation
-            d0, a0 = (s.drafted, s.accepted) if s else (0, 0)
-            runs = [run(engine, prompts, params) for _ in range(args.repeats)]
-            seconds, tokens, outs, steps = min(runs, key=lambda r: r[0])
-            best[label] = (tokens / seconds, outs, steps, (s.drafted - d0, s.accepted - a0) if s else (0, 0))
+        for label, timed in runs.items():
+            seconds, tokens, outs, steps = min(timed, key=lambda r: r[0])
+            best[label] = (tokens / seconds, outs, steps)
         assert best["on"][1] == best["off"][1], f"{name}: greedy output differs with speculation on"
-        drafted, accepted = best["on"][3]
+        drafted, accepted = s.drafted - d0, s.accepted - a0  # the same in every repeat: greedy
         verify = best["on"][2][0]
         plain = best["off"][2][1]
         print(f"{name:38s} {best['off'][0]:10.1f} {best['on'][0]:10.1f} {best['on'][0] / best['off'][0]:8.2f}x "
