@@ -11,6 +11,11 @@ not from the last call's L3. Columns: torch path and kernel with the runner's gr
 one group padded to the longest row (what group_by_length saves each of them). Median microseconds
 over --reps calls, the paths interleaved call by call.
 
+Part 3 (#51), a verification's k + 1 = 5 positions of one sequence, contexts 256 to 8192 tokens: as decode rows,
+each attending up to itself (what the runner does, pdserve.engine.runner.decode_rows), against the prefill path
+(_prefill_attention: the context gathered, then SDPA over the 5 queries). Median microseconds per layer, the
+two interleaved call by call, walking the layers.
+
 Part 2, whole engine decode steps: LLMEngine with the default EngineConfig() (the default model), batch
 1 and 32, prompts of random lengths in [16, 512]. Prefill runs first (not timed); then --steps decode
 steps (schedule + forward + sampling + bookkeeping), alternating kernel and torch path step by step
@@ -29,7 +34,7 @@ import torch
 from bench.common import Table
 from pdserve.engine.runner import group_by_length
 from pdserve.kernels import cpu_attention, cpu_kernels
-from pdserve.model.attention import _decode_attention
+from pdserve.model.attention import _decode_attention, _prefill_attention
 
 LAYERS, HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 30, 9, 3, 64, 16  # SmolLM2-135M
 SCALE = HEAD_DIM ** -0.5
@@ -108,6 +113,35 @@ def bench_layers(reps: int, seed: int) -> None:
                         med["kernel", "1"], diff))
 
 
+def bench_verification(reps: int, rows: int = 5) -> None:
+    print(f"\n## Part 3: a verification's {rows} positions of one sequence, one layer (SmolLM2 shapes, "
+          f"{torch.get_num_threads()} threads), median us over {reps} calls")
+    table = Table(("context", 7, ""), ("decode rows", 11, ".0f"), ("prefill path", 12, ".0f"), ("ratio", 7, ""),
+                  ("max|diff|", 9, ".1e"))
+    print(table.header())
+    for ctx in (256, 1024, 4096, 8192):
+        blocks = -(-ctx // BLOCK_SIZE)
+        cache = torch.randn(LAYERS, 2, KV_HEADS, blocks, BLOCK_SIZE, HEAD_DIM)
+        table_ids = torch.randperm(blocks)
+        q = torch.randn(rows, HEADS, HEAD_DIM)
+        tables, lens = table_ids.repeat(rows, 1), torch.arange(ctx - rows + 1, ctx + 1)
+        # The new keys and values are in the cache already (the runner writes them before attending).
+        slots = table_ids[(lens - 1) // BLOCK_SIZE] * BLOCK_SIZE + (lens - 1) % BLOCK_SIZE
+        k_new = cache[:, 0].flatten(2, 3)[:, :, slots].transpose(1, 2)  # [layers, rows, kv_heads, head_dim]
+        v_new = cache[:, 1].flatten(2, 3)[:, :, slots].transpose(1, 2)
+        paths = {"decode": lambda i: _decode_attention(q, cache[i], tables, lens, SCALE),
+                 "prefill": lambda i: _prefill_attention(q, k_new[i], v_new[i], cache[i], table_ids, ctx, SCALE)}
+        times = {k: [] for k in paths}
+        for i in range(reps):
+            for name, f in paths.items():
+                t = time.perf_counter()
+                f(i % LAYERS)
+                times[name].append(time.perf_counter() - t)
+        diff = (paths["decode"](0) - paths["prefill"](0)).abs().max().item()
+        med = {k: statistics.median(v) * 1e6 for k, v in times.items()}
+        print(table.row(ctx, med["decode"], med["prefill"], f"{med['prefill'] / med['decode']:>6.2f}x", diff))
+
+
 def bench_engine(steps: int, seed: int) -> None:
     from pdserve.config import EngineConfig
     from pdserve.engine import LLMEngine
@@ -162,6 +196,7 @@ def main() -> None:
         raise SystemExit("the CPU attention kernel did not build; see the warning above")
     print(f"kernel ready in {time.perf_counter() - t:.1f} s (build or load), cache {cpu_kernels.build_directory()}")
     bench_layers(args.reps, args.seed)
+    bench_verification(min(args.reps, 100))
     if not args.skip_engine:
         bench_engine(args.steps, args.seed)
 

@@ -311,7 +311,8 @@ class ModelRunner:
 def decode_rows(chunk: Chunk) -> bool:
     """Whether a chunk's tokens attend as decode rows, one per token, each up to itself: a single token, or a
     verification (its k + 1 positions; the paged decode kernels read each row's context where the prefill path
-    would gather it: 2-9x faster per layer at k = 4 on this project's CPU, from 256 to 8192 tokens of context)."""
+    would gather it first: 1.1-1.6x faster per layer at k = 4 on this project's CPU, 256 to 8192 tokens of
+    context, `python -m bench.engine.decode_attention` part 3)."""
     return len(chunk.token_ids) == 1 or bool(chunk.draft)
 
 

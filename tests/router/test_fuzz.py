@@ -204,10 +204,15 @@ def call(client: Client, data: bytes, method: str = f"/{SERVICE_NAME}/Generate",
     return grpc.StatusCode.OK
 
 
-def assert_nothing_left(aloop, cluster: Cluster, router: Router, client: Client) -> None:
+def assert_nothing_left(aloop, cluster: Cluster, router: Router, client: Client,
+                        neighbours: Neighbours | None = None) -> None:
+    """The server serves, and nothing is held: KV blocks, admission slots, streams, paused weights, HTTP bodies.
+    The neighbours are stopped first (their own streams would hold slots and blocks while they run)."""
     from conftest import wait_for
 
     assert client.health(timeout=10) == "SERVING"
+    if neighbours is not None:
+        neighbours.stop()
     wait_for(lambda: sum(s.kv_blocks_used for s in aloop.run(cluster.stats())) == 0, 60, what="zero used KV blocks")
     wait_for(lambda: router.front.admission.running == 0 and router.front.admission.queued == 0, 30,
              what="no admission slot held")
@@ -230,7 +235,7 @@ def test_fuzz_request_fields(served, aloop, neighbours):
     print(f"\nfuzzed gRPC request fields: {sum(seen.values())} calls, {dict(seen)}")
     assert sum(seen.values()) >= cases("grpc")
     assert seen["OK"] > 0 and seen["INVALID_ARGUMENT"] > 0  # both kinds of request were reached
-    assert_nothing_left(aloop, cluster, router, client)
+    assert_nothing_left(aloop, cluster, router, client, neighbours)
 
 
 # -- the OpenAI door ----------------------------------------------------------------------------------------
@@ -319,7 +324,7 @@ def test_fuzz_the_openai_door(served, aloop, neighbours):
         one()
     print(f"\nfuzzed OpenAI bodies: {sum(seen.values())} calls, {dict(seen)}")
     assert seen[200] > 0 and seen[400] > 0
-    assert_nothing_left(aloop, cluster, router, client)
+    assert_nothing_left(aloop, cluster, router, client, neighbours)
 
 
 # -- the Weights service (control) --------------------------------------------------------------------------
@@ -425,7 +430,7 @@ def test_fuzz_random_and_truncated_bytes(served, aloop, neighbours):
         for raw in (b"\xff{not json", b"[]", b"1e999", b'{"model": "tiny", "prompt": [1], "max_tokens": 1e400}',
                     b'{"model": "tiny", "prompt": [1], "top_k": 9223372036854775808, "temperature": 1}'):
             assert http_call(h, f"http://127.0.0.1:{router.http_port}", "/v1/completions", None, raw) == 400
-    assert_nothing_left(aloop, cluster, router, client)
+    assert_nothing_left(aloop, cluster, router, client, neighbours)
 
 
 def test_max_tokens_defaults_per_protocol(tiny_checkpoints):
