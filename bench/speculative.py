@@ -57,9 +57,9 @@ def run(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams) -> 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
-    ap.add_argument("--lookup-min", type=int, default=2)
-    ap.add_argument("--lookup-max", type=int, default=5)
+    ap.add_argument("--k", type=int, default=SpeculativeConfig.num_speculative_tokens, help="num_speculative_tokens")
+    ap.add_argument("--lookup-min", type=int, default=SpeculativeConfig.prompt_lookup_min)
+    ap.add_argument("--lookup-max", type=int, default=SpeculativeConfig.prompt_lookup_max)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=3,

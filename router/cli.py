@@ -159,7 +159,7 @@ def _pool_args(serve: argparse.ArgumentParser) -> None:
                        help="torch threads per worker (default on a local CPU cluster: the cores split between the workers)")
     serve.add_argument("--speculative-config", default=None, metavar="JSON",
                        help='speculative decoding on decode and colocated workers, e.g. {"method": "ngram", '
-                            '"num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5} '
+                            '"num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 5} '
                             '(prompt lookup), or {"method": "draft_model", "model": PATH, "num_speculative_tokens": 4} '
                             '(a smaller checkpoint of the same tokenizer beside the model); others: not yet. Default: off')
     serve.add_argument("--fast-lane-speculative-config", default=None, metavar="JSON",

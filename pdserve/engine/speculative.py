@@ -42,6 +42,7 @@ from pdserve.engine.sampling import (
     scale_logits,
     token_seed,
 )
+from pdserve.perf.speculation import tokens_per_step
 
 SUPPORTED_METHODS = ("ngram", "draft_model")
 # Methods of the field that a later change may add; named in the refusal so that the message says
@@ -60,7 +61,7 @@ class SpeculativeConfig:
 
     method: str = "ngram"
     num_speculative_tokens: int = 4
-    prompt_lookup_min: int = 2
+    prompt_lookup_min: int = 1  # a one-token match drafts too: at batch 1 a wrong draft costs ~3 % of a step
     prompt_lookup_max: int = 5
     disable_by_batch_size: int | None = None
     model: str | None = None  # draft_model: the draft's checkpoint (a Hugging Face directory or a .gguf file)
@@ -271,18 +272,44 @@ def emitted_logprobs(raw: torch.Tensor, processed: torch.Tensor, emitted: Sequen
     return logprobs_of(rows.log_softmax(dim=-1), tokens, params.logprobs).rows(emitted, [params.logprobs] * len(emitted))
 
 
+# A verification row's cost as a share of a plain step's, below the ridge point (where max_speculating_batch lets
+# requests draft): the weights are read once whatever the rows, and what a row adds is its activations, attention
+# and sampling. Measured on this project's 2-core CPU: a verification of 4 drafts costs 1.0-1.15x a plain step
+# (docs/benchmarks.md, bench/speculative.py); a GPU's rows cost less. It keeps k from growing past what the
+# acceptance pays for.
+ROW_COST = 0.03
+# The weight of a verification's outcome in the next one's estimate: each earlier one counts DECAY times less,
+# so the rate follows the request's recent text (copying a span, then writing its own words).
+DECAY = 0.7
+
+
 @dataclass
 class DraftState:
-    """A request's adaptive draft length: k shrinks to what was accepted after a miss and grows by one
-    after a full acceptance, between 1 and the configured k; a step where nothing matches drafts nothing
-    (k is untouched: a later suffix may match)."""
+    """A request's adaptive draft length, from its recent acceptance.
+
+    The acceptance rate a of a draft token is estimated from the request's verifications: each kept draft a success,
+    the first rejected one a failure (the drafts after it say nothing), the counts decayed by DECAY per
+    verification, starting from one of each (a = 0.5). k is then the length, up to the configured one, that emits
+    the most tokens per unit of step cost: tokens_per_step(a, k) / (1 + ROW_COST k). A rejection does not cut k to
+    what was kept: copying comes in spans, and a miss between two spans says little about the next one. A step
+    where nothing matches drafts nothing and changes nothing (a later suffix may match)."""
 
     k: int
+    successes: float = 1.0
+    failures: float = 1.0
 
     def update(self, drafted: int, accepted: int, k_max: int) -> None:
         if drafted == 0:
             return
-        self.k = min(k_max, self.k + 1) if accepted == drafted else max(1, accepted)
+        self.successes = DECAY * self.successes + accepted
+        self.failures = DECAY * self.failures + (1.0 if accepted < drafted else 0.0)
+        self.k = best_draft_length(self.successes / (self.successes + self.failures), k_max)
+
+
+def best_draft_length(acceptance: float, k_max: int) -> int:
+    """The k in [1, k_max] with the most tokens a verification emits per its cost at this acceptance rate (the
+    shortest of equals)."""
+    return max(range(1, k_max + 1), key=lambda k: tokens_per_step(acceptance, k) / (1.0 + ROW_COST * k))
 
 
 def free_rows(peak_flops: float, peak_bytes_per_second: float, weight_bytes_per_param: float) -> int:

@@ -147,18 +147,40 @@ def test_accept_sampled_one_hot_target_accepts_its_token():
     assert accept_sampled(p, [0], g) == [1]
 
 
-def test_draft_state_adapts():
+def test_draft_state_follows_recent_acceptance():
     s = DraftState(4)
-    s.update(4, 4, 4)
+    for _ in range(3):
+        s.update(4, 4, 4)
     assert s.k == 4  # capped at the configured k
     s.update(4, 1, 4)
-    assert s.k == 1  # shrinks to what was accepted
-    s.update(1, 0, 4)
-    assert s.k == 1  # never below one
-    s.update(1, 1, 4)
-    assert s.k == 2  # grows after a full acceptance
+    assert s.k == 4  # one miss between copied spans does not cut k
+    shrunk = []
+    for _ in range(10):
+        s.update(s.k, 0, 4)
+        shrunk.append(s.k)
+    assert shrunk == sorted(shrunk, reverse=True) and shrunk[-1] == 1  # nothing kept, again and again: one draft
     s.update(0, 0, 4)
-    assert s.k == 2  # nothing drafted: unchanged
+    assert s.k == 1  # nothing drafted: unchanged
+    grown = []
+    for _ in range(6):
+        s.update(s.k, s.k, 4)
+        grown.append(s.k)
+    assert grown == sorted(grown) and grown[-1] == 4 and grown[0] < 4  # back to k as drafts are kept again
+
+
+@pytest.mark.parametrize("k_max", [1, 4, 8])
+def test_best_draft_length_pays_for_its_rows(k_max):
+    from pdserve.engine.speculative import ROW_COST, best_draft_length
+    from pdserve.perf.speculation import tokens_per_step
+
+    lengths = []
+    for a in [i / 20 for i in range(21)]:
+        k = best_draft_length(a, k_max)
+        value = [tokens_per_step(a, j) / (1 + ROW_COST * j) for j in range(1, k_max + 1)]
+        assert value[k - 1] == max(value)
+        lengths.append(k)
+    assert lengths == sorted(lengths)  # a higher rate never drafts less
+    assert lengths[0] == 1 and lengths[-1] == k_max
 
 
 def test_batch_rule_from_the_roofline():
