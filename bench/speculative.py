@@ -10,6 +10,11 @@ first, the two engines taking turns run by run, the best run of each kept), the 
 must be identical with and without speculation: the script checks it.
 
     python -m bench.speculative [--k 4] [--max-tokens 128] [--repeats 3] [--draft-model PATH|default]
+    python -m bench.speculative --lookup-cost
+
+--lookup-cost: only the prompt lookup's own cost a step, against the per-token Python loop it replaced, over
+contexts of 1k, 8k and 32k random tokens (nothing repeats: every length from prompt_lookup_max down is searched,
+the worst case), the median of 50 calls.
 
 --draft-model drafts with that checkpoint instead of by prompt lookup; `default` is SmolLM2-135M itself, the one
 same-vocabulary checkpoint here: its own draft, every draft accepted, each draft token costing a whole step of
@@ -19,6 +24,7 @@ would give.
 from __future__ import annotations
 
 import argparse
+import random
 import statistics
 import time
 
@@ -26,7 +32,7 @@ from bench.common import ARTICLE, agent_edit, quoting_summary
 from pdserve.config import EngineConfig
 from pdserve.engine import LLMEngine
 from pdserve.engine.sampling import SamplingParams
-from pdserve.engine.speculative import SpeculativeConfig
+from pdserve.engine.speculative import SpeculativeConfig, TokenBuffer, propose
 from pdserve.model.loader import default_model_path, load
 
 WORKLOADS = {
@@ -55,6 +61,47 @@ def run(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams) -> 
     return seconds, sum(len(v) for v in out.values()), [out[i] for i in ids], [verify_s, plain_s]
 
 
+def propose_by_loop(tokens, k: int, lookup_min: int, lookup_max: int) -> list[int]:
+    """The prompt lookup as it was before pdserve.engine.speculative.propose searched in numpy: a Python loop over
+    the context per suffix length (the baseline of --lookup-cost)."""
+    n_tokens = len(tokens)
+    if k <= 0 or n_tokens < lookup_min + 1:
+        return []
+    for n in range(min(lookup_max, n_tokens - 1), lookup_min - 1, -1):
+        suffix = list(tokens[n_tokens - n:])
+        first, best = suffix[0], []
+        for start in range(n_tokens - n - 1, -1, -1):
+            if tokens[start] == first and list(tokens[start:start + n]) == suffix:
+                follow = list(tokens[start + n:start + n + k])
+                if len(follow) == k:
+                    return follow
+                best = follow if len(follow) > len(best) else best
+        if best:
+            return best
+    return []
+
+
+def lookup_cost(config: SpeculativeConfig) -> None:
+    rng = random.Random(0)
+    print(f"prompt lookup a step (k {config.num_speculative_tokens}, lengths {config.prompt_lookup_max} down to "
+          f"{config.prompt_lookup_min}), median of 50 calls")
+    print(f"{'context':>8s} {'loop ms':>9s} {'numpy ms':>9s} {'ratio':>7s}")
+    for n in (1024, 8192, 32768):
+        tokens = [rng.randrange(49152) for _ in range(n)]
+        array = TokenBuffer().view(tokens)
+        args = (config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max)
+        assert propose(array, *args) == propose_by_loop(tokens, *args)
+        times = {}
+        for name, fn, arg in (("loop", propose_by_loop, tokens), ("numpy", propose, array)):
+            samples = []
+            for _ in range(50):
+                t0 = time.perf_counter()
+                fn(arg, *args)
+                samples.append(time.perf_counter() - t0)
+            times[name] = statistics.median(samples)
+        print(f"{n:8d} {1e3 * times['loop']:9.3f} {1e3 * times['numpy']:9.3f} {times['loop'] / times['numpy']:6.0f}x")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--k", type=int, default=SpeculativeConfig.num_speculative_tokens, help="num_speculative_tokens")
@@ -66,7 +113,12 @@ def main() -> None:
                     help="timed runs per engine and workload, the engines taking turns (the best of each kept)")
     ap.add_argument("--draft-model", default=None, metavar="PATH",
                     help="draft with this checkpoint (method draft_model); `default`: SmolLM2-135M as its own draft")
+    ap.add_argument("--lookup-cost", action="store_true", help="only the prompt lookup's cost a step (above)")
     args = ap.parse_args()
+    if args.lookup_cost:
+        lookup_cost(SpeculativeConfig(num_speculative_tokens=args.k, prompt_lookup_min=args.lookup_min,
+                                      prompt_lookup_max=args.lookup_max))
+        return
     loaded = load(EngineConfig())
     tok = loaded.info.tokenizer
     if args.draft_model is None:

@@ -387,13 +387,18 @@ def smol_router(smol_1p1d, aloop):
 # CI prints it so the next slow module is seen where it appears, not found by bisecting a slow run. A module's time is
 # its tests' setup + call + teardown, so a fixture shared across modules (a session's Ray, the shared SmolLM2 cluster)
 # is charged to the module that starts it.
+# The setup column is what its fixtures took (clusters started, engines loaded, references computed): where it is
+# most of a module's time, sharing the fixture is the lead; where the calls are, the tests' own work is.
 MODULE_TIMES_SHOWN = 25
 _module_seconds: dict[str, float] = {}
+_module_setup_seconds: dict[str, float] = {}
 
 
 def pytest_runtest_logreport(report) -> None:
     module = report.nodeid.split("::", 1)[0]
     _module_seconds[module] = _module_seconds.get(module, 0.0) + report.duration
+    if report.when == "setup":
+        _module_setup_seconds[module] = _module_setup_seconds.get(module, 0.0) + report.duration
 
 
 def pytest_terminal_summary(terminalreporter) -> None:
@@ -402,6 +407,8 @@ def pytest_terminal_summary(terminalreporter) -> None:
     ranked = sorted(_module_seconds.items(), key=lambda kv: kv[1], reverse=True)
     terminalreporter.write_sep("-", f"time per module (slowest {min(MODULE_TIMES_SHOWN, len(ranked))} "
                                     f"of {len(ranked)})")
+    terminalreporter.write_line(f"{'all':>9s} {'setup':>9s}")
     for module, seconds in ranked[:MODULE_TIMES_SHOWN]:
-        terminalreporter.write_line(f"{seconds:8.1f}s  {module}")
-    terminalreporter.write_line(f"{sum(_module_seconds.values()):8.1f}s  total")
+        terminalreporter.write_line(f"{seconds:8.1f}s {_module_setup_seconds.get(module, 0.0):8.1f}s  {module}")
+    terminalreporter.write_line(f"{sum(_module_seconds.values()):8.1f}s "
+                                f"{sum(_module_setup_seconds.values()):8.1f}s  total")

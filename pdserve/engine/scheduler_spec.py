@@ -88,7 +88,8 @@ class Speculation:
             return []
         if self.draft_model is not None:
             return [PENDING] * room
-        return propose(req.token_ids, room, self.config.prompt_lookup_min, self.config.prompt_lookup_max)
+        return propose(state.tokens.view(req.token_ids), room, self.config.prompt_lookup_min,
+                       self.config.prompt_lookup_max)
 
     def _draft_current(self, version: int) -> bool:
         """Whether the draft (if any) still drafts for the weights served: after an update it does not, and its

@@ -29,8 +29,9 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from pdserve.engine.logprobs import TokenLogprob
@@ -139,30 +140,54 @@ def _check_int(name: str, value: object, lo: int, hi: int) -> None:
         raise ValueError(f"speculative config: {name} must be an integer in [{lo}, {hi}], got {value!r}")
 
 
-def propose(tokens: Sequence[int], k: int, lookup_min: int, lookup_max: int) -> list[int]:
+def propose(tokens: Sequence[int] | np.ndarray, k: int, lookup_min: int, lookup_max: int) -> list[int]:
     """Up to k tokens that followed an earlier occurrence of the longest suffix of `tokens` between
     lookup_max and lookup_min tokens long (the latest with k tokens after it, else the one with the most);
     [] when no such suffix occurred before. The earlier occurrence may overlap the suffix (a run of one
-    repeated token proposes more of it)."""
-    n_tokens = len(tokens)
+    repeated token proposes more of it).
+
+    The search runs in numpy (a request's TokenBuffer gives the tokens as an array without a copy): each length
+    is a few passes over the context in C, ~0.1 ms at 32k tokens where a loop in Python took ~3 ms a step."""
+    arr = tokens if isinstance(tokens, np.ndarray) else np.asarray(tokens, dtype=np.int64)
+    n_tokens = len(arr)
     if k <= 0 or n_tokens < lookup_min + 1:
         return []
     for n in range(min(lookup_max, n_tokens - 1), lookup_min - 1, -1):
-        suffix = list(tokens[n_tokens - n:])
-        first = suffix[0]
-        best: list[int] = []
-        # Candidates start before the suffix does, latest first; the first with k tokens after it wins,
-        # else the one with the most (a match near the end has few tokens after it).
-        for start in range(n_tokens - n - 1, -1, -1):
-            if tokens[start] == first and list(tokens[start:start + n]) == suffix:
-                follow = list(tokens[start + n:start + n + k])
-                if len(follow) == k:
-                    return follow
-                if len(follow) > len(best):
-                    best = follow
-        if best:
-            return best
+        # Starts of earlier occurrences: 0 .. n_tokens - n - 1 (not the suffix itself).
+        starts = np.flatnonzero(arr[:n_tokens - n] == arr[n_tokens - n])
+        for j in range(1, n):
+            if not len(starts):
+                break
+            starts = starts[arr[starts + j] == arr[n_tokens - n + j]]
+        if len(starts):
+            # The latest start with k tokens after its match wins, else the earliest (the most tokens after it).
+            full = starts[starts + n + k <= n_tokens]
+            start = int(full[-1]) if len(full) else int(starts[0])
+            return arr[start + n:start + n + k].tolist()
     return []
+
+
+class TokenBuffer:
+    """A request's tokens as a growing int64 array, extended by what was appended since the last call, so that
+    propose searches a long context without converting it every step. Requests only append; a token list that
+    shrank, or whose token at the buffer's end differs, is copied again all the same."""
+
+    def __init__(self) -> None:
+        self._buf = np.empty(0, dtype=np.int64)
+        self._n = 0
+
+    def view(self, tokens: Sequence[int]) -> np.ndarray:
+        n = len(tokens)
+        if n < self._n or (self._n and self._buf[self._n - 1] != tokens[self._n - 1]):
+            self._n = 0
+        if n > len(self._buf):
+            grown = np.empty(max(n, 2 * len(self._buf), 256), dtype=np.int64)
+            grown[:self._n] = self._buf[:self._n]
+            self._buf = grown
+        if n > self._n:
+            self._buf[self._n:n] = tokens[self._n:n]
+            self._n = n
+        return self._buf[:n]
 
 
 def accept_greedy(target: Sequence[int], draft: Sequence[int]) -> list[int]:
@@ -297,6 +322,7 @@ class DraftState:
     k: int
     successes: float = 1.0
     failures: float = 1.0
+    tokens: TokenBuffer = field(default_factory=TokenBuffer)  # the request's tokens for propose
 
     def update(self, drafted: int, accepted: int, k_max: int) -> None:
         if drafted == 0:

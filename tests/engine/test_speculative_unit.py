@@ -84,6 +84,44 @@ def test_propose_overlapping_run():
     assert propose([4, 4, 4, 4, 4, 4], 3, 2, 2) == [4, 4, 4]
 
 
+def _propose_by_rule(tokens, k, lookup_min, lookup_max):
+    """propose's rule as its docstring states it, by brute force (the reference its numpy search must equal)."""
+    if k <= 0 or len(tokens) < lookup_min + 1:
+        return []
+    size = len(tokens)
+    for n in range(min(lookup_max, size - 1), lookup_min - 1, -1):
+        starts = [i for i in range(size - n) if tokens[i:i + n] == tokens[size - n:]]
+        if starts:
+            with_k = [i for i in starts if i + n + k <= size]
+            i = with_k[-1] if with_k else starts[0]
+            return tokens[i + n:i + n + k]
+    return []
+
+
+def test_propose_equals_its_rule_by_brute_force_and_reads_a_growing_buffer():
+    from pdserve.engine.speculative import TokenBuffer
+
+    g = torch.Generator().manual_seed(3)
+    checked = matched = 0
+    for trial in range(60):
+        vocab = (2, 3, 5, 50)[trial % 4]  # small vocabularies: many matches, overlaps, runs
+        tokens = torch.randint(0, vocab, (int(torch.randint(1, 120, (1,), generator=g)),), generator=g).tolist()
+        buffer = TokenBuffer()
+        for end in range(1, len(tokens) + 1, 7):
+            prefix = tokens[:end]
+            for k, lo, hi in ((4, 1, 5), (3, 2, 2), (1, 1, 1), (6, 3, 8)):
+                want = _propose_by_rule(prefix, k, lo, hi)
+                assert propose(prefix, k, lo, hi) == want
+                assert propose(buffer.view(prefix), k, lo, hi) == want
+                checked, matched = checked + 1, matched + bool(want)
+    assert matched > checked // 3  # the cases drafted, not only found nothing
+    buffer = TokenBuffer()
+    assert buffer.view([1, 2, 3]).tolist() == [1, 2, 3]
+    assert buffer.view([1, 2, 3] + list(range(300))).tolist() == [1, 2, 3] + list(range(300))  # grown
+    assert buffer.view([9, 9]).tolist() == [9, 9]  # shorter: read again
+    assert buffer.view([9, 8, 7]).tolist() == [9, 8, 7]  # its last buffered token changed: read again
+
+
 @pytest.mark.parametrize("target, draft, out", [
     ([5, 6, 7], [5, 6], [5, 6, 7]),  # all kept, then the bonus
     ([5, 8, 7], [5, 6], [5, 8]),  # the second rejected: the target's token replaces it
