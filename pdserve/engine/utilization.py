@@ -93,8 +93,50 @@ def device_peaks(device: torch.device, flops: float | None = None, bandwidth: fl
         for key, (f, b) in DEVICE_PEAKS.items():
             if key in name:
                 return DevicePeaks(flops or f, bandwidth or b, "table")
-    mf, mb = measure_peaks(device)
+    mf, mb = measured_peaks(device)
     return DevicePeaks(flops or mf, bandwidth or mb, "measured")
+
+
+def measured_peaks(device: torch.device) -> tuple[float, float]:
+    """measure_peaks once per machine, device and thread count, kept in the derived cache (pdserve.derived):
+    every worker on a host would otherwise spend ~0.6 s of its start measuring the same two numbers again, and
+    each worker's would differ by the noise of its moment. A later figure of the same key is the first one's."""
+    import hashlib
+    import json
+    import os
+    import platform
+
+    from pdserve.derived import cache_root
+
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else _cpu_model()
+    key = hashlib.sha256(f"{device.type}\0{name}\0{os.cpu_count()}\0{torch.get_num_threads()}\0"
+                         f"{torch.__version__}\0{platform.machine()}".encode()).hexdigest()[:32]
+    path = cache_root() / "peaks" / f"{key}.json"
+    try:
+        kept = json.loads(path.read_text())
+        return float(kept["flops_per_second"]), float(kept["bytes_per_second"])
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    flops, bandwidth = measure_peaks(device)
+    try:  # written whole and renamed: a worker starting beside this one reads all of it or none
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({"device": name, "threads": torch.get_num_threads(), "flops_per_second": flops,
+                                   "bytes_per_second": bandwidth}))
+        os.replace(tmp, path)
+    except OSError:
+        pass  # a read-only cache: measured again at the next start
+    return flops, bandwidth
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "cpu")
+    except OSError:
+        import platform
+
+        return platform.processor() or "cpu"
 
 
 def synced_seconds(fn: Callable[[], object], device: torch.device) -> float:

@@ -163,7 +163,10 @@ def _empty_model(cfg: ModelConfig, config: EngineConfig) -> LlamaModel:
     # Build on the meta device so no memory is touched twice (random init, then the checkpoint).
     with torch.device("meta"):
         model = LlamaModel(cfg)
-    model = model.to(dtype=config.torch_dtype).to_empty(device=config.device)
+    # Module.to_empty would make each tensor with empty_like, whose meta-tensor path imports sympy (~0.5 s of
+    # every worker's start); an empty tensor of the same shape and dtype is the same thing.
+    model = model.to(dtype=config.torch_dtype)._apply(
+        lambda t: torch.empty(t.shape, dtype=t.dtype, device=config.device))
     model.tie_weights()
     model.init_rope()
     return model.eval().requires_grad_(False)
