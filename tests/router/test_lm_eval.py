@@ -75,7 +75,7 @@ def test_lm_eval_local_completions_scores_like_transformers(router, tmp_path, mo
     out = lm_eval.simple_evaluate(
         model="local-completions",
         model_args=f"base_url=http://127.0.0.1:{router.http_port}/v1/completions,model={MODEL},"
-                   f"tokenizer={tokenizer_dir},tokenizer_backend=huggingface",
+                   f"tokenizer={tokenizer_dir},tokenizer_backend=huggingface,num_concurrent=8",
         tasks=[TASK], task_manager=TaskManager(include_path=str(task_dir(tmp_path / "tasks"))), log_samples=True)
     samples = out["samples"][TASK]
     assert len(samples) == 20 and all(len(s["filtered_resps"]) == 4 for s in samples)

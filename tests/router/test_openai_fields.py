@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import typing
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
@@ -237,14 +238,19 @@ def test_skip_special_tokens_and_stop_token_text(http, grpc_client, tok):
     shown = complete(http, prompt=ids, max_tokens=1, echo=True, skip_special_tokens=False)["choices"][0]["text"]
     hidden = complete(http, prompt=ids, max_tokens=1, echo=True)["choices"][0]["text"]
     assert "<|im_start|>" in shown and "<|im_start|>" not in hidden
-    r = http.post("/chat/completions", json={"model": MODEL, "messages": CHAT, "max_tokens": 200, "temperature": 0,
-                                             "skip_special_tokens": False, "include_stop_str_in_output": True})
+    # The three greedy replies at once, so the decode worker batches them (one after another they took ~20 s).
+    with ThreadPoolExecutor(3) as pool:
+        r = pool.submit(http.post, "/chat/completions", json={
+            "model": MODEL, "messages": CHAT, "max_tokens": 200, "temperature": 0, "skip_special_tokens": False,
+            "include_stop_str_in_output": True})
+        plain = pool.submit(grpc_client.complete, messages=CHAT, max_tokens=200, temperature=0, timeout=120)
+        shown_stop = pool.submit(grpc_client.complete, messages=CHAT, max_tokens=200, temperature=0,
+                                 skip_special_tokens=False, include_stop_str_in_output=True, timeout=120)
+        r, plain, shown_stop = r.result(), plain.result(), shown_stop.result()
     message = r.json()["choices"][0]
     assert message["finish_reason"] == "stop" and message["message"]["content"].endswith("<|im_end|>"), r.text
-    plain = grpc_client.complete(messages=CHAT, max_tokens=200, temperature=0, timeout=120)
     assert message["message"]["content"] == plain.text + "<|im_end|>"
-    assert grpc_client.complete(messages=CHAT, max_tokens=200, temperature=0, skip_special_tokens=False,
-                                include_stop_str_in_output=True, timeout=120).text == plain.text + "<|im_end|>"
+    assert shown_stop.text == plain.text + "<|im_end|>"
 
 
 def test_spaces_between_special_tokens(http):
