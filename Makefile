@@ -24,7 +24,7 @@ run: setup
 	$(VENV)/bin/pdserve serve
 
 test: setup
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n 2 --dist loadfile
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache

@@ -309,6 +309,68 @@ def pytest_collection_modifyitems(session, config, items):
         for shared in _SHARED:
             if item.path in shared.users:
                 shared.last_module = item.path
+    _write_groups(items)
+
+
+# -- two test processes (pytest-xdist; `make test` runs `-n 2 --dist loadfile`) ------------------------------------
+# Run one after another, the modules keep the two cores 66 % busy (docs/benchmarks.md, "Where the suite's time goes"):
+# a cluster test waits on a worker's step, a heartbeat, a timeout. A second process fills that time. Each module runs
+# whole in one process (loadfile), so its fixtures start once; and every module that uses a shared SmolLM2 cluster
+# runs in the same process, so each shared cluster starts once and closes after its last module, as above. Only the
+# processes that collect know which modules those are: the first to collect writes them to a file the controller's
+# scheduler reads (xdist's own groups, `--dist loadgroup`, rename node ids, which pytest 9.2 no longer allows). Each
+# process computes on one torch thread: two processes of two threads would oversubscribe two cores.
+SHARED_GROUP = "shared-smollm2"
+_GROUPS_FILE = "PDSERVE_TEST_GROUPS"  # the environment variable that names the file, set by the controller
+
+
+def _write_groups(items) -> None:
+    path = os.environ.get(_GROUPS_FILE)
+    if not path or not os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    import json
+
+    groups = {module: SHARED_GROUP for shared in _SHARED for module in
+              dict.fromkeys(item.nodeid.split("::", 1)[0] for item in items if item.path in shared.users)}
+    tmp = f"{path}.{os.getpid()}"
+    Path(tmp).write_text(json.dumps(groups))
+    os.replace(tmp, path)  # each process collects the same items: whichever writes last writes the same
+
+
+class _SharedModulesTogether:
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_xdist_make_scheduler(self, config, log):
+        if config.getvalue("dist") != "loadfile":
+            return None
+        from xdist.scheduler import LoadScopeScheduling
+
+        path = os.environ[_GROUPS_FILE]
+
+        class ModulesAndSharedGroup(LoadScopeScheduling):
+            groups: dict[str, str] | None = None
+
+            def _split_scope(self, nodeid: str) -> str:
+                if self.groups is None:  # first asked once every process has collected (and written the file)
+                    import json
+
+                    self.groups = json.loads(Path(path).read_text())
+                module = nodeid.split("::", 1)[0]
+                return self.groups.get(module, module)
+
+        return ModulesAndSharedGroup(config, log)
+
+
+def pytest_configure(config):
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        torch.set_num_threads(1)
+    elif config.pluginmanager.hasplugin("xdist") and config.getoption("numprocesses", None):
+        import tempfile
+
+        fd, path = tempfile.mkstemp(prefix="pdserve-test-groups-", suffix=".json")
+        os.close(fd)
+        os.environ[_GROUPS_FILE] = path  # the processes xdist starts next inherit it
+        config.add_cleanup(lambda: os.unlink(path))
+        config.pluginmanager.register(_SharedModulesTogether(), "pdserve-shared-modules-together")
 
 
 @pytest.hookimpl(hookwrapper=True)

@@ -18,10 +18,12 @@ import asyncio
 import json
 import os
 import queue
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -75,11 +77,14 @@ for asked in sys.stdin:
 class Replicas:
     def __init__(self, tmp: Path):
         self.tmp = tmp
+        # Ray's sockets live under its temp dir, and a Unix socket's path may not pass 107 bytes: pytest's tmp path
+        # is too deep for that under pytest-xdist (popen-gwN/), so Ray gets a short directory of its own.
+        self.ray_tmp = Path(tempfile.mkdtemp(prefix="pdserve-ray-"))
         self.ray_port = _free_port()
         self.address = f"127.0.0.1:{self.ray_port}"
         self.head = subprocess.Popen(
             [str(BIN / "ray"), "start", "--head", "--block", f"--port={self.ray_port}", "--node-ip-address=127.0.0.1",
-             "--num-cpus=2", "--include-dashboard=false", "--disable-usage-stats", f"--temp-dir={tmp / 'ray'}"],
+             "--num-cpus=2", "--include-dashboard=false", "--disable-usage-stats", f"--temp-dir={self.ray_tmp}"],
             stdout=open(tmp / "head.log", "w"), stderr=subprocess.STDOUT, start_new_session=True,
             # No drain at SIGTERM: it waits (30 s by default) for the node to be idle, which its workers, named
             # actors that live until the head goes, never are; it is for Serve's proxies, which this has none of.
@@ -100,8 +105,9 @@ class Replicas:
              "--kv-bind-host", "127.0.0.1"],
             stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True, env=ENV)
         self.routers[name] = (proc, port)
-        wait_for(lambda: self._serving(port) or proc.poll() is not None, timeout=300, interval=0.5,
-                 what=f"router {name} to serve")
+        wait_for(lambda: self._serving(port) or proc.poll() is not None or self.head.poll() is not None,
+                 timeout=300, interval=0.5, what=f"router {name} to serve")
+        assert self.head.poll() is None, "Ray's head ended: " + (self.tmp / "head.log").read_text()[-3000:]
         assert proc.poll() is None, (self.tmp / f"router-{name}.log").read_text()[-3000:]
         return port
 
@@ -173,6 +179,7 @@ class Replicas:
             self.head.wait(60)
         except subprocess.TimeoutExpired:
             os.killpg(self.head.pid, signal.SIGKILL)
+        shutil.rmtree(self.ray_tmp, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
