@@ -323,7 +323,7 @@ def test_lm_evals_sglang_generate_model_scores_as_its_local_completions_model(ro
     from test_lm_eval import TASK, task_dir
 
     tokenizer = _cached_gguf_tokenizer_dir(default_model_path())
-    tasks = TaskManager(include_path=str(task_dir(tmp_path / "tasks")))
+    tasks = TaskManager(include_path=str(task_dir(tmp_path / "tasks")), include_defaults=False)
     base = f"http://127.0.0.1:{router.http_port}"
     scores = {}
     for model, url in (("sglang-generate", "/generate"), ("local-completions", "/v1/completions")):
