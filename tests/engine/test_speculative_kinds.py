@@ -20,7 +20,7 @@ from pdserve.engine.speculative import SpeculativeConfig
 from pdserve.engine.structured import StructuredOutput
 
 from oracle import Oracle
-from test_speculative_engine import chat, smol  # noqa: F401  (smol: the module's model, a fixture)
+from test_speculative_engine import CACHE, chat, smol  # noqa: F401  (smol: the module's model, a fixture)
 
 SOURCE = "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n"
 COPY = "Rewrite this file exactly, renaming add to plus:\n" + SOURCE
@@ -43,7 +43,7 @@ ACCEPT = (0, 1, 3)
 
 def speculating(loaded, k: int = 4) -> LLMEngine:
     spec = SpeculativeConfig(num_speculative_tokens=k, disable_by_batch_size=64, prompt_lookup_min=1)
-    return LLMEngine(EngineConfig(speculative=spec), loaded)
+    return LLMEngine(EngineConfig(speculative=spec, cache=CACHE), loaded)
 
 
 def run_with_oracle(monkeypatch, loaded, accept: int, prompts, params, reference):
@@ -65,7 +65,7 @@ def assert_same(got, want) -> None:
 
 @pytest.fixture(scope="module")
 def plain(smol):
-    return LLMEngine(EngineConfig(), smol)
+    return LLMEngine(EngineConfig(cache=CACHE), smol)
 
 
 @pytest.mark.parametrize("kind", sorted(KINDS))
