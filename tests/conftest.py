@@ -223,9 +223,9 @@ def cpu_kernels_built():
 # on 2 cores). They share one through `smol_1p1d` (each module keeps its own routers on it): their modules run one
 # after another, where the first of them is collected, and the cluster is shut down once the last of them is done,
 # so no other module of the same process ever runs beside it (under `make test`, the other process's modules run
-# beside it on the other core: see "two test processes" below). A test of theirs reads what the cluster did as a delta (a cancel by its
-# request id, KV blocks back to zero, prompt tokens computed over a run), never as a total since it started, and
-# sends no prompt another module's test needs to find uncached.
+# beside it on the other core: see "two test processes" below). A test of theirs reads what the cluster did as a
+# delta (a cancel by its request id, KV blocks back to zero, prompt tokens computed over a run), never as a total
+# since it started, and sends no prompt another module's test needs to find uncached.
 # tests/router/test_metrics.py reads every dashboard expression off it: a dense model's scrape without a start-up.
 # `smol_colocated` is the same for one colocated SmolLM2 worker (tests/router/test_structured_api.py and
 # test_tools_api.py, which use both: their modules run next to each other inside the 1P1D group).

@@ -8,6 +8,10 @@ included, embedding lookup and element-wise ops excluded.
 """
 from __future__ import annotations
 
+import hashlib
+import json
+import os
+import platform
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -15,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from pdserve.config import ModelConfig
+from pdserve.derived import cache_root
 
 # Dense (no sparsity) 16-bit tensor-core peak FLOP/s and memory bandwidth in bytes/s, from the vendors'
 # datasheets; matched by substring of torch.cuda.get_device_name().
@@ -101,13 +106,6 @@ def measured_peaks(device: torch.device) -> tuple[float, float]:
     """measure_peaks once per machine, device and thread count, kept in the derived cache (pdserve.derived):
     every worker on a host would otherwise spend ~0.6 s of its start measuring the same two numbers again, and
     each worker's would differ by the noise of its moment. A later figure of the same key is the first one's."""
-    import hashlib
-    import json
-    import os
-    import platform
-
-    from pdserve.derived import cache_root
-
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else _cpu_model()
     key = hashlib.sha256(f"{device.type}\0{name}\0{os.cpu_count()}\0{torch.get_num_threads()}\0"
                          f"{torch.__version__}\0{platform.machine()}".encode()).hexdigest()[:32]
@@ -134,8 +132,6 @@ def _cpu_model() -> str:
         with open("/proc/cpuinfo") as f:
             return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "cpu")
     except OSError:
-        import platform
-
         return platform.processor() or "cpu"
 
 

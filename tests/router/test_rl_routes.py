@@ -327,7 +327,8 @@ def test_lm_evals_sglang_generate_model_scores_as_its_local_completions_model(ro
     base = f"http://127.0.0.1:{router.http_port}"
     scores = {}
     for model, url in (("sglang-generate", "/generate"), ("local-completions", "/v1/completions")):
-        args = f"base_url={base}{url},model={MODEL},tokenizer={tokenizer},tokenizer_backend=huggingface,batch_size=4,num_concurrent=4"
+        args = (f"base_url={base}{url},model={MODEL},tokenizer={tokenizer},tokenizer_backend=huggingface,"
+                "batch_size=4,num_concurrent=4")
         out = lm_eval.simple_evaluate(model=model, model_args=args, tasks=[TASK], task_manager=tasks, log_samples=True)
         scores[model] = [[float(ll) for ll, _ in s["filtered_resps"]] for s in out["samples"][TASK]]
     assert len(scores["sglang-generate"]) == 20 and all(len(s) == 4 for s in scores["sglang-generate"])
