@@ -10,7 +10,8 @@ Build: compiled on first use with torch.utils.cpp_extension (needs a C++ compile
 versions and a hash of the sources (their place and their text), so processes and runs share one build and
 rebuild only when a source or a flag changes, and two checkouts (or branches) used in turn each keep their own
 build instead of rebuilding the one directory each time (~25 s).
-The first build takes ~30 s on 2 cores; later processes only load the library (workers call
+The first build takes ~30 s on 2 cores; later processes only load the library that a finished build
+stamped (its size and time in ``pdserve.built``), without torch's build path (workers call
 ``available()`` at start-up so no request pays for it). Flags: ``-O3`` and OpenMP (to use torch's
 thread pool); the hot functions are multiversioned in the sources (AVX2+FMA and baseline x86-64, picked
 at load time), so one build is portable without ``-march=native``. If the build fails, one warning is
@@ -73,7 +74,50 @@ def sources_key(source_dir: Path) -> str:
     return digest.hexdigest()[:16]
 
 
+def _openmp_flags() -> list[str]:
+    if "parallel backend: OpenMP" in torch.__config__.parallel_info():
+        # at::parallel_for is inline over `#pragma omp parallel`: without -fopenmp it runs serially. The
+        # library links libgomp.so.1, which resolves to the copy torch has already loaded (same soname).
+        return ["-fopenmp"]
+    return []
+
+
+_CFLAGS = ["-O3"]
+
+
+def _stamp(library: Path) -> str:
+    """What a finished build writes: the library's size and time, and the flags it was built with."""
+    st = library.stat()
+    return " ".join([str(st.st_size), str(st.st_mtime_ns), *_CFLAGS, *_openmp_flags()])
+
+
+def _stamped(directory: Path) -> bool:
+    """Whether the library in `directory` is the one its last finished build stamped, with today's flags (a
+    link killed midway leaves a file that crashes the loader, and that ninja would take as up to date)."""
+    try:
+        return (directory / "pdserve.built").read_text() == _stamp(directory / f"{_NAME}.so")
+    except OSError:
+        return False
+
+
+def _load_built(directory: Path) -> bool:
+    """Load the library a finished build left in `directory` (False if there is none): under the build's flock,
+    shared, so that no build is writing it. This skips torch's build path (its import of setuptools and a
+    ninja run: ~0.12 s of CPU in every process that loads the kernels)."""
+    if not (directory / "pdserve.built").is_file():
+        return False
+    with open(directory / "pdserve.flock", "a") as held:
+        fcntl.flock(held, fcntl.LOCK_SH)
+        if not _stamped(directory):
+            return False
+        torch.ops.load_library(str(directory / f"{_NAME}.so"))
+    return True
+
+
 def _build() -> None:
+    directory = build_directory()
+    if _load_built(directory):
+        return
     from torch.utils import cpp_extension
 
     compiler = os.environ.get("CXX", "c++")
@@ -88,25 +132,25 @@ def _build() -> None:
             os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
         except ImportError:
             pass
-    openmp = []
-    if "parallel backend: OpenMP" in torch.__config__.parallel_info():
-        # at::parallel_for is inline over `#pragma omp parallel`: without -fopenmp it runs serially. The
-        # library links libgomp.so.1, which resolves to the copy torch has already loaded (same soname).
-        openmp = ["-fopenmp"]
-    directory = build_directory()
+    openmp = _openmp_flags()
     directory.mkdir(parents=True, exist_ok=True)
     # torch's own build lock is a file that a killed build leaves behind, and every later build then
     # waits on it forever. Builds take an flock first (the kernel drops it when its process dies): whoever
     # holds it is the only builder, so a torch lock file found then is a dead build's, and is removed.
     with open(directory / "pdserve.flock", "w") as held:
         fcntl.flock(held, fcntl.LOCK_EX)
+        if _stamped(directory):  # built by another process while this one waited
+            torch.ops.load_library(str(directory / f"{_NAME}.so"))
+            return
+        (directory / f"{_NAME}.so").unlink(missing_ok=True)  # unstamped: linked again from the objects
         stale = directory / "lock"
         if stale.exists():
             log.warning("CPU kernels: removing %s, left by a build that did not finish", stale)
             stale.unlink(missing_ok=True)
-        cpp_extension.load(name=_NAME, sources=[str(s) for s in _SOURCES], extra_cflags=["-O3", *openmp],
+        cpp_extension.load(name=_NAME, sources=[str(s) for s in _SOURCES], extra_cflags=[*_CFLAGS, *openmp],
                            extra_ldflags=openmp, build_directory=str(directory), is_python_module=False,
                            verbose=False)
+        (directory / "pdserve.built").write_text(_stamp(directory / f"{_NAME}.so"))
 
 
 def available() -> bool:

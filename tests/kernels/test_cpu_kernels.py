@@ -207,21 +207,45 @@ def test_each_checkout_and_each_version_of_the_sources_builds_in_a_directory_of_
     assert sources_key(b) not in keys  # a header edited: another build
 
 
-def test_a_build_killed_midway_does_not_block_the_next_one(tmp_path):
-    """A build killed midway (a router or worker SIGKILLed on its first start) leaves torch's lock file in
-    the build directory; the next process must not wait on it forever. A copy of the built directory with
-    such a lock loads in a fresh process, within a bound."""
+def _load_in_a_fresh_process(extensions_dir, code: str) -> str:
     import os
-    import shutil
     import subprocess
     import sys
 
+    env = dict(os.environ, TORCH_EXTENSIONS_DIR=str(extensions_dir))
+    r = subprocess.run([sys.executable, "-c", "from pdserve.kernels import cpu_kernels; " + code], env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    return r.stdout.strip()
+
+
+def _copy_of_the_build(tmp_path, *leave_out: str):
+    import shutil
+
     built = cpu_kernels.build_directory()
     copy = tmp_path / built.parent.name / built.name
-    shutil.copytree(built, copy, ignore=shutil.ignore_patterns("lock", "pdserve.flock"))
+    shutil.copytree(built, copy, ignore=shutil.ignore_patterns("lock", "pdserve.flock", *leave_out))
+    return copy
+
+
+def test_a_build_killed_midway_does_not_block_the_next_one(tmp_path):
+    """A build killed midway (a router or worker SIGKILLed on its first start) leaves torch's lock file in
+    the build directory and no library; the next process must not wait on it forever. A copy of the built
+    directory with such a lock builds and loads in a fresh process, within a bound."""
+    copy = _copy_of_the_build(tmp_path, "*.so")
     (copy / "lock").touch()  # what a killed build leaves
-    env = dict(os.environ, TORCH_EXTENSIONS_DIR=str(tmp_path))
-    load = "from pdserve.kernels import cpu_kernels; print(cpu_kernels.available())"
-    r = subprocess.run([sys.executable, "-c", load], env=env, capture_output=True, text=True, timeout=300)
-    assert r.stdout.strip() == "True", r.stderr[-2000:]
-    assert not (copy / "lock").exists()
+    assert _load_in_a_fresh_process(tmp_path, "print(cpu_kernels.available())") == "True"
+    assert not (copy / "lock").exists() and (copy / "pdserve_cpu_kernels.so").is_file()
+
+
+def test_a_finished_build_is_loaded_without_torchs_build_and_a_broken_one_is_built_again(tmp_path):
+    """A process finding the library built loads it alone (torch's build path, which imports setuptools and
+    runs ninja, is not taken); a library cut short (a link killed midway) does not load and is built again."""
+    copy = _copy_of_the_build(tmp_path)
+    took = "import sys; print(cpu_kernels.available(), 'torch.utils.cpp_extension' in sys.modules)"
+    assert _load_in_a_fresh_process(tmp_path, took) == "True False"
+    library = copy / "pdserve_cpu_kernels.so"
+    whole = library.stat().st_size
+    library.write_bytes(library.read_bytes()[:4096])
+    assert _load_in_a_fresh_process(tmp_path, took) == "True True"
+    assert library.stat().st_size == whole
