@@ -63,10 +63,19 @@ def reference(model, hf_tokenizer, context: str, continuation: str) -> float:
     return sum(lp[i - 1, whole[i]].item() for i in range(n, len(whole)))
 
 
-def test_lm_eval_local_completions_scores_like_transformers(router, tmp_path, monkeypatch):
+def offline_lm_eval(monkeypatch, tmp_path) -> None:
+    """lm-eval as these tests run it: offline, its datasets cached under tmp_path, and without the environment
+    report it adds to every result (torch's collect_env: a dozen subprocesses, ~3 s of CPU a run; never read)."""
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "datasets"))
+    import lm_eval.evaluator  # after the environment: the datasets library reads it on import
+
+    monkeypatch.setattr(lm_eval.evaluator, "add_env_info", lambda results: None)
+
+
+def test_lm_eval_local_completions_scores_like_transformers(router, tmp_path, monkeypatch):
+    offline_lm_eval(monkeypatch, tmp_path)
     import lm_eval
     from lm_eval.tasks import TaskManager
     from transformers import AutoTokenizer

@@ -312,15 +312,14 @@ def test_lm_evals_sglang_generate_model_scores_as_its_local_completions_model(ro
     """lm-eval's sglang-generate model (its own code) scores the multiple-choice task of test_lm_eval through
     /generate's input logprobs (logprob_start_len 0, batched input_ids): every choice's log-likelihood equals
     what its local-completions model reads from /v1/completions on the same cluster."""
-    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "datasets"))
+    from test_lm_eval import TASK, offline_lm_eval, task_dir
+
+    offline_lm_eval(monkeypatch, tmp_path)
     import lm_eval
     from lm_eval.tasks import TaskManager
 
     from pdserve.model.loader import default_model_path
     from pdserve.model.tokenizer import _cached_gguf_tokenizer_dir
-    from test_lm_eval import TASK, task_dir
 
     tokenizer = _cached_gguf_tokenizer_dir(default_model_path())
     tasks = TaskManager(include_path=str(task_dir(tmp_path / "tasks")), include_defaults=False)
