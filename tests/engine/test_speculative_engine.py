@@ -87,24 +87,25 @@ def test_verification_steps_run_in_the_graph_buckets(smol, reference):
 
 def test_ends_hold_at_every_acceptance_length(smol, reference):
     """max_tokens, a stop token id and a stop string placed at each output position of the copy-heavy reply:
-    speculation ends where plain decoding ends, whatever the verification's acceptance length there."""
+    speculation ends where plain decoding ends, whatever the verification's acceptance length there. The cases
+    run as one batch, each its own request (the same prompt: each drafts from its own tokens as it would alone)."""
     ref = reference[0]
-    prompt = chat(smol, PROMPTS[0])
-    e = engine(smol, 4)
-    for m in range(1, 13):
-        got = e.generate([prompt], SamplingParams(max_tokens=m, temperature=0.0))[0]
-        assert got.token_ids == ref.token_ids[:m] and got.finish_reason == FinishReason.LENGTH, m
-    for j in range(2, 14):
-        stop_id = ref.token_ids[j]
-        first = ref.token_ids.index(stop_id)
-        got = e.generate([prompt], SamplingParams(max_tokens=48, temperature=0.0, stop_token_ids=[stop_id]))[0]
-        assert got.token_ids == ref.token_ids[:first + 1] and got.finish_reason == FinishReason.STOP, j
     text = ref.text
-    for cut in (5, 11, 17, 26, 40):
-        stop = text[cut:cut + 3]
-        got = e.generate([prompt], SamplingParams(max_tokens=48, temperature=0.0, stop=[stop]))[0]
-        assert got.text == text[:text.index(stop)] and got.finish_reason == FinishReason.STOP, stop
-    assert e.scheduler.speculation.accepted > 0
+    cuts = [text[c:c + 3] for c in (5, 11, 17, 26, 40)]
+    cases = [SamplingParams(max_tokens=m, temperature=0.0) for m in range(1, 13)]
+    cases += [SamplingParams(max_tokens=48, temperature=0.0, stop_token_ids=[ref.token_ids[j]]) for j in range(2, 14)]
+    cases += [SamplingParams(max_tokens=48, temperature=0.0, stop=[stop]) for stop in cuts]
+    e = engine(smol, 4)
+    got = e.generate([chat(smol, PROMPTS[0])] * len(cases), cases)
+    for m, g in zip(range(1, 13), got):
+        assert g.token_ids == ref.token_ids[:m] and g.finish_reason == FinishReason.LENGTH, m
+    for j, g in zip(range(2, 14), got[12:]):
+        first = ref.token_ids.index(ref.token_ids[j])
+        assert g.token_ids == ref.token_ids[:first + 1] and g.finish_reason == FinishReason.STOP, j
+    for stop, g in zip(cuts, got[24:], strict=True):
+        assert g.text == text[:text.index(stop)] and g.finish_reason == FinishReason.STOP, stop
+    s = e.scheduler.speculation
+    assert s.accepted > 0 and len(s.acceptance_lengths) > 1  # the ends met verifications of several lengths
     assert e.pool.num_free_blocks == e.pool.num_blocks
 
 

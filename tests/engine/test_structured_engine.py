@@ -101,26 +101,30 @@ def mixed(engine: LLMEngine) -> tuple[list[list[int]], list[SamplingParams]]:
     return prompts, params
 
 
-def test_pipelined_decode_gives_the_plain_loops_tokens(loaded, engine):
+@pytest.fixture(scope="module")
+def mixed_plain(engine) -> list[list[int]]:
+    """The mixed batch's tokens from the plain loop with room for every request: what the pipelined loop and
+    the preempting one must give."""
+    return [c.token_ids for c in engine.generate(*mixed(engine))]
+
+
+def test_pipelined_decode_gives_the_plain_loops_tokens(loaded, engine, mixed_plain):
     prompts, params = mixed(engine)
-    want = [c.token_ids for c in engine.generate(prompts, params)]
     piped = LLMEngine(config(pipelined=True), loaded)
     got = piped.generate(prompts, params)
-    assert [c.token_ids for c in got] == want
+    assert [c.token_ids for c in got] == mixed_plain
     for c, p in zip(got, params):
         if p.structured is not None:
             assert_valid(c.text, c.finish_reason)
     assert not piped.scheduler.requests and piped.pool.num_used_blocks == 0
 
 
-def test_preemption_and_recompute_keep_the_matchers(loaded, engine):
+def test_preemption_and_recompute_keep_the_matchers(loaded, engine, mixed_plain):
     """A cache too small for the batch: requests are preempted, recomputed, and go on from their matcher's place."""
-    prompts, params = mixed(engine)
-    want = [c.token_ids for c in engine.generate(prompts, params)]
     small = LLMEngine(config(blocks=24), loaded)
-    got = small.generate(prompts, params)
+    got = small.generate(*mixed(engine))
     assert small.scheduler.num_preemptions > 0
-    assert [c.token_ids for c in got] == want
+    assert [c.token_ids for c in got] == mixed_plain
 
 
 def test_processed_logprobs_see_the_mask(engine):
