@@ -116,15 +116,31 @@ def tiny_checkpoints(tmp_path_factory) -> dict[str, Path]:
 @functools.cache
 def _transformers_gguf(path: Path) -> torch.nn.Module:
     import transformers
+    from safetensors.torch import load_model, save_model
 
-    return transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32,
-                                                             local_files_only=True).eval()
+    from pdserve.derived import cached_conversion
+
+    def read(out: Path) -> None:
+        model = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
+                                                                  dtype=torch.float32, local_files_only=True)
+        model.config.save_pretrained(out)
+        model.generation_config.save_pretrained(out)
+        save_model(model, str(out / "model.safetensors"))  # a tied LM head once, as the embedding
+
+    kept = cached_conversion("transformers-gguf", path, "model.safetensors", read)
+    model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(kept),
+                                                          dtype=torch.float32)
+    model.generation_config = transformers.GenerationConfig.from_pretrained(kept)
+    load_model(model, str(kept / "model.safetensors"))
+    return model.eval()
 
 
 def transformers_gguf(path: Path) -> torch.nn.Module:
     """transformers' own load of a GGUF file (fp32, eval mode), made once per file per session: SmolLM2's
-    takes ~20 s on 2 cores, and tests/model/test_gguf.py, tests/model/test_default_model.py and
-    tests/engine/test_logprobs.py (with test_penalties.py) all hold pdserve to it. Shared: a test may run it
+    read dequantizes in Python (16 s of CPU on 2 cores), so what it read is kept in pdserve's derived cache
+    (its weights, config and generation config; loaded again in 1.6 s, bit for bit the same weights and
+    logits), and tests/model/test_gguf.py, tests/model/test_default_model.py, tests/engine/test_logprobs.py
+    (with test_penalties.py) and tests/router/test_lm_eval.py all hold pdserve to it. Shared: a test may run it
     (under no_grad) or read its state_dict, never change it."""
     return _transformers_gguf(Path(path).resolve())
 
