@@ -52,15 +52,17 @@ metric_list:
     return tmp_path
 
 
-def reference(model, hf_tokenizer, context: str, continuation: str) -> float:
-    """transformers' log-likelihood of continuation after context, tokenized as lm-evaluation-harness does
-    (the whole text's tokens after the context's)."""
-    whole = hf_tokenizer(context + continuation)["input_ids"]
-    n = len(hf_tokenizer(context)["input_ids"])
+def reference(model, hf_tokenizer, pairs: list[tuple[str, str]]) -> list[float]:
+    """transformers' log-likelihood of each continuation after its context, tokenized as lm-evaluation-harness
+    does (the whole text's tokens after the context's); the pairs of one question in one right-padded batch (a
+    row's tokens never attend to the padding after them)."""
+    rows = [(hf_tokenizer(c + x)["input_ids"], len(hf_tokenizer(c)["input_ids"])) for c, x in pairs]
+    width = max(len(whole) for whole, _ in rows)
+    ids = torch.tensor([whole + [0] * (width - len(whole)) for whole, _ in rows])
+    mask = torch.tensor([[1] * len(whole) + [0] * (width - len(whole)) for whole, _ in rows])
     with torch.no_grad():
-        logits = model(torch.tensor([whole])).logits[0].float()
-    lp = logits.log_softmax(-1)
-    return sum(lp[i - 1, whole[i]].item() for i in range(n, len(whole)))
+        lp = model(ids, attention_mask=mask).logits.float().log_softmax(-1)
+    return [sum(lp[r, i - 1, whole[i]].item() for i in range(n, len(whole))) for r, (whole, n) in enumerate(rows)]
 
 
 def offline_lm_eval(monkeypatch, tmp_path) -> None:
@@ -96,7 +98,7 @@ def test_lm_eval_local_completions_scores_like_transformers(router, tmp_path, mo
     correct, worst = 0, 0.0
     for s in samples:
         got = [float(ll) for ll, _ in s["filtered_resps"]]
-        want = [reference(model, hf_tokenizer, context, continuation) for context, continuation in s["arguments"]]
+        want = reference(model, hf_tokenizer, [tuple(a) for a in s["arguments"]])
         assert got == pytest.approx(want, abs=TOLERANCE), (s["doc"], got, want)
         worst = max(worst, *(abs(a - b) for a, b in zip(got, want)))
         correct += max(range(4), key=want.__getitem__) == s["doc"]["answer"]
