@@ -1,8 +1,9 @@
-"""Speculative decoding on a real local Ray cluster: serving SmolLM2, the decode pool (1P1D, 2P2D) and a colocated
-pool speculating by prompt lookup stream greedy output token-identical to the offline engine without
-speculation (penalized, min_tokens and JSON schema requests among them), a stop string ends a stream mid-verification where plain decoding ends it, the workers report
-drafted and accepted tokens, and every KV block is given back; and a tensor-parallel prefill pool (TP 2) handing
-off to a speculating decode worker (TP 1), on a tiny checkpoint whose heads TP 2 can split."""
+"""Speculative decoding on a real local Ray cluster: serving SmolLM2, a decode pool of two workers (2P2D) and a
+colocated pool speculating by prompt lookup stream greedy output token-identical to the offline engine without
+speculation (penalized, min_tokens and JSON schema requests among them), a stop string ends a stream
+mid-verification where plain decoding ends it, the workers report drafted and accepted tokens, and every KV block is
+given back; and a tensor-parallel prefill pool (TP 2) handing off to a speculating decode worker (TP 1), on a tiny
+checkpoint whose heads TP 2 can split."""
 from __future__ import annotations
 
 import dataclasses
@@ -51,7 +52,9 @@ def case():
     return engine, prompts, params, want, (stop, stopped)
 
 
-@pytest.mark.parametrize("shape", ["1P1D", "2P2D", "colocated"])
+# Two of each, not one: every request still goes through one prefill and one decode worker (what 1P1D would
+# check), and both decode workers must speculate.
+@pytest.mark.parametrize("shape", ["2P2D", "colocated"])
 def test_cluster_greedy_token_exact_with_speculation(ray_local, aloop, case, shape):
     engine, prompts, params, want, (stop, stopped) = case
     n = 2 if shape == "2P2D" else 1
