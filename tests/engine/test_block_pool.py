@@ -405,3 +405,37 @@ def test_a_burst_with_one_uncached_prefix_computes_it_once():
     step = sched.schedule()
     assert [r.request_id for r in step.requests] == ["b", "c", "o"]
     assert b.num_cached_tokens == c.num_cached_tokens == len(shared) and other.num_cached_tokens == 0
+
+
+# --- the cache's memory ------------------------------------------------------------------------
+
+def test_a_cpu_kv_cache_is_zeros_and_its_memory_is_taken_as_it_is_written() -> None:
+    """allocate_kv_cache on a CPU: the shape and dtype asked, every value zero, and the process's resident
+    memory grows with the pages written, not with the whole cache at allocation."""
+    import os
+
+    import torch
+
+    from pdserve.config import ModelConfig
+    from pdserve.engine.kv_cache import allocate_kv_cache
+
+    def resident() -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+    if not os.path.exists("/proc/self/statm"):
+        pytest.skip("resident memory is read from /proc (Linux)")
+    model = ModelConfig("llama", vocab_size=64, hidden_size=256, intermediate_size=128, num_layers=8, num_heads=4,
+                        num_kv_heads=2, head_dim=64, max_position_embeddings=1024)
+    for dtype in (torch.float32, torch.bfloat16):
+        before = resident()
+        kv = allocate_kv_cache(model, num_blocks=4096, block_size=16, dtype=dtype, device="cpu")  # 256 or 128 MiB
+        assert kv.shape == (8, 2, 2, 4096, 16, 64) and kv.dtype == dtype and kv.is_contiguous()
+        assert resident() - before < 16 << 20
+        kv[:, :, :, :64].fill_(1.5)  # 64 blocks of each layer and head: 1/64th of the cache
+        assert resident() - before < (kv.nbytes >> 4)
+        assert float(kv[:, :, :, :64].sum()) == 1.5 * kv[:, :, :, :64].numel()
+        assert not kv[:, :, :, 64:].any()  # never written: zeros
+        kv.fill_(0.5)
+        assert resident() - before >= kv.nbytes * 9 // 10
+        del kv
