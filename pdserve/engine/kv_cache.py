@@ -26,7 +26,9 @@ def allocate_kv_cache(model: ModelConfig, num_blocks: int, block_size: int, dtyp
     nbytes = math.prod(shape) * dtype.itemsize
     if torch.device(device).type != "cpu" or nbytes == 0:
         return torch.zeros(shape, dtype=dtype, device=device)
-    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=dtype).view(shape)  # the tensor keeps the mapping
+    # Private, as the heap is: a forked child's writes stay its own. The tensor keeps the mapping alive.
+    mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return torch.frombuffer(mapping, dtype=dtype).view(shape)
 
 
 class KVCacheManager:

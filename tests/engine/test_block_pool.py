@@ -423,6 +423,15 @@ def test_a_cpu_kv_cache_is_zeros_and_its_memory_is_taken_as_it_is_written() -> N
         with open("/proc/self/statm") as f:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
+    def private_mapping(address: int) -> bool:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                span, perms = line.split()[:2]
+                lo, hi = (int(x, 16) for x in span.split("-"))
+                if lo <= address < hi:
+                    return perms.endswith("p")
+        raise AssertionError(f"{address:#x} is in no mapping")
+
     if not os.path.exists("/proc/self/statm"):
         pytest.skip("resident memory is read from /proc (Linux)")
     model = ModelConfig("llama", vocab_size=64, hidden_size=256, intermediate_size=128, num_layers=8, num_heads=4,
@@ -432,6 +441,7 @@ def test_a_cpu_kv_cache_is_zeros_and_its_memory_is_taken_as_it_is_written() -> N
         kv = allocate_kv_cache(model, num_blocks=4096, block_size=16, dtype=dtype, device="cpu")  # 256 or 128 MiB
         assert kv.shape == (8, 2, 2, 4096, 16, 64) and kv.dtype == dtype and kv.is_contiguous()
         assert resident() - before < 16 << 20
+        assert private_mapping(kv.data_ptr())  # a forked child's writes would stay its own
         kv[:, :, :, :64].fill_(1.5)  # 64 blocks of each layer and head: 1/64th of the cache
         assert resident() - before < (kv.nbytes >> 4)
         assert float(kv[:, :, :, :64].sum()) == 1.5 * kv[:, :, :, :64].numel()
