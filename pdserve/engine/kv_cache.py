@@ -15,20 +15,23 @@ from pdserve.engine.kv_offload import KVTierStore, TierLoad
 from pdserve.engine.request import Request
 
 
-def allocate_kv_cache(model: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
-                      device: torch.device | str) -> torch.Tensor:
-    """[layers, 2, kv_heads, blocks, block_size, head_dim], zero-filled (see pdserve.model.attention).
-
-    On a CPU the cache is an anonymous memory mapping, which the kernel fills with zeros a page at a time as
-    each page is first written: a worker's start does not write the whole cache (torch.zeros of 1 GiB took
-    0.42 s of CPU), and the process holds the memory of the KV it has written, not of the whole cache."""
-    shape = (model.num_layers, 2, model.num_kv_heads, num_blocks, block_size, model.head_dim)
+def zeroed_cache(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """A zero-filled KV cache tensor. On a CPU it is an anonymous memory mapping, which the kernel fills with zeros
+    a page at a time as each page is first written: a worker's start does not write the whole cache (torch.zeros of
+    1 GiB took 0.42 s of CPU), and the process holds the memory of the KV it has written, not of the whole cache."""
     nbytes = math.prod(shape) * dtype.itemsize
     if torch.device(device).type != "cpu" or nbytes == 0:
         return torch.zeros(shape, dtype=dtype, device=device)
     # Private, as the heap is: a forked child's writes stay its own. The tensor keeps the mapping alive.
     mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     return torch.frombuffer(mapping, dtype=dtype).view(shape)
+
+
+def allocate_kv_cache(model: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
+                      device: torch.device | str) -> torch.Tensor:
+    """[layers, 2, kv_heads, blocks, block_size, head_dim], zero-filled (see pdserve.model.attention)."""
+    return zeroed_cache((model.num_layers, 2, model.num_kv_heads, num_blocks, block_size, model.head_dim), dtype,
+                        device)
 
 
 class KVCacheManager:

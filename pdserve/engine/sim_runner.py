@@ -39,6 +39,7 @@ import torch
 
 from pdserve.config import EngineConfig, ModelConfig
 from pdserve.engine.chunk import Chunk
+from pdserve.engine.kv_cache import zeroed_cache
 from pdserve.engine.logprobs import TokenLogprob
 from pdserve.engine.runner import StepResult, samples_of
 from pdserve.engine.sampling import SampledLogprobs, sample_seed, token_seed
@@ -157,7 +158,7 @@ class SimRunner:
         self.num_blocks = self.plan.num_blocks
         layers, width = self.cfg.num_layers, self.plan.kv_width
         # [layers, 2, kv_heads, blocks, block_size, head_dim] as pdserve.transfer moves it: one head, width wide.
-        self.kv_cache = torch.zeros(layers, 2, 1, self.num_blocks, self.block_size, width, dtype=self.dtype)
+        self.kv_cache = zeroed_cache((layers, 2, 1, self.num_blocks, self.block_size, width), self.dtype, self.device)
         self._slots = self.kv_cache.view(layers, 2, 1, self.num_blocks * self.block_size, width)  # [.., slots, w]
         self._layer_salt = (torch.arange(layers, dtype=torch.int64) * 7)[:, None]  # [layers, 1]
         tok = self.info.tokenizer
