@@ -11,7 +11,7 @@ versions and a hash of the sources (their place and their text), so processes an
 rebuild only when a source or a flag changes, and two checkouts (or branches) used in turn each keep their own
 build instead of rebuilding the one directory each time (~25 s).
 The first build takes ~30 s on 2 cores; later processes only load the library that a finished build
-stamped (its size and time in ``pdserve.built``), without torch's build path (workers call
+stamped (its size, time and flags in ``pdserve.built``), without torch's build path (workers call
 ``available()`` at start-up so no request pays for it). Flags: ``-O3`` and OpenMP (to use torch's
 thread pool); the hot functions are multiversioned in the sources (AVX2+FMA and baseline x86-64, picked
 at load time), so one build is portable without ``-march=native``. If the build fails, one warning is
@@ -85,6 +85,10 @@ def _openmp_flags() -> list[str]:
 _CFLAGS = ["-O3"]
 
 
+def _library(directory: Path) -> Path:
+    return directory / f"{_NAME}.so"
+
+
 def _stamp(library: Path) -> str:
     """What a finished build writes: the library's size and time, and the flags it was built with."""
     st = library.stat()
@@ -95,7 +99,7 @@ def _stamped(directory: Path) -> bool:
     """Whether the library in `directory` is the one its last finished build stamped, with today's flags (a
     link killed midway leaves a file that crashes the loader, and that ninja would take as up to date)."""
     try:
-        return (directory / "pdserve.built").read_text() == _stamp(directory / f"{_NAME}.so")
+        return (directory / "pdserve.built").read_text() == _stamp(_library(directory))
     except OSError:
         return False
 
@@ -110,7 +114,7 @@ def _load_built(directory: Path) -> bool:
         fcntl.flock(held, fcntl.LOCK_SH)
         if not _stamped(directory):
             return False
-        torch.ops.load_library(str(directory / f"{_NAME}.so"))
+        torch.ops.load_library(str(_library(directory)))
     return True
 
 
@@ -140,9 +144,9 @@ def _build() -> None:
     with open(directory / "pdserve.flock", "w") as held:
         fcntl.flock(held, fcntl.LOCK_EX)
         if _stamped(directory):  # built by another process while this one waited
-            torch.ops.load_library(str(directory / f"{_NAME}.so"))
+            torch.ops.load_library(str(_library(directory)))
             return
-        (directory / f"{_NAME}.so").unlink(missing_ok=True)  # unstamped: linked again from the objects
+        _library(directory).unlink(missing_ok=True)  # unstamped: linked again from the objects
         stale = directory / "lock"
         if stale.exists():
             log.warning("CPU kernels: removing %s, left by a build that did not finish", stale)
@@ -150,7 +154,7 @@ def _build() -> None:
         cpp_extension.load(name=_NAME, sources=[str(s) for s in _SOURCES], extra_cflags=[*_CFLAGS, *openmp],
                            extra_ldflags=openmp, build_directory=str(directory), is_python_module=False,
                            verbose=False)
-        (directory / "pdserve.built").write_text(_stamp(directory / f"{_NAME}.so"))
+        (directory / "pdserve.built").write_text(_stamp(_library(directory)))
 
 
 def available() -> bool:

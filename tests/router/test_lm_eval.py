@@ -52,7 +52,7 @@ metric_list:
     return tmp_path
 
 
-def reference(model, hf_tokenizer, pairs: list[tuple[str, str]]) -> list[float]:
+def reference(model, hf_tokenizer, pairs) -> list[float]:
     """transformers' log-likelihood of each continuation after its context, tokenized as lm-evaluation-harness
     does (the whole text's tokens after the context's); the pairs of one question in one right-padded batch (a
     row's tokens never attend to the padding after them)."""
@@ -98,7 +98,7 @@ def test_lm_eval_local_completions_scores_like_transformers(router, tmp_path, mo
     correct, worst = 0, 0.0
     for s in samples:
         got = [float(ll) for ll, _ in s["filtered_resps"]]
-        want = reference(model, hf_tokenizer, [tuple(a) for a in s["arguments"]])
+        want = reference(model, hf_tokenizer, s["arguments"])  # [context, continuation] a choice
         assert got == pytest.approx(want, abs=TOLERANCE), (s["doc"], got, want)
         worst = max(worst, *(abs(a - b) for a, b in zip(got, want)))
         correct += max(range(4), key=want.__getitem__) == s["doc"]["answer"]
