@@ -9,8 +9,8 @@ Build: compiled on first use with torch.utils.cpp_extension (needs a C++ compile
 (``$PDSERVE_CACHE_DIR``, default ~/.cache/pdserve), in a directory named after the Python and torch
 versions and a hash of the sources (their place and their text), so processes and runs share one build and
 rebuild only when a source or a flag changes, and two checkouts (or branches) used in turn each keep their own
-build instead of rebuilding the one directory each time (~25 s).
-The first build takes ~30 s on 2 cores; later processes only load the library that a finished build
+build instead of rebuilding the one directory each time (~18 s).
+The first build takes ~18 s on 2 cores (28 s of CPU); later processes only load the library that a finished build
 stamped (its size, time and flags in ``pdserve.built``), without torch's build path (workers call
 ``available()`` at start-up so no request pays for it). Flags: ``-O3`` and OpenMP (to use torch's
 thread pool); the hot functions are multiversioned in the sources (AVX2+FMA and baseline x86-64, picked

@@ -10,9 +10,12 @@
 // Numerics: everything is computed in fp32 and rounded once to the tensor's dtype (fp32 or bf16).
 // RMSNorm sums squares in fp32 in 8 partial sums (torch sums in blocks too); RoPE uses the fp32
 // cos/sin tables directly (the torch path rounds them to the activation dtype first).
+// Only the ATen headers this file uses: <torch/types.h> (all of ATen's functions) made the build 1.5x as long.
 #include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
 #include <torch/library.h>
-#include <torch/types.h>
 
 #include <cmath>
 #include <cstdint>

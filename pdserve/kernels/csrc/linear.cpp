@@ -18,9 +18,12 @@
 //
 // Portability: the hot functions are built twice with target_clones (x86-64-v3 and baseline, see vec.h), as in
 // paged_decode_attention.cpp, so one cached build runs on any x86-64 machine.
+// Only the ATen headers this file uses: <torch/types.h> (all of ATen's functions) made the build 1.5x as long.
 #include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
 #include <torch/library.h>
-#include <torch/types.h>
 
 #include <cstdint>
 #include <cstring>

@@ -24,9 +24,11 @@
 // torch path only by summation order and exp rounding (~1e-7 absolute on unit-scale values). A bf16
 // cache is read as stored and widened in registers (q and the output go through fp32 copies, a few
 // KB): bf16 halves the bytes, the arithmetic stays fp32. The hot function is multiversioned (vec.h).
+// Only the ATen headers this file uses: <torch/types.h> (all of ATen's functions) made the build 1.5x as long.
 #include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <torch/library.h>
-#include <torch/types.h>
 
 #include <algorithm>
 #include <cstdint>
