@@ -1,6 +1,7 @@
 """A local cache of conversions derived from a model file (tokenizers, dequantized weights)."""
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import os
 import shutil
@@ -19,8 +20,9 @@ def cached_conversion(kind: str, source: Path, marker: str, build: Callable[[Pat
 
     `marker` names the file whose presence says the directory is complete. A replaced or rewritten
     source gets a new key, so a stale conversion is never reused. The directory is built in a sibling
-    temp dir and renamed, so readers never see a half-written one, and concurrent builders (several
-    workers starting at once) are harmless: the first rename wins.
+    temp dir and renamed, so readers never see a half-written one. One process builds: the others that
+    need it meanwhile (a cluster's workers starting at once) wait on the build's flock and then read what
+    it made, rather than each converting the model again (~12 s of CPU for SmolLM2's GGUF).
     """
     source = source.resolve()
     stat = source.stat()
@@ -29,13 +31,19 @@ def cached_conversion(kind: str, source: Path, marker: str, build: Callable[[Pat
     if (target / marker).is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{key}-", dir=target.parent))
-    try:
-        build(tmp)
-        os.rename(tmp, target)
-    except OSError:
-        if not (target / marker).is_file():
-            raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    locks = cache_root() / ".locks"  # apart: a kind's directory holds its conversions and nothing else
+    locks.mkdir(exist_ok=True)
+    with open(locks / f"{kind}-{key}", "a") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)  # released by the kernel if this process dies mid-build
+        if (target / marker).is_file():  # built by another process while this one waited
+            return target
+        tmp = Path(tempfile.mkdtemp(prefix=f".{key}-", dir=target.parent))
+        try:
+            build(tmp)
+            os.rename(tmp, target)
+        except OSError:
+            if not (target / marker).is_file():
+                raise
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
     return target
