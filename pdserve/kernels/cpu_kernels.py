@@ -104,6 +104,14 @@ def _stamped(directory: Path) -> bool:
         return False
 
 
+def _load_stamped(directory: Path) -> bool:
+    """Load the library in `directory` if a finished build stamped it (the caller holds the build's flock)."""
+    if not _stamped(directory):
+        return False
+    torch.ops.load_library(str(_library(directory)))
+    return True
+
+
 def _load_built(directory: Path) -> bool:
     """Load the library a finished build left in `directory` (False if there is none): under the build's flock,
     shared, so that no build is writing it. This skips torch's build path (its import of setuptools and a
@@ -112,10 +120,7 @@ def _load_built(directory: Path) -> bool:
         return False
     with open(directory / "pdserve.flock", "a") as held:
         fcntl.flock(held, fcntl.LOCK_SH)
-        if not _stamped(directory):
-            return False
-        torch.ops.load_library(str(_library(directory)))
-    return True
+        return _load_stamped(directory)
 
 
 def _build() -> None:
@@ -143,8 +148,7 @@ def _build() -> None:
     # holds it is the only builder, so a torch lock file found then is a dead build's, and is removed.
     with open(directory / "pdserve.flock", "w") as held:
         fcntl.flock(held, fcntl.LOCK_EX)
-        if _stamped(directory):  # built by another process while this one waited
-            torch.ops.load_library(str(_library(directory)))
+        if _load_stamped(directory):  # built by another process while this one waited
             return
         _library(directory).unlink(missing_ok=True)  # unstamped: linked again from the objects
         stale = directory / "lock"
