@@ -42,6 +42,8 @@ def cached_conversion(kind: str, source: Path, marker: str, build: Callable[[Pat
             build(tmp)
             os.rename(tmp, target)
         except OSError:
+            # The rename finds the target made only where a builder took no lock (an older pdserve sharing the
+            # cache): that one is read.
             if not (target / marker).is_file():
                 raise
         finally:
