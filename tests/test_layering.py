@@ -15,11 +15,13 @@ ROOT = Path(__file__).resolve().parent.parent
 SERVICES = ("router", "prefill_worker", "decode_worker")
 
 # What each part may import, besides itself. Lowest first: a part imports only parts above its row. The
-# modules at pdserve/'s root (config, hf_config, tiers, faults, derived) are the vocabulary every package shares.
+# modules at pdserve/'s root (config, hf_config, tiers, faults, derived, processes) are the vocabulary every
+# package shares.
 ALLOWED: dict[str, set[str]] = {
     "pdserve.tiers": set(),
     "pdserve.faults": set(),
     "pdserve.derived": set(),
+    "pdserve.processes": set(),
     "pdserve.v1": set(),  # generated gRPC stubs
     "pdserve.hf_config": set(),
     "pdserve.config": {"pdserve.tiers", "pdserve.hf_config"},
@@ -29,12 +31,13 @@ ALLOWED: dict[str, set[str]] = {
     "pdserve.transfer": {"pdserve.config", "pdserve.faults", "pdserve.parallel"},
     "pdserve.perf": {"pdserve.config", "pdserve.parallel", "pdserve.transfer", "pdserve.model"},
     "pdserve.weights": {"pdserve.config", "pdserve.parallel", "pdserve.model", "pdserve.transfer", "pdserve.v1"},
-    "pdserve.engine": {"pdserve.config", "pdserve.tiers", "pdserve.faults", "pdserve.derived", "pdserve.parallel",
-                       "pdserve.kernels", "pdserve.model", "pdserve.transfer", "pdserve.perf", "pdserve.weights"},
+    "pdserve.engine": {"pdserve.config", "pdserve.tiers", "pdserve.faults", "pdserve.derived", "pdserve.processes",
+                       "pdserve.parallel", "pdserve.kernels", "pdserve.model", "pdserve.transfer", "pdserve.perf",
+                       "pdserve.weights"},
     "pdserve.client": {"pdserve.v1"},
     "pdserve.loadgen": {"pdserve.tiers", "pdserve.client"},
-    "pdserve.planner": {"pdserve.config", "pdserve.tiers", "pdserve.parallel", "pdserve.model", "pdserve.transfer",
-                        "pdserve.engine", "pdserve.loadgen", "pdserve.perf"},
+    "pdserve.planner": {"pdserve.config", "pdserve.tiers", "pdserve.processes", "pdserve.parallel", "pdserve.model",
+                        "pdserve.transfer", "pdserve.engine", "pdserve.loadgen", "pdserve.perf"},
     "pdserve.serving": {"pdserve.config", "pdserve.tiers", "pdserve.faults", "pdserve.parallel", "pdserve.kernels",
                         "pdserve.model", "pdserve.transfer", "pdserve.engine", "pdserve.perf", "pdserve.weights"},
     "pdserve.cli": {"pdserve.config", "pdserve.tiers", "pdserve.engine", "pdserve.client", "pdserve.loadgen",

@@ -21,16 +21,17 @@ the step raises `TPGroupError`.
 from __future__ import annotations
 
 import logging
-import multiprocessing as mp
 import os
 import threading
 import time
 from collections.abc import Callable
 from datetime import timedelta
+from multiprocessing.process import BaseProcess
 
 import torch
 import torch.distributed as dist
 
+from pdserve import processes
 from pdserve.config import EngineConfig
 from pdserve.engine import tp_wire
 from pdserve.engine.runner import ModelRunner
@@ -225,14 +226,15 @@ class RankShare:
 
 
 class ProcessRanks:
-    """The offline engine's launcher: ranks 1..n-1 in processes of their own (spawned)."""
+    """The offline engine's launcher: ranks 1..n-1 in processes of their own (pdserve.processes: forked from a
+    server that has imported torch)."""
 
     def __init__(self) -> None:
-        self._procs: list[mp.Process] = []
+        self._procs: list[BaseProcess] = []
 
     def start(self, config: EngineConfig, tp: int, host: str, port: int, num_blocks: int, threads: int,
               timeout_s: float) -> None:
-        ctx = mp.get_context("spawn")
+        ctx = processes.context()
         self._procs = [ctx.Process(target=_process_rank, name=f"tp-rank-{r}", daemon=True,
                                    args=(config, tp, r, host, port, num_blocks, threads, timeout_s))
                        for r in range(1, tp)]

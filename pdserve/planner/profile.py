@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import datetime as dt
 import json
-import multiprocessing as mp
 import os
 import platform
 import statistics
@@ -36,6 +35,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from pdserve import processes
 from pdserve.config import CacheConfig, EngineConfig, SchedulerConfig, kv_bytes_per_token
 from pdserve.perf.costs import MeasuredCosts, Transport, attention_pairs, fit_measured, fit_nonnegative
 from pdserve.engine.request import Request, RequestStatus
@@ -209,7 +209,7 @@ def measure_transfers(kv_bytes_per_token_: int, block_size: int, device: torch.d
     for tokens in TRANSFER_TOKENS:
         whole = -(-tokens // block_size) * block_size
         sizes.append(whole * kv_bytes_per_token_ // 4)  # fp32 elements of that many bytes
-    ctx = mp.get_context("spawn")
+    ctx = processes.context()
     parent, child = ctx.Pipe()
     rows = []
     with StoreServer() as store:
@@ -263,7 +263,7 @@ def run_profile(config: EngineConfig, threads: int | None = None, quick: bool = 
     neighbours = default_neighbours(device, threads) if neighbours is None else neighbours
     config = replace(config, cache=replace(config.cache, enable_prefix_caching=False),
                      scheduler=SchedulerConfig(max_num_seqs=max(DECODE_BATCHES)))
-    ctx = mp.get_context("spawn")
+    ctx = processes.context()
     stop = ctx.Event()
     others = []
     for _ in range(neighbours):

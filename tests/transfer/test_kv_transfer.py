@@ -1,6 +1,6 @@
 """KV transfer: block extraction/insertion and PairChannel between real processes (gloo on CPU).
 
-The pytest process plays the decode worker (StoreServer, rank 1); spawned processes play prefill
+The pytest process plays the decode worker (StoreServer, rank 1); child processes (pdserve.processes) play prefill
 workers (rank 0). Both sides build the same seeded cache, so the receiver knows what must arrive.
 """
 from __future__ import annotations
@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from pdserve import processes
 from pdserve.transfer.channel import (
     TRANSFER_SECONDS_BUCKETS,
     PairChannel,
@@ -28,7 +29,7 @@ from pdserve.transfer.channel import (
 
 LAYERS, KV_HEADS, NUM_BLOCKS, BLOCK_SIZE, HEAD_DIM = 2, 2, 16, 4, 8
 BLOCK_BYTES = LAYERS * 2 * KV_HEADS * BLOCK_SIZE * HEAD_DIM * 4  # fp32
-TIMEOUT_S = 20.0  # generous: a spawned process needs a few seconds to import torch on 2 cores
+TIMEOUT_S = 20.0  # generous: two busy cores
 WAIT_S = 30.0  # for queue messages and joins
 
 
@@ -58,7 +59,7 @@ def _shape(n: int) -> tuple[int, ...]:
     return (LAYERS, 2, KV_HEADS, n, BLOCK_SIZE, HEAD_DIM)
 
 
-# --- what the prefill processes run (module level: spawn imports them by name) ---
+# --- what the prefill processes run (module level: a child imports them by name) ---
 
 def _send_plan(port: int, prefill_id: str, seed: int, results: mp.Queue) -> None:
     results.put(("ready",))
@@ -92,12 +93,12 @@ def _send_late_then_retry(port: int, seed: int, delay_s: float, timeout_s: float
 # --- helpers for the decode side ---
 
 @pytest.fixture
-def ctx() -> mp.context.SpawnContext:
-    return mp.get_context("spawn")
+def ctx() -> mp.context.BaseContext:
+    return processes.context()
 
 
 @contextmanager
-def _spawned(ctx: mp.context.SpawnContext, *targets: tuple[Callable[..., None], tuple]) -> Iterator[None]:
+def _started(ctx: mp.context.BaseContext, *targets: tuple[Callable[..., None], tuple]) -> Iterator[None]:
     """Run the targets in their own processes; all must exit cleanly, none may outlive the test."""
     procs = [ctx.Process(target=fn, args=args, daemon=True) for fn, args in targets]
     for p in procs:
@@ -206,7 +207,7 @@ def test_rendezvous_without_a_peer_times_out():
 def test_blocks_arrive_bit_identical_across_processes(ctx):
     results = ctx.Queue()
     plan = _plan(seed=3)
-    with StoreServer() as server, _spawned(ctx, (_send_plan, (server.port, "p0", 3, results))):
+    with StoreServer() as server, _started(ctx, (_send_plan, (server.port, "p0", 3, results))):
         _expect(results, "ready")
         decode_cache = torch.zeros(_shape(NUM_BLOCKS))
         with PairChannel(server.host, server.port, "p0", "d0", 1, TIMEOUT_S) as channel:
@@ -229,7 +230,7 @@ def test_blocks_arrive_bit_identical_across_processes(ctx):
 def test_two_pairs_share_one_store_and_interleave(ctx):
     results = {"pa": ctx.Queue(), "pb": ctx.Queue()}
     seeds = {"pa": 5, "pb": 6}
-    with StoreServer() as server, _spawned(ctx, *[(_send_plan, (server.port, p, seeds[p], results[p]))
+    with StoreServer() as server, _started(ctx, *[(_send_plan, (server.port, p, seeds[p], results[p]))
                                                   for p in results]):
         for q in results.values():
             _expect(q, "ready")
@@ -253,7 +254,7 @@ def test_transfer_order_mismatch_is_an_error_on_both_sides(ctx):
     results = ctx.Queue()
     first = _plan(seed=7)[0]
     assert first.transfer_id == 1
-    with StoreServer() as server, _spawned(ctx, (_send_plan, (server.port, "p0", 7, results))):
+    with StoreServer() as server, _started(ctx, (_send_plan, (server.port, "p0", 7, results))):
         _expect(results, "ready")
         channel = PairChannel(server.host, server.port, "p0", "d0", 1, TIMEOUT_S)
         with pytest.raises(TransferError, match="expected transfer 2, the sender sent transfer 1"):
@@ -270,7 +271,7 @@ def test_timeout_breaks_the_channel_and_a_fresh_one_works(ctx):
     timeout_s = 2.0
     results = ctx.Queue()
     first = _plan(seed=8)[0]
-    with StoreServer() as server, _spawned(ctx, (_send_late_then_retry,
+    with StoreServer() as server, _started(ctx, (_send_late_then_retry,
                                                  (server.port, 8, timeout_s + 1.5, timeout_s, results))):
         _expect(results, "ready")
         channel = PairChannel(server.host, server.port, "p0", "d0", 1, timeout_s)

@@ -11,6 +11,7 @@ from datetime import timedelta
 import pytest
 import torch
 
+from pdserve import processes
 from pdserve.weights.compat import Announced, CompatAddress, CompatGroup, parse_dtype
 from pdserve.weights.group import GroupAddress, WeightGroup, WeightGroupError, free_port
 from pdserve.weights.update import TensorMeta
@@ -37,7 +38,7 @@ def _trainer(port: int, name: str, commands: mp.Queue, done: mp.Queue) -> None:
 
 class Trainer:
     def __init__(self, name: str):
-        ctx = mp.get_context("spawn")
+        ctx = processes.context()
         self.port, self.commands, self.done = free_port(), ctx.Queue(), ctx.Queue()
         self.process = ctx.Process(target=_trainer, args=(self.port, name, self.commands, self.done), daemon=True)
         self.process.start()

@@ -1,8 +1,8 @@
 """The trainer's broadcast group (pdserve.weights.group) between real processes: gloo over loopback, no mocks.
 
-Two spawned processes (the module's `workers`) play worker ranks 1 and 2 in every test and outlive the groups
+Two child processes (the module's `workers`, from pdserve.processes) play worker ranks 1 and 2 in every test and outlive the groups
 that fail, as a worker's ranks do; the pytest process plays the trainer (rank 0), except where the trainer is
-killed: there a spawned process plays it. Workers report digests of what they received, never the tensors.
+killed: there a child process plays it. Workers report digests of what they received, never the tensors.
 """
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from pdserve import processes
 from pdserve.weights.group import (
     GroupAddress,
     TensorMeta,
@@ -30,7 +31,7 @@ from pdserve.weights.group import (
 
 TIMEOUT_S = 5.0  # every group's timeout
 SLACK_S = 3.0  # how long past a bound a failure may take to be reported (2 busy cores)
-WAIT_S = 60.0  # for queue messages and process exits (a spawned process imports torch slowly)
+WAIT_S = 60.0  # for queue messages and process exits
 WORKER_RANKS = (1, 2)
 SMALL_BUCKET, LARGE_BUCKET = 64 << 10, 1 << 20
 
@@ -74,7 +75,7 @@ def _assert_port_free(port: int) -> None:
         s.listen()
 
 
-# --- what the spawned processes run (module level: spawn imports them by name) ---
+# --- what the child processes run (module level: a child imports them by name) ---
 
 def _worker(rank: int, commands: mp.Queue, results: mp.Queue) -> None:
     """A worker rank: runs the test's commands in order, reporting each outcome as (rank, kind, ...)."""
@@ -152,7 +153,7 @@ class Workers:
 
 @pytest.fixture(scope="module")
 def workers():
-    ctx = mp.get_context("spawn")
+    ctx = processes.context()
     results = ctx.Queue()
     commands = {rank: ctx.Queue() for rank in WORKER_RANKS}
     procs = [ctx.Process(target=_worker, args=(rank, commands[rank], results), daemon=True) for rank in WORKER_RANKS]
@@ -290,7 +291,7 @@ def test_a_trainer_that_stops_sending_fails_every_receiver_within_the_timeout(wo
 
 
 def test_a_killed_trainer_fails_every_receiver_and_a_new_group_works(workers):
-    ctx = mp.get_context("spawn")
+    ctx = processes.context()
     results, paused = ctx.Queue(), ctx.Event()
     tensors = _tensors(1)
     metas = _metas(tensors)
