@@ -23,20 +23,23 @@ from oracle import Oracle
 from test_speculative_engine import CACHE, chat, smol  # noqa: F401  (smol: the module's model, a fixture)
 
 SOURCE = "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n"
-COPY = "Rewrite this file exactly, renaming add to plus:\n" + SOURCE
+COPY = "Rewrite this file exactly, renaming {} to {}:\n" + SOURCE
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
                                            "age": {"type": "integer", "minimum": 0, "maximum": 120},
                                            "colour": {"enum": ["red", "green", "blue"]}},
           "required": ["name", "age", "colour"], "additionalProperties": False}
 JSON = StructuredOutput("json_schema", json.dumps(SCHEMA))
+# Each kind's prompt is its own: the kinds run as one batch, and the oracle finds a request's reference by its
+# prompt (two requests of one prompt whose replies begin alike could be drafted from each other's).
 KINDS = {
-    "penalties": (COPY, SamplingParams(max_tokens=40, temperature=0.0, repetition_penalty=1.2, presence_penalty=0.5,
-                                       frequency_penalty=0.3)),
+    "penalties": (COPY.format("add", "plus"), SamplingParams(max_tokens=40, temperature=0.0, repetition_penalty=1.2,
+                                                             presence_penalty=0.5, frequency_penalty=0.3)),
     "min_tokens": ("Say hi.", SamplingParams(max_tokens=28, temperature=0.0, min_tokens=24)),
     "json_schema": ("Describe a person as JSON: name, age, favourite colour.",
                     SamplingParams(max_tokens=48, temperature=0.0, structured=JSON)),
-    "n=2": (COPY, SamplingParams(max_tokens=32, temperature=0.0, n=2, frequency_penalty=0.4)),
-    "stops": (COPY, SamplingParams(max_tokens=40, temperature=0.0, min_tokens=6, repetition_penalty=1.1)),
+    "n=2": (COPY.format("sub", "minus"), SamplingParams(max_tokens=32, temperature=0.0, n=2, frequency_penalty=0.4)),
+    "stops": (COPY.format("add", "total"), SamplingParams(max_tokens=40, temperature=0.0, min_tokens=6,
+                                                          repetition_penalty=1.1)),
 }
 ACCEPT = (0, 1, 3)
 
@@ -46,15 +49,21 @@ def speculating(loaded, k: int = 4) -> LLMEngine:
     return LLMEngine(EngineConfig(speculative=spec, cache=CACHE), loaded)
 
 
-def run_with_oracle(monkeypatch, loaded, accept: int, prompts, params, reference):
-    """One prompt (a list of ids) with its params, or a batch of the same prompt (a list of lists) with theirs,
-    drafted by the oracle from the reference completions of that prompt."""
-    batch = [prompts] if isinstance(prompts[0], int) else prompts
+def references(prompts, params, completions) -> list[tuple[list[int], list[int]]]:
+    """(prompt, reply) for each completion of generate(prompts, params): a prompt with n > 1 has n of them."""
+    owners = [p for p, sp in zip(prompts, params) for _ in range(sp.n)]
+    assert len(owners) == len(completions)
+    return [(p, c.token_ids) for p, c in zip(owners, completions)]
+
+
+def run_with_oracle(monkeypatch, loaded, accept: int, prompts, params, refs):
+    """A batch of prompts (lists of ids) with their params, each drafted by the oracle from its reference
+    completion in refs ((prompt, reply) pairs)."""
     oracle = Oracle(loaded.model.cfg.vocab_size, accept)
-    oracle.refs = [(batch[0], r.token_ids) for r in reference]
+    oracle.refs = refs
     monkeypatch.setattr("pdserve.engine.scheduler_spec.propose", oracle)
     e = speculating(loaded)
-    got = e.generate(batch, params)
+    got = e.generate(prompts, params)
     return e, got
 
 
@@ -68,13 +77,17 @@ def plain(smol):
     return LLMEngine(EngineConfig(cache=CACHE), smol)
 
 
-@pytest.mark.parametrize("kind", sorted(KINDS))
-def test_every_kind_token_exact_at_forced_acceptance_lengths(smol, plain, monkeypatch, kind):
-    text, params = KINDS[kind]
-    prompt = chat(smol, text)
-    want = plain.generate([prompt], params)
+def test_every_kind_token_exact_at_forced_acceptance_lengths(smol, plain, monkeypatch):
+    """The kinds as one batch, each its own request drafted from its own reference: the batch's output with
+    speculation at each forced acceptance length is plain decoding's, request by request."""
+    kinds = sorted(KINDS)
+    prompts = [chat(smol, KINDS[kind][0]) for kind in kinds]
+    params = [KINDS[kind][1] for kind in kinds]
+    assert len(set(map(tuple, prompts))) == len(prompts)
+    want = plain.generate(prompts, params)
+    refs = references(prompts, params, want)
     for accept in ACCEPT:
-        e, got = run_with_oracle(monkeypatch, smol, accept, prompt, params, want)
+        e, got = run_with_oracle(monkeypatch, smol, accept, prompts, params, refs)
         assert_same(got, want)
         lengths = e.scheduler.speculation.acceptance_lengths
         assert accept in lengths and max(lengths) <= accept, (accept, dict(lengths))
@@ -84,14 +97,15 @@ def test_every_kind_token_exact_at_forced_acceptance_lengths(smol, plain, monkey
 def test_the_processing_matters_for_each_kind(smol, plain):
     """The kinds above test something: without its penalties, min_tokens or schema each request's greedy output
     differs (so a verification that skipped them at a drafted position would not give the plain output)."""
-    for kind in ("penalties", "min_tokens", "json_schema"):
-        text, params = KINDS[kind]
-        bare = SamplingParams(max_tokens=params.max_tokens, temperature=0.0)
-        prompt = chat(smol, text)
-        with_it, without = plain.generate([prompt], params)[0], plain.generate([prompt], bare)[0]
+    kinds = ("penalties", "min_tokens", "json_schema")
+    prompts = [chat(smol, KINDS[kind][0]) for kind in kinds]
+    params = [KINDS[kind][1] for kind in kinds]
+    bare = [SamplingParams(max_tokens=p.max_tokens, temperature=0.0) for p in params]
+    got = plain.generate(prompts * 2, params + bare)  # one batch: each kind with its processing and without
+    for kind, p, with_it, without in zip(kinds, params, got[:3], got[3:]):
         assert with_it.token_ids != without.token_ids, kind
         if kind == "min_tokens":  # its EOS would have come at an output index below min_tokens
-            assert without.finish_reason == FinishReason.STOP and len(without.token_ids) <= params.min_tokens
+            assert without.finish_reason == FinishReason.STOP and len(without.token_ids) <= p.min_tokens
         if kind == "json_schema":
             assert with_it.token_ids[:12] != without.token_ids[:12]
 
@@ -110,7 +124,7 @@ def test_stops_and_max_tokens_cut_every_forced_acceptance_length(smol, plain, mo
     want = plain.generate([prompt] * len(cases), cases)
     assert all(len(w.token_ids) < len(ref.token_ids) for w in want)  # each does cut the reply
     for accept in (1, 3):
-        e, got = run_with_oracle(monkeypatch, smol, accept, [prompt] * len(cases), cases, [ref])
+        e, got = run_with_oracle(monkeypatch, smol, accept, [prompt] * len(cases), cases, [(prompt, ref.token_ids)])
         assert_same(got, want)
         assert e.pool.num_free_blocks == e.pool.num_blocks
 
@@ -129,7 +143,7 @@ def test_sampled_structured_and_penalized_requests_speculate_validly(smol):
     # repeats none of its tokens, so prompt lookup has nothing to draft: measured 0 drafted for seeds 1, 2, 9).
     pen = SamplingParams(max_tokens=32, temperature=0.7, seed=9, repetition_penalty=1.05, frequency_penalty=0.1)
     assert e.scheduler.speculation.drafted > 0  # JSON repeats its quotes and keys: prompt lookup drafts
-    copy = chat(smol, COPY)
+    copy = chat(smol, KINDS["penalties"][0])
     again = speculating(smol)
     a, b = again.generate([copy], pen)[0], speculating(smol).generate([copy], pen)[0]
     assert a.token_ids == b.token_ids and a.token_ids
