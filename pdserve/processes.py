@@ -1,9 +1,9 @@
 """Child processes that compute with torch, forked from a server that has imported torch once.
 
-A spawned child is a fresh interpreter: it imports torch (1.2-1.7 s of CPU on a 2-core machine) before it does
+A spawned child is a fresh interpreter: it imports torch (1.0-1.7 s of CPU on a 2-core machine) before it does
 anything. `context()` is a multiprocessing context whose children are forked from multiprocessing's fork server
-with torch and torch.distributed already imported: a child starts in ~0.01 s of CPU (docs/benchmarks.md,
-"torch imported once for the child processes"). The server imports and nothing more: it never touches a GPU, starts no
+with torch and torch.distributed already imported: a child starts in ~0.01 s of CPU (docs/benchmarks.md, "torch
+imported once for the child processes"). The server imports and nothing more: it never touches a GPU, starts no
 thread pool and opens no process group, so a child picks its GPU and joins its groups as a spawned one would.
 
 The server is one per parent process, started at the first child and kept until the parent exits. It holds
