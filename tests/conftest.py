@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import functools
+import inspect
 import os
 from pathlib import Path
 
@@ -79,14 +80,21 @@ def keep_reference(old: Path, new: Path, prompt: list[int], tokens: list[int], n
 
     a = transformers.AutoModelForCausalLM.from_pretrained(old, dtype=torch.float32).eval()
     b = transformers.AutoModelForCausalLM.from_pretrained(new, dtype=torch.float32).eval()
+    kw = cache_keyword(b)
     with torch.no_grad():
-        cache = a(torch.tensor([prompt + tokens[:-1]]), use_cache=True).past_key_values
+        cache = getattr(a(torch.tensor([prompt + tokens[:-1]]), use_cache=True), kw)
         out, nxt = [], tokens[-1]
         for _ in range(n):
-            res = b(torch.tensor([[nxt]]), past_key_values=cache, use_cache=True)
-            cache, nxt = res.past_key_values, int(res.logits[0, -1].argmax())
+            res = b(torch.tensor([[nxt]]), use_cache=True, **{kw: cache})
+            cache, nxt = getattr(res, kw), int(res.logits[0, -1].argmax())
             out.append(nxt)
     return out
+
+
+def cache_keyword(model) -> str:
+    """The name transformers gives a forward's KV cache, argument and output alike: `cache` since 5.x renamed it
+    (`past_key_values` still taken, with a warning, until 5.40), `past_key_values` before."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
 @pytest.fixture(scope="session")

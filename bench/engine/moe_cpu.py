@@ -15,6 +15,7 @@ expert's matmul over 1..128 rows through the CPU kernel and through F.linear (wh
 """
 from __future__ import annotations
 
+import inspect
 import statistics
 import tempfile
 import time
@@ -107,14 +108,16 @@ def main() -> None:
         # transformers: the same batch, one token a forward with its KV cache.
         ids = torch.tensor(prompts)
         hf_times = []
+        # The cache's keyword: `cache` since transformers 5.x renamed it, `past_key_values` before.
+        kw = "cache" if "cache" in inspect.signature(hf.forward).parameters else "past_key_values"
         with torch.no_grad():
             out = hf(ids, use_cache=True)
-            past, nxt = out.past_key_values, out.logits[:, -1:].argmax(-1)
+            past, nxt = getattr(out, kw), out.logits[:, -1:].argmax(-1)
             for _ in range(args.steps):
                 t0 = time.perf_counter()
-                out = hf(nxt, past_key_values=past, use_cache=True)
+                out = hf(nxt, use_cache=True, **{kw: past})
                 hf_times.append(time.perf_counter() - t0)
-                past, nxt = out.past_key_values, out.logits[:, -1:].argmax(-1)
+                past, nxt = getattr(out, kw), out.logits[:, -1:].argmax(-1)
         theirs = statistics.median(hf_times)
         print(t.row(batch, mean_touched, 1e3 * floor, 1e3 * ours, ours / floor, 1e3 * theirs, theirs / ours))
 
