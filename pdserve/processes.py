@@ -6,11 +6,12 @@ with torch and torch.distributed already imported: a child starts in ~0.01 s of 
 imported once for the child processes"). The server imports and nothing more: it never touches a GPU, starts no
 thread pool and opens no process group, so a child picks its GPU and joins its groups as a spawned one would.
 
-The server is one per parent process, started at the first child and kept until the parent exits (~220 MB
-resident, torch's import, 147 MB of it private; its children share those pages until they write them). It holds
-the environment of that moment, so each child takes its parent's environment as it is when the child starts
-(what a spawned child gets). Torch reads a few variables when it is first imported (OMP_NUM_THREADS among
-them): those are the server's; a child that needs a thread count sets it (torch.set_num_threads).
+The server is one per parent process, started at the first child and kept until the parent exits: ~220 MB
+resident (torch's import, 147 MB of it private), pages its children share until they write them (a child had
+6 MB private where a spawned one had 145 MB). It holds the environment of that moment, so each child takes its
+parent's environment as it is when the child starts (what a spawned child gets). Torch reads a few variables
+when it is first imported (OMP_NUM_THREADS among them): those are the server's; a child that needs a thread
+count sets it (torch.set_num_threads).
 """
 from __future__ import annotations
 
