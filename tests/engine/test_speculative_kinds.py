@@ -49,18 +49,11 @@ def speculating(loaded, k: int = 4) -> LLMEngine:
     return LLMEngine(EngineConfig(speculative=spec, cache=CACHE), loaded)
 
 
-def references(prompts, params, completions) -> list[tuple[list[int], list[int]]]:
-    """(prompt, reply) for each completion of generate(prompts, params): a prompt with n > 1 has n of them."""
-    owners = [p for p, sp in zip(prompts, params) for _ in range(sp.n)]
-    assert len(owners) == len(completions)
-    return [(p, c.token_ids) for p, c in zip(owners, completions)]
-
-
-def run_with_oracle(monkeypatch, loaded, accept: int, prompts, params, refs):
-    """A batch of prompts (lists of ids) with their params, each drafted by the oracle from its reference
-    completion in refs ((prompt, reply) pairs)."""
+def run_with_oracle(monkeypatch, loaded, accept: int, prompts, params, reference):
+    """A batch of prompts (lists of ids) with their params, each drafted by the oracle from the reference
+    completions of its prompt (each completion names its prompt)."""
     oracle = Oracle(loaded.model.cfg.vocab_size, accept)
-    oracle.refs = refs
+    oracle.refs = [(c.prompt_token_ids, c.token_ids) for c in reference]
     monkeypatch.setattr("pdserve.engine.scheduler_spec.propose", oracle)
     e = speculating(loaded)
     got = e.generate(prompts, params)
@@ -85,9 +78,8 @@ def test_every_kind_token_exact_at_forced_acceptance_lengths(smol, plain, monkey
     params = [KINDS[kind][1] for kind in kinds]
     assert len(set(map(tuple, prompts))) == len(prompts)
     want = plain.generate(prompts, params)
-    refs = references(prompts, params, want)
     for accept in ACCEPT:
-        e, got = run_with_oracle(monkeypatch, smol, accept, prompts, params, refs)
+        e, got = run_with_oracle(monkeypatch, smol, accept, prompts, params, want)
         assert_same(got, want)
         lengths = e.scheduler.speculation.acceptance_lengths
         assert accept in lengths and max(lengths) <= accept, (accept, dict(lengths))
@@ -124,7 +116,7 @@ def test_stops_and_max_tokens_cut_every_forced_acceptance_length(smol, plain, mo
     want = plain.generate([prompt] * len(cases), cases)
     assert all(len(w.token_ids) < len(ref.token_ids) for w in want)  # each does cut the reply
     for accept in (1, 3):
-        e, got = run_with_oracle(monkeypatch, smol, accept, [prompt] * len(cases), cases, [(prompt, ref.token_ids)])
+        e, got = run_with_oracle(monkeypatch, smol, accept, [prompt] * len(cases), cases, [ref])
         assert_same(got, want)
         assert e.pool.num_free_blocks == e.pool.num_blocks
 
